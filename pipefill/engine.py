@@ -1,0 +1,171 @@
+"""pipefill.Engine: the Python API (DESIGN.md §9). Starts the stages, submits, collects."""
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, field
+
+from pipefill.config import ServerArgs, make_server_args, resolve
+from pipefill.model.loader import WeightSource, resolve_model_path
+from pipefill.model.tokenizer import Tokenizer, load_tokenizer
+from pipefill.runtime.launch import StageFailure, StageGroup
+from pipefill.scheduler.plan import NewRequest, RequestOutput, SamplingParams
+
+log = logging.getLogger("pipefill")
+
+
+@dataclass
+class GenerateOutput:
+    output_ids: list[int]
+    text: str
+    prompt_logprobs: list[float] | None  # log p(x_t | x_<t) for t >= 1, when asked
+    finish_reason: str | None
+    num_prompt_tokens: int
+    metrics: dict = field(default_factory=dict)  # ttft_s, e2e_s, chunk_sizes, decode_tok_per_s
+
+
+@dataclass
+class _Pending:
+    index: int
+    num_prompt_tokens: int
+    submitted: float
+    output_ids: list[int] = field(default_factory=list)
+    first_token_at: float | None = None
+    done_at: float | None = None
+    done: RequestOutput | None = None
+    prompt_logprobs: list[float] | None = None
+    chunk_sizes: list[int] | None = None
+
+
+class Engine:
+    def __init__(self, model_path: str | None = None, **server_args):
+        args = make_server_args(model_path, **server_args)
+        self.model_file = resolve_model_path(args.model_path)
+        source = WeightSource(self.model_file)
+        self.model_config = source.config
+        self.args: ServerArgs = resolve(args, self.model_config)
+        self.tokenizer: Tokenizer | None = load_tokenizer(source)
+        self._rids = itertools.count()
+        self._stages = StageGroup(self.args, self.model_file)
+        self.kv_capacity_tokens = self._stages.info["num_pages"] * self.args.page_size
+
+    # ---- lifecycle ---------------------------------------------------------------------------
+
+    def __enter__(self) -> "Engine":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.shutdown()
+
+    def shutdown(self) -> None:
+        if self._stages is not None:
+            self._stages.close()
+            self._stages = None
+
+    def __del__(self):
+        try:
+            self.shutdown()
+        except Exception:  # noqa: BLE001 - interpreter shutdown
+            pass
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this model folder has no tokenizer: pass token-id lists")
+            return self.tokenizer.encode(prompt)
+        if not all(isinstance(t, int) for t in prompt):
+            raise ValueError("a prompt must be a string or a list of integer token ids")
+        return list(prompt)
+
+    def check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        params.validate()
+        if not ids:
+            raise ValueError("the prompt is empty")
+        vocab = self.model_config.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
+        limit = self.args.max_model_len
+        if len(ids) + params.max_new_tokens > limit:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens "
+                             f"({params.max_new_tokens}) exceeds --max-model-len ({limit})")
+        if len(ids) + params.max_new_tokens > self.kv_capacity_tokens:
+            raise ValueError(f"prompt + max_new_tokens ({len(ids) + params.max_new_tokens}) "
+                             f"exceeds the KV cache ({self.kv_capacity_tokens} tokens); "
+                             "raise --max-total-tokens")
+
+    def generate(self, prompts, max_new_tokens: int = 16, temperature: float = 0.0,
+                 top_p: float = 1.0, top_k: int = -1, seed: int | None = None,
+                 return_prompt_logprobs: bool = False, ignore_eos: bool = False
+                 ) -> list[GenerateOutput]:
+        if self._stages is None:
+            raise RuntimeError("the engine is shut down")
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            raise ValueError("prompts must be a list of strings or a list of token-id lists")
+        stops = self.tokenizer.eos_token_ids if self.tokenizer else ()
+        params = SamplingParams(max_new_tokens, temperature, top_p, top_k, seed, ignore_eos,
+                                stops, return_prompt_logprobs)
+        encoded = [self.encode(p) for p in prompts]
+        for ids in encoded:
+            self.check_prompt(ids, params)
+        now = time.perf_counter()
+        pending = {f"req-{next(self._rids)}": _Pending(i, len(ids), now)
+                   for i, ids in enumerate(encoded)}
+        self._stages.send("add", [NewRequest(rid, ids, params)
+                                  for rid, ids in zip(pending, encoded)])
+        try:
+            self._collect(pending)
+        except StageFailure:
+            self._stages = None
+            raise
+        return [self._finish(p) for p in sorted(pending.values(), key=lambda p: p.index)]
+
+    def _collect(self, pending: dict[str, _Pending]) -> None:
+        remaining = len(pending)
+        while remaining:
+            msg = self._stages.recv(100)
+            if msg is None:
+                continue
+            kind, payload = msg
+            if kind == "rejected":
+                rid, message = payload
+                for other in pending:
+                    self._stages.send("abort", other)
+                raise ValueError(message)
+            if kind != "outputs":
+                continue
+            now = time.perf_counter()
+            for out in payload:
+                p = pending.get(out.rid)
+                if p is None or p.done is not None:
+                    continue
+                if out.new_token_ids and p.first_token_at is None:
+                    p.first_token_at = now
+                p.output_ids += out.new_token_ids
+                p.prompt_logprobs = out.prompt_logprobs or p.prompt_logprobs
+                p.chunk_sizes = out.chunk_sizes or p.chunk_sizes
+                if out.finished:
+                    if out.finish_reason == "error":
+                        raise RuntimeError(out.error)
+                    p.done = out
+                    p.first_token_at = p.first_token_at or now
+                    p.done_at = now
+                    remaining -= 1
+
+    def _finish(self, p: _Pending) -> GenerateOutput:
+        ttft = p.first_token_at - p.submitted
+        e2e = p.done_at - p.submitted
+        decode_s = e2e - ttft
+        text = self.tokenizer.decode(p.output_ids) if self.tokenizer else ""
+        metrics = {"ttft_s": ttft, "e2e_s": e2e, "chunk_sizes": p.chunk_sizes or [],
+                   "decode_tok_per_s": (len(p.output_ids) - 1) / decode_s
+                   if decode_s > 0 and len(p.output_ids) > 1 else None}
+        return GenerateOutput(p.output_ids, text, p.prompt_logprobs, p.done.finish_reason,
+                              p.num_prompt_tokens, metrics)
+
+    def stats(self) -> dict:
+        """Page-pool state of the stages, with the integrity check (free + used == total)."""
+        return self._stages.request("stats")

@@ -1,0 +1,37 @@
+"""KVCache: one stage's K and V tensors, addressed by slot = page_id * page_size + offset."""
+from __future__ import annotations
+
+import torch
+
+
+class KVCache:
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype):
+        shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
+        # torch.empty does not touch memory: pages become resident only when written.
+        self.k = torch.empty(shape, dtype=dtype)
+        self.v = torch.empty(shape, dtype=dtype)
+        self.page_size = page_size
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+
+
+def token_slots(page_table: list[int], start: int, end: int, page_size: int):
+    """Cache slots of tokens [start, end): a slice when they are consecutive, else a tensor."""
+    if end <= start:
+        return slice(0, 0)
+    first, last = start // page_size, (end - 1) // page_size
+    pages = page_table[first:last + 1]
+    if pages[-1] - pages[0] == len(pages) - 1 and _consecutive(pages):
+        base = pages[0] * page_size + start % page_size
+        return slice(base, base + end - start)
+    positions = torch.arange(start, end)
+    table = torch.tensor(page_table, dtype=torch.long)
+    return table[positions // page_size] * page_size + positions % page_size
+
+
+def _consecutive(pages: list[int]) -> bool:
+    return all(b == a + 1 for a, b in zip(pages, pages[1:]))

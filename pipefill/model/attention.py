@@ -1,0 +1,80 @@
+"""Attention over the paged KV cache for chunks at any prefix length and for decode.
+
+A chunk's queries sit at positions [L, L+C) and see keys [0, L+C) (causal, aligned bottom-right).
+torch's CPU flash kernel aligns `is_causal` top-left and, given a mask, computes every block, so
+we call it twice: the cached prefix [0, L) with no mask, the square diagonal block with
+`is_causal=True` (where top-left == bottom-right), then merge the two by their log-sum-exps.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+
+
+@dataclass
+class SeqMeta:
+    """One sequence's slice of a packed forward batch."""
+    row_start: int  # first row of this sequence in the packed [num_tokens, ...] tensors
+    num_new: int  # C: tokens computed in this forward
+    prefix_len: int  # L: tokens already in the cache
+    write_slots: slice | torch.Tensor  # cache slots of the C new tokens
+    read_slots: slice | torch.Tensor  # cache slots of tokens [0, L + C)
+
+
+def _heads_first(x: torch.Tensor) -> torch.Tensor:
+    # [tokens, heads, dim] -> [1, heads, tokens, dim] as a view.
+    return x.unsqueeze(0).transpose(1, 2)
+
+
+def _flash_attend(q, k, v, causal: bool, scale: float):
+    out, lse = _flash(_heads_first(q), _heads_first(k), _heads_first(v), 0.0, causal, scale=scale)
+    return out[0].transpose(0, 1), lse[0].transpose(0, 1)  # [C, Hq, D], [C, Hq]
+
+
+def _merge(out_a, lse_a, out_b, lse_b) -> torch.Tensor:
+    lse = torch.logaddexp(lse_a, lse_b)
+    w_a = torch.exp(lse_a - lse).unsqueeze(-1)
+    w_b = torch.exp(lse_b - lse).unsqueeze(-1)
+    return (out_a.float() * w_a + out_b.float() * w_b).to(out_a.dtype)
+
+
+def attend_sequence(q, k, v, k_cache, v_cache, seq: SeqMeta, scale: float) -> torch.Tensor:
+    """q [C, Hq, D], k/v [C, Hkv, D] of the new tokens (already written to the cache)."""
+    if seq.prefix_len == 0:
+        return _flash_attend(q, k, v, True, scale)[0]
+    if seq.num_new == 1:
+        keys, values = k_cache[seq.read_slots], v_cache[seq.read_slots]
+        return _flash_attend(q, keys, values, False, scale)[0]
+    prefix = _prefix_slots(seq)
+    out_p, lse_p = _flash_attend(q, k_cache[prefix], v_cache[prefix], False, scale)
+    out_d, lse_d = _flash_attend(q, k, v, True, scale)
+    return _merge(out_p, lse_p, out_d, lse_d)
+
+
+def _prefix_slots(seq: SeqMeta):
+    slots = seq.read_slots
+    if isinstance(slots, slice):
+        return slice(slots.start, slots.start + seq.prefix_len)
+    return slots[:seq.prefix_len]
+
+
+def write_kv(k_cache, v_cache, k, v, seqs: list[SeqMeta]) -> None:
+    for seq in seqs:
+        rows = slice(seq.row_start, seq.row_start + seq.num_new)
+        k_cache[seq.write_slots] = k[rows]
+        v_cache[seq.write_slots] = v[rows]
+
+
+def paged_attention(q, k, v, k_cache, v_cache, seqs: list[SeqMeta], scale: float):
+    """q [T, Hq, D], k/v [T, Hkv, D] packed over sequences -> [T, Hq, D]."""
+    write_kv(k_cache, v_cache, k, v, seqs)
+    if len(seqs) == 1:
+        return attend_sequence(q, k, v, k_cache, v_cache, seqs[0], scale)
+    out = torch.empty_like(q)
+    for seq in seqs:
+        rows = slice(seq.row_start, seq.row_start + seq.num_new)
+        out[rows] = attend_sequence(q[rows], k[rows], v[rows], k_cache, v_cache, seq, scale)
+    return out

@@ -1,0 +1,88 @@
+"""StageExecutor: runs one micro-batch's plan on this stage's layers and KV cache."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass
+
+import torch
+
+from pipefill.kv.cache import KVCache, token_slots
+from pipefill.model.attention import SeqMeta
+from pipefill.model.llama import ForwardMeta, StageModel
+from pipefill.runtime.sampler import sample
+from pipefill.scheduler.plan import SeqResult, StepPlan, StepResult
+
+
+@dataclass
+class Activations:
+    hidden: torch.Tensor  # [num_tokens, hidden_size] compute dtype
+    residual: torch.Tensor | None  # [num_tokens, hidden_size] float32; None before layer 0
+
+
+def build_meta(plan: StepPlan, page_size: int) -> ForwardMeta:
+    positions, seqs = [], []
+    row = 0
+    for work in plan.seqs:
+        seqs.append(SeqMeta(row, work.num_tokens, work.start,
+                            token_slots(work.page_table, work.start, work.end, page_size),
+                            token_slots(work.page_table, 0, work.end, page_size)))
+        positions.append(torch.arange(work.start, work.end))
+        row += work.num_tokens
+    return ForwardMeta(torch.cat(positions), seqs)
+
+
+def logit_rows(work, row: int) -> list[int]:
+    """Rows of a sequence whose logits are needed: prompt-logprob targets and the sample row."""
+    rows = []
+    if work.logprob_targets:
+        rows += range(row, row + len(work.logprob_targets))
+    if work.sample is not None and (not rows or rows[-1] != row + work.num_tokens - 1):
+        rows.append(row + work.num_tokens - 1)
+    return rows
+
+
+class StageExecutor:
+    def __init__(self, model: StageModel, cache: KVCache):
+        self.model = model
+        self.cache = cache
+
+    def forward(self, plan: StepPlan, acts: Activations | None) -> tuple[Activations, float]:
+        """Runs this stage's layers; returns the output activations and the forward seconds."""
+        t0 = time.perf_counter()
+        meta = build_meta(plan, self.cache.page_size)
+        if acts is None:
+            ids = torch.tensor([t for w in plan.seqs for t in w.input_ids], dtype=torch.long)
+            acts = Activations(self.model.embed(ids), None)
+        hidden, residual = self.model.forward(acts.hidden, acts.residual, meta,
+                                              self.cache.k, self.cache.v)
+        return Activations(hidden, residual), time.perf_counter() - t0
+
+    def results(self, plan: StepPlan, acts: Activations) -> StepResult:
+        """Last stage: logits on the needed rows, then sampling and logprobs."""
+        per_seq, row = [], 0
+        for work in plan.seqs:
+            per_seq.append(logit_rows(work, row))
+            row += work.num_tokens
+        rows = [r for seq_rows in per_seq for r in seq_rows]
+        result = StepResult(plan.step_id)
+        if not rows:
+            result.seqs = [SeqResult(w.rid) for w in plan.seqs]
+            return result
+        logits = self.model.logits(acts.hidden, acts.residual, torch.tensor(rows))
+        at = 0
+        for work, seq_rows in zip(plan.seqs, per_seq):
+            result.seqs.append(_seq_result(work, logits[at:at + len(seq_rows)]))
+            at += len(seq_rows)
+        return result
+
+
+def _seq_result(work, logits: torch.Tensor) -> SeqResult:
+    res = SeqResult(work.rid)
+    if work.logprob_targets:
+        k = len(work.logprob_targets)
+        logprobs = torch.log_softmax(logits[:k], -1)
+        targets = torch.tensor(work.logprob_targets, dtype=torch.long)
+        res.prompt_logprobs = logprobs.gather(1, targets[:, None])[:, 0].tolist()
+    if work.sample is not None:
+        res.token, res.token_logprob = sample(logits[-1], work.sample)
+    return res

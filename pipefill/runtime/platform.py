@@ -1,0 +1,55 @@
+"""Facts about the CPU this process runs on, and placing a stage on its cores."""
+from __future__ import annotations
+
+import functools
+import logging
+import os
+
+import torch
+
+log = logging.getLogger(__name__)
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return frozenset(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return frozenset()
+
+
+def has_fast_bf16() -> bool:
+    """AMX-BF16 or AVX-512-BF16: bf16 matmuls run at least as fast as fp32 ones."""
+    return bool(cpu_flags() & {"amx_bf16", "avx512_bf16"})
+
+
+def resolve_dtype(name: str) -> torch.dtype:
+    if name == "auto":
+        return torch.bfloat16 if has_fast_bf16() else torch.float32
+    return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def place_stage(local_rank: int, num_local_stages: int, num_threads: int) -> list[int]:
+    """Pins this process to its own cores (when there are enough) and sets torch's threads.
+
+    Stage i of a node takes cores [i * threads, (i + 1) * threads) of the usable set, so two
+    stages on two cores each own one and never contend.
+    """
+    cores = sorted(os.sched_getaffinity(0))
+    mine = cores[local_rank * num_threads:(local_rank + 1) * num_threads]
+    if len(cores) >= num_local_stages * num_threads and len(mine) == num_threads:
+        os.sched_setaffinity(0, mine)
+    else:
+        log.warning("%d stage(s) x %d thread(s) do not fit on %d usable cores: not pinning",
+                    num_local_stages, num_threads, len(cores))
+        mine = cores
+    torch.set_num_threads(num_threads)
+    return mine

@@ -1,0 +1,88 @@
+"""Building one pipeline stage: its layer slice, weights, KV pool, and a warm-up forward."""
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+import torch
+
+from pipefill.config import ServerArgs
+from pipefill.kv.cache import KVCache
+from pipefill.model.llama import StageModel
+from pipefill.model.loader import WeightSource, load_stage_weights
+from pipefill.model.partition import partition_layers
+from pipefill.runtime.executor import StageExecutor
+from pipefill.runtime.platform import resolve_dtype
+from pipefill.scheduler.plan import SeqWork, StepPlan
+
+log = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class StageInfo:
+    """Distributed identity of one stage, passed in (layers never ask torch.distributed)."""
+    rank: int
+    size: int
+    layers: range
+
+    @property
+    def is_first(self) -> bool:
+        return self.rank == 0
+
+    @property
+    def is_last(self) -> bool:
+        return self.rank == self.size - 1
+
+
+def stage_info(args: ServerArgs, num_layers: int, rank: int) -> StageInfo:
+    ranges = partition_layers(num_layers, args.pp_size, getattr(args, "pp_layer_partition", None))
+    return StageInfo(rank, args.pp_size, ranges[rank])
+
+
+def available_memory_bytes() -> int | None:
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
+def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo) -> StageExecutor:
+    cfg = source.config
+    dtype = resolve_dtype(args.dtype)
+    num_pages = args.kv_capacity_tokens // args.page_size
+    kv_bytes = num_pages * args.page_size * KVCache.bytes_per_token(
+        len(info.layers), cfg.num_kv_heads, cfg.head_dim, dtype)
+    avail = available_memory_bytes()
+    if avail is not None and kv_bytes > avail:
+        raise ValueError(f"stage {info.rank}: the KV pool needs {kv_bytes / 2**30:.1f} GiB for "
+                         f"{num_pages * args.page_size} tokens but only {avail / 2**30:.1f} GiB "
+                         "of memory is available; lower --max-total-tokens")
+    weights = load_stage_weights(source, info.layers, info.is_first, info.is_last, dtype,
+                                 progress_desc=f"stage {info.rank}: loading layers "
+                                               f"{info.layers.start}-{info.layers.stop - 1}")
+    model = StageModel(cfg, info.layers.start, weights, dtype)
+    cache = KVCache(len(info.layers), num_pages, args.page_size, cfg.num_kv_heads,
+                    cfg.head_dim, dtype)
+    executor = StageExecutor(model, cache)
+    warm_up(executor, cfg.hidden_size, dtype, info.is_first)
+    log.info("stage %d/%d ready: layers %d-%d, %s, %d KV pages of %d tokens, %d threads",
+             info.rank, info.size, info.layers.start, info.layers.stop - 1, args.dtype,
+             num_pages, args.page_size, torch.get_num_threads())
+    return executor
+
+
+def warm_up(executor: StageExecutor, hidden_size: int, dtype, is_first: bool) -> None:
+    """One small forward so that kernel set-up is not charged to the first request.
+    Writes only page 0, which no request owns yet."""
+    n = min(16, executor.cache.page_size)
+    plan = StepPlan(-1, [SeqWork("warm-up", 0, n, [0] * n, [0])])
+    acts = None
+    if not is_first:
+        from pipefill.runtime.executor import Activations
+        acts = Activations(torch.zeros(n, hidden_size, dtype=dtype),
+                           torch.zeros(n, hidden_size, dtype=torch.float32))
+    executor.forward(plan, acts)

@@ -1,0 +1,109 @@
+"""The contracts on one page: what a request asks for, what a micro-batch carries between stages,
+and what comes back. Everything here is plain data (picklable, no tensors, no torch)."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    max_new_tokens: int = 16
+    temperature: float = 0.0  # 0 = greedy
+    top_p: float = 1.0
+    top_k: int = -1  # -1 = whole vocabulary
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()  # besides the model's EOS tokens
+    return_prompt_logprobs: bool = False
+    return_token_logprobs: bool = False
+
+    def validate(self) -> None:
+        if self.max_new_tokens < 0:
+            raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k == 0 or self.top_k < -1:
+            raise ValueError(f"top_k must be -1 (off) or a positive integer, got {self.top_k}")
+
+
+@dataclass(frozen=True)
+class NewRequest:
+    """Engine/server -> stage 0."""
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+
+
+@dataclass(frozen=True)
+class SampleSpec:
+    """How the last stage picks the next token of one sequence."""
+    temperature: float
+    top_p: float
+    top_k: int
+    seed: int
+    step: int  # tokens generated so far: with `seed` it fixes the random draw
+    want_logprob: bool
+
+
+@dataclass
+class SeqWork:
+    """One request's share of a micro-batch: compute tokens [start, end)."""
+    rid: str
+    start: int  # = tokens already in the KV cache (L)
+    end: int
+    input_ids: list[int]  # tokens [start, end)
+    page_table: list[int]  # pages covering [0, end)
+    sample: SampleSpec | None = None  # set when this micro-batch yields the next token
+    # Prompt logprobs: ids of the tokens at positions start+1 .. (the prompt part of this chunk).
+    logprob_targets: list[int] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return self.end - self.start
+
+
+@dataclass
+class StepPlan:
+    """A micro-batch: stage 0 decides it, every stage executes it as is."""
+    step_id: int
+    seqs: list[SeqWork]
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_tokens for s in self.seqs)
+
+    @property
+    def yields_tokens(self) -> bool:
+        return any(s.sample is not None or s.logprob_targets for s in self.seqs)
+
+
+@dataclass
+class SeqResult:
+    rid: str
+    token: int | None = None
+    token_logprob: float | None = None
+    prompt_logprobs: list[float] | None = None
+
+
+@dataclass
+class StepResult:
+    """Last stage -> stage 0 for one micro-batch."""
+    step_id: int
+    seqs: list[SeqResult] = field(default_factory=list)
+    stage_seconds: list[float] = field(default_factory=list)  # forward time per stage
+
+
+@dataclass
+class RequestOutput:
+    """Stage 0 -> engine/server: what a request gained in one step."""
+    rid: str
+    new_token_ids: list[int]
+    finished: bool = False
+    finish_reason: str | None = None  # "stop" (EOS), "length", "abort", "error"
+    error: str | None = None
+    prompt_logprobs: list[float] | None = None
+    token_logprobs: list[float] | None = None
+    chunk_sizes: list[int] | None = None  # with the first token
+    num_prompt_tokens: int = 0

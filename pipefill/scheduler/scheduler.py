@@ -1,0 +1,261 @@
+"""The scheduler: requests and page-pool state in, a StepPlan out; results back through update().
+
+Pure Python: no torch.distributed, no device code. Stage 0 owns the only instance.
+
+A request is a list of tokens (prompt, then outputs); a micro-batch computes a span
+[start, end) of it. Prefill chunks of one request go into consecutive micro-batches without
+waiting for each other; a span that ends at the last known token yields the next token, and the
+request then waits for that token before it can be scheduled again.
+"""
+from __future__ import annotations
+
+import itertools
+import zlib
+from collections import deque
+from dataclasses import dataclass, field
+from typing import Callable
+
+from pipefill.kv.pool import PagePool
+from pipefill.scheduler.plan import (NewRequest, RequestOutput, SampleSpec, SamplingParams,
+                                     SeqWork, StepPlan, StepResult)
+
+
+@dataclass(frozen=True)
+class SchedulerConfig:
+    page_size: int
+    chunked_prefill_size: int
+    max_prefill_tokens: int
+    max_running_requests: int
+    max_model_len: int
+    eos_token_ids: tuple[int, ...] = ()
+    seed: int = 0
+
+
+@dataclass
+class Request:
+    rid: str
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    output_ids: list[int] = field(default_factory=list)
+    num_scheduled: int = 0  # tokens whose KV is written or being written by a micro-batch
+    pages: list[int] = field(default_factory=list)
+    pages_reserved: int = 0  # pages promised at admission, not yet allocated
+    num_inflight: int = 0  # micro-batches that contain this request
+    awaiting_token: bool = False
+    done: bool = False  # finished or aborted: schedule nothing more, free pages when idle
+    chunk_sizes: list[int] = field(default_factory=list)
+    prompt_logprobs: list[float] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+    def token_at(self, i: int) -> int:
+        n = len(self.prompt_ids)
+        return self.prompt_ids[i] if i < n else self.output_ids[i - n]
+
+    @property
+    def in_prefill(self) -> bool:
+        return self.num_scheduled < len(self.prompt_ids)
+
+    @property
+    def ready(self) -> bool:
+        return not self.done and not self.awaiting_token and self.num_scheduled < self.num_tokens
+
+
+class Scheduler:
+    def __init__(self, cfg: SchedulerConfig, pool: PagePool,
+                 next_chunk_size: Callable[[int], int] | None = None):
+        self.cfg = cfg
+        self.pool = pool
+        # Chunk policy: prefix length L -> size of the next continuation chunk.
+        self.next_chunk_size = next_chunk_size or (lambda _: cfg.chunked_prefill_size)
+        self.waiting: deque[Request] = deque()
+        self.running: dict[str, Request] = {}
+        self._step_ids = itertools.count()
+        self._pages_promised = 0
+
+    # ---- requests in -------------------------------------------------------------------------
+
+    def check_request(self, req: NewRequest) -> None:
+        """Raises ValueError with a sentence for a request this engine can never run."""
+        cfg, n = self.cfg, len(req.prompt_ids)
+        req.params.validate()
+        if n == 0:
+            raise ValueError("the prompt is empty")
+        if n + req.params.max_new_tokens > cfg.max_model_len:
+            raise ValueError(f"prompt ({n} tokens) + max_new_tokens "
+                             f"({req.params.max_new_tokens}) exceeds --max-model-len "
+                             f"({cfg.max_model_len})")
+        if self._pages_for(n + req.params.max_new_tokens) > self.pool.num_pages:
+            raise ValueError(f"the request needs {n + req.params.max_new_tokens} tokens of KV "
+                             f"cache but the pool holds {self.pool.num_pages * cfg.page_size}; "
+                             "raise --max-total-tokens")
+
+    def add(self, req: NewRequest) -> None:
+        self.check_request(req)
+        seed = req.params.seed
+        if seed is None:  # stable across processes, unlike hash()
+            seed = zlib.crc32(f"{self.cfg.seed}:{req.rid}".encode())
+        self.waiting.append(Request(req.rid, list(req.prompt_ids), req.params, seed & 0x7FFFFFFF))
+
+    def abort(self, rid: str) -> RequestOutput | None:
+        for r in self.waiting:
+            if r.rid == rid:
+                self.waiting.remove(r)
+                return RequestOutput(rid, [], True, "abort")
+        r = self.running.get(rid)
+        if r is None:
+            return None
+        r.done = True
+        self._maybe_release(r)
+        return RequestOutput(rid, [], True, "abort")
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self.waiting) or any(r.ready for r in self.running.values())
+
+    @property
+    def num_inflight_requests(self) -> int:
+        return sum(1 for r in self.running.values() if r.num_inflight)
+
+    # ---- planning ----------------------------------------------------------------------------
+
+    def schedule(self) -> StepPlan | None:
+        budget = self.cfg.max_prefill_tokens
+        seqs: list[SeqWork] = []
+        # Decode tokens first so that running requests keep streaming behind long prefills.
+        for r in self.running.values():
+            if r.ready and not r.in_prefill and budget > 0:
+                seqs.append(self._work(r, r.num_scheduled + 1))
+                budget -= 1
+        for r in list(self.running.values()):
+            if r.ready and r.in_prefill and budget > 0:
+                seqs.append(self._prefill_chunk(r, budget))
+                budget -= seqs[-1].num_tokens
+        while self.waiting and budget > 0 and self._admit(self.waiting[0]):
+            r = self.waiting.popleft()
+            self.running[r.rid] = r
+            seqs.append(self._prefill_chunk(r, budget))
+            budget -= seqs[-1].num_tokens
+        if not seqs:
+            return None
+        return StepPlan(next(self._step_ids), seqs)
+
+    def _prefill_chunk(self, r: Request, budget: int) -> SeqWork:
+        first = r.num_scheduled == 0
+        size = self.cfg.chunked_prefill_size if first else self.next_chunk_size(r.num_scheduled)
+        end = min(len(r.prompt_ids), r.num_scheduled + min(size, budget))
+        return self._work(r, end)
+
+    def _work(self, r: Request, end: int) -> SeqWork:
+        start = r.num_scheduled
+        self._grow_pages(r, end)
+        sample = None
+        if end == r.num_tokens and r.params.max_new_tokens > 0:
+            p = r.params
+            sample = SampleSpec(p.temperature, p.top_p, p.top_k, r.seed, len(r.output_ids),
+                                p.return_token_logprobs)
+            r.awaiting_token = True
+        targets = None
+        if r.params.return_prompt_logprobs and start < len(r.prompt_ids):
+            targets = r.prompt_ids[start + 1:min(end + 1, len(r.prompt_ids))]
+        if start < len(r.prompt_ids):
+            r.chunk_sizes.append(end - start)
+        r.num_scheduled = end
+        r.num_inflight += 1
+        return SeqWork(r.rid, start, end, [r.token_at(i) for i in range(start, end)],
+                       list(r.pages), sample, targets)
+
+    # ---- pages -------------------------------------------------------------------------------
+
+    def _pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.cfg.page_size)
+
+    def _admit(self, r: Request) -> bool:
+        """Admits when every page the request can ever need is free and unpromised."""
+        if len(self.running) >= self.cfg.max_running_requests:
+            return False
+        need = self._pages_for(len(r.prompt_ids) + r.params.max_new_tokens)
+        if self.pool.num_free - self._pages_promised < need:
+            return False
+        r.pages_reserved = need
+        self._pages_promised += need
+        return True
+
+    def _grow_pages(self, r: Request, end: int) -> None:
+        missing = self._pages_for(end) - len(r.pages)
+        if missing > 0:
+            assert missing <= r.pages_reserved, "request outgrew its reservation"
+            r.pages += self.pool.allocate(missing)
+            r.pages_reserved -= missing
+            self._pages_promised -= missing
+
+    def _maybe_release(self, r: Request) -> None:
+        if r.num_inflight:
+            return  # stages may still write these pages
+        self.pool.release(r.pages)
+        self._pages_promised -= r.pages_reserved
+        r.pages, r.pages_reserved = [], 0
+        self.running.pop(r.rid, None)
+
+    # ---- results in --------------------------------------------------------------------------
+
+    def update(self, plan: StepPlan, result: StepResult | None) -> list[RequestOutput]:
+        by_rid = {s.rid: s for s in result.seqs} if result else {}
+        outputs = []
+        for work in plan.seqs:
+            r = self.running[work.rid]
+            r.num_inflight -= 1
+            out = self._apply(r, work, by_rid.get(work.rid))
+            if out is not None:
+                outputs.append(out)
+            if out is not None and out.finished:
+                r.done = True
+            if r.done:
+                self._maybe_release(r)
+        return outputs
+
+    def _apply(self, r: Request, work: SeqWork, res) -> RequestOutput | None:
+        if r.done:
+            return None
+        if res is not None and res.prompt_logprobs:
+            r.prompt_logprobs += res.prompt_logprobs
+        if work.sample is None:
+            if work.end == len(r.prompt_ids) and r.params.max_new_tokens == 0:
+                return RequestOutput(r.rid, [], True, "length",
+                                     prompt_logprobs=self._prompt_logprobs(r),
+                                     chunk_sizes=list(r.chunk_sizes),
+                                     num_prompt_tokens=len(r.prompt_ids))
+            return None
+        assert res is not None and res.token is not None, f"no token for {r.rid}"
+        r.awaiting_token = False
+        first = not r.output_ids
+        r.output_ids.append(res.token)
+        reason = self._finish_reason(r, res.token)
+        return RequestOutput(
+            r.rid, [res.token], reason is not None, reason,
+            prompt_logprobs=self._prompt_logprobs(r) if first else None,
+            token_logprobs=[res.token_logprob] if res.token_logprob is not None else None,
+            chunk_sizes=list(r.chunk_sizes) if first else None,
+            num_prompt_tokens=len(r.prompt_ids))
+
+    @staticmethod
+    def _prompt_logprobs(r: Request) -> list[float] | None:
+        return list(r.prompt_logprobs) if r.params.return_prompt_logprobs else None
+
+    def _finish_reason(self, r: Request, token: int) -> str | None:
+        stops = r.params.stop_token_ids
+        if not r.params.ignore_eos and (token in self.cfg.eos_token_ids or token in stops):
+            return "stop"
+        if len(r.output_ids) >= r.params.max_new_tokens or r.num_tokens >= self.cfg.max_model_len:
+            return "length"
+        return None
+
+    def fail_all(self, message: str) -> list[RequestOutput]:
+        """Every queued and running request ends with an error (a stage died)."""
+        rids = [r.rid for r in self.waiting] + list(self.running)
+        self.waiting.clear()
+        self.running.clear()
+        return [RequestOutput(rid, [], True, "error", error=message) for rid in rids]

@@ -128,7 +128,8 @@ def resolve(args: ServerArgs, model_cfg) -> ServerArgs:
             raise ValueError(f"--max-model-len {max_len} exceeds the model's sliding window "
                              f"({model_cfg.sliding_window}), which pipefill does not implement")
         max_len = model_cfg.sliding_window
-    if max_len > trained:
+    # The last generated token is never fed back, so positions reach max_len - 2.
+    if max_len - 1 > trained:
         log.warning("--max-model-len %d is past the %d positions the model was trained on: "
                     "quality there is not guaranteed", max_len, trained)
     return args.replace(dtype=dtype_name(resolve_dtype(args.dtype)), max_model_len=max_len)

@@ -45,10 +45,12 @@ class Engine:
         source = WeightSource(self.model_file)
         self.model_config = source.config
         self.args: ServerArgs = resolve(args, self.model_config)
-        self.tokenizer: Tokenizer | None = load_tokenizer(source)
         self._rids = itertools.count()
         self._stages = StageGroup(self.args, self.model_file)
-        self.kv_capacity_tokens = self._stages.info["num_pages"] * self.args.page_size
+        # The tokenizer loads here while the stages load their weights.
+        self.tokenizer: Tokenizer | None = load_tokenizer(source)
+        info = self._stages.wait_ready()
+        self.kv_capacity_tokens = info["num_pages"] * self.args.page_size
 
     # ---- lifecycle ---------------------------------------------------------------------------
 

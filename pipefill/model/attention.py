@@ -22,6 +22,7 @@ class SeqMeta:
     prefix_len: int  # L: tokens already in the cache
     write_slots: slice | torch.Tensor  # cache slots of the C new tokens
     read_slots: slice | torch.Tensor  # cache slots of tokens [0, L + C)
+    page_table: torch.Tensor  # int32 [ceil((L + C) / page_size)] page ids of tokens [0, L + C)
 
 
 def _heads_first(x: torch.Tensor) -> torch.Tensor:

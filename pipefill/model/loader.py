@@ -105,7 +105,8 @@ def load_stage_weights(source: WeightSource, layers: range, first: bool, last: b
                                                           if last else [])
     raw = {}
     for name in tqdm(list(dict.fromkeys(names)), desc=progress_desc or "loading weights",
-                     unit="tensor", disable=progress_desc is None, leave=False):
+                     unit="tensor", leave=False,
+                     disable=None if progress_desc else True):
         raw[name] = source.load(name)
 
     def mat(*parts):

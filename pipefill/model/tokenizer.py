@@ -45,6 +45,10 @@ class Tokenizer:
             raise ValueError("this model has no chat template; use /v1/completions")
         return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        # The template writes the special tokens itself: add none on top.
+        return self.hf.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
 
 def load_tokenizer(source) -> Tokenizer | None:
     """Tokenizer of a WeightSource; None for a folder without tokenizer files (token-id

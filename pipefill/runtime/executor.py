@@ -25,7 +25,8 @@ def build_meta(plan: StepPlan, page_size: int) -> ForwardMeta:
     for work in plan.seqs:
         seqs.append(SeqMeta(row, work.num_tokens, work.start,
                             token_slots(work.page_table, work.start, work.end, page_size),
-                            token_slots(work.page_table, 0, work.end, page_size)))
+                            token_slots(work.page_table, 0, work.end, page_size),
+                            torch.tensor(work.page_table, dtype=torch.int32)))
         positions.append(torch.arange(work.start, work.end))
         row += work.num_tokens
     return ForwardMeta(torch.cat(positions), seqs)

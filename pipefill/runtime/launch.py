@@ -32,15 +32,17 @@ class StageGroup:
         # re-imported, and no thread pool state is inherited through fork.
         self.procs = [_spawn(args, model_file, rank, addrs) for rank in range(args.pp_size)]
         self.pending: list[tuple] = []  # messages that arrived while waiting for another kind
-        self.info = self._wait_ready()
+        self.info: dict = {}
 
-    def _wait_ready(self) -> dict:
+    def wait_ready(self) -> dict:
+        """Blocks until stage 0 reports ready (it waits for the others); returns its info."""
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
             msg = self.channel.recv(100)
             if msg is not None:
                 kind, payload = msg
                 if kind == "ready":
+                    self.info = payload
                     return payload
                 if kind == "fatal":
                     self.close()

@@ -1,0 +1,41 @@
+"""FLOP counts of a prefill and the machine's measured matmul peak, for achieved-TF/s figures."""
+from __future__ import annotations
+
+import time
+
+import torch
+import torch.nn.functional as F
+
+from pipefill.model.config import ModelConfig
+
+
+def prefill_flops(cfg: ModelConfig, num_tokens: int, prefix_len: int = 0) -> dict[str, float]:
+    """Linear layers of every token plus the lm_head of the last one, and causal attention
+    (QK^T and PV, 2 FLOPs per multiply-add) of tokens [prefix_len, prefix_len + num_tokens)."""
+    h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
+    per_token = 2 * (h * (q + 2 * kv) + q * h + 3 * h * inter)
+    linear = cfg.num_layers * per_token * num_tokens + 2 * h * cfg.vocab_size
+    # Query i (absolute position p) sees p + 1 keys.
+    end = prefix_len + num_tokens
+    keys_seen = (end * (end + 1) - prefix_len * (prefix_len + 1)) / 2
+    attention = cfg.num_layers * 4 * cfg.num_heads * cfg.head_dim * keys_seen
+    return {"linear": float(linear), "attention": float(attention),
+            "total": float(linear + attention)}
+
+
+def matmul_peak_flops(dtype: torch.dtype, seconds: float = 2.0) -> float:
+    """Best FLOP/s of plain matmuls (a square one and model-shaped ones) on this process's
+    threads: the roofline that achieved figures are compared against."""
+    shapes = [(2048, 2048, 2048), (4096, 576, 1536), (4096, 1536, 576)]
+    best = 0.0
+    with torch.inference_mode():
+        for m, k, n in shapes:
+            a = torch.randn(m, k, dtype=dtype)
+            b = torch.randn(n, k, dtype=dtype)
+            F.linear(a, b)
+            deadline = time.perf_counter() + seconds / len(shapes)
+            while time.perf_counter() < deadline:
+                t0 = time.perf_counter()
+                F.linear(a, b)
+                best = max(best, 2 * m * k * n / (time.perf_counter() - t0))
+    return best

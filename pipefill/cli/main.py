@@ -1,0 +1,56 @@
+"""`pipefill` command line: generate, bench (prefill), and later serve / sim.
+
+User mistakes exit with code 2 and one sentence on stderr, never a traceback.
+"""
+from __future__ import annotations
+
+import argparse
+import logging
+import sys
+
+from pipefill.config import add_server_args
+from pipefill.runtime.logging_setup import setup_logging
+
+
+class UsageError(Exception):
+    """A mistake the user can fix: printed as one sentence, exit code 2."""
+
+
+def build_parser() -> argparse.ArgumentParser:
+    from pipefill.bench import prefill as bench_prefill
+    from pipefill.cli import generate
+    parser = argparse.ArgumentParser(
+        prog="pipefill",
+        description="Long-prompt LLM inference with chunked pipeline parallelism.")
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    generate.add_parser(sub)
+    bench = sub.add_parser("bench", help="benchmarks").add_subparsers(
+        dest="bench_command", required=True, metavar="BENCHMARK")
+    bench_prefill.add_parser(bench)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = build_parser()
+    ns = parser.parse_args(argv)
+    setup_logging(getattr(ns, "log_level", "info"))
+    try:
+        return ns.run(ns) or 0
+    except (UsageError, ValueError) as e:
+        print(f"pipefill {ns.command}: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    except RuntimeError as e:  # a stage failed: say so, without a traceback
+        logging.getLogger("pipefill").debug("failure", exc_info=True)
+        print(f"pipefill {ns.command}: error: {e}", file=sys.stderr)
+        return 1
+
+
+def server_args_parser_group(parser: argparse.ArgumentParser, skip=()) -> None:
+    group = parser.add_argument_group("engine")
+    add_server_args(group, skip=skip)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,89 @@
+"""Shared fixtures: tiny random models of each family saved to temp folders, HF references,
+and a page-integrity check after every test on every engine a test module started."""
+from __future__ import annotations
+
+import gc
+
+import pytest
+import torch
+
+TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
+            num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+
+FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+def tiny_config(family: str, **overrides):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+    kw = {**TINY, **overrides}
+    if family == "llama":  # Llama 3 style rope scaling, untied head
+        return LlamaConfig(**kw, rope_scaling={
+            "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0, "original_max_position_embeddings": 64})
+    if family == "mistral":
+        return MistralConfig(**kw, head_dim=16, sliding_window=None)
+    if family == "qwen2":  # qkv bias, tied embeddings
+        return Qwen2Config(**kw, tie_word_embeddings=True)
+    if family == "qwen3":  # per-head q/k norm, explicit head_dim
+        return Qwen3Config(**kw, head_dim=16)
+    raise ValueError(family)
+
+
+def save_tiny_model(family: str, path, seed: int = 0, **overrides) -> str:
+    from transformers import AutoModelForCausalLM
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides),
+                                             dtype=torch.float32)
+    # Random everything (biases and norms included) so that every weight path is exercised,
+    # with logits far enough apart that greedy choices are not near-ties.
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" in name:
+                p.copy_(1 + 0.1 * torch.randn_like(p))
+            else:
+                p.normal_(0, 0.1)
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="session")
+def tiny_models(tmp_path_factory) -> dict[str, str]:
+    return {f: save_tiny_model(f, tmp_path_factory.mktemp(f)) for f in FAMILIES}
+
+
+def hf_reference(path: str, prompt: list[int], max_new_tokens: int):
+    """(prompt logprobs, greedy continuation) from HF transformers in float32."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    with torch.no_grad():
+        ids = torch.tensor([prompt])
+        logprobs = torch.log_softmax(model(ids).logits[0].float(), -1)
+        prompt_lp = logprobs[:-1].gather(1, ids[0, 1:, None])[:, 0]
+        out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
+                             eos_token_id=None, pad_token_id=0)
+    return prompt_lp, out[0, len(prompt):].tolist()
+
+
+_live_engines: list = []
+
+
+def track(engine):
+    _live_engines.append(engine)
+    return engine
+
+
+def assert_pages_free(engine) -> None:
+    stats = engine.stats()
+    assert stats["integrity"] == "ok", stats
+    assert stats["pages_free"] == stats["pages_total"], stats
+
+
+@pytest.fixture(autouse=True)
+def _page_integrity():
+    yield
+    for engine in list(_live_engines):
+        if engine._stages is None:
+            _live_engines.remove(engine)
+            continue
+        assert_pages_free(engine)
+    gc.collect()

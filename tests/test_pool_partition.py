@@ -1,0 +1,46 @@
+import pytest
+
+from pipefill.kv.cache import token_slots
+from pipefill.kv.pool import OutOfPages, PagePool
+from pipefill.model.partition import partition_layers
+
+
+def test_pool_refcounts_and_integrity():
+    pool = PagePool(8)
+    a = pool.allocate(3)
+    assert a == [0, 1, 2]  # low ids first: consecutive pages
+    pool.retain(a[:1])
+    pool.release(a)
+    assert pool.num_free == 7
+    pool.release(a[:1])
+    pool.check_integrity()
+    assert pool.num_free == 8
+    with pytest.raises(OutOfPages):
+        pool.allocate(9)
+    with pytest.raises(AssertionError):
+        pool.release([0])
+
+
+def test_token_slots_slice_when_consecutive():
+    assert token_slots([4, 5, 6], 3, 40, 16) == slice(67, 104)
+    slots = token_slots([4, 9], 14, 18, 16)
+    assert slots.tolist() == [78, 79, 144, 145]
+
+
+def test_default_partition_gives_remainder_to_last_stages():
+    assert [len(r) for r in partition_layers(30, 4)] == [7, 7, 8, 8]
+    assert [len(r) for r in partition_layers(7, 3)] == [2, 2, 3]
+    assert partition_layers(4, 1) == [range(0, 4)]
+
+
+@pytest.mark.parametrize("text, match", [
+    ("1,2", "2 entries but --pp-size is 3"), ("1,1,1", "sums to 3"), ("0,3,4", "at least one"),
+    ("a,b,c", "comma-separated integers")])
+def test_bad_partitions_say_what_to_change(text, match):
+    with pytest.raises(ValueError, match=match):
+        partition_layers(7, 3, text)
+
+
+def test_more_stages_than_layers():
+    with pytest.raises(ValueError, match="at most 4 stages"):
+        partition_layers(4, 5)

@@ -1,0 +1,1 @@
+"""Native CPU kernels (built just-in-time on first use)."""

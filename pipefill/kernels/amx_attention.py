@@ -1,0 +1,298 @@
+"""Fused causal chunk attention on Intel AMX (bf16), over a paged KV cache packed for AMX.
+
+API (what the engine calls):
+
+* ``amx_available(force_disable=False) -> (ok, reason)`` — never raises. Checks the CPU flags,
+  builds/loads the extension, verifies the CPU again with cpuid and requests the AMX tile
+  permission (``arch_prctl(ARCH_REQ_XCOMP_PERM, XFEATURE_XTILEDATA)``, verified with
+  ``ARCH_GET_XCOMP_PERM``). ``force_disable=True`` (or ``FORCE_DISABLE = True`` on this module)
+  returns ``(False, reason)`` without touching anything.
+* ``AmxKVCache(num_layers, num_pages, page_size, num_kv_heads, head_dim)`` — ``.k`` / ``.v`` are
+  ``torch.empty`` bf16 ``[num_layers, num_pages, num_kv_heads, page_size, head_dim]`` (untouched
+  pages stay non-resident); ``cache.layer(i)`` gives ``(k[i], v[i])``. The bytes are in AMX tile
+  order, not token-major: use ``read_kv`` to get tokens back.
+* ``write_kv(k_layer_cache, v_layer_cache, k_new, v_new, page_table, start)`` — packs tokens
+  ``[start, start + C)`` and zeroes the rest of their last 32-token group (so writes of one
+  sequence must go in position order, as chunked prefill and decode do).
+* ``chunk_attention(q, k_layer_cache, v_layer_cache, page_table, prefix_len, scale,
+  k_new=None, v_new=None, out=None) -> out`` — bottom-right causal attention of ``q`` [C, Hq, D]
+  (positions ``[L, L + C)``) over cached tokens ``[0, L + C)``. If ``k_new``/``v_new`` are given
+  they are first written with ``write_kv(..., start=prefix_len)``; otherwise they must already
+  be in the cache.
+
+Constraints: bf16 only; head_dim 64 or 128; page_size a multiple of 32; Hq a multiple of Hkv.
+
+Build: ``csrc/amx_kernel.cpp`` (the only code compiled with -mamx-*/-mavx512*) is compiled to an
+object file with the C++ compiler directly; ``csrc/amx_ext.cpp`` (checks, packing, the work split
+over torch's OpenMP pool via ``at::parallel_for``) is compiled without ISA flags by
+``torch.utils.cpp_extension.load`` and linked with that object. The cache lives in
+``$PIPEFILL_KERNEL_CACHE`` or ``~/.cache/pipefill/kernels``; the first build takes ~1 min on two
+cores. ``load`` needs ``ninja`` on PATH: the loader prepends the running interpreter's bin
+directory (the venv's, where ``pip install ninja`` puts it) to ``os.environ["PATH"]``.
+"""
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger("pipefill.kernels")
+
+FORCE_DISABLE = False  # module-level kill switch (tests, debugging)
+
+_CSRC = Path(__file__).resolve().parent / "csrc"
+_KERNEL_SRC = _CSRC / "amx_kernel.cpp"
+_GLUE_SRC = _CSRC / "amx_ext.cpp"
+_HEADER = _CSRC / "amx_kernel.h"
+AMX_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bw",
+             "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-fno-exceptions"]
+GLUE_FLAGS = ["-O3", "-std=c++17", "-fopenmp"]
+REQUIRED_CPU_FLAGS = ("amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512vl", "avx512dq",
+                      "avx512_bf16", "fma")
+EXPECTED_BUILD_S = 60
+
+_lock = threading.Lock()
+_ext = None
+_ext_error: str | None = None
+_status: tuple[bool, str] | None = None
+
+
+def _cache_root() -> Path:
+    root = os.environ.get("PIPEFILL_KERNEL_CACHE")
+    return Path(root) if root else Path.home() / ".cache" / "pipefill" / "kernels"
+
+
+def _cpu_flags() -> set[str]:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    return set(line.split(":", 1)[1].split())
+    except OSError:
+        pass
+    return set()
+
+
+def _ensure_ninja_on_path() -> None:
+    # A venv's python run by absolute path does not put the venv's bin (where `pip install ninja`
+    # puts the binary) on PATH, and torch.utils.cpp_extension.load looks ninja up on PATH.
+    bindir = str(Path(sys.executable).parent)
+    path = os.environ.get("PATH", "")
+    if bindir not in path.split(os.pathsep):
+        os.environ["PATH"] = bindir + (os.pathsep + path if path else "")
+
+
+def _compile_kernel_object(build_dir: Path) -> Path:
+    cxx = os.environ.get("CXX", "c++")
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise RuntimeError(f"C++ compiler {cxx!r} not usable: {e}") from None
+    h = hashlib.sha256()
+    for part in (_KERNEL_SRC.read_bytes(), _HEADER.read_bytes(), " ".join(AMX_FLAGS).encode(),
+                 version.encode(), cxx.encode()):
+        h.update(part)
+    obj = build_dir / f"amx_kernel-{h.hexdigest()[:16]}.o"
+    if obj.exists():
+        return obj
+    tmp = build_dir / f".{obj.name}.{os.getpid()}.tmp.o"
+    cmd = [cxx, *AMX_FLAGS, "-I", str(_CSRC), "-c", str(_KERNEL_SRC), "-o", str(tmp)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"compiling {_KERNEL_SRC.name} failed:\n{' '.join(cmd)}\n{r.stderr[-4000:]}")
+    os.replace(tmp, obj)
+    return obj
+
+
+def _build():
+    import torch.utils.cpp_extension as cpp_ext
+
+    _ensure_ninja_on_path()
+    if not cpp_ext.is_ninja_available():
+        raise RuntimeError("ninja is required to build the AMX attention kernel: "
+                           f"run `{sys.executable} -m pip install ninja`")
+    tag = f"torch{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}"
+    build_dir = _cache_root() / f"amx_attention-{tag}".replace("+", "_")
+    build_dir.mkdir(parents=True, exist_ok=True)
+    name = "pipefill_amx_attention"
+    fresh = not any(build_dir.glob(f"{name}*.so"))
+    if fresh or not any(build_dir.glob("amx_kernel-*.o")):
+        msg = f"building pipefill AMX attention kernel (first use, ~{EXPECTED_BUILD_S} s) in {build_dir}"
+        log.info(msg)
+        print(msg, file=sys.stderr, flush=True)
+    t0 = time.perf_counter()
+    obj = _compile_kernel_object(build_dir)
+    mod = cpp_ext.load(name=name, sources=[str(_GLUE_SRC)], extra_cflags=GLUE_FLAGS,
+                       extra_ldflags=[str(obj), "-fopenmp"], extra_include_paths=[str(_CSRC)],
+                       build_directory=str(build_dir), verbose=False)
+    dt = time.perf_counter() - t0
+    if dt > 2:
+        log.info("pipefill AMX attention kernel ready after %.0f s", dt)
+    return mod
+
+
+def _load():
+    """The extension module; raises RuntimeError with the reason if it cannot be built."""
+    global _ext, _ext_error
+    with _lock:
+        if _ext is None and _ext_error is None:
+            try:
+                _ext = _build()
+            except Exception as e:  # noqa: BLE001 - any build problem means "not available"
+                _ext_error = f"{type(e).__name__}: {e}"
+        if _ext is None:
+            raise RuntimeError(f"AMX attention extension unavailable: {_ext_error}")
+        return _ext
+
+
+def amx_available(force_disable: bool = False) -> tuple[bool, str]:
+    """(True, "ok") when the AMX kernel can run in this process, else (False, why). Never raises."""
+    global _status
+    if force_disable or FORCE_DISABLE:
+        return False, "AMX attention disabled by caller (force_disable)"
+    if _status is not None:
+        return _status
+    try:
+        _status = _check()
+    except Exception as e:  # noqa: BLE001
+        _status = (False, f"unexpected error: {type(e).__name__}: {e}")
+    return _status
+
+
+def _check() -> tuple[bool, str]:
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return False, f"needs Linux x86-64, this is {platform.system()} {platform.machine()}"
+    flags = _cpu_flags()
+    missing = [f for f in REQUIRED_CPU_FLAGS if f not in flags]
+    if missing:
+        return False, "CPU lacks " + ", ".join(missing)
+    try:
+        ext = _load()
+    except RuntimeError as e:
+        return False, str(e)
+    ok, why = ext.cpu_supported()
+    if not ok:
+        return False, f"cpuid: {why}"
+    ok, why = ext.amx_permission()
+    if not ok:
+        return False, why
+    return True, "ok"
+
+
+def _require():
+    ok, why = amx_available()
+    if not ok:
+        raise RuntimeError(f"AMX attention unavailable: {why}")
+    return _ext
+
+
+class AmxKVCache:
+    """Per-stage K/V cache in the kernel's packed layout.
+
+    ``k``/``v``: bf16 [num_layers, num_pages, num_kv_heads, page_size, head_dim], allocated with
+    torch.empty (pages become resident only when written). Within one (page, kv head) the
+    page_size * head_dim values are in AMX tile order (see csrc/amx_kernel.cpp).
+    """
+
+    def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
+                 head_dim: int, dtype: torch.dtype = torch.bfloat16):
+        check_geometry(page_size, head_dim, dtype)
+        shape = (num_layers, num_pages, num_kv_heads, page_size, head_dim)
+        self.k = torch.empty(shape, dtype=dtype)
+        self.v = torch.empty(shape, dtype=dtype)
+        self.page_size = page_size
+        self.num_kv_heads = num_kv_heads
+        self.head_dim = head_dim
+
+    def layer(self, i: int) -> tuple[torch.Tensor, torch.Tensor]:
+        return self.k[i], self.v[i]
+
+    @staticmethod
+    def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
+                        dtype: torch.dtype = torch.bfloat16) -> int:
+        return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+
+
+def check_geometry(page_size: int, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> None:
+    if dtype != torch.bfloat16:
+        raise ValueError(f"AMX attention needs a bfloat16 KV cache, got {dtype}")
+    if head_dim not in (64, 128):
+        raise ValueError(f"AMX attention supports head_dim 64 or 128, got {head_dim}")
+    if page_size <= 0 or page_size % 32:
+        raise ValueError(f"AMX attention needs page_size to be a multiple of 32, got {page_size}")
+
+
+def write_kv(k_layer_cache: torch.Tensor, v_layer_cache: torch.Tensor, k_new: torch.Tensor,
+             v_new: torch.Tensor, page_table: torch.Tensor, start: int) -> None:
+    """Packs k_new/v_new [C, Hkv, D] (positions [start, start + C)) into one layer's cache."""
+    _require().write_kv(k_layer_cache, v_layer_cache, k_new, v_new, page_table, int(start))
+
+
+def chunk_attention(q: torch.Tensor, k_layer_cache: torch.Tensor, v_layer_cache: torch.Tensor,
+                    page_table: torch.Tensor, prefix_len: int, scale: float,
+                    k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None) -> torch.Tensor:
+    """Causal (bottom-right) attention of q [C, Hq, D] over cached tokens [0, prefix_len + C)."""
+    ext = _require()
+    if (k_new is None) != (v_new is None):
+        raise ValueError("pass both k_new and v_new, or neither")
+    if k_new is not None:
+        ext.write_kv(k_layer_cache, v_layer_cache, k_new, v_new, page_table, int(prefix_len))
+    return ext.chunk_attention(q, k_layer_cache, v_layer_cache, page_table, int(prefix_len),
+                               float(scale), out)
+
+
+def chunk_attention_ex(q, k_layer_cache, v_layer_cache, page_table, prefix_len, scale, *,
+                       out=None, qtile: int = 0, mode: int = 0, prof: torch.Tensor | None = None):
+    """chunk_attention with tuning/profiling knobs (benchmarks only).
+
+    qtile: query tokens per work item (0 = auto, 128 // group). mode: bit 1 skips QK^T, 2 the
+    softmax, 4 PV (output is garbage). prof: int64 [torch.get_num_threads(), 4] accumulating
+    rdtsc cycles of QK^T, softmax, PV and whole work items per thread.
+    """
+    return _require().chunk_attention(q, k_layer_cache, v_layer_cache, page_table, int(prefix_len),
+                                      float(scale), out, int(qtile), int(mode), prof)
+
+
+# ---------------------------------------------------------------------------------------------
+# Pure-torch helpers: unpacking and a float64 reference (tests, debugging).
+
+def read_kv(k_layer_cache: torch.Tensor, v_layer_cache: torch.Tensor, page_table: torch.Tensor,
+            num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens [0, num_tokens) of one sequence back in token-major [n, Hkv, D] layout."""
+    P, H, ps, D = k_layer_cache.shape
+    npages = math.ceil(num_tokens / ps)
+    pages = page_table[:npages].long()
+    k = k_layer_cache[pages]  # [n_pages, H, ps * D] in packed order
+    v = v_layer_cache[pages]
+    # K: [ps/16][D/32][16 pairs][16 tokens][2] -> [ps/16, 16 tokens, D/32, 16 pairs, 2]
+    k = k.reshape(npages, H, ps // 16, D // 32, 16, 16, 2).permute(0, 2, 5, 1, 3, 4, 6)
+    k = k.reshape(npages * ps, H, D)
+    # V: [ps/32][D/16][16 token pairs][16 dims][2] -> [ps/32, pairs, 2, D/16, 16 dims]
+    v = v.reshape(npages, H, ps // 32, D // 16, 16, 16, 2).permute(0, 2, 4, 6, 1, 3, 5)
+    v = v.reshape(npages * ps, H, D)
+    return k[:num_tokens].contiguous(), v[:num_tokens].contiguous()
+
+
+def reference_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, prefix_len: int,
+                        scale: float) -> torch.Tensor:
+    """float64 softmax(q k^T * scale, bottom-right causal) v; q [C, Hq, D], k/v [L+C, Hkv, D]."""
+    C, Hq, D = q.shape
+    n, Hkv, _ = k.shape
+    G = Hq // Hkv
+    qd = q.double().transpose(0, 1)  # [Hq, C, D]
+    kd = k.double().transpose(0, 1).repeat_interleave(G, 0)
+    vd = v.double().transpose(0, 1).repeat_interleave(G, 0)
+    s = qd @ kd.transpose(1, 2) * scale
+    pos = prefix_len + torch.arange(C).unsqueeze(1)
+    s = s.masked_fill(torch.arange(n).unsqueeze(0) > pos, float("-inf"))
+    return (torch.softmax(s, -1) @ vd).transpose(0, 1)  # [C, Hq, D]

@@ -46,6 +46,24 @@ class ServerArgs:
         "CPU threads per stage process. Default: usable cores // pp_size (at least 1).",
         default=None)
     pp_size: int = _flag("Pipeline-parallel size: number of stage processes.", default=1)
+    pp_layer_partition: str | None = _flag(
+        "Layers per stage, comma-separated (e.g. 7,7,8,8); must have --pp-size entries summing "
+        "to the model's layer count. Default: equal shares, the remainder on the last stages.",
+        default=None)
+    pp_async_batch_depth: int = _flag(
+        "Extra micro-batches in flight beyond --pp-size (up to pp_size + depth in flight).",
+        default=0)
+    nnodes: int = _flag("Nodes of a multi-node pipeline; each runs pp_size / nnodes stages.",
+                        default=1)
+    node_rank: int = _flag("This node's rank (0 runs stage 0 and the front end).", default=0)
+    dist_init_addr: str | None = _flag(
+        "HOST:PORT of node 0 for torch.distributed rendezvous (needed with --nnodes > 1; "
+        "the front end also listens on PORT+1 for reports from other nodes).", default=None)
+    device: str = _flag("cpu, or cuda (NCCL between stages; one GPU per stage).",
+                        default="cpu", choices=["cpu", "cuda"])
+    trace_dir: str | None = _flag(
+        "Write a Chrome-trace/Perfetto JSON and a PNG timeline of the stages here.",
+        default=None)
     seed: int = _flag("Seed for random prompts and for sampling without a per-request seed.",
                       default=0)
     log_level: str = _flag("Logging level.", default="info",
@@ -62,12 +80,39 @@ class ServerArgs:
                 f"--chunked-prefill-size ({self.chunked_prefill_size})")
         if self.threads_per_stage is not None and self.threads_per_stage < 1:
             raise ValueError("--threads-per-stage must be at least 1")
+        if self.pp_async_batch_depth < 0:
+            raise ValueError("--pp-async-batch-depth must be >= 0")
+        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
+            raise ValueError(f"--node-rank must be in [0, --nnodes) = [0, {self.nnodes})")
+        if self.pp_size % self.nnodes:
+            raise ValueError(f"--pp-size {self.pp_size} must be a multiple of --nnodes "
+                             f"{self.nnodes}: every node runs the same number of stages")
+        if self.nnodes > 1 and not self.dist_init_addr:
+            raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT of node 0")
+        if self.dist_init_addr is not None:
+            host, _, port = self.dist_init_addr.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"--dist-init-addr {self.dist_init_addr!r}: expected HOST:PORT")
+
+    @property
+    def stages_per_node(self) -> int:
+        return self.pp_size // self.nnodes
+
+    @property
+    def local_ranks(self) -> range:
+        """Global stage ranks that run on this node."""
+        n = self.stages_per_node
+        return range(self.node_rank * n, (self.node_rank + 1) * n)
+
+    @property
+    def max_inflight(self) -> int:
+        return self.pp_size + self.pp_async_batch_depth
 
     @property
     def num_threads(self) -> int:
         if self.threads_per_stage is not None:
             return self.threads_per_stage
-        return max(1, len(os.sched_getaffinity(0)) // self.pp_size)
+        return max(1, len(os.sched_getaffinity(0)) // self.stages_per_node)
 
     @property
     def kv_capacity_tokens(self) -> int:
@@ -95,7 +140,7 @@ def add_server_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
             kwargs["choices"] = f.metadata["choices"]
         if isinstance(f.default, bool):
             kwargs["action"] = argparse.BooleanOptionalAction
-        elif isinstance(f.default, int) or f.type in ("int | None", "int"):
+        elif f.type in ("int | None", "int"):
             kwargs["type"] = int
         parser.add_argument(f"--{_dash(f.name)}", **kwargs)
 

@@ -8,6 +8,7 @@ from dataclasses import dataclass, field
 
 from pipefill.config import ServerArgs, make_server_args, resolve
 from pipefill.model.loader import WeightSource, resolve_model_path
+from pipefill.model.partition import partition_layers
 from pipefill.model.tokenizer import Tokenizer, load_tokenizer
 from pipefill.runtime.launch import StageFailure, StageGroup
 from pipefill.scheduler.plan import NewRequest, RequestOutput, SamplingParams
@@ -45,6 +46,11 @@ class Engine:
         source = WeightSource(self.model_file)
         self.model_config = source.config
         self.args: ServerArgs = resolve(args, self.model_config)
+        if self.args.node_rank != 0:
+            raise ValueError("the engine runs on node 0; other nodes run "
+                             "`pipefill generate|serve --node-rank N` to host their stages")
+        partition_layers(self.model_config.num_layers, self.args.pp_size,
+                         self.args.pp_layer_partition)  # a bad partition fails here, clearly
         self._rids = itertools.count()
         self._stages = StageGroup(self.args, self.model_file)
         # The tokenizer loads here while the stages load their weights.
@@ -168,6 +174,32 @@ class Engine:
         return GenerateOutput(p.output_ids, text, p.prompt_logprobs, p.done.finish_reason,
                               p.num_prompt_tokens, metrics)
 
+    def collect_trace(self) -> list[dict]:
+        """Every stage's spans since the last call (Chrome-trace events). Needs --trace-dir."""
+        if not self.args.trace_dir:
+            raise ValueError("tracing is off: pass --trace-dir DIR")
+        self._stages.send("trace")
+        events, seen = [], set()
+        while len(seen) < self.args.pp_size:
+            msg = self._stages.recv(100)
+            if msg is not None and msg[0] == "trace":
+                seen.add(msg[1][0])
+                events += msg[1][1]
+        return events
+
+    def write_trace(self, name: str) -> dict:
+        """Writes <trace_dir>/<name>.json and .png from the spans since the last collection
+        and returns the bubble statistics."""
+        from pipefill.runtime.trace import write_trace
+        return write_trace(self.args.trace_dir, name, self.collect_trace(), self.args.pp_size)
+
     def stats(self) -> dict:
-        """Page-pool state of the stages, with the integrity check (free + used == total)."""
-        return self._stages.request("stats")
+        """Stage 0's page pool with its integrity check (free + used == total), and under
+        "stages" every stage's own report."""
+        self._stages.send("stats")
+        reports = {}
+        while len(reports) < self.args.pp_size:
+            msg = self._stages.recv(100)
+            if msg is not None and msg[0] == "stage_stats":
+                reports[msg[1]["rank"]] = msg[1]
+        return {**reports[0], "stages": [reports[r] for r in sorted(reports)]}

@@ -74,8 +74,10 @@ def track(engine):
 
 def assert_pages_free(engine) -> None:
     stats = engine.stats()
-    assert stats["integrity"] == "ok", stats
     assert stats["pages_free"] == stats["pages_total"], stats
+    for stage in stats["stages"]:  # every stage: stage 0's pool, the others' page ids
+        assert stage["integrity"] == "ok", stats
+        assert stage["pages_total"] == stats["pages_total"], stats
 
 
 @pytest.fixture(autouse=True)

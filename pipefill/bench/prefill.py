@@ -1,23 +1,31 @@
 """`pipefill bench prefill`: TTFT of long prompts, pipefill beside HF transformers.
 
-For each length, the same random prompt goes through pipefill (real stage processes) and
-through Hugging Face transformers' forward (sdpa, logits_to_keep=1) on the same weights in this
-process, alternating A B A B so that the machine's drift hits both alike. Achieved TFLOP/s are
-given against a matmul peak measured by the same command.
+For each length, the same random prompt goes through each pipefill configuration (real stage
+processes) and through Hugging Face transformers' forward (sdpa, logits_to_keep=1) on the same
+weights in this process, alternating A B C A B C ... so that the machine's drift hits all alike;
+medians are reported. Achieved TFLOP/s are given against a matmul peak measured by the same
+command.
+
+With --pp-size 1,2 every pipeline size runs with the same threads per stage (default: usable
+cores // largest pp size), plus PP1 on all usable cores; the strong-scaling efficiency is
+T(PP1, same threads per stage) / (P * T(PP P)), and with --trace-dir the measured bubble ratio
+of the last repetition is printed next to the theory (P-1)/(P-1+M).
 """
 from __future__ import annotations
 
 import argparse
 import json
 import logging
+import os
 import random
 import statistics
 import time
+from dataclasses import dataclass
 
 import torch
 
 from pipefill.bench.roofline import matmul_peak_flops, prefill_flops
-from pipefill.config import server_args_from_namespace
+from pipefill.config import ServerArgs, server_args_from_namespace
 
 log = logging.getLogger("pipefill.bench")
 
@@ -28,44 +36,64 @@ def add_parser(sub) -> None:
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input-len", default="1024,4096,8192",
                    help="comma-separated prompt lengths in tokens")
+    p.add_argument("--pp-size", default="1", dest="pp_sizes",
+                   help="comma-separated pipeline sizes to compare, e.g. 1,2")
     p.add_argument("--reps", type=int, default=3, help="repetitions per length (median)")
     p.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
     p.add_argument("--no-split", action="store_true",
                    help="skip the linear/attention/overhead time split")
     p.add_argument("--json", metavar="FILE", help="write every number to this JSON file")
-    server_args_parser_group(p)
+    server_args_parser_group(p, skip=("pp_size",))
     p.set_defaults(run=run)
 
 
-def parse_lengths(text: str) -> list[int]:
+def parse_ints(text: str, flag: str) -> list[int]:
     try:
-        lengths = [int(x) for x in text.split(",") if x.strip()]
+        values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
-        raise ValueError(f"--input-len {text!r}: expected comma-separated integers") from None
-    if not lengths or min(lengths) < 1:
-        raise ValueError("--input-len needs positive lengths")
-    return lengths
+        raise ValueError(f"{flag} {text!r}: expected comma-separated integers") from None
+    if not values or min(values) < 1:
+        raise ValueError(f"{flag} needs positive values")
+    return values
+
+
+@dataclass
+class Config:
+    name: str
+    args: ServerArgs
+
+
+def make_configs(args: ServerArgs, pp_sizes: list[int]) -> list[Config]:
+    cores = len(os.sched_getaffinity(0))
+    if pp_sizes == [1]:
+        return [Config(f"pp1-t{args.num_threads}", args)]
+    threads = args.threads_per_stage or max(1, cores // max(pp_sizes))
+    configs = [Config(f"pp{p}-t{threads}", args.replace(pp_size=p, threads_per_stage=threads))
+               for p in sorted(set([1] + pp_sizes))]
+    if cores > threads:
+        configs.append(Config(f"pp1-t{cores}", args.replace(pp_size=1, threads_per_stage=cores)))
+    return configs
 
 
 def run(ns: argparse.Namespace) -> int:
     from pipefill.config import resolve
-    from pipefill.engine import Engine
     from pipefill.model.loader import WeightSource, resolve_model_path
     from pipefill.runtime.platform import resolve_dtype
 
-    lengths = parse_lengths(ns.input_len)
+    lengths = parse_ints(ns.input_len, "--input-len")
+    pp_sizes = parse_ints(ns.pp_sizes, "--pp-size")
     args = server_args_from_namespace(ns)
     source = WeightSource(resolve_model_path(args.model_path))
     need = max(lengths) + 1  # the prompt and its first token
-    trained = source.config.max_position_embeddings
-    if args.max_model_len is None and max(lengths) <= trained:
-        args = args.replace(max_model_len=max(need, trained))
+    if args.max_model_len is None and max(lengths) <= source.config.max_position_embeddings:
+        args = args.replace(max_model_len=max(need, source.config.max_position_embeddings))
     args = resolve(args, source.config)
     if need > args.max_model_len:
         raise ValueError(f"--input-len {max(lengths)} does not fit --max-model-len "
                          f"{args.max_model_len}; pass --max-model-len {need} or more")
+    configs = make_configs(args, pp_sizes)
     dtype = resolve_dtype(args.dtype)
-    threads = args.num_threads
+    threads = len(os.sched_getaffinity(0)) if len(configs) > 1 else args.num_threads
     torch.set_num_threads(threads)
     peak = matmul_peak_flops(dtype)
     print(f"matmul peak ({args.dtype}, {threads} threads): {peak / 1e12:.2f} TFLOP/s")
@@ -73,39 +101,78 @@ def run(ns: argparse.Namespace) -> int:
     prompts = {n: [rng.randrange(100, source.config.vocab_size) for _ in range(n)]
                for n in lengths}
     hf = None if ns.no_hf else load_hf_model(source, dtype)
-    rows = []
-    with Engine(**vars(args)) as engine:
-        for n in lengths:
-            rows.append(bench_length(engine, hf, source.config, prompts[n], ns.reps, peak))
-            print_row(rows[-1])
+    rows = run_configs(configs, hf, source.config, prompts, ns.reps, peak)
     if not ns.no_split:
         from pipefill.bench.time_split import prefill_time_split
+        split_cfg = max((c for c in configs if c.args.pp_size == 1),
+                        key=lambda c: c.args.num_threads)
         for row in rows:
-            row["split"] = prefill_time_split(args, source, prompts[row["len"]])
-            print_split(row)
+            if row["config"] == split_cfg.name:
+                row["split"] = prefill_time_split(split_cfg.args, source, prompts[row["len"]])
+                print_split(row)
     if ns.json:
         with open(ns.json, "w") as f:
-            json.dump({"args": vars(args), "threads": threads, "matmul_peak_flops": peak,
+            json.dump({"args": vars(args), "matmul_peak_flops": peak, "bench_threads": threads,
                        "torch": torch.__version__, "rows": rows}, f, indent=2)
         print(f"wrote {ns.json}")
     return 0
 
 
-def bench_length(engine, hf, cfg, prompt: list[int], reps: int, peak: float) -> dict:
-    flops = prefill_flops(cfg, len(prompt))
-    ours, theirs, chunks = [], [], None
-    for _ in range(reps):
-        out = engine.generate([prompt], max_new_tokens=1)[0]
-        ours.append(out.metrics["ttft_s"])
-        chunks = out.metrics["chunk_sizes"]
-        if hf is not None:
-            theirs.append(hf_prefill_seconds(hf, prompt))
-    row = {"len": len(prompt), "flops": flops, "chunk_sizes": chunks,
-           "pipefill": summary(ours, flops, peak, len(prompt))}
-    if theirs:
-        row["hf"] = summary(theirs, flops, peak, len(prompt))
-        row["ratio_ttft_pipefill_over_hf"] = row["pipefill"]["ttft_s"] / row["hf"]["ttft_s"]
-    return row
+def run_configs(configs: list[Config], hf, cfg, prompts: dict, reps: int, peak: float):
+    from pipefill.engine import Engine
+    engines = {}
+    try:
+        for c in configs:
+            engines[c.name] = Engine(**vars(c.args))
+        rows = []
+        for n, prompt in prompts.items():
+            times = {c.name: [] for c in configs}
+            chunks, traces = {}, {}
+            hf_times = []
+            for rep in range(reps):
+                for c in configs:  # A B C A B C: drift hits every configuration alike
+                    engine = engines[c.name]
+                    if c.args.trace_dir:
+                        engine.collect_trace()  # drop spans of earlier runs
+                    out = engine.generate([prompt], max_new_tokens=1)[0]
+                    times[c.name].append(out.metrics["ttft_s"])
+                    chunks[c.name] = out.metrics["chunk_sizes"]
+                    if c.args.trace_dir and rep == reps - 1:
+                        traces[c.name] = engine.write_trace(f"{c.name}-len{n}")
+                if hf is not None:
+                    hf_times.append(hf_prefill_seconds(hf, prompt))
+            flops = prefill_flops(cfg, n)
+            hf_row = summary(hf_times, flops, peak, n) if hf_times else None
+            for c in configs:
+                row = {"len": n, "config": c.name, "pp_size": c.args.pp_size,
+                       "threads_per_stage": c.args.num_threads,
+                       "chunk_sizes": chunks[c.name],
+                       "pipefill": summary(times[c.name], flops, peak, n),
+                       "trace": traces.get(c.name)}
+                if hf_row:
+                    row["hf"] = hf_row
+                    row["ratio_ttft_pipefill_over_hf"] = row["pipefill"]["ttft_s"] / hf_row["ttft_s"]
+                rows.append(row)
+            add_scaling(rows[-len(configs):])
+            for row in rows[-len(configs):]:
+                print_row(row)
+        return rows
+    finally:
+        for e in engines.values():
+            e.shutdown()
+
+
+def add_scaling(rows: list[dict]) -> None:
+    """Strong-scaling efficiency against PP1 with the same threads per stage."""
+    base = {r["threads_per_stage"]: r for r in rows if r["pp_size"] == 1}
+    for r in rows:
+        b = base.get(r["threads_per_stage"])
+        if r["pp_size"] > 1 and b:
+            r["scaling_efficiency"] = b["pipefill"]["ttft_s"] / (
+                r["pp_size"] * r["pipefill"]["ttft_s"])
+        others = [x for x in rows if x["pp_size"] == 1 and x is not b]
+        if r["pp_size"] > 1 and others:
+            r["speedup_vs_pp1_all_cores"] = others[0]["pipefill"]["ttft_s"] / r["pipefill"]["ttft_s"]
 
 
 def summary(times: list[float], flops: dict, peak: float, n: int) -> dict:
@@ -140,8 +207,7 @@ def hf_model_from_source(source, dtype: torch.dtype):
         max_position_embeddings=c.max_position_embeddings,
         tie_word_embeddings=c.tie_word_embeddings, attn_implementation="sdpa")
     model = AutoModelForCausalLM.from_config(hf_cfg, dtype=torch.float32)
-    state = {name: source.load(name) for name in model.state_dict()
-             if source.has(name)}
+    state = {name: source.load(name) for name in model.state_dict() if source.has(name)}
     missing, _ = model.load_state_dict(state, strict=False)
     missing = [m for m in missing if not (c.tie_word_embeddings and m == "lm_head.weight")]
     assert not missing, f"HF baseline: weights missing from the source: {missing[:3]}"
@@ -159,11 +225,19 @@ def hf_prefill_seconds(model, prompt: list[int]) -> float:
 
 def print_row(row: dict) -> None:
     p = row["pipefill"]
-    line = (f"len {row['len']:>6}  pipefill TTFT {p['ttft_s']:7.3f} s  {p['tok_per_s']:7.0f} tok/s"
-            f"  {p['tflops']:.3f} TF/s ({100 * p['of_peak']:.0f}% of peak)")
+    line = (f"len {row['len']:>6} {row['config']:>7}  TTFT {p['ttft_s']:7.3f} s "
+            f"{p['tok_per_s']:6.0f} tok/s  {p['tflops']:.3f} TF/s ({100 * p['of_peak']:.0f}% "
+            f"of peak)")
+    if "scaling_efficiency" in row:
+        line += f"  efficiency {row['scaling_efficiency']:.2f}"
+    if "speedup_vs_pp1_all_cores" in row:
+        line += f"  vs PP1 all cores x{row['speedup_vs_pp1_all_cores']:.2f}"
+    if row.get("trace"):
+        t = row["trace"]
+        line += f"  bubble {t['bubble_ratio']:.3f} (theory {t['bubble_theory']:.3f})"
     if "hf" in row:
         h = row["hf"]
-        line += (f"  |  HF TTFT {h['ttft_s']:7.3f} s  {h['tflops']:.3f} TF/s"
+        line += (f"  |  HF TTFT {h['ttft_s']:7.3f} s {h['tflops']:.3f} TF/s"
                  f"  |  pipefill/HF {row['ratio_ttft_pipefill_over_hf']:.2f}")
     print(line, flush=True)
 
@@ -171,7 +245,7 @@ def print_row(row: dict) -> None:
 def print_split(row: dict) -> None:
     s = row["split"]
     w = s["wall_s"]
-    print(f"len {row['len']:>6}  time split: linear {s['linear_s']:.2f} s "
+    print(f"len {row['len']:>6} {row['config']:>7}  time split: linear {s['linear_s']:.2f} s "
           f"({100 * s['linear_s'] / w:.0f}%), attention {s['attention_s']:.2f} s "
           f"({100 * s['attention_s'] / w:.0f}%), other {s['other_s']:.2f} s "
           f"({100 * s['other_s'] / w:.0f}%) of {w:.2f} s", flush=True)

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import random
 
 from pipefill.config import server_args_from_namespace
@@ -12,7 +13,7 @@ def add_parser(sub) -> None:
     p = sub.add_parser("generate", help="generate a completion for one prompt",
                        description="Generate a completion for one prompt and print the text, "
                                    "the time to first token and the decode speed.")
-    src = p.add_mutually_exclusive_group(required=True)
+    src = p.add_mutually_exclusive_group()
     src.add_argument("--prompt", help="prompt text")
     src.add_argument("--input-len", type=int,
                      help="use a prompt of this many random token ids instead of text")
@@ -23,15 +24,22 @@ def add_parser(sub) -> None:
     p.add_argument("--top-p", type=float, default=1.0, help="nucleus sampling mass")
     p.add_argument("--top-k", type=int, default=-1, help="sample among the k most likely")
     p.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
+    p.add_argument("--output-json", metavar="FILE",
+                   help="also write the prompt ids, output ids, text and metrics here")
     server_args_parser_group(p)
     p.set_defaults(run=run)
 
 
 def run(ns: argparse.Namespace) -> int:
     from pipefill.engine import Engine
+    args = server_args_from_namespace(ns)
+    if args.node_rank > 0:
+        return run_other_node(args)
+    if ns.prompt is None and ns.input_len is None:
+        raise ValueError("give --prompt TEXT or --input-len N")
     if ns.input_len is not None and ns.input_len < 1:
         raise ValueError("--input-len must be at least 1")
-    with Engine(**vars(server_args_from_namespace(ns))) as engine:
+    with Engine(**vars(args)) as engine:
         if ns.prompt is not None:
             prompt = ns.prompt
             if ns.chat:
@@ -46,6 +54,11 @@ def run(ns: argparse.Namespace) -> int:
                               temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
                               seed=ns.sampling_seed)[0]
     m = out.metrics
+    if ns.output_json:
+        with open(ns.output_json, "w") as f:
+            json.dump({"prompt_ids": prompt if isinstance(prompt, list) else None,
+                       "output_ids": out.output_ids, "text": out.text,
+                       "finish_reason": out.finish_reason, "metrics": m}, f)
     print(out.text)
     print("---")
     speed = f"{m['decode_tok_per_s']:.1f} tok/s" if m["decode_tok_per_s"] else "n/a"
@@ -53,3 +66,13 @@ def run(ns: argparse.Namespace) -> int:
           f"TTFT {m['ttft_s']:.3f} s ({out.num_prompt_tokens / m['ttft_s']:.0f} prompt tok/s); "
           f"{len(out.output_ids)} new tokens, decode {speed}; finish: {out.finish_reason}")
     return 0
+
+
+def run_other_node(args) -> int:
+    """--node-rank > 0: host this node's stages; node 0 runs the front end."""
+    from pipefill.config import resolve
+    from pipefill.model.loader import WeightSource, resolve_model_path
+    from pipefill.runtime.launch import run_node_stages
+    model_file = resolve_model_path(args.model_path)
+    args = resolve(args, WeightSource(model_file).config)
+    return run_node_stages(args, model_file)

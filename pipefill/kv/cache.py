@@ -6,12 +6,13 @@ import torch
 
 class KVCache:
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype):
+                 head_dim: int, dtype: torch.dtype, device=None):
         shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
         # torch.empty does not touch memory: pages become resident only when written.
-        self.k = torch.empty(shape, dtype=dtype)
-        self.v = torch.empty(shape, dtype=dtype)
+        self.k = torch.empty(shape, dtype=dtype, device=device)
+        self.v = torch.empty(shape, dtype=dtype, device=device)
         self.page_size = page_size
+        self.num_pages = num_pages
 
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,

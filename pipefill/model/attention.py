@@ -44,6 +44,8 @@ def _merge(out_a, lse_a, out_b, lse_b) -> torch.Tensor:
 
 def attend_sequence(q, k, v, k_cache, v_cache, seq: SeqMeta, scale: float) -> torch.Tensor:
     """q [C, Hq, D], k/v [C, Hkv, D] of the new tokens (already written to the cache)."""
+    if q.is_cuda:
+        return _attend_cuda(q, k_cache[seq.read_slots], v_cache[seq.read_slots], scale)
     if seq.prefix_len == 0:
         return _flash_attend(q, k, v, True, scale)[0]
     if seq.num_new == 1:
@@ -53,6 +55,16 @@ def attend_sequence(q, k, v, k_cache, v_cache, seq: SeqMeta, scale: float) -> to
     out_p, lse_p = _flash_attend(q, k_cache[prefix], v_cache[prefix], False, scale)
     out_d, lse_d = _flash_attend(q, k, v, True, scale)
     return _merge(out_p, lse_p, out_d, lse_d)
+
+
+def _attend_cuda(q, keys, values, scale: float) -> torch.Tensor:
+    # CUDA's efficient-attention kernel supports the bottom-right causal mask natively.
+    from torch.nn.attention.bias import causal_lower_right
+    mask = causal_lower_right(q.shape[0], keys.shape[0])
+    out = torch.nn.functional.scaled_dot_product_attention(
+        _heads_first(q), _heads_first(keys), _heads_first(values), attn_mask=mask, scale=scale,
+        enable_gqa=True)
+    return out[0].transpose(0, 1)
 
 
 def _prefix_slots(seq: SeqMeta):

@@ -19,17 +19,20 @@ class Activations:
     residual: torch.Tensor | None  # [num_tokens, hidden_size] float32; None before layer 0
 
 
-def build_meta(plan: StepPlan, page_size: int) -> ForwardMeta:
+def build_meta(plan: StepPlan, page_size: int, device: torch.device) -> ForwardMeta:
+    def to_device(slots):
+        return slots if isinstance(slots, slice) else slots.to(device)
     positions, seqs = [], []
     row = 0
     for work in plan.seqs:
         seqs.append(SeqMeta(row, work.num_tokens, work.start,
-                            token_slots(work.page_table, work.start, work.end, page_size),
-                            token_slots(work.page_table, 0, work.end, page_size),
+                            to_device(token_slots(work.page_table, work.start, work.end,
+                                                  page_size)),
+                            to_device(token_slots(work.page_table, 0, work.end, page_size)),
                             torch.tensor(work.page_table, dtype=torch.int32)))
         positions.append(torch.arange(work.start, work.end))
         row += work.num_tokens
-    return ForwardMeta(torch.cat(positions), seqs)
+    return ForwardMeta(torch.cat(positions).to(device), seqs)
 
 
 def logit_rows(work, row: int) -> list[int]:
@@ -46,16 +49,23 @@ class StageExecutor:
     def __init__(self, model: StageModel, cache: KVCache):
         self.model = model
         self.cache = cache
+        self.num_forwards = 0
+        self.max_page_seen = -1  # for the integrity report of stages without an allocator
 
     def forward(self, plan: StepPlan, acts: Activations | None) -> tuple[Activations, float]:
         """Runs this stage's layers; returns the output activations and the forward seconds."""
         t0 = time.perf_counter()
-        meta = build_meta(plan, self.cache.page_size)
+        self.num_forwards += 1
+        self.max_page_seen = max([self.max_page_seen] + [max(w.page_table) for w in plan.seqs])
+        device = self.cache.k.device
+        meta = build_meta(plan, self.cache.page_size, device)
         if acts is None:
             ids = torch.tensor([t for w in plan.seqs for t in w.input_ids], dtype=torch.long)
-            acts = Activations(self.model.embed(ids), None)
+            acts = Activations(self.model.embed(ids.to(device)), None)
         hidden, residual = self.model.forward(acts.hidden, acts.residual, meta,
                                               self.cache.k, self.cache.v)
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)  # the forward time is for the chunk-cost model
         return Activations(hidden, residual), time.perf_counter() - t0
 
     def results(self, plan: StepPlan, acts: Activations) -> StepResult:
@@ -69,7 +79,8 @@ class StageExecutor:
         if not rows:
             result.seqs = [SeqResult(w.rid) for w in plan.seqs]
             return result
-        logits = self.model.logits(acts.hidden, acts.residual, torch.tensor(rows))
+        logits = self.model.logits(acts.hidden, acts.residual,
+                                   torch.tensor(rows, device=acts.hidden.device)).cpu()
         at = 0
         for work, seq_rows in zip(plan.seqs, per_seq):
             result.seqs.append(_seq_result(work, logits[at:at + len(seq_rows)]))

@@ -4,9 +4,10 @@ The front end binds two sockets; stage 0 pulls requests from one, and every stag
 other (outputs from stage 0, start-up and failure reports from any stage). Messages are
 (kind, payload) tuples, pickled.
 
-  front end -> stage 0 : ("add", [NewRequest]), ("abort", rid), ("stats", None), ("stop", None)
+  front end -> stage 0 : ("add", [NewRequest]), ("abort", rid), ("stats", None),
+                         ("trace", None), ("stop", None)
   stage -> front end   : ("ready", info), ("outputs", [RequestOutput]), ("rejected", (rid, msg)),
-                         ("stats", dict), ("fatal", message)
+                         ("stage_stats", dict), ("trace", (rank, events)), ("fatal", message)
 """
 from __future__ import annotations
 
@@ -20,14 +21,20 @@ import zmq
 
 @dataclass(frozen=True)
 class Addresses:
-    requests: str  # front end -> stage 0
-    events: str  # stages -> front end
+    requests: str  # front end -> stage 0 (always on node 0)
+    events: str  # stages -> front end, as the stages connect to it
+    events_bind: str  # the same, as the front end binds it
 
     @staticmethod
-    def fresh() -> "Addresses":
+    def fresh(nnodes: int = 1, host: str | None = None, port: int | None = None
+              ) -> "Addresses":
         d = tempfile.mkdtemp(prefix="pipefill-")
-        return Addresses(f"ipc://{os.path.join(d, 'requests')}",
-                         f"ipc://{os.path.join(d, 'events')}")
+        requests = f"ipc://{os.path.join(d, 'requests')}"
+        if nnodes == 1:
+            events = f"ipc://{os.path.join(d, 'events')}"
+            return Addresses(requests, events, events)
+        # Stages of other nodes report over TCP, next to the rendezvous port.
+        return Addresses(requests, f"tcp://{host}:{port}", f"tcp://*:{port}")
 
 
 class FrontChannel:
@@ -38,7 +45,7 @@ class FrontChannel:
         self.out = self.ctx.socket(zmq.PUSH)
         self.out.bind(addrs.requests)
         self.inp = self.ctx.socket(zmq.PULL)
-        self.inp.bind(addrs.events)
+        self.inp.bind(addrs.events_bind)
 
     def send(self, kind: str, payload=None, block: bool = True) -> None:
         try:

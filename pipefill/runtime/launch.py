@@ -25,13 +25,13 @@ class StageGroup:
     """The front end's handle on the stage processes: start, talk, watch, stop."""
 
     def __init__(self, args: ServerArgs, model_file: str):
+        if args.pp_size > 1 and args.dist_init_addr is None:
+            args = args.replace(dist_init_addr=f"127.0.0.1:{free_port()}")
         self.args = args
-        addrs = Addresses.fresh()
+        host, _, port = args.dist_init_addr.rpartition(":") if args.dist_init_addr else ("", "", "0")
+        addrs = Addresses.fresh(args.nnodes, host, int(port) + 1)
         self.channel = FrontChannel(addrs)
-        # A fresh interpreter per stage (not multiprocessing): the user's main module is never
-        # re-imported, and no thread pool state is inherited through fork.
-        self.procs = [_spawn(args, model_file, rank, addrs) for rank in range(args.pp_size)]
-        self.pending: list[tuple] = []  # messages that arrived while waiting for another kind
+        self.procs = spawn_local_stages(args, model_file, addrs)
         self.info: dict = {}
 
     def wait_ready(self) -> dict:
@@ -45,49 +45,43 @@ class StageGroup:
                     self.info = payload
                     return payload
                 if kind == "fatal":
-                    self.close()
-                    raise StageFailure(payload)
+                    self._fail([payload])
             else:
                 self.check_alive()
         self.close()
         raise StageFailure(f"stages did not start within {STARTUP_TIMEOUT_S} s")
 
     def check_alive(self) -> None:
-        for rank, p in enumerate(self.procs):
-            if p.poll() is not None:
-                cause = _exit_cause(p.returncode)
-                self.close()
-                raise StageFailure(f"stage {rank} (pid {p.pid}) exited: {cause}")
+        if any(p.poll() is not None for p in self.procs):
+            self._fail([])
+
+    def _fail(self, reports: list[str]) -> None:
+        """Stops everything and raises one error that leads with the root cause: a stage
+        that died comes before the stages that then lost their link to it."""
+        deadline = time.monotonic() + 0.5  # let the other reports and exits arrive
+        while time.monotonic() < deadline:
+            msg = self.channel.recv(50)
+            if msg is not None and msg[0] == "fatal":
+                reports.append(msg[1])
+        died = [f"stage {rank} (pid {p.pid}) exited: {_exit_cause(p.returncode)}"
+                for rank, p in zip(self.args.local_ranks, self.procs)
+                if p.poll() is not None and p.returncode != 0 and not any(
+                    r.startswith(f"stage {rank} ") for r in reports)]
+        self.close(grace_s=1.0)
+        raise StageFailure("; ".join(died + reports) or "a stage exited")
 
     def send(self, kind: str, payload=None) -> None:
         self.channel.send(kind, payload)
 
     def recv(self, timeout_ms: int = 100) -> tuple | None:
         """Next message; raises StageFailure on a 'fatal' report or a dead stage."""
-        msg = self.pending.pop(0) if self.pending else self.channel.recv(timeout_ms)
+        msg = self.channel.recv(timeout_ms)
         if msg is None:
             self.check_alive()
             return None
         if msg[0] == "fatal":
-            self.close()
-            raise StageFailure(msg[1])
+            self._fail([msg[1]])
         return msg
-
-    def request(self, kind: str, timeout_s: float = 30.0):
-        """Sends a query and waits for the reply of the same kind (e.g. 'stats')."""
-        self.send(kind)
-        deadline = time.monotonic() + timeout_s
-        held = []
-        try:
-            while time.monotonic() < deadline:
-                msg = self.recv(100)
-                if msg is not None and msg[0] == kind:
-                    return msg[1]
-                if msg is not None:
-                    held.append(msg)
-        finally:
-            self.pending[:0] = held
-        raise TimeoutError(f"no reply to {kind!r} within {timeout_s} s")
 
     def close(self, grace_s: float = 5.0) -> None:
         if not self.procs:
@@ -102,6 +96,38 @@ class StageGroup:
                 p.wait(2)
         self.procs = []
         self.channel.close()
+
+
+def spawn_local_stages(args: ServerArgs, model_file: str, addrs: Addresses):
+    # A fresh interpreter per stage (not multiprocessing): the user's main module is never
+    # re-imported, and no thread-pool state is inherited through fork.
+    return [_spawn(args, model_file, rank, addrs) for rank in args.local_ranks]
+
+
+def run_node_stages(args: ServerArgs, model_file: str) -> int:
+    """Nodes other than 0: run this node's stages until they exit; their reports go to node 0."""
+    host, _, port = args.dist_init_addr.rpartition(":")
+    addrs = Addresses.fresh(args.nnodes, host, int(port) + 1)
+    procs = spawn_local_stages(args, model_file, addrs)
+    log.info("node %d: running stages %d-%d; waiting for them to finish", args.node_rank,
+             args.local_ranks.start, args.local_ranks.stop - 1)
+    try:
+        codes = [p.wait() for p in procs]
+    except KeyboardInterrupt:
+        for p in procs:
+            p.terminate()
+        codes = [p.wait() for p in procs]
+    for rank, code in zip(args.local_ranks, codes):
+        if code:
+            log.error("stage %d %s", rank, _exit_cause(code))
+    return 0 if not any(codes) else 1
+
+
+def free_port() -> int:
+    import socket
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def _spawn(args: ServerArgs, model_file: str, rank: int, addrs: Addresses) -> subprocess.Popen:

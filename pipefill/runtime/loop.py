@@ -1,8 +1,12 @@
-"""The micro-batch loop of stage 0: schedule, run, update, with a queue of plans in flight.
+"""The micro-batch loops. Stage 0: schedule, run, update, with a queue of plans in flight.
+Later stages: receive, run, pass on. The loops talk to the outside through three small
+interfaces (executor, pipe, channel), so a process-free test can drive them in memory.
 
 With one stage a plan's results come straight from the local forward; with P stages the plan
-travels down the pipe with its activations and its results come back from the last stage, and
-up to `max_inflight` plans are in flight, retired oldest first.
+travels down the pipe with its activations, its results come back from the last stage, and up
+to `max_inflight` plans are in flight, retired oldest first. Consecutive chunks of one request
+go into consecutive micro-batches: every stage runs micro-batches in arrival order, so chunk k's
+KV is in place when chunk k+1 reaches any stage.
 """
 from __future__ import annotations
 
@@ -10,9 +14,8 @@ import logging
 import time
 from collections import deque
 
-from pipefill.runtime.executor import StageExecutor
-from pipefill.runtime.ipc import StageChannel
-from pipefill.scheduler.plan import RequestOutput, StepPlan, StepResult
+from pipefill.runtime.trace import StageTracer, plan_label
+from pipefill.scheduler.plan import PipeMessage, RequestOutput, StepPlan, StepResult
 from pipefill.scheduler.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
@@ -21,14 +24,14 @@ IDLE_POLL_MS = 50
 
 
 class FirstStageLoop:
-    def __init__(self, executor: StageExecutor, scheduler: Scheduler, channel: StageChannel,
-                 pipe=None, max_inflight: int = 1, tracer=None):
+    def __init__(self, executor, scheduler: Scheduler, channel, pipe=None,
+                 max_inflight: int = 1, tracer: StageTracer | None = None):
         self.executor = executor
         self.scheduler = scheduler
-        self.channel = channel
+        self.channel = channel  # front end: poll() requests, report() events
         self.pipe = pipe  # None when this stage is also the last
         self.max_inflight = max_inflight if pipe is not None else 1
-        self.tracer = tracer
+        self.tracer = tracer or StageTracer(0, False)
         self.inflight: deque[StepPlan] = deque()
         self.stopping = False
 
@@ -36,25 +39,29 @@ class FirstStageLoop:
         while not (self.stopping and not self.inflight):
             idle = not self.inflight and not self.scheduler.has_work
             self._ingest(IDLE_POLL_MS if idle else 0)
-            self._launch()
-            self._retire_oldest()
+            nothing_to_launch = not self._launch()
+            self._retire_ready(must_wait=nothing_to_launch or self.stopping
+                               or len(self.inflight) >= self.max_inflight)
         if self.pipe is not None:
-            self.pipe.send_stop()
+            self.pipe.send_forward(PipeMessage(None, control=("stop",)), None)
+            self.pipe.flush()
 
     # ---- messages from the front end ---------------------------------------------------------
 
-    def _ingest(self, timeout_ms: int) -> None:
-        for kind, payload in self.channel.poll(timeout_ms):
+    def _ingest(self, timeout_ms: int) -> int:
+        messages = self.channel.poll(timeout_ms)
+        for kind, payload in messages:
             if kind == "add":
                 self._add(payload)
             elif kind == "abort":
                 out = self.scheduler.abort(payload)
                 if out is not None:
                     self.channel.report("outputs", [out])
-            elif kind == "stats":
-                self.channel.report("stats", self.stats())
+            elif kind in ("stats", "trace"):
+                self._control(kind)
             elif kind == "stop":
                 self._stop()
+        return len(messages)
 
     def _add(self, requests) -> None:
         for req in requests:
@@ -70,6 +77,13 @@ class FirstStageLoop:
             if out is not None:
                 self.channel.report("outputs", [out])
 
+    def _control(self, kind: str) -> None:
+        """Every stage reports (its spans, its stats); the control message follows the
+        micro-batches in flight down the pipe, so each stage answers after them."""
+        report_control(kind, 0, self.channel, self.tracer, self.executor, self.stats)
+        if self.pipe is not None:
+            self.pipe.send_forward(PipeMessage(None, control=(kind,)), None)
+
     def stats(self) -> dict:
         pool = self.scheduler.pool
         try:
@@ -77,34 +91,48 @@ class FirstStageLoop:
             integrity = "ok"
         except AssertionError as e:
             integrity = str(e)
-        return {"pages_total": pool.num_pages, "pages_free": pool.num_free,
+        return {"rank": 0, "pages_total": pool.num_pages, "pages_free": pool.num_free,
                 "pages_used": pool.num_used, "integrity": integrity,
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
+                "inflight_micro_batches": len(self.inflight),
                 "page_size": self.scheduler.cfg.page_size}
 
     # ---- schedule / run / update -------------------------------------------------------------
 
-    def _launch(self) -> None:
+    def _launch(self) -> bool:
+        """Launches micro-batches into free slots; False when the scheduler had nothing."""
         while len(self.inflight) < self.max_inflight and not self.stopping:
             plan = self.scheduler.schedule()
             if plan is None:
-                return
-            acts, seconds = self.executor.forward(plan, None)
+                return False
+            with self.tracer.span("forward", "forward", step=plan.step_id,
+                                  label=plan_label(plan)):
+                acts, seconds = self.executor.forward(plan, None)
             if self.pipe is None:
                 result = self.executor.results(plan, acts)
                 result.stage_seconds = [seconds]
                 self._update(plan, result)
             else:
-                self.pipe.send_forward(plan, acts)
+                with self.tracer.span("send", "send", step=plan.step_id):
+                    self.pipe.send_forward(PipeMessage(plan, [seconds]), acts)
                 self.inflight.append(plan)
+        return True
 
-    def _retire_oldest(self) -> None:
+    def _retire_ready(self, must_wait: bool) -> None:
+        """Retires finished micro-batches; waits for the oldest only when nothing else can
+        be launched, and keeps reading the front end while it waits."""
         if not self.inflight:
             return
-        result = self.pipe.recv_result()
-        plan = self.inflight.popleft()
-        assert result.step_id == plan.step_id, "results came back out of order"
-        self._update(plan, result)
+        if must_wait and not self.pipe.result_ready():
+            with self.tracer.span("wait", "wait"):
+                while not self.pipe.result_ready():
+                    if self._ingest(1) and len(self.inflight) < self.max_inflight:
+                        return  # a new request may use a free slot now
+        while self.inflight and self.pipe.result_ready():
+            result = self.pipe.recv_result()
+            plan = self.inflight.popleft()
+            assert result.step_id == plan.step_id, "results came back out of order"
+            self._update(plan, result)
 
     def _update(self, plan: StepPlan, result: StepResult) -> None:
         outputs: list[RequestOutput] = self.scheduler.update(plan, result)
@@ -112,7 +140,52 @@ class FirstStageLoop:
             self.channel.report("outputs", outputs)
 
 
-def run_guarded(name: str, channel: StageChannel, body) -> int:
+def report_control(kind: str, rank: int, channel, tracer, executor, stats=None) -> None:
+    if kind == "trace":
+        channel.report("trace", (rank, tracer.drain()))
+    elif kind == "stats":
+        channel.report("stage_stats", stats() if stats else later_stage_stats(rank, executor))
+
+
+def later_stage_stats(rank: int, executor) -> dict:
+    """A later stage owns no allocator; it checks that every page id stage 0 sent fits its
+    pool (capacities agree) and reports what it executed."""
+    bad = executor.max_page_seen >= executor.cache.num_pages
+    return {"rank": rank, "pages_total": executor.cache.num_pages,
+            "max_page_seen": executor.max_page_seen, "micro_batches": executor.num_forwards,
+            "integrity": "ok" if not bad else
+            f"page {executor.max_page_seen} beyond the pool of {executor.cache.num_pages}"}
+
+
+def run_later_stage(executor, pipe, channel, tracer: StageTracer | None = None) -> None:
+    """Stages 1..P-1: execute each micro-batch as it comes, pass it on (or return results)."""
+    tracer = tracer or StageTracer(pipe.rank, False)
+    last = pipe.rank == pipe.size - 1
+    while True:
+        with tracer.span("recv", "recv"):
+            msg, acts = pipe.recv_forward()
+        if msg.control is not None:
+            report_control(msg.control[0], pipe.rank, channel, tracer, executor)
+            if not last:
+                pipe.send_forward(msg, None)
+            if msg.control[0] == "stop":
+                break
+            continue
+        plan = msg.plan
+        with tracer.span("forward", "forward", step=plan.step_id, label=plan_label(plan)):
+            acts, seconds = executor.forward(plan, acts)
+            result = executor.results(plan, acts) if last else None
+        stage_seconds = msg.stage_seconds + [seconds]
+        with tracer.span("send", "send", step=plan.step_id):
+            if last:
+                result.stage_seconds = stage_seconds
+                pipe.send_result(result)
+            else:
+                pipe.send_forward(PipeMessage(plan, stage_seconds), acts)
+    pipe.flush()
+
+
+def run_guarded(name: str, channel, body) -> int:
     """Runs a stage's main loop; any exception becomes one 'fatal' report naming the stage."""
     try:
         body()

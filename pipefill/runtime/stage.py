@@ -35,7 +35,7 @@ class StageInfo:
 
 
 def stage_info(args: ServerArgs, num_layers: int, rank: int) -> StageInfo:
-    ranges = partition_layers(num_layers, args.pp_size, getattr(args, "pp_layer_partition", None))
+    ranges = partition_layers(num_layers, args.pp_size, args.pp_layer_partition)
     return StageInfo(rank, args.pp_size, ranges[rank])
 
 
@@ -50,13 +50,14 @@ def available_memory_bytes() -> int | None:
     return None
 
 
-def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo) -> StageExecutor:
+def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
+                device: torch.device = torch.device("cpu")) -> StageExecutor:
     cfg = source.config
     dtype = resolve_dtype(args.dtype)
     num_pages = args.kv_capacity_tokens // args.page_size
     kv_bytes = num_pages * args.page_size * KVCache.bytes_per_token(
         len(info.layers), cfg.num_kv_heads, cfg.head_dim, dtype)
-    avail = available_memory_bytes()
+    avail = available_memory_bytes() if device.type == "cpu" else None
     if avail is not None and kv_bytes > avail:
         raise ValueError(f"stage {info.rank}: the KV pool needs {kv_bytes / 2**30:.1f} GiB for "
                          f"{num_pages * args.page_size} tokens but only {avail / 2**30:.1f} GiB "
@@ -64,15 +65,26 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo) -> Stag
     weights = load_stage_weights(source, info.layers, info.is_first, info.is_last, dtype,
                                  progress_desc=f"stage {info.rank}: loading layers "
                                                f"{info.layers.start}-{info.layers.stop - 1}")
+    if device.type != "cpu":
+        weights = weights_to(weights, device)
     model = StageModel(cfg, info.layers.start, weights, dtype)
     cache = KVCache(len(info.layers), num_pages, args.page_size, cfg.num_kv_heads,
-                    cfg.head_dim, dtype)
+                    cfg.head_dim, dtype, device)
     executor = StageExecutor(model, cache)
     warm_up(executor, cfg.hidden_size, dtype, info.is_first)
     log.info("stage %d/%d ready: layers %d-%d, %s, %d KV pages of %d tokens, %d threads",
              info.rank, info.size, info.layers.start, info.layers.stop - 1, args.dtype,
              num_pages, args.page_size, torch.get_num_threads())
     return executor
+
+
+def weights_to(weights, device):
+    import dataclasses
+    move = lambda t: None if t is None else t.to(device)  # noqa: E731
+    layers = [type(w)(**{f.name: move(getattr(w, f.name)) for f in dataclasses.fields(w)})
+              for w in weights.layers]
+    return type(weights)(layers, move(weights.embed), move(weights.final_norm),
+                         move(weights.lm_head))
 
 
 def warm_up(executor: StageExecutor, hidden_size: int, dtype, is_first: bool) -> None:
@@ -83,6 +95,7 @@ def warm_up(executor: StageExecutor, hidden_size: int, dtype, is_first: bool) ->
     acts = None
     if not is_first:
         from pipefill.runtime.executor import Activations
-        acts = Activations(torch.zeros(n, hidden_size, dtype=dtype),
-                           torch.zeros(n, hidden_size, dtype=torch.float32))
+        device = executor.cache.k.device
+        acts = Activations(torch.zeros(n, hidden_size, dtype=dtype, device=device),
+                           torch.zeros(n, hidden_size, dtype=torch.float32, device=device))
     executor.forward(plan, acts)

@@ -1,7 +1,10 @@
 """A stage process: `python -m pipefill.runtime.worker`, its arguments pickled on stdin."""
 from __future__ import annotations
 
+import ctypes
+import datetime
 import logging
+import os
 import pickle
 import signal
 import sys
@@ -11,11 +14,15 @@ from pipefill.runtime.ipc import Addresses, StageChannel
 
 log = logging.getLogger(__name__)
 
+_PR_SET_PDEATHSIG = 1
+
 
 def stage_entry(args: ServerArgs, model_file: str, rank: int, addrs: Addresses) -> None:
     """Body of a stage process."""
     from pipefill.runtime.logging_setup import setup_logging
     setup_logging(args.log_level, prefix=f"stage {rank}")
+    # Die with the process that started us: no orphan stage outlives its front end.
+    ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when we stop
     channel = StageChannel(addrs, read_requests=rank == 0)
     code = 1
@@ -23,38 +30,79 @@ def stage_entry(args: ServerArgs, model_file: str, rank: int, addrs: Addresses) 
         code = _run_stage(args, model_file, rank, channel)
     finally:
         channel.close()
-        sys.exit(code)
+        logging.shutdown()
+        # Skip interpreter teardown: receiver threads may sit in a blocking gloo recv.
+        os._exit(code)
+
+
+def init_distributed(args: ServerArgs, rank: int):
+    """One torch.distributed group for all stages; returns (meta_group, tensor_group)."""
+    import torch.distributed as dist
+    host, _, port = args.dist_init_addr.rpartition(":")
+    backend = "nccl" if args.device == "cuda" else "gloo"
+    # Stages wait on their neighbours for as long as the server is idle: no timeout to speak
+    # of. A dead peer is noticed by its closed connection (and by the front end's watch).
+    dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank,
+                            world_size=args.pp_size, timeout=datetime.timedelta(days=30))
+    if backend == "nccl":
+        return dist.new_group(backend="gloo"), None
+    return None, None
 
 
 def _run_stage(args: ServerArgs, model_file: str, rank: int, channel: StageChannel) -> int:
-    from pipefill.kv.pool import PagePool
+    import torch
+
     from pipefill.model.loader import WeightSource
-    from pipefill.runtime.loop import FirstStageLoop, run_guarded
-    from pipefill.runtime.platform import place_stage
+    from pipefill.runtime.loop import run_guarded
+    from pipefill.runtime.platform import place_stage, resolve_dtype
     from pipefill.runtime.stage import build_stage, stage_info
-    from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig
+    from pipefill.runtime.trace import StageTracer
 
     try:
-        place_stage(rank, args.pp_size, args.num_threads)
+        local = rank - args.local_ranks.start
+        place_stage(local, args.stages_per_node, args.num_threads)
         source = WeightSource(model_file)
-        cfg = source.config
-        info = stage_info(args, cfg.num_layers, rank)
-        executor = build_stage(args, source, info)
+        info = stage_info(args, source.config.num_layers, rank)
+        device = torch.device("cpu")
+        if args.device == "cuda":
+            device = torch.device("cuda", local)
+            torch.cuda.set_device(device)
+        groups = init_distributed(args, rank) if args.pp_size > 1 else (None, None)
+        executor = build_stage(args, source, info, device)
     except Exception as e:  # noqa: BLE001 - start-up errors become one sentence
         log.debug("start-up failed", exc_info=True)
         channel.report("fatal", f"stage {rank} could not start: {e}")
         return 1
-    pool = PagePool(executor.cache.k.shape[1] // args.page_size)
+    tracer = StageTracer(rank, args.trace_dir is not None)
+    pipe = None
+    if args.pp_size > 1:
+        import torch.distributed as dist
+
+        from pipefill.runtime.p2p import Pipe
+        pipe = Pipe(rank, args.pp_size, source.config.hidden_size, resolve_dtype(args.dtype),
+                    device, *groups)
+        dist.barrier(group=groups[0])  # every stage loaded before stage 0 says ready
+    if rank == 0:
+        loop = make_first_stage_loop(args, source.config, executor, channel, pipe, tracer)
+        channel.report("ready", {"rank": rank, "num_pages": loop.scheduler.pool.num_pages,
+                                 "page_size": args.page_size})
+        return run_guarded(f"stage {rank}", channel, loop.run)
+    from pipefill.runtime.loop import run_later_stage
+    return run_guarded(f"stage {rank}", channel,
+                       lambda: run_later_stage(executor, pipe, channel, tracer))
+
+
+def make_first_stage_loop(args, cfg, executor, channel, pipe, tracer):
+    from pipefill.kv.pool import PagePool
+    from pipefill.runtime.loop import FirstStageLoop
+    from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig
+    pool = PagePool(executor.cache.num_pages)
     scheduler = Scheduler(SchedulerConfig(
         page_size=args.page_size, chunked_prefill_size=args.chunked_prefill_size,
         max_prefill_tokens=args.max_prefill_tokens,
         max_running_requests=args.max_running_requests, max_model_len=args.max_model_len,
         eos_token_ids=cfg.eos_token_ids, seed=args.seed), pool)
-    loop = FirstStageLoop(executor, scheduler, channel)
-    channel.report("ready", {"rank": rank, "num_pages": pool.num_pages,
-                             "page_size": args.page_size})
-    return run_guarded(f"stage {rank}", channel, loop.run)
-
+    return FirstStageLoop(executor, scheduler, channel, pipe, args.max_inflight, tracer)
 
 
 if __name__ == "__main__":

@@ -80,6 +80,14 @@ class StepPlan:
 
 
 @dataclass
+class PipeMessage:
+    """Stage s -> s+1, sent with the micro-batch's activations (none for a control message)."""
+    plan: StepPlan | None
+    stage_seconds: list[float] = field(default_factory=list)  # forward time of stages passed
+    control: tuple | None = None  # ("stop",) or ("trace",): every stage handles it in order
+
+
+@dataclass
 class SeqResult:
     rid: str
     token: int | None = None

@@ -163,7 +163,7 @@ void write_kv(torch::Tensor kc, torch::Tensor vc, torch::Tensor k, torch::Tensor
 // prof (optional, int64 [num_threads, 4]) accumulates rdtsc cycles: QK^T, softmax, PV, item.
 torch::Tensor chunk_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor pt,
                               int64_t L, double scale, c10::optional<torch::Tensor> out_opt, int64_t qtile,
-                              int64_t mode, c10::optional<torch::Tensor> prof_opt) {
+                              int64_t mode, c10::optional<torch::Tensor> prof_opt, int64_t step) {
   auto [ok, why] = amx_permission();
   TORCH_CHECK(ok, "pipefill AMX attention unavailable: ", why);
   check_cache(kc, "k_cache");
@@ -186,7 +186,8 @@ torch::Tensor chunk_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor v
   }
   if (C == 0) return out;
   check_pages(pt, (L + C + ps - 1) / ps, P);
-  if (qtile <= 0) qtile = std::max<int64_t>(1, 128 / G);
+  // About 192 rows (6 blocks of 32) per item: each K/V step fetched is reused by all of them.
+  if (qtile <= 0) qtile = std::max<int64_t>(1, 192 / G);
   qtile = std::min(qtile, C);
   TORCH_CHECK(qtile * G <= 2048, "qtile * group must be <= 2048");
 
@@ -209,6 +210,8 @@ torch::Tensor chunk_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor v
   p.qtile = qtile;
   p.scale = (float)scale;
   p.mode = (int)mode;
+  TORCH_CHECK(step == 0 || step == 64 || step == 128, "step must be 64 or 128");
+  p.step = (int)(step ? step : pipefill_amx::kStep);
 
   const int64_t n = pipefill_amx::num_items(p);
   const int nthreads = at::get_num_threads();
@@ -220,8 +223,8 @@ torch::Tensor chunk_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor v
   }
   const int64_t rows = pipefill_amx::rows_pad(qtile, G);
   const size_t q_bytes = align64(rows * D * 2), o_bytes = align64(rows * D * 4), ml_bytes = align64(rows * 4);
-  const size_t s_bytes = 32 * pipefill_amx::kStep * 4, p_bytes = 32 * pipefill_amx::kStep * 2;
-  const size_t total = q_bytes + o_bytes + 2 * ml_bytes + s_bytes + p_bytes;
+  const size_t s_bytes = 2 * 32 * pipefill_amx::kStep * 4;
+  const size_t total = q_bytes + o_bytes + 2 * ml_bytes + s_bytes;
   std::atomic<int64_t> next{0};
   // One task per thread; each pulls items (longest first) from the shared counter.
   at::parallel_for(0, std::min<int64_t>(nthreads, n), 1, [&](int64_t, int64_t) {
@@ -233,7 +236,6 @@ torch::Tensor chunk_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor v
     s.m = reinterpret_cast<float*>(base + q_bytes + o_bytes);
     s.l = reinterpret_cast<float*>(base + q_bytes + o_bytes + ml_bytes);
     s.s = reinterpret_cast<float*>(base + q_bytes + o_bytes + 2 * ml_bytes);
-    s.p = reinterpret_cast<uint16_t*>(base + q_bytes + o_bytes + 2 * ml_bytes + s_bytes);
     uint64_t* my_prof = prof ? reinterpret_cast<uint64_t*>(prof + 4 * at::get_thread_num()) : nullptr;
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;)
       pipefill_amx::run_item(p, i, s, my_prof);
@@ -251,6 +253,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("start"), py::call_guard<py::gil_scoped_release>());
   m.def("chunk_attention", &chunk_attention, "fused causal chunk attention (AMX)", py::arg("q"),
         py::arg("k_cache"), py::arg("v_cache"), py::arg("page_table"), py::arg("prefix_len"), py::arg("scale"),
-        py::arg("out") = py::none(), py::arg("qtile") = 0, py::arg("mode") = 0, py::arg("prof") = py::none(),
+        py::arg("out") = py::none(), py::arg("qtile") = 0, py::arg("mode") = 0, py::arg("prof") = py::none(), py::arg("step") = 0,
         py::call_guard<py::gil_scoped_release>());
 }

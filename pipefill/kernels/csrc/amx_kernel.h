@@ -7,7 +7,7 @@
 
 namespace pipefill_amx {
 
-// Keys per inner step (score tile = 32 rows x kStep fp32 = 16 KiB, L1-resident).
+// Keys per inner step (score tile = 32 rows x kStep fp32 = 16 KiB, L1-resident; two of them).
 constexpr int kStep = 128;
 
 struct Params {
@@ -22,7 +22,11 @@ struct Params {
   int64_t C, L;        // queries at positions [L, L + C)
   int64_t qtile;       // query tokens per work item
   float scale;
-  int mode;            // profiling only: 1 = skip QK^T, 2 = skip softmax, 4 = skip PV
+  int step;            // keys per step: 64 or 128 (0 = kStep)
+  int mode;            // benchmarks only: 1 = skip QK^T, 2 = skip softmax, 4 = skip PV,
+                       // 8 = no AMX/AVX interleaving (phases one after the other),
+                       // 16 = QK^T reloads Q per chunk (D = 64 keeps Q in tiles otherwise),
+                       // 32 = no software prefetch of the next key step
 };
 
 struct Scratch {
@@ -30,8 +34,7 @@ struct Scratch {
   float* o;     // [rows_pad, D] fp32 accumulator
   float* m;     // [rows_pad] running max (log2 domain, already scaled)
   float* l;     // [rows_pad] running sum
-  float* s;     // [32, kStep] fp32 scores
-  uint16_t* p;  // [32, kStep] bf16 probabilities
+  float* s;     // [2][32, kStep] fp32 scores; bf16 probabilities overwrite them in place
 };
 
 // Rows of one work item padded to the 32-row block.
@@ -44,7 +47,7 @@ inline int64_t num_items(const Params& p) {
 
 // Runs one work item (longest first as item grows); loads the tile config at the start and
 // releases the tiles at the end. prof, when not null, accumulates rdtsc cycles:
-// [0] QK^T, [1] softmax, [2] PV, [3] whole item.
+// [0] QK^T, [1] softmax, [2] PV, [3] whole item, and forces the non-interleaved schedule.
 void run_item(const Params& p, int64_t item, const Scratch& s, uint64_t* prof);
 
 }  // namespace pipefill_amx

@@ -1,0 +1,102 @@
+"""Pipeline traces: per-stage spans, merged into a Chrome/Perfetto JSON, the measured bubble
+ratio next to the theory, and a PNG timeline of the stages."""
+from __future__ import annotations
+
+import json
+import os
+import time
+from contextlib import contextmanager
+
+
+class StageTracer:
+    """Records (name, category, start, duration, args) spans on one stage; cheap when off."""
+
+    def __init__(self, rank: int, enabled: bool):
+        self.rank = rank
+        self.enabled = enabled
+        self.events: list[dict] = []
+
+    @contextmanager
+    def span(self, name: str, cat: str, **args):
+        if not self.enabled:
+            yield
+            return
+        t0 = time.time()
+        try:
+            yield
+        finally:
+            self.events.append({"name": name, "cat": cat, "ph": "X", "pid": 0,
+                                "tid": self.rank, "ts": t0 * 1e6,
+                                "dur": (time.time() - t0) * 1e6, "args": args})
+
+    def drain(self) -> list[dict]:
+        events, self.events = self.events, []
+        return events
+
+
+def plan_label(plan) -> str:
+    return " ".join(f"{w.rid}[{w.start}:{w.end}]" for w in plan.seqs)
+
+
+def bubble_stats(events: list[dict], num_stages: int) -> dict:
+    """Measured bubble ratio 1 - sum(busy) / (P * makespan) over the forward spans, and the
+    theory (P - 1) / (P - 1 + M) for the M micro-batches seen."""
+    fwd = [e for e in events if e["cat"] == "forward"]
+    if not fwd:
+        return {}
+    start = min(e["ts"] for e in fwd)
+    end = max(e["ts"] + e["dur"] for e in fwd)
+    busy = sum(e["dur"] for e in fwd)
+    makespan = end - start
+    m = len({e["args"].get("step") for e in fwd})
+    p = num_stages
+    per_stage = {r: sum(e["dur"] for e in fwd if e["tid"] == r) / 1e6 for r in range(p)}
+    return {"bubble_ratio": 1 - busy / (p * makespan) if makespan > 0 else 0.0,
+            "bubble_theory": (p - 1) / (p - 1 + m), "micro_batches": m,
+            "makespan_s": makespan / 1e6, "busy_s_per_stage": per_stage}
+
+
+def write_trace(trace_dir: str, name: str, events: list[dict], num_stages: int) -> dict:
+    """Writes <name>.json (Chrome trace) and <name>.png; returns the bubble statistics."""
+    os.makedirs(trace_dir, exist_ok=True)
+    stats = bubble_stats(events, num_stages)
+    meta = [{"name": "thread_name", "ph": "M", "pid": 0, "tid": r,
+             "args": {"name": f"stage {r}"}} for r in range(num_stages)]
+    path = os.path.join(trace_dir, f"{name}.json")
+    with open(path, "w") as f:
+        json.dump({"traceEvents": meta + events, "displayTimeUnit": "ms",
+                   "otherData": stats}, f)
+    stats["json"] = path
+    try:
+        stats["png"] = plot_timeline(events, num_stages, os.path.join(trace_dir, f"{name}.png"),
+                                     stats)
+    except ImportError:
+        pass
+    return stats
+
+
+def plot_timeline(events: list[dict], num_stages: int, path: str, stats: dict) -> str:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fwd = [e for e in events if e["cat"] == "forward"]
+    t0 = min(e["ts"] for e in fwd)
+    steps = sorted({e["args"].get("step") for e in fwd})
+    colors = plt.get_cmap("tab20")
+    fig, ax = plt.subplots(figsize=(12, 0.7 * num_stages + 1.5))
+    for e in fwd:
+        k = steps.index(e["args"].get("step"))
+        x, w = (e["ts"] - t0) / 1e6, e["dur"] / 1e6
+        ax.barh(e["tid"], w, left=x, height=0.8, color=colors(k % 20), edgecolor="black",
+                linewidth=0.4)
+        if w > 0.02 * (stats["makespan_s"] or 1):
+            ax.text(x + w / 2, e["tid"], str(k), ha="center", va="center", fontsize=7)
+    ax.set_yticks(range(num_stages), [f"stage {r}" for r in range(num_stages)])
+    ax.invert_yaxis()
+    ax.set_xlabel("seconds")
+    ax.set_title(f"{num_stages} stages, {stats['micro_batches']} micro-batches: bubble "
+                 f"{stats['bubble_ratio']:.3f} measured, {stats['bubble_theory']:.3f} theory")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path

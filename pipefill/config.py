@@ -27,6 +27,10 @@ class ServerArgs:
         "Compute dtype: auto (bfloat16 where the CPU has AMX or AVX-512-BF16, else float32), "
         "bfloat16, float16 or float32.", default="auto",
         choices=["auto", "bfloat16", "float16", "float32"])
+    attention_backend: str = _flag(
+        "Prefill/decode attention: auto (the AMX kernel where the CPU has AMX-BF16 and the "
+        "dtype is bfloat16, else split SDPA), amx, or sdpa.", default="auto",
+        choices=["auto", "amx", "sdpa"])
     max_model_len: int | None = _flag(
         "Longest prompt + output in tokens. Default: the model's trained context. Longer values "
         "are allowed with a warning (quality past the trained context is not guaranteed).",

@@ -3,12 +3,16 @@ from __future__ import annotations
 
 import itertools
 import logging
+
+import torch
 import time
 from dataclasses import dataclass, field
 
 from pipefill.config import ServerArgs, make_server_args, resolve
 from pipefill.model.loader import WeightSource, resolve_model_path
+from pipefill.model.attention import choose_backend
 from pipefill.model.partition import partition_layers
+from pipefill.runtime.platform import resolve_dtype
 from pipefill.model.tokenizer import Tokenizer, load_tokenizer
 from pipefill.runtime.launch import StageFailure, StageGroup
 from pipefill.scheduler.plan import NewRequest, RequestOutput, SamplingParams
@@ -51,6 +55,9 @@ class Engine:
                              "`pipefill generate|serve --node-rank N` to host their stages")
         partition_layers(self.model_config.num_layers, self.args.pp_size,
                          self.args.pp_layer_partition)  # a bad partition fails here, clearly
+        if self.args.attention_backend == "amx":  # an impossible choice fails here, clearly
+            choose_backend("amx", resolve_dtype(self.args.dtype), self.model_config.head_dim,
+                           self.args.page_size, torch.device(self.args.device))
         self._rids = itertools.count()
         self._stages = StageGroup(self.args, self.model_file)
         # The tokenizer loads here while the stages load their weights.

@@ -29,7 +29,8 @@ def tiny_config(family: str, **overrides):
     raise ValueError(family)
 
 
-def save_tiny_model(family: str, path, seed: int = 0, **overrides) -> str:
+def save_tiny_model(family: str, path, seed: int = 0, init_std: float = 0.1,
+                    **overrides) -> str:
     from transformers import AutoModelForCausalLM
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(tiny_config(family, **overrides),
@@ -41,7 +42,7 @@ def save_tiny_model(family: str, path, seed: int = 0, **overrides) -> str:
             if "norm" in name:
                 p.copy_(1 + 0.1 * torch.randn_like(p))
             else:
-                p.normal_(0, 0.1)
+                p.normal_(0, init_std)
     model.save_pretrained(str(path))
     return str(path)
 

@@ -11,7 +11,8 @@ from pipefill import Engine
 
 PAGE = 16
 CHUNKS = {"1-page": PAGE, "3-pages": 3 * PAGE, "odd": 37, "whole": 256}
-PROMPT = [random.Random(7).randrange(512) for _ in range(100)]
+_rng = random.Random(7)
+PROMPT = [_rng.randrange(512) for _ in range(100)]
 
 
 @pytest.fixture(scope="module")

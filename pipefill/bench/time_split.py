@@ -17,14 +17,14 @@ from pipefill.scheduler.plan import NewRequest, SamplingParams
 from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig
 
 LINEAR_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul")
-ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu",)
+ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu", "pipefill::amx_attention")
 
 
 def prefill_time_split(args: ServerArgs, source: WeightSource, prompt: list[int]) -> dict:
     cfg = source.config
     info = StageInfo(0, 1, range(cfg.num_layers))
     executor = build_stage(args.replace(pp_size=1), source, info)
-    pool = PagePool(executor.cache.k.shape[1] // args.page_size)
+    pool = PagePool(executor.cache.num_pages)
     sched = Scheduler(SchedulerConfig(args.page_size, args.chunked_prefill_size,
                                       args.max_prefill_tokens, 1, args.max_model_len), pool)
     sched.add(NewRequest("split", prompt, SamplingParams(max_new_tokens=1)))

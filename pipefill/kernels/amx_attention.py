@@ -26,7 +26,7 @@ Build: ``csrc/amx_kernel.cpp`` (the only code compiled with -mamx-*/-mavx512*) i
 object file with the C++ compiler directly; ``csrc/amx_ext.cpp`` (checks, packing, the work split
 over torch's OpenMP pool via ``at::parallel_for``) is compiled without ISA flags by
 ``torch.utils.cpp_extension.load`` and linked with that object. The cache lives in
-``$PIPEFILL_KERNEL_CACHE`` or ``~/.cache/pipefill/kernels``; the first build takes ~25-35 s on two
+``~/.cache/pipefill/kernels``; the first build takes ~25-35 s on two
 cores (later processes load the cached library in well under a second); the glue is compiled
 with -fopenmp so at::parallel_for runs on torch's own OpenMP pool (same libgomp, by soname).
 ``load`` needs ``ninja`` on PATH: the loader prepends the running interpreter's bin directory
@@ -73,8 +73,7 @@ _status: tuple[bool, str] | None = None
 
 
 def _cache_root() -> Path:
-    root = os.environ.get("PIPEFILL_KERNEL_CACHE")
-    return Path(root) if root else Path.home() / ".cache" / "pipefill" / "kernels"
+    return Path.home() / ".cache" / "pipefill" / "kernels"
 
 
 def _cpu_flags() -> set[str]:
@@ -222,6 +221,7 @@ class AmxKVCache:
         self.k = torch.empty(shape, dtype=dtype)
         self.v = torch.empty(shape, dtype=dtype)
         self.page_size = page_size
+        self.num_pages = num_pages
         self.num_kv_heads = num_kv_heads
         self.head_dim = head_dim
 

@@ -91,3 +91,40 @@ def paged_attention(q, k, v, k_cache, v_cache, seqs: list[SeqMeta], scale: float
         rows = slice(seq.row_start, seq.row_start + seq.num_new)
         out[rows] = attend_sequence(q[rows], k[rows], v[rows], k_cache, v_cache, seq, scale)
     return out
+
+
+def amx_paged_attention(q, k, v, k_cache, v_cache, seqs: list[SeqMeta], scale: float):
+    """The fused AMX kernel; it writes the new K/V into its packed cache layout itself."""
+    from pipefill.kernels.amx_attention import chunk_attention
+    out = torch.empty_like(q)
+    with torch.profiler.record_function("pipefill::amx_attention"):  # for the time split
+        for seq in seqs:
+            rows = slice(seq.row_start, seq.row_start + seq.num_new)
+            chunk_attention(q[rows], k_cache, v_cache, seq.page_table, seq.prefix_len, scale,
+                            k_new=k[rows], v_new=v[rows], out=out[rows])
+    return out
+
+
+def choose_backend(requested: str, dtype: torch.dtype, head_dim: int, page_size: int,
+                   device: torch.device) -> tuple[str, str]:
+    """-> (backend, why). 'amx' needs the kernel to build and the CPU to have AMX-BF16."""
+    if requested == "sdpa":
+        return "sdpa", "requested"
+    why = None
+    if device.type != "cpu":
+        why = f"device is {device.type}"
+    elif dtype != torch.bfloat16:
+        why = f"dtype is {dtype}, the kernel is bfloat16-only"
+    elif head_dim not in (64, 128):
+        why = f"head_dim is {head_dim}, the kernel supports 64 and 128"
+    elif page_size % 32:
+        why = f"--page-size {page_size} is not a multiple of 32"
+    else:
+        from pipefill.kernels.amx_attention import amx_available
+        ok, reason = amx_available()
+        why = None if ok else reason
+    if why is None:
+        return "amx", "the CPU has AMX-BF16"
+    if requested == "amx":
+        raise ValueError(f"--attention-backend amx is not available: {why}")
+    return "sdpa", why

@@ -51,8 +51,9 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dty
 
 class StageModel:
     def __init__(self, cfg: ModelConfig, layer_start: int, weights: StageWeights,
-                 dtype: torch.dtype):
+                 dtype: torch.dtype, attention=paged_attention):
         self.cfg = cfg
+        self.attention = attention  # (q, k, v, k_cache, v_cache, seqs, scale) -> out
         self.layer_start = layer_start
         self.w = weights
         self.dtype = dtype
@@ -101,7 +102,7 @@ class StageModel:
             # q and k are adjacent columns of qkv: rotate both heads in one pass.
             qk = qkv[:, :cfg.q_size + cfg.kv_size].view(num_tokens, -1, cfg.head_dim)
             apply_rope_(qk, cos, sin)
-        attn = paged_attention(q, k, v, k_cache, v_cache, meta.seqs, self.scale)
+        attn = self.attention(q, k, v, k_cache, v_cache, meta.seqs, self.scale)
         hidden = F.linear(attn.reshape(num_tokens, cfg.q_size), w.o_proj)
         residual.add_(hidden)
         x = rms_norm(residual, w.post_norm, cfg.rms_norm_eps, self.dtype)

@@ -8,6 +8,7 @@ import torch
 
 from pipefill.config import ServerArgs
 from pipefill.kv.cache import KVCache
+from pipefill.model.attention import amx_paged_attention, choose_backend
 from pipefill.model.llama import StageModel
 from pipefill.model.loader import WeightSource, load_stage_weights
 from pipefill.model.partition import partition_layers
@@ -67,14 +68,23 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
                                                f"{info.layers.start}-{info.layers.stop - 1}")
     if device.type != "cpu":
         weights = weights_to(weights, device)
-    model = StageModel(cfg, info.layers.start, weights, dtype)
-    cache = KVCache(len(info.layers), num_pages, args.page_size, cfg.num_kv_heads,
-                    cfg.head_dim, dtype, device)
+    backend, why = choose_backend(args.attention_backend, dtype, cfg.head_dim, args.page_size,
+                                  device)
+    if backend == "amx":
+        from pipefill.kernels.amx_attention import AmxKVCache
+        cache = AmxKVCache(len(info.layers), num_pages, args.page_size, cfg.num_kv_heads,
+                           cfg.head_dim, dtype)
+        model = StageModel(cfg, info.layers.start, weights, dtype, amx_paged_attention)
+    else:
+        cache = KVCache(len(info.layers), num_pages, args.page_size, cfg.num_kv_heads,
+                        cfg.head_dim, dtype, device)
+        model = StageModel(cfg, info.layers.start, weights, dtype)
     executor = StageExecutor(model, cache)
     warm_up(executor, cfg.hidden_size, dtype, info.is_first)
-    log.info("stage %d/%d ready: layers %d-%d, %s, %d KV pages of %d tokens, %d threads",
-             info.rank, info.size, info.layers.start, info.layers.stop - 1, args.dtype,
-             num_pages, args.page_size, torch.get_num_threads())
+    log.info("stage %d/%d ready: layers %d-%d, %s, attention %s (%s), %d KV pages of %d "
+             "tokens, %d threads", info.rank, info.size, info.layers.start,
+             info.layers.stop - 1, args.dtype, backend, why, num_pages, args.page_size,
+             torch.get_num_threads())
     return executor
 
 

@@ -68,6 +68,16 @@ class ServerArgs:
     trace_dir: str | None = _flag(
         "Write a Chrome-trace/Perfetto JSON and a PNG timeline of the stages here.",
         default=None)
+    host: str = _flag("`pipefill serve`: address to listen on.", default="127.0.0.1")
+    port: int = _flag("`pipefill serve`: port to listen on.", default=30000)
+    api_key: str | None = _flag(
+        "`pipefill serve`: require 'Authorization: Bearer KEY' on /v1 routes.", default=None)
+    served_model_name: str | None = _flag(
+        "`pipefill serve`: the model name clients use. Default: the model file or folder name.",
+        default=None)
+    shutdown_timeout: int = _flag(
+        "`pipefill serve`: seconds in-flight requests get to finish after SIGTERM before "
+        "they are failed.", default=10)
     seed: int = _flag("Seed for random prompts and for sampling without a per-request seed.",
                       default=0)
     log_level: str = _flag("Logging level.", default="info",

@@ -3,16 +3,11 @@ from __future__ import annotations
 
 import itertools
 import logging
-
-import torch
 import time
 from dataclasses import dataclass, field
 
-from pipefill.config import ServerArgs, make_server_args, resolve
-from pipefill.model.loader import WeightSource, resolve_model_path
-from pipefill.model.attention import choose_backend
-from pipefill.model.partition import partition_layers
-from pipefill.runtime.platform import resolve_dtype
+from pipefill.config import ServerArgs, make_server_args
+from pipefill.frontend import check_prompt, prepare
 from pipefill.model.tokenizer import Tokenizer, load_tokenizer
 from pipefill.runtime.launch import StageFailure, StageGroup
 from pipefill.scheduler.plan import NewRequest, RequestOutput, SamplingParams
@@ -45,19 +40,13 @@ class _Pending:
 
 class Engine:
     def __init__(self, model_path: str | None = None, **server_args):
-        args = make_server_args(model_path, **server_args)
-        self.model_file = resolve_model_path(args.model_path)
-        source = WeightSource(self.model_file)
-        self.model_config = source.config
-        self.args: ServerArgs = resolve(args, self.model_config)
-        if self.args.node_rank != 0:
+        args, source = prepare(make_server_args(model_path, **server_args))
+        if args.node_rank != 0:
             raise ValueError("the engine runs on node 0; other nodes run "
                              "`pipefill generate|serve --node-rank N` to host their stages")
-        partition_layers(self.model_config.num_layers, self.args.pp_size,
-                         self.args.pp_layer_partition)  # a bad partition fails here, clearly
-        if self.args.attention_backend == "amx":  # an impossible choice fails here, clearly
-            choose_backend("amx", resolve_dtype(self.args.dtype), self.model_config.head_dim,
-                           self.args.page_size, torch.device(self.args.device))
+        self.args: ServerArgs = args
+        self.model_file = source.path
+        self.model_config = source.config
         self._rids = itertools.count()
         self._stages = StageGroup(self.args, self.model_file)
         # The tokenizer loads here while the stages load their weights.
@@ -96,21 +85,8 @@ class Engine:
         return list(prompt)
 
     def check_prompt(self, ids: list[int], params: SamplingParams) -> None:
-        params.validate()
-        if not ids:
-            raise ValueError("the prompt is empty")
-        vocab = self.model_config.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab})")
-        limit = self.args.max_model_len
-        if len(ids) + params.max_new_tokens > limit:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens "
-                             f"({params.max_new_tokens}) exceeds --max-model-len ({limit})")
-        if len(ids) + params.max_new_tokens > self.kv_capacity_tokens:
-            raise ValueError(f"prompt + max_new_tokens ({len(ids) + params.max_new_tokens}) "
-                             f"exceeds the KV cache ({self.kv_capacity_tokens} tokens); "
-                             "raise --max-total-tokens")
+        check_prompt(ids, params, self.model_config.vocab_size, self.args.max_model_len,
+                     self.kv_capacity_tokens)
 
     def generate(self, prompts, max_new_tokens: int = 16, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = -1, seed: int | None = None,

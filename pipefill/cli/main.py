@@ -19,10 +19,12 @@ class UsageError(Exception):
 def build_parser() -> argparse.ArgumentParser:
     from pipefill.bench import prefill as bench_prefill
     from pipefill.cli import generate
+    from pipefill.server import main as serve
     parser = argparse.ArgumentParser(
         prog="pipefill",
         description="Long-prompt LLM inference with chunked pipeline parallelism.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    serve.add_parser(sub)
     generate.add_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(
         dest="bench_command", required=True, metavar="BENCHMARK")

@@ -96,5 +96,5 @@ def _seq_result(work, logits: torch.Tensor) -> SeqResult:
         targets = torch.tensor(work.logprob_targets, dtype=torch.long)
         res.prompt_logprobs = logprobs.gather(1, targets[:, None])[:, 0].tolist()
     if work.sample is not None:
-        res.token, res.token_logprob = sample(logits[-1], work.sample)
+        res.token, res.token_logprob, res.top_logprobs = sample(logits[-1], work.sample)
     return res

@@ -7,13 +7,15 @@ other (outputs from stage 0, start-up and failure reports from any stage). Messa
   front end -> stage 0 : ("add", [NewRequest]), ("abort", rid), ("stats", None),
                          ("trace", None), ("stop", None)
   stage -> front end   : ("ready", info), ("outputs", [RequestOutput]), ("rejected", (rid, msg)),
-                         ("stage_stats", dict), ("trace", (rank, events)), ("fatal", message)
+                         ("stage_stats", dict), ("load", dict), ("trace", (rank, events)),
+                         ("fatal", message)
 """
 from __future__ import annotations
 
 import os
 import pickle
 import tempfile
+import threading
 from dataclasses import dataclass
 
 import zmq
@@ -42,17 +44,24 @@ class FrontChannel:
 
     def __init__(self, addrs: Addresses, context: zmq.Context | None = None):
         self.ctx = context or zmq.Context.instance()
+        # The server sends from its event loop while a reader thread receives (and may close
+        # everything when a stage dies): sends and close take this lock.
+        self.lock = threading.Lock()
+        self.closed = False
         self.out = self.ctx.socket(zmq.PUSH)
         self.out.bind(addrs.requests)
         self.inp = self.ctx.socket(zmq.PULL)
         self.inp.bind(addrs.events_bind)
 
     def send(self, kind: str, payload=None, block: bool = True) -> None:
-        try:
-            self.out.send(pickle.dumps((kind, payload)), 0 if block else zmq.NOBLOCK)
-        except zmq.Again:
-            if block:
-                raise  # only a non-blocking send (to a stage that may be gone) may be dropped
+        with self.lock:
+            if self.closed:
+                return
+            try:
+                self.out.send(pickle.dumps((kind, payload)), 0 if block else zmq.NOBLOCK)
+            except zmq.Again:
+                if block:
+                    raise  # only a non-blocking send (to a stage that may be gone) is dropped
 
     def recv(self, timeout_ms: int) -> tuple | None:
         if self.inp.poll(timeout_ms):
@@ -60,8 +69,10 @@ class FrontChannel:
         return None
 
     def close(self) -> None:
-        self.out.close(linger=0)
-        self.inp.close(linger=0)
+        with self.lock:
+            self.closed = True
+            self.out.close(linger=0)
+            self.inp.close(linger=0)
 
 
 class StageChannel:

@@ -70,8 +70,8 @@ class StageGroup:
         self.close(grace_s=1.0)
         raise StageFailure("; ".join(died + reports) or "a stage exited")
 
-    def send(self, kind: str, payload=None) -> None:
-        self.channel.send(kind, payload)
+    def send(self, kind: str, payload=None, block: bool = True) -> None:
+        self.channel.send(kind, payload, block)
 
     def recv(self, timeout_ms: int = 100) -> tuple | None:
         """Next message; raises StageFailure on a 'fatal' report or a dead stage."""

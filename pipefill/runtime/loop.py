@@ -21,6 +21,7 @@ from pipefill.scheduler.scheduler import Scheduler
 log = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 50
+LOAD_REPORT_S = 0.2  # the server's /metrics reads these pushed snapshots
 
 
 class FirstStageLoop:
@@ -34,6 +35,8 @@ class FirstStageLoop:
         self.tracer = tracer or StageTracer(0, False)
         self.inflight: deque[StepPlan] = deque()
         self.stopping = False
+        self._load_changed = False
+        self._load_reported_at = 0.0
 
     def run(self) -> None:
         while not (self.stopping and not self.inflight):
@@ -42,14 +45,23 @@ class FirstStageLoop:
             nothing_to_launch = not self._launch()
             self._retire_ready(must_wait=nothing_to_launch or self.stopping
                                or len(self.inflight) >= self.max_inflight)
+            self._report_load()
         if self.pipe is not None:
             self.pipe.send_forward(PipeMessage(None, control=("stop",)), None)
             self.pipe.flush()
 
     # ---- messages from the front end ---------------------------------------------------------
 
+    def _report_load(self) -> None:
+        """Pushes a stats snapshot when something changed, at most every LOAD_REPORT_S."""
+        now = time.monotonic()
+        if self._load_changed and now - self._load_reported_at >= LOAD_REPORT_S:
+            self.channel.report("load", self.stats())
+            self._load_changed, self._load_reported_at = False, now
+
     def _ingest(self, timeout_ms: int) -> int:
         messages = self.channel.poll(timeout_ms)
+        self._load_changed |= bool(messages)
         for kind, payload in messages:
             if kind == "add":
                 self._add(payload)
@@ -135,6 +147,7 @@ class FirstStageLoop:
             self._update(plan, result)
 
     def _update(self, plan: StepPlan, result: StepResult) -> None:
+        self._load_changed = True
         outputs: list[RequestOutput] = self.scheduler.update(plan, result)
         if outputs:
             self.channel.report("outputs", outputs)

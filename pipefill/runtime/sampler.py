@@ -6,16 +6,21 @@ import torch
 from pipefill.scheduler.plan import SampleSpec
 
 
-def sample(logits: torch.Tensor, spec: SampleSpec) -> tuple[int, float | None]:
-    """logits [vocab] float32 -> (token id, its log-probability under the model if asked)."""
+def sample(logits: torch.Tensor, spec: SampleSpec):
+    """logits [vocab] float32 -> (token id, its log-probability, the top-k (id, logprob) pairs),
+    the last two under the model's own distribution (before temperature), when asked."""
     if spec.temperature == 0:
         token = int(torch.argmax(logits))
     else:
         token = _draw(logits, spec)
-    logprob = None
-    if spec.want_logprob:
-        logprob = float(torch.log_softmax(logits, -1)[token])
-    return token, logprob
+    if spec.logprobs is None:
+        return token, None, None
+    logprobs = torch.log_softmax(logits, -1)
+    top = []
+    if spec.logprobs > 0:
+        values, ids = torch.topk(logprobs, spec.logprobs)
+        top = list(zip(ids.tolist(), values.tolist()))
+    return token, float(logprobs[token]), top
 
 
 def _draw(logits: torch.Tensor, spec: SampleSpec) -> int:

@@ -23,7 +23,10 @@ def stage_entry(args: ServerArgs, model_file: str, rank: int, addrs: Addresses) 
     setup_logging(args.log_level, prefix=f"stage {rank}")
     # Die with the process that started us: no orphan stage outlives its front end.
     ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
-    signal.signal(signal.SIGINT, signal.SIG_IGN)  # the front end decides when we stop
+    # The front end decides when stages stop (a SIGTERM to the whole process group reaches us
+    # too); if it dies, PDEATHSIG above ends us.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
     channel = StageChannel(addrs, read_requests=rank == 0)
     code = 1
     try:

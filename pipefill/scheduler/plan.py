@@ -15,7 +15,7 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: tuple[int, ...] = ()  # besides the model's EOS tokens
     return_prompt_logprobs: bool = False
-    return_token_logprobs: bool = False
+    logprobs: int | None = None  # None: off; k: the sampled token's logprob and the top k
 
     def validate(self) -> None:
         if self.max_new_tokens < 0:
@@ -26,6 +26,8 @@ class SamplingParams:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
             raise ValueError(f"top_k must be -1 (off) or a positive integer, got {self.top_k}")
+        if self.logprobs is not None and not 0 <= self.logprobs <= 20:
+            raise ValueError(f"logprobs must be between 0 and 20, got {self.logprobs}")
 
 
 @dataclass(frozen=True)
@@ -44,7 +46,7 @@ class SampleSpec:
     top_k: int
     seed: int
     step: int  # tokens generated so far: with `seed` it fixes the random draw
-    want_logprob: bool
+    logprobs: int | None  # None: no logprob; k: the sampled token's and the top k
 
 
 @dataclass
@@ -92,6 +94,7 @@ class SeqResult:
     rid: str
     token: int | None = None
     token_logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
     prompt_logprobs: list[float] | None = None
 
 
@@ -113,5 +116,6 @@ class RequestOutput:
     error: str | None = None
     prompt_logprobs: list[float] | None = None
     token_logprobs: list[float] | None = None
+    top_logprobs: list[list[tuple[int, float]]] | None = None  # per new token, when asked
     chunk_sizes: list[int] | None = None  # with the first token
     num_prompt_tokens: int = 0

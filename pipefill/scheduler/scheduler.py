@@ -156,7 +156,7 @@ class Scheduler:
         if end == r.num_tokens and r.params.max_new_tokens > 0:
             p = r.params
             sample = SampleSpec(p.temperature, p.top_p, p.top_k, r.seed, len(r.output_ids),
-                                p.return_token_logprobs)
+                                p.logprobs)
             r.awaiting_token = True
         targets = None
         if r.params.return_prompt_logprobs and start < len(r.prompt_ids):
@@ -238,6 +238,7 @@ class Scheduler:
             r.rid, [res.token], reason is not None, reason,
             prompt_logprobs=self._prompt_logprobs(r) if first else None,
             token_logprobs=[res.token_logprob] if res.token_logprob is not None else None,
+            top_logprobs=[res.top_logprobs] if res.top_logprobs is not None else None,
             chunk_sizes=list(r.chunk_sizes) if first else None,
             num_prompt_tokens=len(r.prompt_ids))
 

@@ -1,0 +1,418 @@
+"""Fused elementwise CPU ops for prefill (AVX-512): add+RMSNorm, RoPE, SiLU*mul.
+
+API (what the engine calls; all tensors on CPU, T = rows = tokens, any T >= 0):
+
+* ``fused_available(force_disable=False) -> (ok, reason)`` — cached, never raises. Checks the
+  CPU flags, builds/loads the extension and verifies the CPU with cpuid/XCR0 (AVX512 F/BW/VL).
+  ``force_disable=True`` (or ``FORCE_DISABLE = True`` on this module) returns ``(False, why)``.
+  When it is False the engine uses plain torch ops; the wrappers below then raise RuntimeError.
+* ``add_rms_norm(residual, hidden, weight, eps, *, dtype=None, out=None) -> normed``
+* ``rope_(x, cos, sin) -> x`` (in place)
+* ``silu_mul(gate_up, out=None) -> out``
+
+All arithmetic is fp32, each result is rounded once to the output dtype (bf16: round to nearest
+even, like ``.to(torch.bfloat16)``). Widths (H, D, I) must be multiples of 16. No autograd.
+
+Build: ``csrc/fused_ops_avx512.cpp`` (the only code compiled with -mavx512*, entered only after
+the runtime cpuid check) is compiled to object files with the C++ compiler directly;
+``csrc/fused_ops.cpp`` (the check and the row split over torch's OpenMP pool via
+``at::parallel_for``; includes only <ATen/Parallel.h>) is built without ISA flags by
+``torch.utils.cpp_extension.load(is_python_module=False)`` and linked with those objects. The
+kernel source is compiled twice: ``avx512`` (F/BW/VL) and ``avx512bf16`` (+AVX512-BF16 rounding
+instruction, chosen at run time when cpuid has it; see ``kernel_variant()``). The
+entry points are plain ``extern "C"`` functions called through ctypes (the GIL is released
+during a call). First build ~3 s on two cores, cached in ``~/.cache/pipefill/kernels``.
+
+Benchmark: ``python -m pipefill.kernels.fused_ops`` (SmolLM2-135M shapes, T = 2048).
+"""
+from __future__ import annotations
+
+import ctypes
+import hashlib
+import logging
+import os
+import platform
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from pipefill.kernels.amx_attention import _cache_root, _cpu_flags, _ensure_ninja_on_path
+
+log = logging.getLogger("pipefill.kernels")
+
+FORCE_DISABLE = False  # module-level kill switch (tests, debugging)
+
+_CSRC = Path(__file__).resolve().parent / "csrc"
+_KERNEL_SRC = _CSRC / "fused_ops_avx512.cpp"
+_GLUE_SRC = _CSRC / "fused_ops.cpp"
+_HEADER = _CSRC / "fused_ops_kernel.h"
+# -ffp-contract=off: no implicit FMA contraction, so products/sums round as in torch eager.
+KERNEL_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-mavx512f", "-mavx512bw", "-mavx512vl",
+                "-ffp-contract=off", "-fno-exceptions"]
+# The kernel source is compiled once per variant (namespace PF_FUSED_NS); the glue picks
+# avx512bf16 (vcvtneps2bf16 rounding) when cpuid reports AVX512-BF16.
+KERNEL_VARIANTS = {
+    "avx512": KERNEL_FLAGS + ["-DPF_FUSED_NS=avx512"],
+    "avx512bf16": KERNEL_FLAGS + ["-mavx512bf16", "-DPF_FUSED_NS=avx512bf16", "-DPF_HW_BF16=1"],
+}
+GLUE_FLAGS = ["-O3", "-std=c++17", "-fopenmp"]
+REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl")
+
+_F32, _BF16 = 0, 1
+_DTYPE_CODE = {torch.float32: _F32, torch.bfloat16: _BF16}
+
+_lock = threading.Lock()
+_lib = None  # the ctypes library, set only once fused_available() succeeded
+_status: tuple[bool, str] | None = None
+
+
+# ----------------------------------------------------------------------------- build / check
+
+def _compile_kernel_object(build_dir: Path, variant: str, flags: list[str]) -> Path:
+    cxx = os.environ.get("CXX", "c++")
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
+                                 check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise RuntimeError(f"C++ compiler {cxx!r} not usable: {e}") from None
+    h = hashlib.sha256()
+    for part in (_KERNEL_SRC.read_bytes(), _HEADER.read_bytes(), " ".join(flags).encode(),
+                 version.encode(), cxx.encode()):
+        h.update(part)
+    obj = build_dir / f"fused_{variant}-{h.hexdigest()[:16]}.o"
+    if obj.exists():
+        return obj
+    tmp = build_dir / f".{obj.name}.{os.getpid()}.tmp.o"
+    cmd = [cxx, *flags, "-I", str(_CSRC), "-c", str(_KERNEL_SRC), "-o", str(tmp)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"compiling {_KERNEL_SRC.name} failed:\n{' '.join(cmd)}\n"
+                           f"{r.stderr[-4000:]}")
+    os.replace(tmp, obj)
+    for stale in build_dir.glob(f"fused_{variant}-*.o"):  # objects of older sources
+        if stale != obj:
+            try:
+                stale.unlink()
+            except OSError:
+                pass
+    return obj
+
+
+def _build() -> str:
+    import torch.utils.cpp_extension as cpp_ext
+
+    _ensure_ninja_on_path()
+    if not cpp_ext.is_ninja_available():
+        raise RuntimeError("ninja is required to build the fused ops: "
+                           f"run `{sys.executable} -m pip install ninja`")
+    tag = f"torch{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}"
+    build_dir = _cache_root() / f"fused_ops-{tag}".replace("+", "_")
+    build_dir.mkdir(parents=True, exist_ok=True)
+    t0 = time.perf_counter()
+    objs = [str(_compile_kernel_object(build_dir, v, f)) for v, f in KERNEL_VARIANTS.items()]
+    path = cpp_ext.load(name="pipefill_fused_ops", sources=[str(_GLUE_SRC)],
+                        extra_cflags=GLUE_FLAGS, extra_ldflags=[*objs, "-fopenmp"],
+                        extra_include_paths=[str(_CSRC)], build_directory=str(build_dir),
+                        is_python_module=False, verbose=False)
+    dt = time.perf_counter() - t0
+    if dt > 1:
+        log.info("pipefill fused ops built in %.1f s (%s)", dt, build_dir)
+    return path
+
+
+def _bind(path: str):
+    lib = ctypes.CDLL(path)
+    p, i64, i32, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
+    lib.pf_fused_cpu_supported.argtypes = [ctypes.c_char_p, i32]
+    lib.pf_fused_select.argtypes = [ctypes.c_char_p]
+    lib.pf_fused_select.restype = i32
+    lib.pf_fused_kernel_name.argtypes = []
+    lib.pf_fused_kernel_name.restype = ctypes.c_char_p
+    lib.pf_add_rms_norm.argtypes = [p, i64, p, i32, i64, p, p, i32, i64, i64, i64, f64]
+    lib.pf_rope.argtypes = [p, i32, i64, i64, i64, i64, i64, p, p]
+    lib.pf_silu_mul.argtypes = [p, i32, i64, p, i64, i64, i64]
+    for fn in (lib.pf_fused_cpu_supported, lib.pf_add_rms_norm, lib.pf_rope, lib.pf_silu_mul):
+        fn.restype = i32
+    return lib
+
+
+def _check() -> tuple[bool, str]:
+    global _lib
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return False, f"needs Linux x86-64, this is {platform.system()} {platform.machine()}"
+    flags = _cpu_flags()
+    missing = [f for f in REQUIRED_CPU_FLAGS if f not in flags]
+    if missing:
+        return False, "CPU lacks " + ", ".join(missing)
+    try:
+        lib = _bind(_build())
+    except Exception as e:  # noqa: BLE001 - any build/load problem means "not available"
+        return False, f"fused ops extension unavailable: {type(e).__name__}: {e}"
+    buf = ctypes.create_string_buffer(256)
+    if not lib.pf_fused_cpu_supported(buf, len(buf)):
+        return False, "cpuid: " + buf.value.decode(errors="replace")
+    _lib = lib
+    return True, "ok"
+
+
+def fused_available(force_disable: bool = False) -> tuple[bool, str]:
+    """(True, "ok") when the fused ops can run in this process, else (False, why). Never raises.
+
+    The first call builds (or loads the cached) extension; the result is cached."""
+    global _status
+    if force_disable or FORCE_DISABLE:
+        return False, "fused ops disabled by caller (force_disable)"
+    if _status is not None:
+        return _status
+    with _lock:
+        if _status is None:
+            try:
+                _status = _check()
+            except Exception as e:  # noqa: BLE001
+                _status = (False, f"unexpected error: {type(e).__name__}: {e}")
+    return _status
+
+
+def kernel_variant() -> str:
+    """Name of the kernel build in use ("avx512" or "avx512bf16"), "" when unavailable."""
+    if not fused_available()[0]:
+        return ""
+    return _lib.pf_fused_kernel_name().decode()
+
+
+def _select_variant(name: str) -> bool:
+    """Tests/benchmarks: switch the kernel build (not safe while ops run on other threads)."""
+    if not fused_available()[0]:
+        return False
+    return bool(_lib.pf_fused_select(name.encode()))
+
+
+def _require():
+    if _lib is None or FORCE_DISABLE:
+        ok, why = fused_available()
+        if not ok:
+            raise RuntimeError(f"pipefill fused ops unavailable: {why}")
+    return _lib
+
+
+# ----------------------------------------------------------------------------- ops
+
+def _code(t: torch.Tensor, what: str) -> int:
+    code = _DTYPE_CODE.get(t.dtype)
+    if code is None:
+        raise TypeError(f"{what}: expected bfloat16 or float32, got {t.dtype}")
+    if t.device.type != "cpu":
+        raise ValueError(f"{what}: expected a CPU tensor, got {t.device}")
+    return code
+
+
+def _check_width(n: int, what: str) -> None:
+    if n % 16:
+        raise ValueError(f"{what} must be a multiple of 16, got {n}")
+
+
+def _check_rows(t: torch.Tensor, what: str, shape: tuple[int, int]) -> None:
+    if t.dim() != 2 or tuple(t.shape) != shape:
+        raise ValueError(f"{what}: expected shape {list(shape)}, got {list(t.shape)}")
+    if t.stride(1) != 1 and t.shape[1] > 1:
+        raise ValueError(f"{what}: last dim must be contiguous (strides {t.stride()})")
+
+
+def _fail(rc: int, op: str) -> None:
+    raise RuntimeError(f"pipefill fused {op} failed (rc={rc})")
+
+
+def add_rms_norm(residual: torch.Tensor, hidden: torch.Tensor | None, weight: torch.Tensor,
+                 eps: float, *, dtype: torch.dtype | None = None,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """Residual add + RMSNorm, fused: one pass over the rows.
+
+    ``residual``: float32 [T, H] (last dim contiguous), updated IN PLACE to
+    ``residual + hidden.float()`` (skipped when ``hidden`` is None). ``hidden``: [T, H], bf16 or
+    float32. Returns ``normed = residual / sqrt(mean(residual^2, -1) + eps) * weight`` (weight:
+    float32 [H]) computed in fp32 and rounded once to ``dtype`` (default: hidden's dtype, or
+    float32 when hidden is None), in a new tensor (or in ``out``, [T, H] of that dtype).
+    Equals ``F.rms_norm(residual, (H,), weight, eps).to(dtype)`` up to fp32 rounding of the
+    mean. H must be a multiple of 16.
+    """
+    lib = _require()
+    if residual.dtype != torch.float32 or residual.dim() != 2:
+        raise TypeError(f"residual: expected float32 [T, H], got {residual.dtype} "
+                        f"{list(residual.shape)}")
+    _code(residual, "residual")
+    T, H = residual.shape
+    _check_width(H, "hidden size H")
+    _check_rows(residual, "residual", (T, H))
+    if weight.dtype != torch.float32 or tuple(weight.shape) != (H,) or not weight.is_contiguous():
+        raise TypeError(f"weight: expected contiguous float32 [{H}], got {weight.dtype} "
+                        f"{list(weight.shape)}")
+    _code(weight, "weight")
+    if hidden is not None:
+        hcode = _code(hidden, "hidden")
+        _check_rows(hidden, "hidden", (T, H))
+        hptr, hst = hidden.data_ptr(), hidden.stride(0)
+        if dtype is None:
+            dtype = hidden.dtype
+    else:
+        hcode, hptr, hst = _F32, None, 0
+        if dtype is None:
+            dtype = torch.float32
+    if out is None:
+        out = torch.empty((T, H), dtype=dtype)
+    else:
+        if out.dtype != dtype:
+            raise TypeError(f"out: expected {dtype}, got {out.dtype}")
+        _check_rows(out, "out", (T, H))
+    ocode = _code(out, "out")
+    if T == 0:
+        return out
+    rc = lib.pf_add_rms_norm(residual.data_ptr(), residual.stride(0), hptr, hcode, hst,
+                             weight.data_ptr(), out.data_ptr(), ocode, out.stride(0), T, H,
+                             float(eps))
+    if rc:
+        _fail(rc, "add_rms_norm")
+    return out
+
+
+def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """Rotate-half rotary embedding applied IN PLACE to ``x`` [T, N, D]; returns ``x``.
+
+    ``x``: bf16 or float32; may be a strided view (e.g. a column slice of a fused qkv matrix):
+    the last dim must be contiguous, row and head strides are arbitrary. ``cos``/``sin``:
+    float32 [T, D/2] (or [T, 1, D/2]), contiguous. For i < D/2, with x1 = x[..., i],
+    x2 = x[..., i + D/2]: x1' = x1*cos - x2*sin, x2' = x2*cos + x1*sin, computed in fp32
+    (no FMA; bit-identical to that fp32 formula) and rounded once to x's dtype.
+    D must be a multiple of 16.
+    """
+    lib = _require()
+    code = _code(x, "x")
+    if x.dim() != 3:
+        raise ValueError(f"x: expected [T, N, D], got {list(x.shape)}")
+    T, N, D = x.shape
+    _check_width(D, "head_dim D")
+    if x.stride(2) != 1:
+        raise ValueError(f"x: last dim must be contiguous (strides {x.stride()})")
+    half = D // 2
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+            raise TypeError(f"{name}: expected a contiguous float32 CPU tensor, got {t.dtype}")
+        if t.numel() != T * half or (t.dim() > 0 and t.shape[0] != T) or t.shape[-1] != half:
+            raise ValueError(f"{name}: expected [{T}, {half}], got {list(t.shape)}")
+    if T == 0 or N == 0:
+        return x
+    rc = lib.pf_rope(x.data_ptr(), code, x.stride(0), x.stride(1), T, N, D, cos.data_ptr(),
+                     sin.data_ptr())
+    if rc:
+        _fail(rc, "rope_")
+    return x
+
+
+def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """SwiGLU activation: ``out[T, I] = silu(gate_up[:, :I]) * gate_up[:, I:]``.
+
+    ``gate_up``: [T, 2I], bf16 or float32, last dim contiguous. Computed in fp32 and rounded
+    once to gate_up's dtype; written to a new tensor or to ``out`` ([T, I], same dtype, last
+    dim contiguous). I must be a multiple of 16.
+    """
+    lib = _require()
+    code = _code(gate_up, "gate_up")
+    if gate_up.dim() != 2:
+        raise ValueError(f"gate_up: expected [T, 2I], got {list(gate_up.shape)}")
+    T, I2 = gate_up.shape
+    if I2 % 32:
+        raise ValueError(f"gate_up: width 2I must be a multiple of 32, got {I2}")
+    _check_rows(gate_up, "gate_up", (T, I2))
+    I = I2 // 2  # noqa: E741
+    if out is None:
+        out = torch.empty((T, I), dtype=gate_up.dtype)
+    else:
+        if out.dtype != gate_up.dtype:
+            raise TypeError(f"out: expected {gate_up.dtype}, got {out.dtype}")
+        _code(out, "out")
+        _check_rows(out, "out", (T, I))
+    if T == 0:
+        return out
+    rc = lib.pf_silu_mul(gate_up.data_ptr(), code, gate_up.stride(0), out.data_ptr(),
+                         out.stride(0), T, I)
+    if rc:
+        _fail(rc, "silu_mul")
+    return out
+
+
+# ----------------------------------------------------------------------------- benchmark
+
+def _time_ms(fn, reps: int) -> float:
+    fn()
+    fn()
+    ts = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        ts.append(time.perf_counter() - t0)
+    ts.sort()
+    return 1e3 * ts[len(ts) // 2]
+
+
+def bench(T: int = 2048, threads: tuple[int, ...] = (1, 2), reps: int = 30) -> list[tuple]:
+    """ms per call (median) of the engine's eager torch code vs the fused ops, SmolLM2-135M
+    shapes (H 576, 9 q / 3 kv heads of 64, I 1536), bf16. Prints and returns the rows."""
+    import torch.nn.functional as F
+
+    from pipefill.model.rope import apply_rope_
+
+    ok, why = fused_available()
+    if not ok:
+        raise RuntimeError(f"fused ops unavailable: {why}")
+    H, Hq, Hkv, D, I, eps = 576, 9, 3, 64, 1536, 1e-5  # noqa: E741
+    bf = torch.bfloat16
+    g = torch.Generator().manual_seed(0)
+    qkv = torch.randn(T, (Hq + 2 * Hkv) * D, generator=g).to(bf)
+    freqs = torch.arange(T, dtype=torch.float32)[:, None] * torch.rand(D // 2, generator=g)
+    cos32, sin32 = freqs.cos().contiguous(), freqs.sin().contiguous()
+    cos16, sin16 = cos32.to(bf)[:, None, :], sin32.to(bf)[:, None, :]
+    gu = torch.randn(T, 2 * I, generator=g).to(bf)
+    out_silu = torch.empty(T, I, dtype=bf)
+    residual = torch.randn(T, H, generator=g)
+    hidden = (0.01 * torch.randn(T, H, generator=g)).to(bf)
+    w = torch.rand(H, generator=g) + 0.5
+
+    def rope_torch():
+        apply_rope_(qkv[:, :Hq * D].view(T, Hq, D), cos16, sin16)
+        apply_rope_(qkv[:, Hq * D:(Hq + Hkv) * D].view(T, Hkv, D), cos16, sin16)
+
+    def rope_fused():
+        rope_(qkv[:, :(Hq + Hkv) * D].view(T, Hq + Hkv, D), cos32, sin32)
+
+    cases = [
+        ("rope q+k (bf16)", rope_torch, rope_fused),
+        ("silu*mul (bf16)", lambda: F.silu(gu[:, :I]).mul_(gu[:, I:]), lambda: silu_mul(gu)),
+        ("silu*mul out=", None, lambda: silu_mul(gu, out=out_silu)),
+        ("add+rms_norm", lambda: F.rms_norm(residual.add_(hidden), (H,), w, eps).to(bf),
+         lambda: add_rms_norm(residual, hidden, w, eps)),
+    ]
+    rows = []
+    saved = torch.get_num_threads()
+    try:
+        print(f"T={T}, SmolLM2-135M shapes, ms per call (median of {reps})")
+        print(f"{'op':18s} {'thr':>3s} {'torch':>8s} {'fused':>8s} {'speedup':>8s}")
+        for n in threads:
+            torch.set_num_threads(n)
+            for name, ref, ours in cases:
+                t_ref = _time_ms(ref, reps) if ref else float("nan")
+                t_ours = _time_ms(ours, reps)
+                rows.append((name, n, t_ref, t_ours))
+                print(f"{name:18s} {n:3d} {t_ref:8.3f} {t_ours:8.3f} {t_ref / t_ours:7.2f}x")
+    finally:
+        torch.set_num_threads(saved)
+    return rows
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    t0 = time.perf_counter()
+    print("fused_available:", fused_available(), f"({time.perf_counter() - t0:.2f} s)")
+    bench()

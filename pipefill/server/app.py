@@ -1,0 +1,396 @@
+"""The OpenAI-compatible HTTP API over the pipeline: /v1/completions, /v1/chat/completions
+(streaming over SSE), /v1/models, /health and /metrics."""
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from contextlib import aclosing, asynccontextmanager
+from dataclasses import dataclass, field
+
+from fastapi import FastAPI, Request
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import ValidationError
+
+from pipefill.frontend import check_prompt
+from pipefill.scheduler.plan import SamplingParams
+from pipefill.server.async_engine import AsyncEngine, EngineDown
+from pipefill.server.metrics import ServerMetrics
+from pipefill.server.protocol import ChatCompletionRequest, CompletionRequest
+from pipefill.server.text import IncrementalDecoder, StopChecker
+
+log = logging.getLogger("pipefill.server")
+
+
+class ApiError(Exception):
+    def __init__(self, status: int, message: str, param: str | None = None,
+                 kind: str = "invalid_request_error"):
+        super().__init__(message)
+        self.status, self.message, self.param, self.kind = status, message, param, kind
+
+    def response(self) -> JSONResponse:
+        return JSONResponse({"error": {"message": self.message, "type": self.kind,
+                                       "param": self.param, "code": self.status}},
+                            status_code=self.status)
+
+
+@dataclass
+class Served:
+    """Everything a route needs, built once at start-up."""
+    engine: AsyncEngine
+    tokenizer: object
+    model_name: str
+    api_key: str | None
+    metrics: ServerMetrics = field(default_factory=ServerMetrics)
+
+    @property
+    def args(self):
+        return self.engine.args
+
+
+def build_app(served: Served, on_startup_failure=None, shutting_down=None) -> FastAPI:
+    """shutting_down: a callable that turns true when the server starts its graceful exit;
+    requests still running shortly before the grace period ends are failed visibly (an
+    error event and [DONE]) rather than cut off."""
+    @asynccontextmanager
+    async def lifespan(app):
+        loop = asyncio.get_running_loop()
+        starting = loop.run_in_executor(None, served.engine.start, loop)
+        starting.add_done_callback(lambda f: _startup_done(f, on_startup_failure))
+        watcher = asyncio.create_task(_fail_late_requests(served, shutting_down))
+        yield
+        watcher.cancel()
+        served.engine.shutdown()
+
+    app = FastAPI(title="pipefill", lifespan=lifespan)
+
+    @app.exception_handler(ApiError)
+    async def api_error(request, exc: ApiError):
+        return exc.response()
+
+    @app.get("/health")
+    async def health():
+        e = served.engine
+        if e.healthy:
+            return {"status": "ok"}
+        status = "down" if e.failure else "loading"
+        return JSONResponse({"status": status, "error": e.failure}, status_code=503)
+
+    @app.get("/metrics")
+    async def metrics():
+        served.metrics.observe_load(served.engine.load)
+        served.metrics.healthy.set(1 if served.engine.healthy else 0)
+        return Response(served.metrics.render(), media_type="text/plain; version=0.0.4")
+
+    @app.get("/v1/models")
+    async def models(request: Request):
+        authorize(served, request)
+        return {"object": "list", "data": [{
+            "id": served.model_name, "object": "model", "created": int(time.time()),
+            "owned_by": "pipefill", "max_model_len": served.args.max_model_len}]}
+
+    @app.post("/v1/completions")
+    async def completions(request: Request):
+        authorize(served, request)
+        body = await parse(request, CompletionRequest)
+        return await handle(served, request, body, chat=False)
+
+    @app.post("/v1/chat/completions")
+    async def chat_completions(request: Request):
+        authorize(served, request)
+        body = await parse(request, ChatCompletionRequest)
+        return await handle(served, request, body, chat=True)
+
+    return app
+
+
+async def _fail_late_requests(served: Served, shutting_down) -> None:
+    if shutting_down is None:
+        return
+    while not shutting_down():
+        await asyncio.sleep(0.1)
+    await asyncio.sleep(max(0.0, served.args.shutdown_timeout - 1.0))
+    served.engine.fail_all("the server is shutting down")
+
+
+def _startup_done(future, on_failure) -> None:
+    if future.exception() is not None:
+        log.error("%s", future.exception())
+        if on_failure is not None:
+            on_failure(future.exception())
+
+
+def authorize(served: Served, request: Request) -> None:
+    if served.api_key and request.headers.get("authorization") != f"Bearer {served.api_key}":
+        raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer <key>'",
+                       kind="authentication_error")
+
+
+async def parse(request: Request, model):
+    raw = await request.body()
+    try:
+        data = json.loads(raw)
+    except (json.JSONDecodeError, UnicodeDecodeError) as e:
+        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+    if not isinstance(data, dict):
+        raise ApiError(400, "the request body must be a JSON object")
+    try:
+        return model.model_validate(data)
+    except ValidationError as e:
+        first = e.errors()[0]
+        where = ".".join(str(x) for x in first["loc"]) or "body"
+        raise ApiError(400, f"{where}: {first['msg']}", param=where) from None
+
+
+@dataclass
+class Job:
+    """One request on its way through: ids, params and what to send back."""
+    rid: str
+    prompt_ids: list[int]
+    prompt_text: str | None
+    params: SamplingParams
+    stops: list[str]
+    chat: bool
+    echo: bool = False
+    logprobs: int | None = None
+    created: int = field(default_factory=lambda: int(time.time()))
+
+
+def make_job(served: Served, body, chat: bool) -> Job:
+    if body.n != 1:
+        raise ApiError(400, f"n = {body.n} is not supported: pipefill returns one choice "
+                            "(n = 1)", param="n")
+    if body.model is not None and body.model != served.model_name:
+        raise ApiError(400, f"model {body.model!r} is not served here; this server serves "
+                            f"{served.model_name!r}", param="model")
+    prompt_text, ids = prompt_of(served, body, chat)
+    max_tokens = body.max_completion_tokens or body.max_tokens if chat else body.max_tokens
+    if max_tokens is None:
+        max_tokens = served.args.max_model_len - len(ids)
+    if max_tokens <= 0:
+        raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}",
+                       param="max_tokens")
+    logprobs = (body.top_logprobs or 0) if chat and body.logprobs else (
+        None if chat else body.logprobs)
+    echo = not chat and body.echo
+    stops = served.tokenizer.eos_token_ids if served.tokenizer else ()
+    params = SamplingParams(max_tokens, body.temperature, body.top_p, body.top_k, body.seed,
+                            body.ignore_eos, tuple(stops),
+                            return_prompt_logprobs=echo and logprobs is not None,
+                            logprobs=logprobs)
+    try:
+        check_prompt(ids, params, served.engine.source.config.vocab_size,
+                     served.args.max_model_len, served.engine.kv_capacity_tokens)
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+    rid = served.engine.new_rid("chatcmpl" if chat else "cmpl")
+    return Job(rid, ids, prompt_text, params, body.stop_strings(), chat, echo, logprobs)
+
+
+def prompt_of(served: Served, body, chat: bool) -> tuple[str | None, list[int]]:
+    tok = served.tokenizer
+    if chat:
+        if tok is None or not tok.has_chat_template:
+            raise ApiError(400, "this model has no chat template; use /v1/completions")
+        text = tok.apply_chat_template([{"role": m.role, "content": m.text()}
+                                        for m in body.messages])
+        return text, tok.encode_chat([{"role": m.role, "content": m.text()}
+                                      for m in body.messages])
+    prompt = body.prompt
+    if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+        if len(prompt) != 1:
+            raise ApiError(400, "one prompt per request: send a string or a list of token ids",
+                           param="prompt")
+        prompt = prompt[0]
+    if isinstance(prompt, str):
+        if tok is None:
+            raise ApiError(400, "this model has no tokenizer: send token ids", param="prompt")
+        return prompt, tok.encode(prompt)
+    return None, list(prompt)
+
+
+async def handle(served: Served, request: Request, body, chat: bool):
+    if not served.engine.healthy:
+        raise ApiError(503, served.engine.failure or "the model is still loading",
+                       kind="server_error")
+    job = make_job(served, body, chat)
+    run = Run(served, job)
+    if body.stream:
+        include_usage = bool(body.stream_options and body.stream_options.include_usage)
+        return StreamingResponse(run.sse(include_usage), media_type="text/event-stream")
+    task = asyncio.create_task(run.collect())
+    while not task.done():
+        await asyncio.wait({task}, timeout=0.5)
+        if not task.done() and await request.is_disconnected():
+            task.cancel()  # the generator's cleanup aborts the request and frees its pages
+            return Response(status_code=499)
+    try:
+        return task.result()
+    except EngineDown as e:
+        raise ApiError(503, str(e), kind="server_error") from None
+
+
+class Run:
+    """Turns one request's outputs into OpenAI responses, streamed or whole."""
+
+    def __init__(self, served: Served, job: Job):
+        self.served, self.job = served, job
+        self.decoder = IncrementalDecoder(served.tokenizer) if served.tokenizer else None
+        self.stop = StopChecker(job.stops)
+        self.output_ids: list[int] = []
+        self.finish_reason: str | None = None
+        self.lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
+        self.text_len = 0
+        self.prompt_logprobs: list[float] | None = None
+        self.t0 = time.perf_counter()
+        self.first_token_at: float | None = None
+
+    # -- the shared core: one output in, the new text out --
+    async def events(self):
+        """Yields text deltas (the echo first, when asked) until the request ends."""
+        job = self.job
+        if job.echo:
+            yield job.prompt_text if job.prompt_text is not None else self._decode(job.prompt_ids)
+        status = "aborted"  # unless it ends normally or the stages fail
+        try:
+            # aclosing: leaving early (a stop string, a disconnect) aborts at stage 0 at once.
+            async with aclosing(self.served.engine.generate(job.rid, job.prompt_ids,
+                                                            job.params)) as outputs:
+                async for out in outputs:
+                    for delta in self._on_output(out):
+                        yield delta
+                    if self.finish_reason:
+                        break
+            status = "ok"
+        except EngineDown:
+            status = "error"
+            raise
+        finally:
+            self._record(status)
+
+    def _on_output(self, out) -> list[str]:
+        if out.prompt_logprobs is not None:
+            self.prompt_logprobs = out.prompt_logprobs
+        for size in out.chunk_sizes or []:
+            self.served.metrics.chunk_size.observe(size)
+        deltas = [self._take(out)]
+        if self.stop.stopped:
+            self.finish_reason = "stop"
+        elif out.finished:
+            self.finish_reason = "stop" if out.finish_reason == "stop" else "length"
+            deltas.append(self.stop.feed(self.decoder.flush() if self.decoder else ""))
+            deltas.append(self.stop.flush())
+        return [d for d in deltas if d]
+
+    def _take(self, out) -> str:
+        if out.new_token_ids and self.first_token_at is None:
+            self.first_token_at = time.perf_counter()
+        self.output_ids += out.new_token_ids
+        text = self.decoder.push(out.new_token_ids) if self.decoder else ""
+        if self.job.logprobs is not None and out.token_logprobs:
+            self._add_logprobs(out)
+        return self.stop.feed(text)
+
+    def _add_logprobs(self, out) -> None:
+        for i, token in enumerate(out.new_token_ids):
+            self.lp["tokens"].append(self._decode([token]))
+            self.lp["token_logprobs"].append(out.token_logprobs[i])
+            tops = out.top_logprobs[i] if out.top_logprobs else []
+            self.lp["top_logprobs"].append({self._decode([t]): lp for t, lp in tops})
+
+    def _decode(self, ids: list[int]) -> str:
+        tok = self.served.tokenizer
+        return tok.decode(ids, skip_special_tokens=False) if tok else ""
+
+    def _record(self, status: str) -> None:
+        m = self.served.metrics
+        m.requests.labels(status=status).inc()
+        m.prompt_tokens.inc(len(self.job.prompt_ids))
+        m.generation_tokens.inc(len(self.output_ids))
+        end = time.perf_counter()
+        m.e2e.observe(end - self.t0)
+        if self.first_token_at is not None:
+            m.ttft.observe(self.first_token_at - self.t0)
+            if len(self.output_ids) > 1:
+                m.tpot.observe((end - self.first_token_at) / (len(self.output_ids) - 1))
+
+    def usage(self) -> dict:
+        n_in, n_out = len(self.job.prompt_ids), len(self.output_ids)
+        return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+
+    # -- whole response --
+    async def collect(self) -> dict:
+        text = "".join([d async for d in self.events()])
+        job = self.job
+        if job.chat:
+            choice = {"index": 0, "message": {"role": "assistant", "content": text},
+                      "logprobs": self._chat_logprobs(), "finish_reason": self.finish_reason}
+            obj = "chat.completion"
+        else:
+            choice = {"index": 0, "text": text, "logprobs": self._completion_logprobs(),
+                      "finish_reason": self.finish_reason}
+            obj = "text_completion"
+        return {"id": job.rid, "object": obj, "created": job.created,
+                "model": self.served.model_name, "choices": [choice], "usage": self.usage()}
+
+    def _completion_logprobs(self) -> dict | None:
+        if self.job.logprobs is None:
+            return None
+        lp = self.lp
+        if self.job.echo and self.prompt_logprobs is not None:
+            prompt_tokens = [self._decode([t]) for t in self.job.prompt_ids]
+            prompt_lps = [None] + self.prompt_logprobs
+            lp = {"tokens": prompt_tokens + lp["tokens"],
+                  "token_logprobs": prompt_lps + lp["token_logprobs"],
+                  "top_logprobs": [None] + [{t: x} for t, x in zip(prompt_tokens[1:],
+                                                                   self.prompt_logprobs)]
+                  + lp["top_logprobs"]}
+        offsets, at = [], 0
+        for t in lp["tokens"]:
+            offsets.append(at)
+            at += len(t)
+        return {**lp, "text_offset": offsets}
+
+    def _chat_logprobs(self) -> dict | None:
+        if self.job.logprobs is None:
+            return None
+        return {"content": [
+            {"token": t, "logprob": x, "bytes": list(t.encode()),
+             "top_logprobs": [{"token": k, "logprob": v, "bytes": list(k.encode())}
+                              for k, v in top.items()]}
+            for t, x, top in zip(self.lp["tokens"], self.lp["token_logprobs"],
+                                 self.lp["top_logprobs"])]}
+
+    # -- streamed response --
+    async def sse(self, include_usage: bool):
+        job = self.job
+        obj = "chat.completion.chunk" if job.chat else "text_completion"
+
+        def chunk(delta: str | None, finish: str | None, first: bool = False) -> str:
+            if job.chat:
+                d = {"role": "assistant", "content": delta or ""} if first else (
+                    {"content": delta} if delta else {})
+                choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": delta or "", "logprobs": None,
+                          "finish_reason": finish}
+            return _sse({"id": job.rid, "object": obj, "created": job.created,
+                         "model": self.served.model_name, "choices": [choice]})
+        try:
+            if job.chat:
+                yield chunk("", None, first=True)
+            async for delta in self.events():
+                yield chunk(delta, None)
+            yield chunk(None, self.finish_reason)
+            if include_usage:
+                yield _sse({"id": job.rid, "object": obj, "created": job.created,
+                            "model": self.served.model_name, "choices": [],
+                            "usage": self.usage()})
+        except (EngineDown, ValueError) as e:
+            yield _sse({"error": {"message": str(e), "type": "server_error", "code": 503}})
+        yield "data: [DONE]\n\n"
+
+
+def _sse(obj: dict) -> str:
+    return f"data: {json.dumps(obj)}\n\n"

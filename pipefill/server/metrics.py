@@ -1,0 +1,43 @@
+"""Prometheus metrics of the server, in a registry of its own."""
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+_LATENCY = (0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 20, 40, 80, 160, 320, 640)
+_TPOT = (0.001, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64, 1.28, 2.56)
+_CHUNK = (64, 128, 256, 512, 1024, 2048, 4096, 8192, 16384, 32768, 65536)
+
+
+class ServerMetrics:
+    def __init__(self):
+        r = self.registry = CollectorRegistry()
+        p = "pipefill_"
+        self.requests = Counter(p + "requests", "Finished requests by status", ["status"],
+                                registry=r)
+        self.ttft = Histogram(p + "time_to_first_token_seconds", "Time to first token",
+                              buckets=_LATENCY, registry=r)
+        self.tpot = Histogram(p + "time_per_output_token_seconds",
+                              "Time per output token after the first", buckets=_TPOT,
+                              registry=r)
+        self.e2e = Histogram(p + "e2e_request_latency_seconds", "End-to-end request latency",
+                             buckets=_LATENCY, registry=r)
+        self.prompt_tokens = Counter(p + "prompt_tokens", "Prompt tokens", registry=r)
+        self.generation_tokens = Counter(p + "generation_tokens", "Generated tokens",
+                                         registry=r)
+        self.chunk_size = Histogram(p + "prefill_chunk_size_tokens", "Prefill chunk sizes",
+                                    buckets=_CHUNK, registry=r)
+        self.running = Gauge(p + "requests_running", "Requests admitted", registry=r)
+        self.waiting = Gauge(p + "requests_waiting", "Requests queued for admission",
+                             registry=r)
+        self.pages_used = Gauge(p + "kv_pages_used", "KV pages in use", registry=r)
+        self.pages_free = Gauge(p + "kv_pages_free", "KV pages free", registry=r)
+        self.healthy = Gauge(p + "stages_up", "1 when every stage is up", registry=r)
+
+    def observe_load(self, load: dict) -> None:
+        self.running.set(load.get("running", 0))
+        self.waiting.set(load.get("waiting", 0))
+        self.pages_used.set(load.get("pages_used", 0))
+        self.pages_free.set(load.get("pages_free", 0))
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

@@ -1,0 +1,61 @@
+"""Turning streamed token ids into text: incremental detokenization (a multi-byte character
+split over tokens is held back until complete) and stop strings (text that may be the start of
+a stop string is held back until it is not)."""
+from __future__ import annotations
+
+
+class IncrementalDecoder:
+    """Decodes a growing list of token ids and returns only the new, complete text."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        self.ids: list[int] = []
+        self.prefix_offset = 0  # decoding starts a few tokens back: merges change spacing
+        self.read_offset = 0  # text up to here has been returned
+
+    def push(self, new_ids: list[int]) -> str:
+        self.ids += new_ids
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset:self.read_offset])
+        full = decode(self.ids[self.prefix_offset:])
+        if len(full) > len(prefix) and not full.endswith("\ufffd"):
+            self.prefix_offset, self.read_offset = self.read_offset, len(self.ids)
+            return full[len(prefix):]
+        return ""
+
+    def flush(self) -> str:
+        """Whatever is left at the end, incomplete characters included."""
+        decode = self.tokenizer.decode
+        prefix = decode(self.ids[self.prefix_offset:self.read_offset])
+        full = decode(self.ids[self.prefix_offset:])
+        self.prefix_offset = self.read_offset = len(self.ids)
+        return full[len(prefix):]
+
+
+class StopChecker:
+    """Finds the first stop string in the generated text; never emits text past it."""
+
+    def __init__(self, stops: list[str]):
+        self.stops = [s for s in stops if s]
+        self.held = ""
+        self.stopped = False
+
+    def feed(self, text: str) -> str:
+        """Returns the text that is safe to emit now."""
+        if self.stopped or not self.stops:
+            return "" if self.stopped else text
+        self.held += text
+        hits = [i for i in (self.held.find(s) for s in self.stops) if i >= 0]
+        if hits:
+            self.stopped = True
+            out, self.held = self.held[:min(hits)], ""
+            return out
+        keep = max((k for s in self.stops for k in range(1, len(s))
+                    if self.held.endswith(s[:k])), default=0)
+        out = self.held[:len(self.held) - keep]
+        self.held = self.held[len(self.held) - keep:]
+        return out
+
+    def flush(self) -> str:
+        out, self.held = ("" if self.stopped else self.held), ""
+        return out

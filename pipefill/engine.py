@@ -161,14 +161,8 @@ class Engine:
         """Every stage's spans since the last call (Chrome-trace events). Needs --trace-dir."""
         if not self.args.trace_dir:
             raise ValueError("tracing is off: pass --trace-dir DIR")
-        self._stages.send("trace")
-        events, seen = [], set()
-        while len(seen) < self.args.pp_size:
-            msg = self._stages.recv(100)
-            if msg is not None and msg[0] == "trace":
-                seen.add(msg[1][0])
-                events += msg[1][1]
-        return events
+        replies = self._stages.gather("trace", "trace")
+        return [e for rank in sorted(replies) for e in replies[rank]]
 
     def write_trace(self, name: str) -> dict:
         """Writes <trace_dir>/<name>.json and .png from the spans since the last collection
@@ -179,10 +173,5 @@ class Engine:
     def stats(self) -> dict:
         """Stage 0's page pool with its integrity check (free + used == total), and under
         "stages" every stage's own report."""
-        self._stages.send("stats")
-        reports = {}
-        while len(reports) < self.args.pp_size:
-            msg = self._stages.recv(100)
-            if msg is not None and msg[0] == "stage_stats":
-                reports[msg[1]["rank"]] = msg[1]
+        reports = self._stages.gather("stats", "stage_stats")
         return {**reports[0], "stages": [reports[r] for r in sorted(reports)]}

@@ -52,8 +52,9 @@ def tiny_models(tmp_path_factory) -> dict[str, str]:
     return {f: save_tiny_model(f, tmp_path_factory.mktemp(f)) for f in FAMILIES}
 
 
-def hf_reference(path: str, prompt: list[int], max_new_tokens: int):
-    """(prompt logprobs, greedy continuation) from HF transformers in float32."""
+def hf_reference(path: str, prompt: list[int], max_new_tokens: int, margins: bool = False):
+    """(prompt logprobs, greedy continuation[, top-1 minus top-2 logprob at each step]) from
+    HF transformers in float32."""
     from transformers import AutoModelForCausalLM
     model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
     with torch.no_grad():
@@ -61,8 +62,25 @@ def hf_reference(path: str, prompt: list[int], max_new_tokens: int):
         logprobs = torch.log_softmax(model(ids).logits[0].float(), -1)
         prompt_lp = logprobs[:-1].gather(1, ids[0, 1:, None])[:, 0]
         out = model.generate(ids, max_new_tokens=max_new_tokens, do_sample=False,
-                             eos_token_id=None, pad_token_id=0)
-    return prompt_lp, out[0, len(prompt):].tolist()
+                             eos_token_id=None, pad_token_id=0, output_scores=True,
+                             return_dict_in_generate=True)
+    tokens = out.sequences[0, len(prompt):].tolist()
+    if not margins:
+        return prompt_lp, tokens
+    gaps = [float(v[0] - v[1]) for v in (torch.log_softmax(s[0], -1).topk(2).values
+                                         for s in out.scores)]
+    return prompt_lp, tokens, gaps
+
+
+def assert_greedy_agrees(ours: list[int], ref: list[int], ref_margins: list[float],
+                         min_margin: float = 0.1) -> None:
+    """bf16 greedy decoding must follow the float32 reference until the reference itself is
+    a near tie (its top two within min_margin nats); after a tie the texts may part."""
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        if a != b:
+            assert ref_margins[i] < min_margin, (
+                f"token {i}: {a} != {b} although the reference margin is {ref_margins[i]:.3f}")
+            return
 
 
 _live_engines: list = []

@@ -53,6 +53,10 @@ def run(ns: argparse.Namespace) -> int:
         out = engine.generate([prompt], max_new_tokens=ns.max_new_tokens,
                               temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
                               seed=ns.sampling_seed)[0]
+        if args.trace_dir:
+            t = engine.write_trace("generate")
+            print(f"trace: {t['json']} (timeline {t.get('png')}): bubble ratio "
+                  f"{t['bubble_ratio']:.3f} measured, {t['bubble_theory']:.3f} theory")
     m = out.metrics
     if ns.output_json:
         with open(ns.output_json, "w") as f:

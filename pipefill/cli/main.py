@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import argparse
 import logging
+import signal
 import sys
 
 from pipefill.config import add_server_args
@@ -17,7 +18,9 @@ class UsageError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from pipefill.bench import attention as bench_attention
     from pipefill.bench import prefill as bench_prefill
+    from pipefill.bench import serving as bench_serving
     from pipefill.cli import generate
     from pipefill.server import main as serve
     parser = argparse.ArgumentParser(
@@ -29,6 +32,8 @@ def build_parser() -> argparse.ArgumentParser:
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(
         dest="bench_command", required=True, metavar="BENCHMARK")
     bench_prefill.add_parser(bench)
+    bench_serving.add_parser(bench)
+    bench_attention.add_parser(bench)
     return parser
 
 
@@ -36,6 +41,8 @@ def main(argv: list[str] | None = None) -> int:
     parser = build_parser()
     ns = parser.parse_args(argv)
     setup_logging(getattr(ns, "log_level", "info"))
+    # SIGTERM unwinds like Ctrl-C, so engines stop their stages on the way out.
+    signal.signal(signal.SIGTERM, _interrupt)
     try:
         return ns.run(ns) or 0
     except (UsageError, ValueError) as e:
@@ -47,6 +54,10 @@ def main(argv: list[str] | None = None) -> int:
         logging.getLogger("pipefill").debug("failure", exc_info=True)
         print(f"pipefill {ns.command}: error: {e}", file=sys.stderr)
         return 1
+
+
+def _interrupt(signum, frame):
+    raise KeyboardInterrupt
 
 
 def server_args_parser_group(parser: argparse.ArgumentParser, skip=()) -> None:

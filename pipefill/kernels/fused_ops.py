@@ -113,7 +113,19 @@ def _build() -> str:
     build_dir = _cache_root() / f"fused_ops-{tag}".replace("+", "_")
     build_dir.mkdir(parents=True, exist_ok=True)
     t0 = time.perf_counter()
-    objs = [str(_compile_kernel_object(build_dir, v, f)) for v, f in KERNEL_VARIANTS.items()]
+    objs = []
+    for variant, flags in KERNEL_VARIANTS.items():
+        try:
+            objs.append(str(_compile_kernel_object(build_dir, variant, flags)))
+        except RuntimeError as e:
+            if variant == "avx512":
+                raise
+            # e.g. a compiler without -mavx512bf16: this namespace gets the plain AVX-512 code.
+            log.warning("pipefill fused ops: %s variant not built, using avx512 code for it: %s",
+                        variant, str(e).splitlines()[0])
+            fallback = [f for f in KERNEL_VARIANTS["avx512"] if not f.startswith("-DPF_FUSED_NS")]
+            objs.append(str(_compile_kernel_object(build_dir, f"{variant}-fallback",
+                                                   fallback + [f"-DPF_FUSED_NS={variant}"])))
     path = cpp_ext.load(name="pipefill_fused_ops", sources=[str(_GLUE_SRC)],
                         extra_cflags=GLUE_FLAGS, extra_ldflags=[*objs, "-fopenmp"],
                         extra_include_paths=[str(_CSRC)], build_directory=str(build_dir),
@@ -397,7 +409,8 @@ def bench(T: int = 2048, threads: tuple[int, ...] = (1, 2), reps: int = 30) -> l
     rows = []
     saved = torch.get_num_threads()
     try:
-        print(f"T={T}, SmolLM2-135M shapes, ms per call (median of {reps})")
+        print(f"T={T}, SmolLM2-135M shapes, kernels {kernel_variant()}, "
+              f"ms per call (median of {reps})")
         print(f"{'op':18s} {'thr':>3s} {'torch':>8s} {'fused':>8s} {'speedup':>8s}")
         for n in threads:
             torch.set_num_threads(n)
@@ -405,7 +418,10 @@ def bench(T: int = 2048, threads: tuple[int, ...] = (1, 2), reps: int = 30) -> l
                 t_ref = _time_ms(ref, reps) if ref else float("nan")
                 t_ours = _time_ms(ours, reps)
                 rows.append((name, n, t_ref, t_ours))
-                print(f"{name:18s} {n:3d} {t_ref:8.3f} {t_ours:8.3f} {t_ref / t_ours:7.2f}x")
+                if ref:
+                    print(f"{name:18s} {n:3d} {t_ref:8.3f} {t_ours:8.3f} {t_ref / t_ours:7.2f}x")
+                else:
+                    print(f"{name:18s} {n:3d} {'-':>8s} {t_ours:8.3f}")
     finally:
         torch.set_num_threads(saved)
     return rows

@@ -49,11 +49,61 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dty
     return F.rms_norm(x.float(), (x.shape[-1],), weight, eps).to(dtype)
 
 
+class TorchOps:
+    """The elementwise steps of a layer in plain torch (any CPU, any device)."""
+
+    @staticmethod
+    def add_rms_norm(residual, hidden, weight, eps, dtype):
+        """residual += hidden (in place; None: residual is hidden.float()); -> normed."""
+        residual = hidden.float() if residual is None else residual.add_(hidden)
+        return rms_norm(residual, weight, eps, dtype), residual
+
+    @staticmethod
+    def rope_(x, cos, sin):
+        apply_rope_(x, cos.to(x.dtype), sin.to(x.dtype))
+
+    @staticmethod
+    def silu_mul(gate_up):
+        inter = gate_up.shape[-1] // 2
+        return F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+
+
+class FusedOps:
+    """The same steps as one pass each (pipefill.kernels.fused_ops, AVX-512)."""
+
+    def __init__(self):
+        from pipefill.kernels import fused_ops
+        self.k = fused_ops
+
+    def add_rms_norm(self, residual, hidden, weight, eps, dtype):
+        if residual is None:
+            residual = hidden.float()
+            return self.k.add_rms_norm(residual, None, weight, eps, dtype=dtype), residual
+        return self.k.add_rms_norm(residual, hidden, weight, eps), residual
+
+    def rope_(self, x, cos, sin):
+        self.k.rope_(x, cos, sin)
+
+    def silu_mul(self, gate_up):
+        return self.k.silu_mul(gate_up)
+
+
+def elementwise_ops(cfg: ModelConfig, device: torch.device):
+    """Fused kernels where the CPU and the shapes allow, else torch."""
+    widths = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim)
+    if device.type == "cpu" and all(w % 16 == 0 for w in widths):
+        from pipefill.kernels.fused_ops import fused_available
+        if fused_available()[0]:
+            return FusedOps()
+    return TorchOps()
+
+
 class StageModel:
     def __init__(self, cfg: ModelConfig, layer_start: int, weights: StageWeights,
-                 dtype: torch.dtype, attention=paged_attention):
+                 dtype: torch.dtype, attention=paged_attention, ops=None):
         self.cfg = cfg
         self.attention = attention  # (q, k, v, k_cache, v_cache, seqs, scale) -> out
+        self.ops = ops or TorchOps()
         self.layer_start = layer_start
         self.w = weights
         self.dtype = dtype
@@ -78,16 +128,16 @@ class StageModel:
     @torch.inference_mode()
     def forward(self, hidden, residual, meta: ForwardMeta, k_cache, v_cache):
         """Runs this stage's layers. k_cache/v_cache: [num_local_layers, slots, Hkv, D]."""
-        cos, sin = cos_sin(meta.positions, self.inv_freq, self.dtype)
+        cos, sin = cos_sin(meta.positions, self.inv_freq)
         for i, layer in enumerate(self.w.layers):
             hidden, residual = self._layer(layer, hidden, residual, meta, cos, sin,
                                            k_cache[i], v_cache[i])
         return hidden, residual
 
     def _layer(self, w: LayerWeights, hidden, residual, meta, cos, sin, k_cache, v_cache):
-        cfg = self.cfg
-        residual = hidden.float() if residual is None else residual.add_(hidden)
-        x = rms_norm(residual, w.input_norm, cfg.rms_norm_eps, self.dtype)
+        cfg, ops = self.cfg, self.ops
+        x, residual = ops.add_rms_norm(residual, hidden, w.input_norm, cfg.rms_norm_eps,
+                                       self.dtype)
         qkv = F.linear(x, w.qkv, w.qkv_bias)
         num_tokens = qkv.shape[0]
         q = qkv[:, :cfg.q_size].view(num_tokens, cfg.num_heads, cfg.head_dim)
@@ -96,20 +146,17 @@ class StageModel:
         if w.q_norm is not None:
             q = rms_norm(q, w.q_norm, cfg.rms_norm_eps, self.dtype)
             k = rms_norm(k, w.k_norm, cfg.rms_norm_eps, self.dtype)
-            apply_rope_(q, cos, sin)
-            apply_rope_(k, cos, sin)
+            ops.rope_(q, cos, sin)
+            ops.rope_(k, cos, sin)
         else:
             # q and k are adjacent columns of qkv: rotate both heads in one pass.
             qk = qkv[:, :cfg.q_size + cfg.kv_size].view(num_tokens, -1, cfg.head_dim)
-            apply_rope_(qk, cos, sin)
+            ops.rope_(qk, cos, sin)
         attn = self.attention(q, k, v, k_cache, v_cache, meta.seqs, self.scale)
         hidden = F.linear(attn.reshape(num_tokens, cfg.q_size), w.o_proj)
-        residual.add_(hidden)
-        x = rms_norm(residual, w.post_norm, cfg.rms_norm_eps, self.dtype)
-        gate_up = F.linear(x, w.gate_up)
-        inter = gate_up.shape[-1] // 2
-        act = F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
-        return F.linear(act, w.down), residual
+        x, residual = ops.add_rms_norm(residual, hidden, w.post_norm, cfg.rms_norm_eps,
+                                       self.dtype)
+        return F.linear(ops.silu_mul(F.linear(x, w.gate_up)), w.down), residual
 
     @torch.inference_mode()
     def logits(self, hidden, residual, rows: torch.Tensor) -> torch.Tensor:

@@ -31,10 +31,10 @@ def _llama3_inverse_frequencies(inv_freq: torch.Tensor, s: dict) -> torch.Tensor
     return torch.where(in_band, blended, scaled)
 
 
-def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor, dtype: torch.dtype):
-    """Returns cos, sin of shape [num_tokens, 1, head_dim // 2] for broadcasting over heads."""
-    freqs = positions.float()[:, None] * inv_freq[None, :]
-    return freqs.cos().to(dtype)[:, None, :], freqs.sin().to(dtype)[:, None, :]
+def cos_sin(positions: torch.Tensor, inv_freq: torch.Tensor):
+    """float32 cos, sin of shape [num_tokens, 1, head_dim // 2] for broadcasting over heads."""
+    freqs = positions.float()[:, None] * inv_freq.to(positions.device)[None, :]
+    return freqs.cos()[:, None, :], freqs.sin()[:, None, :]
 
 
 def apply_rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> None:

@@ -83,6 +83,21 @@ class StageGroup:
             self._fail([msg[1]])
         return msg
 
+    def gather(self, kind: str, reply: str, timeout_s: float = 600.0) -> dict[int, object]:
+        """Sends a control message that travels down the pipe; returns each stage's reply
+        by rank. (The reply comes after the micro-batches in flight, hence the long wait.)"""
+        self.send(kind)
+        replies: dict[int, object] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(replies) < self.args.pp_size:
+            if time.monotonic() > deadline:
+                raise TimeoutError(f"stages did not answer {kind!r} within {timeout_s} s")
+            msg = self.recv(100)
+            if msg is not None and msg[0] == reply:
+                rank, payload = msg[1]
+                replies[rank] = payload
+        return replies
+
     def close(self, grace_s: float = 5.0) -> None:
         if not self.procs:
             return

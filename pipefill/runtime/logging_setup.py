@@ -11,5 +11,5 @@ def setup_logging(level: str = "info", prefix: str = "pipefill") -> None:
         format=f"%(asctime)s [{prefix}] %(levelname)s %(message)s", datefmt="%H:%M:%S")
     # gguf's reader warns about every duplicated key; transformers about optional backends.
     warnings.filterwarnings("ignore", module="gguf")
-    for noisy in ("transformers", "gguf"):
+    for noisy in ("transformers", "gguf", "httpx"):
         logging.getLogger(noisy).setLevel(logging.ERROR)

@@ -157,7 +157,8 @@ def report_control(kind: str, rank: int, channel, tracer, executor, stats=None) 
     if kind == "trace":
         channel.report("trace", (rank, tracer.drain()))
     elif kind == "stats":
-        channel.report("stage_stats", stats() if stats else later_stage_stats(rank, executor))
+        channel.report("stage_stats",
+                       (rank, stats() if stats else later_stage_stats(rank, executor)))
 
 
 def later_stage_stats(rank: int, executor) -> dict:

@@ -8,8 +8,8 @@ import torch
 
 from pipefill.config import ServerArgs
 from pipefill.kv.cache import KVCache
-from pipefill.model.attention import amx_paged_attention, choose_backend
-from pipefill.model.llama import StageModel
+from pipefill.model.attention import amx_paged_attention, choose_backend, paged_attention
+from pipefill.model.llama import FusedOps, StageModel, elementwise_ops
 from pipefill.model.loader import WeightSource, load_stage_weights
 from pipefill.model.partition import partition_layers
 from pipefill.runtime.executor import StageExecutor
@@ -74,16 +74,19 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
         from pipefill.kernels.amx_attention import AmxKVCache
         cache = AmxKVCache(len(info.layers), num_pages, args.page_size, cfg.num_kv_heads,
                            cfg.head_dim, dtype)
-        model = StageModel(cfg, info.layers.start, weights, dtype, amx_paged_attention)
+        attention = amx_paged_attention
     else:
         cache = KVCache(len(info.layers), num_pages, args.page_size, cfg.num_kv_heads,
                         cfg.head_dim, dtype, device)
-        model = StageModel(cfg, info.layers.start, weights, dtype)
+        attention = paged_attention
+    ops = elementwise_ops(cfg, device)
+    model = StageModel(cfg, info.layers.start, weights, dtype, attention, ops)
     executor = StageExecutor(model, cache)
     warm_up(executor, cfg.hidden_size, dtype, info.is_first)
-    log.info("stage %d/%d ready: layers %d-%d, %s, attention %s (%s), %d KV pages of %d "
-             "tokens, %d threads", info.rank, info.size, info.layers.start,
-             info.layers.stop - 1, args.dtype, backend, why, num_pages, args.page_size,
+    log.info("stage %d/%d ready: layers %d-%d, %s, attention %s (%s), %s elementwise ops, "
+             "%d KV pages of %d tokens, %d threads", info.rank, info.size, info.layers.start,
+             info.layers.stop - 1, args.dtype, backend, why,
+             "fused" if isinstance(ops, FusedOps) else "torch", num_pages, args.page_size,
              torch.get_num_threads())
     return executor
 

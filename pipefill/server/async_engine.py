@@ -59,10 +59,20 @@ class AsyncEngine:
         self._stopping.set()
         if self._reader is not None:
             self._reader.join(5)
+        if self._stages is not None and self.args.trace_dir and self.failure is None:
+            self._write_trace()
         if self._stages is not None:
             self._stages.close()
             self._stages = None
         self.ready = False
+
+    def _write_trace(self) -> None:
+        from pipefill.runtime.trace import write_trace
+        replies = self._stages.gather("trace", "trace", timeout_s=10)
+        events = [e for rank in sorted(replies) for e in replies[rank]]
+        if events:
+            stats = write_trace(self.args.trace_dir, "serve", events, self.args.pp_size)
+            log.info("trace written to %s", stats["json"])
 
     @property
     def healthy(self) -> bool:

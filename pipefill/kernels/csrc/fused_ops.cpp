@@ -2,8 +2,9 @@
 // cpuid/XCR0 check, the choice of kernel build (avx512 or avx512bf16) and the split of rows over
 // torch's thread pool (at::parallel_for, built with -fopenmp so it runs on torch's own OpenMP
 // pool). Built WITHOUT ISA flags; the AVX-512 code in fused_ops_avx512.cpp is only entered after
-// pf_fused_cpu_supported() succeeded (the entry points return -2 before that). Plain extern "C" entry points called through
-// ctypes (which releases the GIL): only <ATen/Parallel.h> is included, so the build takes ~2 s.
+// pf_fused_cpu_supported() succeeded (the entry points return -2 before that). Plain extern "C"
+// entry points called through ctypes (which releases the GIL): only <ATen/Parallel.h> is
+// included, so the build takes ~2 s.
 // Argument validation lives in pipefill/kernels/fused_ops.py.
 #include <ATen/Parallel.h>
 

@@ -1,0 +1,209 @@
+"""`pipefill bench serving`: load an OpenAI-compatible server the way SGLang's and vLLM's serving
+benchmarks do, and report TTFT, time per output token, inter-token latency and end-to-end
+latency (mean, p50, p90, p99) with request and token throughput.
+
+Prompts are random token ids (exact lengths; any server that takes token-id prompts on
+/v1/completions), lengths uniform in [I(1-r), I(1+r)] for --random-input-len I and
+--random-range-ratio r; every request streams exactly its output length (ignore_eos).
+Requests arrive as a Poisson process at --request-rate (inf: all at once), at most
+--max-concurrency in flight.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import random
+import statistics
+import time
+from dataclasses import asdict, dataclass, field
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("serving", help="serving benchmark against an OpenAI-compatible server",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--base-url", required=True, help="server URL, e.g. http://127.0.0.1:30000")
+    p.add_argument("--model", help="model name to send (default: the first of /v1/models)")
+    p.add_argument("--api-key", help="sent as 'Authorization: Bearer KEY'")
+    p.add_argument("--num-prompts", type=int, default=32, help="requests to send")
+    p.add_argument("--random-input-len", type=int, default=1024, help="mean prompt tokens")
+    p.add_argument("--random-output-len", type=int, default=128, help="mean output tokens")
+    p.add_argument("--random-range-ratio", type=float, default=0.0,
+                   help="lengths are uniform in [len*(1-r), len*(1+r)]")
+    p.add_argument("--request-rate", default="inf",
+                   help="requests per second (Poisson arrivals), or inf")
+    p.add_argument("--max-concurrency", type=int, default=None,
+                   help="most requests in flight at once (default: no limit)")
+    p.add_argument("--vocab-size", type=int, default=49152,
+                   help="token ids are drawn from [100, vocab-size)")
+    p.add_argument("--seed", type=int, default=0, help="seed of lengths, prompts, arrivals")
+    p.add_argument("--timeout", type=float, default=3600, help="seconds per request")
+    p.add_argument("--label", default="", help="a name for this run in the printout and JSON")
+    p.add_argument("--json", metavar="FILE", help="write the summary and every request here")
+    p.set_defaults(run=run)
+
+
+@dataclass
+class RequestResult:
+    input_len: int
+    output_len: int = 0
+    ok: bool = False
+    error: str | None = None
+    ttft_s: float | None = None
+    e2e_s: float | None = None
+    itl_s: list[float] = field(default_factory=list)
+
+    @property
+    def tpot_s(self) -> float | None:
+        if self.ok and self.output_len > 1:
+            return (self.e2e_s - self.ttft_s) / (self.output_len - 1)
+        return None
+
+
+def lengths(mean: int, ratio: float, n: int, rng: random.Random) -> list[int]:
+    lo, hi = max(1, int(mean * (1 - ratio))), max(1, int(mean * (1 + ratio)))
+    return [rng.randint(lo, hi) for _ in range(n)]
+
+
+async def one_request(client, url, headers, model, prompt, max_tokens, timeout):
+    result = RequestResult(len(prompt))
+    body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+    t0 = last = time.perf_counter()
+    chunks = 0
+    try:
+        async with client.stream("POST", url, json=body, headers=headers,
+                                 timeout=timeout) as r:
+            if r.status_code != 200:
+                result.error = f"HTTP {r.status_code}: {(await r.aread())[:200]!r}"
+                return result
+            async for line in r.aiter_lines():
+                if not line.startswith("data:") or line.strip() == "data: [DONE]":
+                    continue
+                data = json.loads(line[5:])
+                if "error" in data:
+                    result.error = str(data["error"])
+                    return result
+                if data.get("usage"):
+                    result.output_len = data["usage"]["completion_tokens"]
+                if data.get("choices") and data["choices"][0].get("text"):
+                    now = time.perf_counter()
+                    if result.ttft_s is None:
+                        result.ttft_s = now - t0
+                    else:
+                        result.itl_s.append(now - last)
+                    last = now
+                    chunks += 1
+        result.e2e_s = time.perf_counter() - t0
+        result.output_len = result.output_len or chunks
+        result.ok = result.ttft_s is not None
+    except Exception as e:  # noqa: BLE001 - a failed request is a data point, not a crash
+        result.error = f"{type(e).__name__}: {e}"
+    return result
+
+
+async def run_benchmark(ns) -> tuple[list[RequestResult], float]:
+    import httpx
+    from tqdm import tqdm
+    rng = random.Random(ns.seed)
+    ins = lengths(ns.random_input_len, ns.random_range_ratio, ns.num_prompts, rng)
+    outs = lengths(ns.random_output_len, ns.random_range_ratio, ns.num_prompts, rng)
+    prompts = [[rng.randrange(100, ns.vocab_size) for _ in range(n)] for n in ins]
+    rate = float(ns.request_rate)
+    headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
+    base = ns.base_url.rstrip("/")
+    limit = asyncio.Semaphore(ns.max_concurrency or ns.num_prompts)
+    async with httpx.AsyncClient(timeout=ns.timeout,
+                                 limits=httpx.Limits(max_connections=None)) as client:
+        model = ns.model or (await client.get(base + "/v1/models", headers=headers)
+                             ).json()["data"][0]["id"]
+        bar = tqdm(total=ns.num_prompts, desc="requests", unit="req")
+
+        async def limited(prompt, out_len):
+            async with limit:
+                res = await one_request(client, base + "/v1/completions", headers, model,
+                                        prompt, out_len, ns.timeout)
+            bar.update(1)
+            return res
+
+        tasks = []
+        start = time.perf_counter()
+        for prompt, out_len in zip(prompts, outs):
+            tasks.append(asyncio.create_task(limited(prompt, out_len)))
+            if rate != float("inf"):
+                await asyncio.sleep(rng.expovariate(rate))
+        results = await asyncio.gather(*tasks)
+        duration = time.perf_counter() - start
+        bar.close()
+    return results, duration
+
+
+def stats(values: list[float]) -> dict:
+    if not values:
+        return {"mean": None, "p50": None, "p90": None, "p99": None}
+    v = sorted(values)
+
+    def pct(p):
+        return v[min(len(v) - 1, int(round(p / 100 * (len(v) - 1))))]
+    return {"mean": statistics.fmean(v), "p50": pct(50), "p90": pct(90), "p99": pct(99)}
+
+
+def summarize(results: list[RequestResult], duration: float) -> dict:
+    ok = [r for r in results if r.ok]
+    out_tokens = sum(r.output_len for r in ok)
+    in_tokens = sum(r.input_len for r in ok)
+    return {
+        "completed": len(ok), "failed": len(results) - len(ok), "duration_s": duration,
+        "input_tokens": in_tokens, "output_tokens": out_tokens,
+        "request_throughput": len(ok) / duration,
+        "output_token_throughput": out_tokens / duration,
+        "total_token_throughput": (in_tokens + out_tokens) / duration,
+        "ttft_s": stats([r.ttft_s for r in ok]),
+        "tpot_s": stats([r.tpot_s for r in ok if r.tpot_s is not None]),
+        "itl_s": stats([x for r in ok for x in r.itl_s]),
+        "e2e_s": stats([r.e2e_s for r in ok]),
+        "errors": sorted({r.error for r in results if r.error})[:5],
+    }
+
+
+def print_summary(s: dict, label: str) -> None:
+    title = f" serving benchmark {label} ".center(60, "=")
+    print(title)
+    print(f"{'completed / failed':<34}{s['completed']} / {s['failed']}")
+    print(f"{'duration (s)':<34}{s['duration_s']:.2f}")
+    print(f"{'input / output tokens':<34}{s['input_tokens']} / {s['output_tokens']}")
+    print(f"{'request throughput (req/s)':<34}{s['request_throughput']:.3f}")
+    print(f"{'output token throughput (tok/s)':<34}{s['output_token_throughput']:.1f}")
+    print(f"{'total token throughput (tok/s)':<34}{s['total_token_throughput']:.1f}")
+    print(f"{'(ms)':<14}{'mean':>11}{'p50':>11}{'p90':>11}{'p99':>11}")
+    for key, name in (("ttft_s", "TTFT"), ("tpot_s", "TPOT"), ("itl_s", "ITL"),
+                      ("e2e_s", "E2E")):
+        row = s[key]
+        cells = "".join(f"{1000 * row[k]:>11.1f}" if row[k] is not None else f"{'-':>11}"
+                        for k in ("mean", "p50", "p90", "p99"))
+        print(f"{name:<14}{cells}")
+    for err in s["errors"]:
+        print(f"error: {err}")
+    print("=" * len(title))
+
+
+def run(ns: argparse.Namespace) -> int:
+    if ns.num_prompts < 1 or ns.random_input_len < 1 or ns.random_output_len < 1:
+        raise ValueError("--num-prompts, --random-input-len and --random-output-len must be >= 1")
+    if not 0 <= ns.random_range_ratio < 1:
+        raise ValueError("--random-range-ratio must be in [0, 1)")
+    try:
+        if float(ns.request_rate) <= 0:
+            raise ValueError
+    except ValueError:
+        raise ValueError(f"--request-rate {ns.request_rate!r}: a positive number or inf") from None
+    results, duration = asyncio.run(run_benchmark(ns))
+    summary = summarize(results, duration)
+    print_summary(summary, ns.label)
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump({"label": ns.label, "config": {k: v for k, v in vars(ns).items()
+                                                     if k != "run"},
+                       "summary": summary, "requests": [asdict(r) for r in results]}, f,
+                      indent=2)
+    return 0 if summary["completed"] else 1

@@ -106,7 +106,7 @@ class ChunkSizePredictor:
 
     def raw_size(self, history_len: int) -> float | None:
         """x with f(L + x) - f(L) = T*: the positive root of a x^2 + (2aL + b) x - T* = 0."""
-        if self._coef is None:
+        if self._coef is None or not self._target > 0:
             return None
         a, b, _ = self._coef
         lin = 2 * a * history_len + b

@@ -36,9 +36,24 @@ class ServerArgs:
         "are allowed with a warning (quality past the trained context is not guaranteed).",
         default=None)
     page_size: int = _flag("Tokens per KV-cache page.", default=64)
-    chunked_prefill_size: int = _flag(
-        "Tokens per prefill chunk (C0): long prompts are cut into chunks of this size.",
-        default=2048)
+    chunked_prefill_size: int | str = _flag(
+        "Tokens per prefill chunk (C0): long prompts are cut into chunks of this size. 'auto': "
+        "profile stage 0 and pick C0 (and the smooth factor with dynamic chunking) with the "
+        "pipeline simulator for --tune-input-len tokens.", default=2048, type=lambda x: x)
+    enable_dynamic_chunking: bool = _flag(
+        "Shrink later chunks so every chunk costs the same time (needs --pp-size > 1; a "
+        "start-up profile of stage 0 fits the cost model).", default=False)
+    dynamic_chunking_smooth_factor: float | None = _flag(
+        "sigma in C0 + sigma*(x - C0): 0 = fixed chunks, 1 = follow the cost model. Default: "
+        "$PIPEFILL_DYNAMIC_CHUNKING_SMOOTH_FACTOR or 0.75.", default=None, type=float)
+    dynamic_chunking_online_calibration: bool = _flag(
+        "Refit the chunk-cost model from real chunk timings while serving.", default=False)
+    dynamic_chunking_profile_cache: str | None = _flag(
+        "Folder for cached start-up profiles (default ~/.cache/pipefill/profiles).",
+        default=None)
+    tune_input_len: int | None = _flag(
+        "Prompt length that --chunked-prefill-size auto optimizes for (default: "
+        "--max-model-len).", default=None)
     max_prefill_tokens: int = _flag(
         "Token budget of one step (prefill chunks plus decode tokens of running requests).",
         default=16384)
@@ -84,11 +99,21 @@ class ServerArgs:
                            choices=["debug", "info", "warning", "error"])
 
     def __post_init__(self) -> None:
-        for name in ("page_size", "chunked_prefill_size", "max_prefill_tokens",
-                     "max_running_requests", "pp_size"):
+        c0 = self.chunked_prefill_size
+        if isinstance(c0, str):
+            if c0 != "auto" and not c0.isdigit():
+                raise ValueError(f"--chunked-prefill-size {c0!r}: a number of tokens or 'auto'")
+            object.__setattr__(self, "chunked_prefill_size", c0 if c0 == "auto" else int(c0))
+        for name in ("page_size", "max_prefill_tokens", "max_running_requests", "pp_size"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_dash(name)} must be at least 1, got {getattr(self, name)}")
-        if self.max_prefill_tokens < self.chunked_prefill_size:
+        if self.chunked_prefill_size != "auto" and self.chunked_prefill_size < 1:
+            raise ValueError("--chunked-prefill-size must be at least 1 (or 'auto')")
+        sigma = self.dynamic_chunking_smooth_factor
+        if sigma is not None and not 0 <= sigma <= 1:
+            raise ValueError(f"--dynamic-chunking-smooth-factor must be in [0, 1], got {sigma}")
+        if self.chunked_prefill_size != "auto" and \
+                self.max_prefill_tokens < self.chunked_prefill_size:
             raise ValueError(
                 f"--max-prefill-tokens ({self.max_prefill_tokens}) must be at least "
                 f"--chunked-prefill-size ({self.chunked_prefill_size})")
@@ -154,6 +179,8 @@ def add_server_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
             kwargs["choices"] = f.metadata["choices"]
         if isinstance(f.default, bool):
             kwargs["action"] = argparse.BooleanOptionalAction
+        elif "type" in f.metadata:
+            kwargs["type"] = f.metadata["type"]
         elif f.type in ("int | None", "int"):
             kwargs["type"] = int
         parser.add_argument(f"--{_dash(f.name)}", **kwargs)
@@ -191,4 +218,11 @@ def resolve(args: ServerArgs, model_cfg) -> ServerArgs:
     if max_len - 1 > trained:
         log.warning("--max-model-len %d is past the %d positions the model was trained on: "
                     "quality there is not guaranteed", max_len, trained)
-    return args.replace(dtype=dtype_name(resolve_dtype(args.dtype)), max_model_len=max_len)
+    sigma = args.dynamic_chunking_smooth_factor
+    if sigma is None:  # the environment is read here, once, while the config is built
+        sigma = float(os.environ.get("PIPEFILL_DYNAMIC_CHUNKING_SMOOTH_FACTOR", 0.75))
+    if args.enable_dynamic_chunking and args.pp_size == 1:
+        log.info("--enable-dynamic-chunking has no effect on bubbles with --pp-size 1: "
+                 "chunks stay fixed")
+    return args.replace(dtype=dtype_name(resolve_dtype(args.dtype)), max_model_len=max_len,
+                        dynamic_chunking_smooth_factor=sigma)

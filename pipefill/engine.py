@@ -53,6 +53,7 @@ class Engine:
         self.tokenizer: Tokenizer | None = load_tokenizer(source)
         info = self._stages.wait_ready()
         self.kv_capacity_tokens = info["num_pages"] * self.args.page_size
+        self.chunking: dict = info["chunking"]  # C0, mode, fitted cost model when profiled
 
     # ---- lifecycle ---------------------------------------------------------------------------
 

@@ -43,6 +43,13 @@ def add_parser(sub) -> None:
     p.add_argument("--no-split", action="store_true",
                    help="skip the linear/attention/overhead time split")
     p.add_argument("--json", metavar="FILE", help="write every number to this JSON file")
+    p.add_argument("--compare-chunking", action="store_true",
+                   help="fixed chunks (--chunk-grid) vs dynamic chunks (vs auto with "
+                        "--with-auto) through --pp-size, with the simulator's predictions")
+    p.add_argument("--chunk-grid", default="1024,2048,4096",
+                   help="C0 values of the fixed configurations of --compare-chunking")
+    p.add_argument("--with-auto", action="store_true",
+                   help="add --chunked-prefill-size auto to --compare-chunking")
     server_args_parser_group(p, skip=("pp_size",))
     p.set_defaults(run=run)
 
@@ -91,6 +98,8 @@ def run(ns: argparse.Namespace) -> int:
     if need > args.max_model_len:
         raise ValueError(f"--input-len {max(lengths)} does not fit --max-model-len "
                          f"{args.max_model_len}; pass --max-model-len {need} or more")
+    if ns.compare_chunking:
+        return run_compare_chunking(ns, args, source, lengths, pp_sizes)
     configs = make_configs(args, pp_sizes)
     dtype = resolve_dtype(args.dtype)
     threads = len(os.sched_getaffinity(0)) if len(configs) > 1 else args.num_threads
@@ -114,6 +123,27 @@ def run(ns: argparse.Namespace) -> int:
         with open(ns.json, "w") as f:
             json.dump({"args": vars(args), "matmul_peak_flops": peak, "bench_threads": threads,
                        "torch": torch.__version__, "rows": rows}, f, indent=2)
+        print(f"wrote {ns.json}")
+    return 0
+
+
+def run_compare_chunking(ns, args, source, lengths, pp_sizes) -> int:
+    from pipefill.bench.compare_chunking import run_compare
+    if max(pp_sizes) < 2:
+        raise ValueError("--compare-chunking needs --pp-size 2 or more: dynamic chunking "
+                         "only changes pipeline bubbles")
+    args = args.replace(pp_size=max(pp_sizes))
+    rng = random.Random(args.seed)
+    results = []
+    for n in lengths:
+        prompt = [rng.randrange(100, source.config.vocab_size) for _ in range(n)]
+        print(f"--- {n} tokens, PP{args.pp_size}, {args.num_threads} thread(s) per stage")
+        results.append({"len": n, **run_compare(args, source.config, prompt,
+                                                parse_ints(ns.chunk_grid, "--chunk-grid"),
+                                                ns.reps, ns.with_auto)})
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump({"args": vars(args), "results": results}, f, indent=2)
         print(f"wrote {ns.json}")
     return 0
 

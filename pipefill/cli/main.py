@@ -21,7 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pipefill.bench import attention as bench_attention
     from pipefill.bench import prefill as bench_prefill
     from pipefill.bench import serving as bench_serving
-    from pipefill.cli import generate
+    from pipefill.cli import generate, sim
     from pipefill.server import main as serve
     parser = argparse.ArgumentParser(
         prog="pipefill",
@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_prefill.add_parser(bench)
     bench_serving.add_parser(bench)
     bench_attention.add_parser(bench)
+    sim.add_parser(sub)
     return parser
 
 

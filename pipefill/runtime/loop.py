@@ -26,13 +26,14 @@ LOAD_REPORT_S = 0.2  # the server's /metrics reads these pushed snapshots
 
 class FirstStageLoop:
     def __init__(self, executor, scheduler: Scheduler, channel, pipe=None,
-                 max_inflight: int = 1, tracer: StageTracer | None = None):
+                 max_inflight: int = 1, tracer: StageTracer | None = None, on_result=None):
         self.executor = executor
         self.scheduler = scheduler
         self.channel = channel  # front end: poll() requests, report() events
         self.pipe = pipe  # None when this stage is also the last
         self.max_inflight = max_inflight if pipe is not None else 1
         self.tracer = tracer or StageTracer(0, False)
+        self.on_result = on_result  # (plan, result) -> None: online chunk-cost calibration
         self.inflight: deque[StepPlan] = deque()
         self.stopping = False
         self._load_changed = False
@@ -148,6 +149,8 @@ class FirstStageLoop:
 
     def _update(self, plan: StepPlan, result: StepResult) -> None:
         self._load_changed = True
+        if self.on_result is not None:
+            self.on_result(plan, result)
         outputs: list[RequestOutput] = self.scheduler.update(plan, result)
         if outputs:
             self.channel.report("outputs", outputs)

@@ -86,26 +86,33 @@ def _run_stage(args: ServerArgs, model_file: str, rank: int, channel: StageChann
                     device, *groups)
         dist.barrier(group=groups[0])  # every stage loaded before stage 0 says ready
     if rank == 0:
-        loop = make_first_stage_loop(args, source.config, executor, channel, pipe, tracer)
+        from pipefill.model.partition import partition_layers
+        from pipefill.runtime.chunk_policy import build_chunk_policy
+        layer_counts = [len(r) for r in partition_layers(source.config.num_layers, args.pp_size,
+                                                         args.pp_layer_partition)]
+        policy = build_chunk_policy(args, executor, model_file, info.layers, layer_counts)
+        loop = make_first_stage_loop(args, source.config, executor, channel, pipe, tracer,
+                                     policy)
         channel.report("ready", {"rank": rank, "num_pages": loop.scheduler.pool.num_pages,
-                                 "page_size": args.page_size})
+                                 "page_size": args.page_size, "chunking": policy.info})
         return run_guarded(f"stage {rank}", channel, loop.run)
     from pipefill.runtime.loop import run_later_stage
     return run_guarded(f"stage {rank}", channel,
                        lambda: run_later_stage(executor, pipe, channel, tracer))
 
 
-def make_first_stage_loop(args, cfg, executor, channel, pipe, tracer):
+def make_first_stage_loop(args, cfg, executor, channel, pipe, tracer, policy):
     from pipefill.kv.pool import PagePool
     from pipefill.runtime.loop import FirstStageLoop
     from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig
     pool = PagePool(executor.cache.num_pages)
     scheduler = Scheduler(SchedulerConfig(
-        page_size=args.page_size, chunked_prefill_size=args.chunked_prefill_size,
-        max_prefill_tokens=args.max_prefill_tokens,
+        page_size=args.page_size, chunked_prefill_size=policy.c0,
+        max_prefill_tokens=max(args.max_prefill_tokens, policy.c0),
         max_running_requests=args.max_running_requests, max_model_len=args.max_model_len,
-        eos_token_ids=cfg.eos_token_ids, seed=args.seed), pool)
-    return FirstStageLoop(executor, scheduler, channel, pipe, args.max_inflight, tracer)
+        eos_token_ids=cfg.eos_token_ids, seed=args.seed), pool, policy.next_chunk_size)
+    return FirstStageLoop(executor, scheduler, channel, pipe, args.max_inflight, tracer,
+                          on_result=policy.observe)
 
 
 if __name__ == "__main__":

@@ -1,0 +1,109 @@
+"""`pipefill sim`: the pipeline simulator on the command line (DESIGN.md §8)."""
+from __future__ import annotations
+
+import argparse
+import json
+
+from pipefill.sim import (CostModel, Transfer, chunk_plan, default_c0_grid, describe_chunks,
+                          plot_timeline, simulate, tune)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser(
+        "sim", help="simulate chunked pipeline prefill from a cost model",
+        description="Replay a prompt's chunks through P stages from a fitted cost model "
+                    "f(l) = a*l^2 + b*l + c (stage 0's seconds for an l-token prefill): TTFT, "
+                    "per-stage busy time, bubble ratio, the chunk list and a PNG timeline.")
+    src = p.add_mutually_exclusive_group(required=True)
+    src.add_argument("--coefficients", metavar="A,B,C", help="cost model coefficients")
+    src.add_argument("--profile", metavar="FILE",
+                     help="a start-up profile JSON (from ~/.cache/pipefill/profiles) to fit")
+    p.add_argument("--input-len", type=int, required=True, help="prompt tokens")
+    p.add_argument("--pp-size", type=int, default=2, help="pipeline stages")
+    p.add_argument("--stage-scale", metavar="S0,S1,...",
+                   help="per-stage cost multipliers (uneven partitions); default all 1")
+    p.add_argument("--chunked-prefill-size", default="2048",
+                   help="C0 in tokens, or auto (grid search)")
+    p.add_argument("--dynamic", action="store_true", help="dynamic chunking")
+    p.add_argument("--smooth-factor", type=float, default=0.75, help="sigma of dynamic chunks")
+    p.add_argument("--compare", action="store_true", help="fixed and dynamic side by side")
+    p.add_argument("--page-size", type=int, default=64, help="chunk alignment")
+    p.add_argument("--pp-async-batch-depth", type=int, default=0,
+                   help="micro-batches in flight beyond pp-size")
+    p.add_argument("--latency-us", type=float, default=200.0, help="per-transfer latency")
+    p.add_argument("--bandwidth-gbps", type=float, default=3.0, help="GB/s between stages")
+    p.add_argument("--bytes-per-token", type=int, default=576 * 6,
+                   help="activation bytes per token crossing a border")
+    p.add_argument("--png", metavar="FILE", help="write the timeline(s) here")
+    p.add_argument("--json", metavar="FILE", help="write the results here")
+    p.set_defaults(run=run)
+
+
+def parse_floats(text: str, flag: str, count: int | None = None) -> list[float]:
+    try:
+        values = [float(x) for x in text.split(",")]
+    except ValueError:
+        raise ValueError(f"{flag} {text!r}: expected comma-separated numbers") from None
+    if count is not None and len(values) != count:
+        raise ValueError(f"{flag} needs {count} values, got {len(values)}")
+    return values
+
+
+def cost_model(ns) -> CostModel:
+    if ns.coefficients:
+        a, b, c = parse_floats(ns.coefficients, "--coefficients", 3)
+    else:
+        from pipefill.chunking import fit_quadratic
+        with open(ns.profile) as f:
+            data = json.load(f)
+        a, b, c = fit_quadratic(data["lengths"], data["seconds"])
+    if a <= 0:
+        raise ValueError(f"the cost model's a = {a:.3g} must be positive (costs must grow "
+                         "with position)")
+    scale = parse_floats(ns.stage_scale, "--stage-scale", ns.pp_size) if ns.stage_scale \
+        else [1.0] * ns.pp_size
+    return CostModel(a, max(b, 0.0), c, tuple(scale))
+
+
+def run(ns: argparse.Namespace) -> int:
+    if ns.pp_size < 1 or ns.input_len < 1:
+        raise ValueError("--pp-size and --input-len must be at least 1")
+    model = cost_model(ns)
+    transfer = Transfer(ns.latency_us * 1e-6, ns.bytes_per_token, ns.bandwidth_gbps * 1e9)
+    inflight = ns.pp_size + ns.pp_async_batch_depth
+    if ns.chunked_prefill_size == "auto":
+        grid = default_c0_grid(ns.input_len, ns.page_size, 1 << 30)
+        sigmas = [0.0, 0.5, 0.65, 0.75, 0.85, 1.0] if ns.dynamic else [0.0]
+        ranked = tune(model, ns.input_len, grid, sigmas, transfer, inflight, ns.page_size)
+        for cand in ranked[:5]:
+            print(f"C0 {cand.c0:>6} smooth {cand.smooth:.2f}: TTFT {cand.ttft_s:8.3f} s, bubble "
+                  f"{cand.bubble_ratio:.3f}, {cand.num_chunks} chunks")
+        c0, ns.smooth_factor = ranked[0].c0, ranked[0].smooth
+    else:
+        c0 = int(ns.chunked_prefill_size)
+    policies = [("fixed", 0.0), ("dynamic", ns.smooth_factor)] if ns.compare else \
+        [("dynamic" if ns.dynamic else "fixed", ns.smooth_factor if ns.dynamic else 0.0)]
+    results = {}
+    for name, sigma in policies:
+        chunks = chunk_plan(model, ns.input_len, c0, sigma, ns.page_size)
+        r = simulate(model, chunks, transfer, inflight)
+        results[name] = {**r.summary(), "c0": c0, "smooth_factor": sigma}
+        busy = ", ".join(f"{b:.2f}" for b in r.busy_s)
+        print(f"{name:>7} C0 {c0} (smooth {sigma:.2f}), P = {ns.pp_size}: TTFT "
+              f"{r.ttft_s:.3f} s, bubble {r.bubble_ratio:.3f} (theory for M = "
+              f"{len(chunks)}: {r.bubble_theory:.3f}); busy per stage [{busy}] s")
+        print(f"        chunks: {describe_chunks(chunks)}")
+        if ns.png:
+            path = ns.png if len(policies) == 1 else ns.png.replace(".png", f"-{name}.png")
+            plot_timeline(r, path, f"{name} chunks, P = {ns.pp_size}, {ns.input_len} tokens: "
+                                   f"TTFT {r.ttft_s:.2f} s, bubble {r.bubble_ratio:.3f}")
+            print(f"        timeline: {path}")
+    if ns.compare:
+        gain = 1 - results["dynamic"]["ttft_s"] / results["fixed"]["ttft_s"]
+        print(f"dynamic vs fixed: TTFT {100 * gain:+.1f}% lower" if gain >= 0 else
+              f"dynamic vs fixed: TTFT {-100 * gain:.1f}% higher")
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump({"model": [model.a, model.b, model.c], "stage_scale": model.stage_scale,
+                       "results": results}, f, indent=2)
+    return 0

@@ -1,0 +1,141 @@
+"""Chunk-size prediction (DESIGN.md §5) and the pipeline simulator (§8), without processes."""
+import math
+
+import pytest
+
+from pipefill.chunking import ChunkSizePredictor, OnlineCalibrator, profile_lengths
+from pipefill.sim import CostModel, Transfer, simulate, simulate_costs
+
+A, B, C = 1e-6, 1e-3, 0.05
+
+
+def by_hand(prompt_len, c0, sigma, page, max_len=10**6, budget=10**6):
+    """The §5 recipe written out step by step, independently of the implementation."""
+    target = A * c0 * c0 + B * c0
+    sizes, done = [], 0
+    while done < prompt_len:
+        if done == 0:
+            s = c0
+        else:
+            lin = 2 * A * done + B
+            x = (-lin + math.sqrt(lin * lin + 4 * A * target)) / (2 * A)
+            g = max(page, 64)
+            s = c0 + sigma * (x - c0)
+            s = max(math.floor(s), c0 // 4)
+            s = max(s // g * g, g)
+            s = min(s, max_len - done - 100, budget)
+            s = s // g * g
+            if s < g:
+                s = c0
+        sizes.append(min(s, prompt_len - done))
+        done += sizes[-1]
+    return sizes
+
+
+def predictor(c0, sigma, page, **kw):
+    p = ChunkSizePredictor(c0, page_size=page, smooth_factor=sigma, **kw)
+    p.set_model(A, B, C, A * c0 * c0 + B * c0)
+    return p
+
+
+def test_first_continuation_chunk_by_hand():
+    # T* = 1e-6 * 1024^2 + 1e-3 * 1024 = 2.072576 s; the root at L = 1024 is x = 572.46...
+    assert predictor(1024, 1.0, 64).next_chunk_size(1024) == 512  # floor(572/64)*64
+    assert predictor(1024, 0.75, 64).next_chunk_size(1024) == 640  # 1024 - .75*451.5 = 685
+    assert predictor(1024, 0.65, 64).next_chunk_size(1024) == 704  # 730
+    assert predictor(1024, 0.65, 128).next_chunk_size(1024) == 640
+    assert predictor(1024, 0.0, 64).next_chunk_size(1024) == 1024
+
+
+@pytest.mark.parametrize("page", [16, 64, 128])
+@pytest.mark.parametrize("sigma", [0.0, 0.65, 0.75, 1.0])
+def test_chunk_sequences(sigma, page):
+    p = predictor(2048, sigma, page)
+    for n in (100, 2048, 5000, 40000):
+        seq = p.chunk_sequence(n)
+        assert seq == by_hand(n, 2048, sigma, page)
+        assert sum(seq) == n and seq[0] == min(2048, n)
+    if sigma == 0:
+        assert p.chunk_sequence(10000) == [2048] * 4 + [1808]  # fixed chunking
+    else:
+        seq = p.chunk_sequence(40000)
+        assert seq[1:-1] == sorted(seq[1:-1], reverse=True)  # later chunks shrink
+        assert min(seq[:-1]) >= 2048 // 4 // 64 * 64
+
+
+def test_caps_by_context_and_budget():
+    p = predictor(1024, 1.0, 64, max_model_len=3000, max_prefill_tokens=512)
+    assert p.next_chunk_size(100) == 512  # the token budget caps it
+    assert predictor(1024, 1.0, 64, max_model_len=1200).next_chunk_size(1050) == 1024  # < g
+
+
+def test_fit_recovers_the_model_and_clamps_b():
+    lengths = profile_lengths(2048)
+    assert lengths[0] == 2560 and len(lengths) == 128 and lengths[-1] > 0
+    p = ChunkSizePredictor(2048)
+    p.fit(lengths, [A * x * x + B * x + C for x in lengths])
+    a, b, c = p.coefficients
+    assert a == pytest.approx(A, rel=1e-6) and b == pytest.approx(B, rel=1e-6)
+    assert p.target_latency == pytest.approx(A * 2048**2 + B * 2048, rel=1e-6)
+    p.fit(lengths, [A * x * x - 1e-4 * x + C for x in lengths])
+    assert p.coefficients[1] == 0.0  # b < 0 is clamped
+
+
+@pytest.mark.parametrize("latencies, match", [
+    ([-A * x * x + B * x for x in range(100, 1000, 100)], "not convex"),
+    ([1.0] * 7, "at least 8"),
+    ([float("nan")] * 9, "not convex"),
+])
+def test_unusable_fits_raise(latencies, match):
+    with pytest.raises(ValueError, match=match):
+        ChunkSizePredictor(512).fit(list(range(100, 100 + 100 * len(latencies), 100)),
+                                    latencies)
+
+
+def test_no_prediction_without_a_positive_target():
+    p = ChunkSizePredictor(1024)
+    assert p.next_chunk_size(5000) == 1024  # unfitted
+    p.set_model(A, B, C, 0.0)  # T* <= 0
+    assert p.next_chunk_size(5000) == 1024
+
+
+def test_online_calibration_refits_from_timings():
+    base = predictor(1024, 1.0, 64)
+    cal = OnlineCalibrator(base)
+    truth = (2e-6, 5e-4, 0.02)  # the real machine is slower than the profile said
+    for size, hist in [(1024, 0), (1024, 0), (768, 1024), (640, 1792), (512, 2432),
+                       (512, 2944)]:
+        cal.observe(size, hist, truth[0] * size * (size + hist) + truth[1] * (size + hist)
+                    + truth[2])
+    assert cal.model == pytest.approx(truth, rel=1e-6)
+    target = truth[0] * 1024 * 1024 + truth[1] * 1024 + truth[2]
+    assert cal.target() == pytest.approx(target)
+    # t(x, 1024) = T*: 2e-6 x^2 + 0.002548 x - 2.097152 = 0 -> x = 568.9 -> 512 (page 64)
+    a, b, c = truth
+    lin, const = a * 1024 + b, b * 1024 + c - target
+    x = (-lin + math.sqrt(lin * lin - 4 * a * const)) / (2 * a)
+    assert 568 < x < 570
+    assert cal.next_chunk_size(1024) == 512
+
+
+def test_simulator_hand_worked_three_stages():
+    costs = [[1, 2, 3, 4], [2, 2, 2, 2], [1, 3, 1, 1]]
+    r = simulate_costs(costs, [0.5] * 4, max_inflight=3)
+    # end[s][k] = max(end[s][k-1], end[s-1][k] + d) + t_s(k), worked out on paper:
+    assert r.end == [[1, 3, 6, 10], [3.5, 5.5, 8.5, 12.5], [5, 9, 10, 14]]
+    assert r.ttft_s == 14
+    assert r.busy_s == [10, 8, 6]
+    assert r.bubble_ratio == pytest.approx(1 - 24 / 42)
+    # Two micro-batches in flight: chunk 2 waits for chunk 0's result (5 + 0.5).
+    r2 = simulate_costs(costs, [0.5] * 4, max_inflight=2)
+    assert r2.start[0][2] == 5.5 and r2.end[0][2] == 8.5
+
+
+def test_simulator_cost_model_and_equal_chunks():
+    model = CostModel(A, B, C, (1.0, 1.5))
+    assert model.chunk_seconds(1, 100, 1000) == pytest.approx(
+        1.5 * (A * 100 * 2100 + B * 100 + C))
+    fixed = simulate(model, [2048] * 8, Transfer(0.0, 0, 1.0))
+    dyn = simulate(model, predictor(2048, 1.0, 64).chunk_sequence(16384), Transfer(0.0, 0, 1.0))
+    assert dyn.bubble_ratio < fixed.bubble_ratio
+    assert fixed.bubble_theory == pytest.approx(1 / 9)

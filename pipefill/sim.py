@@ -139,8 +139,9 @@ def tune(model: CostModel, prompt_len: int, c0_grid: list[int], smooth_grid: lis
     return sorted(out, key=lambda c: c.ttft_s)
 
 
-def default_c0_grid(prompt_len: int, page_size: int, max_prefill_tokens: int) -> list[int]:
-    top = min(max_prefill_tokens, max(prompt_len, page_size))
+def default_c0_grid(prompt_len: int, page_size: int, max_prefill_tokens: int,
+                    largest: int = 16384) -> list[int]:
+    top = min(max_prefill_tokens, max(prompt_len, page_size), largest)
     grid = [g for g in (512, 1024, 2048, 3072, 4096, 6144, 8192, 12288, 16384)
             if g <= top and g % page_size == 0]
     return grid or [max(page_size, top // page_size * page_size)]

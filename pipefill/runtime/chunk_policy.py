@@ -15,7 +15,10 @@ from pipefill.sim import CostModel, Transfer, default_c0_grid, tune
 log = logging.getLogger(__name__)
 
 FALLBACK_C0 = 2048
-AUTO_PROFILE_SAMPLES = 32  # 'auto' profiles up to 1.25 x the largest C0 of its grid
+# 'auto' profiles up to 1.25 x the largest C0 of its grid: keep both modest, the profile runs
+# at start-up (once; it is cached).
+AUTO_PROFILE_SAMPLES = 16
+AUTO_LARGEST_C0 = 8192
 SMOOTH_GRID = (0.0, 0.5, 0.65, 0.75, 0.85, 1.0)
 
 
@@ -53,7 +56,8 @@ def _profiled_policy(args, executor, model_file, layers, layer_counts, dynamic) 
     from pipefill.runtime.profile import load_or_measure, profile_key
     auto = args.chunked_prefill_size == "auto"
     tune_len = min(args.tune_input_len or args.max_model_len, args.max_model_len)
-    grid = default_c0_grid(tune_len, args.page_size, args.max_prefill_tokens) if auto else []
+    grid = default_c0_grid(tune_len, args.page_size, args.max_prefill_tokens,
+                           AUTO_LARGEST_C0) if auto else []
     profile_c0 = max(grid) if auto else args.chunked_prefill_size
     lengths = profile_lengths(profile_c0, AUTO_PROFILE_SAMPLES if auto else 128)
     backend = type(executor.cache).__name__

@@ -139,6 +139,17 @@ def tune(model: CostModel, prompt_len: int, c0_grid: list[int], smooth_grid: lis
     return sorted(out, key=lambda c: c.ttft_s)
 
 
+def pick(ranked: list, tolerance: float = 0.03):
+    """The fastest candidate, where predictions within `tolerance` of the fastest count as a
+    tie (the simulator errs by 5-10%) won by the one with the fewest chunks: per-chunk costs
+    the profile does not see (scheduling, transfers, kernel set-up) favour larger chunks.
+    Returns (chosen, runner-up)."""
+    near = [c for c in ranked if c.ttft_s <= ranked[0].ttft_s * (1 + tolerance)]
+    chosen = min(near, key=lambda c: (c.num_chunks, c.ttft_s))
+    rest = [c for c in ranked if c is not chosen]
+    return chosen, rest[0] if rest else chosen
+
+
 def default_c0_grid(prompt_len: int, page_size: int, max_prefill_tokens: int,
                     largest: int = 16384) -> list[int]:
     top = min(max_prefill_tokens, max(prompt_len, page_size), largest)

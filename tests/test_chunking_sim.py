@@ -139,3 +139,12 @@ def test_simulator_cost_model_and_equal_chunks():
     dyn = simulate(model, predictor(2048, 1.0, 64).chunk_sequence(16384), Transfer(0.0, 0, 1.0))
     assert dyn.bubble_ratio < fixed.bubble_ratio
     assert fixed.bubble_theory == pytest.approx(1 / 9)
+
+
+def test_auto_pick_prefers_fewer_chunks_in_a_near_tie():
+    from pipefill.sim import Candidate, pick
+    ranked = [Candidate(512, 0.5, 10.0, 0.05, 60), Candidate(1024, 0.85, 10.02, 0.06, 30),
+              Candidate(2048, 0.0, 11.0, 0.2, 8)]
+    chosen, runner_up = pick(ranked)
+    assert (chosen.c0, runner_up.c0) == (1024, 512)
+    assert pick(ranked, tolerance=0.0)[0].c0 == 512

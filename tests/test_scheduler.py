@@ -129,3 +129,19 @@ def test_zero_new_tokens_finishes_after_prefill():
     s.add(NewRequest("a", list(range(40)), SamplingParams(max_new_tokens=0)))
     outs = drain(s)
     assert len(outs) == 1 and outs[0].finished and outs[0].new_token_ids == []
+
+
+def test_long_prompts_go_first_come_first_served():
+    s = make(chunk=32, budget=96)
+    s.add(NewRequest("long1", list(range(100)), SamplingParams(max_new_tokens=1)))
+    s.add(NewRequest("long2", list(range(100)), SamplingParams(max_new_tokens=1)))
+    s.add(NewRequest("short", list(range(10)), SamplingParams(max_new_tokens=1)))
+    first = s.schedule()
+    # One chunk of the first long prompt, the short prompt whole; the second long one waits.
+    assert [(w.rid, w.num_tokens) for w in first.seqs] == [("long1", 32), ("short", 10)]
+    rids = []
+    while (plan := s.schedule()) is not None:
+        rids.append([w.rid for w in plan.seqs])
+    assert rids[:3] == [["long1"], ["long1"], ["long1"]]  # long1 to the end first
+    assert rids[3] == ["long2"]
+    assert s._pages_promised >= 0

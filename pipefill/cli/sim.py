@@ -5,7 +5,7 @@ import argparse
 import json
 
 from pipefill.sim import (CostModel, Transfer, chunk_plan, default_c0_grid, describe_chunks,
-                          plot_timeline, simulate, tune)
+                          pick, plot_timeline, simulate, tune)
 
 
 def add_parser(sub) -> None:
@@ -78,7 +78,10 @@ def run(ns: argparse.Namespace) -> int:
         for cand in ranked[:5]:
             print(f"C0 {cand.c0:>6} smooth {cand.smooth:.2f}: TTFT {cand.ttft_s:8.3f} s, bubble "
                   f"{cand.bubble_ratio:.3f}, {cand.num_chunks} chunks")
-        c0, ns.smooth_factor = ranked[0].c0, ranked[0].smooth
+        chosen, _ = pick(ranked)
+        print(f"auto picks C0 {chosen.c0}, smooth {chosen.smooth:.2f} (fewest chunks among "
+              "those within 3% of the fastest)")
+        c0, ns.smooth_factor = chosen.c0, chosen.smooth
     else:
         c0 = int(ns.chunked_prefill_size)
     policies = [("fixed", 0.0), ("dynamic", ns.smooth_factor)] if ns.compare else \
@@ -100,7 +103,7 @@ def run(ns: argparse.Namespace) -> int:
             print(f"        timeline: {path}")
     if ns.compare:
         gain = 1 - results["dynamic"]["ttft_s"] / results["fixed"]["ttft_s"]
-        print(f"dynamic vs fixed: TTFT {100 * gain:+.1f}% lower" if gain >= 0 else
+        print(f"dynamic vs fixed: TTFT {100 * gain:.1f}% lower" if gain >= 0 else
               f"dynamic vs fixed: TTFT {-100 * gain:.1f}% higher")
     if ns.json:
         with open(ns.json, "w") as f:

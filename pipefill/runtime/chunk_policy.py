@@ -10,7 +10,7 @@ from typing import Callable
 from pipefill.chunking import (ChunkSizePredictor, OnlineCalibrator, fit_quadratic,
                                profile_lengths)
 from pipefill.config import ServerArgs
-from pipefill.sim import CostModel, Transfer, default_c0_grid, tune
+from pipefill.sim import CostModel, Transfer, default_c0_grid, pick, tune
 
 log = logging.getLogger(__name__)
 
@@ -74,7 +74,7 @@ def _profiled_policy(args, executor, model_file, layers, layer_counts, dynamic) 
         transfer = Transfer(bytes_per_token=executor.model.cfg.hidden_size * 6)
         ranked = tune(model, tune_len, grid, list(SMOOTH_GRID) if dynamic else [0.0],
                       transfer, args.max_inflight, args.page_size, args.max_prefill_tokens)
-        best, second = ranked[0], ranked[1] if len(ranked) > 1 else ranked[0]
+        best, second = pick(ranked)
         c0, sigma = best.c0, best.smooth
         log.info("--chunked-prefill-size auto: C0 = %d%s for %d-token prompts on %d stage(s): "
                  "predicted TTFT %.2f s (runner-up: C0 = %d%s, %.2f s)", c0,

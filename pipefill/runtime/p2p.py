@@ -10,8 +10,8 @@ thread ahead of need, so the next micro-batch lands while this stage computes. (
 `irecv(...).is_completed()` does not progress without `wait()`, so threads are the way to poll.)
 No stage ever blocks on a send, so the ring (last stage -> stage 0) cannot deadlock.
 
-On CPU everything goes over one gloo group. On CUDA, tensors go over NCCL and the header and
-body over a gloo group.
+On CPU everything goes over one gloo group. On CUDA, tensors go over an NCCL group per
+neighbour pair and the header and body over a gloo group (untested on a GPU so far).
 """
 from __future__ import annotations
 
@@ -59,6 +59,8 @@ class _Channel:
 
     def _guard(self, loop) -> None:
         try:
+            if self.device.type == "cuda":
+                torch.cuda.set_device(self.device)  # the current device is per thread
             loop()
         except BaseException as e:  # noqa: BLE001 - surfaced to the stage's main thread
             self.error = e
@@ -131,11 +133,13 @@ class Pipe:
     """A stage's channels: activations to/from its neighbours, results last -> first."""
 
     def __init__(self, rank: int, size: int, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device, meta_group=None, tensor_group=None):
+                 device: torch.device, meta_group=None, pair_groups=None):
         self.rank, self.size = rank, size
         specs = [(hidden_size, dtype), (hidden_size, torch.float32)]
 
         def channel(peer, tag, outbound, name, tensor_specs=()):
+            pair = (min(rank, peer), max(rank, peer))
+            tensor_group = pair_groups.get(pair) if pair_groups else None
             return _Channel(peer, tag, outbound, tensor_specs, meta_group, tensor_group,
                             device, f"pipefill-{name}")
         last = size - 1

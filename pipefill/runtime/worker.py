@@ -39,7 +39,12 @@ def stage_entry(args: ServerArgs, model_file: str, rank: int, addrs: Addresses) 
 
 
 def init_distributed(args: ServerArgs, rank: int):
-    """One torch.distributed group for all stages; returns (meta_group, tensor_group)."""
+    """One torch.distributed group for all stages; returns (meta_group, pair_groups).
+
+    On CPU both are None (everything on the default gloo group). On CUDA the default group is
+    NCCL; metadata goes over a gloo group, and every neighbour pair gets an NCCL group of its
+    own, because one NCCL communicator must not serve two threads (a stage sends to its next
+    neighbour while it receives from its previous one)."""
     import torch.distributed as dist
     host, _, port = args.dist_init_addr.rpartition(":")
     backend = "nccl" if args.device == "cuda" else "gloo"
@@ -48,7 +53,10 @@ def init_distributed(args: ServerArgs, rank: int):
     dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank,
                             world_size=args.pp_size, timeout=datetime.timedelta(days=30))
     if backend == "nccl":
-        return dist.new_group(backend="gloo"), None
+        meta = dist.new_group(backend="gloo")
+        pairs = {(s, s + 1): dist.new_group([s, s + 1], backend="nccl")
+                 for s in range(args.pp_size - 1)}  # every rank creates every group, in order
+        return meta, pairs
     return None, None
 
 

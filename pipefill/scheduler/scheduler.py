@@ -123,22 +123,33 @@ class Scheduler:
     # ---- planning ----------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan | None:
+        """Decode tokens first (running requests keep streaming behind long prefills), then
+        the next chunk of the one long prompt in progress (first come, first served: prompts
+        finish one after the other instead of all late), then whole short prompts that fit,
+        which may pass long ones waiting."""
         budget = self.cfg.max_prefill_tokens
         seqs: list[SeqWork] = []
-        # Decode tokens first so that running requests keep streaming behind long prefills.
         for r in self.running.values():
             if r.ready and not r.in_prefill and budget > 0:
                 seqs.append(self._work(r, r.num_scheduled + 1))
                 budget -= 1
-        for r in list(self.running.values()):
-            if r.ready and r.in_prefill and budget > 0:
-                seqs.append(self._prefill_chunk(r, budget))
-                budget -= seqs[-1].num_tokens
-        while self.waiting and budget > 0 and self._admit(self.waiting[0]):
-            r = self.waiting.popleft()
+        partial = next((r for r in self.running.values() if r.in_prefill and not r.done), None)
+        if partial is not None and partial.ready and budget > 0:
+            seqs.append(self._prefill_chunk(partial, budget))
+            budget -= seqs[-1].num_tokens
+        for r in list(self.waiting):
+            if budget <= 0:
+                break
+            whole = len(r.prompt_ids) <= min(budget, self.cfg.chunked_prefill_size)
+            if partial is not None and not whole:
+                continue  # a second long prompt waits for the first; short ones go past it
+            if not self._admit(r):
+                break
+            self.waiting.remove(r)
             self.running[r.rid] = r
             seqs.append(self._prefill_chunk(r, budget))
             budget -= seqs[-1].num_tokens
+            partial = partial or (r if r.in_prefill else None)
         if not seqs:
             return None
         return StepPlan(next(self._step_ids), seqs)

@@ -70,8 +70,9 @@ class ServerArgs:
         "to the model's layer count. Default: equal shares, the remainder on the last stages.",
         default=None)
     pp_async_batch_depth: int = _flag(
-        "Extra micro-batches in flight beyond --pp-size (up to pp_size + depth in flight).",
-        default=0)
+        "Extra micro-batches in flight beyond --pp-size (up to pp_size + depth in flight); "
+        "one spare slot keeps stage 0 busy when a later stage runs a little slow.",
+        default=1)
     nnodes: int = _flag("Nodes of a multi-node pipeline; each runs pp_size / nnodes stages.",
                         default=1)
     node_rank: int = _flag("This node's rank (0 runs stage 0 and the front end).", default=0)

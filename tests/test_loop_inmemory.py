@@ -148,3 +148,34 @@ def test_chunks_of_one_request_fill_the_pipeline(depth):
     executors, _, _, pipe0 = run_pipeline(4, depth, req)
     assert len(executors[0].steps) == 10  # 320 / 32 chunks
     assert pipe0.max_in_flight == 4 + depth
+
+
+def test_new_requests_join_between_steps_of_one_stage():
+    """With one stage, the loop reads the front end after every step: a request that arrives
+    during a long prefill is served before that prefill ends."""
+    channel = MemoryChannel()
+    executor = FakeExecutor(0)
+    seen = []
+    forward = executor.forward
+
+    def forward_and_record(plan, acts):
+        seen.append([w.rid for w in plan.seqs])
+        if len(seen) == 1:
+            channel.inbox.put(("add", [NewRequest("short", [1, 2, 3],
+                                                  SamplingParams(max_new_tokens=1))]))
+        return forward(plan, acts)
+    executor.forward = forward_and_record
+    scheduler = Scheduler(SchedulerConfig(16, 32, 64, 8, 4096), PagePool(64))
+    loop = FirstStageLoop(executor, scheduler, channel)
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    channel.inbox.put(("add", [NewRequest("long", list(range(320)),
+                                          SamplingParams(max_new_tokens=1))]))
+    done = set()
+    while len(done) < 2:
+        kind, payload = channel.reports.get(timeout=20)
+        done |= {o.rid for o in payload if o.finished} if kind == "outputs" else set()
+    channel.inbox.put(("stop", None))
+    thread.join(10)
+    first_short = next(i for i, rids in enumerate(seen) if "short" in rids)
+    assert first_short < 3 and len(seen) >= 10

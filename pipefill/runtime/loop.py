@@ -125,6 +125,7 @@ class FirstStageLoop:
                 result = self.executor.results(plan, acts)
                 result.stage_seconds = [seconds]
                 self._update(plan, result)
+                return True  # one step, then read the front end again: new requests join
             else:
                 with self.tracer.span("send", "send", step=plan.step_id):
                     self.pipe.send_forward(PipeMessage(plan, [seconds]), acts)

@@ -38,18 +38,20 @@ Work split: one task per torch thread (``at::parallel_for``); tasks pull work it
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import os
 import platform
-import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
 import torch
+
+from pipefill.kernels.build import build_dir as kernel_build_dir
+from pipefill.kernels.build import compile_object, require_ninja
+from pipefill.runtime.platform import cpu_flags
 
 log = logging.getLogger("pipefill.kernels")
 
@@ -72,68 +74,11 @@ _ext_error: str | None = None
 _status: tuple[bool, str] | None = None
 
 
-def _cache_root() -> Path:
-    return Path.home() / ".cache" / "pipefill" / "kernels"
-
-
-def _cpu_flags() -> set[str]:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("flags"):
-                    return set(line.split(":", 1)[1].split())
-    except OSError:
-        pass
-    return set()
-
-
-def _ensure_ninja_on_path() -> None:
-    # A venv's python run by absolute path does not put the venv's bin (where `pip install ninja`
-    # puts the binary) on PATH, and torch.utils.cpp_extension.load looks ninja up on PATH.
-    bindir = str(Path(sys.executable).parent)
-    path = os.environ.get("PATH", "")
-    if bindir not in path.split(os.pathsep):
-        os.environ["PATH"] = bindir + (os.pathsep + path if path else "")
-
-
-def _compile_kernel_object(build_dir: Path) -> Path:
-    cxx = os.environ.get("CXX", "c++")
-    try:
-        version = subprocess.run([cxx, "--version"], capture_output=True, text=True, check=True).stdout
-    except (OSError, subprocess.CalledProcessError) as e:
-        raise RuntimeError(f"C++ compiler {cxx!r} not usable: {e}") from None
-    h = hashlib.sha256()
-    for part in (_KERNEL_SRC.read_bytes(), _HEADER.read_bytes(), " ".join(AMX_FLAGS).encode(),
-                 version.encode(), cxx.encode()):
-        h.update(part)
-    obj = build_dir / f"amx_kernel-{h.hexdigest()[:16]}.o"
-    if obj.exists():
-        return obj
-    tmp = build_dir / f".{obj.name}.{os.getpid()}.tmp.o"
-    cmd = [cxx, *AMX_FLAGS, "-I", str(_CSRC), "-c", str(_KERNEL_SRC), "-o", str(tmp)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"compiling {_KERNEL_SRC.name} failed:\n{' '.join(cmd)}\n{r.stderr[-4000:]}")
-    os.replace(tmp, obj)
-    for stale in build_dir.glob("amx_kernel-*.o"):  # objects of older sources
-        if stale != obj:
-            try:
-                stale.unlink()
-            except OSError:
-                pass
-    return obj
-
-
 def _build():
     import torch.utils.cpp_extension as cpp_ext
 
-    _ensure_ninja_on_path()
-    if not cpp_ext.is_ninja_available():
-        raise RuntimeError("ninja is required to build the AMX attention kernel: "
-                           f"run `{sys.executable} -m pip install ninja`")
-    tag = f"torch{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}"
-    build_dir = _cache_root() / f"amx_attention-{tag}".replace("+", "_")
-    build_dir.mkdir(parents=True, exist_ok=True)
+    require_ninja("the AMX attention kernel")
+    build_dir = kernel_build_dir("amx_attention")
     name = "pipefill_amx_attention"
     fresh = not any(build_dir.glob(f"{name}*.so"))
     if fresh or not any(build_dir.glob("amx_kernel-*.o")):
@@ -141,7 +86,7 @@ def _build():
         log.info(msg)
         print(msg, file=sys.stderr, flush=True)
     t0 = time.perf_counter()
-    obj = _compile_kernel_object(build_dir)
+    obj = compile_object(_KERNEL_SRC, _HEADER, AMX_FLAGS, build_dir, "amx_kernel")
     mod = cpp_ext.load(name=name, sources=[str(_GLUE_SRC)], extra_cflags=GLUE_FLAGS,
                        extra_ldflags=[str(obj), "-fopenmp"], extra_include_paths=[str(_CSRC)],
                        build_directory=str(build_dir), verbose=False)
@@ -182,7 +127,7 @@ def amx_available(force_disable: bool = False) -> tuple[bool, str]:
 def _check() -> tuple[bool, str]:
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return False, f"needs Linux x86-64, this is {platform.system()} {platform.machine()}"
-    flags = _cpu_flags()
+    flags = cpu_flags()
     missing = [f for f in REQUIRED_CPU_FLAGS if f not in flags]
     if missing:
         return False, "CPU lacks " + ", ".join(missing)

@@ -28,11 +28,9 @@ Benchmark: ``python -m pipefill.kernels.fused_ops`` (SmolLM2-135M shapes, T = 20
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
 import os
 import platform
-import subprocess
 import sys
 import threading
 import time
@@ -40,7 +38,9 @@ from pathlib import Path
 
 import torch
 
-from pipefill.kernels.amx_attention import _cache_root, _cpu_flags, _ensure_ninja_on_path
+from pipefill.kernels.build import build_dir as kernel_build_dir
+from pipefill.kernels.build import compile_object, require_ninja
+from pipefill.runtime.platform import cpu_flags
 
 log = logging.getLogger("pipefill.kernels")
 
@@ -72,51 +72,17 @@ _status: tuple[bool, str] | None = None
 
 # ----------------------------------------------------------------------------- build / check
 
-def _compile_kernel_object(build_dir: Path, variant: str, flags: list[str]) -> Path:
-    cxx = os.environ.get("CXX", "c++")
-    try:
-        version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
-                                 check=True).stdout
-    except (OSError, subprocess.CalledProcessError) as e:
-        raise RuntimeError(f"C++ compiler {cxx!r} not usable: {e}") from None
-    h = hashlib.sha256()
-    for part in (_KERNEL_SRC.read_bytes(), _HEADER.read_bytes(), " ".join(flags).encode(),
-                 version.encode(), cxx.encode()):
-        h.update(part)
-    obj = build_dir / f"fused_{variant}-{h.hexdigest()[:16]}.o"
-    if obj.exists():
-        return obj
-    tmp = build_dir / f".{obj.name}.{os.getpid()}.tmp.o"
-    cmd = [cxx, *flags, "-I", str(_CSRC), "-c", str(_KERNEL_SRC), "-o", str(tmp)]
-    r = subprocess.run(cmd, capture_output=True, text=True)
-    if r.returncode != 0:
-        raise RuntimeError(f"compiling {_KERNEL_SRC.name} failed:\n{' '.join(cmd)}\n"
-                           f"{r.stderr[-4000:]}")
-    os.replace(tmp, obj)
-    for stale in build_dir.glob(f"fused_{variant}-*.o"):  # objects of older sources
-        if stale != obj:
-            try:
-                stale.unlink()
-            except OSError:
-                pass
-    return obj
-
-
 def _build() -> str:
     import torch.utils.cpp_extension as cpp_ext
 
-    _ensure_ninja_on_path()
-    if not cpp_ext.is_ninja_available():
-        raise RuntimeError("ninja is required to build the fused ops: "
-                           f"run `{sys.executable} -m pip install ninja`")
-    tag = f"torch{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}"
-    build_dir = _cache_root() / f"fused_ops-{tag}".replace("+", "_")
-    build_dir.mkdir(parents=True, exist_ok=True)
+    require_ninja("the fused ops")
+    build_dir = kernel_build_dir("fused_ops")
     t0 = time.perf_counter()
     objs = []
     for variant, flags in KERNEL_VARIANTS.items():
         try:
-            objs.append(str(_compile_kernel_object(build_dir, variant, flags)))
+            objs.append(str(compile_object(_KERNEL_SRC, _HEADER, flags, build_dir,
+                                           f"fused_{variant}")))
         except RuntimeError as e:
             if variant == "avx512":
                 raise
@@ -124,8 +90,9 @@ def _build() -> str:
             log.warning("pipefill fused ops: %s variant not built, using avx512 code for it: %s",
                         variant, str(e).splitlines()[0])
             fallback = [f for f in KERNEL_VARIANTS["avx512"] if not f.startswith("-DPF_FUSED_NS")]
-            objs.append(str(_compile_kernel_object(build_dir, f"{variant}-fallback",
-                                                   fallback + [f"-DPF_FUSED_NS={variant}"])))
+            objs.append(str(compile_object(_KERNEL_SRC, _HEADER,
+                                           fallback + [f"-DPF_FUSED_NS={variant}"], build_dir,
+                                           f"fused_{variant}-fallback")))
     path = cpp_ext.load(name="pipefill_fused_ops", sources=[str(_GLUE_SRC)],
                         extra_cflags=GLUE_FLAGS, extra_ldflags=[*objs, "-fopenmp"],
                         extra_include_paths=[str(_CSRC)], build_directory=str(build_dir),
@@ -156,7 +123,7 @@ def _check() -> tuple[bool, str]:
     global _lib
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
         return False, f"needs Linux x86-64, this is {platform.system()} {platform.machine()}"
-    flags = _cpu_flags()
+    flags = cpu_flags()
     missing = [f for f in REQUIRED_CPU_FLAGS if f not in flags]
     if missing:
         return False, "CPU lacks " + ", ".join(missing)

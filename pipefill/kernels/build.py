@@ -1,0 +1,65 @@
+"""Building the C++ kernels at first use: ISA-specific sources become object files compiled
+with their flags (and nothing else is), then torch.utils.cpp_extension links them with glue
+compiled for the baseline CPU. Everything is cached under ~/.cache/pipefill/kernels."""
+from __future__ import annotations
+
+import hashlib
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+
+def build_dir(name: str) -> Path:
+    tag = f"torch{torch.__version__}-py{sys.version_info.major}{sys.version_info.minor}"
+    path = Path.home() / ".cache" / "pipefill" / "kernels" / f"{name}-{tag}".replace("+", "_")
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def require_ninja(what: str) -> None:
+    """cpp_extension looks ninja up on PATH; a venv's python run by absolute path does not put
+    the venv's bin (where `pip install ninja` puts it) there."""
+    import torch.utils.cpp_extension as cpp_ext
+    bindir = str(Path(sys.executable).parent)
+    path = os.environ.get("PATH", "")
+    if bindir not in path.split(os.pathsep):
+        os.environ["PATH"] = bindir + (os.pathsep + path if path else "")
+    if not cpp_ext.is_ninja_available():
+        raise RuntimeError(f"ninja is required to build {what}: "
+                           f"run `{sys.executable} -m pip install ninja`")
+
+
+def compile_object(source: Path, header: Path, flags: list[str], out_dir: Path,
+                   stem: str) -> Path:
+    """source -> <stem>-<hash>.o, rebuilt when the source, header, flags or compiler change;
+    written to a temporary name and renamed, so concurrent processes are safe."""
+    cxx = os.environ.get("CXX", "c++")
+    try:
+        version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
+                                 check=True).stdout
+    except (OSError, subprocess.CalledProcessError) as e:
+        raise RuntimeError(f"C++ compiler {cxx!r} not usable: {e}") from None
+    h = hashlib.sha256()
+    for part in (source.read_bytes(), header.read_bytes(), " ".join(flags).encode(),
+                 version.encode(), cxx.encode()):
+        h.update(part)
+    obj = out_dir / f"{stem}-{h.hexdigest()[:16]}.o"
+    if obj.exists():
+        return obj
+    tmp = out_dir / f".{obj.name}.{os.getpid()}.tmp.o"
+    cmd = [cxx, *flags, "-I", str(source.parent), "-c", str(source), "-o", str(tmp)]
+    r = subprocess.run(cmd, capture_output=True, text=True)
+    if r.returncode != 0:
+        raise RuntimeError(f"compiling {source.name} failed:\n{' '.join(cmd)}\n"
+                           f"{r.stderr[-4000:]}")
+    os.replace(tmp, obj)
+    for stale in out_dir.glob(f"{stem}-*.o"):  # objects of older sources
+        if stale != obj:
+            try:
+                stale.unlink()
+            except OSError:
+                pass
+    return obj

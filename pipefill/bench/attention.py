@@ -25,7 +25,8 @@ import time
 import torch
 import torch.nn.functional as F
 
-_flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
+from pipefill.bench.prefill import parse_ints
+from pipefill.model.attention import heads_first, split_attention
 
 
 def add_parser(sub) -> None:
@@ -46,38 +47,14 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def _ints(text: str, what: str) -> list[int]:
-    try:
-        vals = [int(x) for x in text.split(",") if x.strip()]
-    except ValueError:
-        raise ValueError(f"{what} {text!r}: expected comma-separated integers") from None
-    if not vals or min(vals) < 0:
-        raise ValueError(f"{what}: expected non-negative integers")
-    return vals
-
-
-def _heads_first(x: torch.Tensor) -> torch.Tensor:
-    return x.unsqueeze(0).transpose(1, 2)  # [T, H, D] -> [1, H, T, D] view
-
-
 def split_sdpa(q, k, v, prefix_len: int, scale: float) -> torch.Tensor:
     """The engine's SDPA route: prefix without mask + causal diagonal block, merged by LSE."""
-    qh = _heads_first(q)
-    out_d, lse_d = _flash(qh, _heads_first(k[prefix_len:]), _heads_first(v[prefix_len:]), 0.0, True,
-                          scale=scale)
-    if prefix_len == 0:
-        return out_d[0].transpose(0, 1)
-    out_p, lse_p = _flash(qh, _heads_first(k[:prefix_len]), _heads_first(v[:prefix_len]), 0.0, False,
-                          scale=scale)
-    lse = torch.logaddexp(lse_p, lse_d)
-    w_p = torch.exp(lse_p - lse).unsqueeze(-1)
-    w_d = torch.exp(lse_d - lse).unsqueeze(-1)
-    out = out_p.float() * w_p + out_d.float() * w_d
-    return out[0].transpose(0, 1).to(q.dtype)
+    return split_attention(q, k[:prefix_len], v[:prefix_len], k[prefix_len:], v[prefix_len:],
+                           scale)
 
 
 def masked_sdpa(q, k, v, mask, scale: float) -> torch.Tensor:
-    out = F.scaled_dot_product_attention(_heads_first(q), _heads_first(k), _heads_first(v),
+    out = F.scaled_dot_product_attention(heads_first(q), heads_first(k), heads_first(v),
                                          attn_mask=mask, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)
 
@@ -181,8 +158,8 @@ def _print_row(row: dict) -> None:
 def run(ns: argparse.Namespace) -> int:
     from pipefill.kernels.amx_attention import amx_available
 
-    prefixes = _ints(ns.prefix_lens, "--prefix-lens")
-    threads = _ints(ns.threads, "--threads")
+    prefixes = parse_ints(ns.prefix_lens, "--prefix-lens", minimum=0)
+    threads = parse_ints(ns.threads, "--threads")
     if ns.heads % ns.kv_heads:
         raise ValueError("--heads must be a multiple of --kv-heads")
     amx_ok, why = amx_available()

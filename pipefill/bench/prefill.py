@@ -54,13 +54,13 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def parse_ints(text: str, flag: str) -> list[int]:
+def parse_ints(text: str, flag: str, minimum: int = 1) -> list[int]:
     try:
         values = [int(x) for x in text.split(",") if x.strip()]
     except ValueError:
         raise ValueError(f"{flag} {text!r}: expected comma-separated integers") from None
-    if not values or min(values) < 1:
-        raise ValueError(f"{flag} needs positive values")
+    if not values or min(values) < minimum:
+        raise ValueError(f"{flag} needs values of at least {minimum}")
     return values
 
 

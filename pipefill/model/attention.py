@@ -25,13 +25,13 @@ class SeqMeta:
     page_table: torch.Tensor  # int32 [ceil((L + C) / page_size)] page ids of tokens [0, L + C)
 
 
-def _heads_first(x: torch.Tensor) -> torch.Tensor:
+def heads_first(x: torch.Tensor) -> torch.Tensor:
     # [tokens, heads, dim] -> [1, heads, tokens, dim] as a view.
     return x.unsqueeze(0).transpose(1, 2)
 
 
 def _flash_attend(q, k, v, causal: bool, scale: float):
-    out, lse = _flash(_heads_first(q), _heads_first(k), _heads_first(v), 0.0, causal, scale=scale)
+    out, lse = _flash(heads_first(q), heads_first(k), heads_first(v), 0.0, causal, scale=scale)
     return out[0].transpose(0, 1), lse[0].transpose(0, 1)  # [C, Hq, D], [C, Hq]
 
 
@@ -42,19 +42,25 @@ def _merge(out_a, lse_a, out_b, lse_b) -> torch.Tensor:
     return (out_a.float() * w_a + out_b.float() * w_b).to(out_a.dtype)
 
 
+def split_attention(q, k_prefix, v_prefix, k_diag, v_diag, scale: float) -> torch.Tensor:
+    """q [C, Hq, D] at the end of the prefix: the prefix with no mask and the square diagonal
+    block with is_causal, merged by log-sum-exp. The prefix may be empty."""
+    out_d, lse_d = _flash_attend(q, k_diag, v_diag, True, scale)
+    if k_prefix.shape[0] == 0:
+        return out_d
+    out_p, lse_p = _flash_attend(q, k_prefix, v_prefix, False, scale)
+    return _merge(out_p, lse_p, out_d, lse_d)
+
+
 def attend_sequence(q, k, v, k_cache, v_cache, seq: SeqMeta, scale: float) -> torch.Tensor:
     """q [C, Hq, D], k/v [C, Hkv, D] of the new tokens (already written to the cache)."""
     if q.is_cuda:
         return _attend_cuda(q, k_cache[seq.read_slots], v_cache[seq.read_slots], scale)
-    if seq.prefix_len == 0:
-        return _flash_attend(q, k, v, True, scale)[0]
-    if seq.num_new == 1:
+    if seq.num_new == 1 and seq.prefix_len > 0:  # decode: one query sees every key
         keys, values = k_cache[seq.read_slots], v_cache[seq.read_slots]
         return _flash_attend(q, keys, values, False, scale)[0]
     prefix = _prefix_slots(seq)
-    out_p, lse_p = _flash_attend(q, k_cache[prefix], v_cache[prefix], False, scale)
-    out_d, lse_d = _flash_attend(q, k, v, True, scale)
-    return _merge(out_p, lse_p, out_d, lse_d)
+    return split_attention(q, k_cache[prefix], v_cache[prefix], k, v, scale)
 
 
 def _attend_cuda(q, keys, values, scale: float) -> torch.Tensor:
@@ -62,7 +68,7 @@ def _attend_cuda(q, keys, values, scale: float) -> torch.Tensor:
     from torch.nn.attention.bias import causal_lower_right
     mask = causal_lower_right(q.shape[0], keys.shape[0])
     out = torch.nn.functional.scaled_dot_product_attention(
-        _heads_first(q), _heads_first(keys), _heads_first(values), attn_mask=mask, scale=scale,
+        heads_first(q), heads_first(keys), heads_first(values), attn_mask=mask, scale=scale,
         enable_gqa=True)
     return out[0].transpose(0, 1)
 

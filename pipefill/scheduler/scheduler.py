@@ -64,6 +64,25 @@ class Request:
         return not self.done and not self.awaiting_token and self.num_scheduled < self.num_tokens
 
 
+def check_prompt(ids: list[int], params: SamplingParams, vocab_size: int | None,
+                 max_model_len: int, kv_capacity_tokens: int) -> None:
+    """Raises ValueError with a sentence for a request the engine can never run."""
+    params.validate()
+    if not ids:
+        raise ValueError("the prompt is empty")
+    bad = [t for t in ids if not 0 <= t < vocab_size] if vocab_size is not None else []
+    if bad:
+        raise ValueError(f"token id {bad[0]} is outside the vocabulary [0, {vocab_size})")
+    total = len(ids) + params.max_new_tokens
+    if total > max_model_len:
+        raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens "
+                         f"({params.max_new_tokens}) = {total} exceeds --max-model-len "
+                         f"({max_model_len})")
+    if total > kv_capacity_tokens:
+        raise ValueError(f"prompt + max_new_tokens ({total}) exceeds the KV cache "
+                         f"({kv_capacity_tokens} tokens); raise --max-total-tokens")
+
+
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, pool: PagePool,
                  next_chunk_size: Callable[[int], int] | None = None):
@@ -80,18 +99,8 @@ class Scheduler:
 
     def check_request(self, req: NewRequest) -> None:
         """Raises ValueError with a sentence for a request this engine can never run."""
-        cfg, n = self.cfg, len(req.prompt_ids)
-        req.params.validate()
-        if n == 0:
-            raise ValueError("the prompt is empty")
-        if n + req.params.max_new_tokens > cfg.max_model_len:
-            raise ValueError(f"prompt ({n} tokens) + max_new_tokens "
-                             f"({req.params.max_new_tokens}) exceeds --max-model-len "
-                             f"({cfg.max_model_len})")
-        if self._pages_for(n + req.params.max_new_tokens) > self.pool.num_pages:
-            raise ValueError(f"the request needs {n + req.params.max_new_tokens} tokens of KV "
-                             f"cache but the pool holds {self.pool.num_pages * cfg.page_size}; "
-                             "raise --max-total-tokens")
+        check_prompt(req.prompt_ids, req.params, None, self.cfg.max_model_len,
+                     self.pool.num_pages * self.cfg.page_size)
 
     def add(self, req: NewRequest) -> None:
         self.check_request(req)

@@ -13,7 +13,7 @@ from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from pipefill.frontend import check_prompt
+from pipefill.scheduler.scheduler import check_prompt
 from pipefill.scheduler.plan import SamplingParams
 from pipefill.server.async_engine import AsyncEngine, EngineDown
 from pipefill.server.metrics import ServerMetrics

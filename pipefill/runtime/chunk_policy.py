@@ -76,10 +76,12 @@ def _profiled_policy(args, executor, model_file, layers, layer_counts, dynamic) 
                       transfer, args.max_inflight, args.page_size, args.max_prefill_tokens)
         best, second = pick(ranked)
         c0, sigma = best.c0, best.smooth
+        why = ("runner-up" if second.ttft_s >= best.ttft_s else
+               "predicted faster but within 3% with more chunks")
         log.info("--chunked-prefill-size auto: C0 = %d%s for %d-token prompts on %d stage(s): "
-                 "predicted TTFT %.2f s (runner-up: C0 = %d%s, %.2f s)", c0,
+                 "predicted TTFT %.2f s (%s: C0 = %d%s, %.2f s)", c0,
                  f", smooth factor {sigma}" if dynamic else "", tune_len, args.pp_size,
-                 best.ttft_s, second.c0, f", smooth {second.smooth}" if dynamic else "",
+                 best.ttft_s, why, second.c0, f", smooth {second.smooth}" if dynamic else "",
                  second.ttft_s)
         info.update(auto={"tune_input_len": tune_len, "best": vars(best),
                           "runner_up": vars(second)})

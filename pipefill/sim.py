@@ -159,24 +159,13 @@ def default_c0_grid(prompt_len: int, page_size: int, max_prefill_tokens: int,
 
 
 def plot_timeline(result: SimResult, path: str, title: str = "") -> str:
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    cmap = plt.get_cmap("tab20")
-    fig, ax = plt.subplots(figsize=(12, 0.7 * result.pp_size + 1.5))
-    for s in range(result.pp_size):
-        for k, (a, b) in enumerate(zip(result.start[s], result.end[s])):
-            ax.barh(s, b - a, left=a, height=0.8, color=cmap(k % 20), edgecolor="black",
-                    linewidth=0.4)
-    ax.set_yticks(range(result.pp_size), [f"stage {s}" for s in range(result.pp_size)])
-    ax.invert_yaxis()
-    ax.set_xlabel("seconds (simulated)")
-    ax.set_title(title or f"{result.pp_size} stages, {len(result.chunks)} chunks: TTFT "
-                          f"{result.ttft_s:.2f} s, bubble {result.bubble_ratio:.3f}")
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
+    from pipefill.runtime.trace import draw_timeline
+    bars = [(s, a, b - a, k) for s in range(result.pp_size)
+            for k, (a, b) in enumerate(zip(result.start[s], result.end[s]))]
+    return draw_timeline(bars, result.pp_size, path,
+                         title or f"{result.pp_size} stages, {len(result.chunks)} chunks: TTFT "
+                                  f"{result.ttft_s:.2f} s, bubble {result.bubble_ratio:.3f}",
+                         "seconds (simulated)")
 
 
 def describe_chunks(chunks: list[int]) -> str:

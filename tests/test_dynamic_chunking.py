@@ -86,7 +86,7 @@ def test_failed_profile_never_stops_start_up(tmp_path):
                                 dtype=torch.float32)
         cache = object()
 
-        def forward(self, plan, acts):
+        def scratch_prefill(self, num_tokens):
             raise RuntimeError("out of memory")
     args = ServerArgs(pp_size=2, enable_dynamic_chunking=True, max_model_len=4096,
                       dynamic_chunking_profile_cache=str(tmp_path), chunked_prefill_size=512,

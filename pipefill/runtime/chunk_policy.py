@@ -63,7 +63,7 @@ def _profiled_policy(args, executor, model_file, layers, layer_counts, dynamic) 
     backend = type(executor.cache).__name__
     key = profile_key(model_file, args.dtype, layers, args.num_threads, profile_c0,
                       args.page_size, backend, lengths)
-    lengths, seconds, where, hit = load_or_measure(executor, lengths, args.page_size, key,
+    lengths, seconds, where, hit = load_or_measure(executor, lengths, key,
                                                    args.dynamic_chunking_profile_cache)
     a, b, c = fit_quadratic(lengths, seconds)
     c0, sigma = args.chunked_prefill_size, args.dynamic_chunking_smooth_factor

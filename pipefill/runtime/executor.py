@@ -10,7 +10,7 @@ from pipefill.kv.cache import KVCache, token_slots
 from pipefill.model.attention import SeqMeta
 from pipefill.model.llama import ForwardMeta, StageModel
 from pipefill.runtime.sampler import sample
-from pipefill.scheduler.plan import SeqResult, StepPlan, StepResult
+from pipefill.scheduler.plan import SeqResult, SeqWork, StepPlan, StepResult
 
 
 @dataclass
@@ -67,6 +67,19 @@ class StageExecutor:
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # the forward time is for the chunk-cost model
         return Activations(hidden, residual), time.perf_counter() - t0
+
+    def scratch_prefill(self, num_tokens: int) -> float:
+        """Seconds of a from-scratch prefill of num_tokens dummy tokens on this stage's layers
+        (zero activations in on later stages). Only for before the stage serves: it writes
+        pages 0.. directly, which no request owns yet."""
+        pages = list(range(-(-num_tokens // self.cache.page_size)))
+        plan = StepPlan(-1, [SeqWork("scratch", 0, num_tokens, [1] * num_tokens, pages)])
+        acts = None
+        if not self.model.is_first:
+            shape, device = (num_tokens, self.model.cfg.hidden_size), self.cache.k.device
+            acts = Activations(torch.zeros(shape, dtype=self.model.dtype, device=device),
+                               torch.zeros(shape, dtype=torch.float32, device=device))
+        return self.forward(plan, acts)[1]
 
     def results(self, plan: StepPlan, acts: Activations) -> StepResult:
         """Last stage: logits on the needed rows, then sampling and logprobs."""

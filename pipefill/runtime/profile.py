@@ -11,7 +11,6 @@ from pathlib import Path
 
 import torch
 
-from pipefill.scheduler.plan import SeqWork, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -33,29 +32,16 @@ def cache_path(cache_dir: str | None, key: dict) -> Path:
     return Path(cache_dir or DEFAULT_CACHE) / f"profile-{digest}.json"
 
 
-def measure(executor, lengths: list[int], page_size: int) -> list[float]:
-    """Seconds of one from-scratch prefill per length on this stage's layers. Runs before the
-    stage serves anything: every page is free, so the prefills write pages 0.. directly and
-    nothing needs freeing afterwards."""
+def measure(executor, lengths: list[int]) -> list[float]:
+    """Seconds of one from-scratch prefill per length on this stage's layers, before the stage
+    serves anything (synchronized on CUDA)."""
     from tqdm import tqdm
-    times = []
-    hidden_size = executor.model.cfg.hidden_size
-    for n in tqdm(lengths, desc="dynamic chunking: profiling stage 0", unit="prefill",
-                  leave=False, disable=None):
-        pages = list(range(-(-n // page_size)))
-        plan = StepPlan(-1, [SeqWork("profile", 0, n, [1] * n, pages)])
-        acts = None
-        if not executor.model.is_first:
-            from pipefill.runtime.executor import Activations
-            acts = Activations(torch.zeros(n, hidden_size, dtype=executor.model.dtype),
-                               torch.zeros(n, hidden_size, dtype=torch.float32))
-        _, seconds = executor.forward(plan, acts)  # synchronizes on CUDA
-        times.append(seconds)
-    return times
+    return [executor.scratch_prefill(n)
+            for n in tqdm(lengths, desc="dynamic chunking: profiling stage 0", unit="prefill",
+                          leave=False, disable=None)]
 
 
-def load_or_measure(executor, lengths: list[int], page_size: int, key: dict,
-                    cache_dir: str | None) -> tuple[list[int], list[float], str, bool]:
+def load_or_measure(executor, lengths: list[int], key: dict, cache_dir: str | None) -> tuple[list[int], list[float], str, bool]:
     """(lengths, seconds, cache file, whether it was a cache hit). The first measured sample
     is dropped: it runs cold."""
     path = cache_path(cache_dir, key)
@@ -69,7 +55,7 @@ def load_or_measure(executor, lengths: list[int], page_size: int, key: dict,
             log.warning("dynamic chunking: unreadable profile cache %s (%s); re-profiling",
                         path, e)
     t0 = time.perf_counter()
-    seconds = measure(executor, lengths, page_size)
+    seconds = measure(executor, lengths)
     lengths, seconds = lengths[1:], seconds[1:]
     log.info("dynamic chunking: profiled %d prefills in %.1f s", len(lengths) + 1,
              time.perf_counter() - t0)

@@ -14,7 +14,6 @@ from pipefill.model.loader import WeightSource, load_stage_weights
 from pipefill.model.partition import partition_layers
 from pipefill.runtime.executor import StageExecutor
 from pipefill.runtime.platform import resolve_dtype
-from pipefill.scheduler.plan import SeqWork, StepPlan
 
 log = logging.getLogger(__name__)
 
@@ -82,7 +81,7 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
     ops = elementwise_ops(cfg, device)
     model = StageModel(cfg, info.layers.start, weights, dtype, attention, ops)
     executor = StageExecutor(model, cache)
-    warm_up(executor, cfg.hidden_size, dtype, info.is_first)
+    warm_up(executor)
     log.info("stage %d/%d ready: layers %d-%d, %s, attention %s (%s), %s elementwise ops, "
              "%d KV pages of %d tokens, %d threads", info.rank, info.size, info.layers.start,
              info.layers.stop - 1, args.dtype, backend, why,
@@ -100,15 +99,6 @@ def weights_to(weights, device):
                          move(weights.lm_head))
 
 
-def warm_up(executor: StageExecutor, hidden_size: int, dtype, is_first: bool) -> None:
-    """One small forward so that kernel set-up is not charged to the first request.
-    Writes only page 0, which no request owns yet."""
-    n = min(16, executor.cache.page_size)
-    plan = StepPlan(-1, [SeqWork("warm-up", 0, n, [0] * n, [0])])
-    acts = None
-    if not is_first:
-        from pipefill.runtime.executor import Activations
-        device = executor.cache.k.device
-        acts = Activations(torch.zeros(n, hidden_size, dtype=dtype, device=device),
-                           torch.zeros(n, hidden_size, dtype=torch.float32, device=device))
-    executor.forward(plan, acts)
+def warm_up(executor: StageExecutor) -> None:
+    """One small forward so that kernel set-up is not charged to the first request."""
+    executor.scratch_prefill(min(16, executor.cache.page_size))

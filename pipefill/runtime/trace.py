@@ -75,28 +75,38 @@ def write_trace(trace_dir: str, name: str, events: list[dict], num_stages: int) 
     return stats
 
 
-def plot_timeline(events: list[dict], num_stages: int, path: str, stats: dict) -> str:
+def draw_timeline(bars: list[tuple[int, float, float, int]], num_stages: int, path: str,
+                  title: str, xlabel: str = "seconds") -> str:
+    """A textbook pipeline diagram: bars (stage, start s, duration s, micro-batch index) as
+    one row per stage, colored and numbered by micro-batch."""
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    fwd = [e for e in events if e["cat"] == "forward"]
-    t0 = min(e["ts"] for e in fwd)
-    steps = sorted({e["args"].get("step") for e in fwd})
     colors = plt.get_cmap("tab20")
+    span = max((x + w for _, x, w, _ in bars), default=1.0) or 1.0
     fig, ax = plt.subplots(figsize=(12, 0.7 * num_stages + 1.5))
-    for e in fwd:
-        k = steps.index(e["args"].get("step"))
-        x, w = (e["ts"] - t0) / 1e6, e["dur"] / 1e6
-        ax.barh(e["tid"], w, left=x, height=0.8, color=colors(k % 20), edgecolor="black",
+    for stage, x, w, k in bars:
+        ax.barh(stage, w, left=x, height=0.8, color=colors(k % 20), edgecolor="black",
                 linewidth=0.4)
-        if w > 0.02 * (stats["makespan_s"] or 1):
-            ax.text(x + w / 2, e["tid"], str(k), ha="center", va="center", fontsize=7)
+        if w > 0.02 * span:
+            ax.text(x + w / 2, stage, str(k), ha="center", va="center", fontsize=7)
     ax.set_yticks(range(num_stages), [f"stage {r}" for r in range(num_stages)])
     ax.invert_yaxis()
-    ax.set_xlabel("seconds")
-    ax.set_title(f"{num_stages} stages, {stats['micro_batches']} micro-batches: bubble "
-                 f"{stats['bubble_ratio']:.3f} measured, {stats['bubble_theory']:.3f} theory")
+    ax.set_xlabel(xlabel)
+    ax.set_title(title)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
     return path
+
+
+def plot_timeline(events: list[dict], num_stages: int, path: str, stats: dict) -> str:
+    fwd = [e for e in events if e["cat"] == "forward"]
+    t0 = min(e["ts"] for e in fwd)
+    steps = sorted({e["args"].get("step") for e in fwd})
+    bars = [(e["tid"], (e["ts"] - t0) / 1e6, e["dur"] / 1e6, steps.index(e["args"].get("step")))
+            for e in fwd]
+    return draw_timeline(bars, num_stages, path,
+                         f"{num_stages} stages, {stats['micro_batches']} micro-batches: bubble "
+                         f"{stats['bubble_ratio']:.3f} measured, {stats['bubble_theory']:.3f} "
+                         "theory")

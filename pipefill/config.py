@@ -187,6 +187,12 @@ def add_server_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
         parser.add_argument(f"--{_dash(f.name)}", **kwargs)
 
 
+def server_args_parser_group(parser: argparse.ArgumentParser,
+                             skip: tuple[str, ...] = ()) -> None:
+    """The engine flags as one argument group of a command's parser (serve, generate, bench)."""
+    add_server_args(parser.add_argument_group("engine"), skip=skip)
+
+
 def server_args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
     known = {f.name for f in fields(ServerArgs)}
     return ServerArgs(**{k: v for k, v in vars(ns).items() if k in known})

@@ -25,13 +25,13 @@ from dataclasses import dataclass
 import torch
 
 from pipefill.bench.roofline import matmul_peak_flops, prefill_flops
-from pipefill.config import ServerArgs, server_args_from_namespace
+from pipefill.config import (ServerArgs, server_args_from_namespace,
+                             server_args_parser_group)
 
 log = logging.getLogger("pipefill.bench")
 
 
 def add_parser(sub) -> None:
-    from pipefill.cli.main import server_args_parser_group
     p = sub.add_parser("prefill", help="prefill TTFT against HF transformers",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--input-len", default="1024,4096,8192",

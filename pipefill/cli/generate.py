@@ -5,11 +5,10 @@ import argparse
 import json
 import random
 
-from pipefill.config import server_args_from_namespace
+from pipefill.config import server_args_from_namespace, server_args_parser_group
 
 
 def add_parser(sub) -> None:
-    from pipefill.cli.main import server_args_parser_group
     p = sub.add_parser("generate", help="generate a completion for one prompt",
                        description="Generate a completion for one prompt and print the text, "
                                    "the time to first token and the decode speed.")
@@ -32,6 +31,7 @@ def add_parser(sub) -> None:
 
 def run(ns: argparse.Namespace) -> int:
     from pipefill.engine import Engine
+    from pipefill.runtime.launch import run_other_node
     args = server_args_from_namespace(ns)
     if args.node_rank > 0:
         return run_other_node(args)
@@ -70,13 +70,3 @@ def run(ns: argparse.Namespace) -> int:
           f"TTFT {m['ttft_s']:.3f} s ({out.num_prompt_tokens / m['ttft_s']:.0f} prompt tok/s); "
           f"{len(out.output_ids)} new tokens, decode {speed}; finish: {out.finish_reason}")
     return 0
-
-
-def run_other_node(args) -> int:
-    """--node-rank > 0: host this node's stages; node 0 runs the front end."""
-    from pipefill.config import resolve
-    from pipefill.model.loader import WeightSource, resolve_model_path
-    from pipefill.runtime.launch import run_node_stages
-    model_file = resolve_model_path(args.model_path)
-    args = resolve(args, WeightSource(model_file).config)
-    return run_node_stages(args, model_file)

@@ -9,7 +9,7 @@ import logging
 import signal
 import sys
 
-from pipefill.config import add_server_args
+from pipefill.config import server_args_parser_group  # noqa: F401 - kept importable here
 from pipefill.runtime.logging_setup import setup_logging
 
 
@@ -59,11 +59,6 @@ def main(argv: list[str] | None = None) -> int:
 
 def _interrupt(signum, frame):
     raise KeyboardInterrupt
-
-
-def server_args_parser_group(parser: argparse.ArgumentParser, skip=()) -> None:
-    group = parser.add_argument_group("engine")
-    add_server_args(group, skip=skip)
 
 
 if __name__ == "__main__":

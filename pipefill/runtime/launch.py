@@ -138,6 +138,16 @@ def run_node_stages(args: ServerArgs, model_file: str) -> int:
     return 0 if not any(codes) else 1
 
 
+def run_other_node(args: ServerArgs) -> int:
+    """--node-rank > 0 (`pipefill generate|serve`): host this node's stages; node 0 runs the
+    front end."""
+    from pipefill.config import resolve
+    from pipefill.model.loader import WeightSource, resolve_model_path
+    model_file = resolve_model_path(args.model_path)
+    args = resolve(args, WeightSource(model_file).config)
+    return run_node_stages(args, model_file)
+
+
 def free_port() -> int:
     import socket
     with socket.socket() as s:

@@ -6,13 +6,12 @@ import logging
 import os
 import signal
 
-from pipefill.config import server_args_from_namespace
+from pipefill.config import server_args_from_namespace, server_args_parser_group
 
 log = logging.getLogger("pipefill.server")
 
 
 def add_parser(sub) -> None:
-    from pipefill.cli.main import server_args_parser_group
     p = sub.add_parser("serve", help="OpenAI-compatible HTTP server",
                        description="Serve /v1/completions, /v1/chat/completions (with SSE "
                                    "streaming), /v1/models, /health and /metrics over a "
@@ -39,7 +38,7 @@ def run(ns: argparse.Namespace) -> int:
 
     args = server_args_from_namespace(ns)
     if args.node_rank > 0:
-        from pipefill.cli.generate import run_other_node
+        from pipefill.runtime.launch import run_other_node
         return run_other_node(args)
     args, source = prepare(args)
     served = Served(AsyncEngine(args, source), load_tokenizer(source),

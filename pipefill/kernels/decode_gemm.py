@@ -1,0 +1,197 @@
+"""Small-M decode GEMM over weights packed at load time: y[M, N] = x[M, K] @ W[N, K]^T.
+
+Decode steps multiply a handful of rows (one per running request) by every weight matrix; torch's
+matmul streams the weights well at M = 1 but several times slower at M = 4..16. Here each call
+reads each weight once for all rows: W is packed into blocks of 16 output columns with the
+column values of one k (float32) or of one k-pair (bf16) contiguous, the blocks are split over
+torch's thread pool, and every row's sum runs in an order that does not depend on M (a row
+gives the same bits alone or inside a batch).
+
+Paths, one C++ translation unit each, built with its own -m flags and chosen at run time from
+cpuid (a CPU never runs an instruction it lacks; ``disable=`` forces paths off for tests):
+
+* ``avx512bf16``: bf16 activations x bf16 weights with vdpbf16ps, float32 sums.
+* ``avx512``: float32 compute, float32 or bf16 weights (bf16 widened in registers).
+* ``avx2``: AVX2 + FMA, the same arithmetic as ``avx512`` (bit-identical results).
+
+AMX is not used: no test machine of this project has it. Larger M (prefill) stays on torch's
+F.linear over the original [N, K] weights, so the packed copy costs one extra copy of each
+packed matrix (or half of one for bf16 packs of float32 weights).
+
+API: ``pack(weight, bias, compute_dtype, weight_dtype=None, max_rows=32, disable=()) ->
+PackedLinear | None`` and ``PackedLinear(x) -> y``; ``isa_status()``; ``available()``.
+"""
+from __future__ import annotations
+
+import ctypes
+import logging
+import platform
+import threading
+import time
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from pipefill.kernels.build import build_dir, compile_object, require_ninja
+
+log = logging.getLogger("pipefill.kernels")
+
+BLOCK = 16  # output columns per packed block
+ISAS = ("avx512bf16", "avx512", "avx2")  # preference order
+_ISA_CODE = {"avx2": 0, "avx512": 1, "avx512bf16": 2}
+_BASE = ["-O3", "-std=c++17", "-fPIC", "-ffp-contract=off", "-fno-exceptions"]
+_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl"]
+ISA_FLAGS = {"avx2": _BASE + ["-mavx2", "-mfma"],
+             "avx512": _BASE + _AVX512,
+             "avx512bf16": _BASE + _AVX512 + ["-mavx512bf16"]}
+_CSRC = Path(__file__).resolve().parent / "csrc"
+_HEADER = _CSRC / "decode_gemm_kernel.h"
+_F32, _BF16 = 0, 1
+_CODE = {torch.float32: _F32, torch.bfloat16: _BF16}
+
+_lock = threading.Lock()
+_lib = None
+_status: dict[str, tuple[bool, str]] | None = None
+
+
+def _build() -> str:
+    import torch.utils.cpp_extension as cpp_ext
+    require_ninja("the decode GEMM")
+    out = build_dir("decode_gemm")
+    t0 = time.perf_counter()
+    objs = [str(compile_object(_CSRC / f"decode_gemm_{isa}.cpp", _HEADER, flags, out,
+                               f"decode_gemm_{isa}")) for isa, flags in ISA_FLAGS.items()]
+    path = cpp_ext.load(name="pipefill_decode_gemm", sources=[str(_CSRC / "decode_gemm.cpp")],
+                        extra_cflags=["-O3", "-std=c++17", "-fopenmp"],
+                        extra_ldflags=[*objs, "-fopenmp"], extra_include_paths=[str(_CSRC)],
+                        build_directory=str(out), is_python_module=False, verbose=False)
+    if time.perf_counter() - t0 > 1:
+        log.info("pipefill decode GEMM built in %.1f s (%s)", time.perf_counter() - t0, out)
+    return path
+
+
+def _bind(path: str):
+    lib = ctypes.CDLL(path)
+    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+    lib.pf_dg_isa_supported.argtypes = [i32, ctypes.c_char_p, i32]
+    lib.pf_dg_isa_supported.restype = i32
+    lib.pf_dg_gemm.argtypes = [i32, p, i32, i64, p, i32, p, p, i32, i64, i64, i64, i64]
+    lib.pf_dg_gemm.restype = i32
+    return lib
+
+
+def _check() -> dict[str, tuple[bool, str]]:
+    global _lib
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        why = f"needs Linux x86-64, this is {platform.system()} {platform.machine()}"
+        return {isa: (False, why) for isa in ISAS}
+    try:
+        lib = _bind(_build())
+    except Exception as e:  # noqa: BLE001 - no compiler, no ninja...: the torch path runs
+        why = f"decode GEMM extension unavailable: {type(e).__name__}: {e}"
+        return {isa: (False, why) for isa in ISAS}
+    status = {}
+    for isa in ISAS:
+        buf = ctypes.create_string_buffer(128)
+        ok = bool(lib.pf_dg_isa_supported(_ISA_CODE[isa], buf, len(buf)))
+        status[isa] = (ok, "ok" if ok else "cpuid: " + buf.value.decode(errors="replace"))
+    _lib = lib
+    return status
+
+
+def isa_status() -> dict[str, tuple[bool, str]]:
+    """{isa: (usable here, why not)}; builds (or loads the cached) extension once. Never raises."""
+    global _status
+    if _status is None:
+        with _lock:
+            if _status is None:
+                _status = _check()
+    return _status
+
+
+def choose_isa(compute_dtype: torch.dtype, weight_dtype: torch.dtype,
+               disable: tuple[str, ...] = ()) -> tuple[str | None, str]:
+    """The fastest usable path for these dtypes -> (isa or None, why)."""
+    if compute_dtype not in _CODE or weight_dtype not in _CODE:
+        return None, f"dtypes {compute_dtype}/{weight_dtype} not supported"
+    reasons = []
+    for isa in ISAS:
+        ok, why = isa_status()[isa]
+        if isa == "avx512bf16" and (compute_dtype, weight_dtype) != (torch.bfloat16,) * 2:
+            ok, why = False, "needs bf16 activations and weights"
+        if isa in disable:
+            ok, why = False, "disabled by caller"
+        if ok:
+            return isa, "ok"
+        reasons.append(f"{isa}: {why}")
+    return None, "; ".join(reasons)
+
+
+def available(compute_dtype: torch.dtype = torch.float32,
+              weight_dtype: torch.dtype | None = None) -> bool:
+    return choose_isa(compute_dtype, weight_dtype or compute_dtype)[0] is not None
+
+
+def pack_weight(weight: torch.Tensor, weight_dtype: torch.dtype) -> torch.Tensor:
+    """[N, K] -> float32 [nb, Kp, 16] or bf16 [nb, Kp/2, 16, 2] (zero padding to the block
+    and to an even K)."""
+    n, k = weight.shape
+    nb, kp = -(-n // BLOCK), k + (k & 1)
+    w = torch.zeros(nb * BLOCK, kp, dtype=weight_dtype)
+    w[:n, :k] = weight
+    if weight_dtype == torch.float32:
+        return w.view(nb, BLOCK, kp).permute(0, 2, 1).contiguous()
+    return w.view(nb, BLOCK, kp // 2, 2).permute(0, 2, 1, 3).contiguous()
+
+
+@dataclass
+class PackedLinear:
+    """One packed weight matrix; calling it computes F.linear(x, W, bias) for x.shape[0] rows."""
+    packed: torch.Tensor
+    out_features: int
+    in_features: int
+    bias: torch.Tensor | None  # float32 [N]
+    isa: str
+    max_rows: int  # callers use torch above this many rows
+
+    @property
+    def weight_dtype(self) -> torch.dtype:
+        return self.packed.dtype
+
+    @property
+    def nbytes(self) -> int:
+        return self.packed.numel() * self.packed.element_size()
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"x: expected [M, {self.in_features}], got {list(x.shape)}")
+        if x.dtype not in _CODE:
+            raise TypeError(f"x: expected float32 or bfloat16, got {x.dtype}")
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        m = x.shape[0]
+        if out is None:
+            out = torch.empty(m, self.out_features, dtype=x.dtype)
+        rc = _lib.pf_dg_gemm(_ISA_CODE[self.isa], x.data_ptr(), _CODE[x.dtype], x.stride(0),
+                             self.packed.data_ptr(), _CODE[self.packed.dtype],
+                             None if self.bias is None else self.bias.data_ptr(),
+                             out.data_ptr(), _CODE[out.dtype], out.stride(0), m,
+                             self.out_features, self.in_features)
+        if rc:
+            raise RuntimeError(f"pipefill decode GEMM ({self.isa}) failed (rc={rc}) for x "
+                               f"{x.dtype} {list(x.shape)}")
+        return out
+
+
+def pack(weight: torch.Tensor, bias: torch.Tensor | None, compute_dtype: torch.dtype,
+         weight_dtype: torch.dtype | None = None, max_rows: int = 32,
+         disable: tuple[str, ...] = ()) -> PackedLinear | None:
+    """Packs [N, K] for the best usable path; None when no path can run here (torch then)."""
+    weight_dtype = weight_dtype or weight.dtype
+    isa, _ = choose_isa(compute_dtype, weight_dtype, disable)
+    if isa is None or weight.device.type != "cpu":
+        return None
+    b = None if bias is None else bias.float().contiguous()
+    return PackedLinear(pack_weight(weight, weight_dtype), weight.shape[0], weight.shape[1], b,
+                        isa, max_rows)

@@ -1,6 +1,7 @@
 """StageExecutor: runs one micro-batch's plan on this stage's layers and KV cache."""
 from __future__ import annotations
 
+import logging
 import time
 from dataclasses import dataclass
 
@@ -11,6 +12,8 @@ from pipefill.model.attention import SeqMeta
 from pipefill.model.llama import ForwardMeta, StageModel
 from pipefill.runtime.sampler import sample
 from pipefill.scheduler.plan import SeqResult, SeqWork, StepPlan, StepResult
+
+log = logging.getLogger(__name__)
 
 
 @dataclass
@@ -102,6 +105,16 @@ class StageExecutor:
 
 
 def _seq_result(work, logits: torch.Tensor) -> SeqResult:
+    """One sequence's token and logprobs. A failure here (a sampling parameter that slipped
+    past validation, a torch error) fails this request only: the stage keeps serving."""
+    try:
+        return _score(work, logits)
+    except Exception as e:  # noqa: BLE001 - becomes this request's error, reported to the user
+        log.warning("sampling failed for %s: %s: %s", work.rid, type(e).__name__, e)
+        return SeqResult(work.rid, error=f"sampling failed: {type(e).__name__}: {e}")
+
+
+def _score(work, logits: torch.Tensor) -> SeqResult:
     res = SeqResult(work.rid)
     if work.logprob_targets:
         k = len(work.logprob_targets)

@@ -2,6 +2,7 @@
 and what comes back. Everything here is plain data (picklable, no tensors, no torch)."""
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 
 
@@ -20,8 +21,9 @@ class SamplingParams:
     def validate(self) -> None:
         if self.max_new_tokens < 0:
             raise ValueError(f"max_new_tokens must be >= 0, got {self.max_new_tokens}")
-        if self.temperature < 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        # NaN passes every comparison and would reach the sampler; Infinity is no temperature.
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise ValueError(f"temperature must be a finite number >= 0, got {self.temperature}")
         if not 0 < self.top_p <= 1:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k == 0 or self.top_k < -1:
@@ -96,6 +98,7 @@ class SeqResult:
     token_logprob: float | None = None
     top_logprobs: list[tuple[int, float]] | None = None
     prompt_logprobs: list[float] | None = None
+    error: str | None = None  # sampling/logprobs failed for this sequence: fail it, not the stage
 
 
 @dataclass

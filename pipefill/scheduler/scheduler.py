@@ -240,6 +240,12 @@ class Scheduler:
     def _apply(self, r: Request, work: SeqWork, res) -> RequestOutput | None:
         if r.done:
             return None
+        if res is not None and res.error is not None:
+            # The last stage could not sample or score this sequence: the request ends here
+            # (update() frees its pages once nothing of it is in flight); the others go on.
+            r.awaiting_token = False
+            return RequestOutput(r.rid, [], True, "error", error=res.error,
+                                 num_prompt_tokens=len(r.prompt_ids))
         if res is not None and res.prompt_logprobs:
             r.prompt_logprobs += res.prompt_logprobs
         if work.sample is None:

@@ -34,6 +34,9 @@ class LayerWeights:
     down: torch.Tensor  # [hidden, intermediate]
     q_norm: torch.Tensor | None  # [head_dim] float32 (Qwen3)
     k_norm: torch.Tensor | None
+    # Decode copies of qkv/o_proj/gate_up/down for the small-M GEMM (kernels.decode_gemm),
+    # by field name; None: torch for every M.
+    packed: dict | None = None
 
 
 @dataclass
@@ -42,6 +45,15 @@ class StageWeights:
     embed: torch.Tensor | None  # [vocab, hidden], first stage only
     final_norm: torch.Tensor | None  # last stage only
     lm_head: torch.Tensor | None  # [vocab, hidden], last stage only
+    lm_head_packed: object | None = None  # kernels.decode_gemm.PackedLinear
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor, bias=None, packed=None) -> torch.Tensor:
+    """F.linear; decode-sized x (at most packed.max_rows rows) runs the packed small-M GEMM,
+    which reads every weight once for all rows (torch's matmul slows down at M = 4..16)."""
+    if packed is not None and x.shape[0] <= packed.max_rows:
+        return packed(x)
+    return F.linear(x, weight, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype):
@@ -88,10 +100,13 @@ class FusedOps:
         return self.k.silu_mul(gate_up)
 
 
-def elementwise_ops(cfg: ModelConfig, device: torch.device):
-    """Fused kernels where the CPU and the shapes allow, else torch."""
+def elementwise_ops(cfg: ModelConfig, device: torch.device,
+                    dtype: torch.dtype = torch.float32):
+    """Fused kernels where the CPU, the dtype and the shapes allow, else torch. The kernels
+    take float32 and bfloat16 only: float16 (issue 11) stays on torch."""
     widths = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim)
-    if device.type == "cpu" and all(w % 16 == 0 for w in widths):
+    fits = dtype in (torch.float32, torch.bfloat16) and all(w % 16 == 0 for w in widths)
+    if device.type == "cpu" and fits:
         from pipefill.kernels.fused_ops import fused_available
         if fused_available()[0]:
             return FusedOps()
@@ -138,7 +153,8 @@ class StageModel:
         cfg, ops = self.cfg, self.ops
         x, residual = ops.add_rms_norm(residual, hidden, w.input_norm, cfg.rms_norm_eps,
                                        self.dtype)
-        qkv = F.linear(x, w.qkv, w.qkv_bias)
+        packed = w.packed or {}
+        qkv = linear(x, w.qkv, w.qkv_bias, packed.get("qkv"))
         num_tokens = qkv.shape[0]
         q = qkv[:, :cfg.q_size].view(num_tokens, cfg.num_heads, cfg.head_dim)
         k = qkv[:, cfg.q_size:cfg.q_size + cfg.kv_size].view(num_tokens, cfg.num_kv_heads, -1)
@@ -153,14 +169,19 @@ class StageModel:
             qk = qkv[:, :cfg.q_size + cfg.kv_size].view(num_tokens, -1, cfg.head_dim)
             ops.rope_(qk, cos, sin)
         attn = self.attention(q, k, v, k_cache, v_cache, meta.seqs, self.scale)
-        hidden = F.linear(attn.reshape(num_tokens, cfg.q_size), w.o_proj)
+        hidden = linear(attn.reshape(num_tokens, cfg.q_size), w.o_proj, None,
+                        packed.get("o_proj"))
         x, residual = ops.add_rms_norm(residual, hidden, w.post_norm, cfg.rms_norm_eps,
                                        self.dtype)
-        return F.linear(ops.silu_mul(F.linear(x, w.gate_up)), w.down), residual
+        gate_up = linear(x, w.gate_up, None, packed.get("gate_up"))
+        return linear(ops.silu_mul(gate_up), w.down, None, packed.get("down")), residual
 
     @torch.inference_mode()
     def logits(self, hidden, residual, rows: torch.Tensor) -> torch.Tensor:
         """Final norm + lm_head on the selected rows only -> float32 [len(rows), vocab]."""
         final = residual[rows].add_(hidden[rows])
         x = rms_norm(final, self.w.final_norm, self.cfg.rms_norm_eps, self.dtype)
+        head = self.w.lm_head_packed
+        if head is not None and x.shape[0] <= head.max_rows:  # float32 logits straight away
+            return head(x, out=torch.empty(x.shape[0], head.out_features))
         return F.linear(x, self.w.lm_head).float()

@@ -10,10 +10,11 @@ from pipefill.config import ServerArgs
 from pipefill.kv.cache import KVCache
 from pipefill.model.attention import amx_paged_attention, choose_backend, paged_attention
 from pipefill.model.llama import FusedOps, StageModel, elementwise_ops
-from pipefill.model.loader import WeightSource, load_stage_weights
+from pipefill.model.loader import (WeightSource, load_stage_weights, pack_stage_weights,
+                                   resolve_weight_dtype)
 from pipefill.model.partition import partition_layers
 from pipefill.runtime.executor import StageExecutor
-from pipefill.runtime.platform import resolve_dtype
+from pipefill.runtime.platform import dtype_name, resolve_dtype
 
 log = logging.getLogger(__name__)
 
@@ -62,9 +63,11 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
         raise ValueError(f"stage {info.rank}: the KV pool needs {kv_bytes / 2**30:.1f} GiB for "
                          f"{num_pages * args.page_size} tokens but only {avail / 2**30:.1f} GiB "
                          "of memory is available; lower --max-total-tokens")
+    weight_dtype = resolve_weight_dtype(args.weight_dtype, dtype)
     weights = load_stage_weights(source, info.layers, info.is_first, info.is_last, dtype,
                                  progress_desc=f"stage {info.rank}: loading layers "
-                                               f"{info.layers.start}-{info.layers.stop - 1}")
+                                               f"{info.layers.start}-{info.layers.stop - 1}",
+                                 weight_dtype=weight_dtype)
     if device.type != "cpu":
         weights = weights_to(weights, device)
     backend, why = choose_backend(args.attention_backend, dtype, cfg.head_dim, args.page_size,
@@ -78,7 +81,11 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
         cache = KVCache(len(info.layers), num_pages, args.page_size, cfg.num_kv_heads,
                         cfg.head_dim, dtype, device)
         attention = paged_attention
-    ops = elementwise_ops(cfg, device)
+    ops = elementwise_ops(cfg, device, dtype)
+    packed_bytes = pack_stage_weights(weights, dtype, weight_dtype, args.decode_gemm_max_rows)
+    log.info("stage %d: decode GEMM %s", info.rank,
+             f"packed copies {packed_bytes / 2**20:.0f} MiB ({dtype_name(weight_dtype)})"
+             if packed_bytes else "off (torch)")
     model = StageModel(cfg, info.layers.start, weights, dtype, attention, ops)
     executor = StageExecutor(model, cache)
     warm_up(executor)

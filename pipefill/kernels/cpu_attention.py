@@ -1,0 +1,168 @@
+"""Flash-style causal chunk attention on x86 vector units (AVX-512-BF16, AVX-512F, AVX2+FMA),
+over the AMX kernel's packed paged KV cache (``AmxKVCache``; bf16 or float32).
+
+API (what the engine calls):
+
+* ``ISAS`` — the kernels, best first: ``avx512bf16`` (vdpbf16ps; bf16 q and cache),
+  ``avx512`` and ``avx2`` (float32 compute; q float32 or bf16, cache float32 or bf16, a bf16
+  cache is widened in the kernel by a shift).
+* ``kernel_available(isa, flags=None) -> (ok, why)`` — never raises. ``flags``: the CPU flags to
+  trust (default: /proc/cpuinfo; a caller hides flags to force a fallback). Builds/loads the
+  extension and checks the CPU again with cpuid/XCR0 inside it.
+* ``write_kv(k_cache, v_cache, k_new, v_new, page_table, start)`` — packs tokens
+  ``[start, start + C)`` (converted to the cache dtype) and zeroes the rest of their 32-token group.
+* ``chunk_attention(isa, q, k_cache, v_cache, page_table, prefix_len, scale, k_new=None,
+  v_new=None, out=None, qtile=0) -> out`` — bottom-right causal attention of q [C, Hq, D]
+  (positions [L, L + C)) over cached tokens [0, L + C).
+* ``read_kv(...)`` — tokens back in token-major order (tests).
+
+Build: ``csrc/cpu_attn_kernel.cpp`` is compiled three times into objects, each with only its own
+-m flags and namespace; ``csrc/cpu_attn_ext.cpp`` (checks, packing, work split over torch's
+OpenMP pool) is compiled without ISA flags and linked with them (~25 s once, cached in
+``~/.cache/pipefill/kernels``).
+"""
+from __future__ import annotations
+
+import logging
+import math
+import platform
+import sys
+import threading
+import time
+from pathlib import Path
+
+import torch
+
+from pipefill.kernels.build import build_dir as kernel_build_dir
+from pipefill.kernels.build import compile_object, require_ninja
+from pipefill.runtime.platform import cpu_flags
+
+log = logging.getLogger("pipefill.kernels")
+
+_CSRC = Path(__file__).resolve().parent / "csrc"
+_KERNEL_SRC = _CSRC / "cpu_attn_kernel.cpp"
+_GLUE_SRC = _CSRC / "cpu_attn_ext.cpp"
+_HEADER = _CSRC / "cpu_attn_kernel.h"
+_BASE = ["-O3", "-std=c++17", "-fPIC", "-ffp-contract=fast", "-fno-exceptions", "-Wno-psabi"]
+_AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
+ISA_FLAGS = {
+    "avx512bf16": _BASE + _AVX512 + ["-mavx512bf16", "-DPF_ATTN_BF16DOT=1", "-DPF_ATTN_ROWS=8"],
+    "avx512": _BASE + _AVX512 + ["-DPF_ATTN_ROWS=8"],
+    "avx2": _BASE + ["-mavx2", "-mfma", "-DPF_ATTN_ROWS=4"],
+}
+ISAS = tuple(ISA_FLAGS)
+ISA_ID = {name: i for i, name in enumerate(ISAS)}  # must match kKernels in cpu_attn_ext.cpp
+REQUIRED_CPU_FLAGS = {
+    "avx512bf16": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma"),
+    "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"),
+    "avx2": ("avx2", "fma"),
+}
+GLUE_FLAGS = ["-O3", "-std=c++17", "-fopenmp"]
+
+_lock = threading.Lock()
+_ext = None
+_ext_error: str | None = None
+
+
+def _build():
+    import torch.utils.cpp_extension as cpp_ext
+
+    require_ninja("the CPU attention kernels")
+    build_dir = kernel_build_dir("cpu_attention")
+    t0 = time.perf_counter()
+    objs = [str(compile_object(_KERNEL_SRC, _HEADER, flags + [f"-DPF_ATTN_NS={isa}"], build_dir,
+                               f"cpu_attn_{isa}"))
+            for isa, flags in ISA_FLAGS.items()]
+    mod = cpp_ext.load(name="pipefill_cpu_attention", sources=[str(_GLUE_SRC)],
+                       extra_cflags=GLUE_FLAGS, extra_ldflags=[*objs, "-fopenmp"],
+                       extra_include_paths=[str(_CSRC)], build_directory=str(build_dir),
+                       verbose=False)
+    if time.perf_counter() - t0 > 2:
+        log.info("pipefill CPU attention kernels ready after %.0f s", time.perf_counter() - t0)
+    return mod
+
+
+def _load():
+    global _ext, _ext_error
+    with _lock:
+        if _ext is None and _ext_error is None:
+            try:
+                _ext = _build()
+            except Exception as e:  # noqa: BLE001 - any build problem means "not available"
+                _ext_error = f"{type(e).__name__}: {e}"
+        if _ext is None:
+            raise RuntimeError(f"CPU attention extension unavailable: {_ext_error}")
+        return _ext
+
+
+def kernel_available(isa: str, flags: frozenset[str] | None = None) -> tuple[bool, str]:
+    """(True, "ok") when kernel `isa` can run here, else (False, why). Never raises."""
+    if isa not in ISA_FLAGS:
+        return False, f"unknown kernel {isa!r} (choose from {', '.join(ISAS)})"
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return False, f"needs Linux x86-64, this is {platform.system()} {platform.machine()}"
+    flags = cpu_flags() if flags is None else flags
+    missing = [f for f in REQUIRED_CPU_FLAGS[isa] if f not in flags]
+    if missing:
+        return False, "CPU lacks " + ", ".join(missing)
+    try:
+        ok, why = _load().cpu_supported(ISA_ID[isa])
+    except Exception as e:  # noqa: BLE001
+        return False, str(e)
+    return (True, "ok") if ok else (False, f"cpuid: {why}")
+
+
+def best_kernel(flags: frozenset[str] | None = None, bf16_dot: bool = True) -> str | None:
+    """The best kernel this CPU runs; bf16_dot=False skips avx512bf16 (float32 q or cache)."""
+    for isa in ISAS:
+        if (bf16_dot or isa != "avx512bf16") and kernel_available(isa, flags)[0]:
+            return isa
+    return None
+
+
+def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
+             v_new: torch.Tensor, page_table: torch.Tensor, start: int) -> None:
+    dt = k_cache.dtype
+    _load().write_kv(k_cache, v_cache, k_new.to(dt), v_new.to(dt), page_table, int(start))
+
+
+def chunk_attention(isa: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                    page_table: torch.Tensor, prefix_len: int, scale: float,
+                    k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
+                    out: torch.Tensor | None = None, qtile: int = 0) -> torch.Tensor:
+    """Causal (bottom-right) attention of q [C, Hq, D] over cached tokens [0, prefix_len + C)."""
+    if isa not in ISA_ID:
+        raise ValueError(f"unknown kernel {isa!r} (choose from {', '.join(ISAS)})")
+    ext = _load()
+    if (k_new is None) != (v_new is None):
+        raise ValueError("pass both k_new and v_new, or neither")
+    if k_new is not None:
+        write_kv(k_cache, v_cache, k_new, v_new, page_table, prefix_len)
+    return ext.chunk_attention(ISA_ID[isa], q, k_cache, v_cache, page_table, int(prefix_len),
+                               float(scale), out, int(qtile))
+
+
+def read_kv(k_layer_cache: torch.Tensor, v_layer_cache: torch.Tensor, page_table: torch.Tensor,
+            num_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Tokens [0, num_tokens) back in token-major [n, Hkv, D] layout (bf16 or float32 cache)."""
+    if k_layer_cache.dtype != torch.float32:
+        from pipefill.kernels.amx_attention import read_kv as read_bf16
+        return read_bf16(k_layer_cache, v_layer_cache, page_table, num_tokens)
+    P, H, ps, D = k_layer_cache.shape
+    npages = math.ceil(num_tokens / ps)
+    pages = page_table[:npages].long()
+    k = k_layer_cache[pages]
+    v = v_layer_cache[pages]
+    # K: [ps/16][D/32][16 pairs][2][16 tokens] -> [ps/16, 16 tokens, D/32, 16 pairs, 2]
+    k = k.reshape(npages, H, ps // 16, D // 32, 16, 2, 16).permute(0, 2, 6, 1, 3, 4, 5)
+    k = k.reshape(npages * ps, H, D)
+    # V: [ps/32][D/16][16 token pairs][2][16 dims] -> [ps/32, pairs, 2, D/16, 16 dims]
+    v = v.reshape(npages, H, ps // 32, D // 16, 16, 2, 16).permute(0, 2, 4, 5, 1, 3, 6)
+    v = v.reshape(npages * ps, H, D)
+    return k[:num_tokens].contiguous(), v[:num_tokens].contiguous()
+
+
+if __name__ == "__main__":
+    logging.basicConfig(level=logging.INFO)
+    for name in ISAS:
+        print(name, kernel_available(name), file=sys.stderr)

@@ -1,0 +1,259 @@
+// Generic glue for the vector attention kernels (cpu_attn_kernel.cpp): cpuid checks per ISA,
+// argument validation, cache packing (write_kv, bf16 or float32) and the work split over torch's
+// thread pool. Built WITHOUT ISA flags: an ISA's kernel is entered only after its cpuid/XCR0
+// check passed in this process, so a CPU never executes an instruction it lacks.
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cpuid.h>
+
+#include <atomic>
+#include <cstdlib>
+#include <cstring>
+#include <string>
+#include <tuple>
+
+#include "cpu_attn_kernel.h"
+
+namespace {
+
+namespace pa = pipefill_cpu_attn;
+
+uint64_t xgetbv0() {
+  uint32_t eax, edx;
+  __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
+  return ((uint64_t)edx << 32) | eax;
+}
+
+// ISA ids: 0 = avx512bf16, 1 = avx512, 2 = avx2.
+std::tuple<bool, std::string> cpu_supported(int64_t isa) {
+  unsigned a, b, c, d;
+  if (isa < 0 || isa > 2) return {false, "unknown ISA id"};
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return {false, "cpuid leaf 1 unavailable"};
+  if (!(c & (1u << 27))) return {false, "OSXSAVE not enabled"};
+  if (!(c & (1u << 28))) return {false, "no AVX"};
+  if (!(c & (1u << 12))) return {false, "no FMA"};
+  const uint64_t xcr0 = xgetbv0();
+  if ((xcr0 & 0x6) != 0x6) return {false, "OS does not enable AVX state (XCR0)"};
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return {false, "cpuid leaf 7 unavailable"};
+  if (!(b & (1u << 5))) return {false, "no AVX2"};
+  if (isa == 2) return {true, "ok"};
+  if ((xcr0 & 0xe6) != 0xe6) return {false, "OS does not enable AVX-512 state (XCR0)"};
+  const bool f = b & (1u << 16), dq = b & (1u << 17), bw = b & (1u << 30), vl = b & (1u << 31);
+  if (!(f && dq && bw && vl)) return {false, "no AVX-512 F/DQ/BW/VL"};
+  if (isa == 1) return {true, "ok"};
+  unsigned a1, b1, c1, d1;
+  if (!__get_cpuid_count(7, 1, &a1, &b1, &c1, &d1) || !(a1 & (1u << 5))) return {false, "no AVX512-BF16"};
+  return {true, "ok"};
+}
+
+// cpuid once per ISA per process.
+bool isa_ok(int64_t isa) {
+  static std::atomic<int> state[3] = {0, 0, 0};  // 0 unknown, 1 ok, 2 no
+  int st = state[isa].load();
+  if (st == 0) {
+    st = std::get<0>(cpu_supported(isa)) ? 1 : 2;
+    state[isa].store(st);
+  }
+  return st == 1;
+}
+
+struct ThreadScratch {
+  void* buf = nullptr;
+  size_t cap = 0;
+  ~ThreadScratch() { std::free(buf); }
+  void* get(size_t bytes) {
+    if (bytes > cap) {
+      std::free(buf);
+      cap = (bytes + 4095) / 4096 * 4096;
+      buf = std::aligned_alloc(64, cap);
+      TORCH_CHECK(buf, "pipefill CPU attention: out of memory for scratch");
+    }
+    return buf;
+  }
+};
+
+size_t align64(size_t x) { return (x + 63) / 64 * 64; }
+
+void check_cache(const torch::Tensor& c, const char* what) {
+  TORCH_CHECK(c.dim() == 4, what, ": expected [num_pages, kv_heads, page_size, head_dim], got ", c.sizes());
+  TORCH_CHECK(c.scalar_type() == torch::kBFloat16 || c.scalar_type() == torch::kFloat, what,
+              ": expected bfloat16 or float32, got ", c.scalar_type());
+  TORCH_CHECK(c.is_contiguous(), what, ": must be contiguous");
+  TORCH_CHECK(c.size(2) % 32 == 0, what, ": page_size must be a multiple of 32, got ", c.size(2));
+  TORCH_CHECK(c.size(3) == 64 || c.size(3) == 128, what, ": head_dim must be 64 or 128, got ", c.size(3));
+}
+
+void check_pages(const torch::Tensor& pt, int64_t needed, int64_t num_pages) {
+  TORCH_CHECK(pt.scalar_type() == torch::kInt32 && pt.dim() == 1 && pt.is_contiguous(),
+              "page_table: expected a contiguous 1-D int32 tensor");
+  TORCH_CHECK(pt.size(0) >= needed, "page_table: ", pt.size(0), " pages, need ", needed);
+  const int32_t* p = pt.data_ptr<int32_t>();
+  for (int64_t i = 0; i < needed; ++i)
+    TORCH_CHECK(p[i] >= 0 && p[i] < num_pages, "page_table[", i, "] = ", p[i], " out of range [0, ", num_pages, ")");
+}
+
+void check_tokens(const torch::Tensor& x, const char* what, int64_t heads, int64_t d, torch::ScalarType dt) {
+  TORCH_CHECK(x.dim() == 3 && x.size(1) == heads && x.size(2) == d, what, ": expected [C, ", heads, ", ", d,
+              "], got ", x.sizes());
+  TORCH_CHECK(x.scalar_type() == dt, what, ": expected ", dt, ", got ", x.scalar_type());
+  TORCH_CHECK(x.stride(2) == 1, what, ": last dim must be contiguous");
+}
+
+// Element index of (token offset in page `off`, dim d) inside one (page, head) block of ps * D.
+// bf16: the AMX layout; float32: same 32-value rows, pair axis first within a row.
+inline int64_t k_index(int64_t off, int64_t d, int64_t D, bool bf16) {
+  const int64_t row = (off / 16) * 16 * D + (d / 32) * 512 + ((d % 32) / 2) * 32;
+  return row + (bf16 ? (off % 16) * 2 + d % 2 : (d % 2) * 16 + off % 16);
+}
+inline int64_t v_index(int64_t off, int64_t d, int64_t D, bool bf16) {
+  const int64_t o32 = off % 32;
+  const int64_t row = (off / 32) * 32 * D + (d / 16) * 512 + (o32 / 2) * 32;
+  return row + (bf16 ? (d % 16) * 2 + o32 % 2 : (o32 % 2) * 16 + d % 16);
+}
+
+template <typename T>
+void pack(T* kd, T* vd, const T* ks, const T* vs, int64_t kst, int64_t ksh, int64_t vst, int64_t vsh,
+          const int32_t* table, int64_t H, int64_t ps, int64_t D, int64_t start, int64_t end) {
+  const bool bf16 = sizeof(T) == 2;
+  const int64_t tail = (end + 31) / 32 * 32;  // zero tokens [end, tail): same page as end - 1
+  at::parallel_for(start, tail, 64, [&](int64_t b, int64_t e) {
+    for (int64_t pos = b; pos < e; ++pos) {
+      const bool real = pos < end;
+      const int64_t off = pos % ps;
+      for (int64_t h = 0; h < H; ++h) {
+        const int64_t base = ((int64_t)table[(real ? pos : end - 1) / ps] * H + h) * ps * D;
+        const T* k = ks + (pos - start) * kst + h * ksh;
+        const T* v = vs + (pos - start) * vst + h * vsh;
+        for (int64_t d = 0; d < D; ++d) {
+          kd[base + k_index(off, d, D, bf16)] = real ? k[d] : T(0);
+          vd[base + v_index(off, d, D, bf16)] = real ? v[d] : T(0);
+        }
+      }
+    }
+  });
+}
+
+// Packs k/v [C, H, D] (the cache's dtype) for positions [start, start + C) and zeroes the rest
+// of the last 32-token group, so zero probabilities never meet uninitialised (NaN) values.
+void write_kv(torch::Tensor kc, torch::Tensor vc, torch::Tensor k, torch::Tensor v, torch::Tensor pt,
+              int64_t start) {
+  check_cache(kc, "k_cache");
+  check_cache(vc, "v_cache");
+  TORCH_CHECK(kc.sizes() == vc.sizes() && kc.scalar_type() == vc.scalar_type(), "k_cache and v_cache differ");
+  const int64_t P = kc.size(0), H = kc.size(1), ps = kc.size(2), D = kc.size(3);
+  check_tokens(k, "k_new", H, D, kc.scalar_type());
+  check_tokens(v, "v_new", H, D, kc.scalar_type());
+  TORCH_CHECK(k.size(0) == v.size(0), "k_new and v_new lengths differ");
+  TORCH_CHECK(start >= 0, "start must be >= 0");
+  const int64_t C = k.size(0), end = start + C;
+  if (C == 0) return;
+  check_pages(pt, (end + ps - 1) / ps, P);
+  const int32_t* table = pt.data_ptr<int32_t>();
+  if (kc.scalar_type() == torch::kBFloat16) {
+    pack(reinterpret_cast<uint16_t*>(kc.data_ptr()), reinterpret_cast<uint16_t*>(vc.data_ptr()),
+         reinterpret_cast<const uint16_t*>(k.data_ptr()), reinterpret_cast<const uint16_t*>(v.data_ptr()),
+         k.stride(0), k.stride(1), v.stride(0), v.stride(1), table, H, ps, D, start, end);
+  } else {
+    pack(kc.data_ptr<float>(), vc.data_ptr<float>(), k.data_ptr<float>(), v.data_ptr<float>(), k.stride(0),
+         k.stride(1), v.stride(0), v.stride(1), table, H, ps, D, start, end);
+  }
+}
+
+using RunItem = void (*)(const pa::Params&, int64_t, const pa::Scratch&);
+constexpr RunItem kKernels[3] = {pa::avx512bf16::run_item, pa::avx512::run_item, pa::avx2::run_item};
+constexpr const char* kNames[3] = {"avx512bf16", "avx512", "avx2"};
+
+// out[C, Hq, D] = causal attention of q (positions [L, L + C)) over cached tokens [0, L + C).
+torch::Tensor chunk_attention(int64_t isa, torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor pt,
+                              int64_t L, double scale, c10::optional<torch::Tensor> out_opt, int64_t qtile) {
+  TORCH_CHECK(isa >= 0 && isa <= 2, "unknown ISA id ", isa);
+  TORCH_CHECK(isa_ok(isa), "pipefill CPU attention: this CPU cannot run the ", kNames[isa], " kernel: ",
+              std::get<1>(cpu_supported(isa)));
+  check_cache(kc, "k_cache");
+  check_cache(vc, "v_cache");
+  TORCH_CHECK(kc.sizes() == vc.sizes() && kc.scalar_type() == vc.scalar_type(), "k_cache and v_cache differ");
+  const int64_t P = kc.size(0), Hkv = kc.size(1), ps = kc.size(2), D = kc.size(3);
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == D, "q: expected [C, Hq, ", D, "], got ", q.sizes());
+  const bool q_bf16 = q.scalar_type() == torch::kBFloat16, kv_bf16 = kc.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(q_bf16 || q.scalar_type() == torch::kFloat, "q: expected bfloat16 or float32");
+  if (isa == 0)
+    TORCH_CHECK(q_bf16 && kv_bf16, "the avx512bf16 kernel needs bfloat16 q and KV cache");
+  const int64_t C = q.size(0), Hq = q.size(1);
+  TORCH_CHECK(Hq % Hkv == 0, "q heads (", Hq, ") must be a multiple of kv heads (", Hkv, ")");
+  check_tokens(q, "q", Hq, D, q.scalar_type());
+  TORCH_CHECK(L >= 0, "prefix_len must be >= 0");
+  const int64_t G = Hq / Hkv;
+  torch::Tensor out;
+  if (out_opt.has_value()) {
+    out = *out_opt;
+    check_tokens(out, "out", Hq, D, q.scalar_type());
+    TORCH_CHECK(out.size(0) == C, "out: expected ", C, " rows");
+  } else {
+    out = torch::empty({C, Hq, D}, q.options());
+  }
+  if (C == 0) return out;
+  check_pages(pt, (L + C + ps - 1) / ps, P);
+  // About 128 rows per item: each K/V step fetched serves all of them.
+  if (qtile <= 0) qtile = std::max<int64_t>(1, 128 / G);
+  qtile = std::min(qtile, C);
+  TORCH_CHECK(qtile * G <= 2048, "qtile * group must be <= 2048");
+
+  pa::Params p{};
+  p.q = q.data_ptr();
+  p.q_st = q.stride(0);
+  p.q_sh = q.stride(1);
+  p.out = out.data_ptr();
+  p.o_st = out.stride(0);
+  p.o_sh = out.stride(1);
+  p.k = kc.data_ptr();
+  p.v = vc.data_ptr();
+  p.page_table = pt.data_ptr<int32_t>();
+  p.page_size = ps;
+  p.num_kv_heads = Hkv;
+  p.head_dim = D;
+  p.group = G;
+  p.C = C;
+  p.L = L;
+  p.qtile = qtile;
+  p.scale = (float)scale;
+  p.q_bf16 = q_bf16;
+  p.kv_bf16 = kv_bf16;
+
+  const int64_t n = pa::num_items(p);
+  const int nthreads = at::get_num_threads();
+  const int64_t rows = pa::rows_pad(qtile, G);
+  const size_t q_bytes = align64(rows * D * 4), o_bytes = align64(rows * D * 4), ml_bytes = align64(rows * 4);
+  const size_t s_bytes = align64(pa::kMaxRows * pa::kStep * 4), p_bytes = align64(pa::kMaxRows * pa::kStep * 2);
+  const size_t total = q_bytes + o_bytes + 2 * ml_bytes + s_bytes + p_bytes;
+  const RunItem run = kKernels[isa];
+  std::atomic<int64_t> next{0};
+  // One task per thread; each pulls items (longest first) from the shared counter. An item is
+  // computed the same way whichever thread runs it: results do not depend on the thread count.
+  at::parallel_for(0, std::min<int64_t>(nthreads, n), 1, [&](int64_t, int64_t) {
+    thread_local ThreadScratch scratch;
+    char* base = static_cast<char*>(scratch.get(total));
+    pa::Scratch s;
+    s.q = base;
+    s.o = reinterpret_cast<float*>(base + q_bytes);
+    s.m = reinterpret_cast<float*>(base + q_bytes + o_bytes);
+    s.l = reinterpret_cast<float*>(base + q_bytes + o_bytes + ml_bytes);
+    s.s = reinterpret_cast<float*>(base + q_bytes + o_bytes + 2 * ml_bytes);
+    s.p = reinterpret_cast<uint16_t*>(base + q_bytes + o_bytes + 2 * ml_bytes + s_bytes);
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) run(p, i, s);
+  });
+  return out;
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("cpu_supported", &cpu_supported, "cpuid/XCR0 check for one ISA (0 avx512bf16, 1 avx512, 2 avx2)");
+  m.def("write_kv", &write_kv, "pack new K/V tokens into the packed cache layout (bf16 or float32)",
+        py::arg("k_cache"), py::arg("v_cache"), py::arg("k_new"), py::arg("v_new"), py::arg("page_table"),
+        py::arg("start"), py::call_guard<py::gil_scoped_release>());
+  m.def("chunk_attention", &chunk_attention, "fused causal chunk attention (vector kernels)", py::arg("isa"),
+        py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("page_table"), py::arg("prefix_len"),
+        py::arg("scale"), py::arg("out") = py::none(), py::arg("qtile") = 0,
+        py::call_guard<py::gil_scoped_release>());
+}

@@ -1,0 +1,346 @@
+// Flash-style causal chunk attention for x86 vector units, over the packed paged KV cache
+// (layout in cpu_attn_kernel.h). This one source is compiled three times, each into its own
+// namespace (PF_ATTN_NS) with its own flags:
+//   avx512bf16: -mavx512f/bw/vl/dq -mavx512bf16 -mfma; QK^T and PV with vdpbf16ps on bf16 Q, K,
+//               V and P (fp32 accumulators), R = 8 rows per register block;
+//   avx512:     -mavx512f/bw/vl/dq -mfma; fp32 compute, R = 8;
+//   avx2:       -mavx2 -mfma; fp32 compute, R = 4 (16 ymm registers).
+// The fp32 kernels read bf16 caches by a shift (even dims/tokens) and a mask (odd), or float32
+// caches directly. Generic code uses GCC vector extensions (16 floats; AVX2 gets two ymm per
+// vector), so the same source serves every ISA and the compiler only emits what -m allows.
+//
+// Work item = (kv head g, q-tile of qtile tokens); rows are token-major (row = t * G + h), so each
+// K/V tile loaded serves all G query heads of the group. Per step of kStep keys (K/V of the step
+// stay in L1) and per block of R rows: S = Q K^T (fp32), online softmax in the log2 domain with a
+// lazy rescale (the running max moves only when it grows by more than 8), p = exp2 by a
+// polynomial (degree 3 where P is rounded to bf16 anyway, degree 6 for fp32), O += P V. Causal
+// limits come from the loop bounds: a block stops at the last key its last row sees; only steps
+// crossing the diagonal mask columns.
+#include <cstdint>
+#include <cstring>
+
+#include "cpu_attn_kernel.h"
+
+#if PF_ATTN_BF16DOT
+#include <immintrin.h>
+#endif
+
+namespace pipefill_cpu_attn {
+namespace PF_ATTN_NS {
+namespace {
+
+typedef float vf __attribute__((vector_size(64)));
+typedef uint32_t vu __attribute__((vector_size(64)));
+typedef int32_t vi __attribute__((vector_size(64)));
+typedef uint16_t vh __attribute__((vector_size(32)));
+
+constexpr int R = PF_ATTN_ROWS;
+constexpr int NB = kStep;
+constexpr float kNegInf = -__builtin_inff();
+constexpr float kLazy = 8.0f;
+
+inline vf loadf(const void* p) { vf v; std::memcpy(&v, p, 64); return v; }
+inline void storef(void* p, vf v) { std::memcpy(p, &v, 64); }
+inline vu loadu(const void* p) { vu v; std::memcpy(&v, p, 64); return v; }
+inline vf splat(float x) { return vf{} + x; }
+
+inline float hmax(vf v) {
+  float m = v[0];
+  for (int i = 1; i < 16; ++i) m = v[i] > m ? v[i] : m;
+  return m;
+}
+inline float hsum(vf v) {
+  vf a = v;
+  float s = 0.f;
+  for (int i = 0; i < 16; ++i) s += a[i];
+  return s;
+}
+
+// 2^x: n = round(x), f = x - n in [-1/2, 1/2], poly(f) * 2^n; lanes below -126 are 0.
+template <int DEG>
+inline vf exp2v(vf x) {
+  const vi small = x < splat(-126.f);
+  const vf xc = small ? splat(-126.f) : x;
+  const vf big = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
+  const vf n = (xc + big) - big;
+  const vf f = xc - n;
+  vf p;
+  if (DEG == 3) {  // near-minimax, relative error 7.5e-5 (as the AMX kernel)
+    p = ((0.05517167f * f + 0.24261114f) * f + 0.69326099f) * f + 0.99992807f;
+  } else {  // Taylor of e^(f ln 2) to degree 6: relative error ~1.2e-7
+    p = 1.5403530e-4f * f + 1.3333558e-3f;
+    p = p * f + 9.6181291e-3f;
+    p = p * f + 5.5504109e-2f;
+    p = p * f + 0.24022651f;
+    p = p * f + 0.69314718f;
+    p = p * f + 1.0f;
+  }
+  const vi ni = __builtin_convertvector(n, vi);
+  const vf r = (vf)((vu)p + (vu)(ni << 23));
+  return small ? splat(0.f) : r;
+}
+
+// bf16 -> f32 halves of a 32-value row: (low halves, high halves) of its 16 uint32 lanes.
+template <bool KVB>
+inline void load_pair(const char* row, vf& e, vf& o) {
+  if (KVB) {
+    const vu x = loadu(row);
+    e = (vf)(x << 16);
+    o = (vf)(x & 0xffff0000u);
+  } else {
+    e = loadf(row);
+    o = loadf(row + 64);
+  }
+}
+
+inline vh to_bf16(vf x) {  // round to nearest even, like torch's .to(bfloat16) (no NaN here)
+  vu u = (vu)x;
+  u = (u + 0x7fffu + ((u >> 16) & 1u)) >> 16;
+  return __builtin_convertvector(u, vh);
+}
+
+template <int D, bool KVB>
+struct Kernel {
+  static constexpr int64_t kEsz = KVB ? 2 : 4;
+  const Params& p;
+  const Scratch& s;
+  int64_t G, t0, base_pos, kend, head_off, page_stride;
+  int M, nblk;
+  float c;
+  int64_t kend_b[2048 / R + 1];
+
+  Kernel(const Params& p_, const Scratch& s_, int64_t item) : p(p_), s(s_) {
+    G = p.group;
+    const int64_t Hkv = p.num_kv_heads, ps = p.page_size;
+    const int64_t ntiles = (p.C + p.qtile - 1) / p.qtile;
+    const int64_t ti = ntiles - 1 - item / Hkv;  // longest (last) q-tiles first
+    const int64_t g = item % Hkv;
+    t0 = ti * p.qtile;
+    const int64_t nt = p.C - t0 < p.qtile ? p.C - t0 : p.qtile;
+    M = (int)(nt * G);
+    nblk = (M + R - 1) / R;
+    base_pos = p.L + t0;
+    head_off = g * ps * D;
+    page_stride = Hkv * ps * D;
+    c = p.scale * 1.4426950408889634f;
+    stage_q(g);
+    std::memset(s.o, 0, sizeof(float) * (size_t)nblk * R * D);
+    for (int r = 0; r < nblk * R; ++r) {
+      s.m[r] = kNegInf;
+      s.l[r] = 0.f;
+    }
+    for (int b = 0; b < nblk; ++b) {
+      const int last = R * b + R - 1 < M - 1 ? R * b + R - 1 : M - 1;
+      kend_b[b] = base_pos + last / G + 1;
+    }
+    kend = kend_b[nblk - 1];
+  }
+
+  const char* q_row_src(int r, int64_t g) const {
+    const int64_t t = r / G, h = r % G;
+    const int64_t esz = p.q_bf16 ? 2 : 4;
+    return static_cast<const char*>(p.q) + ((t0 + t) * p.q_st + (g * G + h) * p.q_sh) * esz;
+  }
+
+  // Q rows (padding rows zero): bf16 as given for the bf16 kernel, else float32.
+  void stage_q(int64_t g) {
+    const int rows = nblk * R;
+#if PF_ATTN_BF16DOT
+    uint16_t* dst = static_cast<uint16_t*>(s.q);
+    for (int r = 0; r < rows; ++r) {
+      if (r < M) std::memcpy(dst + (int64_t)r * D, q_row_src(r, g), D * 2);
+      else std::memset(dst + (int64_t)r * D, 0, D * 2);
+    }
+#else
+    float* dst = static_cast<float*>(s.q);
+    for (int r = 0; r < rows; ++r) {
+      float* row = dst + (int64_t)r * D;
+      if (r >= M) {
+        std::memset(row, 0, D * 4);
+      } else if (p.q_bf16) {
+        const uint16_t* src = reinterpret_cast<const uint16_t*>(q_row_src(r, g));
+        for (int d = 0; d < D; ++d) {
+          const uint32_t u = (uint32_t)src[d] << 16;
+          std::memcpy(row + d, &u, 4);
+        }
+      } else {
+        std::memcpy(row, q_row_src(r, g), D * 4);
+      }
+    }
+#endif
+  }
+
+  const char* tok_ptr(const void* base, int64_t tok) const {
+    const int64_t ps = p.page_size;
+    const int64_t off = (int64_t)p.page_table[tok / ps] * page_stride + head_off + (tok % ps) * D;
+    return static_cast<const char*>(base) + off * kEsz;
+  }
+
+  // S[R, 16] (row stride NB) = Q_block K_group^T for one 16-token group.
+  void qk_group(int b, const char* kg, float* S) const {
+    vf acc[R];
+    for (int r = 0; r < R; ++r) acc[r] = vf{};
+#if PF_ATTN_BF16DOT
+    const uint32_t* q = static_cast<const uint32_t*>(s.q) + (int64_t)R * b * (D / 2);
+    for (int j = 0; j < D / 2; ++j) {
+      const __m512bh kr = (__m512bh)_mm512_loadu_si512(kg + ((j / 16) * 512 + (j % 16) * 32) * kEsz);
+      for (int r = 0; r < R; ++r)
+        acc[r] = (vf)_mm512_dpbf16_ps((__m512)acc[r], (__m512bh)_mm512_set1_epi32((int)q[r * (D / 2) + j]), kr);
+    }
+#else
+    const float* q = static_cast<const float*>(s.q) + (int64_t)R * b * D;
+    for (int j = 0; j < D / 2; ++j) {
+      vf e, o;
+      load_pair<KVB>(kg + ((j / 16) * 512 + (j % 16) * 32) * kEsz, e, o);
+      for (int r = 0; r < R; ++r) {
+        acc[r] += q[r * D + 2 * j] * e;
+        acc[r] += q[r * D + 2 * j + 1] * o;
+      }
+    }
+#endif
+    for (int r = 0; r < R; ++r) storef(S + r * NB, acc[r]);
+  }
+
+  // One row of ncol scores: columns > lim masked; softmax'd in place (and as bf16 into prow).
+  void softmax_row(float* srow, uint16_t* prow, int ncol, int lim, int r) const {
+    if (lim < ncol - 1)
+      for (int x = lim + 1; x < ncol; ++x) srow[x] = kNegInf;
+    vf mx = splat(kNegInf);
+    for (int x = 0; x < ncol; x += 16) {
+      const vf v = loadf(srow + x);
+      mx = mx > v ? mx : v;
+    }
+    const float bmax = hmax(mx) * c;
+    float m = s.m[r];
+    if (bmax > m + kLazy) {
+      if (m != kNegInf) {
+        const float alpha = __builtin_exp2f(m - bmax);
+        s.l[r] *= alpha;
+        float* orow = s.o + (int64_t)r * D;
+        for (int d = 0; d < D; d += 16) storef(orow + d, loadf(orow + d) * alpha);
+      }
+      m = bmax;
+      s.m[r] = m;
+    }
+    vf sum = vf{};
+    for (int x = 0; x < ncol; x += 16) {
+#if PF_ATTN_BF16DOT
+      const vf pv = exp2v<3>(loadf(srow + x) * c - m);
+      const vh h = to_bf16(pv);
+      std::memcpy(prow + x, &h, 32);
+#else
+      const vf pv = exp2v<6>(loadf(srow + x) * c - m);
+      storef(srow + x, pv);
+      (void)prow;
+#endif
+      sum += pv;
+    }
+    s.l[r] += hsum(sum);
+  }
+
+  // O_block[R, D] += P[R, 2 * npairs] V[2 * npairs, D]; vg: the step's 32-token V groups.
+  void pv_block(int b, const float* S, const uint16_t* P, const char* const* vg, int npairs) const {
+    float* O = s.o + (int64_t)R * b * D;
+    for (int dc = 0; dc < D / 16; ++dc) {
+      vf acc[R];
+      for (int r = 0; r < R; ++r) acc[r] = loadf(O + r * D + dc * 16);
+      for (int tp = 0; tp < npairs; ++tp) {
+        const char* row = vg[tp / 16] + (dc * 512 + (tp % 16) * 32) * kEsz;
+#if PF_ATTN_BF16DOT
+        const __m512bh vr = (__m512bh)_mm512_loadu_si512(row);
+        for (int r = 0; r < R; ++r) {
+          uint32_t pp;
+          std::memcpy(&pp, P + r * NB + 2 * tp, 4);
+          acc[r] = (vf)_mm512_dpbf16_ps((__m512)acc[r], (__m512bh)_mm512_set1_epi32((int)pp), vr);
+        }
+#else
+        vf e, o;
+        load_pair<KVB>(row, e, o);
+        for (int r = 0; r < R; ++r) {
+          acc[r] += S[r * NB + 2 * tp] * e;
+          acc[r] += S[r * NB + 2 * tp + 1] * o;
+        }
+        (void)P;
+#endif
+      }
+      for (int r = 0; r < R; ++r) storef(O + r * D + dc * 16, acc[r]);
+    }
+  }
+
+  void run() {
+    const char* kg[NB / 16];
+    const char* vg[NB / 32];
+    for (int64_t kv0 = 0; kv0 < kend; kv0 += NB) {
+      const int64_t nstep = kend - kv0 < NB ? kend - kv0 : NB;
+      for (int j = 0; j < (nstep + 15) / 16; ++j) kg[j] = tok_ptr(p.k, kv0 + 16 * j);
+      for (int j = 0; j < (nstep + 31) / 32; ++j) vg[j] = tok_ptr(p.v, kv0 + 32 * j);
+      for (int b = 0; b < nblk; ++b) {
+        if (kend_b[b] <= kv0) continue;
+        const int64_t nb = kend_b[b] - kv0 < NB ? kend_b[b] - kv0 : NB;
+        const int ncol = (int)((nb + 15) / 16 * 16);
+        for (int j = 0; j < ncol / 16; ++j) qk_group(b, kg[j], s.s + 16 * j);
+        for (int i = 0; i < R; ++i) {
+          const int r = R * b + i;
+          const int rr = r < M ? r : M - 1;  // padding rows behave like the last real row
+          const int64_t lim = base_pos + rr / G - kv0;  // last visible column of this row
+          float* srow = s.s + i * NB;
+          uint16_t* prow = s.p + i * NB;
+          if (lim < 0) {  // the row sees none of this step: zero probabilities
+            std::memset(srow, 0, ncol * 4);
+            std::memset(prow, 0, ncol * 2);
+          } else {
+            softmax_row(srow, prow, ncol, (int)(lim < ncol - 1 ? lim : ncol - 1), r);
+          }
+        }
+        pv_block(b, s.s, s.p, vg, ncol / 2);
+      }
+    }
+  }
+
+  void epilogue() const {
+    const int64_t g = head_off / (p.page_size * D);
+    const int64_t esz = p.q_bf16 ? 2 : 4;
+    for (int r = 0; r < M; ++r) {
+      const int64_t t = r / G, h = r % G;
+      char* dst = static_cast<char*>(p.out) + ((t0 + t) * p.o_st + (g * G + h) * p.o_sh) * esz;
+      const float inv = 1.0f / s.l[r];
+      const float* orow = s.o + (int64_t)r * D;
+      for (int d = 0; d < D; d += 16) {
+        const vf x = loadf(orow + d) * inv;
+        if (p.q_bf16) {
+          const vh hb = to_bf16(x);
+          std::memcpy(dst + d * 2, &hb, 32);
+        } else {
+          storef(dst + d * 4, x);
+        }
+      }
+    }
+  }
+};
+
+template <int D, bool KVB>
+void run_d(const Params& p, int64_t item, const Scratch& s) {
+  Kernel<D, KVB> k(p, s, item);
+  k.run();
+  k.epilogue();
+}
+
+}  // namespace
+
+void run_item(const Params& p, int64_t item, const Scratch& s) {
+#if PF_ATTN_BF16DOT
+  if (p.head_dim == 64) run_d<64, true>(p, item, s);
+  else run_d<128, true>(p, item, s);
+#else
+  if (p.head_dim == 64) {
+    if (p.kv_bf16) run_d<64, true>(p, item, s);
+    else run_d<64, false>(p, item, s);
+  } else {
+    if (p.kv_bf16) run_d<128, true>(p, item, s);
+    else run_d<128, false>(p, item, s);
+  }
+#endif
+}
+
+}  // namespace PF_ATTN_NS
+}  // namespace pipefill_cpu_attn

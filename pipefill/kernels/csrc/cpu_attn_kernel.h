@@ -1,0 +1,58 @@
+// Interface between the generic glue (cpu_attn_ext.cpp, built without ISA flags) and the vector
+// attention kernels (cpu_attn_kernel.cpp, compiled once per ISA into its own namespace with its
+// own -m flags: avx512bf16, avx512, avx2). Plain C++ only, so no vector code can leak into the
+// glue through COMDAT folding of shared inline functions.
+//
+// Cache layout: the AMX kernel's packed paged layout (see amx_kernel.cpp), per (page, kv head):
+//   K: [page_size/16][D/32][16 dim pairs][16 tokens][2]
+//   V: [page_size/32][D/16][16 token pairs][16 dims][2]
+// bf16 caches are byte-identical to the AMX ones. float32 caches keep the same order of 32-value
+// rows but store each row's pair axis first ([2][16] instead of [16][2]), so a row loads as two
+// vectors (even, odd) with no shuffles, exactly like the bf16 row after a shift and a mask.
+#pragma once
+#include <cstdint>
+
+namespace pipefill_cpu_attn {
+
+constexpr int kStep = 64;  // keys per step: one step's K+V (bf16, D = 64) is 16 KiB, L1-resident
+
+struct Params {
+  const void* q;  // [C, Hq, D] float32 or bf16 (q_bf16), last dim contiguous
+  int64_t q_st, q_sh;
+  void* out;      // [C, Hq, D], same dtype as q
+  int64_t o_st, o_sh;
+  const void* k;  // packed layer cache [num_pages, Hkv, page_size * D]
+  const void* v;
+  const int32_t* page_table;
+  int64_t page_size, num_kv_heads, head_dim, group;  // group = Hq / Hkv
+  int64_t C, L;   // queries at positions [L, L + C)
+  int64_t qtile;  // query tokens per work item
+  float scale;
+  bool q_bf16, kv_bf16;
+};
+
+struct Scratch {
+  void* q;    // [rows_pad, D] staged queries: float32, or bf16 for the avx512bf16 kernel
+  float* o;   // [rows_pad, D] accumulator
+  float* m;   // [rows_pad] running max (log2 domain, scaled)
+  float* l;   // [rows_pad] running sum
+  float* s;   // [kMaxRows, kStep] scores, probabilities in place
+  uint16_t* p;  // [kMaxRows, kStep] bf16 probabilities (avx512bf16)
+};
+
+constexpr int kMaxRows = 8;  // rows per register block (avx512: 8, avx2: 4)
+
+inline int64_t rows_pad(int64_t qtile, int64_t group) { return (qtile * group + kMaxRows - 1) / kMaxRows * kMaxRows; }
+
+inline int64_t num_items(const Params& p) { return p.num_kv_heads * ((p.C + p.qtile - 1) / p.qtile); }
+
+#define PF_ATTN_DECLARE(NS) \
+  namespace NS {            \
+  void run_item(const Params& p, int64_t item, const Scratch& s); \
+  }
+
+PF_ATTN_DECLARE(avx512bf16)
+PF_ATTN_DECLARE(avx512)
+PF_ATTN_DECLARE(avx2)
+
+}  // namespace pipefill_cpu_attn

@@ -79,6 +79,14 @@ class ServerArgs:
     dist_init_addr: str | None = _flag(
         "HOST:PORT of node 0 for torch.distributed rendezvous (needed with --nnodes > 1; "
         "the front end also listens on PORT+1 for reports from other nodes).", default=None)
+    cluster_secret: str | None = field(default=None, repr=False, metadata={"help": (
+        "Shared secret of a multi-node run (the same on every node): every control message "
+        "and every node's join carries an HMAC-SHA256 with it; messages without a valid one "
+        "are dropped. Without it, multi-node control ports are unauthenticated.")})
+    cluster_secret_file: str | None = _flag(
+        "File holding the cluster secret (its content, surrounding whitespace stripped); "
+        "keeps the secret out of the process list. Alternative to --cluster-secret.",
+        default=None)
     device: str = _flag("cpu, or cuda (NCCL between stages; one GPU per stage).",
                         default="cpu", choices=["cpu", "cuda"])
     trace_dir: str | None = _flag(

@@ -3,7 +3,6 @@ from __future__ import annotations
 
 import logging
 import os
-import pickle
 import signal
 import subprocess
 import sys
@@ -11,6 +10,7 @@ import time
 
 from pipefill.config import ServerArgs
 from pipefill.runtime.ipc import Addresses, FrontChannel
+from pipefill.runtime.worker import encode_stage_start
 
 log = logging.getLogger(__name__)
 
@@ -28,8 +28,7 @@ class StageGroup:
         if args.pp_size > 1 and args.dist_init_addr is None:
             args = args.replace(dist_init_addr=f"127.0.0.1:{free_port()}")
         self.args = args
-        host, _, port = args.dist_init_addr.rpartition(":") if args.dist_init_addr else ("", "", "0")
-        addrs = Addresses.fresh(args.nnodes, host, int(port) + 1)
+        addrs = Addresses.fresh(args)
         self.channel = FrontChannel(addrs)
         self.procs = spawn_local_stages(args, model_file, addrs)
         self.info: dict = {}
@@ -121,8 +120,7 @@ def spawn_local_stages(args: ServerArgs, model_file: str, addrs: Addresses):
 
 def run_node_stages(args: ServerArgs, model_file: str) -> int:
     """Nodes other than 0: run this node's stages until they exit; their reports go to node 0."""
-    host, _, port = args.dist_init_addr.rpartition(":")
-    addrs = Addresses.fresh(args.nnodes, host, int(port) + 1)
+    addrs = Addresses.fresh(args)
     procs = spawn_local_stages(args, model_file, addrs)
     log.info("node %d: running stages %d-%d; waiting for them to finish", args.node_rank,
              args.local_ranks.start, args.local_ranks.stop - 1)
@@ -158,7 +156,7 @@ def free_port() -> int:
 def _spawn(args: ServerArgs, model_file: str, rank: int, addrs: Addresses) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "pipefill.runtime.worker"],
                             stdin=subprocess.PIPE, start_new_session=False)
-    proc.stdin.write(pickle.dumps((args, model_file, rank, addrs)))
+    proc.stdin.write(encode_stage_start(args, model_file, rank, addrs))
     proc.stdin.close()
     return proc
 

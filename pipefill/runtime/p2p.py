@@ -2,7 +2,10 @@
 
 Two channels per stage: activations forward (stage s -> s+1: a PipeMessage with `hidden` and
 `residual`), and results back (last stage -> stage 0: a StepResult). A message is a fixed-size
-header, then a pickled body, then the tensors whose row count the header gives.
+header (body length, rows), then the body (msgpack, decoded against the channel's dataclass by
+wire.py: never unpickled), then the tensors: rows from the header, width and dtype from the
+model, so nothing a peer sends picks a type. A header or body that does not fit raises a clear
+error on the receiving stage (the link is trusted, but a bug must not turn into anything worse).
 
 Each direction is served by its own thread: sends are queued and return at once with a handle
 that keeps the payload alive until it is on the wire; receives are posted by the receiving
@@ -15,7 +18,6 @@ neighbour pair and the header and body over a gloo group (untested on a GPU so f
 """
 from __future__ import annotations
 
-import pickle
 import re
 import queue
 import threading
@@ -26,9 +28,12 @@ import torch
 import torch.distributed as dist
 
 from pipefill.runtime.executor import Activations
+from pipefill.runtime.wire import BodyCodec, WireError
 from pipefill.scheduler.plan import PipeMessage, StepResult
 
 _FORWARD_TAG, _RESULT_TAG = 100, 200  # + 0 header, + 1 body, + 2.. tensors
+MAX_BODY_BYTES = 1 << 30
+MAX_ROWS = 1 << 24  # tokens of one micro-batch
 
 
 @dataclass
@@ -46,9 +51,10 @@ class SendHandle:
 class _Channel:
     """One direction between two ranks: messages in order, one thread doing the blocking I/O."""
 
-    def __init__(self, peer: int, tag: int, outbound: bool, tensor_specs, meta_group,
-                 tensor_group, device, name: str):
+    def __init__(self, peer: int, tag: int, outbound: bool, body_type: type, tensor_specs,
+                 meta_group, tensor_group, device, name: str):
         self.peer, self.tag, self.specs = peer, tag, tensor_specs
+        self.codec = BodyCodec(body_type)
         self.meta_group, self.tensor_group, self.device = meta_group, tensor_group, device
         self.queue: queue.Queue = queue.Queue()
         self.error: BaseException | None = None
@@ -77,7 +83,7 @@ class _Channel:
         while True:
             handle = self.queue.get()
             body, tensors = handle.payload
-            data = torch.frombuffer(bytearray(pickle.dumps(body)), dtype=torch.uint8)
+            data = torch.frombuffer(bytearray(self.codec.encode(body)), dtype=torch.uint8)
             rows = tensors[0].shape[0] if tensors else -1
             dist.send(torch.tensor([data.numel(), rows], dtype=torch.int64), self.peer,
                       self.meta_group, self.tag)
@@ -100,9 +106,15 @@ class _Channel:
             header = torch.empty(2, dtype=torch.int64)
             dist.recv(header, self.peer, self.meta_group, self.tag)
             body_len, rows = header.tolist()
+            if not 0 < body_len <= MAX_BODY_BYTES or not -1 <= rows <= MAX_ROWS:
+                raise WireError(f"stage {self.peer} sent a malformed header: body of "
+                                f"{body_len} bytes, {rows} rows")
             data = torch.empty(body_len, dtype=torch.uint8)
             dist.recv(data, self.peer, self.meta_group, self.tag + 1)
-            body = pickle.loads(data.numpy().tobytes())
+            try:
+                body = self.codec.decode(data.numpy().tobytes())
+            except WireError as e:
+                raise WireError(f"stage {self.peer} sent a malformed message: {e}") from None
             tensors = []
             for i, (width, dtype) in enumerate(self.specs if rows >= 0 else []):
                 t = torch.empty(rows, width, dtype=dtype, device=self.device)
@@ -140,8 +152,9 @@ class Pipe:
         def channel(peer, tag, outbound, name, tensor_specs=()):
             pair = (min(rank, peer), max(rank, peer))
             tensor_group = pair_groups.get(pair) if pair_groups else None
-            return _Channel(peer, tag, outbound, tensor_specs, meta_group, tensor_group,
-                            device, f"pipefill-{name}")
+            body_type = PipeMessage if tag == _FORWARD_TAG else StepResult
+            return _Channel(peer, tag, outbound, body_type, tensor_specs, meta_group,
+                            tensor_group, device, f"pipefill-{name}")
         last = size - 1
         self.to_next = channel(rank + 1, _FORWARD_TAG, True, "send-next") if rank < last else None
         self.from_prev = channel(rank - 1, _FORWARD_TAG, False, "recv-prev", specs) \

@@ -1,20 +1,39 @@
-"""A stage process: `python -m pipefill.runtime.worker`, its arguments pickled on stdin."""
+"""A stage process: `python -m pipefill.runtime.worker`, its arguments (a StageStart) as JSON on
+stdin."""
 from __future__ import annotations
 
 import ctypes
 import datetime
 import logging
 import os
-import pickle
 import signal
 import sys
+from dataclasses import dataclass
 
 from pipefill.config import ServerArgs
 from pipefill.runtime.ipc import Addresses, StageChannel
+from pipefill.runtime.wire import BodyCodec
 
 log = logging.getLogger(__name__)
 
 _PR_SET_PDEATHSIG = 1
+
+
+@dataclass(frozen=True)
+class StageStart:
+    """What the parent writes on a stage process's stdin."""
+    args: ServerArgs
+    model_file: str
+    rank: int
+    addrs: Addresses
+
+
+def encode_stage_start(args: ServerArgs, model_file: str, rank: int, addrs: Addresses) -> bytes:
+    return BodyCodec(StageStart, json=True).encode(StageStart(args, model_file, rank, addrs))
+
+
+def decode_stage_start(data: bytes) -> StageStart:
+    return BodyCodec(StageStart, json=True).decode(data)
 
 
 def stage_entry(args: ServerArgs, model_file: str, rank: int, addrs: Addresses) -> None:
@@ -27,7 +46,7 @@ def stage_entry(args: ServerArgs, model_file: str, rank: int, addrs: Addresses) 
     # too); if it dies, PDEATHSIG above ends us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    channel = StageChannel(addrs, read_requests=rank == 0)
+    channel = StageChannel(addrs, read_requests=rank == 0, rank=rank, node_rank=args.node_rank)
     code = 1
     try:
         code = _run_stage(args, model_file, rank, channel)
@@ -124,4 +143,5 @@ def make_first_stage_loop(args, cfg, executor, channel, pipe, tracer, policy):
 
 
 if __name__ == "__main__":
-    stage_entry(*pickle.loads(sys.stdin.buffer.read()))
+    start = decode_stage_start(sys.stdin.buffer.read())
+    stage_entry(start.args, start.model_file, start.rank, start.addrs)

@@ -1,0 +1,9 @@
+"""Prefill/decode disaggregation: the KV transfer plane (DESIGN.md section 7).
+
+messages.py   typed control messages (msgspec, msgpack, decoded against a schema, optional HMAC)
+channel.py    length-prefixed frames over one TCP socket
+rooms.py      pure state machines of rooms on both sides (timeouts, heartbeats, releases)
+bootstrap.py  the bootstrap service on the prefill node, stage registration, decode look-up
+transfer.py   KVSender (prefill stage) and KVReceiver (decode stage) over a data path:
+transfer_tcp.py (two-sided, plain sockets) or transfer_mooncake.py (one-sided writes)
+"""

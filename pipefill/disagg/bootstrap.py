@@ -1,0 +1,160 @@
+"""The bootstrap service on the prefill node (--disaggregation-bootstrap-port): every prefill
+stage registers (rank, layers, transfer endpoint, page size, KV dtype, model fingerprint); a
+decode looks the stages up and refuses to pair on any mismatch, with a sentence naming the flag.
+
+One request per connection, framed and typed like the rest of the control plane (channel.py).
+"""
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+import time
+
+from pipefill.disagg import channel as ch
+from pipefill.disagg import messages as m
+
+log = logging.getLogger(__name__)
+
+REQUEST_TIMEOUT_S = 5.0
+
+
+class BootstrapServer:
+    """Runs in a daemon thread of the prefill front end; `close()` stops it."""
+
+    def __init__(self, host: str = "127.0.0.1", port: int = 8998, secret: bytes | None = None):
+        self._listener = ch.listen(host, port)
+        self.endpoint = m.Endpoint(host, self._listener.getsockname()[1])
+        self._secret = secret
+        self._lock = threading.Lock()
+        self.stages: dict[int, m.RegisterStage] = {}
+        self._thread = threading.Thread(target=self._serve, name="pd-bootstrap", daemon=True)
+        self._thread.start()
+
+    def close(self) -> None:
+        try:
+            self._listener.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass
+        self._listener.close()
+        self._thread.join(timeout=5)
+
+    def _serve(self) -> None:
+        while True:
+            conn = ch.accept(self._listener, self._secret)
+            if conn is None:
+                return
+            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
+
+    def _answer(self, conn: ch.Channel) -> None:
+        conn.sock.settimeout(REQUEST_TIMEOUT_S)  # a silent client cannot hold a thread
+        try:
+            msg = conn.recv()
+            if isinstance(msg, m.RegisterStage):
+                conn.send(self.register(msg))
+            elif isinstance(msg, m.Lookup):
+                conn.send(self.lookup())
+            else:
+                conn.drops.drop(f"{type(msg).__name__} is not a bootstrap request")
+        except (ch.ConnectionClosed, OSError):
+            pass
+        finally:
+            conn.close()
+
+    def register(self, msg: m.RegisterStage) -> m.Ack:
+        with self._lock:
+            others = [s for r, s in self.stages.items() if r != msg.rank]
+            for s in others:
+                if (s.pp_size, s.model_fingerprint, s.page_size, s.kv_dtype) != \
+                        (msg.pp_size, msg.model_fingerprint, msg.page_size, msg.kv_dtype):
+                    return m.Ack(False, f"stage {msg.rank} does not match stage {s.rank} "
+                                 "(pp size, model, page size or KV dtype differ)")
+            if not 0 <= msg.rank < msg.pp_size:
+                return m.Ack(False, f"rank {msg.rank} is outside [0, {msg.pp_size})")
+            self.stages[msg.rank] = msg  # a restarted stage replaces its old entry
+        log.info("prefill stage %d registered: layers [%d, %d), transfer endpoint %s",
+                 msg.rank, msg.layer_start, msg.layer_end, msg.endpoint)
+        return m.Ack(True)
+
+    def lookup(self) -> m.PrefillInfo | m.NotReady:
+        with self._lock:
+            stages = sorted(self.stages.values(), key=lambda s: s.rank)
+        if not stages or len(stages) < stages[0].pp_size:
+            have = [s.rank for s in stages]
+            return m.NotReady(f"prefill stages registered so far: {have}")
+        return m.PrefillInfo(stages)
+
+
+def _request(endpoint: m.Endpoint, msg: m.Message, secret: bytes | None) -> m.Message:
+    conn = ch.connect(endpoint, REQUEST_TIMEOUT_S, secret, name=f"bootstrap {endpoint}")
+    try:
+        conn.sock.settimeout(REQUEST_TIMEOUT_S)
+        conn.send(msg)
+        return conn.recv()
+    finally:
+        conn.close()
+
+
+def register_stage(endpoint: m.Endpoint, msg: m.RegisterStage, timeout_s: float = 60.0,
+                   secret: bytes | None = None) -> None:
+    """Registers a prefill stage, retrying while the service is not up yet."""
+    deadline, delay = time.monotonic() + timeout_s, 0.1
+    while True:
+        try:
+            ack = _request(endpoint, msg, secret)
+            break
+        except (OSError, ch.ConnectionClosed) as e:
+            if time.monotonic() + delay > deadline:
+                raise RuntimeError(f"the bootstrap service at {endpoint} did not answer within "
+                                   f"{timeout_s:g} s: {e}") from None
+            time.sleep(delay)
+            delay = min(2 * delay, 2.0)
+    if not isinstance(ack, m.Ack) or not ack.ok:
+        raise RuntimeError(f"the bootstrap service at {endpoint} refused stage {msg.rank}: "
+                           f"{getattr(ack, 'error', ack)}")
+
+
+def lookup_prefill(endpoint: m.Endpoint, timeout_s: float = 60.0,
+                   secret: bytes | None = None) -> m.PrefillInfo:
+    """The prefill's stages once all of them registered; RuntimeError after timeout_s."""
+    deadline, last = time.monotonic() + timeout_s, "no answer"
+    while True:
+        try:
+            reply = _request(endpoint, m.Lookup(), secret)
+            if isinstance(reply, m.PrefillInfo):
+                return reply
+            last = getattr(reply, "reason", repr(reply))
+        except (OSError, ch.ConnectionClosed) as e:
+            last = str(e)
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"the prefill at bootstrap {endpoint} is not ready after "
+                               f"{timeout_s:g} s ({last})")
+        time.sleep(0.2)
+
+
+def check_compatible(info: m.PrefillInfo, *, page_size: int, kv_dtype: str,
+                     model_fingerprint: str, backend: str, num_layers: int) -> None:
+    """Raises ValueError naming the flag to change when this decode cannot take the prefill's
+    KV; also checks that the prefill stages' layers tile [0, num_layers)."""
+    s = info.stages[0]
+    if s.model_fingerprint != model_fingerprint or s.num_layers != num_layers:
+        raise ValueError("the prefill server runs a different model: start both with the same "
+                         "--model-path")
+    if s.page_size != page_size:
+        raise ValueError(f"the prefill server uses --page-size {s.page_size}, this decode "
+                         f"{page_size}: start both with the same --page-size")
+    if s.kv_dtype != kv_dtype:
+        raise ValueError(f"the prefill server's KV cache is {s.kv_dtype}, this decode's "
+                         f"{kv_dtype}: start both with the same --dtype")
+    if s.backend != backend:
+        raise ValueError(f"the prefill server uses --disaggregation-transfer-backend "
+                         f"{s.backend}, this decode {backend}: use the same on both")
+    edge = 0
+    for st in info.stages:
+        if st.layer_start != edge or st.layer_end <= st.layer_start:
+            raise ValueError(f"the prefill stages' layers do not tile the model: stage "
+                             f"{st.rank} has [{st.layer_start}, {st.layer_end}), expected to "
+                             f"start at {edge}")
+        edge = st.layer_end
+    if edge != num_layers:
+        raise ValueError(f"the prefill stages cover {edge} of {num_layers} layers")

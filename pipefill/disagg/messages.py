@@ -1,0 +1,168 @@
+"""The typed control plane of PD disaggregation: every message between a prefill stage, the
+bootstrap service and a decode stage is one of the Structs below, encoded as msgpack with its tag
+and decoded against the union of them. A foreign or malformed message fails to decode and is
+dropped (and logged, rate-limited), never unpickled.
+
+  prefill stage -> bootstrap : RegisterStage                       -> Ack
+  decode        -> bootstrap : Lookup                              -> PrefillInfo | NotReady
+  decode stage  -> prefill stage (one TCP connection per pair, both directions):
+      DecodeHello (once), RoomBootstrap, DropRoom, Heartbeat
+  prefill stage -> decode stage:
+      KVChunk (+ raw page bytes with tcp; a notice after the one-sided writes with mooncake),
+      FinalMeta, RoomFailed, DropAck, Heartbeat
+
+A room is one request attempt (the router's bootstrap_room, a u64 < 2^63); the decode adds a
+random nonce per attempt, echoed by every KVChunk and FinalMeta, so nothing from an earlier
+attempt with the same room id can be taken for this one.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+from dataclasses import asdict, is_dataclass
+from typing import Union
+
+import msgspec
+
+log = logging.getLogger(__name__)
+
+
+class _Msg(msgspec.Struct, tag=True, array_like=True, frozen=True):
+    pass
+
+
+class Endpoint(msgspec.Struct, array_like=True, frozen=True):
+    host: str
+    port: int
+
+    def __str__(self) -> str:
+        return f"{self.host}:{self.port}"
+
+
+class RegisterStage(_Msg):
+    rank: int
+    pp_size: int
+    layer_start: int  # global layer ids [layer_start, layer_end) of this stage
+    layer_end: int
+    num_layers: int  # of the whole model
+    endpoint: Endpoint  # where decode stages connect for this stage's KV
+    page_size: int
+    kv_dtype: str  # "bfloat16", "float32", ...
+    num_kv_heads: int
+    head_dim: int
+    model_fingerprint: str
+    backend: str  # "tcp" | "mooncake"
+
+
+class Ack(_Msg):
+    ok: bool
+    error: str = ""
+
+
+class Lookup(_Msg):
+    pass
+
+
+class PrefillInfo(_Msg):
+    stages: list[RegisterStage]
+
+
+class NotReady(_Msg):
+    reason: str
+
+
+class DecodeHello(_Msg):
+    """First message of a decode stage on its connection to a prefill stage."""
+    decode_id: str  # unique per decode stage process, for logs and the prefill's peer table
+    layer_start: int
+    layer_end: int
+    page_bytes: int  # bytes of one page of one layer of K (or V)
+    mooncake_session: str = ""  # "host:rpc_port" of the decode's Mooncake engine
+    k_ptrs: list[int] = []  # per decode layer: base address of its registered K (mooncake)
+    v_ptrs: list[int] = []
+
+
+class RoomBootstrap(_Msg):
+    room: int
+    nonce: int  # the decode's id for this attempt of the room
+    dst_pages: list[int]  # the decode's page ids for the prompt's pages, in order
+    expected_bootstraps: int  # decode stages that will bootstrap this prefill stage for the room
+
+
+class KVChunk(_Msg):
+    """Pages [page_offset, page_offset + num_pages) of the request, layers [layer_start,
+    layer_end): with tcp, nbytes of page data follow, per layer K then V, pages in order."""
+    room: int
+    nonce: int
+    rank: int  # prefill stage
+    chunk_id: int
+    page_offset: int
+    num_pages: int
+    layer_start: int
+    layer_end: int
+    nbytes: int
+    is_last: bool  # the stage has sent every page of the room
+
+
+class FinalMeta(_Msg):
+    """What decode needs to continue where a colocated server would: the first output token."""
+    room: int
+    nonce: int
+    num_prompt_tokens: int
+    first_token: int
+    logprob: float | None = None
+    top_logprobs: list[tuple[int, float]] | None = None
+    sampling_state: bytes | None = None  # e.g. the request's generator state, raw bytes
+
+
+class RoomFailed(_Msg):
+    room: int
+    nonce: int
+    rank: int
+    reason: str
+
+
+class DropRoom(_Msg):
+    room: int
+    nonce: int
+    reason: str
+
+
+class DropAck(_Msg):
+    room: int
+    nonce: int
+    rank: int
+
+
+class Heartbeat(_Msg):
+    sender: str
+    rooms: list[int] = []  # rooms the sender holds and is working on (keeps them alive)
+
+
+Message = Union[RegisterStage, Ack, Lookup, PrefillInfo, NotReady, DecodeHello, RoomBootstrap,
+                KVChunk, FinalMeta, RoomFailed, DropRoom, DropAck, Heartbeat]
+
+_encoder = msgspec.msgpack.Encoder()
+_decoder = msgspec.msgpack.Decoder(Message)
+
+
+def encode(msg: Message) -> bytes:
+    return _encoder.encode(msg)
+
+
+def decode(data: bytes) -> Message | None:
+    """The message, or None (logged) for anything that is not one of ours."""
+    try:
+        return _decoder.decode(data)
+    except (msgspec.DecodeError, msgspec.ValidationError) as e:
+        log.debug("not a disaggregation message: %s", e)
+        return None
+
+
+def model_fingerprint(model_config) -> str:
+    """A short hash of the architecture facts (a dataclass or dict): prefill and decode must run
+    the same model. It does not hash the weights: two checkpoints of one architecture match."""
+    d = asdict(model_config) if is_dataclass(model_config) else dict(model_config)
+    blob = json.dumps(d, sort_keys=True, default=str).encode()
+    return hashlib.sha256(blob).hexdigest()[:16]

@@ -1,0 +1,446 @@
+"""Room state machines of both sides, pure Python (time comes in as `now`, nothing here does
+I/O): the transfer threads feed them received messages and clock ticks, and send what they
+return. Every page a room holds goes back through the `release(room, pages)` callback exactly
+once, on every ending: success (prefill), failure, abort, timeout, dead peer.
+
+Prefill stage, per room: created by whichever comes first, the local request (`open`) or a
+decode's RoomBootstrap; chunks wait (their pages held) until every decode stage that covers
+this stage's layers has bootstrapped; the room succeeds when its last chunk (and the final
+metadata, if this stage sends it) went to every destination, and fails when the decode does not
+bootstrap within --disaggregation-bootstrap-timeout, drops the room, or dies.
+
+Decode stage, per room: waits until every prefill stage it expects has delivered every page (and
+said it was the last) and the final metadata arrived for this very room and attempt (nonce);
+fails when no prefill stage made progress on it (a chunk, or a heartbeat naming it) for
+--disaggregation-waiting-timeout, when a prefill stage reports a failure or dies, or on abort.
+A failed room releases its pages only when no write into them can still happen: no local
+receive in progress, and with one-sided transports, every live prefill stage acknowledged the
+drop (or the grace time passed).
+"""
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Callable
+
+from pipefill.disagg import messages as m
+
+log = logging.getLogger(__name__)
+
+Release = Callable[[int, list[int]], None]
+Notice = tuple[str, m.Message]  # (peer, message to send it)
+FINISHED_MEMORY = 4096  # ended rooms remembered, to tell "late" from "unknown" and keep results
+
+
+class Liveness:
+    """Heartbeat bookkeeping: a peer unseen for interval * max_misses seconds is dead."""
+
+    def __init__(self, interval_s: float, max_misses: int):
+        if interval_s <= 0 or max_misses < 1:
+            raise ValueError("--disaggregation-heartbeat-interval must be > 0 and "
+                             "--disaggregation-heartbeat-max-misses at least 1")
+        self.limit_s = interval_s * max_misses
+        self._last: dict[str, float] = {}
+
+    def seen(self, peer: str, now: float) -> None:
+        self._last[peer] = now
+
+    def forget(self, peer: str) -> None:
+        self._last.pop(peer, None)
+
+    def dead(self, now: float) -> list[str]:
+        gone = [p for p, t in self._last.items() if now - t > self.limit_s]
+        for p in gone:
+            del self._last[p]
+        return gone
+
+
+def _remember(finished: OrderedDict, room: int, value) -> None:
+    finished[room] = value
+    finished.move_to_end(room)
+    while len(finished) > FINISHED_MEMORY:
+        finished.popitem(last=False)
+
+
+# ---------------------------------------------------------------- prefill side
+
+@dataclass
+class Dest:
+    peer: str
+    nonce: int
+    dst_pages: list[int]
+
+
+@dataclass
+class Item:
+    """One unit of the sender's queue: a chunk of pages, or the final metadata."""
+    room: int
+    chunk_id: int = 0
+    page_offset: int = 0
+    src_pages: list[int] = field(default_factory=list)
+    is_last: bool = False
+    final: m.FinalMeta | None = None
+
+
+@dataclass
+class PrefillRoom:
+    room: int
+    created_at: float
+    opened: bool = False  # the local request exists
+    sends_final: bool = False
+    expected: int | None = None  # decode stages that will bootstrap this room
+    dests: dict[str, Dest] = field(default_factory=dict)
+    held: list[int] = field(default_factory=list)
+    pending: list[Item] = field(default_factory=list)
+    last_sent: set[str] = field(default_factory=set)
+    final_sent: bool = False
+    sends_in_flight: int = 0  # sends reading `held` pages right now
+    acks_due: list[Notice] = field(default_factory=list)  # DropAcks owed once sends finish
+
+    @property
+    def bootstrapped(self) -> bool:
+        return self.expected is not None and len(self.dests) >= self.expected
+
+
+class PrefillRooms:
+    def __init__(self, rank: int, bootstrap_timeout_s: float, release: Release):
+        self.rank = rank
+        self.bootstrap_timeout_s = bootstrap_timeout_s
+        self.release = release
+        self.live: dict[int, PrefillRoom] = {}
+        self.draining: dict[int, PrefillRoom] = {}  # ended, a send still reads their pages
+        self.finished: OrderedDict[int, bool] = OrderedDict()  # room -> ok
+        self.num_dropped_late = 0
+
+    def open(self, room: int, now: float, sends_final: bool = False) -> None:
+        r = self._room(room, now)
+        r.opened = True
+        r.sends_final = r.sends_final or sends_final
+
+    def on_bootstrap(self, peer: str, msg: m.RoomBootstrap, now: float) -> list[tuple[Item, Dest]]:
+        if msg.room in self.finished:
+            self.num_dropped_late += 1
+            log.info("dropped a late bootstrap for finished room %d", msg.room)
+            return []
+        r = self._room(msg.room, now)
+        r.expected = msg.expected_bootstraps
+        r.dests[peer] = Dest(peer, msg.nonce, list(msg.dst_pages))
+        if not r.bootstrapped:
+            return []
+        work = [(item, d) for item in r.pending for d in r.dests.values()]
+        r.pending.clear()
+        return work
+
+    def add(self, item: Item, now: float) -> list[tuple[Item, Dest]]:
+        """Queues a chunk or the final metadata; the (item, destination) pairs to send now."""
+        if item.room in self.finished:  # the room ended (dropped, timed out): pages go back
+            self.num_dropped_late += 1
+            if item.src_pages:
+                self.release(item.room, list(item.src_pages))
+            return []
+        r = self._room(item.room, now)
+        r.opened = True
+        if item.final is not None:
+            r.sends_final = True
+        r.held.extend(item.src_pages)
+        if not r.bootstrapped:
+            r.pending.append(item)
+            return []
+        return [(item, d) for d in r.dests.values()]
+
+    def begin_send(self, room: int) -> bool:
+        """True if the room is live; its pages then stay held until end_send."""
+        r = self.live.get(room)
+        if r is None:
+            return False
+        r.sends_in_flight += 1
+        return True
+
+    def end_send(self, item: Item, peer: str, ok: bool) -> list[Notice]:
+        r = self.live.get(item.room) or self.draining.get(item.room)
+        if r is None:
+            return []
+        r.sends_in_flight -= 1
+        if r.room in self.draining:
+            if r.sends_in_flight == 0:
+                del self.draining[r.room]
+                self._release(r)
+                return r.acks_due
+            return []
+        if ok:
+            if item.is_last:
+                r.last_sent.add(peer)
+            if item.final is not None:
+                r.final_sent = True
+            if r.bootstrapped and r.last_sent >= set(r.dests) and \
+                    (r.final_sent or not r.sends_final):
+                self._end(r, True, "sent")
+        return []
+
+    def fail(self, room: int, reason: str) -> list[Notice]:
+        """Ends the room as failed; the RoomFailed notices for its destinations."""
+        r = self.live.get(room)
+        if r is None:
+            return []
+        self._end(r, False, reason)
+        return [(d.peer, m.RoomFailed(room, d.nonce, self.rank, reason)) for d in r.dests.values()]
+
+    def on_drop(self, peer: str, msg: m.DropRoom) -> list[Notice]:
+        ack = [(peer, m.DropAck(msg.room, msg.nonce, self.rank))]
+        r = self.live.get(msg.room)
+        if r is not None:
+            d = r.dests.get(peer)
+            if d is not None and d.nonce != msg.nonce:
+                return []  # a drop of an earlier attempt with the same room id
+            self._end(r, False, f"dropped by the decode: {msg.reason}")
+        r = self.draining.get(msg.room)
+        if r is not None:  # the ack waits until no write into the decode's pages is running
+            r.acks_due += ack
+            return []
+        # Acknowledged even when unknown: the decode may reuse its pages once every stage acks.
+        return ack
+
+    def on_peer_dead(self, peer: str) -> list[Notice]:
+        notices = []
+        for r in [r for r in self.live.values() if peer in r.dests]:
+            notices += self.fail(r.room, f"decode {peer} stopped answering")
+        return notices
+
+    def tick(self, now: float) -> list[Notice]:
+        notices = []
+        for r in list(self.live.values()):
+            if (not r.bootstrapped or not r.opened) and \
+                    now - r.created_at > self.bootstrap_timeout_s:
+                why = ("the decode did not bootstrap it" if not r.bootstrapped
+                       else "this prefill server never received its request")
+                notices += self.fail(r.room, f"room {r.room}: {why} within "
+                                     f"--disaggregation-bootstrap-timeout "
+                                     f"({self.bootstrap_timeout_s:g} s)")
+        return notices
+
+    def heartbeat_rooms(self) -> list[int]:
+        return [r.room for r in self.live.values() if r.opened]
+
+    def _room(self, room: int, now: float) -> PrefillRoom:
+        r = self.live.get(room)
+        if r is None:
+            self.finished.pop(room, None)
+            r = self.live[room] = PrefillRoom(room, now)
+        return r
+
+    def _end(self, r: PrefillRoom, ok: bool, reason: str) -> None:
+        del self.live[r.room]
+        _remember(self.finished, r.room, ok)
+        if not ok:
+            log.info("prefill room %d failed: %s", r.room, reason)
+        if r.sends_in_flight:
+            self.draining[r.room] = r
+        else:
+            self._release(r)
+
+    def _release(self, r: PrefillRoom) -> None:
+        held, r.held = r.held, []
+        if held:
+            self.release(r.room, held)
+
+
+# ---------------------------------------------------------------- decode side
+
+@dataclass
+class RoomResult:
+    room: int
+    ok: bool
+    reason: str = ""
+    pages: list[int] = field(default_factory=list)  # handed to the caller on success
+    final: m.FinalMeta | None = None
+
+
+@dataclass
+class DecodeRoom:
+    room: int
+    nonce: int
+    dst_pages: list[int]
+    stages: dict[str, tuple[int, int]]  # prefill stage -> the layers it must deliver here
+    want_final: bool
+    num_prompt_tokens: int | None
+    progress_at: float
+    delivered: dict[str, set[int]] = field(default_factory=dict)  # stage -> page offsets
+    last_from: set[str] = field(default_factory=set)
+    final: m.FinalMeta | None = None
+    failed: str | None = None  # reason, once failed (the room may still be draining)
+    writes_in_flight: int = 0
+    acks_pending: set[str] = field(default_factory=set)
+    drain_deadline: float = 0.0
+
+    def complete(self) -> bool:
+        n = len(self.dst_pages)
+        return (self.last_from >= set(self.stages)
+                and all(len(self.delivered.get(s, ())) == n for s in self.stages)
+                and (self.final is not None or not self.want_final))
+
+
+class DecodeRooms:
+    def __init__(self, waiting_timeout_s: float, release: Release, one_sided: bool = False,
+                 drain_grace_s: float = 10.0):
+        self.waiting_timeout_s = waiting_timeout_s
+        self.release = release
+        self.one_sided = one_sided  # remote writers: wait for DropAcks before reuse
+        self.drain_grace_s = drain_grace_s
+        self.live: dict[int, DecodeRoom] = {}
+        self.results: OrderedDict[int, RoomResult] = OrderedDict()
+        self.dead_stages: set[str] = set()
+        self.num_dropped = 0
+
+    def expect(self, room: int, nonce: int, dst_pages: list[int],
+               stages: dict[str, tuple[int, int]], now: float, want_final: bool = True,
+               num_prompt_tokens: int | None = None) -> None:
+        if room in self.live:
+            raise ValueError(f"room {room} is already waiting for its KV (a repeated "
+                             "bootstrap_room)")
+        if not stages:
+            raise ValueError("a room needs at least one prefill stage")
+        self.results.pop(room, None)
+        self.live[room] = DecodeRoom(room, nonce, list(dst_pages), dict(stages), want_final,
+                                     num_prompt_tokens, now)
+
+    def begin_chunk(self, stage: str, msg: m.KVChunk) -> list[int] | None:
+        """The destination pages of a valid chunk (a write into them is now in flight), or
+        None: the chunk is dropped (an unknown, finished or failed room, an earlier attempt,
+        pages or layers this stage does not own here)."""
+        r = self._valid(stage, msg.room, msg.nonce)
+        if r is None:
+            return None
+        layers = r.stages[stage]
+        end = msg.page_offset + msg.num_pages
+        if (msg.layer_start, msg.layer_end) != layers or msg.page_offset < 0 or \
+                msg.num_pages < 0 or end > len(r.dst_pages):
+            self.num_dropped += 1
+            log.warning("dropped a KV chunk of room %d from %s: pages [%d, %d) of %d, layers "
+                        "[%d, %d) (expected %s)", msg.room, stage, msg.page_offset, end,
+                        len(r.dst_pages), msg.layer_start, msg.layer_end, layers)
+            return None
+        r.writes_in_flight += 1
+        return r.dst_pages[msg.page_offset:end]
+
+    def end_chunk(self, stage: str, msg: m.KVChunk, now: float, ok: bool = True) -> None:
+        r = self.live.get(msg.room)
+        if r is None or r.nonce != msg.nonce:
+            return
+        r.writes_in_flight -= 1
+        if r.failed is None and ok:
+            r.delivered.setdefault(stage, set()).update(
+                range(msg.page_offset, msg.page_offset + msg.num_pages))
+            if msg.is_last:
+                r.last_from.add(stage)
+            r.progress_at = now
+            self._maybe_ready(r)
+        self._maybe_release(r, now)
+
+    def on_final(self, stage: str, msg: m.FinalMeta, now: float) -> list[Notice]:
+        r = self._valid(stage, msg.room, msg.nonce)
+        if r is None:
+            return []
+        if r.num_prompt_tokens is not None and msg.num_prompt_tokens != r.num_prompt_tokens:
+            return self._fail(r, f"the prefill ran {msg.num_prompt_tokens} prompt tokens, this "
+                              f"decode expected {r.num_prompt_tokens} (tokenizers or chat "
+                              "templates differ)", now)
+        r.final = msg
+        r.progress_at = now
+        self._maybe_ready(r)
+        return []
+
+    def on_failed(self, stage: str, msg: m.RoomFailed, now: float) -> list[Notice]:
+        r = self._valid(stage, msg.room, msg.nonce)
+        if r is None:
+            return []
+        return self._fail(r, f"prefill stage {msg.rank} failed: {msg.reason}", now)
+
+    def on_drop_ack(self, stage: str, msg: m.DropAck, now: float) -> None:
+        r = self.live.get(msg.room)
+        if r is not None and r.nonce == msg.nonce:
+            r.acks_pending.discard(stage)
+            self._maybe_release(r, now)
+
+    def on_heartbeat(self, stage: str, rooms: list[int], now: float) -> None:
+        """A prefill stage that still works on a room keeps it from timing out."""
+        for room in rooms:
+            r = self.live.get(room)
+            if r is not None and stage in r.stages and r.failed is None:
+                r.progress_at = now
+
+    def on_stage_dead(self, stage: str, now: float) -> list[Notice]:
+        self.dead_stages.add(stage)
+        notices = []
+        for r in list(self.live.values()):
+            if stage not in r.stages:
+                continue
+            r.acks_pending.discard(stage)
+            if r.failed is None:
+                notices += self._fail(r, f"prefill stage {stage} stopped answering", now)
+            else:
+                self._maybe_release(r, now)
+        return notices
+
+    def on_stage_alive(self, stage: str) -> None:
+        self.dead_stages.discard(stage)
+
+    def abort(self, room: int, reason: str, now: float) -> list[Notice]:
+        r = self.live.get(room)
+        if r is None or r.failed is not None:
+            return []
+        return self._fail(r, reason, now)
+
+    def tick(self, now: float) -> list[Notice]:
+        notices = []
+        for r in list(self.live.values()):
+            if r.failed is None and now - r.progress_at > self.waiting_timeout_s:
+                notices += self._fail(
+                    r, f"no KV from the prefill for room {r.room} within "
+                    f"--disaggregation-waiting-timeout ({self.waiting_timeout_s:g} s)", now)
+            elif r.failed is not None and r.acks_pending and now >= r.drain_deadline:
+                log.warning("room %d: no drop acknowledgement from %s; reusing its pages",
+                            r.room, sorted(r.acks_pending))
+                r.acks_pending.clear()
+                self._maybe_release(r, now)
+        return notices
+
+    def result(self, room: int) -> RoomResult | None:
+        return self.results.get(room)
+
+    def take_result(self, room: int) -> RoomResult | None:
+        return self.results.pop(room, None)
+
+    def _valid(self, stage: str, room: int, nonce: int) -> DecodeRoom | None:
+        r = self.live.get(room)
+        if r is None or r.nonce != nonce or r.failed is not None or stage not in r.stages:
+            self.num_dropped += 1
+            log.debug("dropped a message for room %d from %s (unknown, ended, or another "
+                      "attempt)", room, stage)
+            return None
+        return r
+
+    def _maybe_ready(self, r: DecodeRoom) -> None:
+        if r.failed is None and r.writes_in_flight == 0 and r.complete():
+            # The stale-room check: the final metadata must be for this room and attempt.
+            assert r.final is None or (r.final.room, r.final.nonce) == (r.room, r.nonce)
+            del self.live[r.room]
+            _remember(self.results, r.room, RoomResult(r.room, True, "", r.dst_pages, r.final))
+
+    def _fail(self, r: DecodeRoom, reason: str, now: float) -> list[Notice]:
+        log.info("decode room %d failed: %s", r.room, reason)
+        r.failed = reason
+        _remember(self.results, r.room, RoomResult(r.room, False, reason))
+        alive = [s for s in r.stages if s not in self.dead_stages]
+        if self.one_sided:
+            r.acks_pending = set(alive)
+            r.drain_deadline = now + self.drain_grace_s
+        self._maybe_release(r, now)
+        return [(s, m.DropRoom(r.room, r.nonce, reason)) for s in alive]
+
+    def _maybe_release(self, r: DecodeRoom, now: float) -> None:
+        if r.failed is None or r.writes_in_flight > 0 or r.acks_pending:
+            return
+        if self.live.get(r.room) is r:
+            del self.live[r.room]
+            self.release(r.room, r.dst_pages)

@@ -1,0 +1,69 @@
+"""`tcp` KV transport: two-sided, plain sockets, no dependency. The sender gathers the chunk's
+pages into a staging buffer and writes frames of FRAME_BYTES or more; the receiver reads each
+run of consecutive destination pages straight into the KV tensors (recv_into, no copy).
+
+Payload order: for each layer, K then V, the chunk's pages in request order."""
+from __future__ import annotations
+
+import torch
+
+from pipefill.disagg import messages as m
+from pipefill.disagg.channel import Channel
+
+FRAME_BYTES = 4 << 20
+
+
+def runs(pages: list[int]) -> list[tuple[int, int, int]]:
+    """(index in list, first page, count) of each run of consecutive page ids."""
+    out: list[tuple[int, int, int]] = []
+    for i, p in enumerate(pages):
+        if out and out[-1][1] + out[-1][2] == p:
+            out[-1] = (out[-1][0], out[-1][1], out[-1][2] + 1)
+        else:
+            out.append((i, p, 1))
+    return out
+
+
+class TcpDataPath:
+    name = "tcp"
+    one_sided = False
+
+    def __init__(self, kv):
+        self.kv = kv
+        self._staging = torch.empty(0, dtype=torch.uint8)
+
+    def hello_fields(self) -> dict:
+        return {}
+
+    def payload_bytes(self, num_pages: int, num_layers: int) -> int:
+        return 2 * num_layers * num_pages * self.kv.page_bytes
+
+    def send(self, conn: Channel, header: m.KVChunk, src_pages: list[int], dst_pages: list[int],
+             hello: m.DecodeHello) -> None:
+        idx = torch.tensor(src_pages, dtype=torch.long)
+        kv, n = self.kv, len(src_pages)
+        blocks = [(t, layer) for layer in range(header.layer_start, header.layer_end)
+                  for t in (kv.k, kv.v)]
+        block_bytes = n * kv.page_bytes
+        per_frame = max(1, FRAME_BYTES // max(block_bytes, 1))
+        if self._staging.numel() < per_frame * block_bytes:
+            self._staging = torch.empty(per_frame * block_bytes, dtype=torch.uint8)
+
+        def payload(sock) -> None:
+            for first in range(0, len(blocks), per_frame):
+                group = blocks[first:first + per_frame]
+                for i, (t, layer) in enumerate(group):
+                    out = self._staging[i * block_bytes:(i + 1) * block_bytes]
+                    out = out.view(kv.dtype).view(n, kv.page_elems)
+                    torch.index_select(kv.pages(t, layer), 0, idx, out=out)
+                sock.sendall(memoryview(self._staging[:len(group) * block_bytes].numpy()))
+
+        conn.send(header, payload if n else None)
+
+    def receive(self, conn: Channel, header: m.KVChunk, dst_pages: list[int]) -> None:
+        kv, pb = self.kv, self.kv.page_bytes
+        for layer in range(header.layer_start, header.layer_end):
+            for t in (kv.k, kv.v):
+                view = kv.byte_view(t, layer)
+                for _, first, count in runs(dst_pages):
+                    conn.recv_into(view[first * pb:(first + count) * pb])

@@ -102,6 +102,31 @@ class ServerArgs:
     shutdown_timeout: int = _flag(
         "`pipefill serve`: seconds in-flight requests get to finish after SIGTERM before "
         "they are failed.", default=10)
+    disaggregation_mode: str = _flag(
+        "Prefill/decode disaggregation role: null (prefill and decode in one server), prefill "
+        "or decode (behind sglang-router in PD mode; not served yet).", default="null",
+        choices=["null", "prefill", "decode"])
+    disaggregation_bootstrap_port: int = _flag(
+        "Prefill server: port of the bootstrap service where its stages register and decode "
+        "servers look them up.", default=8998)
+    disaggregation_transfer_backend: str = _flag(
+        "How KV pages move from prefill to decode: tcp (plain sockets) or mooncake "
+        "(Mooncake's transfer engine, one-sided writes; pip install 'pipefill[mooncake]').",
+        default="tcp", choices=["tcp", "mooncake"])
+    disaggregation_waiting_timeout: float = _flag(
+        "Decode: seconds a room may go without progress from the prefill (a KV chunk, or a "
+        "heartbeat saying the prefill works on it) before it fails and the prefill is told to "
+        "drop it.", default=300.0, type=float)
+    disaggregation_bootstrap_timeout: float = _flag(
+        "Prefill: seconds a room may wait for the decode's bootstrap (its destination pages), "
+        "or for its own request, before it fails and its pages are freed.", default=120.0,
+        type=float)
+    disaggregation_heartbeat_interval: float = _flag(
+        "Seconds between heartbeats on every prefill-decode connection.", default=2.0,
+        type=float)
+    disaggregation_heartbeat_max_misses: int = _flag(
+        "Heartbeat intervals without a message after which a peer counts as dead and all its "
+        "rooms fail.", default=3)
     seed: int = _flag("Seed for random prompts and for sampling without a per-request seed.",
                       default=0)
     log_level: str = _flag("Logging level.", default="info",
@@ -141,6 +166,12 @@ class ServerArgs:
             host, _, port = self.dist_init_addr.rpartition(":")
             if not host or not port.isdigit():
                 raise ValueError(f"--dist-init-addr {self.dist_init_addr!r}: expected HOST:PORT")
+        for name in ("disaggregation_waiting_timeout", "disaggregation_bootstrap_timeout",
+                     "disaggregation_heartbeat_interval", "disaggregation_heartbeat_max_misses"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"--{_dash(name)} must be > 0, got {getattr(self, name)}")
+        if not 0 < self.disaggregation_bootstrap_port < 65536:
+            raise ValueError("--disaggregation-bootstrap-port must be a TCP port (1-65535)")
 
     @property
     def stages_per_node(self) -> int:

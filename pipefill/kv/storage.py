@@ -1,0 +1,360 @@
+"""L3 KV storage tier: page keys, the on-storage page format, and `PageStore`.
+
+A page of one stage is the tensor [2, num_stage_layers, page_size, num_kv_heads, head_dim]
+(K then V) in the KV dtype. Its key is a chained SHA-256 over the token ids of every page up to
+and including it (so a key names a whole prefix, not one page), suffixed with the model
+fingerprint, dtype, page size and the stage's layer range, so a key never matches another
+model or partition. Each stage process opens one `PageStore`; puts are asynchronous (a
+background thread writes), gets are synchronous and return False on anything but a verified
+page: missing, truncated, corrupt or foreign data is a miss, never a different answer.
+
+Backends (one small class each, composed into `PageStore`): `file` (storage_file.py, one file
+per page under a directory) and `mooncake` (storage_mooncake.py, Mooncake Store shared by
+several servers).
+"""
+from __future__ import annotations
+
+import collections
+import hashlib
+import logging
+import os
+import struct
+import threading
+import time
+import zlib
+
+import numpy as np
+import torch
+
+log = logging.getLogger("pipefill.storage")
+
+# ---------------------------------------------------------------------------------------------
+# Keys
+
+def chain_page_keys(token_ids, page_size: int, parent: bytes = b"") -> list[bytes]:
+    """One 32-byte key per WHOLE page: key_i = SHA-256(key_{i-1} + page i's ids as little-endian
+    int32); key_{-1} = `parent` (b"" at the start of a sequence). The partial last page gets no
+    key: its contents are not final."""
+    if page_size <= 0:
+        raise ValueError(f"page_size must be positive, got {page_size}")
+    ids = np.asarray(token_ids, dtype=np.int64)
+    if ids.size and (ids.min() < 0 or ids.max() >= 2**31):
+        raise ValueError("token ids must be in [0, 2**31) to be hashed as int32")
+    raw = ids.astype("<i4").tobytes()
+    page_bytes = 4 * page_size
+    keys, prev = [], parent
+    for i in range(len(ids) // page_size):
+        prev = hashlib.sha256(prev + raw[i * page_bytes:(i + 1) * page_bytes]).digest()
+        keys.append(prev)
+    return keys
+
+
+_WHOLE_FILE_LIMIT = 32 << 20   # files up to this size are hashed whole
+_SAMPLE_BLOCK = 64 << 10
+_NUM_SAMPLES = 32
+
+
+def model_fingerprint(model_file: str) -> str:
+    """128-bit hex id of the weights in `model_file` (a .gguf/.safetensors file, or a Hugging
+    Face folder: its config.json and weight files). Small files are hashed whole; large ones by
+    size + the first MiB (headers and metadata, the whole safetensors header) + 32 evenly spaced
+    64 KiB blocks + the last block: about 3 MiB read, cheap at start-up for multi-GB files."""
+    if os.path.isdir(model_file):
+        names = sorted(n for n in os.listdir(model_file)
+                       if n == "config.json" or n.endswith((".safetensors", ".gguf", ".bin")))
+        paths = [os.path.join(model_file, n) for n in names]
+    else:
+        paths = [model_file]
+    if not paths or not all(os.path.isfile(p) for p in paths):
+        raise ValueError(f"cannot fingerprint the model at {model_file}: no weight files")
+    h = hashlib.sha256()
+    for path in paths:
+        h.update(os.path.basename(path).encode() + b"\0")
+        _hash_file(h, path)
+    return h.hexdigest()[:32]
+
+
+def _hash_file(h, path: str) -> None:
+    size = os.path.getsize(path)
+    h.update(struct.pack("<Q", size))
+    with open(path, "rb") as f:
+        if size <= _WHOLE_FILE_LIMIT:
+            h.update(f.read())
+            return
+        head = f.read(1 << 20)
+        if path.endswith(".safetensors"):  # u64 header length, then the JSON header
+            head_len = 8 + struct.unpack("<Q", head[:8])[0]
+            head += f.read(max(0, min(head_len, size) - len(head)))
+        h.update(head)
+        for i in range(_NUM_SAMPLES + 1):
+            f.seek((size - _SAMPLE_BLOCK) * i // _NUM_SAMPLES)
+            h.update(f.read(_SAMPLE_BLOCK))
+
+
+def stage_key_suffix(model_fingerprint: str, dtype, page_size: int, layers: range) -> str:
+    """The part of every key of one stage that pins model, KV dtype, page size and layers."""
+    name = str(dtype).removeprefix("torch.")
+    if name not in DTYPE_CODES:
+        raise ValueError(f"unsupported KV dtype for storage: {dtype}")
+    if page_size <= 0 or layers.step != 1 or len(layers) == 0:
+        raise ValueError(f"bad page size {page_size} or layer range {layers}")
+    return f"{model_fingerprint}.{name}.p{page_size}.l{layers.start}-{layers.stop}"
+
+
+# ---------------------------------------------------------------------------------------------
+# Page format, shared by every backend:
+#   fixed part  magic "PFKV", version u16, key length u16, dtype code u8, ndim u8, 2 pad,
+#               payload bytes u64, payload CRC-32 u32
+#   then        shape (ndim x i64), key (utf-8), header CRC-32 u32 (over everything before it)
+#   then        payload (the tensor's bytes, C order)
+# CRC-32 (zlib): in the standard library, several GB/s, and made to catch what happens to
+# stored bytes (torn writes, truncation, bit flips). Not a defence against a forger: whoever can
+# write the directory can write any cache entry anyway. Key, shape and dtype in the header catch
+# a foreign or stale page even when its bytes are intact.
+
+MAGIC, VERSION = b"PFKV", 1
+_FIXED = struct.Struct("<4sHHBB2xQI")
+DTYPE_CODES = {"float32": 1, "bfloat16": 2, "float16": 3, "float8_e4m3fn": 4,
+               "float8_e5m2": 5, "int8": 6, "uint8": 7}
+
+
+def encode_header(key: str, page: torch.Tensor, payload_crc: int) -> bytes:
+    kb = key.encode()
+    dtype = DTYPE_CODES[str(page.dtype).removeprefix("torch.")]
+    body = (_FIXED.pack(MAGIC, VERSION, len(kb), dtype, page.dim(), page.nbytes, payload_crc)
+            + struct.pack(f"<{page.dim()}q", *page.shape) + kb)
+    return body + struct.pack("<I", zlib.crc32(body))
+
+
+def header_length(fixed: bytes) -> int | None:
+    """Total header bytes, from its first `_FIXED.size` bytes; None if they are not ours."""
+    if len(fixed) < _FIXED.size:
+        return None
+    magic, version, key_len, _, ndim, _, _ = _FIXED.unpack_from(fixed)
+    if magic != MAGIC or version != VERSION:
+        return None
+    return _FIXED.size + 8 * ndim + key_len + 4
+
+
+def check_header(header, key: str, out: torch.Tensor) -> int | None:
+    """The payload CRC when `header` (bytes-like, exactly one header) is intact and describes
+    the page `key` with the shape and dtype of `out`; else None."""
+    n = header_length(bytes(header[:_FIXED.size]))
+    if n is None or n != len(header):
+        return None
+    body = bytes(header[:-4])
+    if struct.unpack("<I", bytes(header[-4:]))[0] != zlib.crc32(body):
+        return None
+    _, _, key_len, dtype, ndim, nbytes, crc = _FIXED.unpack_from(body)
+    shape = struct.unpack_from(f"<{ndim}q", body, _FIXED.size)
+    stored_key = body[_FIXED.size + 8 * ndim:].decode(errors="replace")
+    want_dtype = DTYPE_CODES.get(str(out.dtype).removeprefix("torch."))
+    if (stored_key != key or dtype != want_dtype or tuple(shape) != tuple(out.shape)
+            or nbytes != out.nbytes):
+        return None
+    return crc
+
+
+def byte_view(t: torch.Tensor) -> memoryview:
+    """A writable flat byte view of a contiguous CPU tensor (any dtype, bfloat16 included)."""
+    return memoryview(t.view(-1).view(torch.uint8).numpy())
+
+
+# ---------------------------------------------------------------------------------------------
+# The store
+
+_MAX_PENDING_BYTES = 512 << 20
+
+
+class PageStore:
+    """One per stage process. `backend` does the I/O (`count_leading`, `write`, `read_into`,
+    `discard`, `usage`, `close`); this class adds the write-behind queue, statistics, and the
+    rule that a caller never sees an exception or a wrong page."""
+
+    def __init__(self, backend, key_suffix: str, max_pending_bytes: int = _MAX_PENDING_BYTES):
+        self.backend = backend
+        self.key_suffix = key_suffix
+        self.max_pending_bytes = max_pending_bytes
+        # Pages waiting to be written: gets and contains see them, so a page is readable from
+        # the moment put() returns (a later request may match it before the disk write ends).
+        self._pending: dict[str, torch.Tensor] = {}
+        self._queue: collections.deque[str] = collections.deque()
+        self._cv = threading.Condition()
+        self._busy = 0          # pages taken off the queue and not yet written
+        self._closed = False
+        self._stats = collections.Counter()
+        self._writer = threading.Thread(target=self._write_loop, name="pipefill-l3-writer",
+                                        daemon=True)
+        self._writer.start()
+
+    def full_key(self, key) -> str:
+        return f"{key.hex() if isinstance(key, bytes) else key}.{self.key_suffix}"
+
+    def contains(self, keys: list) -> int:
+        """How many LEADING keys are stored (pending writes count)."""
+        full = [self.full_key(k) for k in keys]
+        n = 0
+        # Alternate: a run of pending keys, then a run of stored ones. A key leaves _pending
+        # only once written, so checking pending before storage never loses one in between.
+        while n < len(full):
+            with self._cv:
+                while n < len(full) and full[n] in self._pending:
+                    n += 1
+            if n == len(full):
+                break
+            try:
+                m = self.backend.count_leading(full[n:])
+            except Exception as e:  # noqa: BLE001 - storage trouble is a miss
+                self._error("contains", e)
+                break
+            if m == 0:
+                break
+            n += m
+        return n
+
+    def put(self, key, page: torch.Tensor) -> None:
+        """Copy `page` and return; the writer thread stores it. Dropped (counted) when the
+        queue holds more than max_pending_bytes. Never raises."""
+        try:
+            full = self.full_key(key)
+            with self._cv:
+                if self._closed or full in self._pending:
+                    return
+                if self._pending_bytes() + page.nbytes > self.max_pending_bytes:
+                    self._stats["puts_dropped"] += 1
+                    return
+            copy = page.detach().to("cpu", copy=True).contiguous()
+            with self._cv:
+                self._pending[full] = copy
+                self._queue.append(full)
+                self._cv.notify_all()
+        except Exception as e:  # noqa: BLE001 - the caller's step must go on
+            self._error("put", e)
+
+    def get(self, key, out: torch.Tensor) -> bool:
+        """Read the page into `out` (preallocated, the page's shape and dtype). False on a miss
+        or any bad data; `out` may then hold garbage and must not be used."""
+        full = self.full_key(key)
+        with self._cv:
+            held = self._pending.get(full)
+        try:
+            if held is not None and held.shape == out.shape and held.dtype == out.dtype:
+                out.copy_(held)
+                ok = True
+            elif out.is_contiguous() and out.device.type == "cpu":
+                ok = self.backend.read_into(full, out)
+            else:
+                tmp = torch.empty(out.shape, dtype=out.dtype)
+                ok = self.backend.read_into(full, tmp)
+                if ok:
+                    out.copy_(tmp)
+        except Exception as e:  # noqa: BLE001 - a read that fails is a miss
+            self._error("get", e)
+            ok = False
+        with self._cv:
+            self._stats["hits" if ok else "misses"] += 1
+            if ok:
+                self._stats["bytes_read"] += out.nbytes
+        return ok
+
+    def flush(self, timeout_s: float = 30.0) -> bool:
+        """Wait until every put so far is written (or failed); False on timeout."""
+        deadline = time.monotonic() + timeout_s
+        with self._cv:
+            while self._queue or self._busy:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return False
+                self._cv.wait(left)
+        return True
+
+    def stats(self) -> dict:
+        with self._cv:
+            out = {k: self._stats[k] for k in ("hits", "misses", "bytes_written", "bytes_read",
+                                                "pages_written", "puts_dropped", "errors")}
+            out["pending_pages"] = len(self._pending)
+        out.update(self.backend.usage())
+        return out
+
+    def close(self, timeout_s: float = 30.0) -> None:
+        self.flush(timeout_s)
+        with self._cv:
+            self._closed = True
+            self._cv.notify_all()
+        self._writer.join(timeout_s)
+        self.backend.close()
+
+    def __enter__(self):
+        return self
+
+    def __exit__(self, *exc):
+        self.close()
+
+    # -- writer thread --------------------------------------------------------------------
+
+    def _pending_bytes(self) -> int:
+        return sum(t.nbytes for t in self._pending.values())
+
+    def _write_loop(self) -> None:
+        while True:
+            with self._cv:
+                while not self._queue and not self._closed:
+                    self._cv.wait()
+                if not self._queue:
+                    return
+                key = self._queue.popleft()
+                page = self._pending[key]
+                self._busy += 1
+            wrote = self._write_one(key, page)
+            with self._cv:
+                self._busy -= 1
+                del self._pending[key]
+                if wrote:
+                    self._stats["pages_written"] += 1
+                    self._stats["bytes_written"] += page.nbytes
+                self._cv.notify_all()
+
+    def _write_one(self, key: str, page: torch.Tensor) -> bool:
+        try:
+            payload = byte_view(page)
+            header = encode_header(key, page, zlib.crc32(payload))
+            return self.backend.write(key, header, payload)
+        except Exception as e:  # noqa: BLE001 - the backend warns once; serving goes on
+            self._error("write", e)
+            return False
+
+    def _error(self, what: str, e: Exception) -> None:
+        with self._cv:
+            self._stats["errors"] += 1
+            first = self._stats["errors"] == 1
+        (log.warning if first else log.debug)(
+            "L3 storage %s failed (%s: %s); treated as a miss%s", what, type(e).__name__, e,
+            "; further errors are counted in stats, not logged" if first else "")
+
+
+def open_page_store(backend: str, *, key_suffix: str, storage_dir: str | None = None,
+                    mooncake_master: str | None = None, mooncake_local_hostname: str = "127.0.0.1",
+                    mooncake_segment_bytes: int = 256 << 20,
+                    mooncake_connect_timeout_s: float = 5.0,
+                    max_pending_bytes: int = _MAX_PENDING_BYTES) -> PageStore:
+    """A `PageStore` on `backend` ('file' or 'mooncake'); ValueError / RuntimeError with a
+    sentence for bad settings (an unreachable Mooncake master names its address)."""
+    if not key_suffix:
+        raise ValueError("open_page_store needs the stage's key_suffix (see stage_key_suffix)")
+    if backend == "file":
+        from pipefill.kv.storage_file import FileBackend
+        if not storage_dir:
+            raise ValueError("--hicache-storage-backend file needs --hicache-storage-dir")
+        impl = FileBackend(storage_dir)
+    elif backend == "mooncake":
+        from pipefill.kv.storage_mooncake import MooncakeBackend
+        if not mooncake_master:
+            raise ValueError("--hicache-storage-backend mooncake needs the Mooncake master "
+                             "address (host:port of a running mooncake_master)")
+        impl = MooncakeBackend(mooncake_master, local_hostname=mooncake_local_hostname,
+                               segment_bytes=mooncake_segment_bytes,
+                               connect_timeout_s=mooncake_connect_timeout_s)
+    else:
+        raise ValueError(f"--hicache-storage-backend must be 'file' or 'mooncake', "
+                         f"got {backend!r}")
+    return PageStore(impl, key_suffix, max_pending_bytes=max_pending_bytes)

@@ -27,6 +27,15 @@ class ServerArgs:
         "Compute dtype: auto (bfloat16 where the CPU has AMX or AVX-512-BF16, else float32), "
         "bfloat16, float16 or float32.", default="auto",
         choices=["auto", "bfloat16", "float16", "float32"])
+    weight_dtype: str = _flag(
+        "Dtype of the weight matrices: auto (= --dtype), or bfloat16 under --dtype float32: "
+        "weights rounded to bf16 and widened to float32 in registers by the decode kernels, "
+        "half the bytes per decode step.", default="auto",
+        choices=["auto", "bfloat16", "float32"])
+    decode_gemm_max_rows: int = _flag(
+        "Linear layers with at most this many rows (decode steps) run the packed small-M "
+        "GEMM (an extra packed copy of the weights); more rows run torch. 0 = torch always.",
+        default=32)
     attention_backend: str = _flag(
         "Prefill/decode attention: auto (the AMX kernel where the CPU has AMX-BF16 and the "
         "dtype is bfloat16, else split SDPA), amx, or sdpa.", default="auto",
@@ -61,6 +70,10 @@ class ServerArgs:
     max_total_tokens: int | None = _flag(
         "KV-cache capacity in tokens per stage. Default: 4 x max_model_len (at least 65,536); "
         "memory is touched only as pages are used.", default=None)
+    disable_radix_cache: bool = _flag(
+        "Turn off the radix prefix cache (by default whole KV pages of earlier prompts and "
+        "outputs are kept and reused by requests that start with the same tokens).",
+        default=False)
     threads_per_stage: int | None = _flag(
         "CPU threads per stage process. Default: usable cores // pp_size (at least 1).",
         default=None)
@@ -79,6 +92,10 @@ class ServerArgs:
     dist_init_addr: str | None = _flag(
         "HOST:PORT of node 0 for torch.distributed rendezvous (needed with --nnodes > 1; "
         "the front end also listens on PORT+1 for reports from other nodes).", default=None)
+    dist_init_timeout: int = _flag(
+        "Seconds the stages wait at start-up for every stage (on every node) to join the "
+        "rendezvous at --dist-init-addr before failing with an error; once joined, stages wait "
+        "on each other without a limit.", default=300)
     cluster_secret: str | None = field(default=None, repr=False, metadata={"help": (
         "Shared secret of a multi-node run (the same on every node): every control message "
         "and every node's join carries an HMAC-SHA256 with it; messages without a valid one "
@@ -102,6 +119,16 @@ class ServerArgs:
     shutdown_timeout: int = _flag(
         "`pipefill serve`: seconds in-flight requests get to finish after SIGTERM before "
         "they are failed.", default=10)
+    stage_restart_timeout: int = _flag(
+        "`pipefill serve`: seconds a request that arrives while the stages restart (after a "
+        "stage died) waits for them before it gets a 503.", default=120)
+    max_stage_restarts: int = _flag(
+        "`pipefill serve`: most automatic restarts of the stages within "
+        "--stage-restart-window seconds; one more failure leaves the server down (503 with the "
+        "reason on /health). 0 = never restart.", default=3)
+    stage_restart_window: int = _flag(
+        "`pipefill serve`: the window, in seconds, over which --max-stage-restarts counts.",
+        default=600)
     disaggregation_mode: str = _flag(
         "Prefill/decode disaggregation role: null (prefill and decode in one server), prefill "
         "or decode (behind sglang-router in PD mode; not served yet).", default="null",
@@ -151,8 +178,16 @@ class ServerArgs:
             raise ValueError(
                 f"--max-prefill-tokens ({self.max_prefill_tokens}) must be at least "
                 f"--chunked-prefill-size ({self.chunked_prefill_size})")
+        if self.decode_gemm_max_rows < 0:
+            raise ValueError("--decode-gemm-max-rows must be >= 0")
         if self.threads_per_stage is not None and self.threads_per_stage < 1:
             raise ValueError("--threads-per-stage must be at least 1")
+        for name in ("dist_init_timeout", "stage_restart_timeout", "stage_restart_window"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{_dash(name)} must be at least 1 second, got "
+                                 f"{getattr(self, name)}")
+        if self.max_stage_restarts < 0:
+            raise ValueError("--max-stage-restarts must be >= 0 (0 = never restart)")
         if self.pp_async_batch_depth < 0:
             raise ValueError("--pp-async-batch-depth must be >= 0")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:

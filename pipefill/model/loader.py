@@ -94,8 +94,27 @@ def tensor_names(cfg: ModelConfig, layers: range, first: bool, last: bool) -> li
     return names
 
 
+def resolve_weight_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """--weight-dtype: auto = the compute dtype; bfloat16 under float32 compute halves the
+    bytes every decode step streams (weights rounded to bf16, widened in registers)."""
+    if name == "auto":
+        return dtype
+    wdtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(name)
+    if wdtype is None:
+        raise ValueError(f"--weight-dtype {name!r}: expected auto, bfloat16 or float32")
+    if wdtype == torch.bfloat16 and dtype not in (torch.float32, torch.bfloat16):
+        raise ValueError("--weight-dtype bfloat16 needs --dtype float32 or bfloat16")
+    if wdtype == torch.float32 and dtype != torch.float32:
+        raise ValueError(f"--weight-dtype float32 needs --dtype float32 (the compute dtype is "
+                         f"{str(dtype).removeprefix('torch.')})")
+    return wdtype
+
+
 def load_stage_weights(source: WeightSource, layers: range, first: bool, last: bool,
-                       dtype: torch.dtype, progress_desc: str | None = None) -> StageWeights:
+                       dtype: torch.dtype, progress_desc: str | None = None,
+                       weight_dtype: torch.dtype | None = None) -> StageWeights:
+    """Matrices in `dtype`; with a narrower weight_dtype their values are first rounded to it
+    (so prefill on torch and decode on the packed copy compute with the same weights)."""
     from tqdm import tqdm
     cfg = source.config
     head_name = "lm_head.weight"
@@ -110,7 +129,10 @@ def load_stage_weights(source: WeightSource, layers: range, first: bool, last: b
         raw[name] = source.load(name)
 
     def mat(*parts):
-        return torch.cat([raw[p] for p in parts]).to(dtype).contiguous()
+        m = torch.cat([raw[p] for p in parts])
+        if weight_dtype is not None and weight_dtype != dtype:
+            m = m.to(weight_dtype)
+        return m.to(dtype).contiguous()
 
     out_layers = []
     for i in layers:
@@ -133,3 +155,33 @@ def load_stage_weights(source: WeightSource, layers: range, first: bool, last: b
     if last:
         lm_head = embed if first and head_name == "model.embed_tokens.weight" else mat(head_name)
     return StageWeights(out_layers, embed, raw["model.norm.weight"] if last else None, lm_head)
+
+
+PACKED_FIELDS = ("qkv", "o_proj", "gate_up", "down")
+
+
+def pack_stage_weights(weights: StageWeights, dtype: torch.dtype, weight_dtype: torch.dtype,
+                       max_rows: int, disable: tuple[str, ...] = ()) -> int:
+    """Adds decode copies (kernels.decode_gemm) of every linear layer and the LM head, packed
+    in weight_dtype; returns their bytes (0 when no kernel path runs here or max_rows is 0).
+    The [N, K] originals stay for prefill (torch), so this is extra memory: one more copy of
+    the matrices (half of one for bf16 copies of float32 matrices); the embedding is not
+    packed (a tied LM head gets its own copy)."""
+    from pipefill.kernels import decode_gemm
+    if max_rows <= 0 or weights.layers and weights.layers[0].qkv.device.type != "cpu":
+        return 0
+    if decode_gemm.choose_isa(dtype, weight_dtype, disable)[0] is None:
+        return 0
+
+    def pack(w, bias=None):
+        return decode_gemm.pack(w, bias, dtype, weight_dtype, max_rows, disable)
+
+    total = 0
+    for layer in weights.layers:
+        layer.packed = {"qkv": pack(layer.qkv, layer.qkv_bias),
+                        **{name: pack(getattr(layer, name)) for name in PACKED_FIELDS[1:]}}
+        total += sum(p.nbytes for p in layer.packed.values())
+    if weights.lm_head is not None:
+        weights.lm_head_packed = pack(weights.lm_head)
+        total += weights.lm_head_packed.nbytes
+    return total

@@ -93,7 +93,8 @@ class MessageCodec:
 def _kind_struct(name: str, kind: str, typ: Any) -> type:
     # array_like: encoded as [kind, payload]; the tag is what the union dispatches on.
     field = ("payload", type(None), None) if typ is None else ("payload", typ)
-    return msgspec.defstruct(f"{name}_{kind}", [field], tag=kind, array_like=True)
+    return msgspec.defstruct(f"{name}_{kind}", [field], tag=kind, array_like=True,
+                             forbid_unknown_fields=True)
 
 
 def front_to_stage() -> MessageCodec:

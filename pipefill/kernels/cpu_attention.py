@@ -46,9 +46,10 @@ _HEADER = _CSRC / "cpu_attn_kernel.h"
 _BASE = ["-O3", "-std=c++17", "-fPIC", "-ffp-contract=fast", "-fno-exceptions", "-Wno-psabi"]
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
 ISA_FLAGS = {
-    "avx512bf16": _BASE + _AVX512 + ["-mavx512bf16", "-DPF_ATTN_BF16DOT=1", "-DPF_ATTN_ROWS=8"],
-    "avx512": _BASE + _AVX512 + ["-DPF_ATTN_ROWS=8"],
-    "avx2": _BASE + ["-mavx2", "-mfma", "-DPF_ATTN_ROWS=4"],
+    "avx512bf16": _BASE + _AVX512 + ["-mavx512bf16", "-DPF_ATTN_BF16DOT=1", "-DPF_ATTN_ROWS=8",
+                                            "-DPF_ATTN_WIDTH=16"],
+    "avx512": _BASE + _AVX512 + ["-DPF_ATTN_ROWS=8", "-DPF_ATTN_WIDTH=16"],
+    "avx2": _BASE + ["-mavx2", "-mfma", "-DPF_ATTN_ROWS=4", "-DPF_ATTN_WIDTH=8"],
 }
 ISAS = tuple(ISA_FLAGS)
 ISA_ID = {name: i for i, name in enumerate(ISAS)}  # must match kKernels in cpu_attn_ext.cpp

@@ -29,30 +29,33 @@ namespace pipefill_cpu_attn {
 namespace PF_ATTN_NS {
 namespace {
 
-typedef float vf __attribute__((vector_size(64)));
-typedef uint32_t vu __attribute__((vector_size(64)));
-typedef int32_t vi __attribute__((vector_size(64)));
-typedef uint16_t vh __attribute__((vector_size(32)));
+// Native vector width: 16 floats (AVX-512) or 8 (AVX2); a 16-token/16-dim row is NV vectors.
+constexpr int W = PF_ATTN_WIDTH;
+constexpr int NV = 16 / W;
+typedef float vf __attribute__((vector_size(4 * W)));
+typedef uint32_t vu __attribute__((vector_size(4 * W)));
+typedef int32_t vi __attribute__((vector_size(4 * W)));
+typedef uint16_t vh __attribute__((vector_size(2 * W)));
 
 constexpr int R = PF_ATTN_ROWS;
 constexpr int NB = kStep;
 constexpr float kNegInf = -__builtin_inff();
 constexpr float kLazy = 8.0f;
 
-inline vf loadf(const void* p) { vf v; std::memcpy(&v, p, 64); return v; }
-inline void storef(void* p, vf v) { std::memcpy(p, &v, 64); }
-inline vu loadu(const void* p) { vu v; std::memcpy(&v, p, 64); return v; }
+inline vf loadf(const void* p) { vf v; std::memcpy(&v, p, sizeof(vf)); return v; }
+inline void storef(void* p, vf v) { std::memcpy(p, &v, sizeof(vf)); }
+inline vu loadu(const void* p) { vu v; std::memcpy(&v, p, sizeof(vu)); return v; }
 inline vf splat(float x) { return vf{} + x; }
 
 inline float hmax(vf v) {
   float m = v[0];
-  for (int i = 1; i < 16; ++i) m = v[i] > m ? v[i] : m;
+  for (int i = 1; i < W; ++i) m = v[i] > m ? v[i] : m;
   return m;
 }
 inline float hsum(vf v) {
   vf a = v;
   float s = 0.f;
-  for (int i = 0; i < 16; ++i) s += a[i];
+  for (int i = 0; i < W; ++i) s += a[i];
   return s;
 }
 
@@ -80,16 +83,17 @@ inline vf exp2v(vf x) {
   return small ? splat(0.f) : r;
 }
 
-// bf16 -> f32 halves of a 32-value row: (low halves, high halves) of its 16 uint32 lanes.
+// Part h (of NV) of a 32-value row as (even, odd) float vectors: bf16 rows hold 16 uint32 pairs
+// (low half even, high half odd), float32 rows [16 even][16 odd].
 template <bool KVB>
-inline void load_pair(const char* row, vf& e, vf& o) {
+inline void load_pair(const char* row, int h, vf& e, vf& o) {
   if (KVB) {
-    const vu x = loadu(row);
+    const vu x = loadu(row + 4 * W * h);
     e = (vf)(x << 16);
     o = (vf)(x & 0xffff0000u);
   } else {
-    e = loadf(row);
-    o = loadf(row + 64);
+    e = loadf(row + 4 * W * h);
+    o = loadf(row + 64 + 4 * W * h);
   }
 }
 
@@ -178,27 +182,35 @@ struct Kernel {
 
   // S[R, 16] (row stride NB) = Q_block K_group^T for one 16-token group.
   void qk_group(int b, const char* kg, float* S) const {
+#if PF_ATTN_BF16DOT
     vf acc[R];
     for (int r = 0; r < R; ++r) acc[r] = vf{};
-#if PF_ATTN_BF16DOT
     const uint32_t* q = static_cast<const uint32_t*>(s.q) + (int64_t)R * b * (D / 2);
     for (int j = 0; j < D / 2; ++j) {
       const __m512bh kr = (__m512bh)_mm512_loadu_si512(kg + ((j / 16) * 512 + (j % 16) * 32) * kEsz);
       for (int r = 0; r < R; ++r)
         acc[r] = (vf)_mm512_dpbf16_ps((__m512)acc[r], (__m512bh)_mm512_set1_epi32((int)q[r * (D / 2) + j]), kr);
     }
+    for (int r = 0; r < R; ++r) storef(S + r * NB, acc[r]);
 #else
+    vf acc[R][NV];
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < NV; ++h) acc[r][h] = vf{};
     const float* q = static_cast<const float*>(s.q) + (int64_t)R * b * D;
     for (int j = 0; j < D / 2; ++j) {
-      vf e, o;
-      load_pair<KVB>(kg + ((j / 16) * 512 + (j % 16) * 32) * kEsz, e, o);
-      for (int r = 0; r < R; ++r) {
-        acc[r] += q[r * D + 2 * j] * e;
-        acc[r] += q[r * D + 2 * j + 1] * o;
+      const char* row = kg + ((j / 16) * 512 + (j % 16) * 32) * kEsz;
+      for (int h = 0; h < NV; ++h) {
+        vf e, o;
+        load_pair<KVB>(row, h, e, o);
+        for (int r = 0; r < R; ++r) {
+          acc[r][h] += q[r * D + 2 * j] * e;
+          acc[r][h] += q[r * D + 2 * j + 1] * o;
+        }
       }
     }
+    for (int r = 0; r < R; ++r)
+      for (int h = 0; h < NV; ++h) storef(S + r * NB + h * W, acc[r][h]);
 #endif
-    for (int r = 0; r < R; ++r) storef(S + r * NB, acc[r]);
   }
 
   // One row of ncol scores: columns > lim masked; softmax'd in place (and as bf16 into prow).
@@ -206,7 +218,7 @@ struct Kernel {
     if (lim < ncol - 1)
       for (int x = lim + 1; x < ncol; ++x) srow[x] = kNegInf;
     vf mx = splat(kNegInf);
-    for (int x = 0; x < ncol; x += 16) {
+    for (int x = 0; x < ncol; x += W) {
       const vf v = loadf(srow + x);
       mx = mx > v ? mx : v;
     }
@@ -217,17 +229,17 @@ struct Kernel {
         const float alpha = __builtin_exp2f(m - bmax);
         s.l[r] *= alpha;
         float* orow = s.o + (int64_t)r * D;
-        for (int d = 0; d < D; d += 16) storef(orow + d, loadf(orow + d) * alpha);
+        for (int d = 0; d < D; d += W) storef(orow + d, loadf(orow + d) * alpha);
       }
       m = bmax;
       s.m[r] = m;
     }
     vf sum = vf{};
-    for (int x = 0; x < ncol; x += 16) {
+    for (int x = 0; x < ncol; x += W) {
 #if PF_ATTN_BF16DOT
       const vf pv = exp2v<3>(loadf(srow + x) * c - m);
       const vh h = to_bf16(pv);
-      std::memcpy(prow + x, &h, 32);
+      std::memcpy(prow + x, &h, sizeof(vh));
 #else
       const vf pv = exp2v<6>(loadf(srow + x) * c - m);
       storef(srow + x, pv);
@@ -242,28 +254,38 @@ struct Kernel {
   void pv_block(int b, const float* S, const uint16_t* P, const char* const* vg, int npairs) const {
     float* O = s.o + (int64_t)R * b * D;
     for (int dc = 0; dc < D / 16; ++dc) {
+#if PF_ATTN_BF16DOT
       vf acc[R];
       for (int r = 0; r < R; ++r) acc[r] = loadf(O + r * D + dc * 16);
       for (int tp = 0; tp < npairs; ++tp) {
         const char* row = vg[tp / 16] + (dc * 512 + (tp % 16) * 32) * kEsz;
-#if PF_ATTN_BF16DOT
         const __m512bh vr = (__m512bh)_mm512_loadu_si512(row);
         for (int r = 0; r < R; ++r) {
           uint32_t pp;
           std::memcpy(&pp, P + r * NB + 2 * tp, 4);
           acc[r] = (vf)_mm512_dpbf16_ps((__m512)acc[r], (__m512bh)_mm512_set1_epi32((int)pp), vr);
         }
-#else
-        vf e, o;
-        load_pair<KVB>(row, e, o);
-        for (int r = 0; r < R; ++r) {
-          acc[r] += S[r * NB + 2 * tp] * e;
-          acc[r] += S[r * NB + 2 * tp + 1] * o;
-        }
-        (void)P;
-#endif
       }
       for (int r = 0; r < R; ++r) storef(O + r * D + dc * 16, acc[r]);
+#else
+      vf acc[R][NV];
+      for (int r = 0; r < R; ++r)
+        for (int h = 0; h < NV; ++h) acc[r][h] = loadf(O + r * D + dc * 16 + h * W);
+      for (int tp = 0; tp < npairs; ++tp) {
+        const char* row = vg[tp / 16] + (dc * 512 + (tp % 16) * 32) * kEsz;
+        for (int h = 0; h < NV; ++h) {
+          vf e, o;
+          load_pair<KVB>(row, h, e, o);
+          for (int r = 0; r < R; ++r) {
+            acc[r][h] += S[r * NB + 2 * tp] * e;
+            acc[r][h] += S[r * NB + 2 * tp + 1] * o;
+          }
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int h = 0; h < NV; ++h) storef(O + r * D + dc * 16 + h * W, acc[r][h]);
+      (void)P;
+#endif
     }
   }
 
@@ -305,11 +327,11 @@ struct Kernel {
       char* dst = static_cast<char*>(p.out) + ((t0 + t) * p.o_st + (g * G + h) * p.o_sh) * esz;
       const float inv = 1.0f / s.l[r];
       const float* orow = s.o + (int64_t)r * D;
-      for (int d = 0; d < D; d += 16) {
+      for (int d = 0; d < D; d += W) {
         const vf x = loadf(orow + d) * inv;
         if (p.q_bf16) {
           const vh hb = to_bf16(x);
-          std::memcpy(dst + d * 2, &hb, 32);
+          std::memcpy(dst + d * 2, &hb, sizeof(vh));
         } else {
           storef(dst + d * 4, x);
         }

@@ -1,0 +1,127 @@
+"""The small-M decode GEMM (pipefill.kernels.decode_gemm) against float64, on every path this
+CPU can execute (the others are skipped with the reason cpuid gives), plus forced fallbacks.
+
+Tolerances: the kernels sum in float32 with FMAs, so a dot product of length K is off by at most
+about K * 2^-24 * sum_k |x_k w_k| (the classic recursive-summation bound; we allow 2x). A bf16
+output adds one rounding to bf16 (half an ulp: 2^-9 relative). The reference uses the inputs
+and weights as the kernel sees them (rounded to bf16 where they are bf16), so the tolerance is
+about summation only, not about bf16 quantization.
+"""
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pipefill.kernels import decode_gemm as dg
+from pipefill.model.llama import linear
+
+SHAPES = [(1, 576, 960), (1, 33, 37), (2, 64, 16), (3, 17, 31), (5, 1536, 576), (12, 96, 48),
+          (13, 100, 100), (25, 7, 200), (32, 576, 130)]  # (M, K, N)
+PATHS = [("avx512bf16", torch.bfloat16, torch.bfloat16),
+         ("avx512", torch.float32, torch.float32), ("avx512", torch.float32, torch.bfloat16),
+         ("avx512", torch.bfloat16, torch.bfloat16),
+         ("avx2", torch.float32, torch.float32), ("avx2", torch.float32, torch.bfloat16),
+         ("avx2", torch.bfloat16, torch.bfloat16)]  # (isa, activations, weights)
+
+
+def only(isa: str) -> tuple[str, ...]:
+    return tuple(i for i in dg.ISAS if i != isa)
+
+
+def need(isa: str) -> None:
+    ok, why = dg.isa_status()[isa]
+    if not ok:
+        pytest.skip(f"{isa} cannot run here: {why}")
+
+
+def data(m, k, n, x_dtype, w_dtype, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(m, k, generator=g).to(x_dtype)
+    w = torch.randn(n, k, generator=g).to(w_dtype)
+    b = torch.randn(n, generator=g)
+    return x, w, b
+
+
+def assert_close64(y, x, w, b):
+    xd, wd = x.double(), w.double()
+    ref = xd @ wd.T + (0 if b is None else b.double())
+    bound = 2 * x.shape[1] * 2.0 ** -24 * (xd.abs() @ wd.abs().T) + 1e-30
+    if y.dtype == torch.bfloat16:
+        bound = bound + ref.abs() * 2.0 ** -8
+    err = (y.double() - ref).abs()
+    worst = int(((err - bound) / bound).argmax())
+    assert (err <= bound).all(), f"error {err.view(-1)[worst]:.3g} > bound {bound.view(-1)[worst]:.3g}"
+
+
+@pytest.mark.parametrize("isa,x_dtype,w_dtype", PATHS, ids=[f"{i}-x{str(a)[6:]}-w{str(b)[6:]}"
+                                                          for i, a, b in PATHS])
+def test_against_float64(isa, x_dtype, w_dtype):
+    need(isa)
+    for m, k, n in SHAPES:
+        x, w, b = data(m, k, n, x_dtype, w_dtype)
+        for bias in (None, b):
+            p = dg.pack(w, bias, x_dtype, w_dtype, disable=only(isa))
+            assert p is not None and p.isa == isa
+            y = p(x)
+            assert y.dtype == x_dtype and y.shape == (m, n)
+            assert_close64(y, x, w, bias)
+            out = torch.empty(m, n)  # float32 output from bf16 inputs (the LM head's logits)
+            assert_close64(p(x, out=out), x, w, bias)
+
+
+@pytest.mark.parametrize("isa,x_dtype,w_dtype", PATHS[:3] + PATHS[4:5],
+                         ids=["avx512bf16", "avx512-f32", "avx512-wbf16", "avx2-f32"])
+def test_row_bits_do_not_depend_on_batch(isa, x_dtype, w_dtype):
+    """A row alone and the same row inside any batch (any row tile) give the same bits."""
+    need(isa)
+    x, w, _ = data(29, 300, 70, x_dtype, w_dtype, seed=1)
+    p = dg.pack(w, None, x_dtype, w_dtype, disable=only(isa))
+    full = p(x)
+    for m in (1, 3, 8, 13):
+        part = p(x[-m:])
+        assert torch.equal(part, full[-m:]), m
+    assert torch.equal(p(x[7:8]), full[7:8])
+
+
+def test_avx2_and_avx512_agree_bitwise():
+    """Same arithmetic in the same order: the AVX2 path equals the AVX-512F path."""
+    need("avx2")
+    need("avx512")
+    for w_dtype in (torch.float32, torch.bfloat16):
+        x, w, b = data(9, 257, 45, torch.float32, w_dtype, seed=2)
+        a = dg.pack(w, b, torch.float32, w_dtype, disable=only("avx2"))(x)
+        c = dg.pack(w, b, torch.float32, w_dtype, disable=only("avx512"))(x)
+        assert torch.equal(a, c)
+
+
+def test_forced_fallbacks_pick_the_next_path_then_torch():
+    usable = [i for i in dg.ISAS if dg.isa_status()[i][0]]
+    if not usable:
+        pytest.skip("no decode GEMM path runs here: " + dg.isa_status()["avx2"][1])
+    isa, _ = dg.choose_isa(torch.bfloat16, torch.bfloat16)
+    assert isa == usable[0]
+    # float32 activations never take the bf16 dot-product path (it would round them).
+    assert dg.choose_isa(torch.float32, torch.bfloat16)[0] != "avx512bf16"
+    isa, why = dg.choose_isa(torch.bfloat16, torch.bfloat16, disable=dg.ISAS)
+    assert isa is None and "disabled by caller" in why
+    x, w, b = data(4, 40, 24, torch.float32, torch.float32)
+    assert dg.pack(w, b, torch.float32, disable=dg.ISAS) is None
+    # linear() without a packed copy (or with more rows than max_rows) is torch's F.linear.
+    assert torch.equal(linear(x, w, b, None), F.linear(x, w, b))
+    small = dg.pack(w, b, torch.float32, max_rows=2)
+    assert torch.equal(linear(x, w, b, small), F.linear(x, w, b))
+    assert_close64(linear(x[:2], w, b, small), x[:2], w, b)
+
+
+def test_float16_is_not_packed_and_bad_shapes_are_refused():
+    assert dg.choose_isa(torch.float16, torch.float16)[0] is None
+    if not dg.available():
+        pytest.skip("no decode GEMM path runs here")
+    x, w, _ = data(2, 32, 16, torch.float32, torch.float32)
+    p = dg.pack(w, None, torch.float32)
+    with pytest.raises(ValueError, match=r"expected \[M, 32\]"):
+        p(torch.zeros(2, 31))
+    with pytest.raises(TypeError):
+        p(torch.zeros(2, 32, dtype=torch.float16))
+    assert p(torch.zeros(0, 32)).shape == (0, 16)
+    strided = torch.randn(3, 64)[:, ::2]  # not contiguous along K: copied first
+    assert_close64(p(strided), strided, w, None)

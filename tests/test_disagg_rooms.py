@@ -46,23 +46,23 @@ def test_prefill_chunks_wait_for_bootstrap_then_success_releases():
     rooms, p = prefill()
     rooms.open(ROOM, 0.0)
     assert rooms.add(chunk(p), 0.1) == []  # not bootstrapped: held, queued
-    work = rooms.on_bootstrap("d", boot(), 0.2)
+    work, _ = rooms.on_bootstrap("d", boot(), 0.2)
     assert [(i.page_offset, d.peer) for i, d in work] == [(0, "d")]
     last = chunk(p, offset=2, last=True)
     work += rooms.add(last, 0.3)
     for item, dest in work:
         assert rooms.begin_send(item.room)
         rooms.end_send(item, dest.peer, ok=True)
-    assert not rooms.live and rooms.finished[ROOM] is True
+    assert not rooms.live and rooms.finished[ROOM] == (True, "sent")
     assert p.clean() and len(p.released) == 1
 
 
 def test_prefill_waits_for_every_decode_stage_and_the_final():
     rooms, p = prefill()
     rooms.open(ROOM, 0.0, sends_final=True)
-    assert rooms.on_bootstrap("d0", boot(expected=2), 0.0) == []
+    assert rooms.on_bootstrap("d0", boot(expected=2), 0.0) == ([], [])
     rooms.add(chunk(p, last=True), 0.1)
-    work = rooms.on_bootstrap("d1", boot(nonce=7, expected=2), 0.2)
+    work, _ = rooms.on_bootstrap("d1", boot(nonce=7, expected=2), 0.2)
     assert sorted(d.peer for _, d in work) == ["d0", "d1"]
     for item, dest in work:
         rooms.begin_send(ROOM)
@@ -102,7 +102,9 @@ def test_prefill_drop_from_decode_releases_and_acks_and_late_messages_are_droppe
     assert isinstance(ack, m.DropAck) and p.clean()
     late = chunk(p, offset=2, last=True)
     assert rooms.add(late, 1.0) == [] and p.clean()  # pages of a dead room go straight back
-    assert rooms.on_bootstrap("d", boot(), 1.0) == [] and ROOM not in rooms.live
+    work, (failed,) = rooms.on_bootstrap("d", boot(), 1.0)  # a late bootstrap hears why
+    assert work == [] and ROOM not in rooms.live
+    assert isinstance(failed[1], m.RoomFailed) and "timeout" in failed[1].reason
     assert rooms.num_dropped_late == 2
 
 

@@ -110,7 +110,7 @@ class PrefillRooms:
         self.release = release
         self.live: dict[int, PrefillRoom] = {}
         self.draining: dict[int, PrefillRoom] = {}  # ended, a send still reads their pages
-        self.finished: OrderedDict[int, bool] = OrderedDict()  # room -> ok
+        self.finished: OrderedDict[int, tuple[bool, str]] = OrderedDict()  # (ok, why)
         self.num_dropped_late = 0
 
     def open(self, room: int, now: float, sends_final: bool = False) -> None:
@@ -118,19 +118,24 @@ class PrefillRooms:
         r.opened = True
         r.sends_final = r.sends_final or sends_final
 
-    def on_bootstrap(self, peer: str, msg: m.RoomBootstrap, now: float) -> list[tuple[Item, Dest]]:
+    def on_bootstrap(self, peer: str, msg: m.RoomBootstrap,
+                     now: float) -> tuple[list[tuple[Item, Dest]], list[Notice]]:
+        """(work now sendable, notices): a bootstrap for a room that already failed here is
+        answered with the failure, so that decode does not wait for its timeout."""
         if msg.room in self.finished:
             self.num_dropped_late += 1
-            log.info("dropped a late bootstrap for finished room %d", msg.room)
-            return []
+            ok, reason = self.finished[msg.room]
+            log.info("late bootstrap for finished room %d", msg.room)
+            return [], [] if ok else [(peer, m.RoomFailed(msg.room, msg.nonce, self.rank,
+                                                          reason))]
         r = self._room(msg.room, now)
         r.expected = msg.expected_bootstraps
         r.dests[peer] = Dest(peer, msg.nonce, list(msg.dst_pages))
         if not r.bootstrapped:
-            return []
+            return [], []
         work = [(item, d) for item in r.pending for d in r.dests.values()]
         r.pending.clear()
-        return work
+        return work, []
 
     def add(self, item: Item, now: float) -> list[tuple[Item, Dest]]:
         """Queues a chunk or the final metadata; the (item, destination) pairs to send now."""
@@ -231,7 +236,7 @@ class PrefillRooms:
 
     def _end(self, r: PrefillRoom, ok: bool, reason: str) -> None:
         del self.live[r.room]
-        _remember(self.finished, r.room, ok)
+        _remember(self.finished, r.room, (ok, reason))
         if not ok:
             log.info("prefill room %d failed: %s", r.room, reason)
         if r.sends_in_flight:

@@ -219,11 +219,10 @@ class KVSender:
         with self._p.lock:
             self._p.liveness.seen(peer, now)
             if isinstance(msg, m.RoomBootstrap):
-                work = self.rooms.on_bootstrap(peer, msg, now)
+                work, notices = self.rooms.on_bootstrap(peer, msg, now)
                 if work:
                     self._queue.put(work)
-                return
-            if isinstance(msg, m.DropRoom):
+            elif isinstance(msg, m.DropRoom):
                 notices = self.rooms.on_drop(peer, msg)
             elif isinstance(msg, m.Heartbeat):
                 return

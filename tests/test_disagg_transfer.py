@@ -1,0 +1,268 @@
+"""KV page transfer: random pages into shuffled pre-allocated pages, byte-exact, over tcp (and
+Mooncake where installed); failures release every page on both sides.
+
+The fast tests run senders and receiver on threads of this process over real sockets; the slow
+ones run the sender as its own process and kill or stop it mid-transfer."""
+from __future__ import annotations
+
+import json
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from pipefill.disagg import messages as m
+from pipefill.disagg.bootstrap import BootstrapServer, lookup_prefill, register_stage
+from pipefill.disagg.transfer import KVReceiver, KVSender, KVTensors, Timing
+from pipefill.kv.pool import PagePool
+
+LAYERS, PAGES, PAGE, HEADS, DIM = 4, 48, 16, 2, 32
+ROOM = 0x7EADBEEF12345678
+FAST = Timing(bootstrap_timeout_s=20, waiting_timeout_s=20, heartbeat_interval_s=0.2,
+              heartbeat_max_misses=3)
+
+
+def have_mooncake() -> bool:
+    try:
+        import mooncake.engine  # noqa: F401
+        return True
+    except ImportError:
+        return False
+
+
+BACKENDS = ["tcp", pytest.param("mooncake", marks=pytest.mark.skipif(
+    not have_mooncake(), reason="mooncake-transfer-engine-non-cuda is not installed"))]
+
+
+def random_kv(seed: int, layer_start: int, num_layers: int, dtype=torch.float32) -> KVTensors:
+    g = torch.Generator().manual_seed(seed)
+    shape = (num_layers, PAGES * PAGE, HEADS, DIM)
+    return KVTensors(torch.randn(shape, generator=g).to(dtype),
+                     torch.randn(shape, generator=g).to(dtype), PAGE, layer_start)
+
+
+class Pool:
+    def __init__(self):
+        self.pool, self.lock = PagePool(PAGES), threading.Lock()
+
+    def release(self, room, pages):
+        with self.lock:
+            self.pool.release(pages)
+
+    def clean(self) -> bool:
+        with self.lock:
+            self.pool.check_integrity()
+            return self.pool.num_free == PAGES
+
+
+def wait_until(cond, timeout_s=10.0) -> bool:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
+
+
+def assert_pages_equal(src: KVTensors, src_pages, dst: KVTensors, dst_pages):
+    for layer in range(src.layer_start, src.layer_end):
+        for a, b in ((src.k, dst.k), (src.v, dst.v)):
+            assert torch.equal(src.pages(a, layer)[src_pages], dst.pages(b, layer)[dst_pages])
+
+
+def start_prefill(backend, dtype, secret=None, timing=FAST):
+    """A bootstrap service and two prefill stages (layers [0, 2) and [2, 4)) in this process."""
+    service = BootstrapServer(port=0, secret=secret)
+    pools = [Pool(), Pool()]
+    senders = [KVSender(random_kv(10 + r, 2 * r, 2, dtype), r, release=pools[r].release,
+                        backend=backend, timing=timing, secret=secret) for r in range(2)]
+    for s in senders:
+        register_stage(service.endpoint, s.registration(
+            pp_size=2, num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM,
+            model_fingerprint="tiny"), secret=secret)
+    return service, senders, pools
+
+
+def send_request(senders, pools, num_pages, room=ROOM, last_chunk=True, num_tokens=None):
+    """Each stage sends the request's pages in two chunks; the last stage sends the final."""
+    src = []
+    for s, pool in zip(senders, pools):
+        pages = pool.pool.allocate(num_pages)
+        random.Random(s.rank).shuffle(pages)
+        src.append(pages)
+        s.open_room(room, sends_final=s.rank == 1)
+        half = num_pages // 2
+        s.send_pages(room, 0, pages[:half])
+        if last_chunk:
+            s.send_pages(room, half, pages[half:], is_last=True)
+        else:  # never handed to the sender: the test gives them back itself
+            pool.release(room, pages[half:])
+    if last_chunk:
+        senders[1].send_final(room, m.FinalMeta(room, 0, num_tokens or num_pages * PAGE, 42,
+                                                -0.5, [(42, -0.5), (7, -1.5)]))
+    return src
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_two_stages_into_shuffled_pages(backend, dtype):
+    service, senders, src_pools = start_prefill(backend, dtype)
+    dst_pool = Pool()
+    kv = KVTensors(torch.zeros(LAYERS, PAGES * PAGE, HEADS, DIM, dtype=dtype),
+                   torch.zeros(LAYERS, PAGES * PAGE, HEADS, DIM, dtype=dtype), PAGE)
+    receiver = KVReceiver(kv, release=dst_pool.release, backend=backend, timing=FAST)
+    try:
+        receiver.connect("p", lookup_prefill(service.endpoint, 10))
+        num_pages = 21
+        dst = dst_pool.pool.allocate(PAGES)[::-1][:num_pages]  # reversed: no two consecutive
+        random.Random(5).shuffle(dst)
+        receiver.expect_room(ROOM, "p", dst, num_prompt_tokens=num_pages * PAGE - 3)
+        src = send_request(senders, src_pools, num_pages, num_tokens=num_pages * PAGE - 3)
+        res = receiver.wait_room(ROOM, 30)
+        assert res is not None and res.ok, res
+        assert res.pages == dst and (res.final.first_token, res.final.logprob) == (42, -0.5)
+        assert res.final.top_logprobs == [(42, -0.5), (7, -1.5)]
+        for s, pages in zip(senders, src):
+            assert_pages_equal(s.kv, pages, kv, dst)
+        # The prefill pages came back once the room succeeded; the decode's are the caller's.
+        assert wait_until(lambda: all(p.clean() for p in src_pools))
+        assert dst_pool.pool.num_free == PAGES - PAGES  # nothing released on success
+    finally:
+        receiver.close()
+        for s in senders:
+            s.close()
+        service.close()
+
+
+def test_hmac_sealed_transfer_and_a_room_that_never_comes():
+    secret = b"cluster-secret"
+    timing = Timing(bootstrap_timeout_s=20, waiting_timeout_s=1.0, heartbeat_interval_s=0.2,
+                    heartbeat_max_misses=3)
+    service, senders, src_pools = start_prefill("tcp", torch.float32, secret, timing)
+    dst_pool = Pool()
+    kv = random_kv(0, 0, LAYERS)
+    receiver = KVReceiver(kv, release=dst_pool.release, timing=timing, secret=secret)
+    try:
+        receiver.connect("p", lookup_prefill(service.endpoint, 10, secret=secret))
+        dst = dst_pool.pool.allocate(4)
+        receiver.expect_room(ROOM, "p", dst)
+        src = send_request(senders, src_pools, 4)
+        assert receiver.wait_room(ROOM, 30).ok
+        assert_pages_equal(senders[0].kv, src[0], kv, dst)
+        dst_pool.release(ROOM, dst)
+        # No prefill ever opens room 7: the decode gives up after the waiting timeout, tells
+        # the prefill stages to drop it, and frees its pages.
+        receiver.expect_room(7, "p", dst_pool.pool.allocate(3))
+        res = receiver.wait_room(7, 30)
+        assert not res.ok and "--disaggregation-waiting-timeout" in res.reason
+        assert dst_pool.clean()
+        assert wait_until(lambda: all(p.clean() for p in src_pools))
+    finally:
+        receiver.close()
+        for s in senders:
+            s.close()
+        service.close()
+
+
+def test_prefill_abort_reaches_the_decode_and_frees_both_sides():
+    service, senders, src_pools = start_prefill("tcp", torch.float32)
+    dst_pool = Pool()
+    receiver = KVReceiver(random_kv(0, 0, LAYERS), release=dst_pool.release, timing=FAST)
+    try:
+        receiver.connect("p", lookup_prefill(service.endpoint, 10))
+        receiver.expect_room(ROOM, "p", dst_pool.pool.allocate(8))
+        send_request(senders, src_pools, 8, last_chunk=False)
+        senders[0].fail_room(ROOM, "the prompt is longer than --max-model-len")
+        res = receiver.wait_room(ROOM, 30)
+        assert not res.ok and "--max-model-len" in res.reason
+        assert wait_until(dst_pool.clean)
+        # Stage 1 hears the decode's drop and frees its pages too.
+        assert wait_until(lambda: all(p.clean() for p in src_pools))
+    finally:
+        receiver.close()
+        for s in senders:
+            s.close()
+        service.close()
+
+
+# ------------------------------------------------------------ separate processes
+
+SENDER = r"""
+import json, random, sys, time, torch
+from pipefill.disagg import messages as m
+from pipefill.disagg.bootstrap import BootstrapServer, register_stage
+from pipefill.disagg.transfer import KVSender, KVTensors, Timing
+backend, mode, room, num_pages = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+L, P, PAGE, H, D = 4, 48, 16, 2, 32
+g = torch.Generator().manual_seed(10)
+kv = KVTensors(torch.randn(L, P * PAGE, H, D, generator=g), torch.randn(L, P * PAGE, H, D,
+               generator=g), PAGE, 0)
+released = []
+sender = KVSender(kv, 0, release=lambda r, p: released.append(p), backend=backend,
+                  timing=Timing(20, 20, 0.2, 3))
+service = BootstrapServer(port=0)
+register_stage(service.endpoint, sender.registration(pp_size=1, num_layers=L, num_kv_heads=H,
+               head_dim=D, model_fingerprint="tiny"))
+src = list(range(num_pages)); random.Random(3).shuffle(src)
+print(json.dumps({"port": service.endpoint.port, "src": src}), flush=True)
+sender.open_room(room, sends_final=True)
+sender.send_pages(room, 0, src[:num_pages // 2])
+if mode == "full":
+    sender.send_pages(room, num_pages // 2, src[num_pages // 2:], is_last=True)
+    sender.send_final(room, m.FinalMeta(room, 0, num_pages * PAGE, 1))
+sys.stdin.read()  # until the test closes our stdin (or kills us)
+print(json.dumps({"released": released}), flush=True)
+"""
+
+
+def spawn_sender(backend, mode, num_pages):
+    proc = subprocess.Popen([sys.executable, "-c", SENDER, backend, mode, str(ROOM),
+                             str(num_pages)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "GLOG_minloglevel": "2"})
+    info = json.loads(proc.stdout.readline())
+    return proc, info
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fault", [None, "kill", "stop"])
+def test_sender_process(backend, fault):
+    num_pages = 24
+    proc, info = spawn_sender(backend, "full" if fault is None else "stall", num_pages)
+    dst_pool = Pool()
+    kv = KVTensors(torch.zeros(LAYERS, PAGES * PAGE, HEADS, DIM),
+                   torch.zeros(LAYERS, PAGES * PAGE, HEADS, DIM), PAGE)
+    receiver = KVReceiver(kv, release=dst_pool.release, backend=backend,
+                          timing=Timing(20, 20, 0.5, 4))
+    try:
+        receiver.connect("p", lookup_prefill(m.Endpoint("127.0.0.1", info["port"]), 60))
+        dst = dst_pool.pool.allocate(num_pages)
+        random.Random(8).shuffle(dst)
+        receiver.expect_room(ROOM, "p", dst)
+        if fault is None:
+            res = receiver.wait_room(ROOM, 60)
+            assert res.ok, res
+            assert_pages_equal(random_kv(10, 0, LAYERS), info["src"], kv, dst)
+            proc.stdin.close()
+            assert json.loads(proc.stdout.readline())["released"] == [
+                info["src"][:num_pages // 2] + info["src"][num_pages // 2:]]
+            return
+        # The first chunk lands, then the sender dies (a socket error) or hangs (heartbeats).
+        assert wait_until(lambda: len(receiver.rooms.live[ROOM].delivered) == 1, 30)
+        os.kill(proc.pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        start = time.monotonic()
+        res = receiver.wait_room(ROOM, 30)
+        assert res is not None and not res.ok and "stopped answering" in res.reason
+        assert time.monotonic() - start < 2 + 0.5 * 4  # within the heartbeat window
+        assert wait_until(dst_pool.clean, 10)  # the drain grace bounds one-sided transports
+    finally:
+        receiver.close()
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()

@@ -77,7 +77,7 @@ class FileBackend:
         try:
             with open(path, "rb") as f:
                 ok = self._read(f, key, out)
-        except FileNotFoundError:
+        except (FileNotFoundError, NotADirectoryError):
             return False
         if not ok:  # damaged or foreign: remove it so that the next put writes a good copy
             log.debug("L3 file %s is corrupt, truncated or foreign: removed", path)

@@ -118,11 +118,9 @@ class MooncakeBackend:
                     "master_down": self._down()}
 
     def close(self) -> None:
-        # With the master gone the library's close waits on RPC retries (~15 s): not at exit.
-        if self._down():
-            threading.Thread(target=self.store.close, daemon=True).start()
-        else:
-            self.store.close()
+        # With the master gone this waits on the library's RPC retries (~7-15 s, holding the
+        # GIL, so a helper thread would not help); it only happens at shutdown.
+        self.store.close()
 
     def _down(self) -> bool:
         return time.monotonic() < self._down_until

@@ -266,3 +266,13 @@ def test_sender_process(backend, fault):
         if proc.poll() is None:
             os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+@pytest.mark.slow
+def test_bench_kv_transfer_runs_and_checks_pages():
+    out = subprocess.run([sys.executable, "-m", "pipefill.cli.main", "bench", "kv-transfer",
+                          "--input-len", "300", "--chunk-size", "128", "--layers", "2",
+                          "--backends", "tcp", "--dtypes", "bfloat16", "--reps", "1"],
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr
+    assert "GB/s" in out.stdout and "x local copy" in out.stdout

@@ -1,0 +1,210 @@
+"""`pipefill bench kv-transfer`: GB/s of prefill->decode KV page transfer per transport.
+
+Workload: the KV of one --input-len prompt of the default model's shape (30 layers, 3 KV heads,
+head dim 64, 64-token pages), sent by a prefill stage (KVSender, a separate process pinned to
+the first of --cores) in --chunk-size token chunks, the way prefill streams it, into shuffled
+pre-allocated pages of a decode (KVReceiver, this process, pinned to the second core). Time: from
+telling the sender to start until the decode's room is ready. Every page is checked.
+
+Baseline, measured in this run on the receiver's core: the same pages gathered and scattered
+inside one process (index_select + index_copy_), the memory-bound floor of a copy.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import subprocess
+import sys
+import time
+
+import torch
+
+PATTERN_LAYER = 1000  # page p of layer l holds p + 1000 * l (K) and its negative (V)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("kv-transfer", help="prefill->decode KV transfer GB/s per transport",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--input-len", type=int, default=8192, help="prompt tokens whose KV moves")
+    p.add_argument("--chunk-size", type=int, default=2048, help="tokens per sent chunk")
+    p.add_argument("--layers", type=int, default=30)
+    p.add_argument("--kv-heads", type=int, default=3)
+    p.add_argument("--head-dim", type=int, default=64)
+    p.add_argument("--page-size", type=int, default=64)
+    p.add_argument("--dtypes", default="float32,bfloat16")
+    p.add_argument("--backends", default="tcp,mooncake")
+    p.add_argument("--reps", type=int, default=3, help="timed transfers per case (best kept)")
+    p.add_argument("--cores", default="0,1", help="sender core,receiver core")
+    p.add_argument("--contiguous", action="store_true",
+                   help="consecutive page ids on both sides (a fresh pool) instead of shuffled "
+                        "ones (the worst case: every page its own run)")
+    p.add_argument("--json", metavar="FILE", help="write every number to this JSON file")
+    p.set_defaults(run=run)
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
+
+
+def pattern_kv(layers, pages, page_size, heads, dim, dtype, fill: bool):
+    from pipefill.disagg.transfer import KVTensors
+    shape = (layers, pages * page_size, heads, dim)
+    k, v = torch.zeros(shape, dtype=dtype), torch.zeros(shape, dtype=dtype)
+    if fill:
+        value = (torch.arange(pages).repeat_interleave(page_size)[None] +
+                 PATTERN_LAYER * torch.arange(layers)[:, None]).to(dtype)  # [layers, slots]
+        k.copy_(value[:, :, None, None].expand(shape))
+        v.copy_(-value[:, :, None, None].expand(shape))
+    return KVTensors(k, v, page_size, 0)
+
+
+def page_order(pages: int, seed: int, contiguous: bool) -> list[int]:
+    order = list(range(pages))
+    if not contiguous:
+        random.Random(seed).shuffle(order)
+    return order
+
+
+def sender_main(a: argparse.Namespace) -> None:
+    """The prefill stage: registers, then sends a room's pages for each 'ROOM' line on stdin."""
+    from pipefill.disagg import messages as m
+    from pipefill.disagg.bootstrap import BootstrapServer, register_stage
+    from pipefill.disagg.transfer import KVSender
+    os.sched_setaffinity(0, {a.core})
+    torch.set_num_threads(1)
+    pages = -(-a.input_len // a.page_size)
+    kv = pattern_kv(a.layers, pages, a.page_size, a.kv_heads, a.head_dim,
+                    getattr(torch, a.dtype), fill=True)
+    sender = KVSender(kv, 0, release=lambda room, p: None, backend=a.backend)
+    service = BootstrapServer(port=0)
+    register_stage(service.endpoint, sender.registration(
+        pp_size=1, num_layers=a.layers, num_kv_heads=a.kv_heads, head_dim=a.head_dim,
+        model_fingerprint="bench"))
+    print(service.endpoint.port, flush=True)
+    per_chunk = max(1, a.chunk_size // a.page_size)
+    for line in sys.stdin:
+        room = int(line)
+        src = page_order(pages, room, a.contiguous)
+        sender.open_room(room, sends_final=True)
+        for first in range(0, pages, per_chunk):
+            sender.send_pages(room, first, src[first:first + per_chunk],
+                              is_last=first + per_chunk >= pages)
+        sender.send_final(room, m.FinalMeta(room, 0, a.input_len, 0))
+
+
+def local_copy_gbs(kv, src, dst, reps: int) -> float:
+    """Gather + scatter of the same pages inside one process: the copy floor."""
+    out = pattern_kv(kv.num_layers, kv.num_pages, kv.page_size, kv.k.shape[2], kv.k.shape[3],
+                     kv.dtype, fill=False)
+    si, di = torch.tensor(src), torch.tensor(dst)
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        for layer in range(kv.num_layers):
+            for a, b in ((kv.k, out.k), (kv.v, out.v)):
+                staged = kv.pages(a, layer).index_select(0, si)
+                out.pages(b, layer).index_copy_(0, di, staged)
+        best = min(best, time.perf_counter() - t0)
+    return 2 * kv.num_layers * len(src) * kv.page_bytes / best / 1e9
+
+
+def check_pages(kv, src, dst) -> None:
+    for layer in range(kv.num_layers):
+        want = (torch.tensor(src, dtype=torch.float32) + PATTERN_LAYER * layer).to(kv.dtype)
+        got_k = kv.pages(kv.k, layer)[dst][:, 0]
+        got_v = kv.pages(kv.v, layer)[dst][:, 0]
+        if not (torch.equal(got_k, want) and torch.equal(got_v, -want)):
+            raise RuntimeError(f"layer {layer}: received pages differ from the sent ones")
+
+
+def bench_case(a, backend: str, dtype: str, cores: list[int]) -> dict:
+    from pipefill.disagg import messages as m
+    from pipefill.disagg.bootstrap import lookup_prefill
+    from pipefill.disagg.transfer import KVReceiver
+    pages = -(-a.input_len // a.page_size)
+    cmd = [sys.executable, "-m", "pipefill.bench.kv_transfer", "--role", "sender",
+           "--backend", backend, "--dtype", dtype, "--core", str(cores[0]),
+           *[f"--{k}={getattr(a, k.replace('-', '_'))}" for k in
+             ("input-len", "chunk-size", "layers", "kv-heads", "head-dim", "page-size")],
+           *(["--contiguous"] if a.contiguous else [])]
+    child = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+                             env={**os.environ, "GLOG_minloglevel": "2"})
+    try:
+        port = int(child.stdout.readline())
+        kv = pattern_kv(a.layers, pages, a.page_size, a.kv_heads, a.head_dim,
+                        getattr(torch, dtype), fill=False)
+        receiver = KVReceiver(kv, release=lambda room, p: None, backend=backend)
+        receiver.connect("bench", lookup_prefill(m.Endpoint("127.0.0.1", port), 120))
+        times = []
+        for rep in range(a.reps):
+            room = 1000 + rep
+            dst = page_order(pages, -room, a.contiguous)
+            receiver.expect_room(room, "bench", dst, num_prompt_tokens=a.input_len)
+            t0 = time.perf_counter()
+            child.stdin.write(f"{room}\n")
+            child.stdin.flush()
+            res = receiver.wait_room(room, 600)
+            times.append(time.perf_counter() - t0)
+            if res is None or not res.ok:
+                raise RuntimeError(f"{backend}: room failed: {res}")
+            src = page_order(pages, room, a.contiguous)
+            check_pages(kv, src, dst)
+        receiver.close()
+        nbytes = 2 * a.layers * pages * kv.page_bytes
+        base = local_copy_gbs(kv, src, dst, a.reps)
+        return {"backend": backend, "dtype": dtype, "bytes": nbytes, "best_s": min(times),
+                "times_s": times, "gbs": nbytes / min(times) / 1e9, "local_copy_gbs": base}
+    finally:
+        child.kill()
+        child.wait()
+
+
+def run(a: argparse.Namespace) -> int:
+    cores = [int(c) for c in a.cores.split(",")]
+    if len(cores) != 2:
+        raise ValueError("--cores needs two core ids: sender,receiver")
+    os.sched_setaffinity(0, {cores[1]})
+    torch.set_num_threads(1)
+    print(f"{cpu_name()}; sender on core {cores[0]}, receiver on core {cores[1]}; "
+          f"{'contiguous' if a.contiguous else 'shuffled'} pages; {a.input_len} tokens x "
+          f"{a.layers} layers x {a.kv_heads} KV heads x {a.head_dim}, "
+          f"{a.page_size}-token pages, {a.chunk_size}-token chunks, best of {a.reps}")
+    rows = []
+    for dtype in a.dtypes.split(","):
+        for backend in a.backends.split(","):
+            r = bench_case(a, backend, dtype, cores)
+            rows.append(r)
+            print(f"{backend:9s} {dtype:9s} {r['bytes'] / 2**20:7.1f} MiB  {r['best_s']:.3f} s  "
+                  f"{r['gbs']:.2f} GB/s  = {r['gbs'] / r['local_copy_gbs']:.2f} x local copy "
+                  f"({r['local_copy_gbs']:.2f} GB/s); one {a.chunk_size}-token chunk "
+                  f"{r['best_s'] * a.chunk_size / a.input_len * 1e3:.0f} ms", flush=True)
+    if a.json:
+        with open(a.json, "w") as f:
+            json.dump({"cpu": cpu_name(), "args": vars(a) | {"run": None}, "rows": rows}, f,
+                      indent=1)
+    return 0
+
+
+def _sender_args(argv) -> argparse.Namespace:
+    p = argparse.ArgumentParser()
+    p.add_argument("--role")
+    p.add_argument("--backend")
+    p.add_argument("--dtype")
+    p.add_argument("--core", type=int)
+    p.add_argument("--contiguous", action="store_true")
+    for k in ("input-len", "chunk-size", "layers", "kv-heads", "head-dim", "page-size"):
+        p.add_argument(f"--{k}", type=int)
+    return p.parse_args(argv)
+
+
+if __name__ == "__main__":
+    sender_main(_sender_args(sys.argv[1:]))

@@ -10,6 +10,7 @@ from contextlib import aclosing, asynccontextmanager
 from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
+from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
@@ -17,8 +18,10 @@ from pipefill.scheduler.scheduler import check_prompt
 from pipefill.scheduler.plan import SamplingParams
 from pipefill.server.async_engine import AsyncEngine, EngineDown
 from pipefill.server.metrics import ServerMetrics
-from pipefill.server.protocol import ChatCompletionRequest, CompletionRequest
-from pipefill.server.text import IncrementalDecoder, StopChecker
+from pipefill.server.protocol import (MAX_STOP_CHARS, MAX_STOP_STRINGS, ChatCompletionRequest,
+                                      CompletionRequest, ErrorResponse, loads_body)
+from pipefill.server.text import (IncrementalDecoder, StopChecker, TokenLogprobs,
+                                  longest_token_bytes)
 
 log = logging.getLogger("pipefill.server")
 
@@ -29,10 +32,30 @@ class ApiError(Exception):
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, message, param, kind
 
-    def response(self) -> JSONResponse:
-        return JSONResponse({"error": {"message": self.message, "type": self.kind,
-                                       "param": self.param, "code": self.status}},
-                            status_code=self.status)
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.kind, "param": self.param,
+                          "code": self.status}}
+
+    def response(self) -> Response:
+        # ASCII-escaped: a message that quotes the client's text (a lone surrogate) still
+        # encodes.
+        return Response(json.dumps(self.body()), status_code=self.status,
+                        media_type="application/json")
+
+
+class RequestFailed(RuntimeError):
+    """The stages could not finish this one request (the others go on)."""
+
+
+def error_of(e: Exception) -> ApiError:
+    """The answer for a request that failed after it was accepted."""
+    if isinstance(e, ValueError):  # stage 0 rejected it: the request's own fault
+        return ApiError(400, str(e))
+    if isinstance(e, RequestFailed):
+        # Every parameter known to be bad is refused at the door, so a failure while
+        # generating is the server's: 500, which the client may report or retry.
+        return ApiError(500, f"the request failed while generating: {e}", kind="server_error")
+    return ApiError(503, str(e), kind="server_error")
 
 
 @dataclass
@@ -43,6 +66,16 @@ class Served:
     model_name: str
     api_key: str | None
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
+    token_bytes: int = 0  # the most prompt bytes one token stands for
+
+    def __post_init__(self):
+        self.token_bytes = self.token_bytes or longest_token_bytes(self.tokenizer)
+
+    @property
+    def max_body_bytes(self) -> int:
+        """Larger bodies cannot hold a prompt that fits --max-model-len (JSON may escape a
+        byte as six), so they are refused before they are read whole."""
+        return 2**20 + 6 * self.args.max_model_len * self.token_bytes
 
     @property
     def args(self):
@@ -90,19 +123,55 @@ def build_app(served: Served, on_startup_failure=None, shutting_down=None) -> Fa
             "id": served.model_name, "object": "model", "created": int(time.time()),
             "owned_by": "pipefill", "max_model_len": served.args.max_model_len}]}
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", **_documented(CompletionRequest, "text_completion"))
     async def completions(request: Request):
         authorize(served, request)
-        body = await parse(request, CompletionRequest)
+        body = await parse(request, CompletionRequest, served.max_body_bytes)
         return await handle(served, request, body, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", **_documented(ChatCompletionRequest, "chat.completion"))
     async def chat_completions(request: Request):
         authorize(served, request)
-        body = await parse(request, ChatCompletionRequest)
+        body = await parse(request, ChatCompletionRequest, served.max_body_bytes)
         return await handle(served, request, body, chat=True)
 
+    app.openapi = lambda: _openapi(app)
     return app
+
+
+_REF = "#/components/schemas/{model}"
+_REQUEST_MODELS = (CompletionRequest, ChatCompletionRequest)
+
+
+def _documented(model, obj: str) -> dict:
+    """The route's OpenAPI: the body parse() checks (the route reads raw JSON itself, so that
+    every error is an OpenAI-style 400, never FastAPI's 422) and the answers it gives."""
+    ok = {"description": f"A {obj} object, or with stream: true server-sent events of "
+                         f"{obj} chunks ending in 'data: [DONE]'",
+          "content": {"application/json": {"schema": {"type": "object"}},
+                      "text/event-stream": {"schema": {"type": "string"}}}}
+    errors = {status: {"model": ErrorResponse, "description": why} for status, why in (
+        (400, "Invalid request: a sentence says what to change"),
+        (401, "Missing or wrong API key"),
+        (413, "Request body too large for --max-model-len"),
+        (415, "Content-Type is not application/json"),
+        (500, "The request failed while generating"),
+        (503, "The model is loading or a stage is down"))}
+    body = {"required": True, "content": {"application/json": {
+        "schema": {"$ref": _REF.format(model=model.__name__)}}}}
+    return {"openapi_extra": {"requestBody": body}, "responses": {200: ok, **errors}}
+
+
+def _openapi(app: FastAPI) -> dict:
+    if app.openapi_schema is None:
+        schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+        models = schema.setdefault("components", {}).setdefault("schemas", {})
+        for model in _REQUEST_MODELS:
+            js = model.model_json_schema(ref_template=_REF)
+            models.update(js.pop("$defs", {}))
+            models[model.__name__] = js
+        app.openapi_schema = schema
+    return app.openapi_schema
 
 
 async def _fail_late_requests(served: Served, shutting_down) -> None:
@@ -127,12 +196,16 @@ def authorize(served: Served, request: Request) -> None:
                        kind="authentication_error")
 
 
-async def parse(request: Request, model):
-    raw = await request.body()
+async def parse(request: Request, model, max_bytes: int):
+    kind = request.headers.get("content-type")
+    media = (kind or "").split(";")[0].strip().lower()
+    if kind is not None and media != "application/json" and not media.endswith("+json"):
+        raise ApiError(415, f"Content-Type must be application/json, got {kind[:100]!r}")
+    raw = await read_body(request, max_bytes)
     try:
-        data = json.loads(raw)
-    except (json.JSONDecodeError, UnicodeDecodeError) as e:
-        raise ApiError(400, f"the request body is not valid JSON: {e}") from None
+        data = loads_body(raw)
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
     if not isinstance(data, dict):
         raise ApiError(400, "the request body must be a JSON object")
     try:
@@ -141,6 +214,21 @@ async def parse(request: Request, model):
         first = e.errors()[0]
         where = ".".join(str(x) for x in first["loc"]) or "body"
         raise ApiError(400, f"{where}: {first['msg']}", param=where) from None
+
+
+async def read_body(request: Request, limit: int) -> bytes:
+    too_large = ApiError(413, f"the request body is larger than {limit} bytes, more than a "
+                              f"prompt of --max-model-len tokens needs")
+    declared = request.headers.get("content-length", "")
+    if declared.isdigit() and int(declared) > limit:
+        raise too_large
+    chunks, size = [], 0
+    async for chunk in request.stream():
+        size += len(chunk)
+        if size > limit:
+            raise too_large
+        chunks.append(chunk)
+    return b"".join(chunks)
 
 
 @dataclass
@@ -171,6 +259,7 @@ def make_job(served: Served, body, chat: bool) -> Job:
     if max_tokens <= 0:
         raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}",
                        param="max_tokens")
+    check_limits(body)
     logprobs = (body.top_logprobs or 0) if chat and body.logprobs else (
         None if chat else body.logprobs)
     echo = not chat and body.echo
@@ -188,15 +277,51 @@ def make_job(served: Served, body, chat: bool) -> Job:
     return Job(rid, ids, prompt_text, params, body.stop_strings(), chat, echo, logprobs)
 
 
+def check_limits(body) -> None:
+    """Bounds that protect the server rather than the model: stop strings are searched after
+    every token, and the stages' messages carry 64-bit integers."""
+    stops = body.stop_strings()
+    if len(stops) > MAX_STOP_STRINGS:
+        raise ApiError(400, f"stop: at most {MAX_STOP_STRINGS} stop strings are accepted, got "
+                            f"{len(stops)}", param="stop")
+    if any(len(s) > MAX_STOP_CHARS for s in stops):
+        raise ApiError(400, f"stop: a stop string may have at most {MAX_STOP_CHARS} "
+                            "characters", param="stop")
+    for name in ("seed", "top_k"):
+        value = getattr(body, name)
+        if value is not None and not -2**63 <= value < 2**63:
+            raise ApiError(400, f"{name} must fit in 64 bits, got {value}", param=name)
+
+
+def check_text(served: Served, text: str, param: str) -> None:
+    """Refuses text the tokenizer cannot take, and text too long for --max-model-len before
+    tokenizing it (10 MB take ~10 s to tokenize, with the event loop blocked)."""
+    try:
+        size = len(text.encode("utf-8"))
+    except UnicodeEncodeError:
+        raise ApiError(400, f"{param} is not valid Unicode: it contains an unpaired surrogate "
+                            "(e.g. \\ud800)", param=param) from None
+    limit = served.args.max_model_len * served.token_bytes
+    if size > limit:
+        raise ApiError(400, f"{param} is {size} bytes; no prompt of --max-model-len "
+                            f"({served.args.max_model_len}) tokens is longer than {limit} "
+                            "bytes with this tokenizer", param=param)
+
+
 def prompt_of(served: Served, body, chat: bool) -> tuple[str | None, list[int]]:
     tok = served.tokenizer
     if chat:
         if tok is None or not tok.has_chat_template:
             raise ApiError(400, "this model has no chat template; use /v1/completions")
-        text = tok.apply_chat_template([{"role": m.role, "content": m.text()}
-                                        for m in body.messages])
-        return text, tok.encode_chat([{"role": m.role, "content": m.text()}
-                                      for m in body.messages])
+        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
+        check_text(served, "".join(m["content"] for m in messages), "messages")
+        try:
+            text = tok.apply_chat_template(messages)
+        except Exception as e:  # noqa: BLE001 - templates raise on conversations they refuse
+            raise ApiError(400, f"the model's chat template refused these messages: "
+                                f"{type(e).__name__}: {e}", param="messages") from None
+        check_text(served, text, "messages")
+        return text, encode(tok.encode_chat, messages)
     prompt = body.prompt
     if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
         if len(prompt) != 1:
@@ -206,8 +331,17 @@ def prompt_of(served: Served, body, chat: bool) -> tuple[str | None, list[int]]:
     if isinstance(prompt, str):
         if tok is None:
             raise ApiError(400, "this model has no tokenizer: send token ids", param="prompt")
-        return prompt, tok.encode(prompt)
+        check_text(served, prompt, "prompt")
+        return prompt, encode(tok.encode, prompt)
     return None, list(prompt)
+
+
+def encode(fn, arg) -> list[int]:
+    try:
+        return fn(arg)
+    except Exception as e:  # noqa: BLE001 - checked text should encode; answer, don't crash
+        raise ApiError(400, f"the prompt could not be tokenized: {type(e).__name__}: {e}",
+                       param="prompt") from None
 
 
 async def handle(served: Served, request: Request, body, chat: bool):
@@ -227,8 +361,8 @@ async def handle(served: Served, request: Request, body, chat: bool):
             return Response(status_code=499)
     try:
         return task.result()
-    except EngineDown as e:
-        raise ApiError(503, str(e), kind="server_error") from None
+    except (EngineDown, RequestFailed, ValueError) as e:
+        raise error_of(e) from None
 
 
 class Run:
@@ -240,9 +374,7 @@ class Run:
         self.stop = StopChecker(job.stops)
         self.output_ids: list[int] = []
         self.finish_reason: str | None = None
-        self.lp = {"tokens": [], "token_logprobs": [], "top_logprobs": [], "text_offset": []}
-        self.text_len = 0
-        self.prompt_logprobs: list[float] | None = None
+        self.logprobs = TokenLogprobs() if job.logprobs is not None else None
         self.t0 = time.perf_counter()
         self.first_token_at: float | None = None
 
@@ -263,15 +395,17 @@ class Run:
                     if self.finish_reason:
                         break
             status = "ok"
-        except EngineDown:
+        except (EngineDown, RequestFailed, ValueError):
             status = "error"
             raise
         finally:
             self._record(status)
 
     def _on_output(self, out) -> list[str]:
-        if out.prompt_logprobs is not None:
-            self.prompt_logprobs = out.prompt_logprobs
+        if out.finish_reason == "error":
+            raise RequestFailed(out.error or "no reason given")
+        if out.prompt_logprobs is not None and self.job.echo and self.logprobs is not None:
+            self._add_prompt_logprobs(out.prompt_logprobs)
         for size in out.chunk_sizes or []:
             self.served.metrics.chunk_size.observe(size)
         deltas = [self._take(out)]
@@ -288,16 +422,22 @@ class Run:
             self.first_token_at = time.perf_counter()
         self.output_ids += out.new_token_ids
         text = self.decoder.push(out.new_token_ids) if self.decoder else ""
-        if self.job.logprobs is not None and out.token_logprobs:
+        if self.logprobs is not None and out.token_logprobs:
             self._add_logprobs(out)
         return self.stop.feed(text)
 
+    def _add_prompt_logprobs(self, logprobs: list[float]) -> None:
+        """With echo: the prompt's tokens first, the first one without a logprob."""
+        tokens = [self._decode([t]) for t in self.job.prompt_ids]
+        self.logprobs.add(tokens[0], None, None)
+        for token, x in zip(tokens[1:], logprobs):
+            self.logprobs.add(token, x, {token: x})
+
     def _add_logprobs(self, out) -> None:
         for i, token in enumerate(out.new_token_ids):
-            self.lp["tokens"].append(self._decode([token]))
-            self.lp["token_logprobs"].append(out.token_logprobs[i])
             tops = out.top_logprobs[i] if out.top_logprobs else []
-            self.lp["top_logprobs"].append({self._decode([t]): lp for t, lp in tops})
+            self.logprobs.add(self._decode([token]), out.token_logprobs[i],
+                              {self._decode([t]): lp for t, lp in tops})
 
     def _decode(self, ids: list[int]) -> str:
         tok = self.served.tokenizer
@@ -323,44 +463,20 @@ class Run:
     async def collect(self) -> dict:
         text = "".join([d async for d in self.events()])
         job = self.job
+        logprobs = self._logprobs(self.logprobs.entries) if self.logprobs is not None else None
         if job.chat:
             choice = {"index": 0, "message": {"role": "assistant", "content": text},
-                      "logprobs": self._chat_logprobs(), "finish_reason": self.finish_reason}
+                      "logprobs": logprobs, "finish_reason": self.finish_reason}
             obj = "chat.completion"
         else:
-            choice = {"index": 0, "text": text, "logprobs": self._completion_logprobs(),
+            choice = {"index": 0, "text": text, "logprobs": logprobs,
                       "finish_reason": self.finish_reason}
             obj = "text_completion"
         return {"id": job.rid, "object": obj, "created": job.created,
                 "model": self.served.model_name, "choices": [choice], "usage": self.usage()}
 
-    def _completion_logprobs(self) -> dict | None:
-        if self.job.logprobs is None:
-            return None
-        lp = self.lp
-        if self.job.echo and self.prompt_logprobs is not None:
-            prompt_tokens = [self._decode([t]) for t in self.job.prompt_ids]
-            prompt_lps = [None] + self.prompt_logprobs
-            lp = {"tokens": prompt_tokens + lp["tokens"],
-                  "token_logprobs": prompt_lps + lp["token_logprobs"],
-                  "top_logprobs": [None] + [{t: x} for t, x in zip(prompt_tokens[1:],
-                                                                   self.prompt_logprobs)]
-                  + lp["top_logprobs"]}
-        offsets, at = [], 0
-        for t in lp["tokens"]:
-            offsets.append(at)
-            at += len(t)
-        return {**lp, "text_offset": offsets}
-
-    def _chat_logprobs(self) -> dict | None:
-        if self.job.logprobs is None:
-            return None
-        return {"content": [
-            {"token": t, "logprob": x, "bytes": list(t.encode()),
-             "top_logprobs": [{"token": k, "logprob": v, "bytes": list(k.encode())}
-                              for k, v in top.items()]}
-            for t, x, top in zip(self.lp["tokens"], self.lp["token_logprobs"],
-                                 self.lp["top_logprobs"])]}
+    def _logprobs(self, entries: list) -> dict:
+        return TokenLogprobs.chat(entries) if self.job.chat else TokenLogprobs.completion(entries)
 
     # -- streamed response --
     async def sse(self, include_usage: bool):
@@ -368,12 +484,16 @@ class Run:
         obj = "chat.completion.chunk" if job.chat else "text_completion"
 
         def chunk(delta: str | None, finish: str | None, first: bool = False) -> str:
+            # The logprobs of the tokens that arrived since the last chunk (text held back
+            # for a stop string or a split character comes later; its logprobs come now).
+            entries = self.logprobs.unsent() if self.logprobs is not None else []
+            logprobs = self._logprobs(entries) if entries else None
             if job.chat:
                 d = {"role": "assistant", "content": delta or ""} if first else (
                     {"content": delta} if delta else {})
-                choice = {"index": 0, "delta": d, "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "delta": d, "logprobs": logprobs, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": delta or "", "logprobs": None,
+                choice = {"index": 0, "text": delta or "", "logprobs": logprobs,
                           "finish_reason": finish}
             return _sse({"id": job.rid, "object": obj, "created": job.created,
                          "model": self.served.model_name, "choices": [choice]})
@@ -387,8 +507,8 @@ class Run:
                 yield _sse({"id": job.rid, "object": obj, "created": job.created,
                             "model": self.served.model_name, "choices": [],
                             "usage": self.usage()})
-        except (EngineDown, ValueError) as e:
-            yield _sse({"error": {"message": str(e), "type": "server_error", "code": 503}})
+        except (EngineDown, RequestFailed, ValueError) as e:
+            yield _sse(error_of(e).body())
         yield "data: [DONE]\n\n"
 
 

@@ -59,3 +59,42 @@ class StopChecker:
     def flush(self) -> str:
         out, self.held = ("" if self.stopped else self.held), ""
         return out
+
+
+def longest_token_bytes(tokenizer) -> int:
+    """The most prompt bytes one token can stand for: the longest vocabulary entry in UTF-8
+    (byte-level BPE writes one character per byte, so this over-counts, which is the safe
+    side). A prompt longer than max_model_len times this is too long without tokenizing it."""
+    vocab = tokenizer.hf.get_vocab() if tokenizer is not None else {}
+    return max((len(token.encode("utf-8", "replace")) for token in vocab), default=64)
+
+
+class TokenLogprobs:
+    """The logprobs of a response's tokens (with echo, the prompt's first), kept once and
+    written in both OpenAI shapes; a stream hands out the entries it has not sent yet."""
+
+    def __init__(self):
+        self.entries: list[tuple[str, float | None, dict[str, float] | None, int]] = []
+        self.num_chars = 0  # text_offset of the next token
+        self.num_sent = 0
+
+    def add(self, token: str, logprob: float | None, top: dict[str, float] | None) -> None:
+        self.entries.append((token, logprob, top, self.num_chars))
+        self.num_chars += len(token)
+
+    def unsent(self) -> list:
+        entries, self.num_sent = self.entries[self.num_sent:], len(self.entries)
+        return entries
+
+    @staticmethod
+    def completion(entries: list) -> dict:
+        return {"tokens": [e[0] for e in entries], "token_logprobs": [e[1] for e in entries],
+                "top_logprobs": [e[2] for e in entries], "text_offset": [e[3] for e in entries]}
+
+    @staticmethod
+    def chat(entries: list) -> dict:
+        return {"content": [
+            {"token": t, "logprob": x, "bytes": list(t.encode()),
+             "top_logprobs": [{"token": k, "logprob": v, "bytes": list(k.encode())}
+                              for k, v in (top or {}).items()]}
+            for t, x, top, _ in entries]}

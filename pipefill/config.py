@@ -74,6 +74,10 @@ class ServerArgs:
         "Turn off the radix prefix cache (by default whole KV pages of earlier prompts and "
         "outputs are kept and reused by requests that start with the same tokens).",
         default=False)
+    disable_radix_cache: bool = _flag(
+        "Turn off the radix prefix cache (by default whole KV pages of earlier prompts and "
+        "outputs are kept and reused by requests that start with the same tokens).",
+        default=False)
     threads_per_stage: int | None = _flag(
         "CPU threads per stage process. Default: usable cores // pp_size (at least 1).",
         default=None)

@@ -37,6 +37,7 @@ class _Pending:
     done: RequestOutput | None = None
     prompt_logprobs: list[float] | None = None
     chunk_sizes: list[int] | None = None
+    cached_tokens: int = 0
 
 
 class Engine:
@@ -140,6 +141,7 @@ class Engine:
                 p.output_ids += out.new_token_ids
                 p.prompt_logprobs = out.prompt_logprobs or p.prompt_logprobs
                 p.chunk_sizes = out.chunk_sizes or p.chunk_sizes
+                p.cached_tokens = out.cached_tokens or p.cached_tokens
                 if out.finished:
                     if out.finish_reason == "error":
                         raise RuntimeError(out.error)
@@ -154,6 +156,7 @@ class Engine:
         decode_s = e2e - ttft
         text = self.tokenizer.decode(p.output_ids) if self.tokenizer else ""
         metrics = {"ttft_s": ttft, "e2e_s": e2e, "chunk_sizes": p.chunk_sizes or [],
+                   "cached_tokens": p.cached_tokens,
                    "decode_tok_per_s": (len(p.output_ids) - 1) / decode_s
                    if decode_s > 0 and len(p.output_ids) > 1 else None}
         return GenerateOutput(p.output_ids, text, p.prompt_logprobs, p.done.finish_reason,

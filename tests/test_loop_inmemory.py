@@ -3,10 +3,11 @@ no deadlock for P in 1..8 and async depth 0..2, micro-batches executed in order 
 every request finished, every page back."""
 import queue
 import threading
+from types import SimpleNamespace
 
 import pytest
 
-from pipefill.kv.pool import PagePool
+from pipefill.kv.pool import PageOwners, PagePool
 from pipefill.runtime.loop import FirstStageLoop, run_later_stage
 from pipefill.scheduler.plan import NewRequest, SamplingParams, SeqResult, StepResult
 from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -56,16 +57,25 @@ class MemoryPipe:
 
 
 class FakeExecutor:
-    """Records the order of micro-batches; the last stage answers every sample with token 7."""
+    """Records the order of micro-batches and replays the page decisions with the real
+    ownership check; the last stage answers every sample with token 7."""
 
-    def __init__(self, rank):
+    def __init__(self, rank, num_pages=256, page_size=16):
         self.rank = rank
         self.steps = []
         self.num_forwards = 0
-        self.max_page_seen = -1
+        self.owners = PageOwners(num_pages)
+        self.page_size = page_size
+        self.host = None
+        self.cache = SimpleNamespace(num_pages=num_pages, page_size=page_size)
+
+    def apply_page_ops(self, ops, seqs=()):
+        self.owners.replay(ops.freed, seqs, self.page_size)
 
     def forward(self, plan, acts):
         self.steps.append(plan.step_id)
+        self.apply_page_ops(plan.page_ops, plan.seqs)
+        self.owners.to_cache(plan.page_ops.cached)
         return ("acts", plan.step_id, self.rank), 0.0
 
     def results(self, plan, acts):

@@ -144,4 +144,4 @@ def test_long_prompts_go_first_come_first_served():
         rids.append([w.rid for w in plan.seqs])
     assert rids[:3] == [["long1"], ["long1"], ["long1"]]  # long1 to the end first
     assert rids[3] == ["long2"]
-    assert s._pages_promised >= 0
+    assert s.kv.promised >= 0

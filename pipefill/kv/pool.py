@@ -1,4 +1,5 @@
-"""PagePool: reference-counted KV pages. Owns only pages, never requests."""
+"""PagePool: reference-counted KV pages (owns only pages, never requests), and PageOwners:
+the page -> owner map every stage replays from the plans to check each micro-batch."""
 from __future__ import annotations
 
 
@@ -15,6 +16,7 @@ class PagePool:
         # consecutive and attention can read its prefix as one slice.
         self._free = list(range(num_pages - 1, -1, -1))
         self._refs = [0] * num_pages
+        self.freed: list[int] = []  # pages freed since the last drain (the next plan carries them)
 
     @property
     def num_free(self) -> int:
@@ -43,6 +45,14 @@ class PagePool:
             self._refs[p] -= 1
             if self._refs[p] == 0:
                 self._free.append(p)
+                self.freed.append(p)
+
+    def drain_freed(self) -> list[int]:
+        freed, self.freed = self.freed, []
+        return freed
+
+    def refcount(self, page: int) -> int:
+        return self._refs[page]
 
     def check_integrity(self) -> None:
         free = set(self._free)
@@ -51,3 +61,70 @@ class PagePool:
         assert all(self._refs[p] == 0 for p in free), "a free page has references"
         assert len(free) + used == self.num_pages, (
             f"free ({len(free)}) + used ({used}) != total ({self.num_pages})")
+
+
+class PageIntegrityError(RuntimeError):
+    pass
+
+
+CACHE_OWNER = "<prefix cache>"
+
+
+class PageOwners:
+    """One stage's view of who owns each page, rebuilt from the plans it executes (so every
+    stage checks on its own, in plan order): a page is owned by the request it was allocated
+    to, then by the prefix cache once inserted, until stage 0 frees it. A write must come from
+    the page's owner; a read must hit a page that was written. Shared pages are read by many."""
+
+    def __init__(self, num_pages: int):
+        self.num_pages = num_pages
+        self.owner: dict[int, str] = {}
+        self.written: set[int] = set()
+
+    @property
+    def num_used(self) -> int:
+        return len(self.owner)
+
+    def free(self, pages) -> None:
+        for p in pages:
+            if self.owner.pop(p, None) is None:
+                raise PageIntegrityError(f"page {p} freed but it was not in use")
+            self.written.discard(p)
+
+    def allocate(self, rid: str, pages) -> None:
+        for p in pages:
+            if not 0 <= p < self.num_pages:
+                raise PageIntegrityError(f"{rid}: page {p} is outside the pool of "
+                                         f"{self.num_pages} pages")
+            if p in self.owner:
+                raise PageIntegrityError(f"{rid}: page {p} allocated while "
+                                         f"{self.owner[p]} still owns it")
+            self.owner[p] = rid
+
+    def check(self, rid: str, read, write) -> None:
+        for p in write:
+            if self.owner.get(p) != rid:
+                raise PageIntegrityError(f"{rid} writes page {p}, which is owned by "
+                                         f"{self.owner.get(p, 'nobody (free)')}")
+        for p in read:
+            if p not in self.written:
+                raise PageIntegrityError(f"{rid} reads page {p}, which was never written")
+        self.written.update(write)
+
+    def replay(self, freed, seqs, page_size: int) -> None:
+        """A plan's page decisions before its forward: frees, then each sequence's allocations
+        and its check (writes by the owner only, reads of written pages only)."""
+        self.free(freed)
+        for w in seqs:
+            self.allocate(w.rid, w.new_pages)
+            self.check(w.rid, w.page_table[:w.start // page_size], w.write_pages(page_size))
+
+    def to_cache(self, pages) -> None:
+        for p in pages:
+            if p not in self.owner:
+                raise PageIntegrityError(f"page {p} inserted into the prefix cache while free")
+            self.owner[p] = CACHE_OWNER
+
+    def mark_written(self, pages) -> None:
+        """Pages filled by a copy from another tier (a load)."""
+        self.written.update(pages)

@@ -8,10 +8,11 @@ from dataclasses import dataclass
 import torch
 
 from pipefill.kv.cache import KVCache, token_slots
+from pipefill.kv.pool import PageOwners
 from pipefill.model.attention import SeqMeta
 from pipefill.model.llama import ForwardMeta, StageModel
 from pipefill.runtime.sampler import sample
-from pipefill.scheduler.plan import SeqResult, SeqWork, StepPlan, StepResult
+from pipefill.scheduler.plan import PageOps, SeqResult, SeqWork, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -49,17 +50,31 @@ def logit_rows(work, row: int) -> list[int]:
 
 
 class StageExecutor:
-    def __init__(self, model: StageModel, cache: KVCache):
+    def __init__(self, model: StageModel, cache: KVCache, host=None):
         self.model = model
         self.cache = cache
+        self.host = host  # this stage's host tier (L2 copies), or None
         self.num_forwards = 0
-        self.max_page_seen = -1  # for the integrity report of stages without an allocator
+        # Every stage replays stage 0's page decisions and checks each micro-batch against them.
+        self.owners = PageOwners(cache.num_pages)
+
+    def apply_page_ops(self, ops: PageOps, seqs=()) -> None:
+        """Before a forward: tier copies, frees, allocations, then the ownership check of every
+        sequence (writes by the owner only, reads of written pages only)."""
+        if self.host is not None:
+            self.host.run_ops(ops.cache_ops, self.owners)
+        elif ops.cache_ops:
+            raise RuntimeError("a plan carries host-tier copies but this stage has no host tier")
+        self.owners.replay(ops.freed, seqs, self.cache.page_size)
 
     def forward(self, plan: StepPlan, acts: Activations | None) -> tuple[Activations, float]:
         """Runs this stage's layers; returns the output activations and the forward seconds."""
         t0 = time.perf_counter()
+        if plan.step_id >= 0:  # scratch plans (warm-up, profile) run before anyone owns pages
+            self.apply_page_ops(plan.page_ops, plan.seqs)
+            if self.host is not None:  # wait only for copies that touch this plan's pages
+                self.host.wait_for({p for w in plan.seqs for p in w.page_table})
         self.num_forwards += 1
-        self.max_page_seen = max([self.max_page_seen] + [max(w.page_table) for w in plan.seqs])
         device = self.cache.k.device
         meta = build_meta(plan, self.cache.page_size, device)
         if acts is None:
@@ -69,6 +84,8 @@ class StageExecutor:
                                               self.cache.k, self.cache.v)
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # the forward time is for the chunk-cost model
+        if plan.step_id >= 0:
+            self.owners.to_cache(plan.page_ops.cached)
         return Activations(hidden, residual), time.perf_counter() - t0
 
     def scratch_prefill(self, num_tokens: int) -> float:

@@ -92,10 +92,13 @@ class FirstStageLoop:
 
     def _control(self, kind: str) -> None:
         """Every stage reports (its spans, its stats); the control message follows the
-        micro-batches in flight down the pipe, so each stage answers after them."""
+        micro-batches in flight down the pipe, so each stage answers after them. It carries
+        the page frees since the last plan, so every stage's page map is current."""
+        ops = self.scheduler.kv.drain_ops()
+        self.executor.apply_page_ops(ops)
         report_control(kind, 0, self.channel, self.tracer, self.executor, self.stats)
         if self.pipe is not None:
-            self.pipe.send_forward(PipeMessage(None, control=(kind,)), None)
+            self.pipe.send_forward(PipeMessage(None, control=(kind,), page_ops=ops), None)
 
     def stats(self) -> dict:
         pool = self.scheduler.pool
@@ -104,11 +107,13 @@ class FirstStageLoop:
             integrity = "ok"
         except AssertionError as e:
             integrity = str(e)
+        owners = getattr(self.executor, "owners", None)
         return {"rank": 0, "pages_total": pool.num_pages, "pages_free": pool.num_free,
                 "pages_used": pool.num_used, "integrity": integrity,
+                "owned_pages": owners.num_used if owners is not None else None,
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "inflight_micro_batches": len(self.inflight),
-                "page_size": self.scheduler.cfg.page_size}
+                "page_size": self.scheduler.cfg.page_size, **self.scheduler.kv.stats()}
 
     # ---- schedule / run / update -------------------------------------------------------------
 
@@ -166,13 +171,16 @@ def report_control(kind: str, rank: int, channel, tracer, executor, stats=None) 
 
 
 def later_stage_stats(rank: int, executor) -> dict:
-    """A later stage owns no allocator; it checks that every page id stage 0 sent fits its
-    pool (capacities agree) and reports what it executed."""
-    bad = executor.max_page_seen >= executor.cache.num_pages
-    return {"rank": rank, "pages_total": executor.cache.num_pages,
-            "max_page_seen": executor.max_page_seen, "micro_batches": executor.num_forwards,
-            "integrity": "ok" if not bad else
-            f"page {executor.max_page_seen} beyond the pool of {executor.cache.num_pages}"}
+    """A later stage owns no allocator: it replays stage 0's page decisions from the plans
+    (executor.owners) and checks every micro-batch against them; a violation raises (and
+    stops the stage with a sentence naming the request and the page), so a stage that answers
+    is consistent. Its pages in use must equal stage 0's."""
+    stats = {"rank": rank, "pages_total": executor.cache.num_pages,
+             "pages_used": executor.owners.num_used, "owned_pages": executor.owners.num_used,
+             "micro_batches": executor.num_forwards, "integrity": "ok"}
+    if executor.host is not None:
+        stats.update(executor.host.stats())
+    return stats
 
 
 def run_later_stage(executor, pipe, channel, tracer: StageTracer | None = None) -> None:
@@ -183,6 +191,8 @@ def run_later_stage(executor, pipe, channel, tracer: StageTracer | None = None) 
         with tracer.span("recv", "recv"):
             msg, acts = pipe.recv_forward()
         if msg.control is not None:
+            if msg.page_ops is not None:
+                executor.apply_page_ops(msg.page_ops)
             report_control(msg.control[0], pipe.rank, channel, tracer, executor)
             if not last:
                 pipe.send_forward(msg, None)

@@ -132,12 +132,15 @@ def make_first_stage_loop(args, cfg, executor, channel, pipe, tracer, policy):
     from pipefill.kv.pool import PagePool
     from pipefill.runtime.loop import FirstStageLoop
     from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig
+    from pipefill.scheduler.radix import RadixCache
     pool = PagePool(executor.cache.num_pages)
+    cache = None if args.disable_radix_cache else RadixCache(args.page_size, pool)
     scheduler = Scheduler(SchedulerConfig(
         page_size=args.page_size, chunked_prefill_size=policy.c0,
         max_prefill_tokens=max(args.max_prefill_tokens, policy.c0),
         max_running_requests=args.max_running_requests, max_model_len=args.max_model_len,
-        eos_token_ids=cfg.eos_token_ids, seed=args.seed), pool, policy.next_chunk_size)
+        eos_token_ids=cfg.eos_token_ids, seed=args.seed), pool, policy.next_chunk_size,
+        cache)
     return FirstStageLoop(executor, scheduler, channel, pipe, args.max_inflight, tracer,
                           on_result=policy.observe)
 

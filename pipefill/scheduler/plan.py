@@ -62,6 +62,13 @@ class SeqWork:
     sample: SampleSpec | None = None  # set when this micro-batch yields the next token
     # Prompt logprobs: ids of the tokens at positions start+1 .. (the prompt part of this chunk).
     logprob_targets: list[int] | None = None
+    new_pages: list[int] = field(default_factory=list)  # pages allocated to rid in this step
+
+    def write_pages(self, page_size: int) -> list[int]:
+        """Pages this micro-batch writes (tokens [start, end)); the earlier ones are read."""
+        if self.end <= self.start:
+            return []
+        return self.page_table[self.start // page_size:(self.end - 1) // page_size + 1]
 
     @property
     def num_tokens(self) -> int:
@@ -69,10 +76,28 @@ class SeqWork:
 
 
 @dataclass
+class CacheOp:
+    """A copy between tiers that every stage performs on its own layers, in plan order."""
+    kind: str  # "store": pool page -> host slot (L1 -> L2); "load": host slot -> pool page
+    page: int
+    slot: int
+
+
+@dataclass
+class PageOps:
+    """Page bookkeeping stage 0 did since the previous plan, replayed by every stage so that
+    each can check ownership on its own (pipefill.kv.pool.PageOwners)."""
+    freed: list[int] = field(default_factory=list)  # back on the free list (before allocs)
+    cached: list[int] = field(default_factory=list)  # now the prefix cache's (after the forward)
+    cache_ops: list[CacheOp] = field(default_factory=list)  # L1 <-> L2 copies (before the forward)
+
+
+@dataclass
 class StepPlan:
     """A micro-batch: stage 0 decides it, every stage executes it as is."""
     step_id: int
     seqs: list[SeqWork]
+    page_ops: PageOps = field(default_factory=PageOps)
 
     @property
     def num_tokens(self) -> int:
@@ -89,6 +114,7 @@ class PipeMessage:
     plan: StepPlan | None
     stage_seconds: list[float] = field(default_factory=list)  # forward time of stages passed
     control: tuple | None = None  # ("stop",) or ("trace",): every stage handles it in order
+    page_ops: PageOps | None = None  # with a control message: page frees since the last plan
 
 
 @dataclass
@@ -121,4 +147,5 @@ class RequestOutput:
     token_logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per new token, when asked
     chunk_sizes: list[int] | None = None  # with the first token
+    cached_tokens: int = 0  # prompt tokens served from the prefix cache (with the first token)
     num_prompt_tokens: int = 0

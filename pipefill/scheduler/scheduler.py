@@ -6,6 +6,13 @@ A request is a list of tokens (prompt, then outputs); a micro-batch computes a s
 [start, end) of it. Prefill chunks of one request go into consecutive micro-batches without
 waiting for each other; a span that ends at the last known token yields the next token, and the
 request then waits for that token before it can be scheduled again.
+
+With the prefix cache, admission matches the request's tokens against the radix tree: the
+matched whole pages are reused (the request starts at L = cached tokens) and only the rest is
+chunked. Admission promises the uncached pages plus a small decode headroom, not the worst
+case; when decode runs out of pages, the most recently admitted request is preempted: its
+pages stay in the tree as a cached prefix and it resumes from there, with the same output
+(greedy is deterministic; sampling draws per (seed, step)).
 """
 from __future__ import annotations
 
@@ -16,8 +23,13 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 from pipefill.kv.pool import PagePool
+from pipefill.scheduler.kv_manager import KVManager
 from pipefill.scheduler.plan import (NewRequest, RequestOutput, SampleSpec, SamplingParams,
                                      SeqWork, StepPlan, StepResult)
+from pipefill.scheduler.radix import Node, RadixCache
+
+# Pages an admission keeps free beyond the uncached prompt, for the first decode tokens.
+DECODE_HEADROOM_PAGES = 1
 
 
 @dataclass(frozen=True)
@@ -41,6 +53,11 @@ class Request:
     num_scheduled: int = 0  # tokens whose KV is written or being written by a micro-batch
     pages: list[int] = field(default_factory=list)
     pages_reserved: int = 0  # pages promised at admission, not yet allocated
+    lock_node: Node | None = None  # deepest prefix-cache node this request holds
+    num_inserted: int = 0  # whole pages of this request already in the prefix cache
+    cached_tokens: int = 0  # prompt tokens reused from the cache at first admission
+    admitted_at: int = 0  # admission order: preemption takes the newest
+    preempt_pending: bool = False  # preempt once its micro-batches in flight are back
     num_inflight: int = 0  # micro-batches that contain this request
     awaiting_token: bool = False
     done: bool = False  # finished or aborted: schedule nothing more, free pages when idle
@@ -55,13 +72,18 @@ class Request:
         n = len(self.prompt_ids)
         return self.prompt_ids[i] if i < n else self.output_ids[i - n]
 
+    def tokens_upto(self, n: int) -> list[int]:
+        return (self.prompt_ids + self.output_ids)[:n]
+
     @property
     def in_prefill(self) -> bool:
-        return self.num_scheduled < len(self.prompt_ids)
+        """Computing known tokens: the prompt, or a preempted request's outputs on resume."""
+        return self.num_scheduled < max(len(self.prompt_ids), self.num_tokens - 1)
 
     @property
     def ready(self) -> bool:
-        return not self.done and not self.awaiting_token and self.num_scheduled < self.num_tokens
+        return not self.done and not self.awaiting_token and not self.preempt_pending and \
+            self.num_scheduled < self.num_tokens
 
 
 def check_prompt(ids: list[int], params: SamplingParams, vocab_size: int | None,
@@ -85,15 +107,17 @@ def check_prompt(ids: list[int], params: SamplingParams, vocab_size: int | None,
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, pool: PagePool,
-                 next_chunk_size: Callable[[int], int] | None = None):
+                 next_chunk_size: Callable[[int], int] | None = None,
+                 cache: RadixCache | None = None, host=None):
         self.cfg = cfg
         self.pool = pool
+        self.kv = KVManager(pool, cfg.page_size, cache, host)
         # Chunk policy: prefix length L -> size of the next continuation chunk.
         self.next_chunk_size = next_chunk_size or (lambda _: cfg.chunked_prefill_size)
         self.waiting: deque[Request] = deque()
         self.running: dict[str, Request] = {}
         self._step_ids = itertools.count()
-        self._pages_promised = 0
+        self._admissions = itertools.count()
 
     # ---- requests in -------------------------------------------------------------------------
 
@@ -138,8 +162,8 @@ class Scheduler:
         which may pass long ones waiting."""
         budget = self.cfg.max_prefill_tokens
         seqs: list[SeqWork] = []
-        for r in self.running.values():
-            if r.ready and not r.in_prefill and budget > 0:
+        for r in list(self.running.values()):
+            if r.ready and not r.in_prefill and budget > 0 and self._make_room(r):
                 seqs.append(self._work(r, r.num_scheduled + 1))
                 budget -= 1
         partial = next((r for r in self.running.values() if r.in_prefill and not r.done), None)
@@ -149,7 +173,8 @@ class Scheduler:
         for r in list(self.waiting):
             if budget <= 0:
                 break
-            whole = len(r.prompt_ids) <= min(budget, self.cfg.chunked_prefill_size)
+            uncached = r.num_tokens - self.kv.cached_prefix_tokens(self._match_tokens(r))
+            whole = uncached <= min(budget, self.cfg.chunked_prefill_size)
             if partial is not None and not whole:
                 continue  # a second long prompt waits for the first; short ones go past it
             if not self._admit(r):
@@ -161,17 +186,20 @@ class Scheduler:
             partial = partial or (r if r.in_prefill else None)
         if not seqs:
             return None
-        return StepPlan(next(self._step_ids), seqs)
+        return StepPlan(next(self._step_ids), seqs, self.kv.drain_ops())
 
     def _prefill_chunk(self, r: Request, budget: int) -> SeqWork:
+        # The first chunk from scratch is C0; after a cached prefix of L tokens (or earlier
+        # chunks) it is the size predicted for L (DESIGN.md §5 step 6).
         first = r.num_scheduled == 0
         size = self.cfg.chunked_prefill_size if first else self.next_chunk_size(r.num_scheduled)
-        end = min(len(r.prompt_ids), r.num_scheduled + min(size, budget))
+        end = min(r.num_tokens, r.num_scheduled + min(size, budget))
         return self._work(r, end)
 
     def _work(self, r: Request, end: int) -> SeqWork:
         start = r.num_scheduled
-        self._grow_pages(r, end)
+        new_pages = self.kv.grow(r, end)
+        self.kv.insert(r, r.tokens_upto, end)
         sample = None
         if end == r.num_tokens and r.params.max_new_tokens > 0:
             p = r.params
@@ -186,38 +214,63 @@ class Scheduler:
         r.num_scheduled = end
         r.num_inflight += 1
         return SeqWork(r.rid, start, end, [r.token_at(i) for i in range(start, end)],
-                       list(r.pages), sample, targets)
+                       list(r.pages), sample, targets, new_pages)
 
     # ---- pages -------------------------------------------------------------------------------
 
-    def _pages_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.cfg.page_size)
+    def _match_tokens(self, r: Request) -> list[int]:
+        """The tokens whose cached KV r may reuse: all but the last known one (at least one
+        token is computed, to get logits; the partial last page is never shared anyway), and
+        none whose prompt logprob r still needs (those come from computed logits only)."""
+        limit = r.num_tokens - 1
+        if r.params.return_prompt_logprobs:
+            limit = min(limit, len(r.prompt_logprobs))
+        return r.tokens_upto(limit)
 
     def _admit(self, r: Request) -> bool:
-        """Admits when every page the request can ever need is free and unpromised."""
+        """Admits when the uncached pages plus a small decode headroom fit (cache leaves that
+        nobody uses count as free: they are evicted when the pages are needed)."""
         if len(self.running) >= self.cfg.max_running_requests:
             return False
-        need = self._pages_for(len(r.prompt_ids) + r.params.max_new_tokens)
-        if self.pool.num_free - self._pages_promised < need:
+        headroom = DECODE_HEADROOM_PAGES if r.params.max_new_tokens > 0 else 0
+        if not self.kv.admit(r, self._match_tokens(r), headroom):
             return False
-        r.pages_reserved = need
-        self._pages_promised += need
+        if r.params.return_prompt_logprobs:  # a resumed request recomputes past its cache
+            del r.prompt_logprobs[r.num_scheduled:]
+        if not r.output_ids and not r.chunk_sizes:
+            r.cached_tokens = r.num_scheduled
+            self.kv.counters.hit_tokens += r.num_scheduled
+        r.admitted_at = next(self._admissions)
         return True
 
-    def _grow_pages(self, r: Request, end: int) -> None:
-        missing = self._pages_for(end) - len(r.pages)
-        if missing > 0:
-            assert missing <= r.pages_reserved, "request outgrew its reservation"
-            r.pages += self.pool.allocate(missing)
-            r.pages_reserved -= missing
-            self._pages_promised -= missing
+    def _make_room(self, r: Request) -> bool:
+        """Makes sure r's next decode token has a page: preempts the most recently admitted
+        requests while it does not fit. False when r must wait (or was preempted itself)."""
+        while not self.kv.can_grow(r, r.num_scheduled + 1):
+            if any(v.preempt_pending for v in self.running.values()):
+                return False  # pages are on their way back: preempt no one else meanwhile
+            victims = [v for v in self.running.values() if not v.done and not v.preempt_pending]
+            victim = max(victims, key=lambda v: v.admitted_at)
+            self._preempt(victim)
+            if victim is r or victim.preempt_pending:
+                return False  # r is back in the queue, or the victim's pages free up later
+        return True
+
+    def _preempt(self, r: Request) -> None:
+        """Sends r back to the front of the queue; its scheduled whole pages stay cached."""
+        if r.num_inflight:
+            r.preempt_pending = True  # stages still write its pages; finish this in update()
+            return
+        self.kv.release(r)
+        r.num_scheduled, r.awaiting_token, r.preempt_pending = 0, False, False
+        del self.running[r.rid]
+        self.waiting.appendleft(r)
+        self.kv.counters.preemptions += 1
 
     def _maybe_release(self, r: Request) -> None:
         if r.num_inflight:
             return  # stages may still write these pages
-        self.pool.release(r.pages)
-        self._pages_promised -= r.pages_reserved
-        r.pages, r.pages_reserved = [], 0
+        self.kv.release(r)
         self.running.pop(r.rid, None)
 
     # ---- results in --------------------------------------------------------------------------
@@ -235,6 +288,8 @@ class Scheduler:
                 r.done = True
             if r.done:
                 self._maybe_release(r)
+            elif r.preempt_pending and not r.num_inflight:
+                self._preempt(r)
         return outputs
 
     def _apply(self, r: Request, work: SeqWork, res) -> RequestOutput | None:
@@ -253,7 +308,8 @@ class Scheduler:
                 return RequestOutput(r.rid, [], True, "length",
                                      prompt_logprobs=self._prompt_logprobs(r),
                                      chunk_sizes=list(r.chunk_sizes),
-                                     num_prompt_tokens=len(r.prompt_ids))
+                                     num_prompt_tokens=len(r.prompt_ids),
+                                     cached_tokens=r.cached_tokens)
             return None
         assert res is not None and res.token is not None, f"no token for {r.rid}"
         r.awaiting_token = False
@@ -266,7 +322,7 @@ class Scheduler:
             token_logprobs=[res.token_logprob] if res.token_logprob is not None else None,
             top_logprobs=[res.top_logprobs] if res.top_logprobs is not None else None,
             chunk_sizes=list(r.chunk_sizes) if first else None,
-            num_prompt_tokens=len(r.prompt_ids))
+            num_prompt_tokens=len(r.prompt_ids), cached_tokens=r.cached_tokens)
 
     @staticmethod
     def _prompt_logprobs(r: Request) -> list[float] | None:
@@ -279,10 +335,3 @@ class Scheduler:
         if len(r.output_ids) >= r.params.max_new_tokens or r.num_tokens >= self.cfg.max_model_len:
             return "length"
         return None
-
-    def fail_all(self, message: str) -> list[RequestOutput]:
-        """Every queued and running request ends with an error (a stage died)."""
-        rids = [r.rid for r in self.waiting] + list(self.running)
-        self.waiting.clear()
-        self.running.clear()
-        return [RequestOutput(rid, [], True, "error", error=message) for rid in rids]

@@ -1,0 +1,141 @@
+"""KVManager: the scheduler's page bookkeeping — pool, prefix cache, reservations, and the page
+operations the next plan carries to every stage.
+
+A request holds one pool reference per page of its page table and a lock on the deepest
+prefix-cache node it uses. Pages it has not allocated yet but was promised at admission (the
+rest of its prompt) count against what later admissions and decode growth may take, so a
+prompt admitted is a prompt whose prefill never runs out of pages.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pipefill.kv.pool import PagePool
+from pipefill.scheduler.plan import PageOps
+from pipefill.scheduler.radix import RadixCache
+
+
+@dataclass
+class CacheCounters:
+    hit_tokens: int = 0  # prompt tokens served from the cache (all tiers) at admission
+    hit_tokens_host: int = 0  # ... of which loaded from the host tier
+    preemptions: int = 0
+
+
+class KVManager:
+    def __init__(self, pool: PagePool, page_size: int, cache: RadixCache | None = None,
+                 host=None):
+        self.pool = pool
+        self.page_size = page_size
+        self.cache = cache
+        self.host = host  # HostTier bookkeeping on stage 0 (L2), or None
+        self.promised = 0  # pages promised to admitted requests, not yet allocated
+        self.counters = CacheCounters()
+        self._cached: list[int] = []  # pages the tree adopted since the last plan
+
+    def pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def available(self) -> int:
+        """Pages that can still be handed out: free, or held only by the cache."""
+        evictable = self.cache.num_evictable if self.cache is not None else 0
+        return self.pool.num_free + evictable - self.promised
+
+    # ---- admission ---------------------------------------------------------------------------
+
+    def cached_prefix_tokens(self, tokens: list[int]) -> int:
+        """Tokens of `tokens` the cache could serve (L1 and host tiers), without locking."""
+        if self.cache is None or not tokens:
+            return 0
+        m = self.cache.match(tokens)
+        return (len(m.pages) + m.num_host_pages) * self.page_size
+
+    def admit(self, r, tokens: list[int], headroom: int) -> bool:
+        """Locks the cached prefix of `tokens` (the part r may reuse) and promises the pages of
+        the rest of r plus `headroom`; False (and nothing held) when they do not fit."""
+        m = self.cache.match(tokens) if self.cache is not None and tokens else None
+        if m is not None and m.host_nodes and self.host is not None:
+            if not self.host.load(m, self):  # host nodes become L1; m is extended
+                m.host_nodes = []
+        node = m.node if m is not None else None
+        cached = list(m.pages) if m is not None else []
+        if node is not None:
+            self.cache.lock(node)
+        need = self.pages_for(r.num_tokens) - len(cached)
+        if self.available() < need + headroom:
+            if node is not None:
+                self.cache.unlock(node)
+            return False
+        self.pool.retain(cached)
+        r.pages, r.lock_node, r.num_inserted = cached, node, len(cached)
+        r.pages_reserved = need
+        self.promised += need
+        r.num_scheduled = len(cached) * self.page_size
+        return True
+
+    # ---- growth ------------------------------------------------------------------------------
+
+    def can_grow(self, r, end: int) -> bool:
+        missing = self.pages_for(end) - len(r.pages)
+        return missing <= r.pages_reserved or \
+            missing - r.pages_reserved <= self.available()
+
+    def grow(self, r, end: int) -> list[int]:
+        """Allocates the pages r needs to cover tokens [0, end), evicting cache leaves first;
+        the caller made sure they fit (can_grow)."""
+        missing = self.pages_for(end) - len(r.pages)
+        if missing <= 0:
+            return []
+        short = missing - self.pool.num_free
+        if short > 0:
+            self.cache.evict(short)
+        new = self.pool.allocate(missing)
+        from_promise = min(missing, r.pages_reserved)
+        r.pages_reserved -= from_promise
+        self.promised -= from_promise
+        r.pages += new
+        return new
+
+    def insert(self, r, tokens_upto, end: int) -> None:
+        """Puts r's whole pages of tokens [0, end) into the cache as soon as their chunk is
+        scheduled (see RadixCache.insert for why that is safe) and moves r's lock down."""
+        full = end // self.page_size
+        if self.cache is None or full <= r.num_inserted:
+            return
+        node = self.cache.insert(tokens_upto(full * self.page_size), r.pages[:full])
+        self._cached += self.cache.adopted
+        self.cache.adopted = []
+        if node is not r.lock_node:
+            self.cache.lock(node)
+            if r.lock_node is not None:
+                self.cache.unlock(r.lock_node)
+            r.lock_node = node
+        r.num_inserted = full
+
+    def release(self, r) -> None:
+        """Drops r's references and lock (its cached pages stay in the tree, unlocked)."""
+        if r.lock_node is not None:
+            self.cache.unlock(r.lock_node)
+        self.pool.release(r.pages)
+        self.promised -= r.pages_reserved
+        r.pages, r.pages_reserved, r.lock_node, r.num_inserted = [], 0, None, 0
+
+    # ---- what the next plan carries ----------------------------------------------------------
+
+    def drain_ops(self) -> PageOps:
+        ops = PageOps(freed=self.pool.drain_freed(), cached=self._cached)
+        self._cached = []
+        if self.host is not None:
+            ops.cache_ops = self.host.drain_ops()
+        return ops
+
+    def stats(self) -> dict:
+        c = self.counters
+        out = {"cache_hit_tokens": c.hit_tokens, "cache_hit_tokens_host": c.hit_tokens_host,
+               "preemptions": c.preemptions,
+               "cache_pages": self.cache.num_pages if self.cache is not None else 0,
+               "cache_evictable_pages": self.cache.num_evictable if self.cache else 0,
+               "cache_evicted_pages": self.cache.num_evicted_pages if self.cache else 0}
+        if self.host is not None:
+            out.update(self.host.stats())
+        return out

@@ -20,6 +20,7 @@ class UsageError(Exception):
 def build_parser() -> argparse.ArgumentParser:
     from pipefill.bench import attention as bench_attention
     from pipefill.bench import kv_transfer as bench_kv_transfer
+    from pipefill.bench import multiturn as bench_multiturn
     from pipefill.bench import prefill as bench_prefill
     from pipefill.bench import serving as bench_serving
     from pipefill.cli import generate, sim
@@ -36,6 +37,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_serving.add_parser(bench)
     bench_attention.add_parser(bench)
     bench_kv_transfer.add_parser(bench)
+    bench_multiturn.add_parser(bench)
     sim.add_parser(sub)
     return parser
 

@@ -276,3 +276,44 @@ def test_bench_kv_transfer_runs_and_checks_pages():
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
     assert "GB/s" in out.stdout and "x local copy" in out.stdout
+
+
+DECODER = r"""
+import sys, torch
+from pipefill.disagg import messages as m
+from pipefill.disagg.bootstrap import lookup_prefill
+from pipefill.disagg.transfer import KVReceiver, KVTensors, Timing
+backend, port, room = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+kv = KVTensors(torch.zeros(4, 48 * 16, 2, 32), torch.zeros(4, 48 * 16, 2, 32), 16, 0)
+receiver = KVReceiver(kv, release=lambda r, p: None, backend=backend,
+                      timing=Timing(20, 20, 0.2, 3))
+receiver.connect("p", lookup_prefill(m.Endpoint("127.0.0.1", port), 60))
+receiver.expect_room(room, "p", list(range(47, 23, -1)))
+print("ready", flush=True)
+sys.stdin.read()
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("fault", ["kill", "stop"])
+def test_decode_process_dies_mid_transfer_prefill_frees_its_pages(backend, fault):
+    service, senders, pools = start_prefill(backend, torch.float32)
+    proc = subprocess.Popen([sys.executable, "-c", DECODER, backend, str(service.endpoint.port),
+                             str(ROOM)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                            text=True, env={**os.environ, "GLOG_minloglevel": "2"})
+    try:
+        assert proc.stdout.readline().strip() == "ready"
+        send_request(senders, pools, 24, last_chunk=False)  # half the pages, then silence
+        assert wait_until(lambda: all(s.bytes_sent > 0 for s in senders), 30)
+        assert not any(p.clean() for p in pools)  # the room holds its pages
+        os.kill(proc.pid, signal.SIGKILL if fault == "kill" else signal.SIGSTOP)
+        # A socket error frees them at once, missing heartbeats within 0.2 s * 3 (+ ticks).
+        assert wait_until(lambda: all(p.clean() for p in pools), 10)
+        assert all(not s.rooms.live for s in senders)
+    finally:
+        for s in senders:
+            s.close()
+        service.close()
+        os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()

@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pipefill.bench import attention as bench_attention
     from pipefill.bench import kv_transfer as bench_kv_transfer
     from pipefill.bench import multiturn as bench_multiturn
+    from pipefill.bench import decode as bench_decode
     from pipefill.bench import prefill as bench_prefill
     from pipefill.bench import serving as bench_serving
     from pipefill.cli import generate, sim
@@ -38,6 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_attention.add_parser(bench)
     bench_kv_transfer.add_parser(bench)
     bench_multiturn.add_parser(bench)
+    bench_decode.add_parser(bench)
     sim.add_parser(sub)
     return parser
 

@@ -1,0 +1,217 @@
+"""`pipefill bench decode`: decode steps at each batch size and context length, against the
+memory floor, against torch's F.linear on the same stage and against HF transformers.
+
+One stage holding every layer is built in this process (the engine's own stage code); each of
+`--batch` sequences gets `--context` cached tokens (the KV pages are filled with values, so they
+are real memory reads), then greedy decode steps run through the executor (forward + LM head +
+sampling, as on a last stage). Timed, interleaved per repetition:
+
+* pipefill — the packed small-M decode GEMM (--decode-gemm-max-rows) for every linear layer;
+* torch    — the same stage with the packed copies switched off (F.linear everywhere);
+* HF       — transformers `generate` on the same weights and dtype in this process: per step
+             (time of 1 + S new tokens - time of 1 new token) / S, batch of equal prompts.
+
+Bytes per step = weights streamed (packed copies, or the torch matrices; the embedding is a
+gather and is not counted) + the KV cache read (batch x context x bytes per token). The memory
+floor is those bytes over the copy bandwidth measured in this run (`copy_` of a 512 MiB buffer,
+read + write bytes per second). The engine loop around a step (scheduler, pipes) is not timed.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import statistics
+import time
+
+import torch
+
+from pipefill.bench.prefill import load_hf_model, parse_ints
+from pipefill.config import server_args_from_namespace, server_args_parser_group
+
+log = logging.getLogger("pipefill.bench")
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("decode", help="decode steps vs. the memory floor, torch and HF",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--batch", default="1,4,16", help="comma-separated batch sizes")
+    p.add_argument("--context", default="512,8192", help="comma-separated cached tokens")
+    p.add_argument("--steps", type=int, default=16, help="decode steps per repetition")
+    p.add_argument("--reps", type=int, default=3, help="repetitions (medians reported)")
+    p.add_argument("--no-hf", action="store_true", help="skip the HF transformers baseline")
+    p.add_argument("--hf-max-tokens", type=int, default=16384,
+                   help="skip HF where batch x context exceeds this (its prefill is slow)")
+    p.add_argument("--json", metavar="FILE", help="write every number to this JSON file")
+    server_args_parser_group(p, skip=("max_total_tokens",))
+    p.set_defaults(run=run)
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    import platform
+    return platform.processor() or "unknown CPU"
+
+
+def copy_bandwidth(nbytes: int = 512 << 20, reps: int = 5) -> float:
+    """Bytes per second (read + write) of torch's copy_ on this process's threads."""
+    a = torch.ones(nbytes, dtype=torch.uint8)
+    b = torch.empty_like(a)
+    b.copy_(a)
+    best = min(_timed(lambda: b.copy_(a)) for _ in range(reps))
+    return 2 * nbytes / best
+
+
+def _timed(fn) -> float:
+    t0 = time.perf_counter()
+    fn()
+    return time.perf_counter() - t0
+
+
+def run(ns: argparse.Namespace) -> int:
+    from pipefill.config import resolve
+    from pipefill.model.loader import WeightSource, resolve_model_path
+    from pipefill.runtime.platform import dtype_name, resolve_dtype
+
+    batches = parse_ints(ns.batch, "--batch")
+    contexts = parse_ints(ns.context, "--context")
+    if ns.steps < 1 or ns.reps < 1:
+        raise ValueError("--steps and --reps must be at least 1")
+    args = server_args_from_namespace(ns)
+    source = WeightSource(resolve_model_path(args.model_path))
+    per_seq = max(contexts) + ns.steps + 1
+    args = resolve(args.replace(max_model_len=args.max_model_len or per_seq), source.config)
+    if per_seq > args.max_model_len:
+        raise ValueError(f"--context {max(contexts)} + --steps {ns.steps} does not fit "
+                         f"--max-model-len {args.max_model_len}")
+    pages_per_seq = -(-per_seq // args.page_size)
+    args = args.replace(max_total_tokens=max(batches) * pages_per_seq * args.page_size, pp_size=1)
+    torch.set_num_threads(args.num_threads)
+    executor = _build(args, source)
+    dtype = resolve_dtype(args.dtype)
+    bw = copy_bandwidth()
+    hf = None if ns.no_hf else load_hf_model(source, dtype)
+    print(f"{cpu_name()}, {args.num_threads} threads, {dtype_name(dtype)} compute, weights "
+          f"{args.weight_dtype}; copy bandwidth {bw / 1e9:.1f} GB/s (read + write)")
+    rows = []
+    for context in contexts:
+        for batch in batches:
+            row = bench_case(executor, batch, context, pages_per_seq, ns.steps, ns.reps, bw)
+            if hf is not None and batch * context <= ns.hf_max_tokens:
+                row["hf_ms"] = 1e3 * hf_step_seconds(hf, batch, context, ns.steps,
+                                                     source.config.vocab_size)
+            print_row(row)
+            rows.append(row)
+    if ns.json:
+        with open(ns.json, "w") as f:
+            json.dump({"cpu": cpu_name(), "threads": args.num_threads, "args": vars(args),
+                       "copy_bytes_per_s": bw, "rows": rows}, f, indent=2)
+        print(f"wrote {ns.json}")
+    return 0
+
+
+def _build(args, source):
+    from pipefill.runtime.stage import StageInfo, build_stage
+    info = StageInfo(0, 1, range(source.config.num_layers))
+    return build_stage(args, source, info)
+
+
+def weight_bytes(model, packed: bool) -> int:
+    total = 0
+    for layer in model.w.layers:
+        if packed and layer.packed:
+            total += sum(p.nbytes for p in layer.packed.values())
+        else:
+            total += sum(getattr(layer, n).nbytes for n in ("qkv", "o_proj", "gate_up", "down"))
+    if model.w.lm_head is not None:
+        head = model.w.lm_head_packed
+        total += head.nbytes if packed and head is not None else model.w.lm_head.nbytes
+    return total
+
+
+class _TorchLinears:
+    """Switches the stage's packed copies off for the `torch` measurement."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __enter__(self):
+        self.saved = [layer.packed for layer in self.model.w.layers], self.model.w.lm_head_packed
+        for layer in self.model.w.layers:
+            layer.packed = None
+        self.model.w.lm_head_packed = None
+
+    def __exit__(self, *exc):
+        for layer, packed in zip(self.model.w.layers, self.saved[0]):
+            layer.packed = packed
+        self.model.w.lm_head_packed = self.saved[1]
+
+
+def bench_case(executor, batch: int, context: int, pages_per_seq: int, steps: int, reps: int,
+               bw: float) -> dict:
+    from pipefill.kv.cache import KVCache
+    from pipefill.scheduler.plan import SampleSpec, SeqWork, StepPlan
+    cache, model = executor.cache, executor.model
+    tables = [list(range(i * pages_per_seq, (i + 1) * pages_per_seq)) for i in range(batch)]
+    cache.k.fill_(0.01)  # real memory behind every page the steps read (any cache layout)
+    cache.v.fill_(0.01)
+
+    def step_ms(n_steps: int) -> list[float]:
+        times = []
+        for s in range(n_steps):
+            spec = SampleSpec(0.0, 1.0, -1, 0, s, None)
+            # step_id -1: a scratch plan (no page owners to check: this bench owns the pool).
+            plan = StepPlan(-1, [SeqWork(f"r{i}", context + s, context + s + 1, [100 + i],
+                                        tables[i], spec) for i in range(batch)])
+            t0 = time.perf_counter()
+            acts, _ = executor.forward(plan, None)
+            executor.results(plan, acts)
+            times.append(1e3 * (time.perf_counter() - t0))
+        return times
+
+    ours, theirs = [], []
+    step_ms(2)  # warm-up
+    for _ in range(reps):
+        ours += step_ms(steps)
+        with _TorchLinears(model):
+            theirs += step_ms(steps)
+    cfg = model.cfg
+    kv = batch * context * KVCache.bytes_per_token(model.num_layers, cfg.num_kv_heads,
+                                                   cfg.head_dim, cache.k.dtype)
+    wbytes = weight_bytes(model, packed=True)
+    ms = statistics.median(ours)
+    return {"batch": batch, "context": context, "ms": ms, "torch_ms": statistics.median(theirs),
+            "tok_per_s_per_request": 1e3 / ms, "tok_per_s": batch * 1e3 / ms,
+            "weight_bytes": wbytes, "kv_bytes": kv, "gb_per_s": (wbytes + kv) / ms / 1e6,
+            "floor_ms": 1e3 * (wbytes + kv) / bw}
+
+
+def hf_step_seconds(model, batch: int, context: int, steps: int, vocab: int) -> float:
+    g = torch.Generator().manual_seed(context)
+    ids = torch.randint(100, vocab, (1, context), generator=g).repeat(batch, 1)
+
+    def gen(n: int) -> float:
+        with torch.inference_mode():
+            return _timed(lambda: model.generate(
+                ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+                do_sample=False, pad_token_id=0))
+    gen(2)  # warm-up
+    return max(0.0, gen(1 + steps) - gen(1)) / steps
+
+
+def print_row(row: dict) -> None:
+    line = (f"batch {row['batch']:>3} context {row['context']:>6}: {row['ms']:7.2f} ms/step "
+            f"({row['tok_per_s_per_request']:6.1f} tok/s per request, {row['tok_per_s']:7.1f} "
+            f"total)  {(row['weight_bytes'] + row['kv_bytes']) / 1e6:6.0f} MB/step at "
+            f"{row['gb_per_s']:5.1f} GB/s = {row['ms'] / row['floor_ms']:4.2f}x the floor "
+            f"({row['floor_ms']:.2f} ms)  torch linear {row['torch_ms']:7.2f} ms "
+            f"({row['torch_ms'] / row['ms']:4.2f}x)")
+    if "hf_ms" in row:
+        line += f"  HF {row['hf_ms']:7.2f} ms ({row['hf_ms'] / row['ms']:4.2f}x)"
+    print(line, flush=True)

@@ -138,12 +138,13 @@ class KVSender:
         self._p = _Peers(timing, clock)
         self.rooms = PrefillRooms(rank, timing.bootstrap_timeout_s, release)
         self.hellos: dict[str, m.DecodeHello] = {}
-        self._queue: queue.Queue = queue.Queue()
+        self._queue: queue.Queue = queue.Queue()  # Items from the caller
+        self._outboxes: dict[str, queue.Queue] = {}  # per decode: (item, dest) to send, in order
         self._listener = ch.listen(host, port)
         self.endpoint = m.Endpoint(host, self._listener.getsockname()[1])
         self.bytes_sent = 0
         self._last_heartbeat = -float("inf")
-        for target, name in ((self._accept, "accept"), (self._work, "send"),
+        for target, name in ((self._accept, "accept"), (self._dispatch, "dispatch"),
                              (lambda: self._p.run_ticker(self._tick), "tick")):
             threading.Thread(target=target, name=f"pd-{name}-{rank}", daemon=True).start()
 
@@ -181,6 +182,8 @@ class KVSender:
         with self._p.lock:
             for conn in self._p.conns.values():
                 conn.close()
+            for box in self._outboxes.values():
+                box.put(None)
 
     # ---- threads
     def _accept(self) -> None:
@@ -205,6 +208,10 @@ class KVSender:
             with self._p.lock:
                 self._p.conns[peer], self.hellos[peer] = conn, hello
                 self._p.liveness.seen(peer, self._p.clock())
+                # One sending thread per decode: a slow or stalled decode delays only itself.
+                box = self._outboxes[peer] = queue.Queue()
+                threading.Thread(target=self._send_loop, args=(box,), daemon=True,
+                                 name=f"pd-send-{self.rank}").start()
             while True:
                 self._on_message(peer, conn.recv())
         except ch.ConnectionClosed:
@@ -220,8 +227,7 @@ class KVSender:
             self._p.liveness.seen(peer, now)
             if isinstance(msg, m.RoomBootstrap):
                 work, notices = self.rooms.on_bootstrap(peer, msg, now)
-                if work:
-                    self._queue.put(work)
+                self._route(work)
             elif isinstance(msg, m.DropRoom):
                 notices = self.rooms.on_drop(peer, msg)
             elif isinstance(msg, m.Heartbeat):
@@ -231,16 +237,29 @@ class KVSender:
                 return
         self._p.send(notices, self._peer_dead)
 
-    def _work(self) -> None:
+    def _dispatch(self) -> None:
         while True:
-            entry = self._queue.get()
+            item = self._queue.get()
+            if item is None:
+                return
+            with self._p.lock:
+                self._route(self.rooms.add(item, self._p.clock()))
+
+    def _route(self, work) -> None:
+        """Hands (item, dest) pairs to their decode's sending thread (under the lock)."""
+        for item, dest in work:
+            box = self._outboxes.get(dest.peer)
+            if box is not None:
+                box.put((item, dest))
+            else:  # the decode is gone: its rooms are failing, nothing to send
+                log.debug("room %d: no connection to %s", item.room, dest.peer)
+
+    def _send_loop(self, box: queue.Queue) -> None:
+        while True:
+            entry = box.get()
             if entry is None:
                 return
-            if isinstance(entry, Item):
-                with self._p.lock:
-                    entry = self.rooms.add(entry, self._p.clock())
-            for item, dest in entry:
-                self._send_one(item, dest)
+            self._send_one(*entry)
 
     def _send_one(self, item: Item, dest) -> None:
         with self._p.lock:
@@ -284,6 +303,9 @@ class KVSender:
         with self._p.lock:
             conn = self._p.conns.pop(peer, None)
             self.hellos.pop(peer, None)
+            box = self._outboxes.pop(peer, None)
+            if box is not None:
+                box.put(None)
             self._p.liveness.forget(peer)
             notices = self.rooms.on_peer_dead(peer)
         if conn is not None:
@@ -368,6 +390,12 @@ class KVReceiver:
         with self._p.changed:
             self._p.changed.wait_for(lambda: self.rooms.result(room) is not None, timeout_s)
             return self.rooms.take_result(room)
+
+    def progress(self, room: int) -> dict[str, int] | None:
+        """Pages delivered so far per prefill stage (None once the room ended)."""
+        with self._p.lock:
+            r = self.rooms.live.get(room)
+            return None if r is None else {s: len(r.delivered.get(s, ())) for s in r.stages}
 
     def drop_room(self, room: int, reason: str = "aborted") -> None:
         with self._p.lock:

@@ -5,6 +5,8 @@ run of consecutive destination pages straight into the KV tensors (recv_into, no
 Payload order: for each layer, K then V, the chunk's pages in request order."""
 from __future__ import annotations
 
+import threading
+
 import torch
 
 from pipefill.disagg import messages as m
@@ -30,7 +32,7 @@ class TcpDataPath:
 
     def __init__(self, kv):
         self.kv = kv
-        self._staging = torch.empty(0, dtype=torch.uint8)
+        self._local = threading.local()  # a staging buffer per sending thread
 
     def hello_fields(self) -> dict:
         return {}
@@ -46,17 +48,19 @@ class TcpDataPath:
                   for t in (kv.k, kv.v)]
         block_bytes = n * kv.page_bytes
         per_frame = max(1, FRAME_BYTES // max(block_bytes, 1))
-        if self._staging.numel() < per_frame * block_bytes:
-            self._staging = torch.empty(per_frame * block_bytes, dtype=torch.uint8)
+        staging = getattr(self._local, "staging", None)
+        if staging is None or staging.numel() < per_frame * block_bytes:
+            staging = self._local.staging = torch.empty(per_frame * block_bytes,
+                                                        dtype=torch.uint8)
 
         def payload(sock) -> None:
             for first in range(0, len(blocks), per_frame):
                 group = blocks[first:first + per_frame]
                 for i, (t, layer) in enumerate(group):
-                    out = self._staging[i * block_bytes:(i + 1) * block_bytes]
+                    out = staging[i * block_bytes:(i + 1) * block_bytes]
                     out = out.view(kv.dtype).view(n, kv.page_elems)
                     torch.index_select(kv.pages(t, layer), 0, idx, out=out)
-                sock.sendall(memoryview(self._staging[:len(group) * block_bytes].numpy()))
+                sock.sendall(memoryview(staging[:len(group) * block_bytes].numpy()))
 
         conn.send(header, payload if n else None)
 

@@ -5,11 +5,15 @@ import torch
 
 from pipefill.scheduler.plan import SampleSpec
 
+# Below this temperature sampling is greedy: logits divided by a tinier one (5e-324 is a valid
+# JSON number) overflow to inf and softmax turns them into NaN.
+GREEDY_BELOW = 1e-5
+
 
 def sample(logits: torch.Tensor, spec: SampleSpec):
     """logits [vocab] float32 -> (token id, its log-probability, the top-k (id, logprob) pairs),
     the last two under the model's own distribution (before temperature), when asked."""
-    if spec.temperature == 0:
+    if spec.temperature < GREEDY_BELOW:
         token = int(torch.argmax(logits))
     else:
         token = _draw(logits, spec)
@@ -33,6 +37,7 @@ def _draw(logits: torch.Tensor, spec: SampleSpec) -> int:
         sorted_probs, order = torch.sort(probs, descending=True)
         # Keep the smallest set whose mass reaches top_p (the first token always stays).
         drop = (torch.cumsum(sorted_probs, -1) - sorted_probs) >= spec.top_p
+        drop[0] = False  # a top_p that rounds to 0 in float32 (5e-324) would drop them all
         sorted_probs[drop] = 0.0
         probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
     gen = torch.Generator().manual_seed((spec.seed * 1_000_003 + spec.step) % (2**63))

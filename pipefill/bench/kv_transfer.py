@@ -6,8 +6,10 @@ the first of --cores) in --chunk-size token chunks, the way prefill streams it, 
 pre-allocated pages of a decode (KVReceiver, this process, pinned to the second core). Time: from
 telling the sender to start until the decode's room is ready. Every page is checked.
 
-Baseline, measured in this run on the receiver's core: the same pages gathered and scattered
-inside one process (index_select + index_copy_), the memory-bound floor of a copy.
+Baselines, measured in the same run: `raw tcp`, the same number of bytes streamed between the
+same two pinned processes over one loopback socket in 4 MiB sends into one reused buffer (the
+socket's ceiling); `local copy`, the same pages gathered and scattered inside one process
+(index_select + index_copy_) on the receiver's core.
 """
 from __future__ import annotations
 
@@ -15,6 +17,7 @@ import argparse
 import json
 import os
 import random
+import socket
 import subprocess
 import sys
 import time
@@ -92,6 +95,10 @@ def sender_main(a: argparse.Namespace) -> None:
     print(service.endpoint.port, flush=True)
     per_chunk = max(1, a.chunk_size // a.page_size)
     for line in sys.stdin:
+        if line.startswith("raw"):
+            _, port, nbytes = line.split()
+            _raw_send(int(port), int(nbytes))
+            continue
         room = int(line)
         src = page_order(pages, room, a.contiguous)
         sender.open_room(room, sends_final=True)
@@ -99,6 +106,34 @@ def sender_main(a: argparse.Namespace) -> None:
             sender.send_pages(room, first, src[first:first + per_chunk],
                               is_last=first + per_chunk >= pages)
         sender.send_final(room, m.FinalMeta(room, 0, a.input_len, 0))
+
+
+def _raw_send(port: int, nbytes: int) -> None:
+    block = memoryview(bytearray(4 << 20))
+    with socket.create_connection(("127.0.0.1", port)) as sock:
+        while nbytes > 0:
+            sock.sendall(block[:min(nbytes, len(block))])
+            nbytes -= len(block)
+
+
+def raw_tcp_gbs(child, nbytes: int, reps: int) -> float:
+    """Plain socket throughput between the same two processes: one recv_into buffer."""
+    best = float("inf")
+    block = memoryview(bytearray(4 << 20))
+    with socket.create_server(("127.0.0.1", 0)) as server:
+        for _ in range(reps):
+            child.stdin.write(f"raw {server.getsockname()[1]} {nbytes}\n")
+            child.stdin.flush()
+            conn, _ = server.accept()
+            with conn:
+                t0, got = time.perf_counter(), 0
+                while got < nbytes:
+                    k = conn.recv_into(block)
+                    if k == 0:
+                        raise RuntimeError("the raw-tcp sender closed early")
+                    got += k
+                best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
 
 
 def local_copy_gbs(kv, src, dst, reps: int) -> float:
@@ -160,9 +195,11 @@ def bench_case(a, backend: str, dtype: str, cores: list[int]) -> dict:
             check_pages(kv, src, dst)
         receiver.close()
         nbytes = 2 * a.layers * pages * kv.page_bytes
+        raw = raw_tcp_gbs(child, nbytes, a.reps)
         base = local_copy_gbs(kv, src, dst, a.reps)
         return {"backend": backend, "dtype": dtype, "bytes": nbytes, "best_s": min(times),
-                "times_s": times, "gbs": nbytes / min(times) / 1e9, "local_copy_gbs": base}
+                "times_s": times, "gbs": nbytes / min(times) / 1e9, "raw_tcp_gbs": raw,
+                "local_copy_gbs": base}
     finally:
         child.kill()
         child.wait()
@@ -184,8 +221,9 @@ def run(a: argparse.Namespace) -> int:
             r = bench_case(a, backend, dtype, cores)
             rows.append(r)
             print(f"{backend:9s} {dtype:9s} {r['bytes'] / 2**20:7.1f} MiB  {r['best_s']:.3f} s  "
-                  f"{r['gbs']:.2f} GB/s  = {r['gbs'] / r['local_copy_gbs']:.2f} x local copy "
-                  f"({r['local_copy_gbs']:.2f} GB/s); one {a.chunk_size}-token chunk "
+                  f"{r['gbs']:.2f} GB/s = {r['gbs'] / r['raw_tcp_gbs']:.2f} x raw tcp "
+                  f"({r['raw_tcp_gbs']:.2f} GB/s), {r['gbs'] / r['local_copy_gbs']:.2f} x "
+                  f"local copy ({r['local_copy_gbs']:.2f} GB/s); one {a.chunk_size}-token chunk "
                   f"{r['best_s'] * a.chunk_size / a.input_len * 1e3:.0f} ms", flush=True)
     if a.json:
         with open(a.json, "w") as f:

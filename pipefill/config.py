@@ -78,6 +78,16 @@ class ServerArgs:
         "Turn off the radix prefix cache (by default whole KV pages of earlier prompts and "
         "outputs are kept and reused by requests that start with the same tokens).",
         default=False)
+    enable_hierarchical_cache: bool = _flag(
+        "Keep prefix-cache pages evicted from the KV pool in a host-memory tier (L2) on every "
+        "stage and load them back on a hit, instead of recomputing them.", default=False)
+    hicache_ratio: float = _flag(
+        "Host-tier pages per stage as a multiple of the KV pool's pages (with "
+        "--enable-hierarchical-cache, unless --hicache-size is given).", default=2.0,
+        type=float)
+    hicache_size: float | None = _flag(
+        "Host-tier size per stage in GB (GiB) of the largest stage's pages; overrides "
+        "--hicache-ratio.", default=None, type=float)
     threads_per_stage: int | None = _flag(
         "CPU threads per stage process. Default: usable cores // pp_size (at least 1).",
         default=None)
@@ -184,6 +194,11 @@ class ServerArgs:
                 f"--chunked-prefill-size ({self.chunked_prefill_size})")
         if self.decode_gemm_max_rows < 0:
             raise ValueError("--decode-gemm-max-rows must be >= 0")
+        if self.enable_hierarchical_cache and self.disable_radix_cache:
+            raise ValueError("--enable-hierarchical-cache needs the radix cache: drop "
+                             "--disable-radix-cache")
+        if self.hicache_ratio <= 0 or (self.hicache_size is not None and self.hicache_size <= 0):
+            raise ValueError("--hicache-ratio and --hicache-size must be positive")
         if self.threads_per_stage is not None and self.threads_per_stage < 1:
             raise ValueError("--threads-per-stage must be at least 1")
         for name in ("dist_init_timeout", "stage_restart_timeout", "stage_restart_window"):

@@ -181,6 +181,29 @@ class AmxKVCache:
     def read_pages(self, pages: list[int]) -> torch.Tensor:
         """[2, num_layers, len(pages), page_size, num_kv_heads, head_dim] in the plain
         token-major layout (unpacked; for storage and tests)."""
+        from pipefill.kernels.cpu_attention import read_kv as read_any  # bf16 or float32
+        from pipefill.kv.cache import read_page_blocks
+        k, v = read_page_blocks(self, pages)  # [L, n, H, ps, D] each, in tile order
+        L, n, H, ps, D = k.shape
+        table = torch.arange(L * n, dtype=torch.int32)  # all pages as one "sequence"
+        k, v = read_any(k.reshape(L * n, H, ps, D), v.reshape(L * n, H, ps, D), table,
+                        L * n * ps)
+        return torch.stack([k.reshape(L, n, ps, H, D), v.reshape(L, n, ps, H, D)])
+
+    def write_pages(self, pages: list[int], data: torch.Tensor) -> None:
+        """Inverse of read_pages: token-major [2, L, n, ps, H, D] packed into `pages`."""
+        index = torch.tensor(pages, dtype=torch.long)
+        for cache, plain, kind in ((self.k, data[0], "k"), (self.v, data[1], "v")):
+            cache.index_copy_(1, index, pack_pages(plain.to(cache.dtype), kind))
+
+    def page_blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V as [num_layers, num_pages, *page] (already so): the host tier copies
+        whole pages in the packed layout."""
+        return self.k, self.v
+
+    def read_pages(self, pages: list[int]) -> torch.Tensor:
+        """[2, num_layers, len(pages), page_size, num_kv_heads, head_dim] in the plain
+        token-major layout (unpacked; for storage and tests)."""
         from pipefill.kv.cache import read_page_blocks
         k, v = read_page_blocks(self, pages)  # [L, n, H, ps, D] each, in tile order
         L, n, H, ps, D = k.shape
@@ -275,6 +298,23 @@ def pack_pages(plain: torch.Tensor, kind: str) -> torch.Tensor:
     else:
         x = plain.reshape(L, n, ps // 32, 16, 2, H, D // 16, 16)  # [.., t32, pair, 2, H, d16, d]
         x = x.permute(0, 1, 5, 2, 6, 3, 7, 4)  # [L, n, H, t32, d16, pair, d, 2]
+    return x.reshape(L, n, H, ps, D).contiguous()
+
+
+def pack_pages(plain: torch.Tensor, kind: str) -> torch.Tensor:
+    """Token-major pages [L, n, ps, H, D] -> the packed [L, n, H, ps, D] order that read_kv
+    (bf16) and cpu_attention.read_kv (float32) undo. K: 16-token x 32-dim tiles of dim pairs;
+    V: 32-token x 16-dim tiles of token pairs; float32 keeps the pair index outside."""
+    L, n, ps, H, D = plain.shape
+    f32 = plain.dtype == torch.float32
+    if kind == "k":
+        x = plain.reshape(L, n, ps // 16, 16, H, D // 32, 16, 2)  # [.., t16, tok, H, d32, p, 2]
+        # -> [L, n, H, t16, d32, pairs, tok, 2] (bf16) or [.., pairs, 2, tok] (float32)
+        x = x.permute(0, 1, 4, 2, 5, 6, 7, 3) if f32 else x.permute(0, 1, 4, 2, 5, 6, 3, 7)
+    else:
+        x = plain.reshape(L, n, ps // 32, 16, 2, H, D // 16, 16)  # [.., t32, pair, 2, H, d16, d]
+        # -> [L, n, H, t32, d16, pair, d, 2] (bf16) or [.., pair, 2, d] (float32)
+        x = x.permute(0, 1, 5, 2, 6, 3, 4, 7) if f32 else x.permute(0, 1, 5, 2, 6, 3, 7, 4)
     return x.reshape(L, n, H, ps, D).contiguous()
 
 

@@ -19,6 +19,33 @@ class KVCache:
                         dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
 
+    def page_blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V as [num_layers, num_pages, page_size, num_kv_heads, head_dim] views: one
+        page of one layer is one block (what the host tier copies)."""
+        shape = (self.k.shape[0], self.num_pages, self.page_size, *self.k.shape[2:])
+        return self.k.view(shape), self.v.view(shape)
+
+    def read_pages(self, pages: list[int]) -> torch.Tensor:
+        """[2, num_layers, len(pages), page_size, num_kv_heads, head_dim], token-major."""
+        return read_page_blocks(self, pages)
+
+    def write_pages(self, pages: list[int], data: torch.Tensor) -> None:
+        write_page_blocks(self, pages, data)
+
+
+def read_page_blocks(cache, pages: list[int]) -> torch.Tensor:
+    """A copy of `pages` of every layer: [2, num_layers, len(pages), *page block]."""
+    index = torch.tensor(pages, dtype=torch.long, device=cache.k.device)
+    k, v = cache.page_blocks()
+    return torch.stack([k.index_select(1, index), v.index_select(1, index)])
+
+
+def write_page_blocks(cache, pages: list[int], data: torch.Tensor) -> None:
+    index = torch.tensor(pages, dtype=torch.long, device=cache.k.device)
+    k, v = cache.page_blocks()
+    k.index_copy_(1, index, data[0].to(k.dtype))
+    v.index_copy_(1, index, data[1].to(v.dtype))
+
 
 def token_slots(page_table: list[int], start: int, end: int, page_size: int):
     """Cache slots of tokens [start, end): a slice when they are consecutive, else a tensor."""

@@ -61,11 +61,16 @@ class StageExecutor:
     def apply_page_ops(self, ops: PageOps, seqs=()) -> None:
         """Before a forward: tier copies, frees, allocations, then the ownership check of every
         sequence (writes by the owner only, reads of written pages only)."""
-        if self.host is not None:
-            self.host.run_ops(ops.cache_ops, self.owners)
-        elif ops.cache_ops:
+        if ops.cache_ops and self.host is None:
             raise RuntimeError("a plan carries host-tier copies but this stage has no host tier")
-        self.owners.replay(ops.freed, seqs, self.cache.page_size)
+        # Stores read pages that this plan may free and hand out again, loads fill pages it
+        # allocates: stores, frees, loads (the copy thread keeps that order for the data).
+        if self.host is not None:
+            self.host.store([op for op in ops.cache_ops if op.kind == "store"], self.owners)
+        self.owners.free(ops.freed)
+        if self.host is not None:
+            self.host.load([op for op in ops.cache_ops if op.kind == "load"], self.owners)
+        self.owners.replay([], seqs, self.cache.page_size)
 
     def forward(self, plan: StepPlan, acts: Activations | None) -> tuple[Activations, float]:
         """Runs this stage's layers; returns the output activations and the forward seconds."""

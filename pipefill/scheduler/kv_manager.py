@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 from pipefill.kv.pool import PagePool
 from pipefill.scheduler.plan import PageOps
-from pipefill.scheduler.radix import RadixCache
+from pipefill.scheduler.radix import Node, RadixCache
 
 
 @dataclass
@@ -54,9 +54,6 @@ class KVManager:
         """Locks the cached prefix of `tokens` (the part r may reuse) and promises the pages of
         the rest of r plus `headroom`; False (and nothing held) when they do not fit."""
         m = self.cache.match(tokens) if self.cache is not None and tokens else None
-        if m is not None and m.host_nodes and self.host is not None:
-            if not self.host.load(m, self):  # host nodes become L1; m is extended
-                m.host_nodes = []
         node = m.node if m is not None else None
         cached = list(m.pages) if m is not None else []
         if node is not None:
@@ -66,12 +63,37 @@ class KVManager:
             if node is not None:
                 self.cache.unlock(node)
             return False
+        if m is not None and m.host_nodes:
+            node = self._load_from_host(tokens, node)
+            loaded = self.cache.match(tokens).pages[len(cached):]
+            self.counters.hit_tokens_host += len(loaded) * self.page_size
+            cached += loaded
+            need -= len(loaded)
         self.pool.retain(cached)
         r.pages, r.lock_node, r.num_inserted = cached, node, len(cached)
         r.pages_reserved = need
         self.promised += need
         r.num_scheduled = len(cached) * self.page_size
         return True
+
+    def _load_from_host(self, tokens: list[int], locked: Node) -> Node:
+        """Brings the host-only part of the match of `tokens` back into pool pages (copies in
+        the next plan, before its forward); returns the new deepest locked node. The caller
+        checked that the pages fit."""
+        m = self.cache.match(tokens)
+        need = m.num_host_pages
+        if self.pool.num_free < need:
+            self.cache.evict(need - self.pool.num_free)  # may drop host leaves: match again
+            m = self.cache.match(tokens)
+        for host_node in m.host_nodes:
+            pages = self.pool.allocate(host_node.num_pages)  # the tree's reference
+            self.host.load(host_node, pages)
+            self.cache.load(host_node, pages)
+        node = m.host_nodes[-1] if m.host_nodes else m.node
+        if node is not locked:
+            self.cache.lock(node)
+            self.cache.unlock(locked)
+        return node
 
     # ---- growth ------------------------------------------------------------------------------
 

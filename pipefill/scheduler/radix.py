@@ -165,6 +165,13 @@ class RadixCache:
             node, at = child, at + n
         return node
 
+    def load(self, node: Node, pages: list[int]) -> None:
+        """A host-only node is back in L1 in `pages` (allocated for the tree; its host copy
+        stays, so a later eviction needs no copy)."""
+        assert node.pages is None and len(pages) == len(node.host) and not node.lock
+        node.pages = list(pages)
+        self.num_pages += len(pages)
+
     def _adopt(self, pages: list[int]) -> None:
         self.pool.retain(pages)
         self.num_pages += len(pages)
@@ -220,6 +227,25 @@ class RadixCache:
         if not kept:
             self.drop(node)
         return n
+
+    def evict_host(self, num_slots: int) -> int:
+        """Drops host-only leaves, least recently used first, until num_slots host slots are
+        free again (or none is left). Returns the slots freed."""
+        heap = [(n.last_used, id(n), n) for n in self._nodes() if self._host_leaf(n)]
+        heapq.heapify(heap)
+        done = 0
+        while done < num_slots and heap:
+            _, _, node = heapq.heappop(heap)
+            parent = node.parent
+            done += len(node.host)
+            self.drop(node)
+            if parent is not self.root and self._host_leaf(parent):
+                heapq.heappush(heap, (parent.last_used, id(parent), parent))
+        return done
+
+    @staticmethod
+    def _host_leaf(node: Node) -> bool:
+        return node.pages is None and node.host is not None and not node.children
 
     def drop(self, node: Node) -> None:
         """Removes a node that is out of L1, with its (host-only) subtree."""

@@ -1,0 +1,180 @@
+"""The host tier (L2) of the prefix cache: a second page buffer per stage, separate from the KV
+pool (on a GPU the pool is device memory and this is pinned host memory; on a CPU both are DRAM,
+kept apart anyway so that the design is the GPU design).
+
+Stage 0 decides every copy (HostDirector): an L1 page evicted from the radix tree is stored to a
+host slot instead of being dropped, and a host hit is loaded back into a fresh pool page before
+the request's first computed chunk. The decisions travel in the plan (PageOps.cache_ops), so
+every stage copies its own layers, in the same order, into slots of the same numbers; all stages
+size the tier with host_slots() from the arguments and the partition, never from local memory.
+Each stage runs its copies on a background thread (HostTier) and a forward waits only for the
+copies that touch its pages.
+"""
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+
+import torch
+
+from pipefill.kv.pool import CACHE_OWNER, PageIntegrityError, PageOwners
+from pipefill.scheduler.plan import CacheOp
+
+log = logging.getLogger(__name__)
+
+
+def host_slots(enabled: bool, size_gb: float | None, ratio: float, num_pages: int,
+               page_size: int, max_stage_layers: int, num_kv_heads: int, head_dim: int,
+               itemsize: int) -> int:
+    """Host pages per stage, the same number on every stage: --hicache-size GB holds that many
+    pages of the largest stage; else --hicache-ratio x the pool's pages."""
+    if not enabled:
+        return 0
+    if size_gb is not None:
+        page_bytes = 2 * max_stage_layers * page_size * num_kv_heads * head_dim * itemsize
+        return int(size_gb * 2**30) // page_bytes
+    return int(ratio * num_pages)
+
+
+def stage_host_slots(args, model_cfg, cache) -> int:
+    """host_slots() from the arguments and the partition (identical on every stage)."""
+    from pipefill.model.partition import partition_layers
+    if args.disable_radix_cache:
+        return 0
+    ranges = partition_layers(model_cfg.num_layers, args.pp_size, args.pp_layer_partition)
+    return host_slots(args.enable_hierarchical_cache, args.hicache_size, args.hicache_ratio,
+                      cache.num_pages, args.page_size, max(len(r) for r in ranges),
+                      model_cfg.num_kv_heads, model_cfg.head_dim, cache.k.dtype.itemsize)
+
+
+def attach_host_tier(executor, args, model_cfg, rank: int) -> None:
+    """Gives a stage its host tier (when on) and logs which cache tiers it runs."""
+    cache = executor.cache
+    slots = stage_host_slots(args, model_cfg, cache)
+    if slots:
+        executor.host = HostTier(cache, slots)
+    page_bytes = cache.page_blocks()[0][0, 0].numel() * 2 * cache.k.shape[0] * \
+        cache.k.dtype.itemsize
+    l1 = "off" if args.disable_radix_cache else f"on ({cache.num_pages} pool pages)"
+    l2 = f"{slots} host pages, {slots * page_bytes / 2**30:.2f} GiB" if slots else "off"
+    log.info("stage %d: prefix cache L1 %s, L2 %s", rank, l1, l2)
+
+
+class HostDirector:
+    """Stage 0's side: the host slots' free list and the copies the next plan carries."""
+
+    def __init__(self, num_slots: int):
+        self.num_slots = num_slots
+        self._free = list(range(num_slots - 1, -1, -1))
+        self.ops: list[CacheOp] = []
+        self.cache = None  # the RadixCache, set by attach()
+        self.stored_pages = self.loaded_pages = self.dropped_pages = 0
+
+    def attach(self, cache) -> None:
+        self.cache = cache
+        cache.on_evict, cache.on_drop = self.on_evict, self.on_drop
+
+    @property
+    def num_used(self) -> int:
+        return self.num_slots - len(self._free)
+
+    def on_evict(self, node) -> bool:
+        """An L1 node leaves the pool: keep it on the host (copying it unless a copy exists)."""
+        if node.host is not None:
+            return True
+        n = len(node.pages)
+        if len(self._free) < n:
+            self.cache.evict_host(n - len(self._free))
+        if len(self._free) < n:
+            return False
+        slots = [self._free.pop() for _ in range(n)]
+        self.ops += [CacheOp("store", p, s) for p, s in zip(node.pages, slots)]
+        self.stored_pages += n
+        node.host = slots
+        return True
+
+    def on_drop(self, node) -> None:
+        self._free += node.host
+        self.dropped_pages += len(node.host)
+
+    def load(self, node, pages: list[int]) -> None:
+        """Host-only `node` comes back into L1 pool `pages` (already allocated)."""
+        self.ops += [CacheOp("load", p, s) for p, s in zip(pages, node.host)]
+        self.loaded_pages += len(pages)
+
+    def drain_ops(self) -> list[CacheOp]:
+        ops, self.ops = self.ops, []
+        return ops
+
+    def stats(self) -> dict:
+        return {"host_slots_total": self.num_slots, "host_slots_used": self.num_used,
+                "host_stored_pages": self.stored_pages, "host_loaded_pages": self.loaded_pages,
+                "host_dropped_pages": self.dropped_pages}
+
+
+class HostTier:
+    """A stage's host buffer and its copy thread. Copies run in plan order (one FIFO thread);
+    `wait_for(pages)` blocks until every copy issued so far that touches those pool pages is
+    done, so the forward of other micro-batches overlaps the copies."""
+
+    def __init__(self, cache, num_slots: int):
+        self.cache = cache
+        k, _ = cache.page_blocks()  # [layers, num_pages, *page]
+        # torch.empty: host pages become resident only when something is stored in them.
+        self.buf = torch.empty((2, k.shape[0], num_slots, *k.shape[2:]), dtype=k.dtype)
+        self.num_slots = num_slots
+        self._queue: queue.Queue = queue.Queue()
+        self._cond = threading.Condition()
+        self._issued = self._done = 0
+        self._latest: dict[int, int] = {}  # pool page -> number of its latest copy
+        self.error: BaseException | None = None
+        threading.Thread(target=self._run, name="host-tier copies", daemon=True).start()
+
+    def store(self, ops: list[CacheOp], owners: PageOwners) -> None:
+        for op in ops:
+            if op.page not in owners.written:
+                raise PageIntegrityError(f"host store of page {op.page}, never written")
+        self._issue("store", ops)
+
+    def load(self, ops: list[CacheOp], owners: PageOwners) -> None:
+        for op in ops:
+            owners.allocate(CACHE_OWNER, [op.page])
+        owners.mark_written([op.page for op in ops])
+        self._issue("load", ops)
+
+    def _issue(self, kind: str, ops: list[CacheOp]) -> None:
+        if not ops:
+            return
+        with self._cond:
+            self._issued += 1
+            for op in ops:
+                self._latest[op.page] = self._issued
+        self._queue.put((kind, torch.tensor([op.page for op in ops]),
+                         torch.tensor([op.slot for op in ops])))
+
+    def _run(self) -> None:
+        k, v = self.cache.page_blocks()
+        while True:
+            kind, pages, slots = self._queue.get()
+            try:
+                for pool_blocks, host in ((k, self.buf[0]), (v, self.buf[1])):
+                    if kind == "store":
+                        host.index_copy_(1, slots, pool_blocks.index_select(1, pages))
+                    else:
+                        pool_blocks.index_copy_(1, pages, host.index_select(1, slots))
+            except BaseException as e:  # noqa: BLE001 - raised in the stage's thread by wait_for
+                self.error = e
+            with self._cond:
+                self._done += 1
+                self._cond.notify_all()
+
+    def wait_for(self, pages) -> None:
+        with self._cond:
+            need = max((self._latest.get(p, 0) for p in pages), default=0)
+            self._cond.wait_for(lambda: self._done >= need)
+        if self.error is not None:
+            raise RuntimeError(f"a host-tier copy failed: {self.error}")
+
+    def stats(self) -> dict:
+        return {"host_slots_total": self.num_slots}

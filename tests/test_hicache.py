@@ -1,0 +1,183 @@
+"""The host tier (L2): the scheduler's decisions replayed on a token-level fake KV (every read
+must see the tokens of its positions, through evictions, host stores/loads and preemptions),
+the copy thread on real caches, and real engines with a pool far smaller than the workload."""
+import random
+
+import pytest
+import torch
+
+from conftest import save_tiny_model, track
+from pipefill import Engine
+from pipefill.kv.cache import KVCache
+from pipefill.kv.host import HostDirector, HostTier, host_slots
+from pipefill.kv.pool import PageOwners, PagePool
+from pipefill.scheduler.plan import CacheOp, NewRequest, SamplingParams, SeqResult, StepResult
+from pipefill.scheduler.radix import RadixCache
+from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig
+
+PAGE = 4
+
+
+class TokenStage:
+    """A stage whose KV 'values' are the token ids themselves: pool and host pages are lists,
+    copies move them, a forward writes its tokens and checks that every position it reads
+    holds that position's token. Page ownership is checked as on a real stage."""
+
+    def __init__(self, num_pages: int, num_slots: int, tokens: dict[str, list[int]]):
+        self.pool = [[None] * PAGE for _ in range(num_pages)]
+        self.host = [[None] * PAGE for _ in range(num_slots)]
+        self.owners = PageOwners(num_pages)
+        self.tokens = tokens  # rid -> prompt + outputs so far (the test keeps it current)
+
+    def run(self, plan) -> None:
+        ops = plan.page_ops
+        for op in ops.cache_ops:
+            if op.kind == "store":
+                assert op.page in self.owners.written
+                self.host[op.slot] = list(self.pool[op.page])
+        self.owners.free(ops.freed)
+        for op in ops.cache_ops:
+            if op.kind == "load":
+                self.owners.allocate("<prefix cache>", [op.page])
+                self.owners.mark_written([op.page])
+                self.pool[op.page] = list(self.host[op.slot])
+        self.owners.replay([], plan.seqs, PAGE)
+        for w in plan.seqs:
+            for pos, tok in zip(range(w.start, w.end), w.input_ids):
+                self.pool[w.page_table[pos // PAGE]][pos % PAGE] = tok
+            want = self.tokens[w.rid]
+            for pos in range(w.end):
+                got = self.pool[w.page_table[pos // PAGE]][pos % PAGE]
+                assert got == want[pos], f"{w.rid} position {pos}: {got} != {want[pos]}"
+        self.owners.to_cache(ops.cached)
+
+
+def run_workload(seed: int, num_pages: int, num_slots: int, inflight: int = 3):
+    rng = random.Random(seed)
+    pool = PagePool(num_pages)
+    cache = RadixCache(PAGE, pool)
+    host = HostDirector(num_slots) if num_slots else None
+    if host is not None:
+        host.attach(cache)
+    s = Scheduler(SchedulerConfig(PAGE, 8, 16, 4, 4096, ()), pool, None, cache, host)
+    docs = [[rng.randrange(50) for _ in range(rng.randrange(8, 30))] for _ in range(3)]
+    tokens, expect = {}, {}
+    for i in range(12):
+        prompt = rng.choice(docs) + [rng.randrange(50) for _ in range(rng.randrange(1, 6))]
+        n = rng.randrange(1, 12)
+        tokens[f"r{i}"] = list(prompt)
+        expect[f"r{i}"] = [(7 * i + k) % 50 for k in range(n)]
+        s.add(NewRequest(f"r{i}", prompt, SamplingParams(max_new_tokens=n)))
+    stage = TokenStage(num_pages, num_slots, tokens)
+    queue, got = [], {}
+    for _ in range(5000):
+        plan = s.schedule() if len(queue) < inflight else None
+        if plan is not None:
+            stage.run(plan)
+            queue.append(plan)
+            continue
+        if not queue:
+            break
+        done = queue.pop(0)
+        result = StepResult(done.step_id, [
+            SeqResult(w.rid, expect[w.rid][w.sample.step] if w.sample else None)
+            for w in done.seqs])
+        for out in s.update(done, result):
+            got.setdefault(out.rid, []).extend(out.new_token_ids)
+            tokens[out.rid] += out.new_token_ids
+    assert got == expect
+    stage.owners.free(s.kv.drain_ops().freed)
+    pool.check_integrity()
+    assert pool.num_used == cache.num_pages == stage.owners.num_used and s.kv.promised == 0
+    return s
+
+
+@pytest.mark.parametrize("slots", [0, 10], ids=["L1-only", "L1+L2"])
+@pytest.mark.parametrize("seed", range(8))
+def test_small_pool_reads_the_right_tokens(seed, slots):
+    s = run_workload(seed, num_pages=14, num_slots=slots)
+    assert s.kv.stats()["cache_evicted_pages"] > 0
+
+
+def test_host_tier_loads_and_preempts_in_the_same_run():
+    stats = [run_workload(seed, num_pages=12, num_slots=24).kv.stats() for seed in range(8)]
+    assert sum(st["host_loaded_pages"] for st in stats) > 0
+    assert sum(st["cache_hit_tokens_host"] for st in stats) > 0
+    assert sum(st["preemptions"] for st in stats) > 0
+
+
+def test_host_slots_agree_from_arguments():
+    assert host_slots(False, None, 2.0, 100, 16, 4, 2, 16, 4) == 0
+    assert host_slots(True, None, 1.5, 100, 16, 4, 2, 16, 4) == 150
+    page_bytes = 2 * 4 * 16 * 2 * 16 * 4  # K and V, 4 layers of the largest stage
+    assert host_slots(True, 1.0, 2.0, 100, 16, 4, 2, 16, 4) == 2**30 // page_bytes
+
+
+def test_copy_thread_moves_pages_both_ways():
+    cache = KVCache(2, 8, 4, 2, 16, torch.float32)
+    tier = HostTier(cache, 6)
+    owners = PageOwners(8)
+    data = torch.randn(2, 2, 3, 4, 2, 16)
+    owners.allocate("r", [1, 2, 3])
+    owners.check("r", [], [1, 2, 3])
+    cache.write_pages([1, 2, 3], data)
+    tier.store([CacheOp("store", p, s) for p, s in ((1, 5), (2, 0), (3, 2))], owners)
+    owners.free([1, 2, 3])
+    tier.load([CacheOp("load", p, s) for p, s in ((6, 5), (7, 0), (0, 2))], owners)
+    tier.wait_for([6, 7, 0])
+    assert torch.equal(cache.read_pages([6, 7, 0]), data)
+
+
+# ---- real engines ---------------------------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return save_tiny_model("llama", tmp_path_factory.mktemp("llama_hc"), num_hidden_layers=3)
+
+
+def workload():
+    docs = [[(7 * i + 3 + 31 * d) % 512 for i in range(100)] for d in range(3)]
+    return [doc + [1, 2, 3] for doc in docs] + [doc + [4, 5] for doc in docs]
+
+
+def run_engine(path, **kw):
+    """One prompt at a time (each doc is evicted by the next ones, then hit from L2), then
+    all at once with long outputs in a pool that cannot hold them (preemption)."""
+    with track(Engine(path, dtype="float32", page_size=16, threads_per_stage=1,
+                      chunked_prefill_size=32, max_total_tokens=16 * 20, max_model_len=200,
+                      **kw)) as e:
+        prompts = workload()
+        outs = [e.generate([p], max_new_tokens=6, ignore_eos=True)[0] for p in prompts]
+        outs += e.generate(prompts[:3], max_new_tokens=60, ignore_eos=True)
+        return [o.output_ids for o in outs], e.stats()
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_small_pool_engine_equals_no_cache(model, pp):
+    on, stats = run_engine(model, pp_size=pp, enable_hierarchical_cache=True)
+    off, _ = run_engine(model, pp_size=pp, disable_radix_cache=True)
+    assert on == off
+    assert stats["host_loaded_pages"] > 0 and stats["cache_hit_tokens_host"] > 0
+    assert stats["preemptions"] > 0
+    for stage in stats["stages"][1:]:
+        assert stage["host_slots_total"] == stats["host_slots_total"]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_packed_cache_pages_round_trip_through_the_kernel_layout(dtype):
+    """AmxKVCache.read_pages/write_pages (token-major, for storage) against the vector
+    kernels' own packing (cpu_attention.write_kv), where this CPU can build them."""
+    from pipefill.kernels import cpu_attention
+    from pipefill.kernels.amx_attention import AmxKVCache
+    if cpu_attention.best_kernel() is None:
+        pytest.skip("no vector attention kernel on this CPU")
+    cache = AmxKVCache(2, 6, 64, 2, 64, dtype)
+    data = torch.randn(2, 2, 2, 64, 2, 64).to(dtype)  # [K/V, layers, pages, tokens, H, D]
+    for layer in range(2):
+        k, v = (data[i, layer].reshape(128, 2, 64) for i in range(2))
+        cpu_attention.write_kv(cache.k[layer], cache.v[layer], k, v,
+                               torch.tensor([4, 1], dtype=torch.int32), 0)
+    assert torch.equal(cache.read_pages([4, 1]), data)
+    other = AmxKVCache(2, 6, 64, 2, 64, dtype)
+    other.write_pages([4, 1], data)
+    assert torch.equal(other.k[:, [4, 1]], cache.k[:, [4, 1]])

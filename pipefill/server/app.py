@@ -377,6 +377,7 @@ class Run:
         self.logprobs = TokenLogprobs() if job.logprobs is not None else None
         self.t0 = time.perf_counter()
         self.first_token_at: float | None = None
+        self.cached_tokens = 0  # prompt tokens served from the prefix cache
 
     # -- the shared core: one output in, the new text out --
     async def events(self):
@@ -408,6 +409,7 @@ class Run:
             self._add_prompt_logprobs(out.prompt_logprobs)
         for size in out.chunk_sizes or []:
             self.served.metrics.chunk_size.observe(size)
+        self.cached_tokens = out.cached_tokens or self.cached_tokens
         deltas = [self._take(out)]
         if self.stop.stopped:
             self.finish_reason = "stop"
@@ -457,7 +459,8 @@ class Run:
 
     def usage(self) -> dict:
         n_in, n_out = len(self.job.prompt_ids), len(self.output_ids)
-        return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out}
+        return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out,
+                "prompt_tokens_details": {"cached_tokens": self.cached_tokens}}
 
     # -- whole response --
     async def collect(self) -> dict:

@@ -32,12 +32,39 @@ class ServerMetrics:
         self.pages_used = Gauge(p + "kv_pages_used", "KV pages in use", registry=r)
         self.pages_free = Gauge(p + "kv_pages_free", "KV pages free", registry=r)
         self.healthy = Gauge(p + "stages_up", "1 when every stage is up", registry=r)
+        # Prefix cache (stage 0's counters since the stages started, pushed with the load).
+        self.cache_hit_tokens = Gauge(p + "cache_hit_tokens",
+                                      "Prompt tokens served from the prefix cache, by tier",
+                                      ["tier"], registry=r)
+        self.cache_pages = Gauge(p + "cache_pages", "Pages held by the prefix cache, by tier",
+                                 ["tier"], registry=r)
+        self.cache_capacity = Gauge(p + "cache_capacity_pages", "Pages each tier can hold",
+                                    ["tier"], registry=r)
+        self.cache_evicted_pages = Gauge(p + "cache_evicted_pages",
+                                         "Pages evicted from the KV pool by the prefix cache",
+                                         registry=r)
+        self.preemptions = Gauge(p + "preemptions",
+                                 "Requests preempted (back to the queue, resumed from the cache)",
+                                 registry=r)
 
     def observe_load(self, load: dict) -> None:
         self.running.set(load.get("running", 0))
         self.waiting.set(load.get("waiting", 0))
-        self.pages_used.set(load.get("pages_used", 0))
-        self.pages_free.set(load.get("pages_free", 0))
+        # Cache pages nobody uses are as good as free: they are evicted on demand.
+        spare = load.get("cache_evictable_pages", 0)
+        self.pages_used.set(load.get("pages_used", 0) - spare)
+        self.pages_free.set(load.get("pages_free", 0) + spare)
+        hits, host, storage = (load.get(k, 0) for k in (
+            "cache_hit_tokens", "cache_hit_tokens_host", "cache_hit_tokens_storage"))
+        for tier, value in (("l1", hits - host - storage), ("l2", host), ("l3", storage)):
+            self.cache_hit_tokens.labels(tier=tier).set(value)
+        self.cache_pages.labels(tier="l1").set(load.get("cache_pages", 0))
+        self.cache_pages.labels(tier="l2").set(load.get("host_slots_used", 0))
+        self.cache_pages.labels(tier="l3").set(load.get("storage_pages", 0))
+        self.cache_capacity.labels(tier="l1").set(load.get("pages_total", 0))
+        self.cache_capacity.labels(tier="l2").set(load.get("host_slots_total", 0))
+        self.cache_evicted_pages.set(load.get("cache_evicted_pages", 0))
+        self.preemptions.set(load.get("preemptions", 0))
 
     def render(self) -> bytes:
         return generate_latest(self.registry)

@@ -51,7 +51,8 @@ def test_lookup_waits_for_every_stage_and_checks_agreement():
 @pytest.mark.parametrize("field,value,flag", [
     ("page_size", 16, "--page-size"), ("kv_dtype", "float32", "--dtype"),
     ("model_fingerprint", "llama", "--model-path"), ("num_layers", 32, "--model-path"),
-    ("backend", "mooncake", "--disaggregation-transfer-backend")])
+    ("backend", "mooncake", "--disaggregation-transfer-backend"),
+    ("kv_layout", "amx-packed", "--attention-backend")])
 def test_mismatch_is_a_sentence_naming_the_flag(field, value, flag):
     info = m.PrefillInfo([stage(0), stage(1)])
     with pytest.raises(ValueError, match=flag):

@@ -191,6 +191,48 @@ def test_prefill_abort_reaches_the_decode_and_frees_both_sides():
         service.close()
 
 
+@pytest.mark.parametrize("layout", ["token-major", "amx-packed"])
+def test_the_engines_kv_caches_by_layout(layout):
+    """KVTensors.from_cache over the engine's own cache classes: KVCache and AmxKVCache."""
+    from pipefill.kernels.amx_attention import AmxKVCache
+    from pipefill.kv.cache import KVCache
+
+    def cache():
+        if layout == "amx-packed":
+            return AmxKVCache(LAYERS, PAGES, 32, HEADS, 64)
+        return KVCache(LAYERS, PAGES, 32, HEADS, 64, torch.bfloat16)
+    src_cache, dst_cache = cache(), cache()
+    for t in (src_cache.k, src_cache.v, dst_cache.k, dst_cache.v):
+        t.copy_(torch.randn(t.shape))
+    src_kv, dst_kv = KVTensors.from_cache(src_cache, 0), KVTensors.from_cache(dst_cache, 0)
+    assert src_kv.layout == layout and src_kv.num_pages == PAGES
+    service, src_pool, dst_pool = BootstrapServer(port=0), Pool(), Pool()
+    sender = KVSender(src_kv, 0, release=src_pool.release, timing=FAST)
+    receiver = KVReceiver(dst_kv, release=dst_pool.release, timing=FAST)
+    try:
+        register_stage(service.endpoint, sender.registration(
+            pp_size=1, num_layers=LAYERS, num_kv_heads=HEADS, head_dim=64,
+            model_fingerprint="tiny"))
+        info = lookup_prefill(service.endpoint, 10)
+        assert info.stages[0].kv_layout == layout
+        receiver.connect("p", info)
+        src, dst = src_pool.pool.allocate(5), dst_pool.pool.allocate(PAGES)[-5:][::-1]
+        receiver.expect_room(ROOM, "p", dst, want_final=False)
+        sender.open_room(ROOM)
+        sender.send_pages(ROOM, 0, src, is_last=True)
+        assert receiver.wait_room(ROOM, 30).ok
+        if layout == "amx-packed":  # [layers, pages, heads, page_size, head_dim]
+            assert torch.equal(src_cache.k[:, src], dst_cache.k[:, dst])
+            assert torch.equal(src_cache.v[:, src], dst_cache.v[:, dst])
+        else:
+            assert_pages_equal(src_kv, src, dst_kv, dst)
+        assert wait_until(src_pool.clean)
+    finally:
+        receiver.close()
+        sender.close()
+        service.close()
+
+
 # ------------------------------------------------------------ separate processes
 
 SENDER = r"""

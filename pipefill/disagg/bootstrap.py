@@ -133,7 +133,8 @@ def lookup_prefill(endpoint: m.Endpoint, timeout_s: float = 60.0,
 
 
 def check_compatible(info: m.PrefillInfo, *, page_size: int, kv_dtype: str,
-                     model_fingerprint: str, backend: str, num_layers: int) -> None:
+                     model_fingerprint: str, backend: str, num_layers: int,
+                     kv_layout: str = "token-major") -> None:
     """Raises ValueError naming the flag to change when this decode cannot take the prefill's
     KV; also checks that the prefill stages' layers tile [0, num_layers)."""
     s = info.stages[0]
@@ -146,6 +147,10 @@ def check_compatible(info: m.PrefillInfo, *, page_size: int, kv_dtype: str,
     if s.kv_dtype != kv_dtype:
         raise ValueError(f"the prefill server's KV cache is {s.kv_dtype}, this decode's "
                          f"{kv_dtype}: start both with the same --dtype")
+    if s.kv_layout != kv_layout:
+        raise ValueError(f"the prefill server's KV pages are {s.kv_layout}, this decode's "
+                         f"{kv_layout} (the AMX attention kernel packs them): start both with "
+                         "the same --attention-backend")
     if s.backend != backend:
         raise ValueError(f"the prefill server uses --disaggregation-transfer-backend "
                          f"{s.backend}, this decode {backend}: use the same on both")

@@ -53,6 +53,7 @@ class RegisterStage(_Msg):
     head_dim: int
     model_fingerprint: str
     backend: str  # "tcp" | "mooncake"
+    kv_layout: str = "token-major"  # or "amx-packed": pages are moved as opaque bytes
 
 
 class Ack(_Msg):

@@ -31,16 +31,29 @@ BACKENDS = ("tcp", "mooncake")
 
 @dataclass
 class KVTensors:
-    """One stage's KV cache: k, v [num_layers_here, num_pages * page_size, kv_heads, head_dim]
-    holding global layers [layer_start, layer_start + num_layers)."""
+    """One stage's KV cache, global layers [layer_start, layer_start + num_layers): k and v are
+    [num_layers_here, ...] with one page of one layer contiguous: token-major [layers,
+    num_pages * page_size, kv_heads, head_dim] (KVCache) or AMX-packed [layers, num_pages,
+    kv_heads, page_size, head_dim] (AmxKVCache). Pages move as opaque bytes, so both ends must
+    use the same layout (checked at bootstrap)."""
     k: torch.Tensor
     v: torch.Tensor
     page_size: int
     layer_start: int = 0
+    num_pages: int = 0  # 0: k.shape[1] // page_size (token-major)
+    layout: str = "token-major"
 
     def __post_init__(self):
         assert self.k.shape == self.v.shape and self.k.is_contiguous() and self.v.is_contiguous()
+        if not self.num_pages:
+            self.num_pages = self.k.shape[1] // self.page_size
         self._bytes = {}
+
+    @staticmethod
+    def from_cache(cache, layer_start: int) -> "KVTensors":
+        """A stage's KVCache or AmxKVCache."""
+        layout = "amx-packed" if cache.k.dim() == 5 else "token-major"
+        return KVTensors(cache.k, cache.v, cache.page_size, layer_start, cache.num_pages, layout)
 
     @property
     def num_layers(self) -> int:
@@ -56,15 +69,11 @@ class KVTensors:
 
     @property
     def page_elems(self) -> int:
-        return self.page_size * self.k.shape[2] * self.k.shape[3]
+        return self.k[0].numel() // self.num_pages
 
     @property
     def page_bytes(self) -> int:
         return self.page_elems * self.k.element_size()
-
-    @property
-    def num_pages(self) -> int:
-        return self.k.shape[1] // self.page_size
 
     def local(self, t: torch.Tensor, layer: int) -> torch.Tensor:
         return t[layer - self.layer_start]
@@ -154,7 +163,7 @@ class KVSender:
         return m.RegisterStage(self.rank, pp_size, self.kv.layer_start, self.kv.layer_end,
                                num_layers, self.endpoint, self.kv.page_size,
                                dtype_name(self.kv.dtype), num_kv_heads, head_dim,
-                               model_fingerprint, self.data.name)
+                               model_fingerprint, self.data.name, self.kv.layout)
 
     # ---- the caller's side: never blocks on the network
     def open_room(self, room: int, sends_final: bool = False) -> None:

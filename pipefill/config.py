@@ -37,9 +37,17 @@ class ServerArgs:
         "GEMM (an extra packed copy of the weights); more rows run torch. 0 = torch always.",
         default=32)
     attention_backend: str = _flag(
-        "Prefill/decode attention: auto (the AMX kernel where the CPU has AMX-BF16 and the "
-        "dtype is bfloat16, else split SDPA), amx, or sdpa.", default="auto",
-        choices=["auto", "amx", "sdpa"])
+        "Prefill/decode attention: auto (the best kernel the CPU runs: amx with AMX-BF16, "
+        "avx512bf16 (vdpbf16ps), avx512 or avx2 (float32 compute); split SDPA where none "
+        "fits), or one of amx, avx512bf16, avx512, avx2, sdpa. The choice is logged at start.",
+        default="auto", choices=["auto", "amx", "avx512bf16", "avx512", "avx2", "sdpa"])
+    kv_cache_dtype: str = _flag(
+        "KV-cache dtype: auto (the compute dtype), float32, or bfloat16 (half the KV memory; "
+        "the vector kernels widen it in registers, so a float32 model keeps float32 math).",
+        default="auto", choices=["auto", "float32", "bfloat16"])
+    hide_cpu_flags: str = _flag(
+        "Comma-separated CPU flags (as in /proc/cpuinfo, e.g. avx512f,avx512_bf16) that kernel "
+        "selection treats as absent: runs the fallbacks a smaller CPU would get.", default="")
     max_model_len: int | None = _flag(
         "Longest prompt + output in tokens. Default: the model's trained context. Longer values "
         "are allowed with a warning (quality past the trained context is not guaranteed).",
@@ -70,10 +78,6 @@ class ServerArgs:
     max_total_tokens: int | None = _flag(
         "KV-cache capacity in tokens per stage. Default: 4 x max_model_len (at least 65,536); "
         "memory is touched only as pages are used.", default=None)
-    disable_radix_cache: bool = _flag(
-        "Turn off the radix prefix cache (by default whole KV pages of earlier prompts and "
-        "outputs are kept and reused by requests that start with the same tokens).",
-        default=False)
     disable_radix_cache: bool = _flag(
         "Turn off the radix prefix cache (by default whole KV pages of earlier prompts and "
         "outputs are kept and reused by requests that start with the same tokens).",
@@ -303,7 +307,7 @@ def resolve(args: ServerArgs, model_cfg) -> ServerArgs:
     """Fills the model-dependent defaults (dtype='auto', max_model_len) once."""
     import logging
 
-    from pipefill.runtime.platform import dtype_name, resolve_dtype
+    from pipefill.runtime.platform import dtype_name, resolve_dtype, usable_cpu_flags
     log = logging.getLogger("pipefill")
     trained = model_cfg.max_position_embeddings
     max_len = args.max_model_len or trained
@@ -324,5 +328,6 @@ def resolve(args: ServerArgs, model_cfg) -> ServerArgs:
     if args.enable_dynamic_chunking and args.pp_size == 1:
         log.info("--enable-dynamic-chunking has no effect on bubbles with --pp-size 1: "
                  "chunks stay fixed")
-    return args.replace(dtype=dtype_name(resolve_dtype(args.dtype)), max_model_len=max_len,
+    dtype = resolve_dtype(args.dtype, usable_cpu_flags(args.hide_cpu_flags))
+    return args.replace(dtype=dtype_name(dtype), max_model_len=max_len,
                         dynamic_chunking_smooth_factor=sigma)

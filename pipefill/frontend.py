@@ -5,10 +5,10 @@ from __future__ import annotations
 import torch
 
 from pipefill.config import ServerArgs, resolve
-from pipefill.model.attention import choose_backend
+from pipefill.model.attention import choose_backend, resolve_kv_dtype
 from pipefill.model.loader import WeightSource, resolve_model_path
 from pipefill.model.partition import partition_layers
-from pipefill.runtime.platform import resolve_dtype
+from pipefill.runtime.platform import resolve_dtype, usable_cpu_flags
 
 
 def prepare(args: ServerArgs) -> tuple[ServerArgs, WeightSource]:
@@ -21,7 +21,9 @@ def prepare(args: ServerArgs) -> tuple[ServerArgs, WeightSource]:
     source = WeightSource(resolve_model_path(args.model_path))
     args = resolve(args, source.config)
     partition_layers(source.config.num_layers, args.pp_size, args.pp_layer_partition)
-    if args.attention_backend == "amx":
-        choose_backend("amx", resolve_dtype(args.dtype), source.config.head_dim,
-                       args.page_size, torch.device(args.device))
+    if args.attention_backend not in ("auto", "sdpa"):  # a named kernel must fit, or a sentence
+        dtype = resolve_dtype(args.dtype)
+        choose_backend(args.attention_backend, dtype, source.config.head_dim, args.page_size,
+                       torch.device(args.device), resolve_kv_dtype(args.kv_cache_dtype, dtype),
+                       usable_cpu_flags(args.hide_cpu_flags))
     return args, source

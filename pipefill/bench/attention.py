@@ -1,16 +1,21 @@
-"""`pipefill bench attention`: the fused AMX chunk attention against torch's SDPA paths.
+"""`pipefill bench attention`: every fused attention kernel this CPU runs against torch's SDPA
+paths, side by side, with the measured matmul peak of the same dtype.
 
 Workload: one sequence, a chunk of `--chunk` queries at the end of `--prefix-lens` cached tokens
-(bottom-right causal), `--heads` query heads over `--kv-heads` KV heads. Methods, timed
-interleaved (A B C A B C ...) and reported best-of-N, because this VM's speed drifts:
+(bottom-right causal), `--heads` query heads over `--kv-heads` KV heads, per `--dtypes` entry
+(q, K, V and the cache in that dtype). Methods, timed interleaved (A B C A B C ...) and reported
+best-of-N, because this VM's speed drifts:
 
-* amx    — pipefill.kernels.amx_attention.chunk_attention over the packed paged cache;
+* amx, avx512bf16, avx512, avx2 — the kernels over the packed paged cache (those the CPU runs
+  and that take the dtype: amx and avx512bf16 are bfloat16-only);
 * split  — _scaled_dot_product_flash_attention_for_cpu on the prefix (no mask) and on the
            diagonal block (is_causal=True), merged by log-sum-exp (the engine's SDPA path);
-* masked — F.scaled_dot_product_attention with a bottom-right causal bool mask.
+* masked — F.scaled_dot_product_attention with a bottom-right causal bool mask;
+* peak   — a [4096 x 1024] @ [1024 x 1024] matmul in the same dtype and thread count, timed in
+           the same interleaved rounds: "% peak" is kernel TFLOP/s over its TFLOP/s.
 
-TFLOP/s count 4 * Hq * D per visible (query, key) pair. The kernel's time split comes from two
-measurements: rdtsc counters around its QK^T / softmax / PV phases (per 32-row block and
+TFLOP/s count 4 * Hq * D per visible (query, key) pair. For amx, the kernel's time split comes
+from two measurements: rdtsc counters around its QK^T / softmax / PV phases (per 32-row block and
 128-key step; `other` = staging, epilogue, scheduling), and "marginal" costs: the time saved
 when the phase is skipped (mode bits of chunk_attention_ex; those runs compute garbage).
 """
@@ -30,7 +35,7 @@ from pipefill.model.attention import heads_first, split_attention
 
 
 def add_parser(sub) -> None:
-    p = sub.add_parser("attention", help="AMX chunk attention vs. SDPA micro-benchmark",
+    p = sub.add_parser("attention", help="attention kernels vs. SDPA micro-benchmark",
                        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--prefix-lens", default="2048,8192,16384",
                    help="comma-separated prefix lengths (cached tokens before the chunk)")
@@ -41,6 +46,8 @@ def add_parser(sub) -> None:
     p.add_argument("--page-size", type=int, default=64, help="KV cache page size (multiple of 32)")
     p.add_argument("--threads", default="1,2", help="comma-separated torch thread counts")
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per method (best kept)")
+    p.add_argument("--dtypes", default="bfloat16,float32",
+                   help="comma-separated dtypes of q, K, V and the cache (bfloat16, float32)")
     p.add_argument("--no-split-profile", action="store_true",
                    help="skip the QK^T/softmax/PV time split of the AMX kernel")
     p.add_argument("--json", metavar="FILE", help="write every number to this JSON file")
@@ -59,59 +66,91 @@ def masked_sdpa(q, k, v, mask, scale: float) -> torch.Tensor:
     return out[0].transpose(0, 1)
 
 
-def bench_case(prefix_len: int, chunk: int, hq: int, hkv: int, d: int, page_size: int,
-               threads: list[int], reps: int, profile: bool, amx_ok: bool) -> list[dict]:
-    from pipefill.kernels import amx_attention as amx
+KERNELS = ("amx", "avx512bf16", "avx512", "avx2")
+_DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
+
+def runnable_kernels(dtype: torch.dtype) -> dict[str, str]:
+    """{kernel: "ok" or why not} for every kernel, for q and cache in `dtype`."""
+    from pipefill.kernels.amx_attention import amx_available
+    from pipefill.kernels.cpu_attention import kernel_available
+    status = {}
+    for name in KERNELS:
+        if name in ("amx", "avx512bf16") and dtype != torch.bfloat16:
+            status[name] = "bfloat16-only"
+            continue
+        ok, why = amx_available() if name == "amx" else kernel_available(name)
+        status[name] = "ok" if ok else why
+    return status
+
+
+def _kernel_fn(name, q, k, v, page_size, prefix_len, scale):
+    from pipefill.kernels import amx_attention as amx
+    from pipefill.kernels import cpu_attention as cpu
+    n, hkv, d = k.shape
+    npages = math.ceil(n / page_size)
+    kc, vc = amx.AmxKVCache(1, npages, page_size, hkv, d, k.dtype).layer(0)
+    table = torch.arange(npages, dtype=torch.int32)
+    out = torch.empty_like(q)
+    if name == "amx":
+        amx.write_kv(kc, vc, k, v, table, 0)
+        return (lambda: amx.chunk_attention(q, kc, vc, table, prefix_len, scale, out=out)), \
+            (kc, vc, table, out)
+    cpu.write_kv(kc, vc, k, v, table, 0)
+    return (lambda: cpu.chunk_attention(name, q, kc, vc, table, prefix_len, scale, out=out)), \
+        (kc, vc, table, out)
+
+
+def bench_case(prefix_len: int, chunk: int, hq: int, hkv: int, d: int, page_size: int,
+               threads: list[int], reps: int, profile: bool, dtype: torch.dtype = torch.bfloat16,
+               kernels: tuple[str, ...] = ()) -> list[dict]:
     gen = torch.Generator().manual_seed(prefix_len)
     n = prefix_len + chunk
-    q = torch.randn(chunk, hq, d, generator=gen).bfloat16()
-    k = torch.randn(n, hkv, d, generator=gen).bfloat16()
-    v = torch.randn(n, hkv, d, generator=gen).bfloat16()
+    q = torch.randn(chunk, hq, d, generator=gen).to(dtype)
+    k = torch.randn(n, hkv, d, generator=gen).to(dtype)
+    v = torch.randn(n, hkv, d, generator=gen).to(dtype)
     scale = d ** -0.5
     mask = torch.arange(n).unsqueeze(0) <= (prefix_len + torch.arange(chunk)).unsqueeze(1)
     pairs = chunk * prefix_len + chunk * (chunk + 1) // 2
     flops = 4 * hq * d * pairs
-    methods = {
-        "split": lambda: split_sdpa(q, k, v, prefix_len, scale),
-        "masked": lambda: masked_sdpa(q, k, v, mask, scale),
-    }
-    errors = {}
-    if amx_ok:
-        npages = math.ceil(n / page_size)
-        cache = amx.AmxKVCache(1, npages, page_size, hkv, d)
-        kc, vc = cache.layer(0)
-        table = torch.arange(npages, dtype=torch.int32)
-        amx.write_kv(kc, vc, k, v, table, 0)
-        out = torch.empty(chunk, hq, d, dtype=torch.bfloat16)
-        methods = {"amx": lambda: amx.chunk_attention(q, kc, vc, table, prefix_len, scale, out=out),
-                   **methods}
+    a = torch.randn(4096, 1024, generator=gen).to(dtype)
+    b = torch.randn(1024, 1024, generator=gen).to(dtype)
+    methods, extra = {}, {}
+    for name in kernels:
+        methods[name], extra[name] = _kernel_fn(name, q, k, v, page_size, prefix_len, scale)
+    methods["split"] = lambda: split_sdpa(q, k, v, prefix_len, scale)
+    methods["masked"] = lambda: masked_sdpa(q, k, v, mask, scale)
+    methods["peak"] = lambda: torch.mm(a, b)
+    work = {name: flops for name in methods}
+    work["peak"] = 2 * 4096 * 1024 * 1024
     rows = []
     for th in threads:
         torch.set_num_threads(th)
         results = {name: fn() for name, fn in methods.items()}  # warm-up (and outputs)
-        if "amx" in results:
-            ref = results["masked"].float()
-            errors = {"amx_vs_masked_max_abs": (results["amx"].float() - ref).abs().max().item(),
-                      "split_vs_masked_max_abs": (results["split"].float() - ref).abs().max().item()}
+        ref = results["masked"].double()
+        errors = {f"{name}_vs_masked_max_abs": (results[name].double() - ref).abs().max().item()
+                  for name in (*kernels, "split")}
         best = {name: math.inf for name in methods}
         for _ in range(reps):
             for name, fn in methods.items():
                 t0 = time.perf_counter()
                 fn()
                 best[name] = min(best[name], time.perf_counter() - t0)
-        row = {"prefix_len": prefix_len, "chunk": chunk, "heads": hq, "kv_heads": hkv, "head_dim": d,
-               "threads": th, "flop": flops,
-               **{f"{name}_s": t for name, t in best.items()},
-               **{f"{name}_tflops": flops / t / 1e12 for name, t in best.items()}, **errors}
-        if amx_ok:
-            row["amx_vs_masked"] = best["masked"] / best["amx"]
-            row["amx_vs_split"] = best["split"] / best["amx"]
-            if profile:
-                row.update(_time_split(amx, q, kc, vc, table, prefix_len, scale, out, th, reps, pairs * hq))
-        row["split_vs_masked"] = best["masked"] / best["split"]
+        tf = {name: work[name] / t / 1e12 for name, t in best.items()}
+        row = {"dtype": str(dtype).removeprefix("torch."), "prefix_len": prefix_len,
+               "chunk": chunk, "heads": hq, "kv_heads": hkv, "head_dim": d, "threads": th,
+               "flop": flops, **{f"{name}_s": t for name, t in best.items()},
+               **{f"{name}_tflops": x for name, x in tf.items()}, **errors,
+               **{f"{name}_vs_split": best["split"] / best[name] for name in kernels},
+               **{f"{name}_of_peak": tf[name] / tf["peak"] for name in (*kernels, "split")},
+               "split_vs_masked": best["masked"] / best["split"]}
+        if profile and "amx" in kernels:
+            from pipefill.kernels import amx_attention as amx
+            kc, vc, table, out = extra["amx"]
+            row.update(_time_split(amx, q, kc, vc, table, prefix_len, scale, out, th, reps,
+                                   pairs * hq))
         rows.append(row)
-        _print_row(row)
+        _print_row(row, kernels)
     return rows
 
 
@@ -137,47 +176,68 @@ def _time_split(amx, q, kc, vc, table, prefix_len, scale, out, threads, reps, sc
                                       "pv": ns["full"] - ns["no_pv"]}}
 
 
-def _print_row(row: dict) -> None:
-    line = (f"prefix {row['prefix_len']:>6} chunk {row['chunk']} threads {row['threads']}: "
-            + "  ".join(f"{m} {row[f'{m}_tflops']:.3f}" for m in ("amx", "split", "masked")
-                        if f"{m}_tflops" in row) + " TFLOP/s")
-    if "amx_vs_masked" in row:
-        line += f"  | amx/masked {row['amx_vs_masked']:.2f}x  amx/split {row['amx_vs_split']:.2f}x"
-    line += f"  split/masked {row['split_vs_masked']:.2f}x"
-    print(line, flush=True)
+def _print_row(row: dict, kernels: tuple[str, ...]) -> None:
+    names = (*kernels, "split", "masked")
+    print(f"{row['dtype']:>8} prefix {row['prefix_len']:>6} chunk {row['chunk']} threads "
+          f"{row['threads']}: " + "  ".join(f"{m} {row[f'{m}_tflops']:.3f}" for m in names)
+          + f" TFLOP/s (matmul peak {row['peak_tflops']:.3f})", flush=True)
+    print("    " + "  ".join(f"{m}: {row[f'{m}_vs_split']:.2f}x split, "
+                             f"{row[f'{m}_of_peak']:.0%} of peak" for m in kernels)
+          + f"  split: {row['split_of_peak']:.0%} of peak, {row['split_vs_masked']:.2f}x masked",
+          flush=True)
     if "rdtsc_share" in row:
         s, mg = row["rdtsc_share"], row["marginal_ns_per_score"]
         print(f"    amx {row['ns_per_score']:.3f} thread-ns/score; rdtsc share qk {s['qk']:.0%} "
               f"softmax {s['softmax']:.0%} pv {s['pv']:.0%} other {s['other']:.0%}; marginal ns/score "
               f"qk {mg['qk']:.3f} softmax {mg['softmax']:.3f} pv {mg['pv']:.3f}", flush=True)
-    if "amx_vs_masked_max_abs" in row:
-        print(f"    max |diff| vs masked SDPA: amx {row['amx_vs_masked_max_abs']:.2e} "
-              f"split {row['split_vs_masked_max_abs']:.2e}", flush=True)
+    print("    max |diff| vs masked SDPA: " + "  ".join(
+        f"{m} {row[f'{m}_vs_masked_max_abs']:.1e}" for m in (*kernels, "split")), flush=True)
+
+
+def cpu_name() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("model name"):
+                    return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return "unknown CPU"
 
 
 def run(ns: argparse.Namespace) -> int:
-    from pipefill.kernels.amx_attention import amx_available
+    from pipefill.runtime.platform import cpu_flags
 
     prefixes = parse_ints(ns.prefix_lens, "--prefix-lens", minimum=0)
     threads = parse_ints(ns.threads, "--threads")
     if ns.heads % ns.kv_heads:
         raise ValueError("--heads must be a multiple of --kv-heads")
-    amx_ok, why = amx_available()
-    if not amx_ok:
-        print(f"AMX kernel unavailable ({why}); timing the SDPA paths only")
+    dtypes = [x.strip() for x in ns.dtypes.split(",") if x.strip()]
+    bad = [x for x in dtypes if x not in _DTYPES]
+    if bad or not dtypes:
+        raise ValueError(f"--dtypes {ns.dtypes!r}: choose from bfloat16, float32")
+    simd = sorted(cpu_flags() & {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"})
+    print(f"CPU: {cpu_name()} ({' '.join(simd)}); {ns.heads} q heads / {ns.kv_heads} kv heads, "
+          f"head_dim {ns.head_dim}, chunk {ns.chunk}, best of {ns.reps}")
     saved = torch.get_num_threads()
-    rows = []
-    print(f"{ns.heads} q heads / {ns.kv_heads} kv heads, head_dim {ns.head_dim}, chunk {ns.chunk}, "
-          f"best of {ns.reps}")
+    rows, status = [], {}
     try:
-        for prefix in prefixes:
-            rows += bench_case(prefix, ns.chunk, ns.heads, ns.kv_heads, ns.head_dim, ns.page_size,
-                               threads, ns.reps, amx_ok and not ns.no_split_profile, amx_ok)
+        for name in dtypes:
+            dtype = _DTYPES[name]
+            status[name] = runnable_kernels(dtype)
+            kernels = tuple(k for k, why in status[name].items() if why == "ok")
+            skipped = [f"{k} ({why})" for k, why in status[name].items() if why != "ok"]
+            if skipped:
+                print(f"{name}: not timed: {'; '.join(skipped)}")
+            for prefix in prefixes:
+                rows += bench_case(prefix, ns.chunk, ns.heads, ns.kv_heads, ns.head_dim,
+                                   ns.page_size, threads, ns.reps, not ns.no_split_profile,
+                                   dtype, kernels)
     finally:
         torch.set_num_threads(saved)
     if ns.json:
         with open(ns.json, "w") as f:
-            json.dump({"amx_available": amx_ok, "amx_reason": why, "rows": rows}, f, indent=2)
+            json.dump({"cpu": cpu_name(), "kernels": status, "rows": rows}, f, indent=2)
     return 0
 
 

@@ -196,28 +196,6 @@ class AmxKVCache:
         for cache, plain, kind in ((self.k, data[0], "k"), (self.v, data[1], "v")):
             cache.index_copy_(1, index, pack_pages(plain.to(cache.dtype), kind))
 
-    def page_blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """K and V as [num_layers, num_pages, *page] (already so): the host tier copies
-        whole pages in the packed layout."""
-        return self.k, self.v
-
-    def read_pages(self, pages: list[int]) -> torch.Tensor:
-        """[2, num_layers, len(pages), page_size, num_kv_heads, head_dim] in the plain
-        token-major layout (unpacked; for storage and tests)."""
-        from pipefill.kv.cache import read_page_blocks
-        k, v = read_page_blocks(self, pages)  # [L, n, H, ps, D] each, in tile order
-        L, n, H, ps, D = k.shape
-        table = torch.arange(L * n, dtype=torch.int32)  # all pages as one "sequence"
-        k, v = read_kv(k.reshape(L * n, H, ps, D), v.reshape(L * n, H, ps, D), table,
-                       L * n * ps)
-        return torch.stack([k.reshape(L, n, ps, H, D), v.reshape(L, n, ps, H, D)])
-
-    def write_pages(self, pages: list[int], data: torch.Tensor) -> None:
-        """Inverse of read_pages: token-major [2, L, n, ps, H, D] packed into `pages`."""
-        index = torch.tensor(pages, dtype=torch.long)
-        for cache, plain, kind in ((self.k, data[0], "k"), (self.v, data[1], "v")):
-            cache.index_copy_(1, index, pack_pages(plain.to(cache.dtype), kind))
-
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype = torch.bfloat16) -> int:
@@ -225,8 +203,9 @@ class AmxKVCache:
 
 
 def check_geometry(page_size: int, head_dim: int, dtype: torch.dtype = torch.bfloat16) -> None:
-    if dtype != torch.bfloat16:
-        raise ValueError(f"AMX attention needs a bfloat16 KV cache, got {dtype}")
+    # float32: the vector kernels' variant of the layout (pipefill.kernels.cpu_attention).
+    if dtype not in (torch.bfloat16, torch.float32):
+        raise ValueError(f"the packed KV cache is bfloat16 or float32, got {dtype}")
     if head_dim not in (64, 128):
         raise ValueError(f"AMX attention supports head_dim 64 or 128, got {head_dim}")
     if page_size <= 0 or page_size % 32:
@@ -286,19 +265,6 @@ def read_kv(k_layer_cache: torch.Tensor, v_layer_cache: torch.Tensor, page_table
     v = v.reshape(npages, H, ps // 32, D // 16, 16, 16, 2).permute(0, 2, 4, 6, 1, 3, 5)
     v = v.reshape(npages * ps, H, D)
     return k[:num_tokens].contiguous(), v[:num_tokens].contiguous()
-
-
-def pack_pages(plain: torch.Tensor, kind: str) -> torch.Tensor:
-    """Token-major pages [L, n, ps, H, D] -> the packed [L, n, H, ps, D] order of read_kv's
-    inverse (K: 16-token x 32-dim tiles of pairs; V: 32-token x 16-dim tiles of token pairs)."""
-    L, n, ps, H, D = plain.shape
-    if kind == "k":
-        x = plain.reshape(L, n, ps // 16, 16, H, D // 32, 16, 2)  # [.., t16, tok, H, d32, p, 2]
-        x = x.permute(0, 1, 4, 2, 5, 6, 3, 7)  # [L, n, H, t16, d32, pairs, tok, 2]
-    else:
-        x = plain.reshape(L, n, ps // 32, 16, 2, H, D // 16, 16)  # [.., t32, pair, 2, H, d16, d]
-        x = x.permute(0, 1, 5, 2, 6, 3, 7, 4)  # [L, n, H, t32, d16, pair, d, 2]
-    return x.reshape(L, n, H, ps, D).contiguous()
 
 
 def pack_pages(plain: torch.Tensor, kind: str) -> torch.Tensor:

@@ -58,9 +58,13 @@ def attend_sequence(q, k, v, k_cache, v_cache, seq: SeqMeta, scale: float) -> to
         return _attend_cuda(q, k_cache[seq.read_slots], v_cache[seq.read_slots], scale)
     if seq.num_new == 1 and seq.prefix_len > 0:  # decode: one query sees every key
         keys, values = k_cache[seq.read_slots], v_cache[seq.read_slots]
-        return _flash_attend(q, keys, values, False, scale)[0]
+        return _flash_attend(q, keys.to(q.dtype), values.to(q.dtype), False, scale)[0]
     prefix = _prefix_slots(seq)
-    return split_attention(q, k_cache[prefix], v_cache[prefix], k, v, scale)
+    # A cache in another dtype (--kv-cache-dtype): the new tokens are read back rounded too.
+    k_new, v_new = (k, v) if k_cache.dtype == q.dtype else (k.to(k_cache.dtype).to(q.dtype),
+                                                            v.to(v_cache.dtype).to(q.dtype))
+    return split_attention(q, k_cache[prefix].to(q.dtype), v_cache[prefix].to(q.dtype),
+                           k_new, v_new, scale)
 
 
 def _attend_cuda(q, keys, values, scale: float) -> torch.Tensor:
@@ -83,8 +87,8 @@ def _prefix_slots(seq: SeqMeta):
 def write_kv(k_cache, v_cache, k, v, seqs: list[SeqMeta]) -> None:
     for seq in seqs:
         rows = slice(seq.row_start, seq.row_start + seq.num_new)
-        k_cache[seq.write_slots] = k[rows]
-        v_cache[seq.write_slots] = v[rows]
+        k_cache[seq.write_slots] = k[rows].to(k_cache.dtype)  # --kv-cache-dtype may differ
+        v_cache[seq.write_slots] = v[rows].to(v_cache.dtype)
 
 
 def paged_attention(q, k, v, k_cache, v_cache, seqs: list[SeqMeta], scale: float):
@@ -111,26 +115,92 @@ def amx_paged_attention(q, k, v, k_cache, v_cache, seqs: list[SeqMeta], scale: f
     return out
 
 
+# Fused kernels over the packed paged cache (pipefill.kernels.amx_attention.AmxKVCache), best
+# first; "sdpa" is the split-SDPA fallback over the token-major KVCache.
+KERNEL_BACKENDS = ("amx", "avx512bf16", "avx512", "avx2")
+_STRENGTH = {"amx": "the CPU has AMX-BF16", "avx512bf16": "the CPU has AVX512-BF16 (vdpbf16ps)",
+             "avx512": "the CPU has AVX-512F", "avx2": "the CPU has AVX2 and FMA"}
+
+
+def cpu_paged_attention(isa: str):
+    """The attention callable of a vector kernel; it packs the new K/V into its cache itself."""
+    from pipefill.kernels.cpu_attention import chunk_attention
+
+    def attend(q, k, v, k_cache, v_cache, seqs: list[SeqMeta], scale: float):
+        out = torch.empty_like(q)
+        with torch.profiler.record_function("pipefill::cpu_attention"):  # for the time split
+            for seq in seqs:
+                rows = slice(seq.row_start, seq.row_start + seq.num_new)
+                chunk_attention(isa, q[rows], k_cache, v_cache, seq.page_table, seq.prefix_len,
+                                scale, k_new=k[rows], v_new=v[rows], out=out[rows])
+        return out
+    return attend
+
+
+def backend_attention(backend: str):
+    """(q, k, v, k_cache, v_cache, seqs, scale) -> out for a backend choose_backend returned."""
+    if backend == "sdpa":
+        return paged_attention
+    if backend == "amx":
+        return amx_paged_attention
+    return cpu_paged_attention(backend)
+
+
+def resolve_kv_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
+    """--kv-cache-dtype: auto keeps the compute dtype (float32 models stay exact; bf16 is an
+    opt-in halving of KV memory), else the named dtype."""
+    if name == "auto":
+        return dtype
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+
+
+def _unfit(backend: str, dtype, kv_dtype, head_dim: int, page_size: int, device,
+           flags) -> str | None:
+    """Why `backend` cannot serve this stage, or None."""
+    if device.type != "cpu":
+        return f"device is {device.type}"
+    if backend in ("amx", "avx512bf16"):
+        if dtype != torch.bfloat16:
+            return f"dtype is {dtype}, the kernel is bfloat16-only"
+        if kv_dtype != torch.bfloat16:
+            return f"the KV cache is {kv_dtype}, the kernel is bfloat16-only"
+    elif dtype not in (torch.float32, torch.bfloat16):
+        return f"dtype is {dtype}, the kernel takes float32 and bfloat16"
+    if head_dim not in (64, 128):
+        return f"head_dim is {head_dim}, the kernel supports 64 and 128"
+    if page_size % 32:
+        return f"--page-size {page_size} is not a multiple of 32"
+    if backend == "amx":
+        from pipefill.kernels import amx_attention
+        missing = [f for f in amx_attention.REQUIRED_CPU_FLAGS
+                   if flags is not None and f not in flags]
+        if missing:
+            return "CPU lacks " + ", ".join(missing)
+        ok, reason = amx_attention.amx_available()
+        return None if ok else reason
+    from pipefill.kernels.cpu_attention import kernel_available
+    ok, reason = kernel_available(backend, flags)
+    return None if ok else reason
+
+
 def choose_backend(requested: str, dtype: torch.dtype, head_dim: int, page_size: int,
-                   device: torch.device) -> tuple[str, str]:
-    """-> (backend, why). 'amx' needs the kernel to build and the CPU to have AMX-BF16."""
+                   device: torch.device, kv_dtype: torch.dtype | None = None,
+                   flags: frozenset[str] | None = None) -> tuple[str, str]:
+    """-> (backend, why). auto: the first of KERNEL_BACKENDS that fits the dtypes, the shapes and
+    the CPU (flags: the CPU flags to trust, default all), else sdpa with every reason. A named
+    kernel that does not fit is a ValueError with the reason."""
+    kv_dtype = dtype if kv_dtype is None else kv_dtype
     if requested == "sdpa":
         return "sdpa", "requested"
-    why = None
-    if device.type != "cpu":
-        why = f"device is {device.type}"
-    elif dtype != torch.bfloat16:
-        why = f"dtype is {dtype}, the kernel is bfloat16-only"
-    elif head_dim not in (64, 128):
-        why = f"head_dim is {head_dim}, the kernel supports 64 and 128"
-    elif page_size % 32:
-        why = f"--page-size {page_size} is not a multiple of 32"
-    else:
-        from pipefill.kernels.amx_attention import amx_available
-        ok, reason = amx_available()
-        why = None if ok else reason
-    if why is None:
-        return "amx", "the CPU has AMX-BF16"
-    if requested == "amx":
-        raise ValueError(f"--attention-backend amx is not available: {why}")
-    return "sdpa", why
+    if requested != "auto" and requested not in KERNEL_BACKENDS:
+        raise ValueError(f"--attention-backend {requested!r}: choose auto, "
+                         f"{', '.join(KERNEL_BACKENDS)} or sdpa")
+    reasons = []
+    for backend in (KERNEL_BACKENDS if requested == "auto" else (requested,)):
+        why = _unfit(backend, dtype, kv_dtype, head_dim, page_size, device, flags)
+        if why is None:
+            return backend, "requested" if requested != "auto" else _STRENGTH[backend]
+        if requested != "auto":
+            raise ValueError(f"--attention-backend {backend} is not available: {why}")
+        reasons.append(f"{backend}: {why}")
+    return "sdpa", "; ".join(reasons)

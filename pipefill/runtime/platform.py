@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+from collections.abc import Iterable
 
 import torch
 
@@ -22,14 +23,22 @@ def cpu_flags() -> frozenset[str]:
     return frozenset()
 
 
-def has_fast_bf16() -> bool:
+def usable_cpu_flags(hide: str | Iterable[str] = "") -> frozenset[str]:
+    """The CPU's flags less the hidden ones (--hide-cpu-flags: "avx512f,avx512_bf16" or a
+    collection), so kernel selection can be run as on a smaller CPU."""
+    if isinstance(hide, str):
+        hide = [f.strip() for f in hide.split(",")]
+    return cpu_flags() - {f for f in hide if f}
+
+
+def has_fast_bf16(flags: frozenset[str] | None = None) -> bool:
     """AMX-BF16 or AVX-512-BF16: bf16 matmuls run at least as fast as fp32 ones."""
-    return bool(cpu_flags() & {"amx_bf16", "avx512_bf16"})
+    return bool((cpu_flags() if flags is None else flags) & {"amx_bf16", "avx512_bf16"})
 
 
-def resolve_dtype(name: str) -> torch.dtype:
+def resolve_dtype(name: str, flags: frozenset[str] | None = None) -> torch.dtype:
     if name == "auto":
-        return torch.bfloat16 if has_fast_bf16() else torch.float32
+        return torch.bfloat16 if has_fast_bf16(flags) else torch.float32
     return {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}[name]
 
 

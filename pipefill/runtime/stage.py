@@ -8,13 +8,14 @@ import torch
 
 from pipefill.config import ServerArgs
 from pipefill.kv.cache import KVCache
-from pipefill.model.attention import amx_paged_attention, choose_backend, paged_attention
+from pipefill.model.attention import (KERNEL_BACKENDS, backend_attention, choose_backend,
+                                       resolve_kv_dtype)
 from pipefill.model.llama import FusedOps, StageModel, elementwise_ops
 from pipefill.model.loader import (WeightSource, load_stage_weights, pack_stage_weights,
                                    resolve_weight_dtype)
 from pipefill.model.partition import partition_layers
 from pipefill.runtime.executor import StageExecutor
-from pipefill.runtime.platform import dtype_name, resolve_dtype
+from pipefill.runtime.platform import dtype_name, resolve_dtype, usable_cpu_flags
 
 log = logging.getLogger(__name__)
 
@@ -54,10 +55,12 @@ def available_memory_bytes() -> int | None:
 def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
                 device: torch.device = torch.device("cpu")) -> StageExecutor:
     cfg = source.config
-    dtype = resolve_dtype(args.dtype)
+    flags = usable_cpu_flags(args.hide_cpu_flags)
+    dtype = resolve_dtype(args.dtype, flags)
+    kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, dtype)
     num_pages = args.kv_capacity_tokens // args.page_size
     kv_bytes = num_pages * args.page_size * KVCache.bytes_per_token(
-        len(info.layers), cfg.num_kv_heads, cfg.head_dim, dtype)
+        len(info.layers), cfg.num_kv_heads, cfg.head_dim, kv_dtype)
     avail = available_memory_bytes() if device.type == "cpu" else None
     if avail is not None and kv_bytes > avail:
         raise ValueError(f"stage {info.rank}: the KV pool needs {kv_bytes / 2**30:.1f} GiB for "
@@ -71,16 +74,15 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
     if device.type != "cpu":
         weights = weights_to(weights, device)
     backend, why = choose_backend(args.attention_backend, dtype, cfg.head_dim, args.page_size,
-                                  device)
-    if backend == "amx":
+                                  device, kv_dtype, flags)
+    if backend in KERNEL_BACKENDS:  # the kernels' packed layout (bf16 or float32)
         from pipefill.kernels.amx_attention import AmxKVCache
         cache = AmxKVCache(len(info.layers), num_pages, args.page_size, cfg.num_kv_heads,
-                           cfg.head_dim, dtype)
-        attention = amx_paged_attention
+                           cfg.head_dim, kv_dtype)
     else:
         cache = KVCache(len(info.layers), num_pages, args.page_size, cfg.num_kv_heads,
-                        cfg.head_dim, dtype, device)
-        attention = paged_attention
+                        cfg.head_dim, kv_dtype, device)
+    attention = backend_attention(backend)
     ops = elementwise_ops(cfg, device, dtype)
     packed_bytes = pack_stage_weights(weights, dtype, weight_dtype, args.decode_gemm_max_rows)
     log.info("stage %d: decode GEMM %s", info.rank,
@@ -89,9 +91,10 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
     model = StageModel(cfg, info.layers.start, weights, dtype, attention, ops)
     executor = StageExecutor(model, cache)
     warm_up(executor)
-    log.info("stage %d/%d ready: layers %d-%d, %s, attention %s (%s), %s elementwise ops, "
-             "%d KV pages of %d tokens, %d threads", info.rank, info.size, info.layers.start,
-             info.layers.stop - 1, args.dtype, backend, why,
+    log.info("stage %d/%d ready: layers %d-%d, %s, attention %s (%s), %s KV cache, %s "
+             "elementwise ops, %d KV pages of %d tokens, %d threads", info.rank, info.size,
+             info.layers.start, info.layers.stop - 1, args.dtype, backend, why,
+             dtype_name(kv_dtype),
              "fused" if isinstance(ops, FusedOps) else "torch", num_pages, args.page_size,
              torch.get_num_threads())
     return executor

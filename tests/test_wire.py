@@ -276,6 +276,21 @@ def test_a_stage_without_the_secret_is_not_accepted(channels, caplog):
     assert "bad HMAC" in caplog.text
 
 
+@pytest.mark.parametrize("intruder_secret", [b"right", b"wrong"])
+def test_ready_needs_every_stage_to_prove_the_secret(channels, intruder_secret):
+    front, stage, addrs = channels(ServerArgs(cluster_secret="right", pp_size=2), rank=0)
+    front.join_grace_s = 0.5
+    other = StageChannel(dataclasses.replace(addrs, secret=intruder_secret), False, rank=1)
+    stage.report("ready", {"num_pages": 8})
+    msg = front.recv(10_000)
+    other.close()
+    if intruder_secret == b"right":
+        assert msg == ("ready", {"num_pages": 8}) and front.joined == {0: 0, 1: 0}
+    else:
+        assert msg[0] == "fatal" and "stage(s) 1 did not join" in msg[1]
+        assert "same --cluster-secret" in msg[1]
+
+
 def test_stage_reports_never_block_on_a_slow_front_end(channels):
     """ZMQ's default high-water marks (1,000 messages each side) used to block stage 0's loop
     once the front end fell behind; now reports queue and none is lost."""

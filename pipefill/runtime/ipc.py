@@ -18,6 +18,7 @@ import socket
 import tempfile
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 import zmq
@@ -28,6 +29,7 @@ from pipefill.runtime.wire import Framer, front_to_stage, read_cluster_secret, s
 log = logging.getLogger(__name__)
 
 MAX_TCP_MESSAGE_BYTES = 1 << 30  # a peer announcing a larger frame is disconnected by ZMQ
+JOIN_GRACE_S = 10.0  # how long "ready" waits for joins still on their way (other connections)
 
 
 @dataclass(frozen=True)
@@ -37,6 +39,7 @@ class Addresses:
     events_bind: str  # the same, as the front end binds it
     folder: str | None = None  # the private folder of the ipc:// sockets (node 0)
     secret: bytes | None = field(default=None, repr=False)  # HMAC key of every message
+    num_stages: int = 1  # the front end is ready only once every stage has joined
 
     @staticmethod
     def fresh(args: ServerArgs) -> "Addresses":
@@ -45,12 +48,12 @@ class Addresses:
         requests = f"ipc://{os.path.join(folder, 'requests')}" if folder else ""
         if args.nnodes == 1:
             events = f"ipc://{os.path.join(folder, 'events')}"
-            return Addresses(requests, events, events, folder, secret)
+            return Addresses(requests, events, events, folder, secret, args.pp_size)
         # Stages of other nodes report over TCP, next to the rendezvous port.
         host, _, port = args.dist_init_addr.rpartition(":")
         port = int(port) + 1
         return Addresses(requests, f"tcp://{host}:{port}", f"tcp://{_bind_ip(host)}:{port}",
-                         folder, secret)
+                         folder, secret, args.pp_size)
 
     def remove_folder(self) -> None:
         if self.folder is not None:
@@ -80,6 +83,8 @@ class FrontChannel:
         self.framer = Framer(front_to_stage(), stage_to_front(), addrs.secret,
                              f"the front end's events socket ({addrs.events_bind})")
         self.joined: dict[int, int] = {}  # stage rank -> node rank, as stages announce
+        self.join_grace_s = JOIN_GRACE_S
+        self._held: deque[tuple] = deque()  # messages that arrived while "ready" waited
         self.out = self.ctx.socket(zmq.PUSH)
         self.out.bind(addrs.requests)
         self.inp = self.ctx.socket(zmq.PULL)
@@ -104,7 +109,14 @@ class FrontChannel:
 
     def recv(self, timeout_ms: int) -> tuple | None:
         """The next valid message within timeout_ms, or None; foreign ones are dropped."""
-        deadline = time.monotonic() + timeout_ms / 1000
+        if self._held:
+            return self._held.popleft()
+        msg = self._next(time.monotonic() + timeout_ms / 1000)
+        if msg is not None and msg[0] == "ready" and self._missing():
+            return self._ready_once_joined(msg)
+        return msg
+
+    def _next(self, deadline: float) -> tuple | None:
         while self.inp.poll(max(0, round((deadline - time.monotonic()) * 1000))):
             msg = self.framer.unpack(self.inp.recv())
             if msg is None:
@@ -114,6 +126,26 @@ class FrontChannel:
                 continue
             return msg
         return None
+
+    def _ready_once_joined(self, ready: tuple) -> tuple:
+        """Stage 0 is ready only after every stage passed the barrier, so every join was sent
+        before; a join that does not arrive was dropped: that stage cannot prove the secret."""
+        deadline = time.monotonic() + self.join_grace_s
+        while self._missing() and time.monotonic() < deadline:
+            msg = self._next(min(deadline, time.monotonic() + 0.1))
+            if msg is not None:
+                self._held.append(msg)
+        missing = self._missing()
+        if not missing:
+            return ready
+        why = ("its messages fail the HMAC check: give every node the same --cluster-secret"
+               if self.addrs.secret else "its reports do not reach the front end")
+        log.error("stage(s) %s never joined: %s", missing, why)
+        return ("fatal", f"stage(s) {', '.join(map(str, missing))} did not join the front end "
+                         f"within {self.join_grace_s:.0f} s: {why}")
+
+    def _missing(self) -> list[int]:
+        return sorted(set(range(self.addrs.num_stages)) - set(self.joined))
 
     def _joined(self, rank: int, node_rank: int) -> None:
         self.joined[rank] = node_rank

@@ -1,5 +1,7 @@
 """The prefix cache in the scheduler (no processes: fabricated results, every plan replayed
 through a stage's page-ownership check) and in real engines (cache on == cache off)."""
+import time
+
 import pytest
 import torch
 
@@ -202,3 +204,25 @@ def test_prompt_logprobs_with_the_cache_on_match_cache_off(model):
     assert got[False].output_ids == got[True].output_ids
     diff = torch.tensor(got[False].prompt_logprobs) - torch.tensor(got[True].prompt_logprobs)
     assert diff.abs().max().item() < 1e-5
+
+
+def test_server_reports_cached_tokens_and_cache_metrics(model):
+    """A real `pipefill serve`: the second request with the same prompt reports its cached
+    tokens in usage, and /metrics counts them as L1 hits."""
+    import httpx
+
+    from test_server import start_server, stop_server
+    proc, url = start_server(model, None)
+    try:
+        body = {"prompt": list(range(100, 300)), "max_tokens": 3, "temperature": 0}
+        usages = [httpx.post(url + "/v1/completions", json=body, timeout=60).json()["usage"]
+                  for _ in range(2)]
+        assert usages[0]["prompt_tokens_details"]["cached_tokens"] == 0
+        assert usages[1]["prompt_tokens_details"]["cached_tokens"] == 192  # 12 whole pages
+        deadline = time.monotonic() + 10  # /metrics shows stage 0's pushed snapshots
+        while 'pipefill_cache_hit_tokens{tier="l1"} 192.0' not in \
+                httpx.get(url + "/metrics", timeout=10).text:
+            assert time.monotonic() < deadline, "no L1 hit tokens in /metrics"
+            time.sleep(0.2)
+    finally:
+        assert stop_server(proc) == 0

@@ -233,6 +233,38 @@ def test_the_engines_kv_caches_by_layout(layout):
         service.close()
 
 
+def test_prefill_stage_restart_fails_old_rooms_then_reconnects():
+    service, senders, src_pools = start_prefill("tcp", torch.float32)
+    dst_pool = Pool()
+    kv = random_kv(0, 0, LAYERS)
+    receiver = KVReceiver(kv, release=dst_pool.release, timing=FAST)
+    try:
+        receiver.connect("p", lookup_prefill(service.endpoint, 10))
+        receiver.expect_room(ROOM, "p", dst_pool.pool.allocate(4))
+        senders[1].close()  # stage 1 goes away and comes back on another port
+        res = receiver.wait_room(ROOM, 30)
+        assert not res.ok and "the prefill stage is shutting down" in res.reason
+        assert wait_until(dst_pool.clean) and not receiver.connected("p")
+        senders[1] = KVSender(random_kv(11, 2, 2), 1, release=src_pools[1].release,
+                              timing=FAST)
+        register_stage(service.endpoint, senders[1].registration(
+            pp_size=2, num_layers=LAYERS, num_kv_heads=HEADS, head_dim=DIM,
+            model_fingerprint="tiny"))
+        receiver.connect("p", lookup_prefill(service.endpoint, 10))
+        assert receiver.connected("p")
+        dst = dst_pool.pool.allocate(6)
+        receiver.expect_room(ROOM + 1, "p", dst)
+        src = send_request(senders, src_pools, 6, room=ROOM + 1)
+        assert receiver.wait_room(ROOM + 1, 30).ok
+        for sender, pages in zip(senders, src):
+            assert_pages_equal(sender.kv, pages, kv, dst)
+    finally:
+        receiver.close()
+        for sender in senders:
+            sender.close()
+        service.close()
+
+
 # ------------------------------------------------------------ separate processes
 
 SENDER = r"""

@@ -185,6 +185,11 @@ class KVSender:
         self._p.send(notices, self._peer_dead)
 
     def close(self) -> None:
+        """Fails every live room (its decodes hear why, its pages are released), then stops."""
+        with self._p.lock:
+            notices = [n for room in list(self.rooms.live)
+                       for n in self.rooms.fail(room, "the prefill stage is shutting down")]
+        self._p.send(notices, lambda peer: None)
         self._p.stopped.set()
         self._queue.put(None)
         self._listener.close()
@@ -359,7 +364,8 @@ class KVReceiver:
     def connect(self, key: str, info: m.PrefillInfo, timeout_s: float = 10.0,
                 decode_layer_ranges: list[tuple[int, int]] | None = None) -> None:
         """Opens a connection to every stage of prefill `key` (e.g. its bootstrap host:port)
-        whose layers overlap this stage's; decode_layer_ranges: the whole decode pipeline's."""
+        whose layers overlap this stage's; decode_layer_ranges: the whole decode pipeline's.
+        Stages still connected are kept: calling it again reconnects only the lost ones."""
         ranges = decode_layer_ranges or [(self.kv.layer_start, self.kv.layer_end)]
         hello = m.DecodeHello(self.name, self.kv.layer_start, self.kv.layer_end,
                               self.kv.page_bytes, **self.data.hello_fields())
@@ -369,17 +375,23 @@ class KVReceiver:
             if ls >= le:
                 continue
             stage = f"{key}/{s.rank}"
+            stages[stage] = (ls, le)
+            expected[stage] = sum(1 for a, b in ranges if max(a, s.layer_start) <
+                                  min(b, s.layer_end))
+            if stage in self._p.conns:
+                continue
             conn = ch.connect(s.endpoint, timeout_s, self.secret, name=f"prefill {stage}")
             conn.send(hello)
             with self._p.lock:
                 self._p.conns[stage] = conn
                 self._p.liveness.seen(stage, self._p.clock())
                 self.rooms.on_stage_alive(stage)
-            stages[stage] = (ls, le)
-            expected[stage] = sum(1 for a, b in ranges if max(a, s.layer_start) <
-                                  min(b, s.layer_end))
             threading.Thread(target=self._read, args=(stage, conn), daemon=True).start()
         self.prefills[key], self._expected[key] = stages, expected
+
+    def connected(self, key: str) -> bool:
+        stages = self.prefills.get(key)
+        return bool(stages) and all(s in self._p.conns for s in stages)
 
     def expect_room(self, room: int, key: str, dst_pages: list[int], *,
                     num_prompt_tokens: int | None = None, want_final: bool = True) -> int:
@@ -413,6 +425,13 @@ class KVReceiver:
         self._p.send(notices, self._stage_dead)
 
     def close(self) -> None:
+        """Aborts every waiting room (the prefill stages are told to drop them), then stops."""
+        with self._p.lock:
+            now = self._p.clock()
+            notices = [n for room in list(self.rooms.live)
+                       for n in self.rooms.abort(room, "the decode is shutting down", now)]
+            self._p.changed.notify_all()
+        self._p.send(notices, lambda stage: None)
         self._p.stopped.set()
         with self._p.lock:
             for conn in self._p.conns.values():
@@ -433,7 +452,7 @@ class KVReceiver:
         finally:
             conn.close()
             if not self._p.stopped.is_set():
-                self._stage_dead(stage)
+                self._stage_dead(stage, conn)
 
     def _on_chunk(self, stage: str, conn: ch.Channel, msg: m.KVChunk) -> None:
         with self._p.lock:
@@ -473,8 +492,10 @@ class KVReceiver:
             self._p.changed.notify_all()
         self._p.send(notices, self._stage_dead)
 
-    def _stage_dead(self, stage: str) -> None:
+    def _stage_dead(self, stage: str, conn: ch.Channel | None = None) -> None:
         with self._p.lock:
+            if conn is not None and self._p.conns.get(stage) not in (conn, None):
+                return  # an old connection of a stage since reconnected
             conn = self._p.conns.pop(stage, None)
             self._p.liveness.forget(stage)
             notices = self.rooms.on_stage_dead(stage, self._p.clock())

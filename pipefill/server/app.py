@@ -135,7 +135,8 @@ def build_app(served: Served, on_startup_failure=None, shutting_down=None) -> Fa
         body = await parse(request, ChatCompletionRequest, served.max_body_bytes)
         return await handle(served, request, body, chat=True)
 
-    app.openapi = lambda: _openapi(app)
+    vocab_size = served.engine.source.config.vocab_size
+    app.openapi = lambda: _openapi(app, served.model_name, vocab_size)
     return app
 
 
@@ -162,14 +163,19 @@ def _documented(model, obj: str) -> dict:
     return {"openapi_extra": {"requestBody": body}, "responses": {200: ok, **errors}}
 
 
-def _openapi(app: FastAPI) -> dict:
+def _openapi(app: FastAPI, model_name: str, vocab_size: int) -> dict:
+    """The generated schema plus the request models, with what only the running server knows:
+    its model's name and vocabulary."""
     if app.openapi_schema is None:
         schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
         models = schema.setdefault("components", {}).setdefault("schemas", {})
         for model in _REQUEST_MODELS:
             js = model.model_json_schema(ref_template=_REF)
             models.update(js.pop("$defs", {}))
+            js["properties"]["model"] = {"anyOf": [{"enum": [model_name]}, {"type": "null"}],
+                                         "default": None, "description": "The served model"}
             models[model.__name__] = js
+        _bound_prompt(models["CompletionRequest"]["properties"]["prompt"], vocab_size)
         app.openapi_schema = schema
     return app.openapi_schema
 
@@ -229,6 +235,16 @@ async def read_body(request: Request, limit: int) -> bytes:
             raise too_large
         chunks.append(chunk)
     return b"".join(chunks)
+
+
+def _bound_prompt(prompt: dict, vocab_size: int) -> None:
+    """One non-empty prompt: text, or token ids within the vocabulary (a list of one)."""
+    ids = {"type": "array", "minItems": 1,
+           "items": {"type": "integer", "minimum": 0, "maximum": vocab_size - 1}}
+    prompt["anyOf"] = [{"type": "string", "minLength": 1}, ids,
+                       {"type": "array", "items": {"type": "string", "minLength": 1},
+                        "minItems": 1, "maxItems": 1},
+                       {"type": "array", "items": ids, "minItems": 1, "maxItems": 1}]
 
 
 @dataclass

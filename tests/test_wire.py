@@ -112,6 +112,15 @@ def test_stage_start_round_trips_and_checks_the_args():
         decode_stage_start(bad)
 
 
+def test_p2p_body_codec_rejects_foreign_bytes(tmp_path):
+    codec = wire.BodyCodec(PipeMessage)
+    good = codec.encode(PipeMessage(None, control=("stop",)))
+    for data in (good[:-1], b"", pickle.dumps(PipeMessage(None)), wire.BodyCodec(
+            StepResult).encode(StepResult(1))):
+        with pytest.raises(wire.WireError, match="not a PipeMessage"):
+            codec.decode(data)
+
+
 def test_unknown_kind_is_a_sender_error():
     with pytest.raises(ValueError, match="unknown message kind 'exec'"):
         wire.front_to_stage().encode("exec", "x")
@@ -333,3 +342,55 @@ def test_multi_node_events_bind_the_rendezvous_interface(caplog):
         front.ctx.term()
     other = Addresses.fresh(args.replace(node_rank=1))
     assert other.folder is None and other.events == addrs.events
+
+
+# ---- P2P between two real gloo ranks --------------------------------------------------------
+
+P2P_PEER = """
+import datetime, os, pickle, sys, time
+import torch, torch.distributed as dist
+rank, port, mode, marker = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
+dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
+                        world_size=2, timeout=datetime.timedelta(seconds=60))
+if rank == 0:  # a sender that does not speak the protocol
+    class MakesFile:
+        def __reduce__(self):
+            return (open, (marker, "w"))
+    body = pickle.dumps(MakesFile())
+    size = (1 << 40) if mode == "huge" else len(body)
+    dist.send(torch.tensor([size, -1], dtype=torch.int64), 1, tag=100)
+    if mode != "huge":
+        dist.send(torch.frombuffer(bytearray(body), dtype=torch.uint8), 1, tag=101)
+    time.sleep(120)  # stays up until the test ends it: the receiver sees the bytes, not a close
+else:
+    from pipefill.runtime.p2p import Pipe
+    pipe = Pipe(1, 2, 8, torch.float32, torch.device("cpu"))
+    try:
+        pipe.recv_forward()
+        print("RECEIVED")
+    except RuntimeError as e:
+        print("ERROR:", e)
+    sys.stdout.flush()
+    os._exit(0)
+"""
+
+
+@pytest.mark.parametrize("mode", ["pickle", "huge"])
+def test_p2p_rejects_a_foreign_body_with_a_clear_error(tmp_path, mode):
+    import subprocess
+    import sys
+
+    from pipefill.runtime.launch import free_port
+    port, marker = str(free_port()), str(tmp_path / "pwned")
+    procs = [subprocess.Popen([sys.executable, "-c", P2P_PEER, str(r), port, mode, marker],
+                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+             for r in (0, 1)]
+    try:
+        out = procs[1].communicate(timeout=120)[0]
+    finally:
+        for p in procs:
+            p.kill()
+            p.wait()
+    assert "ERROR: link to stage 0 failed" in out, out
+    assert ("malformed header" if mode == "huge" else "malformed message") in out, out
+    assert not os.path.exists(marker)

@@ -178,6 +178,7 @@ class PageStore:
         # Pages waiting to be written: gets and contains see them, so a page is readable from
         # the moment put() returns (a later request may match it before the disk write ends).
         self._pending: dict[str, torch.Tensor] = {}
+        self._pending_bytes = 0
         self._queue: collections.deque[str] = collections.deque()
         self._cv = threading.Condition()
         self._busy = 0          # pages taken off the queue and not yet written
@@ -220,12 +221,13 @@ class PageStore:
             with self._cv:
                 if self._closed or full in self._pending:
                     return
-                if self._pending_bytes() + page.nbytes > self.max_pending_bytes:
+                if self._pending_bytes + page.nbytes > self.max_pending_bytes:
                     self._stats["puts_dropped"] += 1
                     return
             copy = page.detach().to("cpu", copy=True).contiguous()
             with self._cv:
                 self._pending[full] = copy
+                self._pending_bytes += copy.nbytes
                 self._queue.append(full)
                 self._cv.notify_all()
         except Exception as e:  # noqa: BLE001 - the caller's step must go on
@@ -273,6 +275,7 @@ class PageStore:
             out = {k: self._stats[k] for k in ("hits", "misses", "bytes_written", "bytes_read",
                                                 "pages_written", "puts_dropped", "errors")}
             out["pending_pages"] = len(self._pending)
+            out["pending_bytes"] = self._pending_bytes
         out.update(self.backend.usage())
         return out
 
@@ -292,9 +295,6 @@ class PageStore:
 
     # -- writer thread --------------------------------------------------------------------
 
-    def _pending_bytes(self) -> int:
-        return sum(t.nbytes for t in self._pending.values())
-
     def _write_loop(self) -> None:
         while True:
             with self._cv:
@@ -309,6 +309,7 @@ class PageStore:
             with self._cv:
                 self._busy -= 1
                 del self._pending[key]
+                self._pending_bytes -= page.nbytes
                 if wrote:
                     self._stats["pages_written"] += 1
                     self._stats["bytes_written"] += page.nbytes

@@ -194,3 +194,31 @@ def test_hostile_bytes_to_every_listening_port(chat_model, tmp_path):
                 p.kill()
     log = node0.stdout.read()
     assert "dropped a message" in log  # the ZMQ pickle reached the events socket and was refused
+
+
+@pytest.mark.slow
+def test_a_node_with_the_wrong_secret_is_not_accepted(tmp_path):
+    """Two-node generate where node 1 has another secret: its stage's join fails the HMAC
+    check, so node 0 refuses to start with a sentence instead of serving with a stage whose
+    reports it cannot trust."""
+    from pipefill.runtime.launch import free_port
+    model = save_tiny_model("llama", tmp_path / "m")
+    common = ["generate", "--model-path", model, "--dtype", "float32", "--pp-size", "2",
+              "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{free_port()}",
+              "--input-len", "20", "--max-new-tokens", "2", "--threads-per-stage", "1"]
+    (tmp_path / "secret").write_text("right\n")
+
+    def cli(*argv):
+        return subprocess.Popen([sys.executable, "-m", "pipefill.cli.main", *argv],
+                                stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    node1 = cli(*common, "--node-rank", "1", "--cluster-secret", "wrong")
+    node0 = cli(*common, "--node-rank", "0", "--cluster-secret-file", str(tmp_path / "secret"))
+    try:
+        out0 = node0.communicate(timeout=180)[0]
+        node1.communicate(timeout=60)
+    finally:
+        for p in (node0, node1):
+            p.kill()
+    assert node0.returncode != 0
+    assert "stage(s) 1 did not join" in out0 and "same --cluster-secret" in out0, out0
+    assert "bad HMAC" in out0, out0

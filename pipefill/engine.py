@@ -50,6 +50,7 @@ class Engine:
         self.model_file = source.path
         self.model_config = source.config
         self._rids = itertools.count()
+        self._failure: str | None = None  # why the stages died, once they have
         self._stages = StageGroup(self.args, self.model_file)
         # The tokenizer loads here while the stages load their weights.
         self.tokenizer: Tokenizer | None = load_tokenizer(source)
@@ -95,8 +96,7 @@ class Engine:
                  top_p: float = 1.0, top_k: int = -1, seed: int | None = None,
                  return_prompt_logprobs: bool = False, ignore_eos: bool = False
                  ) -> list[GenerateOutput]:
-        if self._stages is None:
-            raise RuntimeError("the engine is shut down")
+        self._require_stages()
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             raise ValueError("prompts must be a list of strings or a list of token-id lists")
         stops = self.tokenizer.eos_token_ids if self.tokenizer else ()
@@ -108,12 +108,21 @@ class Engine:
         now = time.perf_counter()
         pending = {f"req-{next(self._rids)}": _Pending(i, len(ids), now)
                    for i, ids in enumerate(encoded)}
-        self._stages.send("add", [NewRequest(rid, ids, params)
-                                  for rid, ids in zip(pending, encoded)])
         try:
+            self._stages.send("add", [NewRequest(rid, ids, params)
+                                      for rid, ids in zip(pending, encoded)])
             self._collect(pending)
-        except StageFailure:
+        except StageFailure as e:
+            # A stage is gone: stop the rest (if that has not happened yet); this engine is
+            # finished.
+            self._failure = str(e)
+            self._stages.close(grace_s=1.0)
             self._stages = None
+            raise
+        except BaseException:
+            # A rejected or failed request, or Ctrl-C: the others of this call must not keep
+            # running (and holding pages at stage 0) with nobody to collect them.
+            self._abort_unfinished(pending)
             raise
         return [self._finish(p) for p in sorted(pending.values(), key=lambda p: p.index)]
 
@@ -126,9 +135,9 @@ class Engine:
             kind, payload = msg
             if kind == "rejected":
                 rid, message = payload
-                for other in pending:
-                    self._stages.send("abort", other)
-                raise ValueError(message)
+                if rid in pending:
+                    raise ValueError(message)
+                continue
             if kind != "outputs":
                 continue
             now = time.perf_counter()
@@ -150,6 +159,20 @@ class Engine:
                     p.done_at = now
                     remaining -= 1
 
+    def _abort_unfinished(self, pending: dict[str, _Pending]) -> None:
+        if self._stages is None:
+            return
+        for rid, p in pending.items():
+            if p.done is None:
+                self._stages.send("abort", rid, block=False)
+
+    def _require_stages(self) -> None:
+        if self._stages is None:
+            if self._failure is not None:
+                raise RuntimeError(f"this engine's stages failed earlier ({self._failure}); "
+                                   "start a new Engine")
+            raise RuntimeError("the engine is shut down")
+
     def _finish(self, p: _Pending) -> GenerateOutput:
         ttft = p.first_token_at - p.submitted
         e2e = p.done_at - p.submitted
@@ -166,6 +189,7 @@ class Engine:
         """Every stage's spans since the last call (Chrome-trace events). Needs --trace-dir."""
         if not self.args.trace_dir:
             raise ValueError("tracing is off: pass --trace-dir DIR")
+        self._require_stages()
         replies = self._stages.gather("trace", "trace")
         return [e for rank in sorted(replies) for e in replies[rank]]
 
@@ -178,5 +202,6 @@ class Engine:
     def stats(self) -> dict:
         """Stage 0's page pool with its integrity check (free + used == total), and under
         "stages" every stage's own report."""
+        self._require_stages()
         reports = self._stages.gather("stats", "stage_stats")
         return {**reports[0], "stages": [reports[r] for r in sorted(reports)]}

@@ -7,6 +7,10 @@ import signal
 import subprocess
 import sys
 import time
+from collections import deque
+from dataclasses import dataclass, field
+
+import zmq
 
 from pipefill.config import ServerArgs
 from pipefill.runtime.ipc import Addresses, FrontChannel
@@ -21,6 +25,24 @@ class StageFailure(RuntimeError):
     """A stage process died or raised; the message names the stage and the cause."""
 
 
+@dataclass
+class RestartBudget:
+    """Crash-loop guard of the stage supervisor: at most max_restarts restarts within any
+    window_s seconds."""
+    max_restarts: int
+    window_s: float
+    times: deque = field(default_factory=deque)  # monotonic times of the recent restarts
+
+    def take(self, now: float) -> bool:
+        """True (and counts a restart) if one more restart fits in the window."""
+        while self.times and now - self.times[0] > self.window_s:
+            self.times.popleft()
+        if len(self.times) >= self.max_restarts:
+            return False
+        self.times.append(now)
+        return True
+
+
 class StageGroup:
     """The front end's handle on the stage processes: start, talk, watch, stop."""
 
@@ -30,13 +52,18 @@ class StageGroup:
         self.args = args
         addrs = Addresses.fresh(args)
         self.channel = FrontChannel(addrs)
+        self.channel.out.setsockopt(zmq.SNDTIMEO, 200)  # blocking sends wake up to check
         self.procs = spawn_local_stages(args, model_file, addrs)
         self.info: dict = {}
 
-    def wait_ready(self) -> dict:
-        """Blocks until stage 0 reports ready (it waits for the others); returns its info."""
+    def wait_ready(self, cancelled=lambda: False) -> dict:
+        """Blocks until stage 0 reports ready (it waits for the others); returns its info.
+        cancelled() turning true (the server is stopping) stops the stages and raises."""
         deadline = time.monotonic() + STARTUP_TIMEOUT_S
         while time.monotonic() < deadline:
+            if cancelled():
+                self.close(grace_s=1.0)
+                raise StageFailure("start-up cancelled: the front end is stopping")
             msg = self.channel.recv(100)
             if msg is not None:
                 kind, payload = msg
@@ -70,7 +97,21 @@ class StageGroup:
         raise StageFailure("; ".join(died + reports) or "a stage exited")
 
     def send(self, kind: str, payload=None, block: bool = True) -> None:
-        self.channel.send(kind, payload, block)
+        """block=True waits while stage 0 is busy but raises StageFailure once a stage is
+        dead or the group closed (a send to a dead stage 0 would otherwise block forever);
+        block=False drops the message if it cannot leave at once."""
+        while True:
+            try:
+                self.channel.send(kind, payload, block)
+                return
+            except zmq.Again:  # SNDTIMEO passed: still worth waiting for?
+                dead = [f"stage {rank} (pid {p.pid}) exited: {_exit_cause(p.returncode)}"
+                        for rank, p in zip(self.args.local_ranks, self.procs)
+                        if p.poll() is not None]
+                if self.channel.closed or dead:
+                    raise StageFailure(f"could not send {kind!r}: "
+                                       f"{'; '.join(dead) or 'the stages are stopped'}") \
+                        from None
 
     def recv(self, timeout_ms: int = 100) -> tuple | None:
         """Next message; raises StageFailure on a 'fatal' report or a dead stage."""

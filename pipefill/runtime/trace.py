@@ -5,16 +5,24 @@ from __future__ import annotations
 import json
 import os
 import time
+from collections import deque
 from contextlib import contextmanager
 
 
-class StageTracer:
-    """Records (name, category, start, duration, args) spans on one stage; cheap when off."""
+# Spans kept per stage: the newest ones. A long-running server with --trace-dir would otherwise
+# grow without bound; ~65K spans (tens of MB) cover minutes of steps, which is what a timeline
+# can show anyway.
+MAX_SPANS = 65536
 
-    def __init__(self, rank: int, enabled: bool):
+
+class StageTracer:
+    """Records (name, category, start, duration, args) spans on one stage in a ring buffer of
+    the newest max_spans; cheap when off."""
+
+    def __init__(self, rank: int, enabled: bool, max_spans: int = MAX_SPANS):
         self.rank = rank
         self.enabled = enabled
-        self.events: list[dict] = []
+        self.events: deque[dict] = deque(maxlen=max_spans)
 
     @contextmanager
     def span(self, name: str, cat: str, **args):
@@ -30,7 +38,8 @@ class StageTracer:
                                 "dur": (time.time() - t0) * 1e6, "args": args})
 
     def drain(self) -> list[dict]:
-        events, self.events = self.events, []
+        events = list(self.events)
+        self.events.clear()
         return events
 
 

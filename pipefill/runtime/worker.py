@@ -67,10 +67,22 @@ def init_distributed(args: ServerArgs, rank: int):
     import torch.distributed as dist
     host, _, port = args.dist_init_addr.rpartition(":")
     backend = "nccl" if args.device == "cuda" else "gloo"
-    # Stages wait on their neighbours for as long as the server is idle: no timeout to speak
-    # of. A dead peer is noticed by its closed connection (and by the front end's watch).
-    dist.init_process_group(backend, init_method=f"tcp://{host}:{port}", rank=rank,
-                            world_size=args.pp_size, timeout=datetime.timedelta(days=30))
+    # The rendezvous is bounded (a node that never joins is an error within
+    # --dist-init-timeout), but once joined stages wait on their neighbours for as long as the
+    # server is idle: no timeout to speak of. A dead peer is noticed by its closed connection
+    # (and by the front end's watch).
+    startup = datetime.timedelta(seconds=args.dist_init_timeout)
+    try:
+        store = dist.TCPStore(host, int(port), args.pp_size, is_master=rank == 0,
+                              timeout=startup, wait_for_workers=True)
+    except (RuntimeError, TimeoutError) as e:  # DistStoreError is a RuntimeError
+        raise RuntimeError(
+            f"not every stage joined the rendezvous at {host}:{port} within "
+            f"{args.dist_init_timeout} s (--dist-init-timeout): is every node started and "
+            f"able to reach node 0 at that address? ({str(e).splitlines()[0]})") from None
+    store.set_timeout(datetime.timedelta(days=30))
+    dist.init_process_group(backend, store=store, rank=rank, world_size=args.pp_size,
+                            timeout=datetime.timedelta(days=30))
     if backend == "nccl":
         meta = dist.new_group(backend="gloo")
         pairs = {(s, s + 1): dist.new_group([s, s + 1], backend="nccl")

@@ -1,7 +1,13 @@
 """The server's side of the stages: start them, stream each request's outputs to its asyncio
-task, watch the stages and fail every request fast when one dies.
+task, watch the stages, fail every request fast when one dies, then restart them.
 
-A reader thread owns the receiving socket (and the stage watch); the event loop only sends.
+A reader thread owns the receiving socket, the stage watch and the restarts (the supervisor);
+the event loop only sends. After a stage dies, requests in flight get an error at once, the
+whole stage group is started again with the same arguments (fresh addresses and ports; the
+failed group has killed its leftovers), and requests that arrive meanwhile wait up to
+--stage-restart-timeout. More than --max-stage-restarts within --stage-restart-window seconds
+is a crash loop: the server stays down and says why on /health (it keeps running so that an
+operator or orchestrator can read the reason; restarting again would only repeat the loop).
 """
 from __future__ import annotations
 
@@ -9,11 +15,12 @@ import asyncio
 import itertools
 import logging
 import threading
+import time
 from collections.abc import AsyncIterator
 
 from pipefill.config import ServerArgs
 from pipefill.model.loader import WeightSource
-from pipefill.runtime.launch import StageFailure, StageGroup
+from pipefill.runtime.launch import RestartBudget, StageFailure, StageGroup
 from pipefill.scheduler.plan import NewRequest, RequestOutput, SamplingParams
 
 log = logging.getLogger("pipefill.server")
@@ -24,11 +31,15 @@ class EngineDown(RuntimeError):
 
 
 class AsyncEngine:
-    def __init__(self, args: ServerArgs, source: WeightSource):
+    def __init__(self, args: ServerArgs, source: WeightSource, on_restart=None):
         self.args = args
         self.source = source
         self.ready = False
         self.failure: str | None = None
+        self.restarting = False  # a stage died and the supervisor is starting a fresh group
+        self.num_restarts = 0
+        self._on_restart = on_restart or (lambda: None)  # e.g. a metrics counter
+        self._budget = RestartBudget(args.max_stage_restarts, args.stage_restart_window)
         self.load: dict = {}
         self.kv_capacity_tokens = 0
         self._stages: StageGroup | None = None
@@ -49,7 +60,8 @@ class AsyncEngine:
             self.failure = str(e)
             raise
         self.kv_capacity_tokens = info["num_pages"] * self.args.page_size
-        self._reader = threading.Thread(target=self._read, name="pipefill-reader", daemon=True)
+        self._reader = threading.Thread(target=self._supervise, name="pipefill-reader",
+                                        daemon=True)
         self._reader.start()
         self.ready = True
         log.info("stages ready: %d stage(s), KV cache of %d tokens", self.args.pp_size,
@@ -87,13 +99,18 @@ class AsyncEngine:
                        params: SamplingParams) -> AsyncIterator[RequestOutput]:
         """Yields the request's outputs until it finishes; aborts it if the caller goes away
         (a client disconnect cancels the task that iterates here)."""
+        if self.restarting:
+            await self.wait_until_up()
         if not self.healthy:
             raise EngineDown(self.failure or "the model is still loading")
         queue: asyncio.Queue = asyncio.Queue()
         self._queues[rid] = queue
         finished = False
         try:
-            self._stages.send("add", [NewRequest(rid, prompt_ids, params)])
+            try:
+                self._stages.send("add", [NewRequest(rid, prompt_ids, params)])
+            except StageFailure as e:  # the reader thread handles the failure itself
+                raise EngineDown(str(e)) from None
             while not finished:
                 out = await queue.get()
                 if isinstance(out, Exception):
@@ -105,19 +122,80 @@ class AsyncEngine:
             if not finished and self._stages is not None and self.failure is None:
                 self._stages.send("abort", rid, block=False)
 
-    # ---- the reader thread -------------------------------------------------------------------
+    async def wait_until_up(self) -> None:
+        """Waits while the stages restart; EngineDown after --stage-restart-timeout."""
+        deadline = time.monotonic() + self.args.stage_restart_timeout
+        while self.restarting:
+            if time.monotonic() > deadline:
+                raise EngineDown(
+                    "the stages are restarting after a failure and were not back within "
+                    f"--stage-restart-timeout {self.args.stage_restart_timeout} s; retry later")
+            await asyncio.sleep(0.05)
 
-    def _read(self) -> None:
+    # ---- the reader thread: read, watch, restart ------------------------------------------------
+
+    def _supervise(self) -> None:
+        while not self._stopping.is_set():
+            cause = self._read_until_failure()
+            if cause is None or not self._restart(cause):
+                return
+
+    def _read_until_failure(self) -> str | None:
+        """Forwards messages to the event loop until a stage fails (returns why) or the server
+        stops (returns None)."""
         while not self._stopping.is_set():
             try:
                 msg = self._stages.recv(100)
             except StageFailure as e:
                 log.error("a stage failed: %s", e)
+                # Set before the requests are failed: a request that comes in after this
+                # waits for the restart instead of being sent to the dead group.
+                self.restarting = self.args.max_stage_restarts > 0
                 self.failure = str(e)
+                self.load = {}
                 self._loop.call_soon_threadsafe(self.fail_all, str(e))
-                return
+                return str(e)
             if msg is not None:
                 self._loop.call_soon_threadsafe(self._dispatch, msg)
+        return None
+
+    def _restart(self, cause: str) -> bool:
+        """Starts a fresh stage group with the same arguments until one is ready (True), the
+        restart budget is spent, or the server stops (False)."""
+        while not self._stopping.is_set():
+            if not self._budget.take(time.monotonic()):
+                self._give_up(cause)
+                return False
+            self.failure = f"a stage failed ({cause}); restarting the stages"
+            log.warning("restarting the stages after: %s", cause)
+            try:
+                self._stages = StageGroup(self.args, self.source.path)
+                self._stages.wait_ready(cancelled=self._stopping.is_set)
+            except StageFailure as e:
+                log.error("the restarted stages failed: %s", e)
+                cause = str(e)
+                continue
+            self.num_restarts += 1
+            self._on_restart()
+            self.failure = None
+            self.restarting = False
+            log.info("stages restarted (%d restart(s) so far); serving again",
+                     self.num_restarts)
+            return True
+        self.restarting = False
+        return False
+
+    def _give_up(self, cause: str) -> None:
+        n, window = self.args.max_stage_restarts, self.args.stage_restart_window
+        if n == 0:
+            self.failure = cause  # restarts are off: the failure itself is the reason
+        else:
+            self.failure = (f"the stages failed again after {n} restart(s) within {window} s "
+                            f"(--max-stage-restarts {n}, --stage-restart-window {window}); not "
+                            f"restarting them: restart the server once the cause is fixed. "
+                            f"Last failure: {cause}")
+            log.error("%s", self.failure)
+        self.restarting = False
 
     def _dispatch(self, msg: tuple) -> None:
         kind, payload = msg

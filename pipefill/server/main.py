@@ -28,6 +28,30 @@ def model_name(args, source) -> str:
     return os.path.basename(os.path.normpath(source.path)).removesuffix(".gguf")
 
 
+class RestartGate:
+    """ASGI middleware: while the supervisor restarts the stages, /v1 requests wait here for
+    them (up to --stage-restart-timeout, then a 503 with a sentence) instead of being turned
+    away at once; /health and /metrics answer meanwhile."""
+
+    def __init__(self, app, engine):
+        self.app, self.engine = app, engine
+
+    async def __call__(self, scope, receive, send):
+        if scope["type"] == "http" and scope["path"].startswith("/v1/") and \
+                self.engine.restarting:
+            from pipefill.server.async_engine import EngineDown
+            try:
+                await self.engine.wait_until_up()
+            except EngineDown as e:
+                from fastapi.responses import JSONResponse
+                response = JSONResponse({"error": {"message": str(e), "type": "server_error",
+                                                   "param": None, "code": 503}},
+                                        status_code=503)
+                await response(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
 def run(ns: argparse.Namespace) -> int:
     import uvicorn
 
@@ -35,21 +59,25 @@ def run(ns: argparse.Namespace) -> int:
     from pipefill.model.tokenizer import load_tokenizer
     from pipefill.server.app import Served, build_app
     from pipefill.server.async_engine import AsyncEngine
+    from pipefill.server.metrics import ServerMetrics
 
     args = server_args_from_namespace(ns)
     if args.node_rank > 0:
         from pipefill.runtime.launch import run_other_node
         return run_other_node(args)
     args, source = prepare(args)
-    served = Served(AsyncEngine(args, source), load_tokenizer(source),
-                    model_name(args, source), args.api_key)
+    metrics = ServerMetrics()
+    engine = AsyncEngine(args, source, on_restart=metrics.stage_restarts.inc)
+    served = Served(engine, load_tokenizer(source), model_name(args, source), args.api_key,
+                    metrics)
     failed = []
 
     def on_startup_failure(exc):
         failed.append(exc)
         server.should_exit = True
 
-    app = build_app(served, on_startup_failure, shutting_down=lambda: server.should_exit)
+    app = RestartGate(build_app(served, on_startup_failure,
+                                shutting_down=lambda: server.should_exit), engine)
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
                             timeout_graceful_shutdown=args.shutdown_timeout)
     server = uvicorn.Server(config)

@@ -46,6 +46,9 @@ class ServerMetrics:
         self.preemptions = Gauge(p + "preemptions",
                                  "Requests preempted (back to the queue, resumed from the cache)",
                                  registry=r)
+        self.stage_restarts = Counter(p + "stage_restarts",
+                                      "Automatic restarts of the stage group after a stage died",
+                                      registry=r)
 
     def observe_load(self, load: dict) -> None:
         self.running.set(load.get("running", 0))

@@ -164,6 +164,7 @@ def byte_view(t: torch.Tensor) -> memoryview:
 # The store
 
 _MAX_PENDING_BYTES = 512 << 20
+_MAX_SPARE_BYTES = 64 << 20
 
 
 class PageStore:
@@ -179,6 +180,9 @@ class PageStore:
         # the moment put() returns (a later request may match it before the disk write ends).
         self._pending: dict[str, torch.Tensor] = {}
         self._pending_bytes = 0
+        # Written pages' buffers, reused by later puts: a fresh 1-2 MB tensor per put costs
+        # page faults (ms under load) on the caller's thread; a warm one costs one memcpy.
+        self._spare: list[torch.Tensor] = []
         self._queue: collections.deque[str] = collections.deque()
         self._cv = threading.Condition()
         self._busy = 0          # pages taken off the queue and not yet written
@@ -224,7 +228,8 @@ class PageStore:
                 if self._pending_bytes + page.nbytes > self.max_pending_bytes:
                     self._stats["puts_dropped"] += 1
                     return
-            copy = page.detach().to("cpu", copy=True).contiguous()
+            copy = self._buffer_like(page)
+            copy.copy_(page.detach())
             with self._cv:
                 self._pending[full] = copy
                 self._pending_bytes += copy.nbytes
@@ -237,11 +242,8 @@ class PageStore:
         """Read the page into `out` (preallocated, the page's shape and dtype). False on a miss
         or any bad data; `out` may then hold garbage and must not be used."""
         full = self.full_key(key)
-        with self._cv:
-            held = self._pending.get(full)
         try:
-            if held is not None and held.shape == out.shape and held.dtype == out.dtype:
-                out.copy_(held)
+            if self._get_pending(full, out):
                 ok = True
             elif out.is_contiguous() and out.device.type == "cpu":
                 ok = self.backend.read_into(full, out)
@@ -295,6 +297,23 @@ class PageStore:
 
     # -- writer thread --------------------------------------------------------------------
 
+    def _buffer_like(self, page: torch.Tensor) -> torch.Tensor:
+        with self._cv:
+            for i, t in enumerate(self._spare):
+                if t.shape == page.shape and t.dtype == page.dtype:
+                    return self._spare.pop(i)
+        return torch.empty(page.shape, dtype=page.dtype)
+
+    def _get_pending(self, full: str, out: torch.Tensor) -> bool:
+        # Copied under the lock: once written, the buffer goes back to the spares and a put
+        # may overwrite it.
+        with self._cv:
+            held = self._pending.get(full)
+            if held is None or held.shape != out.shape or held.dtype != out.dtype:
+                return False
+            out.copy_(held)
+            return True
+
     def _write_loop(self) -> None:
         while True:
             with self._cv:
@@ -310,6 +329,8 @@ class PageStore:
                 self._busy -= 1
                 del self._pending[key]
                 self._pending_bytes -= page.nbytes
+                if (len(self._spare) + 1) * page.nbytes <= _MAX_SPARE_BYTES:
+                    self._spare.append(page)
                 if wrote:
                     self._stats["pages_written"] += 1
                     self._stats["bytes_written"] += page.nbytes

@@ -140,6 +140,21 @@ def test_file_round_trip_and_restart(tmp_path, dtype):
         assert store.contains(keys) == 0
 
 
+def test_stage0_reads_another_stages_pages(tmp_path):
+    """Stage 0 verifies that every stage can load a prefix before planning the fetch."""
+    keys = chain_page_keys(list(range(12)), 4)
+    s1 = stage_key_suffix("f" * 32, "float32", 4, range(3, 6))
+    with open_page_store("file", storage_dir=str(tmp_path), key_suffix=SUFFIX) as stage0, \
+            open_page_store("file", storage_dir=str(tmp_path), key_suffix=s1) as stage1:
+        stage1.put(keys[0], page(5))
+        stage1.put(keys[1], page(6))
+        assert stage1.flush(30)
+        out = torch.empty(SHAPE)
+        assert stage0.contains(keys) == 0 and not stage0.get(keys[0], out)
+        assert stage0.contains(keys, key_suffix=s1) == 2
+        assert stage0.get(keys[1], out, key_suffix=s1) and torch.equal(out, page(6))
+
+
 def test_get_into_a_strided_pool_view(tmp_path):
     """Stages read straight into their pool: `out` may be a non-contiguous view."""
     keys = chain_page_keys(list(range(8)), 4)

@@ -192,12 +192,14 @@ class PageStore:
                                         daemon=True)
         self._writer.start()
 
-    def full_key(self, key) -> str:
-        return f"{key.hex() if isinstance(key, bytes) else key}.{self.key_suffix}"
+    def full_key(self, key, key_suffix: str | None = None) -> str:
+        """The stored name: '<chain key hex>.<stage suffix>'."""
+        return f"{key.hex() if isinstance(key, bytes) else key}.{key_suffix or self.key_suffix}"
 
-    def contains(self, keys: list) -> int:
-        """How many LEADING keys are stored (pending writes count)."""
-        full = [self.full_key(k) for k in keys]
+    def contains(self, keys: list, key_suffix: str | None = None) -> int:
+        """How many LEADING keys are stored (pending writes count). `key_suffix` looks up
+        another stage's pages (stage 0 checking that every stage can load a prefix)."""
+        full = [self.full_key(k, key_suffix) for k in keys]
         n = 0
         # Alternate: a run of pending keys, then a run of stored ones. A key leaves _pending
         # only once written, so checking pending before storage never loses one in between.
@@ -238,10 +240,11 @@ class PageStore:
         except Exception as e:  # noqa: BLE001 - the caller's step must go on
             self._error("put", e)
 
-    def get(self, key, out: torch.Tensor) -> bool:
+    def get(self, key, out: torch.Tensor, key_suffix: str | None = None) -> bool:
         """Read the page into `out` (preallocated, the page's shape and dtype). False on a miss
-        or any bad data; `out` may then hold garbage and must not be used."""
-        full = self.full_key(key)
+        or any bad data; `out` may then hold garbage and must not be used. `key_suffix` reads
+        another stage's page (same backend), e.g. to verify it before planning a fetch."""
+        full = self.full_key(key, key_suffix)
         try:
             if self._get_pending(full, out):
                 ok = True

@@ -8,8 +8,10 @@ telling the sender to start until the decode's room is ready. Every page is chec
 
 Baselines, measured in the same run: `raw tcp`, the same number of bytes streamed between the
 same two pinned processes over one loopback socket in 4 MiB sends into one reused buffer (the
-socket's ceiling); `local copy`, the same pages gathered and scattered inside one process
-(index_select + index_copy_) on the receiver's core.
+socket's ceiling); with mooncake also `raw mooncake`, the same bytes written by the sender's
+transfer engine into the receiver's registered K tensor in 1 MiB blocks; `local copy`, the
+same pages gathered and scattered inside one process (index_select + index_copy_) on the
+receiver's core.
 """
 from __future__ import annotations
 
@@ -99,6 +101,11 @@ def sender_main(a: argparse.Namespace) -> None:
             _, port, nbytes = line.split()
             _raw_send(int(port), int(nbytes))
             continue
+        if line.startswith("mooncake"):
+            _, session, ptr, nbytes = line.split()
+            _raw_mooncake(sender.data.engine, kv.k.data_ptr(), session, int(ptr), int(nbytes))
+            print("done", flush=True)
+            continue
         room = int(line)
         src = page_order(pages, room, a.contiguous)
         sender.open_room(room, sends_final=True)
@@ -114,6 +121,32 @@ def _raw_send(port: int, nbytes: int) -> None:
         while nbytes > 0:
             sock.sendall(block[:min(nbytes, len(block))])
             nbytes -= len(block)
+
+
+def _raw_mooncake(engine, src: int, session: str, dst: int, nbytes: int) -> None:
+    block = 1 << 20
+    offsets = list(range(0, nbytes - block + 1, block))
+    for i in range(0, len(offsets), 512):
+        part = offsets[i:i + 512]
+        ret = engine.batch_transfer_sync_write(session, [src + o for o in part],
+                                               [dst + o for o in part], [block] * len(part))
+        if ret < 0:
+            raise RuntimeError(f"raw Mooncake write failed ({ret})")
+
+
+def raw_mooncake_gbs(child, receiver, nbytes: int, reps: int) -> float:
+    """One-sided Mooncake writes of the same bytes in 1 MiB blocks, no transfer plane."""
+    nbytes = min(nbytes, receiver.kv.k.numel() * receiver.kv.k.element_size()) >> 20 << 20
+    best = float("inf")
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        child.stdin.write(f"mooncake {receiver.data.session} {receiver.kv.k.data_ptr()} "
+                          f"{nbytes}\n")
+        child.stdin.flush()
+        if child.stdout.readline().strip() != "done":
+            raise RuntimeError("the raw Mooncake sender failed")
+        best = min(best, time.perf_counter() - t0)
+    return nbytes / best / 1e9
 
 
 def raw_tcp_gbs(child, nbytes: int, reps: int) -> float:
@@ -193,12 +226,15 @@ def bench_case(a, backend: str, dtype: str, cores: list[int]) -> dict:
                 raise RuntimeError(f"{backend}: room failed: {res}")
             src = page_order(pages, room, a.contiguous)
             check_pages(kv, src, dst)
-        receiver.close()
         nbytes = 2 * a.layers * pages * kv.page_bytes
+        raw_mc = raw_mooncake_gbs(child, receiver, nbytes, a.reps) if backend == "mooncake" \
+            else None
+        receiver.close()
         raw = raw_tcp_gbs(child, nbytes, a.reps)
         base = local_copy_gbs(kv, src, dst, a.reps)
         return {"backend": backend, "dtype": dtype, "bytes": nbytes, "best_s": min(times),
                 "times_s": times, "gbs": nbytes / min(times) / 1e9, "raw_tcp_gbs": raw,
+                "raw_mooncake_gbs": raw_mc,
                 "local_copy_gbs": base}
     finally:
         child.kill()
@@ -225,6 +261,9 @@ def run(a: argparse.Namespace) -> int:
                   f"({r['raw_tcp_gbs']:.2f} GB/s), {r['gbs'] / r['local_copy_gbs']:.2f} x "
                   f"local copy ({r['local_copy_gbs']:.2f} GB/s); one {a.chunk_size}-token chunk "
                   f"{r['best_s'] * a.chunk_size / a.input_len * 1e3:.0f} ms", flush=True)
+            if r["raw_mooncake_gbs"]:
+                print(f"  (raw Mooncake writes, 1 MiB blocks: {r['raw_mooncake_gbs']:.2f} GB/s; "
+                      f"the transfer plane reaches {r['gbs'] / r['raw_mooncake_gbs']:.2f} x)")
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"cpu": cpu_name(), "args": vars(a) | {"run": None}, "rows": rows}, f,

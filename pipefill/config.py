@@ -92,6 +92,22 @@ class ServerArgs:
     hicache_size: float | None = _flag(
         "Host-tier size per stage in GB (GiB) of the largest stage's pages; overrides "
         "--hicache-ratio.", default=None, type=float)
+    hicache_storage_backend: str | None = _flag(
+        "Storage tier (L3) of the prefix cache: file (one file per page and stage under "
+        "--hicache-storage-dir; survives restarts) or mooncake (Mooncake Store at "
+        "--hicache-mooncake-master, shared by several servers). Default: none.", default=None,
+        choices=["file", "mooncake"])
+    hicache_storage_dir: str | None = _flag(
+        "Folder of the file storage tier.", default=None)
+    hicache_mooncake_master: str | None = _flag(
+        "HOST:PORT of the mooncake_master of the mooncake storage tier.", default=None)
+    hicache_write_policy: str = _flag(
+        "When pages go to the storage tier: write_through (as soon as the cache takes them) or "
+        "write_back (when they are evicted from the KV pool).", default="write_through",
+        choices=["write_through", "write_back"])
+    hicache_prefetch_timeout: float = _flag(
+        "Seconds a request's admission may spend reading its prefix from the storage tier; "
+        "the rest is recomputed.", default=5.0, type=float)
     threads_per_stage: int | None = _flag(
         "CPU threads per stage process. Default: usable cores // pp_size (at least 1).",
         default=None)
@@ -201,6 +217,16 @@ class ServerArgs:
         if self.enable_hierarchical_cache and self.disable_radix_cache:
             raise ValueError("--enable-hierarchical-cache needs the radix cache: drop "
                              "--disable-radix-cache")
+        if self.hicache_storage_backend and self.disable_radix_cache:
+            raise ValueError("--hicache-storage-backend needs the radix cache: drop "
+                             "--disable-radix-cache")
+        if self.hicache_storage_backend == "file" and not self.hicache_storage_dir:
+            raise ValueError("--hicache-storage-backend file needs --hicache-storage-dir")
+        if self.hicache_storage_backend == "mooncake" and not self.hicache_mooncake_master:
+            raise ValueError("--hicache-storage-backend mooncake needs "
+                             "--hicache-mooncake-master HOST:PORT")
+        if self.hicache_prefetch_timeout < 0:
+            raise ValueError("--hicache-prefetch-timeout must be >= 0")
         if self.hicache_ratio <= 0 or (self.hicache_size is not None and self.hicache_size <= 0):
             raise ValueError("--hicache-ratio and --hicache-size must be positive")
         if self.threads_per_stage is not None and self.threads_per_stage < 1:

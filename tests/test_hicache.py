@@ -181,3 +181,63 @@ def test_packed_cache_pages_round_trip_through_the_kernel_layout(dtype):
     other = AmxKVCache(2, 6, 64, 2, 64, dtype)
     other.write_pages([4, 1], data)
     assert torch.equal(other.k[:, [4, 1]], cache.k[:, [4, 1]])
+
+
+# ---- storage tier (L3, file backend) --------------------------------------------------------
+
+def storage_run(path, storage_dir, prompts, **kw):
+    with track(Engine(path, dtype="float32", page_size=16, threads_per_stage=1, pp_size=2,
+                      chunked_prefill_size=32, hicache_storage_backend="file",
+                      hicache_storage_dir=str(storage_dir), **kw)) as e:
+        outs = [e.generate([p], max_new_tokens=6, ignore_eos=True)[0] for p in prompts]
+        return [o.output_ids for o in outs], [o.metrics["cached_tokens"] for o in outs], \
+            e.stats()
+
+
+def test_file_storage_survives_a_restart_and_bad_files_are_misses(model, tmp_path):
+    prompts = workload()[:2]
+    ref = [o.output_ids for o in [run_engine_outputs(model, p) for p in prompts]]
+    out, cached, _ = storage_run(model, tmp_path, prompts)  # writes every whole page
+    assert out == ref and cached == [0, 0]
+    files = sorted(p for p in tmp_path.rglob("*") if p.is_file())
+    assert len(files) == 2 * 2 * (103 // 16)  # 2 prompts x 2 stages x 6 whole pages
+    out, cached, stats = storage_run(model, tmp_path, prompts)  # a fresh engine: hits
+    assert out == ref and cached == [96, 96]
+    assert stats["cache_hit_tokens_storage"] == 192
+    # Damage two page files (whichever stage and prompt): one corrupt, one truncated. Every
+    # whole page is used, so each damaged one ends its prompt's hit there; outputs unchanged.
+    victims = files[:2]
+    data = bytearray(victims[0].read_bytes())
+    data[-5] ^= 0xFF
+    victims[0].write_bytes(bytes(data))
+    victims[1].write_bytes(victims[1].read_bytes()[:100])
+    out, cached, stats = storage_run(model, tmp_path, prompts)
+    assert out == ref
+    assert stats["cache_hit_tokens_storage"] < 192
+
+
+def run_engine_outputs(path, prompt):
+    with track(Engine(path, dtype="float32", page_size=16, threads_per_stage=1,
+                      disable_radix_cache=True)) as e:
+        return e.generate([prompt], max_new_tokens=6, ignore_eos=True)[0]
+
+
+def test_mooncake_two_engines_share_one_store(model, tmp_path):
+    """Two engines (PP2 each) on one mooncake_master: the second hits what the first wrote."""
+    pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine-non-cuda missing")
+    from test_storage import _start_master
+    proc, addr = _start_master()
+    kw = dict(dtype="float32", page_size=16, threads_per_stage=1, pp_size=2,
+              chunked_prefill_size=32, hicache_storage_backend="mooncake",
+              hicache_mooncake_master=addr)
+    prompt = workload()[0]
+    try:
+        with track(Engine(model, **kw)) as first:
+            a = first.generate([prompt], max_new_tokens=6, ignore_eos=True)[0]
+            with track(Engine(model, **kw)) as second:
+                b = second.generate([prompt], max_new_tokens=6, ignore_eos=True)[0]
+                assert second.stats()["cache_hit_tokens_storage"] == 96
+        assert a.output_ids == b.output_ids and b.metrics["cached_tokens"] == 96
+    finally:
+        proc.kill()
+        proc.wait()

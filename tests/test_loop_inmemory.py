@@ -10,6 +10,7 @@ import pytest
 from pipefill.kv.pool import PageOwners, PagePool
 from pipefill.runtime.loop import FirstStageLoop, run_later_stage
 from pipefill.scheduler.plan import NewRequest, SamplingParams, SeqResult, StepResult
+from pipefill.scheduler.radix import RadixCache
 from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig
 
 
@@ -66,11 +67,17 @@ class FakeExecutor:
         self.num_forwards = 0
         self.owners = PageOwners(num_pages)
         self.page_size = page_size
-        self.host = None
+        self.host = self.storage = None
         self.cache = SimpleNamespace(num_pages=num_pages, page_size=page_size)
 
     def apply_page_ops(self, ops, seqs=()):
         self.owners.replay(ops.freed, seqs, self.page_size)
+
+    def close_tiers(self):
+        pass
+
+    def finish_page_ops(self, ops):
+        self.owners.to_cache(ops.cached)
 
     def forward(self, plan, acts):
         self.steps.append(plan.step_id)
@@ -103,14 +110,16 @@ class MemoryChannel:
         self.reports.put((kind, payload))
 
 
-def run_pipeline(pp_size, depth, requests):
+def run_pipeline(pp_size, depth, requests, prefix_cache=False):
     links = [queue.Queue() for _ in range(pp_size)]
     results = queue.Queue()
     pipes = [MemoryPipe(r, pp_size, links, results) for r in range(pp_size)]
     executors = [FakeExecutor(r) for r in range(pp_size)]
     channel = MemoryChannel()
     pool = PagePool(256)
-    scheduler = Scheduler(SchedulerConfig(16, 32, 64, 8, 4096, eos_token_ids=()), pool)
+    cache = RadixCache(16, pool) if prefix_cache else None
+    scheduler = Scheduler(SchedulerConfig(16, 32, 64, 8, 4096, eos_token_ids=()), pool,
+                          cache=cache)
     first = FirstStageLoop(executors[0], scheduler, channel,
                            pipes[0] if pp_size > 1 else None, pp_size + depth)
     threads = [threading.Thread(target=first.run, daemon=True)]
@@ -127,6 +136,7 @@ def run_pipeline(pp_size, depth, requests):
                 tokens.setdefault(out.rid, []).extend(out.new_token_ids)
                 if out.finished:
                     finished.add(out.rid)
+    channel.inbox.put(("stats", None))  # carries the last frees to every stage
     channel.inbox.put(("stop", None))
     for t in threads:
         t.join(10)
@@ -189,3 +199,20 @@ def test_new_requests_join_between_steps_of_one_stage():
     thread.join(10)
     first_short = next(i for i, rids in enumerate(seen) if "short" in rids)
     assert first_short < 3 and len(seen) >= 10
+
+
+@pytest.mark.parametrize("pp_size", [1, 2, 4])
+def test_prefix_cache_pages_agree_on_every_stage(pp_size):
+    """Requests sharing prefixes, several in flight: every stage replays the page decisions
+    (allocations, cache transfers, frees) and checks each micro-batch; in the end every
+    stage's pages in use are exactly the cache's."""
+    doc = list(range(100, 190))
+    requests = [NewRequest(f"r{i}", doc[:n] + [i] * m, SamplingParams(max_new_tokens=k))
+                for i, (n, m, k) in enumerate([(90, 5, 3), (90, 9, 20), (64, 1, 2), (40, 30, 5),
+                                               (90, 0, 4)])]
+    executors, pool, tokens, _ = run_pipeline(pp_size, 1, requests, prefix_cache=True)
+    assert {rid: len(t) for rid, t in tokens.items()} == {"r0": 3, "r1": 20, "r2": 2, "r3": 5,
+                                                          "r4": 4}
+    pool.check_integrity()
+    for ex in executors:
+        assert ex.owners.num_used == pool.num_used > 0

@@ -48,17 +48,24 @@ def stage_host_slots(args, model_cfg, cache) -> int:
                       model_cfg.num_kv_heads, model_cfg.head_dim, cache.k.dtype.itemsize)
 
 
-def attach_host_tier(executor, args, model_cfg, rank: int) -> None:
-    """Gives a stage its host tier (when on) and logs which cache tiers it runs."""
+def attach_cache_tiers(executor, args, source, info) -> None:
+    """Gives a stage its host tier and storage tier (when on) and logs which cache tiers it
+    runs and their sizes."""
     cache = executor.cache
-    slots = stage_host_slots(args, model_cfg, cache)
+    slots = stage_host_slots(args, source.config, cache)
     if slots:
         executor.host = HostTier(cache, slots)
-    page_bytes = cache.page_blocks()[0][0, 0].numel() * 2 * cache.k.shape[0] * \
-        cache.k.dtype.itemsize
+    l3 = "off"
+    if args.hicache_storage_backend and not args.disable_radix_cache:
+        from pipefill.kv.storage_tier import open_stage_storage
+        executor.storage = open_stage_storage(args, source.path, cache, info)
+        l3 = (f"{args.hicache_storage_backend} ({args.hicache_write_policy}, "
+              f"{args.hicache_storage_dir or args.hicache_mooncake_master})")
+    k, _ = cache.page_blocks()
+    page_bytes = 2 * k[0, 0].numel() * k.shape[0] * k.dtype.itemsize
     l1 = "off" if args.disable_radix_cache else f"on ({cache.num_pages} pool pages)"
     l2 = f"{slots} host pages, {slots * page_bytes / 2**30:.2f} GiB" if slots else "off"
-    log.info("stage %d: prefix cache L1 %s, L2 %s", rank, l1, l2)
+    log.info("stage %d: prefix cache L1 %s, L2 %s, L3 %s", info.rank, l1, l2, l3)
 
 
 class HostDirector:

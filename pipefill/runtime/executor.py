@@ -54,23 +54,46 @@ class StageExecutor:
         self.model = model
         self.cache = cache
         self.host = host  # this stage's host tier (L2 copies), or None
+        self.storage = None  # this stage's storage tier (L3), or None
         self.num_forwards = 0
         # Every stage replays stage 0's page decisions and checks each micro-batch against them.
         self.owners = PageOwners(cache.num_pages)
 
     def apply_page_ops(self, ops: PageOps, seqs=()) -> None:
         """Before a forward: tier copies, frees, allocations, then the ownership check of every
-        sequence (writes by the owner only, reads of written pages only)."""
-        if ops.cache_ops and self.host is None:
-            raise RuntimeError("a plan carries host-tier copies but this stage has no host tier")
-        # Stores read pages that this plan may free and hand out again, loads fill pages it
-        # allocates: stores, frees, loads (the copy thread keeps that order for the data).
+        sequence (writes by the owner only, reads of written pages only). Copies that read a
+        page this plan may free and hand out again go first (saves of evicted pages, host
+        stores), copies that fill pages it allocates go after the frees (host loads, storage
+        fetches); the host copy thread keeps that order for the data."""
+        by_kind: dict[str, list] = {}
+        for op in ops.cache_ops:
+            by_kind.setdefault(op.kind, []).append(op)
+        host_ops = by_kind.keys() & {"store", "load"}
+        storage_ops = by_kind.keys() & {"save", "save_evicted", "fetch"}
+        if (host_ops and self.host is None) or (storage_ops and self.storage is None):
+            raise RuntimeError(f"a plan carries {sorted(by_kind)} copies but this stage has no "
+                               "such cache tier")
+        if self.storage is not None:
+            self.storage.save(by_kind.get("save_evicted", []))
         if self.host is not None:
-            self.host.store([op for op in ops.cache_ops if op.kind == "store"], self.owners)
+            self.host.store(by_kind.get("store", []), self.owners)
         self.owners.free(ops.freed)
         if self.host is not None:
-            self.host.load([op for op in ops.cache_ops if op.kind == "load"], self.owners)
+            self.host.load(by_kind.get("load", []), self.owners)
+        if self.storage is not None:
+            self.storage.fetch(by_kind.get("fetch", []), self.owners)
         self.owners.replay([], seqs, self.cache.page_size)
+
+    def close_tiers(self) -> None:
+        """At stop: pending storage writes reach the storage before the process ends."""
+        if self.storage is not None:
+            self.storage.store.close()
+
+    def finish_page_ops(self, ops: PageOps) -> None:
+        """After a forward: pages the cache took over, and write-through saves of them."""
+        if self.storage is not None:
+            self.storage.save([op for op in ops.cache_ops if op.kind == "save"])
+        self.owners.to_cache(ops.cached)
 
     def forward(self, plan: StepPlan, acts: Activations | None) -> tuple[Activations, float]:
         """Runs this stage's layers; returns the output activations and the forward seconds."""
@@ -90,7 +113,7 @@ class StageExecutor:
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # the forward time is for the chunk-cost model
         if plan.step_id >= 0:
-            self.owners.to_cache(plan.page_ops.cached)
+            self.finish_page_ops(plan.page_ops)
         return Activations(hidden, residual), time.perf_counter() - t0
 
     def scratch_prefill(self, num_tokens: int) -> float:

@@ -50,6 +50,7 @@ class FirstStageLoop:
         if self.pipe is not None:
             self.pipe.send_forward(PipeMessage(None, control=("stop",)), None)
             self.pipe.flush()
+        self.executor.close_tiers()
 
     # ---- messages from the front end ---------------------------------------------------------
 
@@ -96,6 +97,7 @@ class FirstStageLoop:
         the page frees since the last plan, so every stage's page map is current."""
         ops = self.scheduler.kv.drain_ops()
         self.executor.apply_page_ops(ops)
+        self.executor.finish_page_ops(ops)
         report_control(kind, 0, self.channel, self.tracer, self.executor, self.stats)
         if self.pipe is not None:
             self.pipe.send_forward(PipeMessage(None, control=(kind,), page_ops=ops), None)
@@ -180,6 +182,8 @@ def later_stage_stats(rank: int, executor) -> dict:
              "micro_batches": executor.num_forwards, "integrity": "ok"}
     if executor.host is not None:
         stats.update(executor.host.stats())
+    if executor.storage is not None:
+        stats.update(executor.storage.stats())
     return stats
 
 
@@ -193,10 +197,12 @@ def run_later_stage(executor, pipe, channel, tracer: StageTracer | None = None) 
         if msg.control is not None:
             if msg.page_ops is not None:
                 executor.apply_page_ops(msg.page_ops)
+                executor.finish_page_ops(msg.page_ops)
             report_control(msg.control[0], pipe.rank, channel, tracer, executor)
             if not last:
                 pipe.send_forward(msg, None)
             if msg.control[0] == "stop":
+                executor.close_tiers()
                 break
             continue
         plan = msg.plan

@@ -111,8 +111,8 @@ def _run_stage(args: ServerArgs, model_file: str, rank: int, channel: StageChann
             torch.cuda.set_device(device)
         groups = init_distributed(args, rank) if args.pp_size > 1 else (None, None)
         executor = build_stage(args, source, info, device)
-        from pipefill.kv.host import attach_host_tier
-        attach_host_tier(executor, args, source.config, rank)
+        from pipefill.kv.host import attach_cache_tiers
+        attach_cache_tiers(executor, args, source, info)
     except Exception as e:  # noqa: BLE001 - start-up errors become one sentence
         log.debug("start-up failed", exc_info=True)
         channel.report("fatal", f"stage {rank} could not start: {e}")
@@ -154,12 +154,16 @@ def make_first_stage_loop(args, cfg, executor, channel, pipe, tracer, policy):
     host = HostDirector(slots) if slots else None
     if host is not None:
         host.attach(cache)
+    storage = None
+    if executor.storage is not None:
+        from pipefill.kv.storage_tier import storage_director
+        storage = storage_director(args, cfg, executor.storage)
     scheduler = Scheduler(SchedulerConfig(
         page_size=args.page_size, chunked_prefill_size=policy.c0,
         max_prefill_tokens=max(args.max_prefill_tokens, policy.c0),
         max_running_requests=args.max_running_requests, max_model_len=args.max_model_len,
         eos_token_ids=cfg.eos_token_ids, seed=args.seed), pool, policy.next_chunk_size,
-        cache, host)
+        cache, host, storage)
     return FirstStageLoop(executor, scheduler, channel, pipe, args.max_inflight, tracer,
                           on_result=policy.observe)
 

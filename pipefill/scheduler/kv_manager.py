@@ -19,16 +19,20 @@ from pipefill.scheduler.radix import Node, RadixCache
 class CacheCounters:
     hit_tokens: int = 0  # prompt tokens served from the cache (all tiers) at admission
     hit_tokens_host: int = 0  # ... of which loaded from the host tier
+    hit_tokens_storage: int = 0  # ... of which fetched from the storage tier
     preemptions: int = 0
 
 
 class KVManager:
     def __init__(self, pool: PagePool, page_size: int, cache: RadixCache | None = None,
-                 host=None):
+                 host=None, storage=None):
         self.pool = pool
         self.page_size = page_size
         self.cache = cache
-        self.host = host  # HostTier bookkeeping on stage 0 (L2), or None
+        self.host = host  # HostDirector (L2), or None
+        self.storage = storage  # StorageDirector (L3), or None
+        if storage is not None:
+            cache.storage = storage
         self.promised = 0  # pages promised to admitted requests, not yet allocated
         self.counters = CacheCounters()
         self._cached: list[int] = []  # pages the tree adopted since the last plan
@@ -69,6 +73,11 @@ class KVManager:
             self.counters.hit_tokens_host += len(loaded) * self.page_size
             cached += loaded
             need -= len(loaded)
+        if self.storage is not None and node is not None:
+            node, fetched = self._fetch_from_storage(tokens, node, cached)
+            self.counters.hit_tokens_storage += len(fetched) * self.page_size
+            cached += fetched
+            need -= len(fetched)
         self.pool.retain(cached)
         r.pages, r.lock_node, r.num_inserted = cached, node, len(cached)
         r.pages_reserved = need
@@ -94,6 +103,31 @@ class KVManager:
             self.cache.lock(node)
             self.cache.unlock(locked)
         return node
+
+    def _fetch_from_storage(self, tokens: list[int], locked: Node, cached: list[int]):
+        """Pages past the memory tiers that every stage has in storage (verified), loaded
+        into new pool pages the tree owns; -> (new deepest locked node, those pages)."""
+        from pipefill.kv.storage import chain_page_keys
+        ps, num_cached = self.page_size, len(cached)
+        full = len(tokens) // ps
+        if full <= num_cached:
+            return locked, []
+        keys = chain_page_keys(tokens[num_cached * ps:full * ps], ps,
+                               self.cache.last_key(locked))
+        n = self.storage.verified_prefix(keys)
+        if n == 0:
+            return locked, []
+        if self.pool.num_free < n:
+            self.cache.evict(n - self.pool.num_free)
+        pages = self.pool.allocate(n)
+        node = self.cache.insert(tokens[:(num_cached + n) * ps], cached + pages,
+                                 from_storage=True)
+        self.pool.release(pages)  # the tree holds them now
+        self.storage.fetch(pages, keys[:n])
+        assert node is not locked, "fetched pages did not extend the cached path"
+        self.cache.lock(node)
+        self.cache.unlock(locked)
+        return node, pages
 
     # ---- growth ------------------------------------------------------------------------------
 
@@ -148,16 +182,21 @@ class KVManager:
         ops = PageOps(freed=self.pool.drain_freed(), cached=self._cached)
         self._cached = []
         if self.host is not None:
-            ops.cache_ops = self.host.drain_ops()
+            ops.cache_ops += self.host.drain_ops()
+        if self.storage is not None:
+            ops.cache_ops += self.storage.drain_ops()
         return ops
 
     def stats(self) -> dict:
         c = self.counters
         out = {"cache_hit_tokens": c.hit_tokens, "cache_hit_tokens_host": c.hit_tokens_host,
+               "cache_hit_tokens_storage": c.hit_tokens_storage,
                "preemptions": c.preemptions,
                "cache_pages": self.cache.num_pages if self.cache is not None else 0,
                "cache_evictable_pages": self.cache.num_evictable if self.cache else 0,
                "cache_evicted_pages": self.cache.num_evicted_pages if self.cache else 0}
         if self.host is not None:
             out.update(self.host.stats())
+        if self.storage is not None:
+            out.update(self.storage.stats())
         return out

@@ -78,9 +78,12 @@ class SeqWork:
 @dataclass
 class CacheOp:
     """A copy between tiers that every stage performs on its own layers, in plan order."""
-    kind: str  # "store": pool page -> host slot (L1 -> L2); "load": host slot -> pool page
+    kind: str  # "store": pool page -> host slot (L1 -> L2); "load": host slot -> pool page;
+    # "save" / "save_evicted": pool page -> storage (L3) after / before the forward;
+    # "fetch": storage -> pool page
     page: int
     slot: int
+    key: str = ""  # storage ops: the page's chained key (hex), without the stage's suffix
 
 
 @dataclass

@@ -32,6 +32,7 @@ class Node:
     children: dict[tuple[int, ...], "Node"] = field(default_factory=dict)
     lock: int = 0  # requests whose path goes through this node
     last_used: int = 0
+    keys: list[bytes] | None = None  # chained storage keys, one per page (with a storage tier)
 
     @property
     def num_pages(self) -> int:
@@ -65,6 +66,7 @@ class RadixCache:
         self.num_locked_pages = 0  # L1 pages on locked paths
         self.num_evicted_pages = 0
         self.adopted: list[int] = []  # pages the tree took a reference on (drained by the owner)
+        self.storage = None  # StorageDirector (L3): keys on every node, saves on adopt / evict
         self._clock = itertools.count(1)
 
     @property
@@ -114,7 +116,9 @@ class RadixCache:
         cut = n * self.page_size
         parent = Node(node.key[:cut], None if node.pages is None else node.pages[:n],
                       node.parent, None if node.host is None else node.host[:n],
-                      lock=node.lock, last_used=node.last_used)
+                      lock=node.lock, last_used=node.last_used,
+                      keys=None if node.keys is None else node.keys[:n])
+        node.keys = None if node.keys is None else node.keys[n:]
         parent.children[self._first_key(node.key[cut:])] = node
         node.parent.children[self._first_key(parent.key)] = parent
         node.key = node.key[cut:]
@@ -128,7 +132,7 @@ class RadixCache:
 
     # ---- insert ------------------------------------------------------------------------------
 
-    def insert(self, tokens: list[int], pages: list[int]) -> Node:
+    def insert(self, tokens: list[int], pages: list[int], from_storage: bool = False) -> Node:
         """Adds the whole pages of `tokens` (pages[i] holds tokens of page i) and returns the
         deepest node of the path that holds the caller's pages. Where the tree already holds
         other pages for the same tokens it keeps them and the insert stops there (the caller's
@@ -145,8 +149,10 @@ class RadixCache:
             if child is None:
                 child = Node(tuple(tokens[at * self.page_size:num * self.page_size]),
                              list(pages[at:num]), node, last_used=now)
+                if self.storage is not None:
+                    child.keys = self._chain_keys(node, child.key)
                 node.children[keys[at]] = child
-                self._adopt(child.pages)
+                self._adopt(child.pages, child.keys, from_storage)
                 return child
             n = self._common_pages(child, keys, at)
             if n < child.num_pages:
@@ -158,7 +164,7 @@ class RadixCache:
                 break
             if child.pages is None:  # host-only: the caller's fresh L1 copy becomes the tree's
                 child.pages = list(pages[at:at + n])
-                self._adopt(child.pages)
+                self._adopt(child.pages, child.keys, from_storage)
                 if child.lock:
                     self.num_locked_pages += n
             child.last_used = now
@@ -172,10 +178,20 @@ class RadixCache:
         node.pages = list(pages)
         self.num_pages += len(pages)
 
-    def _adopt(self, pages: list[int]) -> None:
+    def _adopt(self, pages: list[int], keys, from_storage: bool = False) -> None:
         self.pool.retain(pages)
         self.num_pages += len(pages)
         self.adopted += pages
+        if self.storage is not None and keys and not from_storage:
+            self.storage.on_adopt(pages, keys)
+
+    def _chain_keys(self, parent: Node, key: tuple[int, ...]) -> list[bytes]:
+        from pipefill.kv.storage import chain_page_keys
+        return chain_page_keys(key, self.page_size, self.last_key(parent))
+
+    def last_key(self, node: Node) -> bytes:
+        """The chained key of a node's last page (b"" for the root)."""
+        return node.keys[-1] if node is not self.root and node.keys else b""
 
     # ---- locks -------------------------------------------------------------------------------
 
@@ -219,6 +235,8 @@ class RadixCache:
 
     def _evict_node(self, node: Node) -> int:
         n = len(node.pages)
+        if self.storage is not None:
+            self.storage.on_evict(node)
         kept = self.on_evict is not None and self.on_evict(node)
         self.pool.release(node.pages)
         node.pages = None

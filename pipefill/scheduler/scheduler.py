@@ -108,10 +108,10 @@ def check_prompt(ids: list[int], params: SamplingParams, vocab_size: int | None,
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, pool: PagePool,
                  next_chunk_size: Callable[[int], int] | None = None,
-                 cache: RadixCache | None = None, host=None):
+                 cache: RadixCache | None = None, host=None, storage=None):
         self.cfg = cfg
         self.pool = pool
-        self.kv = KVManager(pool, cfg.page_size, cache, host)
+        self.kv = KVManager(pool, cfg.page_size, cache, host, storage)
         # Chunk policy: prefix length L -> size of the next continuation chunk.
         self.next_chunk_size = next_chunk_size or (lambda _: cfg.chunked_prefill_size)
         self.waiting: deque[Request] = deque()
@@ -232,7 +232,10 @@ class Scheduler:
         nobody uses count as free: they are evicted when the pages are needed)."""
         if len(self.running) >= self.cfg.max_running_requests:
             return False
-        headroom = DECODE_HEADROOM_PAGES if r.params.max_new_tokens > 0 else 0
+        # Headroom only where decoding can still need a page (a resumed request near its end
+        # must not wait for one it will never use).
+        final = self.kv.pages_for(len(r.prompt_ids) + r.params.max_new_tokens)
+        headroom = min(DECODE_HEADROOM_PAGES, final - self.kv.pages_for(r.num_tokens))
         if not self.kv.admit(r, self._match_tokens(r), headroom):
             return False
         if r.params.return_prompt_logprobs:  # a resumed request recomputes past its cache

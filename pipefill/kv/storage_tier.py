@@ -1,0 +1,147 @@
+"""The storage tier (L3) of the prefix cache in the pipeline: pipefill.kv.storage's PageStore on
+every stage, driven by stage 0's plans like the host tier.
+
+Keys are chained per page (pipefill.kv.storage.chain_page_keys) and kept on the radix nodes;
+each stage adds its own suffix (model fingerprint, dtype, page size, its layers), so each stage
+stores and loads only its layers. Stage 0 decides every write and every read:
+
+* writes: `write_through` saves a page when the tree takes it (after the forward that writes
+  it); `write_back` saves it when it is evicted from the pool (L1), whether or not the host
+  tier keeps a copy (the pool page is read before it is freed).
+* reads: at admission, the pages past the L1/L2 match are looked up. A page is used only when
+  stage 0 has read and verified it for EVERY stage (each stage's file/object, checksummed), so
+  that a missing, corrupt or truncated page on any stage is a miss for all, never a different
+  answer; the lookup stops at the first miss or when --hicache-prefetch-timeout runs out (the
+  rest is recomputed). The plan then carries one fetch per page and every stage loads its own.
+"""
+from __future__ import annotations
+
+import time
+
+import torch
+
+from pipefill.kv.pool import CACHE_OWNER, PageIntegrityError
+from pipefill.scheduler.plan import CacheOp
+
+
+class StorageTier:
+    """A stage's PageStore and the copies between it and the pool."""
+
+    def __init__(self, store, cache, rank: int, fingerprint: str):
+        self.store = store
+        self.cache = cache
+        self.rank = rank
+        self.fingerprint = fingerprint
+
+    def save(self, ops: list[CacheOp]) -> None:
+        """Pool pages -> storage (asynchronous: the store copies and writes in the background)."""
+        if ops:
+            pages = self.cache.read_pages([op.page for op in ops])  # [2, L, n, ps, H, D]
+            for i, op in enumerate(ops):
+                self.store.put(bytes.fromhex(op.key), pages[:, :, i])
+
+    def fetch(self, ops: list[CacheOp], owners) -> None:
+        """Storage -> pool pages the prefix cache owns from now on. Stage 0 verified every
+        stage's copy; one that fails here changed in between: stop rather than compute wrong."""
+        if not ops:
+            return
+        owners.allocate(CACHE_OWNER, [op.page for op in ops])
+        shape = self.cache.read_pages([ops[0].page]).shape
+        page = torch.empty((shape[0], shape[1], *shape[3:]), dtype=self.cache.k.dtype)
+        for op in ops:
+            if not self.store.get(bytes.fromhex(op.key), page):
+                raise PageIntegrityError(f"stage {self.rank}: stored page {op.key[:16]}... "
+                                         "could not be read after stage 0 verified it")
+            self.cache.write_pages([op.page], page.unsqueeze(2))
+        owners.mark_written([op.page for op in ops])
+
+    def stats(self) -> dict:
+        st = self.store.stats()
+        return {"storage_" + k: v for k, v in st.items() if isinstance(v, (int, float))}
+
+
+class StorageDirector:
+    """Stage 0's side: which pages to save and which stored pages a request may use."""
+
+    def __init__(self, tier: StorageTier, suffixes: list[str], shapes: list[tuple[int, ...]],
+                 dtype: torch.dtype, write_policy: str, prefetch_timeout_s: float):
+        self.tier = tier
+        self.suffixes = suffixes  # every stage's key suffix, by rank
+        self.shapes = shapes  # every stage's page shape [2, L_s, ps, H, D]
+        self.dtype = dtype
+        self.write_through = write_policy == "write_through"
+        self.prefetch_timeout_s = prefetch_timeout_s
+        self.ops: list[CacheOp] = []
+        self.saved_pages = self.fetched_pages = 0
+
+    # ---- writes ------------------------------------------------------------------------------
+
+    def on_adopt(self, pages: list[int], keys: list[bytes]) -> None:
+        if self.write_through:
+            self._save("save", pages, keys)
+
+    def on_evict(self, node) -> None:
+        """A node leaves the pool (write_back saves it now, before its pages are freed)."""
+        if not self.write_through and node.keys:
+            self._save("save_evicted", node.pages, node.keys)
+
+    def _save(self, kind: str, pages: list[int], keys: list[bytes]) -> None:
+        self.ops += [CacheOp(kind, p, -1, k.hex()) for p, k in zip(pages, keys)]
+        self.saved_pages += len(pages)
+
+    # ---- reads -------------------------------------------------------------------------------
+
+    def verified_prefix(self, keys: list[bytes]) -> int:
+        """Leading keys whose page every stage can read (each verified by a full read),
+        within the prefetch timeout."""
+        deadline = time.monotonic() + self.prefetch_timeout_s
+        scratch = [torch.empty(s, dtype=self.dtype) for s in self.shapes]
+        store = self.tier.store
+        n = 0
+        for key in keys:
+            if time.monotonic() > deadline or store.contains([key]) == 0:
+                break
+            ok = all(store.backend.read_into(f"{key.hex()}.{suffix}", out) if rank else
+                     store.get(key, out)
+                     for rank, (suffix, out) in enumerate(zip(self.suffixes, scratch)))
+            if not ok:
+                break
+            n += 1
+        return n
+
+    def fetch(self, pages: list[int], keys: list[bytes]) -> None:
+        self.ops += [CacheOp("fetch", p, -1, k.hex()) for p, k in zip(pages, keys)]
+        self.fetched_pages += len(pages)
+
+    def drain_ops(self) -> list[CacheOp]:
+        ops, self.ops = self.ops, []
+        return ops
+
+    def stats(self) -> dict:
+        return {"storage_saved_pages": self.saved_pages,
+                "storage_fetched_pages": self.fetched_pages, **self.tier.stats()}
+
+
+def open_stage_storage(args, model_file: str, cache, info) -> StorageTier:
+    """This stage's PageStore, keyed by the model, KV dtype, page size and its layers."""
+    from pipefill.kv.storage import model_fingerprint, open_page_store, stage_key_suffix
+    fingerprint = model_fingerprint(model_file)
+    suffix = stage_key_suffix(fingerprint, cache.k.dtype, args.page_size, info.layers)
+    store = open_page_store(args.hicache_storage_backend, key_suffix=suffix,
+                            storage_dir=args.hicache_storage_dir,
+                            mooncake_master=args.hicache_mooncake_master)
+    return StorageTier(store, cache, info.rank, fingerprint)
+
+
+def storage_director(args, model_cfg, tier: StorageTier) -> StorageDirector:
+    """Stage 0's director, with every stage's key suffix and page shape (from the partition:
+    all stages' keys are known without asking them)."""
+    from pipefill.kv.storage import stage_key_suffix
+    from pipefill.model.partition import partition_layers
+    ranges = partition_layers(model_cfg.num_layers, args.pp_size, args.pp_layer_partition)
+    dtype = tier.cache.k.dtype
+    suffixes = [stage_key_suffix(tier.fingerprint, dtype, args.page_size, r) for r in ranges]
+    shapes = [(2, len(r), args.page_size, model_cfg.num_kv_heads, model_cfg.head_dim)
+              for r in ranges]
+    return StorageDirector(tier, suffixes, shapes, dtype, args.hicache_write_policy,
+                           args.hicache_prefetch_timeout)

@@ -23,14 +23,14 @@ def _variants() -> list[str]:
     if not _OK:
         return ["none"]
     default = fo.kernel_variant()
-    out = [v for v in ("avx512", "avx512bf16") if fo._select_variant(v)]
+    out = [v for v in ("avx512", "avx512bf16", "avx2") if fo._select_variant(v)]
     fo._select_variant(default)
     return out
 
 
 @pytest.fixture(params=_variants())
 def variant(request):
-    """Runs the test once per kernel build this CPU supports (avx512, avx512bf16)."""
+    """Runs the test once per kernel build this CPU supports (avx512, avx512bf16, avx2)."""
     default = fo.kernel_variant()
     assert fo._select_variant(request.param)
     yield request.param

@@ -1,4 +1,4 @@
-"""Fused elementwise CPU ops for prefill (AVX-512): add+RMSNorm, RoPE, SiLU*mul.
+"""Fused elementwise CPU ops for prefill (AVX-512, or AVX2 + FMA): add+RMSNorm, RoPE, SiLU*mul.
 
 API (what the engine calls; all tensors on CPU, T = rows = tokens, any T >= 0):
 
@@ -19,8 +19,9 @@ the runtime cpuid check) is compiled to object files with the C++ compiler direc
 ``at::parallel_for``; includes only <ATen/Parallel.h>) is built without ISA flags by
 ``torch.utils.cpp_extension.load(is_python_module=False)`` and linked with those objects. The
 kernel source is compiled twice: ``avx512`` (F/BW/VL) and ``avx512bf16`` (+AVX512-BF16 rounding
-instruction, chosen at run time when cpuid has it; see ``kernel_variant()``). The
-entry points are plain ``extern "C"`` functions called through ctypes (the GIL is released
+instruction, chosen at run time when cpuid has it; see ``kernel_variant()``);
+``csrc/fused_ops_avx2.cpp`` (-mavx2 -mfma, 8 lanes, same numerics) serves CPUs without AVX-512.
+The entry points are plain ``extern "C"`` functions called through ctypes (the GIL is released
 during a call). First build ~3 s on two cores, cached in ``~/.cache/pipefill/kernels``.
 
 Benchmark: ``python -m pipefill.kernels.fused_ops`` (SmolLM2-135M shapes, T = 2048).
@@ -59,8 +60,12 @@ KERNEL_VARIANTS = {
     "avx512": KERNEL_FLAGS + ["-DPF_FUSED_NS=avx512"],
     "avx512bf16": KERNEL_FLAGS + ["-mavx512bf16", "-DPF_FUSED_NS=avx512bf16", "-DPF_HW_BF16=1"],
 }
+# CPUs without AVX-512 get the AVX2 + FMA build (its own source, 8 lanes).
+_AVX2_SRC = _CSRC / "fused_ops_avx2.cpp"
+AVX2_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-mavx2", "-mfma", "-ffp-contract=off",
+              "-fno-exceptions"]
 GLUE_FLAGS = ["-O3", "-std=c++17", "-fopenmp"]
-REQUIRED_CPU_FLAGS = ("avx512f", "avx512bw", "avx512vl")
+REQUIRED_CPU_FLAGS = ("avx2", "fma")  # the least any build needs; cpuid picks the best build
 
 _F32, _BF16 = 0, 1
 _DTYPE_CODE = {torch.float32: _F32, torch.bfloat16: _BF16}
@@ -93,6 +98,7 @@ def _build() -> str:
             objs.append(str(compile_object(_KERNEL_SRC, _HEADER,
                                            fallback + [f"-DPF_FUSED_NS={variant}"], build_dir,
                                            f"fused_{variant}-fallback")))
+    objs.append(str(compile_object(_AVX2_SRC, _HEADER, AVX2_FLAGS, build_dir, "fused_avx2")))
     path = cpp_ext.load(name="pipefill_fused_ops", sources=[str(_GLUE_SRC)],
                         extra_cflags=GLUE_FLAGS, extra_ldflags=[*objs, "-fopenmp"],
                         extra_include_paths=[str(_CSRC)], build_directory=str(build_dir),
@@ -157,7 +163,8 @@ def fused_available(force_disable: bool = False) -> tuple[bool, str]:
 
 
 def kernel_variant() -> str:
-    """Name of the kernel build in use ("avx512" or "avx512bf16"), "" when unavailable."""
+    """Name of the kernel build in use ("avx512", "avx512bf16" or "avx2"), "" when
+    unavailable."""
     if not fused_available()[0]:
         return ""
     return _lib.pf_fused_kernel_name().decode()

@@ -27,6 +27,18 @@ uint64_t xgetbv0() {
   return ((uint64_t)edx << 32) | eax;
 }
 
+// AVX2 + FMA with the OS saving YMM state: enough for the avx2 build.
+const char* avx2_check() {
+  unsigned a, b, c, d;
+  if (!__get_cpuid(1, &a, &b, &c, &d)) return "cpuid leaf 1 unavailable";
+  if (!(c & (1u << 27))) return "OSXSAVE not enabled";
+  if (!(c & (1u << 28)) || !(c & (1u << 12))) return "no AVX/FMA";
+  if ((xgetbv0() & 0x6) != 0x6) return "OS does not enable AVX state (XCR0)";
+  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return "cpuid leaf 7 unavailable";
+  if (!(b & (1u << 5))) return "no AVX2";
+  return nullptr;
+}
+
 const char* cpu_check() {
   unsigned a, b, c, d;
   if (!__get_cpuid(1, &a, &b, &c, &d)) return "cpuid leaf 1 unavailable";
@@ -55,6 +67,8 @@ constexpr Kernels kAvx512{pipefill_fused::avx512::add_rms_norm_rows, pipefill_fu
                           pipefill_fused::avx512::silu_mul_rows, "avx512"};
 constexpr Kernels kAvx512Bf16{pipefill_fused::avx512bf16::add_rms_norm_rows, pipefill_fused::avx512bf16::rope_rows,
                               pipefill_fused::avx512bf16::silu_mul_rows, "avx512bf16"};
+constexpr Kernels kAvx2{pipefill_fused::avx2::add_rms_norm_rows, pipefill_fused::avx2::rope_rows,
+                        pipefill_fused::avx2::silu_mul_rows, "avx2"};
 
 // Set by pf_fused_cpu_supported() once the CPU check passed.
 std::atomic<const Kernels*> g_k{nullptr};
@@ -83,27 +97,36 @@ int run_rows(const Kernels* k, int64_t T, int64_t elems_per_row, const F& f) {
 
 extern "C" {
 
-// 1 when the AVX-512 kernels can run (and selects the best build); otherwise 0 and the reason
-// in buf.
+// 1 when a kernel build can run (and selects the best: avx512bf16, avx512, avx2); otherwise 0
+// and the reasons in buf.
 int pf_fused_cpu_supported(char* buf, int n) {
   const char* why = cpu_check();
-  if (why) {
-    if (buf && n > 0) std::snprintf(buf, (size_t)n, "%s", why);
-    return 0;
+  if (!why) {
+    g_k.store(has_avx512_bf16() ? &kAvx512Bf16 : &kAvx512, std::memory_order_release);
+    return 1;
   }
-  g_k.store(has_avx512_bf16() ? &kAvx512Bf16 : &kAvx512, std::memory_order_release);
-  return 1;
+  const char* why2 = avx2_check();
+  if (!why2) {
+    g_k.store(&kAvx2, std::memory_order_release);
+    return 1;
+  }
+  if (buf && n > 0) std::snprintf(buf, (size_t)n, "%s; %s", why, why2);
+  return 0;
 }
 
-// Selects a kernel build by name ("avx512", "avx512bf16"); 0 if unknown or unsupported here.
+// Selects a kernel build by name ("avx512", "avx512bf16", "avx2"); 0 if unknown or unsupported here.
 // Not thread-safe against concurrent calls of the ops (tests and benchmarks only).
 int pf_fused_select(const char* name) {
   if (!g_k || !name) return 0;
-  if (std::strcmp(name, kAvx512.name) == 0) {
+  if (std::strcmp(name, kAvx2.name) == 0 && !avx2_check()) {
+    g_k.store(&kAvx2, std::memory_order_release);
+    return 1;
+  }
+  if (std::strcmp(name, kAvx512.name) == 0 && !cpu_check()) {
     g_k.store(&kAvx512, std::memory_order_release);
     return 1;
   }
-  if (std::strcmp(name, kAvx512Bf16.name) == 0 && has_avx512_bf16()) {
+  if (std::strcmp(name, kAvx512Bf16.name) == 0 && !cpu_check() && has_avx512_bf16()) {
     g_k.store(&kAvx512Bf16, std::memory_order_release);
     return 1;
   }

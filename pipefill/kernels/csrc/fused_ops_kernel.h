@@ -30,5 +30,7 @@ constexpr int kBF16 = 1;
 
 PF_FUSED_DECLARE_KERNELS(avx512)
 PF_FUSED_DECLARE_KERNELS(avx512bf16)
+// fused_ops_avx2.cpp (-mavx2 -mfma): CPUs without AVX-512.
+PF_FUSED_DECLARE_KERNELS(avx2)
 
 }  // namespace pipefill_fused

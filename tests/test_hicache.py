@@ -241,3 +241,24 @@ def test_mooncake_two_engines_share_one_store(model, tmp_path):
     finally:
         proc.kill()
         proc.wait()
+
+
+@pytest.mark.parametrize("policy", ["write_through", "write_back"])
+def test_write_policy_decides_when_pages_are_saved(policy):
+    from pipefill.kv.storage import chain_page_keys
+    from pipefill.kv.storage_tier import StorageDirector
+    pool = PagePool(8)
+    cache = RadixCache(2, pool)
+    cache.storage = StorageDirector(None, [], [], torch.float32, policy, 0.0)
+    pages = pool.allocate(2)
+    cache.insert([1, 1, 2, 2], pages)
+    pool.release(pages)
+    on_insert = cache.storage.drain_ops()
+    cache.evict(2)
+    on_evict = cache.storage.drain_ops()
+    keys = [k.hex() for k in chain_page_keys([1, 1, 2, 2], 2)]
+    saved = on_insert if policy == "write_through" else on_evict
+    assert [(op.kind, op.page, op.key) for op in saved] == [
+        ("save" if policy == "write_through" else "save_evicted", p, k)
+        for p, k in zip(pages, keys)]
+    assert (on_evict if policy == "write_through" else on_insert) == []

@@ -63,7 +63,7 @@ class ServerMetrics:
             self.cache_hit_tokens.labels(tier=tier).set(value)
         self.cache_pages.labels(tier="l1").set(load.get("cache_pages", 0))
         self.cache_pages.labels(tier="l2").set(load.get("host_slots_used", 0))
-        self.cache_pages.labels(tier="l3").set(load.get("storage_pages", 0))
+        self.cache_pages.labels(tier="l3").set(load.get("storage_stored_pages", 0))  # stage 0's
         self.cache_capacity.labels(tier="l1").set(load.get("pages_total", 0))
         self.cache_capacity.labels(tier="l2").set(load.get("host_slots_total", 0))
         self.cache_evicted_pages.set(load.get("cache_evicted_pages", 0))

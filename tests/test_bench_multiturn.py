@@ -58,7 +58,7 @@ def test_multiturn_against_pipefill_serve(server, tmp_path):
     assert run["summary"]["turns_ok"] == 3 and run["summary"]["ttft_turn1_s"] > 0
     # A replay re-sends the recorded conversation: the server sees the same prompts.
     replay = tmp_path / "replay.json"
-    r = bench(server, "--replay", str(out), "--answer-tokens", "8", "--json", str(replay))
+    r = bench(server, "--replay", str(out), "--json", str(replay))   # its answer length too
     assert r.returncode == 0, r.stdout + r.stderr
     again = json.loads(replay.read_text())
     assert [t["prompt_tokens"] for t in again["results"]] == \
@@ -69,6 +69,9 @@ def test_multiturn_against_pipefill_serve(server, tmp_path):
 def test_multiturn_bad_flags_and_dead_server(tmp_path):
     r = bench("http://127.0.0.1:9", "--turns", "0")
     assert r.returncode == 2 and "--turns must be at least 1" in r.stderr
+    (tmp_path / "junk.json").write_text("{}")
+    r = bench("http://127.0.0.1:9", "--replay", str(tmp_path / "junk.json"))
+    assert r.returncode == 2 and "not a multiturn --json file" in r.stderr, r.stderr
     from pipefill.runtime.launch import free_port
     r = bench(f"http://127.0.0.1:{free_port()}", "--model", "m", "--turns", "2",
               "--timeout", "10", timeout=120)

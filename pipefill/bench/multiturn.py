@@ -58,7 +58,8 @@ def add_parser(sub) -> None:
     p.add_argument("--turns", type=int, default=8, help="questions asked, one per turn")
     p.add_argument("--question-tokens", type=int, default=200,
                    help="approximate tokens of each question")
-    p.add_argument("--answer-tokens", type=int, default=64, help="max_tokens of each answer")
+    p.add_argument("--answer-tokens", type=int, default=None,
+                   help="max_tokens of each answer (default 64, or the replayed run's)")
     p.add_argument("--no-ignore-eos", action="store_true",
                    help="do not send ignore_eos (for servers that reject unknown fields); "
                         "answers may then end early")
@@ -260,22 +261,35 @@ def summary(results: list[TurnResult], recorded_turn1: float | None) -> dict:
     return out
 
 
-def run(ns) -> int:
-    for flag in ("doc_tokens", "turns", "question_tokens", "answer_tokens"):
-        if getattr(ns, flag) < 1:
-            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1")
-    recorded_turn1 = None
-    if ns.replay:
+def load_replay(ns) -> tuple[Conversation, float | None]:
+    """The recorded conversation with its answers, and the recorded turn-1 TTFT."""
+    try:
         with open(ns.replay) as f:
             old = json.load(f)
         conv = Conversation(**old["conversation"])
-        conv.answers = [t["answer"] for t in old["results"]]
-        conv.questions = conv.questions[:len(conv.answers)]
-        recorded_turn1 = old["results"][0]["ttft_s"] if old["results"] else None
+        conv.answers = [t["answer"] for t in old["results"] if t["ok"]]
+    except (OSError, ValueError, KeyError, TypeError) as e:
+        raise ValueError(f"--replay {ns.replay}: not a multiturn --json file ({e})") from None
+    if not conv.answers:
+        raise ValueError(f"--replay {ns.replay}: the recorded run has no successful turn")
+    conv.questions = conv.questions[:len(conv.answers)]
+    ns.answer_tokens = ns.answer_tokens or old.get("settings", {}).get("answer_tokens")
+    return conv, old["results"][0]["ttft_s"]
+
+
+def run(ns) -> int:
+    for flag in ("doc_tokens", "turns", "question_tokens", "answer_tokens"):
+        if getattr(ns, flag) is not None and getattr(ns, flag) < 1:
+            raise ValueError(f"--{flag.replace('_', '-')} must be at least 1")
+    if ns.replay:
+        conv, recorded_turn1 = load_replay(ns)
+        what = f"replaying {ns.replay}"
     else:
         conv = Conversation.generate(ns.seed, ns.doc_tokens, ns.turns, ns.question_tokens)
-    print(f"multiturn {ns.label or ''} {ns.base_url}: {len(conv.questions)} turns, document "
-          f"~{ns.doc_tokens:,} tokens, questions ~{ns.question_tokens}, answers "
+        recorded_turn1 = None
+        what = f"document ~{ns.doc_tokens:,} tokens, questions ~{ns.question_tokens}"
+    ns.answer_tokens = ns.answer_tokens or 64
+    print(f"multiturn {ns.label} {ns.base_url}: {len(conv.questions)} turns, {what}, answers "
           f"{ns.answer_tokens} tokens; client CPU {_cpu_name()}")
     print(HEADER)
     results = run_conversation(ns, conv)
@@ -284,7 +298,9 @@ def run(ns) -> int:
                                   for k, v in summ.items()))
     if ns.json:
         with open(ns.json, "w") as f:
+            settings = {k: getattr(ns, k) for k in ("doc_tokens", "question_tokens",
+                                                     "answer_tokens", "seed", "replay")}
             json.dump({"label": ns.label, "base_url": ns.base_url, "cpu": _cpu_name(),
-                       "summary": summ, "results": [asdict(r) for r in results],
+                       "settings": settings, "summary": summ, "results": [asdict(r) for r in results],
                        "conversation": asdict(conv)}, f, indent=1)
     return 0 if results and all(r.ok for r in results) else 1

@@ -1,0 +1,166 @@
+"""Decode through the packed small-M GEMM, end to end.
+
+* Greedy continuations of 64 tokens equal HF transformers (float32) and the previous code path
+  (--decode-gemm-max-rows 0: F.linear everywhere), at batch 1 and batch 8 with mixed prompt
+  lengths (so decode steps run 8 rows through every linear layer and the LM head).
+* A sequence's logits are bit-identical alone and inside a batch of 8 (stage code in process:
+  the same per-sequence prefill, then decode steps of 1 vs 8 rows): the kernel's per-row
+  summation order does not depend on M, and nothing else in a decode step mixes rows.
+* --weight-dtype bfloat16 under float32 compute equals HF float32 on the same weights rounded
+  to bf16: the model is then the bf16-rounded model, computed in float32, so the greedy tokens
+  must agree exactly (no bf16 tolerance needed).
+"""
+import random
+
+import pytest
+import torch
+
+from conftest import save_tiny_model, track
+from pipefill import Engine
+from pipefill.config import ServerArgs, resolve
+from pipefill.kernels import decode_gemm
+from pipefill.model.loader import WeightSource
+from pipefill.runtime.stage import StageInfo, build_stage
+from pipefill.scheduler.plan import SampleSpec, SeqWork, StepPlan
+
+pytestmark = pytest.mark.skipif(not decode_gemm.available(),
+                                reason="no decode GEMM path runs on this machine")
+
+PAGE = 16
+NEW = 64
+LENGTHS = [5, 37, 16, 90, 1, 64, 23, 48]
+_rng = random.Random(14)
+PROMPTS = [[_rng.randrange(512) for _ in range(n)] for n in LENGTHS]
+
+
+def hf_greedy(path: str, prompts: list[list[int]], n: int):
+    """HF transformers float32 greedy tokens and top-1 minus top-2 logit gaps per prompt, each
+    step a full forward without a KV cache (HF's cached generate disagrees with its own uncached
+    forward on the tiny Qwen2 model past 64 tokens, by up to 0.13 in a logit). The prompts go
+    as one right-padded batch: under the causal mask no real token sees the padding."""
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    seqs = [list(p) for p in prompts]
+    gaps = [[] for _ in prompts]
+    with torch.no_grad():
+        for _ in range(n):
+            width = max(map(len, seqs))
+            ids = torch.tensor([s + [0] * (width - len(s)) for s in seqs])
+            logits = model(ids).logits
+            for i, s in enumerate(seqs):
+                top = logits[i, len(s) - 1].topk(2)
+                gaps[i].append(float(top.values[0] - top.values[1]))
+                s.append(int(top.indices[0]))
+    return [(s[len(p):], g) for s, p, g in zip(seqs, prompts, gaps)]
+
+
+def assert_agrees(ours: list[int], ref: list[int], gaps: list[float], min_gap: float = 1e-3):
+    """Equal until the reference itself is a near tie (float32 sums in another order move a
+    logit by ~1e-6; a gap under 1e-3 is a coin flip), after which the texts may part."""
+    for i, (a, b) in enumerate(zip(ours, ref)):
+        if a != b:
+            assert gaps[i] < min_gap, f"token {i}: {a} != {b}, reference gap {gaps[i]:.4f}"
+            return
+    assert len(ours) == len(ref)
+
+
+@pytest.fixture(scope="module")
+def hf_tokens(tiny_models):
+    return hf_greedy(tiny_models["qwen2"], PROMPTS, NEW)
+
+
+def engine(path, **kw):
+    return track(Engine(path, dtype="float32", page_size=PAGE, threads_per_stage=1, **kw))
+
+
+def test_greedy_matches_hf_and_torch_path_batch_1_and_8(tiny_models, hf_tokens):
+    # qwen2: qkv bias (the kernel's bias path) and a tied LM head.
+    path = tiny_models["qwen2"]
+    with engine(path) as e:
+        batch = [o.output_ids for o in e.generate(PROMPTS, max_new_tokens=NEW, ignore_eos=True)]
+        alone = e.generate(PROMPTS[3:4], max_new_tokens=NEW, ignore_eos=True)[0].output_ids
+    with engine(path, decode_gemm_max_rows=0) as e:
+        torch_batch = [o.output_ids for o in e.generate(PROMPTS, max_new_tokens=NEW,
+                                                        ignore_eos=True)]
+    for ours, (ref, gaps) in zip(batch, hf_tokens):
+        assert_agrees(ours, ref, gaps)
+    assert alone == batch[3]
+    assert torch_batch == batch
+
+
+def _stage(path, dtype, **kw):
+    source = WeightSource(path)
+    args = resolve(ServerArgs(model_path=path, dtype=dtype, page_size=PAGE,
+                              max_total_tokens=4096, threads_per_stage=1, **kw), source.config)
+    return build_stage(args, source, StageInfo(0, 1, range(source.config.num_layers)))
+
+
+def _step(ex, seqs: dict, tables, start):
+    """One forward of seqs {i: tokens} starting at start[i] -> the logits of each last token."""
+    spec = SampleSpec(0.0, 1.0, -1, 0, 0, None)
+    works = []
+    for i, toks in seqs.items():
+        end = start[i] + len(toks)
+        works.append(SeqWork(f"s{i}", start[i], end, toks, tables[i][:-(-end // PAGE)], spec))
+    acts, _ = ex.forward(StepPlan(-1, works), None)  # -1: scratch plan, the test owns the pages
+    rows = torch.tensor(list(range(len(works))))
+    if any(w.num_tokens > 1 for w in works):
+        rows = torch.cumsum(torch.tensor([w.num_tokens for w in works]), 0) - 1
+    return ex.model.logits(acts.hidden, acts.residual, rows)
+
+
+@pytest.mark.parametrize("dtype", ["float32", "bfloat16"])
+def test_sequence_bits_alone_equal_inside_batch(tiny_models, dtype):
+    if dtype == "bfloat16" and not decode_gemm.available(torch.bfloat16):
+        pytest.skip("no bf16 decode GEMM path here")
+    ex = _stage(tiny_models["llama"], dtype)
+    assert ex.model.w.layers[0].packed is not None
+    pages = 8
+    tables = [list(range(i * pages, (i + 1) * pages)) for i in range(len(PROMPTS))]
+    with torch.inference_mode():
+        # Prefill each sequence alone (the same forward in both runs), then 6 decode steps.
+        nxt = {i: int(_step(ex, {i: p}, tables, [0] * 8)[0].argmax()) for i, p in
+               enumerate(PROMPTS)}
+        alone_pos = list(LENGTHS)
+        alone, tok = [], nxt[3]
+        for s in range(6):
+            logits = _step(ex, {3: [tok]}, tables, {3: LENGTHS[3] + s})[0]
+            alone.append(logits.clone())
+            tok = int(logits.argmax())
+        for i, p in enumerate(PROMPTS):  # rewrite every cache from scratch
+            _step(ex, {i: p}, tables, [0] * 8)
+        toks = dict(nxt)
+        for s in range(6):
+            pos = [n + s for n in alone_pos]
+            logits = _step(ex, {i: [toks[i]] for i in range(8)}, tables, pos)
+            assert torch.equal(logits[3], alone[s]), f"step {s}: batch-8 row != batch-1 row"
+            toks = {i: int(logits[i].argmax()) for i in range(8)}
+
+
+def test_bf16_weights_under_float32_compute_match_the_rounded_model(tmp_path):
+    path = save_tiny_model("llama", tmp_path / "src", seed=3)
+    from transformers import AutoModelForCausalLM
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            if "norm" not in name:  # norms stay float32 in pipefill
+                p.copy_(p.bfloat16().float())
+    rounded = str(tmp_path / "rounded")
+    model.save_pretrained(rounded)
+    prompts = PROMPTS[:4]
+    refs = hf_greedy(rounded, prompts, 32)
+    with engine(path, weight_dtype="bfloat16") as e:
+        outs = e.generate(prompts, max_new_tokens=32, ignore_eos=True)
+    for out, (ref, gaps) in zip(outs, refs):
+        assert_agrees(out.output_ids, ref, gaps)
+
+
+def test_weight_dtype_errors_name_the_flag():
+    from pipefill.model.loader import resolve_weight_dtype
+    with pytest.raises(ValueError, match="--weight-dtype float32 needs --dtype float32"):
+        resolve_weight_dtype("float32", torch.bfloat16)
+    with pytest.raises(ValueError, match="--weight-dtype bfloat16"):
+        resolve_weight_dtype("bfloat16", torch.float16)
+    with pytest.raises(ValueError, match="--decode-gemm-max-rows"):
+        ServerArgs(decode_gemm_max_rows=-1)
+    assert resolve_weight_dtype("auto", torch.bfloat16) == torch.bfloat16

@@ -107,6 +107,13 @@ class Timing:
     heartbeat_interval_s: float = 2.0
     heartbeat_max_misses: int = 3
 
+    @staticmethod
+    def from_args(args) -> "Timing":
+        """From ServerArgs' --disaggregation-* flags."""
+        return Timing(args.disaggregation_bootstrap_timeout, args.disaggregation_waiting_timeout,
+                      args.disaggregation_heartbeat_interval,
+                      args.disaggregation_heartbeat_max_misses)
+
 
 class _Peers:
     """Channels by peer name, a Liveness for them, and the loop that reads each."""
@@ -411,6 +418,12 @@ class KVReceiver:
         with self._p.changed:
             self._p.changed.wait_for(lambda: self.rooms.result(room) is not None, timeout_s)
             return self.rooms.take_result(room)
+
+    def take_finished(self) -> list[RoomResult]:
+        """Every room that ended since the last call (for a loop that polls, never waits)."""
+        with self._p.lock:
+            rooms = list(self.rooms.results)
+            return [self.rooms.take_result(room) for room in rooms]
 
     def progress(self, room: int) -> dict[str, int] | None:
         """Pages delivered so far per prefill stage (None once the room ended)."""

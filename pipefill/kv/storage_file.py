@@ -21,7 +21,7 @@ import zlib
 
 import torch
 
-from pipefill.kv.storage import _FIXED, byte_view, check_header, header_length
+from pipefill.kv.storage_format import _FIXED, byte_view, check_header, header_length
 
 log = logging.getLogger("pipefill.storage")
 

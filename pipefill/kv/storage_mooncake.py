@@ -24,7 +24,7 @@ import zlib
 
 import torch
 
-from pipefill.kv.storage import _FIXED, byte_view, check_header
+from pipefill.kv.storage_format import _FIXED, byte_view, check_header
 
 log = logging.getLogger("pipefill.storage")
 

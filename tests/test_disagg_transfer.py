@@ -249,6 +249,8 @@ def test_prefill_stage_restart_fails_old_rooms_then_reconnects():
         assert not res.ok and ("the prefill stage is shutting down" in res.reason
                                or "p/1 stopped answering" in res.reason)
         assert wait_until(dst_pool.clean) and wait_until(lambda: not receiver.connected("p"))
+        with pytest.raises(RuntimeError, match="connect"):  # not silently waiting for nobody
+            receiver.expect_room(ROOM + 5, "p", [])
         senders[1] = KVSender(random_kv(11, 2, 2), 1, release=src_pools[1].release,
                               timing=FAST)
         register_stage(service.endpoint, senders[1].registration(

@@ -10,9 +10,9 @@ import logging
 import socket
 import struct
 import threading
-import time
 
 from pipefill.disagg import messages as m
+from pipefill.runtime.wire import DropLog, Seal
 
 log = logging.getLogger(__name__)
 
@@ -25,27 +25,9 @@ class ConnectionClosed(ConnectionError):
     pass
 
 
-class _DropLog:
-    """The first drop is logged at once, then one line per interval with the count."""
-
-    def __init__(self, where: str, interval_s: float = 10.0):
-        self.where, self.interval_s = where, interval_s
-        self.num_dropped, self._logged_at = 0, -float("inf")
-
-    def drop(self, reason: str) -> None:
-        self.num_dropped += 1
-        now = time.monotonic()
-        if now - self._logged_at >= self.interval_s:
-            log.warning("dropped a message on %s: %s (%d dropped so far)", self.where, reason,
-                        self.num_dropped)
-            self._logged_at = now
-
-
-def make_seal(secret: bytes | None):
-    if not secret:
-        return None
-    from pipefill.runtime.wire import Seal  # the cluster's HMAC framing, shared with ipc
-    return Seal(secret)
+def make_seal(secret: bytes | None) -> Seal | None:
+    """The cluster's HMAC framing (shared with the front-end sockets), or None."""
+    return Seal(secret) if secret else None
 
 
 class Channel:
@@ -54,7 +36,7 @@ class Channel:
         self.name = name
         self._seal = make_seal(secret)
         self._send_lock = threading.Lock()
-        self.drops = _DropLog(name)
+        self.drops = DropLog(f"the PD connection with {name}")
         self.closed = False
 
     def send(self, msg: m.Message, payload=None) -> None:

@@ -403,6 +403,9 @@ class KVReceiver:
     def expect_room(self, room: int, key: str, dst_pages: list[int], *,
                     num_prompt_tokens: int | None = None, want_final: bool = True) -> int:
         """Asks every stage of prefill `key` for the room's KV into dst_pages; the nonce."""
+        if not self.connected(key):
+            raise RuntimeError(f"not connected to every stage of prefill {key}: connect() "
+                               "first (again after a stage was lost)")
         nonce = int.from_bytes(os.urandom(8), "little") >> 1
         stages = self.prefills[key]
         with self._p.lock:

@@ -285,3 +285,34 @@ def assert_close(a, b):
             assert_close(x, y)
     else:
         assert a == b
+
+
+def test_a_failed_request_is_a_500_or_an_error_event():
+    """How the server words a request the stages ended with 'error' (the in-memory test above
+    shows the stages do): a 500 with the sentence for a whole response; for a stream, an error
+    event and then [DONE]."""
+    import asyncio
+    from types import SimpleNamespace
+
+    from pipefill.scheduler.plan import RequestOutput
+    from pipefill.server.metrics import ServerMetrics
+    from pipefill.server.responses import RequestFailed, Run, error_of
+
+    class Stages:  # the AsyncEngine's generate(), answering as stage 0 does after a failure
+        async def generate(self, rid, prompt_ids, params):
+            yield RequestOutput(rid, [], True, "error", error="sampling failed: RuntimeError: x")
+    served = SimpleNamespace(engine=Stages(), tokenizer=None, metrics=ServerMetrics(),
+                             model_name="m")
+    job = SimpleNamespace(rid="cmpl-1", prompt_ids=[1, 2], prompt_text=None, params=None,
+                          stops=[], chat=False, echo=False, logprobs=None, created=0)
+    with pytest.raises(RequestFailed) as failed:
+        asyncio.run(Run(served, job).collect())
+    err = error_of(failed.value)
+    assert err.status == 500 and err.kind == "server_error"
+    assert err.message == "the request failed while generating: sampling failed: RuntimeError: x"
+
+    async def stream():
+        return [event async for event in Run(served, job).sse(include_usage=False)]
+    events = asyncio.run(stream())
+    assert json.loads(events[-2][6:])["error"]["code"] == 500
+    assert events[-1] == "data: [DONE]\n\n"

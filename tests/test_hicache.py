@@ -152,7 +152,7 @@ def run_engine(path, **kw):
         return [o.output_ids for o in outs], e.stats()
 
 
-@pytest.mark.parametrize("pp", [1, 2])
+@pytest.mark.parametrize("pp", [1, pytest.param(2, marks=pytest.mark.slow)])
 def test_small_pool_engine_equals_no_cache(model, pp):
     on, stats = run_engine(model, pp_size=pp, enable_hierarchical_cache=True)
     off, _ = run_engine(model, pp_size=pp, disable_radix_cache=True)
@@ -222,6 +222,7 @@ def run_engine_outputs(path, prompt):
         return e.generate([prompt], max_new_tokens=6, ignore_eos=True)[0]
 
 
+@pytest.mark.slow
 def test_mooncake_two_engines_share_one_store(model, tmp_path):
     """Two engines (PP2 each) on one mooncake_master: the second hits what the first wrote."""
     pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine-non-cuda missing")

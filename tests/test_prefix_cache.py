@@ -177,12 +177,15 @@ def run_turns(path, prompts, **kw):
 
 
 # Prefixes that end mid-page (90), exactly on a chunk boundary (96 = 3 x 32), mid-chunk (80).
-CASES = [(1, 90, {}), (2, 96, {}), (3, 80, {}),
-         (2, 90, {"enable_dynamic_chunking": True, "chunked_prefill_size": 64})]
+# The fast suite runs two; the rest are marked slow.
+CASES = [pytest.param(1, 90, {}, id="pp1-mid-page"),
+         pytest.param(2, 96, {}, id="pp2-chunk-boundary"),
+         pytest.param(3, 80, {}, id="pp3-mid-chunk", marks=pytest.mark.slow),
+         pytest.param(2, 90, {"enable_dynamic_chunking": True, "chunked_prefill_size": 64},
+                      id="pp2-dynamic", marks=pytest.mark.slow)]
 
 
-@pytest.mark.parametrize("pp, n_doc, extra", CASES,
-                         ids=[f"pp{p}-doc{n}{'-dyn' if x else ''}" for p, n, x in CASES])
+@pytest.mark.parametrize("pp, n_doc, extra", CASES)
 def test_cache_on_equals_cache_off(model, pp, n_doc, extra):
     kw = {"pp_size": pp, "chunked_prefill_size": 32, **extra}
     prompts = shared_prefix_prompts(n_doc)

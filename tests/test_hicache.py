@@ -92,7 +92,7 @@ def run_workload(seed: int, num_pages: int, num_slots: int, inflight: int = 3):
     return s
 
 
-@pytest.mark.parametrize("slots", [0, 10], ids=["L1-only", "L1+L2"])
+@pytest.mark.parametrize("slots", [0, 3, 10], ids=["L1-only", "L1+tiny-L2", "L1+L2"])
 @pytest.mark.parametrize("seed", range(8))
 def test_small_pool_reads_the_right_tokens(seed, slots):
     s = run_workload(seed, num_pages=14, num_slots=slots)

@@ -94,12 +94,26 @@ class HostDirector:
         if len(self._free) < n:
             self.cache.evict_host(n - len(self._free))
         if len(self._free) < n:
+            self._drop_copies_of_pool_pages(n - len(self._free))
+        if len(self._free) < n:
             return False
         slots = [self._free.pop() for _ in range(n)]
         self.ops += [CacheOp("store", p, s) for p, s in zip(node.pages, slots)]
         self.stored_pages += n
         node.host = slots
         return True
+
+    def _drop_copies_of_pool_pages(self, num_slots: int) -> None:
+        """Frees host copies of nodes that are in the pool anyway (nothing is lost; they are
+        stored again if evicted later), least recently used first."""
+        nodes = sorted((nd for nd in self.cache.nodes() if nd.pages is not None and nd.host),
+                       key=lambda nd: nd.last_used)
+        for nd in nodes:
+            if num_slots <= 0:
+                break
+            self._free += nd.host
+            num_slots -= len(nd.host)
+            nd.host = None
 
     def on_drop(self, node) -> None:
         self._free += node.host

@@ -277,6 +277,9 @@ class RadixCache:
             n.host = None
             stack.extend(n.children.values())
 
+    def nodes(self):
+        return self._nodes()
+
     def _nodes(self):
         stack = list(self.root.children.values())
         while stack:

@@ -23,6 +23,14 @@ def profile_lengths(base_chunk_size: int, num: int = MAX_PROFILE_SAMPLES) -> lis
     return [top - i * step for i in range(num) if top - i * step > 0]
 
 
+def fit_relative_error(lengths: list[int], latencies: list[float],
+                       coefficients: tuple[float, float, float]) -> float:
+    """Root-mean-square of (fit - measured) / measured over the profile's samples."""
+    a, b, c = coefficients
+    errs = [((a * x * x + b * x + c) - y) / y for x, y in zip(lengths, latencies) if y > 0]
+    return math.sqrt(sum(e * e for e in errs) / max(1, len(errs)))
+
+
 def _solve_least_squares(rows: list[list[float]], ys: list[float]) -> list[float]:
     """Ordinary least squares through the normal equations (small, well-scaled systems)."""
     n = len(rows[0])

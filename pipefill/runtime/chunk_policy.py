@@ -7,8 +7,8 @@ import logging
 from dataclasses import dataclass, field
 from typing import Callable
 
-from pipefill.chunking import (ChunkSizePredictor, OnlineCalibrator, fit_quadratic,
-                               profile_lengths)
+from pipefill.chunking import (MAX_PROFILE_SAMPLES, ChunkSizePredictor, OnlineCalibrator,
+                               fit_quadratic, fit_relative_error, profile_lengths)
 from pipefill.config import ServerArgs
 from pipefill.sim import CostModel, Transfer, default_c0_grid, pick, tune
 
@@ -59,16 +59,20 @@ def _profiled_policy(args, executor, model_file, layers, layer_counts, dynamic) 
     grid = default_c0_grid(tune_len, args.page_size, args.max_prefill_tokens,
                            AUTO_LARGEST_C0) if auto else []
     profile_c0 = max(grid) if auto else args.chunked_prefill_size
-    lengths = profile_lengths(profile_c0, AUTO_PROFILE_SAMPLES if auto else 128)
+    lengths = profile_lengths(profile_c0, AUTO_PROFILE_SAMPLES if auto else MAX_PROFILE_SAMPLES)
     backend = type(executor.cache).__name__
     key = profile_key(model_file, args.dtype, layers, args.num_threads, profile_c0,
                       args.page_size, backend, lengths)
     lengths, seconds, where, hit = load_or_measure(executor, lengths, key,
                                                    args.dynamic_chunking_profile_cache)
     a, b, c = fit_quadratic(lengths, seconds)
+    fit_error = fit_relative_error(lengths, seconds, (a, b, c))
+    log.info("start-up profile: %d lengths (%d..%d tokens), %.1f s of prefills, quadratic fit "
+             "error %.1f%% RMS", len(lengths), min(lengths), max(lengths), sum(seconds),
+             100 * fit_error)
     c0, sigma = args.chunked_prefill_size, args.dynamic_chunking_smooth_factor
     info = {"profile": where, "profile_cache_hit": hit, "coefficients": [a, b, c],
-            "samples": len(lengths)}
+            "samples": len(lengths), "fit_rel_rms": fit_error}
     if auto:
         model = CostModel(a, max(b, 0.0), c).with_stages(args.pp_size, layer_counts)
         transfer = Transfer(bytes_per_token=executor.model.cfg.hidden_size * 6)

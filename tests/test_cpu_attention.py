@@ -255,3 +255,29 @@ def test_unfit_backend_is_a_sentence_at_start(model_g3):
         Engine(model_g3, dtype="float32", attention_backend="avx512bf16")
     with pytest.raises(ValueError, match="avx2 is not available: CPU lacks avx2"):
         Engine(model_g3, dtype="float32", attention_backend="avx2", hide_cpu_flags="avx2")
+
+
+def test_each_object_holds_only_its_own_isa():
+    """A CPU without a flag never executes an instruction it lacks: the AVX2 objects hold no
+    AVX-512 (zmm or mask registers), the AVX-512F object no bf16 instruction."""
+    import glob
+    import shutil
+    import subprocess
+
+    from pipefill.kernels import fused_ops
+    from pipefill.kernels.build import build_dir
+    if shutil.which("objdump") is None:
+        pytest.skip("objdump not installed")
+    if not any(ok for ok, _ in _STATUS.values()) or not fused_ops.fused_available()[0]:
+        pytest.skip("kernels not built here")
+
+    def asm(pattern):
+        paths = glob.glob(str(build_dir(pattern[0]) / pattern[1]))
+        assert paths, pattern
+        return subprocess.run(["objdump", "-d", paths[0]], capture_output=True, text=True,
+                              check=True).stdout
+    avx2 = asm(("cpu_attention", "cpu_attn_avx2-*.o")) + asm(("fused_ops", "fused_avx2-*.o"))
+    assert "zmm" not in avx2 and "%k1" not in avx2 and "vfmadd" in avx2
+    avx512 = asm(("cpu_attention", "cpu_attn_avx512-*.o"))
+    assert "bf16" not in avx512 and "zmm" in avx512
+    assert "vdpbf16ps" in asm(("cpu_attention", "cpu_attn_avx512bf16-*.o"))

@@ -13,8 +13,8 @@ from pipefill.kv.pool import PagePool
 from pipefill.scheduler.plan import NewRequest, SamplingParams, SeqResult, StepResult
 from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig, check_prompt
 from pipefill.server.protocol import MAX_JSON_DEPTH, json_depth, loads_body
-from test_server import chat_model, start_server, stop_server  # noqa: F401 - a fixture
-from test_server_fuzz import assert_pages_back, metric
+from test_server import chat_model  # noqa: F401 - a fixture
+from test_server_fuzz import assert_pages_back, serve_small
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -158,10 +158,7 @@ def test_sampling_failure_fails_one_request_and_the_stage_serves_on(tiny_llama, 
 
 @pytest.fixture(scope="module")
 def server(chat_model):  # noqa: F811
-    proc, url = start_server(chat_model, None, "--max-model-len", "128",
-                             "--max-total-tokens", "128")
-    yield url
-    assert stop_server(proc) == 0
+    yield from serve_small(chat_model)
 
 
 def raw_body(fields: str) -> bytes:

@@ -7,6 +7,8 @@ Cheap by construction rather than by editing the schema: --max-model-len 128 bou
 generation (max_tokens null means "up to the context"), and --max-total-tokens 128 makes the
 pool exactly one full-length request, so a single leaked page shows as a request that cannot
 be admitted."""
+import json
+import threading
 import time
 from collections import Counter
 
@@ -22,12 +24,23 @@ FAST_CASES = 15  # per route and mode: 30 a POST route in the default run
 SLOW_CASES = 100  # 200 a POST route
 
 
-@pytest.fixture(scope="module")
-def server(chat_model):  # noqa: F811
-    proc, url = start_server(chat_model, None, "--max-model-len", str(MAX_MODEL_LEN),
+def serve_small(model):
+    """A server whose generations are cheap and whose log is read as it comes (a full pipe
+    would block it); after the module, its log must hold no traceback."""
+    proc, url = start_server(model, None, "--max-model-len", str(MAX_MODEL_LEN),
                              "--max-total-tokens", str(MAX_MODEL_LEN))
+    log: list[str] = []
+    reader = threading.Thread(target=lambda: log.extend(proc.stdout), daemon=True)
+    reader.start()
     yield url
     assert stop_server(proc) == 0
+    reader.join(10)
+    assert not [line for line in log if "Traceback" in line], "".join(log[-200:])
+
+
+@pytest.fixture(scope="module")
+def server(chat_model):  # noqa: F811
+    yield from serve_small(chat_model)
 
 
 def metric(url, name):
@@ -74,6 +87,10 @@ def fuzz(url: str, cases_per_mode: int) -> dict[str, Counter]:
                 response = case.call(base_url=url, timeout=60)  # a hang fails here
                 statuses[response.status_code] += 1
                 assert response.status_code < 500, (case.body, response.text)
+                kind = {k.lower(): v[0] for k, v in response.headers.items()}.get("content-type")
+                if (kind or "").startswith("text/event-stream"):
+                    statuses["streamed"] += 1  # a stream's status is sent before it fails
+                    assert_no_server_error_event(response.text, case.body)
             try:
                 call()
             except Unsatisfiable:  # a route without parameters has no negative case
@@ -81,8 +98,17 @@ def fuzz(url: str, cases_per_mode: int) -> dict[str, Counter]:
     return seen
 
 
+def assert_no_server_error_event(text: str, body) -> None:
+    for line in text.splitlines():
+        if line.startswith("data: {"):
+            error = json.loads(line[6:]).get("error")
+            assert error is None or error["code"] < 500, (body, error)
+
+
 def check_fuzzed(url: str, cases_per_mode: int) -> None:
     seen = fuzz(url, cases_per_mode)
+    for route, statuses in seen.items():
+        print(route, dict(statuses))
     assert set(seen) == {"GET /health", "GET /metrics", "GET /v1/models",
                          "POST /v1/completions", "POST /v1/chat/completions"}
     for route in ("POST /v1/completions", "POST /v1/chat/completions"):

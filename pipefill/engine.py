@@ -169,8 +169,8 @@ class Engine:
     def _require_stages(self) -> None:
         if self._stages is None:
             if self._failure is not None:
-                raise RuntimeError(f"this engine's stages failed earlier ({self._failure}); "
-                                   "start a new Engine")
+                raise RuntimeError(f"this engine is shut down: its stages failed earlier "
+                                   f"({self._failure}); start a new Engine")
             raise RuntimeError("the engine is shut down")
 
     def _finish(self, p: _Pending) -> GenerateOutput:

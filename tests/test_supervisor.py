@@ -133,8 +133,9 @@ def test_killed_stage_fails_its_client_then_the_pipeline_comes_back(chat_model):
 
 
 @pytest.mark.slow
-def test_a_request_during_a_long_restart_gets_a_503_that_says_why(chat_model):
-    proc, url = start_server(chat_model, None, "--stage-restart-timeout", "1")
+def test_a_request_during_a_long_restart_gets_a_503_that_says_why(chat_model, tmp_path):
+    proc, url = start_server(chat_model, None, "--stage-restart-timeout", "1",
+                             "--trace-dir", str(tmp_path))
     try:
         first = children(proc.pid)
         os.kill(first[1], signal.SIGKILL)
@@ -149,6 +150,8 @@ def test_a_request_during_a_long_restart_gets_a_503_that_says_why(chat_model):
         wait_gone(first)
     finally:
         assert stop_server(proc) == 0
+    # The restarted stages lived until the graceful stop and handed over their spans.
+    assert (tmp_path / "serve.json").exists()
 
 
 # ---- the Python Engine: a failed call leaves nothing running and a clear state ---------------

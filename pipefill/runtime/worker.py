@@ -115,6 +115,8 @@ def _run_stage(args: ServerArgs, model_file: str, rank: int, channel: StageChann
         attach_cache_tiers(executor, args, source, info)
     except Exception as e:  # noqa: BLE001 - start-up errors become one sentence
         log.debug("start-up failed", exc_info=True)
+        if args.node_rank > 0:  # node 0's front end may be the unreachable part: say it here
+            log.error("stage %d could not start: %s", rank, e)
         channel.report("fatal", f"stage {rank} could not start: {e}")
         return 1
     tracer = StageTracer(rank, args.trace_dir is not None)

@@ -169,7 +169,7 @@ class AsyncEngine:
             self.failure = f"a stage failed ({cause}); restarting the stages"
             log.warning("restarting the stages after: %s", cause)
             try:
-                self._stages = StageGroup(self.args, self.source.path)
+                self._stages = self._spawn_on_loop()
                 self._stages.wait_ready(cancelled=self._stopping.is_set)
             except StageFailure as e:
                 log.error("the restarted stages failed: %s", e)
@@ -184,6 +184,14 @@ class AsyncEngine:
             return True
         self.restarting = False
         return False
+
+    def _spawn_on_loop(self) -> StageGroup:
+        """Starts the stage processes from the event loop's thread: a stage dies with the
+        thread that started it (PR_SET_PDEATHSIG), and this reader thread ends before the
+        stages are stopped at shutdown."""
+        async def spawn() -> StageGroup:
+            return StageGroup(self.args, self.source.path)
+        return asyncio.run_coroutine_threadsafe(spawn(), self._loop).result()
 
     def _give_up(self, cause: str) -> None:
         n, window = self.args.max_stage_restarts, self.args.stage_restart_window

@@ -105,9 +105,11 @@ class HostDirector:
 
     def _drop_copies_of_pool_pages(self, num_slots: int) -> None:
         """Frees host copies of nodes that are in the pool anyway (nothing is lost; they are
-        stored again if evicted later), least recently used first."""
-        nodes = sorted((nd for nd in self.cache.nodes() if nd.pages is not None and nd.host),
-                       key=lambda nd: nd.last_used)
+        stored again if evicted later), least recently used first. Not a copy that a load of
+        this plan still reads: stages run a plan's stores before its loads."""
+        loading = {op.slot for op in self.ops if op.kind == "load"}
+        nodes = sorted((nd for nd in self.cache.nodes() if nd.pages is not None and nd.host
+                        and loading.isdisjoint(nd.host)), key=lambda nd: nd.last_used)
         for nd in nodes:
             if num_slots <= 0:
                 break

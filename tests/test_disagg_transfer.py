@@ -19,7 +19,9 @@ import torch
 
 from pipefill.disagg import messages as m
 from pipefill.disagg.bootstrap import BootstrapServer, lookup_prefill, register_stage
-from pipefill.disagg.transfer import KVReceiver, KVSender, KVTensors, Timing
+from pipefill.disagg.transfer import KVTensors, Timing
+from pipefill.disagg.transfer_receiver import KVReceiver
+from pipefill.disagg.transfer_sender import KVSender
 from pipefill.kv.pool import PagePool
 
 LAYERS, PAGES, PAGE, HEADS, DIM = 4, 48, 16, 2, 32
@@ -277,7 +279,8 @@ SENDER = r"""
 import json, random, sys, time, torch
 from pipefill.disagg import messages as m
 from pipefill.disagg.bootstrap import BootstrapServer, register_stage
-from pipefill.disagg.transfer import KVSender, KVTensors, Timing
+from pipefill.disagg.transfer import KVTensors, Timing
+from pipefill.disagg.transfer_sender import KVSender
 backend, mode, room, num_pages = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
 L, P, PAGE, H, D = 4, 48, 16, 2, 32
 g = torch.Generator().manual_seed(10)
@@ -362,7 +365,8 @@ DECODER = r"""
 import sys, torch
 from pipefill.disagg import messages as m
 from pipefill.disagg.bootstrap import lookup_prefill
-from pipefill.disagg.transfer import KVReceiver, KVTensors, Timing
+from pipefill.disagg.transfer import KVTensors, Timing
+from pipefill.disagg.transfer_receiver import KVReceiver
 backend, port, room = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 kv = KVTensors(torch.zeros(4, 48 * 16, 2, 32), torch.zeros(4, 48 * 16, 2, 32), 16, 0)
 receiver = KVReceiver(kv, release=lambda r, p: None, backend=backend,

@@ -83,7 +83,7 @@ def sender_main(a: argparse.Namespace) -> None:
     """The prefill stage: registers, then sends a room's pages for each 'ROOM' line on stdin."""
     from pipefill.disagg import messages as m
     from pipefill.disagg.bootstrap import BootstrapServer, register_stage
-    from pipefill.disagg.transfer import KVSender
+    from pipefill.disagg.transfer_sender import KVSender
     os.sched_setaffinity(0, {a.core})
     torch.set_num_threads(1)
     pages = -(-a.input_len // a.page_size)
@@ -197,7 +197,7 @@ def check_pages(kv, src, dst) -> None:
 def bench_case(a, backend: str, dtype: str, cores: list[int]) -> dict:
     from pipefill.disagg import messages as m
     from pipefill.disagg.bootstrap import lookup_prefill
-    from pipefill.disagg.transfer import KVReceiver
+    from pipefill.disagg.transfer_receiver import KVReceiver
     pages = -(-a.input_len // a.page_size)
     cmd = [sys.executable, "-m", "pipefill.bench.kv_transfer", "--role", "sender",
            "--backend", backend, "--dtype", dtype, "--core", str(cores[0]),

@@ -1,0 +1,228 @@
+"""KVSender: the prefill stage's side of the KV transfer (see transfer.py).
+
+Threads: one accepts decode connections, one reads each of them (bootstraps, drops,
+heartbeats), one dispatches the caller's queued items to the rooms, one sends per decode (a
+stalled decode delays only itself), and one ticks timeouts and heartbeats."""
+from __future__ import annotations
+
+import logging
+import os
+import queue
+import threading
+import time
+from typing import Callable
+
+import msgspec
+
+from pipefill.disagg import channel as ch
+from pipefill.disagg import messages as m
+from pipefill.disagg.rooms import Item, PrefillRooms
+from pipefill.disagg.transfer import KVTensors, Peers, Timing, make_data_path
+
+log = logging.getLogger(__name__)
+
+
+class KVSender:
+    """Prefill stage side. `release(room, pages)` gets back every page given to send_pages."""
+
+    def __init__(self, kv: KVTensors, rank: int, *, release: Callable[[int, list[int]], None],
+                 backend: str = "tcp", host: str = "127.0.0.1", port: int = 0,
+                 timing: Timing = Timing(), secret: bytes | None = None, clock=time.monotonic):
+        self.kv, self.rank, self.secret = kv, rank, secret
+        self.name = f"prefill-{rank}-{os.getpid()}"
+        self.data = make_data_path(backend, kv, host)
+        self._p = Peers(timing, clock)
+        self.rooms = PrefillRooms(rank, timing.bootstrap_timeout_s, release)
+        self.hellos: dict[str, m.DecodeHello] = {}
+        self._queue: queue.Queue = queue.Queue()  # Items from the caller
+        self._outboxes: dict[str, queue.Queue] = {}  # per decode: (item, dest) to send, in order
+        self._listener = ch.listen(host, port)
+        self.endpoint = m.Endpoint(host, self._listener.getsockname()[1])
+        self.bytes_sent = 0
+        self._last_heartbeat = -float("inf")
+        for target, name in ((self._accept, "accept"), (self._dispatch, "dispatch"),
+                             (lambda: self._p.run_ticker(self._tick), "tick")):
+            threading.Thread(target=target, name=f"pd-{name}-{rank}", daemon=True).start()
+
+    def registration(self, *, pp_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
+                     model_fingerprint: str) -> m.RegisterStage:
+        from pipefill.runtime.platform import dtype_name
+        return m.RegisterStage(self.rank, pp_size, self.kv.layer_start, self.kv.layer_end,
+                               num_layers, self.endpoint, self.kv.page_size,
+                               dtype_name(self.kv.dtype), num_kv_heads, head_dim,
+                               model_fingerprint, self.data.name, self.kv.layout)
+
+    # ---- the caller's side: never blocks on the network
+    def open_room(self, room: int, sends_final: bool = False) -> None:
+        with self._p.lock:
+            self.rooms.open(room, self._p.clock(), sends_final)
+
+    def send_pages(self, room: int, page_offset: int, src_pages: list[int],
+                   is_last: bool = False) -> None:
+        """Queues the request's pages [page_offset, page_offset + len(src_pages)) of this
+        stage's layers (whole pages; the partial last page goes with is_last)."""
+        self._queue.put(Item(room, page_offset, page_offset, list(src_pages), is_last))
+
+    def send_final(self, room: int, final: m.FinalMeta) -> None:
+        self._queue.put(Item(room, final=final))
+
+    def fail_room(self, room: int, reason: str) -> None:
+        with self._p.lock:
+            notices = self.rooms.fail(room, reason)
+        self._p.send(notices, self._peer_dead)
+
+    def close(self) -> None:
+        """Fails every live room (its decodes hear why, its pages are released), then stops."""
+        with self._p.lock:
+            notices = [n for room in list(self.rooms.live)
+                       for n in self.rooms.fail(room, "the prefill stage is shutting down")]
+        self._p.send(notices, lambda peer: None)
+        self._p.stopped.set()
+        self._queue.put(None)
+        self._listener.close()
+        with self._p.lock:
+            for conn in self._p.conns.values():
+                conn.close()
+            for box in self._outboxes.values():
+                box.put(None)
+
+    # ---- threads
+    def _accept(self) -> None:
+        while not self._p.stopped.is_set():
+            conn = ch.accept(self._listener, self.secret)
+            if conn is None:
+                return
+            threading.Thread(target=self._read, args=(conn,), daemon=True).start()
+
+    def _read(self, conn: ch.Channel) -> None:
+        peer = None
+        try:
+            hello = conn.recv()
+            if not isinstance(hello, m.DecodeHello):
+                conn.drops.drop(f"expected DecodeHello, got {type(hello).__name__}")
+                return
+            if hello.page_bytes != self.kv.page_bytes:
+                log.error("decode %s has %d-byte pages, this stage %d: refused", hello.decode_id,
+                          hello.page_bytes, self.kv.page_bytes)
+                return
+            peer = hello.decode_id
+            with self._p.lock:
+                self._p.conns[peer], self.hellos[peer] = conn, hello
+                self._p.liveness.seen(peer, self._p.clock())
+                # One sending thread per decode: a slow or stalled decode delays only itself.
+                box = self._outboxes[peer] = queue.Queue()
+                threading.Thread(target=self._send_loop, args=(box,), daemon=True,
+                                 name=f"pd-send-{self.rank}").start()
+            while True:
+                self._on_message(peer, conn.recv())
+        except ch.ConnectionClosed:
+            pass
+        finally:
+            conn.close()
+            if peer is not None and self._p.conns.get(peer) is conn:
+                self._peer_dead(peer)
+
+    def _on_message(self, peer: str, msg) -> None:
+        now = self._p.clock()
+        with self._p.lock:
+            self._p.liveness.seen(peer, now)
+            if isinstance(msg, m.RoomBootstrap):
+                work, notices = self.rooms.on_bootstrap(peer, msg, now)
+                self._route(work)
+            elif isinstance(msg, m.DropRoom):
+                notices = self.rooms.on_drop(peer, msg)
+            elif isinstance(msg, m.Heartbeat):
+                return
+            else:
+                self._p.conns[peer].drops.drop(f"{type(msg).__name__} is not for a prefill stage")
+                return
+        self._p.send(notices, self._peer_dead)
+
+    def _dispatch(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            with self._p.lock:
+                self._route(self.rooms.add(item, self._p.clock()))
+
+    def _route(self, work) -> None:
+        """Hands (item, dest) pairs to their decode's sending thread (under the lock)."""
+        for item, dest in work:
+            box = self._outboxes.get(dest.peer)
+            if box is not None:
+                box.put((item, dest))
+            else:  # the decode is gone: its rooms are failing, nothing to send
+                log.debug("room %d: no connection to %s", item.room, dest.peer)
+
+    def _send_loop(self, box: queue.Queue) -> None:
+        while True:
+            entry = box.get()
+            if entry is None:
+                return
+            self._send_one(*entry)
+
+    def _send_one(self, item: Item, dest) -> None:
+        with self._p.lock:
+            if not self.rooms.begin_send(item.room):
+                return  # failed or dropped meanwhile: its pages are already released
+            conn, hello = self._p.conns.get(dest.peer), self.hellos.get(dest.peer)
+        ok, dead = False, False
+        try:
+            if conn is None:
+                raise ch.ConnectionClosed(f"decode {dest.peer} is gone")
+            if item.final is not None:
+                conn.send(msgspec.structs.replace(item.final, room=item.room, nonce=dest.nonce))
+            else:
+                self._send_chunk(conn, item, dest, hello)
+            ok = True
+        except ch.ConnectionClosed:
+            dead = True
+        except Exception as e:  # a failed write: the decode must hear it, not wait for it
+            log.warning("room %d: sending to %s failed: %s", item.room, dest.peer, e)
+            self.fail_room(item.room, f"sending its KV failed: {e}")
+        with self._p.lock:
+            notices = self.rooms.end_send(item, dest.peer, ok)
+        if dead:
+            self._peer_dead(dest.peer)
+        self._p.send(notices, self._peer_dead)
+
+    def _send_chunk(self, conn, item: Item, dest, hello: m.DecodeHello) -> None:
+        ls = max(self.kv.layer_start, hello.layer_start)
+        le = min(self.kv.layer_end, hello.layer_end)
+        n, end = len(item.src_pages), item.page_offset + len(item.src_pages)
+        if end > len(dest.dst_pages):
+            raise ValueError(f"the request has more pages here ({end}) than the decode "
+                             f"allocated ({len(dest.dst_pages)})")
+        nbytes = self.data.payload_bytes(n, le - ls)
+        header = m.KVChunk(item.room, dest.nonce, self.rank, item.chunk_id, item.page_offset, n,
+                           ls, le, nbytes, item.is_last)
+        self.data.send(conn, header, item.src_pages, dest.dst_pages[item.page_offset:end], hello)
+        self.bytes_sent += 2 * n * (le - ls) * self.kv.page_bytes
+
+    def _peer_dead(self, peer: str) -> None:
+        with self._p.lock:
+            conn = self._p.conns.pop(peer, None)
+            self.hellos.pop(peer, None)
+            box = self._outboxes.pop(peer, None)
+            if box is not None:
+                box.put(None)
+            self._p.liveness.forget(peer)
+            notices = self.rooms.on_peer_dead(peer)
+        if conn is not None:
+            conn.close()
+        self._p.send(notices, lambda p: None)
+
+    def _tick(self, now: float) -> None:
+        with self._p.lock:
+            notices = self.rooms.tick(now)
+            dead = self._p.liveness.dead(now)
+            beat = now - self._last_heartbeat >= self._p.timing.heartbeat_interval_s
+            if beat:
+                self._last_heartbeat = now
+                hb = m.Heartbeat(self.name, self.rooms.heartbeat_rooms())
+                notices += [(peer, hb) for peer in self._p.conns]
+        for peer in dead:
+            log.warning("decode %s missed its heartbeats: dropping its rooms", peer)
+            self._peer_dead(peer)
+        self._p.send(notices, self._peer_dead)

@@ -65,7 +65,8 @@ def longest_token_bytes(tokenizer) -> int:
     """The most prompt bytes one token can stand for: the longest vocabulary entry in UTF-8
     (byte-level BPE writes one character per byte, so this over-counts, which is the safe
     side). A prompt longer than max_model_len times this is too long without tokenizing it."""
-    vocab = tokenizer.hf.get_vocab() if tokenizer is not None else {}
+    get_vocab = getattr(getattr(tokenizer, "hf", None), "get_vocab", None)
+    vocab = get_vocab() if get_vocab is not None else {}
     return max((len(token.encode("utf-8", "replace")) for token in vocab), default=64)
 
 

@@ -173,3 +173,34 @@ def test_weight_dtype_errors_name_the_flag():
     with pytest.raises(ValueError, match="--decode-gemm-max-rows"):
         ServerArgs(decode_gemm_max_rows=-1)
     assert resolve_weight_dtype("auto", torch.bfloat16) == torch.bfloat16
+
+
+def _reference_support(logits, temperature, top_k, top_p) -> set[int]:
+    """Tokens the old full-sort sampler could draw (mask top-k, sort, cut the nucleus)."""
+    scaled = logits / temperature
+    if 0 < top_k < scaled.numel():
+        kth = torch.topk(scaled, top_k).values[-1]
+        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
+    probs = torch.softmax(scaled, -1)
+    if top_p < 1:
+        sorted_probs, order = torch.sort(probs, descending=True)
+        drop = (torch.cumsum(sorted_probs, -1) - sorted_probs) >= top_p
+        drop[0] = False
+        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs.masked_fill(drop, 0))
+    return set(torch.nonzero(probs).flatten().tolist())
+
+
+@pytest.mark.parametrize("top_k,top_p", [(-1, 1.0), (50, 1.0), (-1, 0.9), (-1, 0.3), (40, 0.8),
+                                         (-1, 0.9999), (1, 1.0)])
+def test_sampler_draws_only_from_the_nucleus_without_a_full_sort(top_k, top_p):
+    from pipefill.runtime.sampler import sample
+    logits = torch.randn(5000, generator=torch.Generator().manual_seed(1)) * 3
+    support = _reference_support(logits, 0.8, top_k, top_p)
+    drawn = {sample(logits, SampleSpec(0.8, top_p, top_k, seed, 0, None))[0]
+             for seed in range(200)}
+    assert drawn <= support
+    if len(support) > 1:
+        assert len(drawn) > 1  # it does sample
+    again = sample(logits, SampleSpec(0.8, top_p, top_k, 7, 3, None))[0]
+    assert again == sample(logits, SampleSpec(0.8, top_p, top_k, 7, 3, None))[0]
+    assert sample(logits, SampleSpec(0.0, top_p, top_k, 7, 3, None))[0] == int(logits.argmax())

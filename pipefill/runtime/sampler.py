@@ -28,17 +28,44 @@ def sample(logits: torch.Tensor, spec: SampleSpec):
 
 
 def _draw(logits: torch.Tensor, spec: SampleSpec) -> int:
+    """top-k / top-p without sorting the vocabulary: only the k (or a growing window of)
+    largest logits are sorted (torch.topk), the normaliser comes from one logsumexp pass."""
     scaled = logits / spec.temperature
-    if 0 < spec.top_k < scaled.numel():
-        kth = torch.topk(scaled, spec.top_k).values[-1]
-        scaled = scaled.masked_fill(scaled < kth, float("-inf"))
-    probs = torch.softmax(scaled, -1)
-    if spec.top_p < 1.0:
-        sorted_probs, order = torch.sort(probs, descending=True)
-        # Keep the smallest set whose mass reaches top_p (the first token always stays).
-        drop = (torch.cumsum(sorted_probs, -1) - sorted_probs) >= spec.top_p
-        drop[0] = False  # a top_p that rounds to 0 in float32 (5e-324) would drop them all
-        sorted_probs[drop] = 0.0
-        probs = torch.zeros_like(probs).scatter_(0, order, sorted_probs)
+    vocab = scaled.numel()
+    k = spec.top_k if 0 < spec.top_k < vocab else vocab
+    if spec.top_p >= 1.0:
+        if k == vocab:
+            probs, ids = torch.softmax(scaled, -1), None
+        else:
+            values, ids = torch.topk(scaled, k)
+            probs = torch.softmax(values, -1)
+    else:
+        probs, ids = _nucleus(scaled, k, spec.top_p)
     gen = torch.Generator().manual_seed((spec.seed * 1_000_003 + spec.step) % (2**63))
-    return int(torch.multinomial(probs, 1, generator=gen))
+    pick = int(torch.multinomial(probs, 1, generator=gen))
+    return pick if ids is None else int(ids[pick])
+
+
+def _nucleus(scaled: torch.Tensor, k: int, top_p: float, window: int = 64):
+    """(probs, ids) of the smallest set of the k most likely tokens whose mass (within those
+    k) reaches top_p; the first token always stays (a top_p that rounds to 0 would drop all)."""
+    vocab = scaled.numel()
+    if k < vocab:  # top-k first: the mass is taken within the k survivors
+        scaled, kept = torch.topk(scaled, k)
+    else:
+        kept = None
+    log_norm = torch.logsumexp(scaled, -1)
+    while True:
+        w = min(window, scaled.numel())
+        values, order = torch.topk(scaled, w)  # sorted, largest first
+        probs = torch.exp(values - log_norm)
+        drop = (torch.cumsum(probs, -1) - probs) >= top_p
+        if bool(drop.any()) or w == scaled.numel():
+            break
+        # The nucleus is wider than the window: look further (past a quarter of the
+        # candidates, sort them all at once).
+        window = window * 4 if window * 16 < scaled.numel() else scaled.numel()
+    drop[0] = False
+    probs[drop] = 0.0
+    ids = order if kept is None else kept[order]
+    return probs, ids

@@ -110,7 +110,8 @@ class Conversation:
     def generate(seed: int, doc_tokens: int, turns: int, question_tokens: int) -> Conversation:
         rng = random.Random(seed)
         document = make_text(rng, words_for(doc_tokens))
-        questions = [f"Question {k + 1}: {make_text(rng, max(1, words_for(question_tokens) - 20))}\n"
+        q_words = max(1, words_for(question_tokens) - 20)   # the framing is ~20 words' worth
+        questions = [f"Question {k + 1}: {make_text(rng, q_words)}\n"
                      "Which parts of the document above relate to this? Answer briefly."
                      for k in range(turns)]
         system = "You are a careful assistant. Answer questions about the document."
@@ -301,6 +302,7 @@ def run(ns) -> int:
             settings = {k: getattr(ns, k) for k in ("doc_tokens", "question_tokens",
                                                      "answer_tokens", "seed", "replay")}
             json.dump({"label": ns.label, "base_url": ns.base_url, "cpu": _cpu_name(),
-                       "settings": settings, "summary": summ, "results": [asdict(r) for r in results],
+                       "settings": settings, "summary": summ,
+                       "results": [asdict(r) for r in results],
                        "conversation": asdict(conv)}, f, indent=1)
     return 0 if results and all(r.ok for r in results) else 1

@@ -69,9 +69,12 @@ def test_prefill_waits_for_every_decode_stage_and_the_final():
         rooms.end_send(item, dest.peer, ok=True)
     assert ROOM in rooms.live  # the final metadata is still due
     final = Item(ROOM, final=m.FinalMeta(ROOM, 0, 10, 5))
-    for item, dest in rooms.add(final, 0.3):
-        rooms.begin_send(ROOM)
-        rooms.end_send(item, dest.peer, ok=True)
+    (item, first), (_, second) = rooms.add(final, 0.3)
+    rooms.begin_send(ROOM)
+    rooms.end_send(item, first.peer, ok=True)
+    assert ROOM in rooms.live  # the other decode stage has not got the final yet
+    rooms.begin_send(ROOM)
+    rooms.end_send(item, second.peer, ok=True)
     assert not rooms.live and p.clean()
 
 

@@ -144,6 +144,43 @@ def test_two_stages_into_shuffled_pages(backend, dtype):
         service.close()
 
 
+@pytest.mark.parametrize("decode_split", [2, 3], ids=["same-partition", "other-partition"])
+def test_decode_pipeline_of_two_stages(decode_split):
+    """Decode PP 2: each decode stage takes only its layers, from whichever prefill stages hold
+    them (with another partition, prefill stage 1 serves both decode stages)."""
+    service, senders, src_pools = start_prefill("tcp", torch.float32)
+    ranges = [(0, decode_split), (decode_split, LAYERS)]
+    pools = [Pool(), Pool()]
+    kvs = [random_kv(50 + i, ls, le - ls) for i, (ls, le) in enumerate(ranges)]
+    receivers = [KVReceiver(kv, release=pool.release, timing=FAST) for kv, pool in
+                 zip(kvs, pools)]
+    try:
+        info = lookup_prefill(service.endpoint, 10)
+        dsts = []
+        for i, r in enumerate(receivers):
+            r.connect("p", info, decode_layer_ranges=ranges)
+            dsts.append(pools[i].pool.allocate(PAGES)[::-1][:5])
+            # The final metadata comes from prefill stage 1: to the decode stages it serves.
+            r.expect_room(ROOM, "p", dsts[i], want_final=i == 1 or decode_split == 3)
+        src = send_request(senders, src_pools, 5)
+        for r in receivers:
+            assert r.wait_room(ROOM, 30).ok
+        for sender, pages in zip(senders, src):
+            for kv, dst in zip(kvs, dsts):
+                for layer in range(max(kv.layer_start, sender.kv.layer_start),
+                                   min(kv.layer_end, sender.kv.layer_end)):
+                    for a, b in ((sender.kv.k, kv.k), (sender.kv.v, kv.v)):
+                        assert torch.equal(sender.kv.pages(a, layer)[pages],
+                                           kv.pages(b, layer)[dst])
+        assert wait_until(lambda: all(p.clean() for p in src_pools))
+    finally:
+        for r in receivers:
+            r.close()
+        for sender in senders:
+            sender.close()
+        service.close()
+
+
 def test_hmac_sealed_transfer_and_a_room_that_never_comes():
     secret = b"cluster-secret"
     timing = Timing(bootstrap_timeout_s=20, waiting_timeout_s=1.0, heartbeat_interval_s=0.2,

@@ -94,7 +94,7 @@ class PrefillRoom:
     held: list[int] = field(default_factory=list)
     pending: list[Item] = field(default_factory=list)
     last_sent: set[str] = field(default_factory=set)
-    final_sent: bool = False
+    final_sent: set[str] = field(default_factory=set)  # destinations that got it
     sends_in_flight: int = 0  # sends reading `held` pages right now
     acks_due: list[Notice] = field(default_factory=list)  # DropAcks owed once sends finish
 
@@ -177,9 +177,10 @@ class PrefillRooms:
             if item.is_last:
                 r.last_sent.add(peer)
             if item.final is not None:
-                r.final_sent = True
-            if r.bootstrapped and r.last_sent >= set(r.dests) and \
-                    (r.final_sent or not r.sends_final):
+                r.final_sent.add(peer)
+            dests = set(r.dests)
+            if r.bootstrapped and r.last_sent >= dests and \
+                    (r.final_sent >= dests or not r.sends_final):
                 self._end(r, True, "sent")
         return []
 

@@ -202,3 +202,13 @@ def test_an_engine_whose_stage_died_says_so(tiny_models):
                 call()
     finally:
         e.shutdown()
+
+
+def test_restart_budget_counts_restarts_within_the_window():
+    from pipefill.runtime.launch import RestartBudget
+    budget = RestartBudget(max_restarts=2, window_s=10.0)
+    assert budget.take(0.0) and budget.take(1.0)
+    assert not budget.take(5.0)  # a third within 10 s: a crash loop
+    assert budget.take(10.5)  # the restart at 0 s has left the window
+    assert not budget.take(10.6)
+    assert not RestartBudget(max_restarts=0, window_s=10.0).take(0.0)

@@ -150,7 +150,7 @@ class AsyncEngine:
                 log.error("a stage failed: %s", e)
                 # Set before the requests are failed: a request that comes in after this
                 # waits for the restart instead of being sent to the dead group.
-                self.restarting = self.args.max_stage_restarts > 0
+                self.restarting = self._restartable
                 self.failure = str(e)
                 self.load = {}
                 self._loop.call_soon_threadsafe(self.fail_all, str(e))
@@ -163,7 +163,7 @@ class AsyncEngine:
         """Starts a fresh stage group with the same arguments until one is ready (True), the
         restart budget is spent, or the server stops (False)."""
         while not self._stopping.is_set():
-            if not self._budget.take(time.monotonic()):
+            if not self._restartable or not self._budget.take(time.monotonic()):
                 self._give_up(cause)
                 return False
             self.failure = f"a stage failed ({cause}); restarting the stages"
@@ -193,10 +193,19 @@ class AsyncEngine:
             return StageGroup(self.args, self.source.path)
         return asyncio.run_coroutine_threadsafe(spawn(), self._loop).result()
 
+    @property
+    def _restartable(self) -> bool:
+        # The stages of other nodes are started by their own `pipefill serve --node-rank N`,
+        # which this process cannot restart: a multi-node pipeline stays down.
+        return self.args.max_stage_restarts > 0 and self.args.nnodes == 1
+
     def _give_up(self, cause: str) -> None:
         n, window = self.args.max_stage_restarts, self.args.stage_restart_window
         if n == 0:
             self.failure = cause  # restarts are off: the failure itself is the reason
+        elif self.args.nnodes > 1:
+            self.failure = (f"{cause}; a multi-node pipeline is not restarted automatically: "
+                            "restart `pipefill serve` on every node")
         else:
             self.failure = (f"the stages failed again after {n} restart(s) within {window} s "
                             f"(--max-stage-restarts {n}, --stage-restart-window {window}); not "

@@ -204,3 +204,31 @@ def test_sampler_draws_only_from_the_nucleus_without_a_full_sort(top_k, top_p):
     again = sample(logits, SampleSpec(0.8, top_p, top_k, 7, 3, None))[0]
     assert again == sample(logits, SampleSpec(0.8, top_p, top_k, 7, 3, None))[0]
     assert sample(logits, SampleSpec(0.0, top_p, top_k, 7, 3, None))[0] == int(logits.argmax())
+
+
+def test_build_meta_slots_equal_token_slots_on_random_plans():
+    """build_meta derives the write slots from the read slots and expands scattered page tables
+    page by page: the same cache slots as token_slots, for decode and prefill work alike."""
+    import random as _random
+
+    from pipefill.kv.cache import token_slots
+    from pipefill.runtime.executor import build_meta
+    rng = _random.Random(0)
+    cache = torch.arange(100_000)
+    for _ in range(200):
+        ps, works = rng.choice([16, 64]), []
+        for i in range(rng.randint(1, 4)):
+            start = rng.randint(0, 300)
+            end = start + rng.choice([1, rng.randint(1, 200)])
+            n = -(-end // ps)
+            pages = (rng.sample(range(1000), n) if rng.random() < 0.5
+                     else list(range(7 * i + 3, 7 * i + 3 + n)))
+            works.append(SeqWork(f"r{i}", start, end, [1] * (end - start), pages))
+        meta = build_meta(StepPlan(-1, works), ps, torch.device("cpu"))
+        assert torch.equal(meta.positions, torch.cat([torch.arange(w.start, w.end)
+                                                      for w in works]))
+        for w, m in zip(works, meta.seqs):
+            assert torch.equal(cache[m.write_slots],
+                               cache[token_slots(w.page_table, w.start, w.end, ps)])
+            assert torch.equal(cache[m.read_slots], cache[token_slots(w.page_table, 0, w.end, ps)])
+            assert m.page_table.tolist() == w.page_table

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipefill.kv.cache import KVCache, token_slots
+from pipefill.kv.cache import KVCache
 from pipefill.kv.pool import PageOwners
 from pipefill.model.attention import SeqMeta
 from pipefill.model.llama import ForwardMeta, StageModel
@@ -24,19 +24,35 @@ class Activations:
 
 
 def build_meta(plan: StepPlan, page_size: int, device: torch.device) -> ForwardMeta:
-    def to_device(slots):
-        return slots if isinstance(slots, slice) else slots.to(device)
-    positions, seqs = [], []
-    row = 0
+    seqs, row = [], 0
     for work in plan.seqs:
-        seqs.append(SeqMeta(row, work.num_tokens, work.start,
-                            to_device(token_slots(work.page_table, work.start, work.end,
-                                                  page_size)),
-                            to_device(token_slots(work.page_table, 0, work.end, page_size)),
-                            torch.tensor(work.page_table, dtype=torch.int32)))
-        positions.append(torch.arange(work.start, work.end))
+        table = torch.tensor(work.page_table, dtype=torch.int32)
+        read = _read_slots(work.page_table, table, work.end, page_size, device)
+        # The new tokens' slots are the tail of the slots read: a slice or a view, no new work.
+        write = (slice(read.start + work.start, read.start + work.end)
+                 if isinstance(read, slice) else read[work.start:work.end])
+        seqs.append(SeqMeta(row, work.num_tokens, work.start, write, read, table))
         row += work.num_tokens
-    return ForwardMeta(torch.cat(positions).to(device), seqs)
+    return ForwardMeta(_positions(plan.seqs).to(device), seqs)
+
+
+def _positions(works) -> torch.Tensor:
+    if all(w.end - w.start == 1 for w in works):  # a decode step: one tensor, not one per seq
+        return torch.tensor([w.start for w in works])
+    return torch.cat([torch.arange(w.start, w.end) for w in works])
+
+
+def _read_slots(pages: list[int], table: torch.Tensor, end: int, page_size: int, device):
+    """Cache slots of tokens [0, end): a slice when the pages are consecutive, else the page
+    table expanded page by page (no per-token division)."""
+    if end <= 0:
+        return slice(0, 0)
+    used = -(-end // page_size)
+    if pages[used - 1] - pages[0] == used - 1 and all(
+            b == a + 1 for a, b in zip(pages, pages[1:used])):
+        return slice(pages[0] * page_size, pages[0] * page_size + end)
+    slots = table[:used].long()[:, None] * page_size + torch.arange(page_size)
+    return slots.view(-1)[:end].to(device)
 
 
 def logit_rows(work, row: int) -> list[int]:

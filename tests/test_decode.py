@@ -232,3 +232,18 @@ def test_build_meta_slots_equal_token_slots_on_random_plans():
                                cache[token_slots(w.page_table, w.start, w.end, ps)])
             assert torch.equal(cache[m.read_slots], cache[token_slots(w.page_table, 0, w.end, ps)])
             assert m.page_table.tolist() == w.page_table
+
+
+def test_hidden_cpu_flags_force_the_fallback_paths(tiny_models):
+    """--hide-cpu-flags runs the stage as on a smaller CPU: AVX-512 hidden -> the AVX2 path;
+    AVX2 hidden too -> torch (no packed copies)."""
+    assert decode_gemm.hidden_isas("avx512_bf16") == ("avx512bf16",)
+    assert decode_gemm.hidden_isas("avx512f") == ("avx512bf16", "avx512")
+    assert decode_gemm.hidden_isas("fma") == ("avx2",)
+    if not decode_gemm.isa_status()["avx2"][0]:
+        pytest.skip("AVX2 path cannot run here: " + decode_gemm.isa_status()["avx2"][1])
+    ex = _stage(tiny_models["llama"], "float32", hide_cpu_flags="avx512f")
+    assert ex.model.w.lm_head_packed.isa == "avx2"
+    assert all(p.isa == "avx2" for p in ex.model.w.layers[0].packed.values())
+    ex = _stage(tiny_models["llama"], "float32", hide_cpu_flags="avx512f,avx2")
+    assert ex.model.w.lm_head_packed is None and ex.model.w.layers[0].packed is None

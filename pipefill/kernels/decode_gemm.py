@@ -110,6 +110,18 @@ def isa_status() -> dict[str, tuple[bool, str]]:
     return _status
 
 
+# CPU flags (as /proc/cpuinfo names them) each path needs; --hide-cpu-flags turns paths off.
+ISA_CPU_FLAGS = {"avx512bf16": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
+                 "avx512": ("avx512f", "avx512bw", "avx512vl"), "avx2": ("avx2", "fma")}
+
+
+def hidden_isas(hidden: str | frozenset[str] | tuple = "") -> tuple[str, ...]:
+    """The paths that need a flag the user hid (--hide-cpu-flags "avx512f,avx512_bf16")."""
+    if isinstance(hidden, str):
+        hidden = {f.strip() for f in hidden.split(",")}
+    return tuple(isa for isa, need in ISA_CPU_FLAGS.items() if set(need) & set(hidden))
+
+
 def choose_isa(compute_dtype: torch.dtype, weight_dtype: torch.dtype,
                disable: tuple[str, ...] = ()) -> tuple[str | None, str]:
     """The fastest usable path for these dtypes -> (isa or None, why)."""

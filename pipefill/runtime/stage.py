@@ -84,10 +84,13 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
                         cfg.head_dim, kv_dtype, device)
     attention = backend_attention(backend)
     ops = elementwise_ops(cfg, device, dtype)
-    packed_bytes = pack_stage_weights(weights, dtype, weight_dtype, args.decode_gemm_max_rows)
+    from pipefill.kernels.decode_gemm import hidden_isas
+    packed_bytes = pack_stage_weights(weights, dtype, weight_dtype, args.decode_gemm_max_rows,
+                                      disable=hidden_isas(args.hide_cpu_flags))
+    head = weights.lm_head_packed or (weights.layers[0].packed or {}).get("qkv")
     log.info("stage %d: decode GEMM %s", info.rank,
-             f"packed copies {packed_bytes / 2**20:.0f} MiB ({dtype_name(weight_dtype)})"
-             if packed_bytes else "off (torch)")
+             f"{head.isa}, packed copies {packed_bytes / 2**20:.0f} MiB "
+             f"({dtype_name(weight_dtype)})" if packed_bytes and head else "off (torch)")
     model = StageModel(cfg, info.layers.start, weights, dtype, attention, ops)
     executor = StageExecutor(model, cache)
     warm_up(executor)

@@ -13,11 +13,12 @@ from pipefill.runtime.platform import resolve_dtype, usable_cpu_flags
 
 def prepare(args: ServerArgs) -> tuple[ServerArgs, WeightSource]:
     """Resolves model-dependent defaults and rejects impossible settings up front."""
-    if args.disaggregation_mode != "null":
-        # The transfer plane (pipefill/disagg) exists; the roles are not wired into the
-        # stages and the server yet, and a half-working mode is worse than none.
-        raise ValueError(f"--disaggregation-mode {args.disaggregation_mode} is not served yet "
-                         "(prefill/decode disaggregation is being built); run without it")
+    if args.disaggregation_mode == "decode" and args.pp_size != 1:
+        raise ValueError("--disaggregation-mode decode runs with --pp-size 1 for now (the "
+                         "prefill server may use any --pp-size)")
+    if args.disaggregation_mode != "null" and args.nnodes > 1:
+        raise ValueError(f"--disaggregation-mode {args.disaggregation_mode} runs on one node "
+                         "(--nnodes 1) for now")
     source = WeightSource(resolve_model_path(args.model_path))
     args = resolve(args, source.config)
     partition_layers(source.config.num_layers, args.pp_size, args.pp_layer_partition)

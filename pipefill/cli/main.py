@@ -24,13 +24,14 @@ def build_parser() -> argparse.ArgumentParser:
     from pipefill.bench import decode as bench_decode
     from pipefill.bench import prefill as bench_prefill
     from pipefill.bench import serving as bench_serving
-    from pipefill.cli import generate, sim
+    from pipefill.cli import generate, serve_pd, sim
     from pipefill.server import main as serve
     parser = argparse.ArgumentParser(
         prog="pipefill",
         description="Long-prompt LLM inference with chunked pipeline parallelism.")
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     serve.add_parser(sub)
+    serve_pd.add_parser(sub)
     generate.add_parser(sub)
     bench = sub.add_parser("bench", help="benchmarks").add_subparsers(
         dest="bench_command", required=True, metavar="BENCHMARK")

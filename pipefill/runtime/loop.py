@@ -26,7 +26,8 @@ LOAD_REPORT_S = 0.2  # the server's /metrics reads these pushed snapshots
 
 class FirstStageLoop:
     def __init__(self, executor, scheduler: Scheduler, channel, pipe=None,
-                 max_inflight: int = 1, tracer: StageTracer | None = None, on_result=None):
+                 max_inflight: int = 1, tracer: StageTracer | None = None, on_result=None,
+                 pd=None):
         self.executor = executor
         self.scheduler = scheduler
         self.channel = channel  # front end: poll() requests, report() events
@@ -34,6 +35,7 @@ class FirstStageLoop:
         self.max_inflight = max_inflight if pipe is not None else 1
         self.tracer = tracer or StageTracer(0, False)
         self.on_result = on_result  # (plan, result) -> None: online chunk-cost calibration
+        self.pd = pd  # PD disaggregation role (pipefill.disagg.roles), or None
         self.inflight: deque[StepPlan] = deque()
         self.stopping = False
         self._load_changed = False
@@ -43,6 +45,8 @@ class FirstStageLoop:
         while not (self.stopping and not self.inflight):
             idle = not self.inflight and not self.scheduler.has_work
             self._ingest(IDLE_POLL_MS if idle else 0)
+            if self.pd is not None:
+                self._pd_poll()
             nothing_to_launch = not self._launch()
             self._retire_ready(must_wait=nothing_to_launch or self.stopping
                                or len(self.inflight) >= self.max_inflight)
@@ -75,7 +79,15 @@ class FirstStageLoop:
                 self._control(kind)
             elif kind == "stop":
                 self._stop()
+            elif kind == "kv_done":
+                self.scheduler.pd_stage_done(payload[0])
         return len(messages)
+
+    def _pd_poll(self) -> None:
+        outputs = self.pd.poll(self.scheduler)
+        if outputs:
+            self._load_changed = True
+            self.channel.report("outputs", outputs)
 
     def _add(self, requests) -> None:
         for req in requests:
@@ -128,6 +140,8 @@ class FirstStageLoop:
             with self.tracer.span("forward", "forward", step=plan.step_id,
                                   label=plan_label(plan)):
                 acts, seconds = self.executor.forward(plan, None)
+            if self.pd is not None:
+                self.pd.after_forward(plan)
             if self.pipe is None:
                 result = self.executor.results(plan, acts)
                 result.stage_seconds = [seconds]
@@ -160,6 +174,8 @@ class FirstStageLoop:
         if self.on_result is not None:
             self.on_result(plan, result)
         outputs: list[RequestOutput] = self.scheduler.update(plan, result)
+        if self.pd is not None:
+            self.pd.after_update(self.scheduler, outputs)
         if outputs:
             self.channel.report("outputs", outputs)
 
@@ -187,7 +203,8 @@ def later_stage_stats(rank: int, executor) -> dict:
     return stats
 
 
-def run_later_stage(executor, pipe, channel, tracer: StageTracer | None = None) -> None:
+def run_later_stage(executor, pipe, channel, tracer: StageTracer | None = None,
+                    pd=None) -> None:
     """Stages 1..P-1: execute each micro-batch as it comes, pass it on (or return results)."""
     tracer = tracer or StageTracer(pipe.rank, False)
     last = pipe.rank == pipe.size - 1
@@ -208,6 +225,8 @@ def run_later_stage(executor, pipe, channel, tracer: StageTracer | None = None) 
         plan = msg.plan
         with tracer.span("forward", "forward", step=plan.step_id, label=plan_label(plan)):
             acts, seconds = executor.forward(plan, acts)
+            if pd is not None:  # PD prefill: queue this stage's pages of the plan
+                pd.after_forward(plan)
             result = executor.results(plan, acts) if last else None
         stage_seconds = msg.stage_seconds + [seconds]
         with tracer.span("send", "send", step=plan.step_id):

@@ -49,7 +49,7 @@ def stage_entry(args: ServerArgs, model_file: str, rank: int, addrs: Addresses) 
     channel = StageChannel(addrs, read_requests=rank == 0, rank=rank, node_rank=args.node_rank)
     code = 1
     try:
-        code = _run_stage(args, model_file, rank, channel)
+        code = _run_stage(args, model_file, rank, channel, addrs)
     finally:
         channel.close()
         logging.shutdown()
@@ -91,7 +91,8 @@ def init_distributed(args: ServerArgs, rank: int):
     return None, None
 
 
-def _run_stage(args: ServerArgs, model_file: str, rank: int, channel: StageChannel) -> int:
+def _run_stage(args: ServerArgs, model_file: str, rank: int, channel: StageChannel,
+               addrs: Addresses | None = None) -> int:
     import torch
 
     from pipefill.model.loader import WeightSource
@@ -113,6 +114,7 @@ def _run_stage(args: ServerArgs, model_file: str, rank: int, channel: StageChann
         executor = build_stage(args, source, info, device)
         from pipefill.kv.host import attach_cache_tiers
         attach_cache_tiers(executor, args, source, info)
+        pd = make_pd_role(args, executor, info, source.config, addrs)
     except Exception as e:  # noqa: BLE001 - start-up errors become one sentence
         log.debug("start-up failed", exc_info=True)
         if args.node_rank > 0:  # node 0's front end may be the unreachable part: say it here
@@ -135,16 +137,36 @@ def _run_stage(args: ServerArgs, model_file: str, rank: int, channel: StageChann
                                                          args.pp_layer_partition)]
         policy = build_chunk_policy(args, executor, model_file, info.layers, layer_counts)
         loop = make_first_stage_loop(args, source.config, executor, channel, pipe, tracer,
-                                     policy)
+                                     policy, pd)
         channel.report("ready", {"rank": rank, "num_pages": loop.scheduler.pool.num_pages,
                                  "page_size": args.page_size, "chunking": policy.info})
         return run_guarded(f"stage {rank}", channel, loop.run)
     from pipefill.runtime.loop import run_later_stage
     return run_guarded(f"stage {rank}", channel,
-                       lambda: run_later_stage(executor, pipe, channel, tracer))
+                       lambda: run_later_stage(executor, pipe, channel, tracer, pd))
 
 
-def make_first_stage_loop(args, cfg, executor, channel, pipe, tracer, policy):
+def make_pd_role(args: ServerArgs, executor, info, cfg, addrs: Addresses | None):
+    """The stage's PD disaggregation role (pipefill.disagg.roles), or None."""
+    if args.disaggregation_mode == "decode":
+        from pipefill.disagg.roles import DecodeStagePD
+        return DecodeStagePD(args, executor, cfg)
+    if args.disaggregation_mode != "prefill":
+        return None
+    import threading
+
+    from pipefill.disagg.roles import PrefillStagePD
+    # The sender's threads report on a socket of their own: ZMQ sockets are not thread-safe.
+    side = StageChannel(addrs, read_requests=False)
+    lock = threading.Lock()
+
+    def report(kind, payload):
+        with lock:
+            side.report(kind, payload)
+    return PrefillStagePD(args, executor, info.rank, info.layers.start, cfg, report)
+
+
+def make_first_stage_loop(args, cfg, executor, channel, pipe, tracer, policy, pd=None):
     from pipefill.kv.pool import PagePool
     from pipefill.runtime.loop import FirstStageLoop
     from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -166,8 +188,10 @@ def make_first_stage_loop(args, cfg, executor, channel, pipe, tracer, policy):
         max_running_requests=args.max_running_requests, max_model_len=args.max_model_len,
         eos_token_ids=cfg.eos_token_ids, seed=args.seed), pool, policy.next_chunk_size,
         cache, host, storage)
+    if pd is not None:
+        scheduler.pd_role, scheduler.pd_stages = args.disaggregation_mode, args.pp_size
     return FirstStageLoop(executor, scheduler, channel, pipe, args.max_inflight, tracer,
-                          on_result=policy.observe)
+                          on_result=policy.observe, pd=pd)
 
 
 if __name__ == "__main__":

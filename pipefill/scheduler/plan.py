@@ -33,11 +33,20 @@ class SamplingParams:
 
 
 @dataclass(frozen=True)
+class PDInfo:
+    """PD disaggregation: the router's room for this attempt and the prefill's bootstrap."""
+    room: int
+    host: str
+    port: int
+
+
+@dataclass(frozen=True)
 class NewRequest:
     """Engine/server -> stage 0."""
     rid: str
     prompt_ids: list[int]
     params: SamplingParams
+    pd: PDInfo | None = None  # set on a prefill or decode server behind the PD router
 
 
 @dataclass(frozen=True)
@@ -63,6 +72,10 @@ class SeqWork:
     # Prompt logprobs: ids of the tokens at positions start+1 .. (the prompt part of this chunk).
     logprob_targets: list[int] | None = None
     new_pages: list[int] = field(default_factory=list)  # pages allocated to rid in this step
+    # PD prefill: the room this request's KV goes to, and the first token not sent yet (a
+    # page boundary; 0 on the first chunk, so pages served by the prefix cache go too).
+    room: int | None = None
+    kv_send_from: int = 0
 
     def write_pages(self, page_size: int) -> list[int]:
         """Pages this micro-batch writes (tokens [start, end)); the earlier ones are read."""

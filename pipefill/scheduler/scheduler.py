@@ -24,8 +24,8 @@ from typing import Callable
 
 from pipefill.kv.pool import PagePool
 from pipefill.scheduler.kv_manager import KVManager
-from pipefill.scheduler.plan import (NewRequest, RequestOutput, SampleSpec, SamplingParams,
-                                     SeqWork, StepPlan, StepResult)
+from pipefill.scheduler.plan import (NewRequest, PDInfo, RequestOutput, SampleSpec,
+                                     SamplingParams, SeqWork, StepPlan, StepResult)
 from pipefill.scheduler.radix import Node, RadixCache
 
 # Pages an admission keeps free beyond the uncached prompt, for the first decode tokens.
@@ -63,6 +63,14 @@ class Request:
     done: bool = False  # finished or aborted: schedule nothing more, free pages when idle
     chunk_sizes: list[int] = field(default_factory=list)
     prompt_logprobs: list[float] = field(default_factory=list)
+    # PD disaggregation (see Scheduler.pd_role): prefill: stages whose KV sender still reads
+    # this request's pages, and the pages sent so far; decode: the KV is still arriving, and
+    # the transfer may still write into these pages (the receiver has not let them go).
+    pd: PDInfo | None = None
+    pd_hold: int = 0
+    pd_sent_pages: int = 0
+    kv_waiting: bool = False
+    kv_held: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -83,7 +91,7 @@ class Request:
     @property
     def ready(self) -> bool:
         return not self.done and not self.awaiting_token and not self.preempt_pending and \
-            self.num_scheduled < self.num_tokens
+            not self.kv_waiting and self.num_scheduled < self.num_tokens
 
 
 def check_prompt(ids: list[int], params: SamplingParams, vocab_size: int | None,
@@ -118,6 +126,14 @@ class Scheduler:
         self.running: dict[str, Request] = {}
         self._step_ids = itertools.count()
         self._admissions = itertools.count()
+        # PD disaggregation: "prefill" holds a request's pages until every one of pd_stages
+        # stages' senders is done with its room; "decode" admits a request into pages that
+        # the prefill's KV fills (waiting_kv until admitted, kv_waiting until it arrived).
+        self.pd_role = "null"
+        self.pd_stages = 1
+        self.rooms: dict[int, Request] = {}
+        self.waiting_kv: deque[Request] = deque()
+        self.dropped_rooms: list[int] = []  # decode: aborted while their KV was arriving
 
     # ---- requests in -------------------------------------------------------------------------
 
@@ -131,16 +147,29 @@ class Scheduler:
         seed = req.params.seed
         if seed is None:  # stable across processes, unlike hash()
             seed = zlib.crc32(f"{self.cfg.seed}:{req.rid}".encode())
-        self.waiting.append(Request(req.rid, list(req.prompt_ids), req.params, seed & 0x7FFFFFFF))
+        r = Request(req.rid, list(req.prompt_ids), req.params, seed & 0x7FFFFFFF, pd=req.pd)
+        if r.pd is not None and self.pd_role == "decode":
+            self.waiting_kv.append(r)
+            return
+        if r.pd is not None and self.pd_role == "prefill":
+            r.pd_hold = self.pd_stages
+            self.rooms[r.pd.room] = r
+        self.waiting.append(r)
 
     def abort(self, rid: str) -> RequestOutput | None:
-        for r in self.waiting:
-            if r.rid == rid:
-                self.waiting.remove(r)
-                return RequestOutput(rid, [], True, "abort")
+        if self.pd_role == "prefill" and any(r.rid == rid and r.pd is not None for r in
+                                             list(self.waiting) + list(self.running.values())):
+            return None  # its decode waits for this KV: the prefill (one token) runs to its end
+        for queue in (self.waiting, self.waiting_kv):
+            for r in queue:
+                if r.rid == rid:
+                    queue.remove(r)
+                    return RequestOutput(rid, [], True, "abort")
         r = self.running.get(rid)
         if r is None:
             return None
+        if r.kv_waiting:
+            self.dropped_rooms.append(r.pd.room)  # the loop tells the receiver
         r.done = True
         self._maybe_release(r)
         return RequestOutput(rid, [], True, "abort")
@@ -166,7 +195,8 @@ class Scheduler:
             if r.ready and not r.in_prefill and budget > 0 and self._make_room(r):
                 seqs.append(self._work(r, r.num_scheduled + 1))
                 budget -= 1
-        partial = next((r for r in self.running.values() if r.in_prefill and not r.done), None)
+        partial = next((r for r in self.running.values()
+                        if r.in_prefill and not r.done and not r.kv_waiting), None)
         if partial is not None and partial.ready and budget > 0:
             seqs.append(self._prefill_chunk(partial, budget))
             budget -= seqs[-1].num_tokens
@@ -213,8 +243,13 @@ class Scheduler:
             r.chunk_sizes.append(end - start)
         r.num_scheduled = end
         r.num_inflight += 1
-        return SeqWork(r.rid, start, end, [r.token_at(i) for i in range(start, end)],
+        work = SeqWork(r.rid, start, end, [r.token_at(i) for i in range(start, end)],
                        list(r.pages), sample, targets, new_pages)
+        if r.pd is not None and self.pd_role == "prefill" and start < len(r.prompt_ids):
+            # Whole pages only; the partial last page goes with the chunk that ends the prompt.
+            work.room, work.kv_send_from = r.pd.room, r.pd_sent_pages * self.cfg.page_size
+            r.pd_sent_pages = kv_send_end(work, self.cfg.page_size)
+        return work
 
     # ---- pages -------------------------------------------------------------------------------
 
@@ -271,10 +306,85 @@ class Scheduler:
         self.kv.counters.preemptions += 1
 
     def _maybe_release(self, r: Request) -> None:
-        if r.num_inflight:
-            return  # stages may still write these pages
+        if r.num_inflight or r.pd_hold or r.kv_held:
+            return  # stages may still write these pages, or a KV transfer read/write them
         self.kv.release(r)
         self.running.pop(r.rid, None)
+        if r.pd is not None:
+            self.rooms.pop(r.pd.room, None)
+
+    # ---- PD disaggregation -------------------------------------------------------------------
+
+    def pd_stage_done(self, room: int) -> None:
+        """Prefill: one stage's sender let the room's pages go (sent, or the room failed)."""
+        r = self.rooms.get(room)
+        if r is None or r.pd_hold <= 0:
+            return
+        r.pd_hold -= 1
+        if r.done:
+            self._maybe_release(r)
+
+    def admit_kv(self) -> list[Request]:
+        """Decode: admits waiting requests into pages for their whole prompt (plus a decode
+        headroom), in arrival order; the caller asks the prefill for their KV."""
+        admitted = []
+        while self.waiting_kv and len(self.running) < self.cfg.max_running_requests:
+            r = self.waiting_kv[0]
+            final = self.kv.pages_for(len(r.prompt_ids) + r.params.max_new_tokens)
+            headroom = min(DECODE_HEADROOM_PAGES, final - self.kv.pages_for(r.num_tokens))
+            if not self.kv.admit(r, [], headroom):
+                break
+            self.waiting_kv.popleft()
+            self.kv.grow(r, len(r.prompt_ids))
+            r.kv_waiting = r.kv_held = True
+            r.admitted_at = next(self._admissions)
+            self.running[r.rid] = r
+            self.rooms[r.pd.room] = r
+            admitted.append(r)
+        return admitted
+
+    def kv_arrived(self, room: int, token: int, logprob: float | None, top, seed: int | None
+                   ) -> RequestOutput | None:
+        """Decode: the prompt's KV and first token are here; the request decodes from now on
+        exactly as if it had computed its prompt."""
+        r = self.rooms.get(room)
+        if r is None or not r.kv_waiting:
+            return None
+        r.kv_waiting = r.kv_held = False
+        if r.done:  # aborted meanwhile
+            self._maybe_release(r)
+            return None
+        if seed is not None:
+            r.seed = seed  # the prefill's draws and ours continue one sequence
+        r.num_scheduled = len(r.prompt_ids)
+        r.output_ids.append(token)
+        reason = self._finish_reason(r, token)
+        out = RequestOutput(r.rid, [token], reason is not None, reason,
+                            token_logprobs=[logprob] if logprob is not None else None,
+                            top_logprobs=[[tuple(t) for t in top]] if top is not None else None,
+                            chunk_sizes=[], num_prompt_tokens=len(r.prompt_ids))
+        if reason is not None:
+            r.done = True
+            self._maybe_release(r)
+        return out
+
+    def kv_failed(self, room: int, reason: str) -> RequestOutput | None:
+        """Decode: the room failed; its pages go back once the receiver released them."""
+        r = self.rooms.get(room)
+        if r is None or r.done:
+            return None
+        r.done, r.kv_waiting = True, False
+        self._maybe_release(r)
+        return RequestOutput(r.rid, [], True, "error", error=reason,
+                             num_prompt_tokens=len(r.prompt_ids))
+
+    def kv_released(self, room: int) -> None:
+        """Decode: the receiver will not write into the room's pages any more."""
+        r = self.rooms.get(room)
+        if r is not None:
+            r.kv_held = False
+            if r.done:
+                self._maybe_release(r)
 
     # ---- results in --------------------------------------------------------------------------
 
@@ -338,3 +448,11 @@ class Scheduler:
         if len(r.output_ids) >= r.params.max_new_tokens or r.num_tokens >= self.cfg.max_model_len:
             return "length"
         return None
+
+
+def kv_send_end(work: SeqWork, page_size: int) -> int:
+    """PD prefill: pages of the request complete after this chunk (all of them, the partial
+    last one included, once the chunk ends the prompt)."""
+    if work.sample is not None:
+        return -(-work.end // page_size)
+    return work.end // page_size

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import time
 from contextlib import asynccontextmanager
@@ -13,6 +14,7 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
+from pipefill.disagg.http_fields import ROUTER_MODEL, pd_info
 from pipefill.scheduler.scheduler import check_prompt
 from pipefill.scheduler.plan import SamplingParams
 from pipefill.server.async_engine import AsyncEngine, EngineDown
@@ -232,7 +234,8 @@ def make_job(served: Served, body, chat: bool) -> Job:
     if body.n != 1:
         raise ApiError(400, f"n = {body.n} is not supported: pipefill returns one choice "
                             "(n = 1)", param="n")
-    if body.model is not None and body.model != served.model_name:
+    if body.model is not None and body.model != served.model_name and not (
+            chat and body.model == ROUTER_MODEL and served.args.disaggregation_mode != "null"):
         raise ApiError(400, f"model {body.model!r} is not served here; this server serves "
                             f"{served.model_name!r}", param="model")
     prompt_text, ids = prompt_of(served, body, chat)
@@ -332,6 +335,16 @@ async def handle(served: Served, request: Request, body, chat: bool):
         raise ApiError(503, served.engine.failure or "the model is still loading",
                        kind="server_error")
     job = make_job(served, body, chat)
+    mode = served.args.disaggregation_mode
+    try:
+        pd = pd_info(body.model_extra, mode)
+    except ValueError as e:
+        raise ApiError(400, str(e)) from None
+    if pd is not None:
+        served.engine.attach_pd(job.rid, pd)
+    if mode == "prefill":  # prefill only: the first token goes to the decode with the KV
+        job.params = dataclasses.replace(job.params, max_new_tokens=1)
+        body.stream = False
     run = Run(served, job)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)

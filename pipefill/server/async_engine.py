@@ -21,7 +21,7 @@ from collections.abc import AsyncIterator
 from pipefill.config import ServerArgs
 from pipefill.model.loader import WeightSource
 from pipefill.runtime.launch import RestartBudget, StageFailure, StageGroup
-from pipefill.scheduler.plan import NewRequest, RequestOutput, SamplingParams
+from pipefill.scheduler.plan import NewRequest, PDInfo, RequestOutput, SamplingParams
 
 log = logging.getLogger("pipefill.server")
 
@@ -48,6 +48,7 @@ class AsyncEngine:
         self._reader: threading.Thread | None = None
         self._stopping = threading.Event()
         self._ids = itertools.count()
+        self._pd: dict[str, PDInfo] = {}  # rid -> its PD room, until generate() sends it
 
     # ---- lifecycle (start() runs in a thread: loading takes a while) ---------------------------
 
@@ -95,8 +96,13 @@ class AsyncEngine:
     def new_rid(self, prefix: str) -> str:
         return f"{prefix}-{next(self._ids)}"
 
-    async def generate(self, rid: str, prompt_ids: list[int],
-                       params: SamplingParams) -> AsyncIterator[RequestOutput]:
+    def attach_pd(self, rid: str, pd: PDInfo) -> None:
+        """The PD room of request rid (the router's bootstrap fields), sent with it."""
+        self._pd[rid] = pd
+
+    async def generate(self, rid: str, prompt_ids: list[int], params: SamplingParams,
+                       pd: PDInfo | None = None) -> AsyncIterator[RequestOutput]:
+        pd = self._pd.pop(rid, pd)
         """Yields the request's outputs until it finishes; aborts it if the caller goes away
         (a client disconnect cancels the task that iterates here)."""
         if self.restarting:
@@ -108,7 +114,7 @@ class AsyncEngine:
         finished = False
         try:
             try:
-                self._stages.send("add", [NewRequest(rid, prompt_ids, params)])
+                self._stages.send("add", [NewRequest(rid, prompt_ids, params, pd)])
             except StageFailure as e:  # the reader thread handles the failure itself
                 raise EngineDown(str(e)) from None
             while not finished:
@@ -228,6 +234,11 @@ class AsyncEngine:
                 queue.put_nowait(ValueError(message))
         elif kind == "load":
             self.load = payload
+        elif kind == "kv_done" and self._stages is not None:
+            try:  # a prefill stage's sender is done with a room: stage 0 frees its pages
+                self._stages.send("kv_done", payload, block=False)
+            except StageFailure:
+                pass
 
     def fail_all(self, message: str) -> None:
         """Ends every request in flight with an error (their pages are freed by the aborts

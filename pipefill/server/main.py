@@ -52,6 +52,21 @@ class RestartGate:
         await self.app(scope, receive, send)
 
 
+def start_bootstrap(args):
+    """A prefill server's bootstrap service, up before its stages register with it."""
+    if args.disaggregation_mode != "prefill":
+        return None
+    from pipefill.disagg.bootstrap import BootstrapServer
+    from pipefill.runtime.wire import read_cluster_secret
+    try:
+        return BootstrapServer(args.host, args.disaggregation_bootstrap_port,
+                               read_cluster_secret(args.cluster_secret, args.cluster_secret_file))
+    except OSError as e:
+        raise RuntimeError(f"the bootstrap service cannot listen on {args.host}:"
+                           f"{args.disaggregation_bootstrap_port} ({e}): choose another "
+                           "--disaggregation-bootstrap-port") from None
+
+
 def run(ns: argparse.Namespace) -> int:
     import uvicorn
 
@@ -66,6 +81,7 @@ def run(ns: argparse.Namespace) -> int:
         from pipefill.runtime.launch import run_other_node
         return run_other_node(args)
     args, source = prepare(args)
+    bootstrap = start_bootstrap(args)
     metrics = ServerMetrics()
     engine = AsyncEngine(args, source, on_restart=metrics.stage_restarts.inc)
     served = Served(engine, load_tokenizer(source), model_name(args, source), args.api_key,
@@ -86,7 +102,11 @@ def run(ns: argparse.Namespace) -> int:
     signal.signal(signal.SIGTERM, lambda *_: None)
     log.info("serving %s on http://%s:%d (stages loading; /health says when ready)",
              served.model_name, args.host, args.port)
-    server.run()
+    try:
+        server.run()
+    finally:
+        if bootstrap is not None:
+            bootstrap.close()
     if failed:
         raise RuntimeError(str(failed[0]))
     log.info("stopped")

@@ -10,9 +10,10 @@ from contextlib import contextmanager
 
 
 # Spans kept per stage: the newest ones. A long-running server with --trace-dir would otherwise
-# grow without bound; ~65K spans (tens of MB) cover minutes of steps, which is what a timeline
+# grow without bound; 16K spans (about 8 MB) cover thousands of steps, more than a timeline
 # can show anyway.
-MAX_SPANS = 65536
+MAX_SPANS = 16384
+MAX_PLOTTED_STEPS = 500
 
 
 class StageTracer:
@@ -110,12 +111,18 @@ def draw_timeline(bars: list[tuple[int, float, float, int]], num_stages: int, pa
 
 
 def plot_timeline(events: list[dict], num_stages: int, path: str, stats: dict) -> str:
+    """The PNG shows the last MAX_PLOTTED_STEPS micro-batches (a long server's trace has tens
+    of thousands, more than a picture can show or matplotlib can draw in reasonable time)."""
     fwd = [e for e in events if e["cat"] == "forward"]
+    steps = sorted({e["args"].get("step") for e in fwd}, key=lambda s: (s is None, s))
+    shown = steps[-MAX_PLOTTED_STEPS:]
+    index = {step: i for i, step in enumerate(shown)}
+    fwd = [e for e in fwd if e["args"].get("step") in index]
     t0 = min(e["ts"] for e in fwd)
-    steps = sorted({e["args"].get("step") for e in fwd})
-    bars = [(e["tid"], (e["ts"] - t0) / 1e6, e["dur"] / 1e6, steps.index(e["args"].get("step")))
+    bars = [(e["tid"], (e["ts"] - t0) / 1e6, e["dur"] / 1e6, index[e["args"].get("step")])
             for e in fwd]
+    last = f" (last {len(shown)})" if len(shown) < len(steps) else ""
     return draw_timeline(bars, num_stages, path,
-                         f"{num_stages} stages, {stats['micro_batches']} micro-batches: bubble "
-                         f"{stats['bubble_ratio']:.3f} measured, {stats['bubble_theory']:.3f} "
-                         "theory")
+                         f"{num_stages} stages, {stats['micro_batches']} micro-batches{last}: "
+                         f"bubble {stats['bubble_ratio']:.3f} measured, "
+                         f"{stats['bubble_theory']:.3f} theory")

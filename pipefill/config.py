@@ -165,7 +165,8 @@ class ServerArgs:
         default=600)
     disaggregation_mode: str = _flag(
         "Prefill/decode disaggregation role: null (prefill and decode in one server), prefill "
-        "or decode (behind sglang-router in PD mode; not served yet).", default="null",
+        "or decode (behind sglang-router in PD mode, see `pipefill serve-pd`; decode with "
+        "--pp-size 1).", default="null",
         choices=["null", "prefill", "decode"])
     disaggregation_bootstrap_port: int = _flag(
         "Prefill server: port of the bootstrap service where its stages register and decode "

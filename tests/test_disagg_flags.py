@@ -1,5 +1,5 @@
 """The --disaggregation-* flags: validated in ServerArgs, mapped to the transfer timings, and
-`pipefill serve` refuses the PD roles with a sentence (exit 2) until they are wired in."""
+`pipefill serve` refuses a decode pipeline (PP > 1: not served yet) with a sentence (exit 2)."""
 from __future__ import annotations
 
 import signal
@@ -26,13 +26,12 @@ def test_bad_values_name_the_flag(field, value):
         ServerArgs(**{field: value})
 
 
-@pytest.mark.parametrize("mode", ["prefill", "decode"])
-def test_serve_refuses_a_role_that_is_not_served_yet(mode, capsys):
+def test_serve_refuses_a_decode_pipeline_with_a_sentence(capsys):
     from pipefill.cli.main import main
     previous = signal.getsignal(signal.SIGTERM)
     try:
-        assert main(["serve", "--disaggregation-mode", mode]) == 2
+        assert main(["serve", "--disaggregation-mode", "decode", "--pp-size", "2"]) == 2
     finally:
         signal.signal(signal.SIGTERM, previous)
     err = capsys.readouterr().err
-    assert f"--disaggregation-mode {mode} is not served yet" in err and "Traceback" not in err
+    assert "--disaggregation-mode decode runs with --pp-size 1" in err and "Traceback" not in err

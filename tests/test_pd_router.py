@@ -20,10 +20,10 @@ def free_port() -> int:
     return fp()
 
 
-def spawn_server(model: str, *extra: str, page_size: int = 16,
-                 log=None) -> tuple[subprocess.Popen, str]:
+def spawn_server(model: str, *extra: str, page_size: int = 16, log=None,
+                 port: int | None = None) -> tuple[subprocess.Popen, str]:
     """Starts `pipefill serve` (not waiting for it); (process, URL)."""
-    port = free_port()
+    port = port or free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "pipefill.cli.main", "serve", "--model-path", model, "--port",
          str(port), "--page-size", str(page_size), *COMMON, *extra],
@@ -82,12 +82,8 @@ def metric(url: str, name: str) -> float:
 
 
 def request_pages(url: str) -> float:
-    """KV pages held by requests (in use minus the prefix cache's)."""
-    try:
-        cached = metric(url, "pipefill_cache_pages")
-    except KeyError:
-        cached = 0.0
-    return metric(url, "pipefill_kv_pages_used") - cached
+    """KV pages held by requests (the gauge leaves out cache pages nobody holds)."""
+    return metric(url, "pipefill_kv_pages_used")
 
 
 def wait_pages_free(url: str, timeout_s: float) -> None:
@@ -125,7 +121,8 @@ def chat_model(tmp_path_factory):
     return path
 
 
-def start_pd(model: str, prefill_pp: int = 2, *extra: str, router_extra=(), reference=True):
+def start_pd(model: str, prefill_pp: int = 2, *extra: str, router_extra=(), reference=True,
+             decode_page_size: int = 16):
     """Prefill (PP prefill_pp) + decode (PP 1) [+ a colocated reference] + the router:
     a dict of processes and URLs."""
     bport = free_port()
@@ -134,7 +131,7 @@ def start_pd(model: str, prefill_pp: int = 2, *extra: str, router_extra=(), refe
         model, "--pp-size", str(prefill_pp), "--disaggregation-mode", "prefill",
         "--disaggregation-bootstrap-port", str(bport), *extra)
     procs["decode"], urls["decode"] = spawn_server(model, "--disaggregation-mode", "decode",
-                                                   *extra)
+                                                   *extra, page_size=decode_page_size)
     if reference:
         procs["ref"], urls["ref"] = spawn_server(model, *extra)
     for name in procs:

@@ -189,6 +189,10 @@ class ServerArgs:
     disaggregation_heartbeat_max_misses: int = _flag(
         "Heartbeat intervals without a message after which a peer counts as dead and all its "
         "rooms fail.", default=3)
+    disaggregation_prefill_bootstrap: str | None = _flag(
+        "Decode server: HOST:PORT of the prefill's bootstrap service, checked at start-up "
+        "(same model, --page-size, --dtype, backend; a mismatch stops the start with a "
+        "sentence). Without it the first request does the check.", default=None)
     seed: int = _flag("Seed for random prompts and for sampling without a per-request seed.",
                       default=0)
     log_level: str = _flag("Logging level.", default="info",
@@ -257,6 +261,11 @@ class ServerArgs:
                 raise ValueError(f"--{_dash(name)} must be > 0, got {getattr(self, name)}")
         if not 0 < self.disaggregation_bootstrap_port < 65536:
             raise ValueError("--disaggregation-bootstrap-port must be a TCP port (1-65535)")
+        if self.disaggregation_prefill_bootstrap is not None:
+            host, _, port = self.disaggregation_prefill_bootstrap.rpartition(":")
+            if not host or not port.isdigit():
+                raise ValueError(f"--disaggregation-prefill-bootstrap "
+                                 f"{self.disaggregation_prefill_bootstrap!r}: expected HOST:PORT")
 
     @property
     def stages_per_node(self) -> int:

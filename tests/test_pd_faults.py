@@ -125,3 +125,26 @@ def test_mismatched_page_size_is_a_sentence_not_a_hang(chat_model):
         wait_pages_free(urls["decode"], 10)
     finally:
         stop(*procs.values())
+
+
+@pytest.mark.parametrize("flag,value,needle", [
+    ("--page-size", "32", "start both with the same --page-size"),
+    ("--dtype", "bfloat16", "start both with the same --dtype")])
+def test_mismatch_is_a_start_up_sentence(chat_model, tmp_path, flag, value, needle):
+    """--disaggregation-prefill-bootstrap: the decode checks the pairing before it serves."""
+    from test_pd_router import free_port
+    bport = free_port()
+    prefill, url = spawn_server(chat_model, "--disaggregation-mode", "prefill",
+                                "--disaggregation-bootstrap-port", str(bport))
+    try:
+        wait_healthy(prefill, url)
+        log = tmp_path / "decode.log"
+        with open(log, "w") as f:
+            decode, _ = spawn_server(chat_model, "--disaggregation-mode", "decode",
+                                     "--disaggregation-prefill-bootstrap", f"127.0.0.1:{bport}",
+                                     flag, value, log=f)
+            code = decode.wait(120)
+        out = log.read_text()
+        assert code != 0 and needle in out and "Traceback" not in out, out
+    finally:
+        stop(prefill)

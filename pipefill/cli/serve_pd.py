@@ -56,7 +56,8 @@ def commands(ns) -> tuple[list[str], list[str], list[str], str]:
                       "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
                       str(ns.disaggregation_bootstrap_port)] + extra
     decode = base + ["--port", str(dport), "--pp-size", "1",
-                     "--disaggregation-mode", "decode"] + extra
+                     "--disaggregation-mode", "decode", "--disaggregation-prefill-bootstrap",
+                     f"{ns.host}:{ns.disaggregation_bootstrap_port}"] + extra
     router = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",
               "--prefill", f"http://{ns.host}:{pport}", str(ns.disaggregation_bootstrap_port),
               "--decode", f"http://{ns.host}:{dport}", "--host", ns.host, "--port",

@@ -31,6 +31,7 @@ log = logging.getLogger(__name__)
 
 REMEMBERED_ROOMS = 4096
 LOOKUP_TIMEOUT_S = 5.0  # the decode loop waits this long at most for an unready prefill
+STARTUP_LOOKUP_TIMEOUT_S = 120.0  # --disaggregation-prefill-bootstrap: the prefill may load
 
 
 def node_host(host: str) -> str:
@@ -130,6 +131,14 @@ class DecodeStagePD:
                                    backend=args.disaggregation_transfer_backend,
                                    host=node_host(args.host), timing=Timing.from_args(args),
                                    secret=self.secret)
+        if args.disaggregation_prefill_bootstrap:  # check the pairing at start-up
+            host, _, port = args.disaggregation_prefill_bootstrap.rpartition(":")
+            key = f"{host}:{port}"
+            try:
+                self.connect(key, m.Endpoint(host, int(port)), STARTUP_LOOKUP_TIMEOUT_S)
+            except ValueError as e:
+                raise ValueError(f"this decode cannot pair with the prefill at "
+                                 f"--disaggregation-prefill-bootstrap {key}: {e}") from None
 
     def after_forward(self, plan) -> None:
         pass

@@ -227,7 +227,9 @@ def test_seeded_sampling_continues_the_prefills_draw(pd):
     ({"bootstrap_room": [1, 2], "bootstrap_host": ["h", "h"], "bootstrap_port": [1, 1]},
      "batched PD requests"),
     ({"bootstrap_room": 5, "bootstrap_host": "127.0.0.1", "bootstrap_port": None},
-     "bootstrap_port")])
+     "bootstrap_port"),
+    ({"bootstrap_room": 5, "bootstrap_host": "127.0.0.1", "bootstrap_port": 1, "echo": True,
+      "logprobs": 1}, "echo with logprobs")])
 def test_pd_servers_refuse_requests_the_router_did_not_shape(pd, extra, needle):
     for role in ("prefill", "decode"):
         r = httpx.post(pd[role] + "/v1/completions", timeout=30,

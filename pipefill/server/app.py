@@ -340,6 +340,9 @@ async def handle(served: Served, request: Request, body, chat: bool):
         pd = pd_info(body.model_extra, mode)
     except ValueError as e:
         raise ApiError(400, str(e)) from None
+    if pd is not None and job.params.return_prompt_logprobs:
+        raise ApiError(400, "echo with logprobs (prompt logprobs) is not served by a PD pair: "
+                            "the decode server never sees the prompt's logits", param="echo")
     if pd is not None:
         served.engine.attach_pd(job.rid, pd)
     if mode == "prefill":  # prefill only: the first token goes to the decode with the KV

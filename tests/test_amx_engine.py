@@ -74,8 +74,13 @@ def test_dispatch_falls_back_without_amx(monkeypatch):
     from pipefill.kernels import amx_attention
     monkeypatch.setattr(amx_attention, "amx_available", lambda: (False, "capability off"))
     cpu = torch.device("cpu")
-    assert attention.choose_backend("auto", torch.bfloat16, 64, 64, cpu) == \
-        ("sdpa", "capability off")
+    # Without AMX, auto moves on to the vector kernels (or split SDPA) and says why not AMX.
+    backend, why = attention.choose_backend("auto", torch.bfloat16, 64, 64, cpu)
+    assert backend != "amx"
+    if backend == "sdpa":
+        assert "amx: capability off" in why
+    assert attention.choose_backend("auto", torch.bfloat16, 64, 64, cpu,
+                                    flags=frozenset())[0] == "sdpa"
     with pytest.raises(ValueError, match="amx is not available: capability off"):
         attention.choose_backend("amx", torch.bfloat16, 64, 64, cpu)
 
@@ -83,8 +88,10 @@ def test_dispatch_falls_back_without_amx(monkeypatch):
 def test_dispatch_rules():
     cpu = torch.device("cpu")
     assert attention.choose_backend("sdpa", torch.bfloat16, 64, 64, cpu)[0] == "sdpa"
-    assert attention.choose_backend("auto", torch.float32, 64, 64, cpu) == \
-        ("sdpa", "dtype is torch.float32, the kernel is bfloat16-only")
+    backend, why = attention.choose_backend("auto", torch.float32, 64, 64, cpu,
+                                            flags=frozenset())
+    assert backend == "sdpa"
+    assert "amx: dtype is torch.float32, the kernel is bfloat16-only" in why
     assert attention.choose_backend("auto", torch.bfloat16, 16, 64, cpu)[0] == "sdpa"
     assert attention.choose_backend("auto", torch.bfloat16, 64, 48, cpu)[0] == "sdpa"
 

@@ -17,7 +17,8 @@ from pipefill.scheduler.plan import NewRequest, SamplingParams
 from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig
 
 LINEAR_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul")
-ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu", "pipefill::amx_attention")
+ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu", "pipefill::amx_attention",
+                 "pipefill::cpu_attention")
 
 
 def prefill_time_split(args: ServerArgs, source: WeightSource, prompt: list[int]) -> dict:

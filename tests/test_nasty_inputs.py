@@ -88,6 +88,15 @@ def test_scheduler_ends_a_failed_request_and_frees_its_pages():
     assert pool.num_free == pool.num_pages and not s.running
 
 
+def test_stage_zero_refuses_ids_outside_the_vocabulary():
+    """A request that skipped the front end's check (another client of stage 0's socket)
+    is refused by the scheduler instead of reaching the embedding."""
+    s = Scheduler(SchedulerConfig(16, 32, 64, 8, 4096, vocab_size=100), PagePool(64))
+    with pytest.raises(ValueError, match="token id 100 is outside the vocabulary"):
+        s.add(NewRequest("r", [1, 2, 100], SamplingParams(max_new_tokens=2)))
+    assert not s.waiting and not s.running
+
+
 @pytest.fixture(scope="module")
 def tiny_llama(tmp_path_factory):
     from conftest import save_tiny_model

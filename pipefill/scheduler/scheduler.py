@@ -41,6 +41,7 @@ class SchedulerConfig:
     max_model_len: int
     eos_token_ids: tuple[int, ...] = ()
     seed: int = 0
+    vocab_size: int | None = None  # checked again here: a bad id must not reach the embedding
 
 
 @dataclass
@@ -139,7 +140,7 @@ class Scheduler:
 
     def check_request(self, req: NewRequest) -> None:
         """Raises ValueError with a sentence for a request this engine can never run."""
-        check_prompt(req.prompt_ids, req.params, None, self.cfg.max_model_len,
+        check_prompt(req.prompt_ids, req.params, self.cfg.vocab_size, self.cfg.max_model_len,
                      self.pool.num_pages * self.cfg.page_size)
 
     def add(self, req: NewRequest) -> None:

@@ -186,8 +186,8 @@ def make_first_stage_loop(args, cfg, executor, channel, pipe, tracer, policy, pd
         page_size=args.page_size, chunked_prefill_size=policy.c0,
         max_prefill_tokens=max(args.max_prefill_tokens, policy.c0),
         max_running_requests=args.max_running_requests, max_model_len=args.max_model_len,
-        eos_token_ids=cfg.eos_token_ids, seed=args.seed, vocab_size=cfg.vocab_size), pool, policy.next_chunk_size,
-        cache, host, storage)
+        eos_token_ids=cfg.eos_token_ids, seed=args.seed, vocab_size=cfg.vocab_size), pool,
+        policy.next_chunk_size, cache, host, storage)
     if pd is not None:
         scheduler.pd_role, scheduler.pd_stages = args.disaggregation_mode, args.pp_size
     return FirstStageLoop(executor, scheduler, channel, pipe, args.max_inflight, tracer,

@@ -235,3 +235,19 @@ def test_pd_servers_refuse_requests_the_router_did_not_shape(pd, extra, needle):
         r = httpx.post(pd[role] + "/v1/completions", timeout=30,
                        json={"prompt": "hi", "max_tokens": 2, **extra})
         assert r.status_code == 400 and needle in r.json()["error"]["message"], r.text
+
+
+@pytest.mark.slow
+def test_mooncake_transport_through_the_router(chat_model):
+    """The same answers with Mooncake's transfer engine (one-sided writes) moving the KV."""
+    procs, urls = start_pd(chat_model, 2, "--disaggregation-transfer-backend", "mooncake")
+    try:
+        router, ref = client(urls["router"]), client(urls["ref"])
+        for prompt in PROMPTS[:2]:
+            got, want = completion(router, prompt), completion(ref, prompt)
+            assert got[0] == want[0]
+            assert got[1] == pytest.approx(want[1], abs=1e-4)
+        wait_pages_free(urls["prefill"], 10)
+        wait_pages_free(urls["decode"], 10)
+    finally:
+        stop(*procs.values())

@@ -222,6 +222,32 @@ def test_seeded_sampling_continues_the_prefills_draw(pd):
     assert got == client(pd["ref"]).completions.create(**kw).choices[0].text
 
 
+def test_client_gone_while_the_decode_waits_for_kv_frees_its_pages(pd):
+    """A request whose prefill part never comes (no prefill request for its room): the client
+    gives up, the decode drops the room and frees the pages it pre-allocated."""
+    body = {"model": "m", "prompt": "word " * 100, "max_tokens": 4, "bootstrap_room": 12345,
+            "bootstrap_host": "127.0.0.1", "bootstrap_port": pd["bootstrap_port"]}
+    import threading
+    errors = []
+
+    def call():
+        try:
+            httpx.post(pd["decode"] + "/v1/completions", json=body,
+                       timeout=httpx.Timeout(30, read=4))
+        except httpx.TimeoutException as e:
+            errors.append(e)
+    t = threading.Thread(target=call)
+    t.start()
+    deadline = time.monotonic() + 4
+    while request_pages(pd["decode"]) == 0:  # admitted: its prompt's pages wait for the KV
+        assert time.monotonic() < deadline, "the decode never pre-allocated the pages"
+        time.sleep(0.05)
+    t.join(30)
+    assert errors, "the decode answered a request whose KV never came"
+    wait_pages_free(pd["decode"], 10)
+    wait_pages_free(pd["prefill"], 10)
+
+
 @pytest.mark.parametrize("extra,needle", [
     ({}, "send requests through the PD router"),
     ({"bootstrap_room": [1, 2], "bootstrap_host": ["h", "h"], "bootstrap_port": [1, 1]},

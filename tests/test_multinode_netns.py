@@ -1,10 +1,11 @@
-"""Real multi-node (slow): two Linux network namespaces joined by a veth pair (10 Gbit/s via
-`tc tbf`), one `pipefill generate` per namespace, PP2 across them: the same tokens as PP1, and
-the TTFT of both printed. A node that never joins fails with a sentence within
---dist-init-timeout, on either side. Skipped where namespaces are not permitted.
-
-`tc netem` (the 1 ms delay) is not available on every kernel; where it is missing the link
-has no added delay and the test says so in its output."""
+"""Real multi-node (slow): two Linux network namespaces, one `pipefill generate` per namespace,
+PP2 across them: the same tokens as PP1, and the TTFT of each printed, over two links:
+- a veth pair at 10 Gbit/s (`tc tbf`), no added delay;
+- a 1 ms one-way delay link (tests/netdelay.py: TUN devices and a user-space forwarder,
+  because `tc netem` is missing on some kernels), whose measured round trip and goodput are
+  printed beside the TTFT.
+A node that never joins fails with a sentence within --dist-init-timeout, on either side.
+Skipped where namespaces (or TUN devices, for the delay link) are not permitted."""
 import json
 import os
 import shutil
@@ -15,6 +16,7 @@ import time
 import pytest
 
 from conftest import save_tiny_model
+from netdelay import DelayLink, measure
 
 pytestmark = pytest.mark.slow
 
@@ -22,6 +24,8 @@ TAG = f"pf{os.getpid() % 100000}"
 NS = (f"{TAG}a", f"{TAG}b")
 IFACE = (f"{TAG}va", f"{TAG}vb")
 IP = ("10.77.0.1", "10.77.0.2")
+TUN = (f"{TAG}ta", f"{TAG}tb")
+TUN_IP = ("10.78.0.1", "10.78.0.2")
 PORT = 29500 + os.getpid() % 1000
 START_BOUND_S = 240  # start-up of two stage processes on a busy 2-core machine
 
@@ -51,19 +55,11 @@ def _setup() -> str | None:
 
 
 def _shape_link() -> str:
-    """10 Gbit/s each way; 1 ms delay where netem exists. Returns what the link got."""
-    got = []
+    """10 Gbit/s each way on the veth pair. Returns what the link got."""
     for ns, iface in zip(NS, IFACE):
-        delay = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", iface,
-                                "root", "netem", "delay", "1ms", "rate", "10gbit"],
-                               capture_output=True, text=True)
-        if delay.returncode == 0:
-            got.append("netem 1ms 10gbit")
-            continue
         subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", iface, "root",
                         "tbf", "rate", "10gbit", "burst", "1mb", "latency", "10ms"], check=True)
-        got.append(f"tbf 10gbit, no delay (netem: {delay.stderr.strip()})")
-    return "; ".join(got)
+    return "veth, tbf 10gbit, no added delay"
 
 
 @pytest.fixture(scope="module")
@@ -85,17 +81,32 @@ def model(tmp_path_factory):
     return save_tiny_model("llama", tmp_path_factory.mktemp("mn"))
 
 
-def generate(node: int | None, model: str, *extra: str, out: str | None = None
-             ) -> subprocess.Popen:
-    """`pipefill generate` inside namespace `node` (None: PP1 in the first namespace)."""
-    ns, iface = (NS[0], IFACE[0]) if node is None else (NS[node], IFACE[node])
+@pytest.fixture(scope="module")
+def delay_link(netns):
+    """The 1 ms, 10 Gbit/s TUN link between the same namespaces, with what it measured."""
+    try:
+        link = DelayLink(NS, TUN, TUN_IP, delay_ms=1.0, rate_gbit=10.0).start()
+    except (OSError, RuntimeError) as e:
+        pytest.skip(f"no TUN delay link here: {e}")
+    try:
+        yield measure(NS, TUN_IP[1], PORT + 7)
+    finally:
+        link.stop()
+
+
+def generate(node: int | None, model: str, *extra: str, out: str | None = None,
+             link: tuple[tuple[str, str], tuple[str, str]] = (IFACE, IP)) -> subprocess.Popen:
+    """`pipefill generate` inside namespace `node` (None: PP1 in the first namespace), PP2
+    over `link` (interface names, addresses)."""
+    ifaces, ips = link
+    ns, iface = (NS[0], ifaces[0]) if node is None else (NS[node], ifaces[node])
     argv = ["ip", "netns", "exec", ns, "env", f"GLOO_SOCKET_IFNAME={iface}", sys.executable,
             "-m", "pipefill.cli.main", "generate", "--model-path", model, "--dtype", "float32",
             "--input-len", "960", "--max-new-tokens", "16", "--chunked-prefill-size", "128",
             "--threads-per-stage", "1", *extra]
     if node is not None:
         argv += ["--pp-size", "2", "--nnodes", "2", "--node-rank", str(node),
-                 "--dist-init-addr", f"{IP[0]}:{PORT}"]
+                 "--dist-init-addr", f"{ips[0]}:{PORT}"]
     if out:
         argv += ["--output-json", out]
     # GLOO_SOCKET_IFNAME: inside a namespace the host name resolves to no address of it.
@@ -111,20 +122,44 @@ def finish(proc: subprocess.Popen, within_s: float) -> tuple[int, str]:
     return proc.returncode, out
 
 
-def test_pp2_across_two_namespaces_equals_pp1(netns, model, tmp_path):
-    pp1_json, pp2_json = str(tmp_path / "pp1.json"), str(tmp_path / "pp2.json")
-    code, log = finish(generate(None, model, out=pp1_json), START_BOUND_S)
+@pytest.fixture(scope="module")
+def pp1(netns, model, tmp_path_factory) -> dict:
+    out = str(tmp_path_factory.mktemp("pp1") / "pp1.json")
+    code, log = finish(generate(None, model, out=out), START_BOUND_S)
     assert code == 0, log
-    node1 = generate(1, model)
-    code, log = finish(generate(0, model, out=pp2_json), START_BOUND_S)
+    return json.load(open(out))
+
+
+def run_pp2(model: str, out: str, link=(IFACE, IP)) -> dict:
+    node1 = generate(1, model, link=link)
+    code, log = finish(generate(0, model, out=out, link=link), START_BOUND_S)
     assert code == 0, log
     assert finish(node1, 60)[0] == 0
-    pp1, pp2 = (json.load(open(p)) for p in (pp1_json, pp2_json))
+    return json.load(open(out))
+
+
+def _ttft_ms(result: dict) -> float:
+    return result["metrics"]["ttft_s"] * 1000
+
+
+def test_pp2_across_two_namespaces_equals_pp1(netns, model, pp1, tmp_path):
+    pp2 = run_pp2(model, str(tmp_path / "pp2.json"))
     assert pp2["prompt_ids"] == pp1["prompt_ids"]
     assert pp2["output_ids"] == pp1["output_ids"]
-    print(f"\nlink: {netns}\nTTFT 960 tokens, chunks of 128: PP1 "
-          f"{pp1['metrics']['ttft_s'] * 1000:.1f} ms, PP2 across namespaces "
-          f"{pp2['metrics']['ttft_s'] * 1000:.1f} ms")
+    print(f"\nlink: {netns}\nTTFT 960 tokens, chunks of 128: PP1 {_ttft_ms(pp1):.1f} ms, "
+          f"PP2 across namespaces {_ttft_ms(pp2):.1f} ms")
+
+
+def test_pp2_over_a_1ms_link_equals_pp1(delay_link, model, pp1, tmp_path):
+    pp2 = run_pp2(model, str(tmp_path / "pp2d.json"), link=(TUN, TUN_IP))
+    assert pp2["prompt_ids"] == pp1["prompt_ids"]
+    assert pp2["output_ids"] == pp1["output_ids"]
+    # The link really delays: a round trip over it cannot be shorter than two 1 ms hops.
+    assert delay_link["rtt_ms"] >= 2.0, delay_link
+    print(f"\nlink: TUN forwarder, 1 ms each way, 10gbit limit; measured RTT "
+          f"{delay_link['rtt_ms']:.2f} ms, goodput {delay_link['gbit_s']:.1f} Gbit/s\n"
+          f"TTFT 960 tokens, chunks of 128: PP1 {_ttft_ms(pp1):.1f} ms, PP2 over the 1 ms link "
+          f"{_ttft_ms(pp2):.1f} ms")
 
 
 @pytest.mark.parametrize("present", [0, 1])

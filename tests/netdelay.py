@@ -1,0 +1,209 @@
+"""A user-space delay link between two network namespaces, for tests where `tc netem` is
+missing from the kernel.
+
+Each namespace gets a point-to-point TUN device whose peer address is the other namespace's;
+one forwarder process holds both TUN file descriptors and copies every IP packet from one
+to the other after a fixed one-way delay, with a serialisation rate limit in front of it
+(a packet leaves the "wire" len*8/rate after the previous one finished). The endpoints see
+ordinary interfaces with ordinary addresses, so gloo, which connects peers directly by the
+address of GLOO_SOCKET_IFNAME, works across it unchanged — a TCP relay would not.
+
+The TUN devices are created in the forwarder's namespace (the root one) and then moved into
+the node namespaces with `ip link set ... netns`: a TUN device keeps its open descriptor
+across the move, so the forwarder needs no setns. The devices live as long as the forwarder:
+stopping it takes the link down.
+
+Run alone: `python tests/netdelay.py TUN_A TUN_B --delay-ms 1 --rate-gbit 10` prints
+"ready" once both devices exist, then forwards until killed."""
+from __future__ import annotations
+
+import argparse
+import collections
+import fcntl
+import os
+import select
+import socket
+import statistics
+import struct
+import subprocess
+import sys
+import time
+from dataclasses import dataclass
+
+TUNSETIFF = 0x400454CA
+IFF_TUN, IFF_NO_PI = 0x0001, 0x1000
+MTU = 65000  # large frames: the forwarder's cost is per packet, so fewer packets go faster
+READ_SIZE = 65536
+
+
+def open_tun(name: str) -> int:
+    fd = os.open("/dev/net/tun", os.O_RDWR | os.O_NONBLOCK)
+    fcntl.ioctl(fd, TUNSETIFF, struct.pack("16sH22x", name.encode(), IFF_TUN | IFF_NO_PI))
+    return fd
+
+
+@dataclass
+class Direction:
+    """One way of the link: packets read from `src` wait in `queue` until due, then go to `dst`."""
+    src: int
+    dst: int
+    queue: collections.deque
+    busy_until: float = 0.0
+
+
+def _take(d: Direction, now: float, delay_s: float, rate_bps: float) -> None:
+    while True:
+        try:
+            pkt = os.read(d.src, READ_SIZE)
+        except BlockingIOError:
+            return
+        d.busy_until = max(now, d.busy_until) + len(pkt) * 8 / rate_bps
+        d.queue.append((d.busy_until + delay_s, pkt))
+
+
+def _release(d: Direction, now: float) -> None:
+    while d.queue and d.queue[0][0] <= now:
+        try:
+            os.write(d.dst, d.queue.popleft()[1])
+        except OSError:  # the kernel refused it (queue full, device going down): a lost packet
+            pass
+
+
+def forward(fd_a: int, fd_b: int, delay_s: float, rate_bps: float) -> None:
+    """Forwards both ways until killed. select() rather than epoll: its timeout has
+    microsecond resolution, epoll's only millisecond, which would double a 1 ms delay."""
+    dirs = [Direction(fd_a, fd_b, collections.deque()), Direction(fd_b, fd_a, collections.deque())]
+    while True:
+        now = time.monotonic()
+        due = [d.queue[0][0] for d in dirs if d.queue]
+        timeout = max(0.0, min(due) - now) if due else None
+        readable, _, _ = select.select([fd_a, fd_b], [], [], timeout)
+        now = time.monotonic()
+        for d in dirs:
+            if d.src in readable:
+                _take(d, now, delay_s, rate_bps)
+            _release(d, now)
+
+
+@dataclass
+class DelayLink:
+    """A running forwarder between namespaces `ns[0]` and `ns[1]` with addresses `ip`."""
+    ns: tuple[str, str]
+    names: tuple[str, str]
+    ip: tuple[str, str]
+    delay_ms: float
+    rate_gbit: float
+    proc: subprocess.Popen | None = None
+
+    def start(self) -> DelayLink:
+        self.proc = subprocess.Popen(
+            [sys.executable, __file__, *self.names, "--delay-ms", str(self.delay_ms),
+             "--rate-gbit", str(self.rate_gbit)],
+            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        line = self.proc.stdout.readline().strip()
+        if line != "ready":
+            self.stop()
+            raise RuntimeError(f"the delay forwarder did not start: {line} "
+                               f"{self.proc.stderr.read().strip()}")
+        for i, j in ((0, 1), (1, 0)):
+            for step in (("link", "set", self.names[i], "netns", self.ns[i]),
+                         ("-n", self.ns[i], "addr", "add", self.ip[i], "peer", self.ip[j],
+                          "dev", self.names[i]),
+                         ("-n", self.ns[i], "link", "set", self.names[i], "mtu", str(MTU), "up")):
+                r = subprocess.run(["ip", *step], capture_output=True, text=True)
+                if r.returncode:
+                    self.stop()
+                    raise RuntimeError(f"`ip {' '.join(step)}` failed: {r.stderr.strip()}")
+        return self
+
+    def stop(self) -> None:
+        """Ends the forwarder; its TUN devices disappear with it."""
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            self.proc.wait()
+
+    def __enter__(self) -> DelayLink:
+        return self.start()
+
+    def __exit__(self, *exc) -> None:
+        self.stop()
+
+
+def _serve(ip: str, port: int) -> None:
+    """Probe server: per connection, b"e" then echo each byte, or b"s" then sink N bytes
+    (an 8-byte length first) and answer one byte."""
+    srv = socket.create_server((ip, port))
+    print("ready", flush=True)
+    while True:
+        conn, _ = srv.accept()
+        conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        with conn:
+            if conn.recv(1) == b"e":
+                while (b := conn.recv(1)):
+                    conn.sendall(b)
+            else:
+                left = struct.unpack("!Q", conn.recv(8, socket.MSG_WAITALL))[0]
+                while left > 0:
+                    left -= len(conn.recv(min(left, 1 << 20)))
+                conn.sendall(b"k")
+
+
+def _probe(ip: str, port: int, nbytes: int) -> None:
+    """Prints the median TCP round trip (ms) of 50 one-byte ping-pongs, and the goodput
+    (Gbit/s) of one `nbytes` transfer, as JSON."""
+    with socket.create_connection((ip, port)) as c:
+        c.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        c.sendall(b"e")
+        rtts = []
+        for _ in range(50):
+            t0 = time.perf_counter()
+            c.sendall(b"x")
+            c.recv(1)
+            rtts.append((time.perf_counter() - t0) * 1000)
+    with socket.create_connection((ip, port)) as c:
+        block = bytes(1 << 20)
+        t0 = time.perf_counter()
+        c.sendall(b"s" + struct.pack("!Q", nbytes))
+        for _ in range(nbytes >> 20):
+            c.sendall(block)
+        c.recv(1)
+        gbit = nbytes * 8 / (time.perf_counter() - t0) / 1e9
+    print(f'{{"rtt_ms": {statistics.median(rtts):.3f}, "gbit_s": {gbit:.3f}}}', flush=True)
+
+
+def measure(ns: tuple[str, str], ip_b: str, port: int, nbytes: int = 256 << 20) -> dict:
+    """RTT and goodput from namespace ns[0] to a probe server at ip_b in ns[1]."""
+    import json
+    srv = subprocess.Popen(["ip", "netns", "exec", ns[1], sys.executable, __file__, "--serve",
+                            ip_b, str(port)], stdout=subprocess.PIPE, text=True)
+    try:
+        srv.stdout.readline()
+        out = subprocess.run(["ip", "netns", "exec", ns[0], sys.executable, __file__, "--probe",
+                              ip_b, str(port), str(nbytes)],
+                             capture_output=True, text=True, timeout=120)
+        if out.returncode:
+            raise RuntimeError(f"the link probe failed: {out.stderr.strip()}")
+        return json.loads(out.stdout)
+    finally:
+        srv.kill()
+        srv.wait()
+
+
+def main() -> None:
+    if sys.argv[1:2] == ["--serve"]:
+        return _serve(sys.argv[2], int(sys.argv[3]))
+    if sys.argv[1:2] == ["--probe"]:
+        return _probe(sys.argv[2], int(sys.argv[3]), int(sys.argv[4]))
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("tun_a")
+    p.add_argument("tun_b")
+    p.add_argument("--delay-ms", type=float, default=1.0, help="one-way delay")
+    p.add_argument("--rate-gbit", type=float, default=10.0, help="rate limit each way")
+    a = p.parse_args()
+    fd_a, fd_b = open_tun(a.tun_a), open_tun(a.tun_b)
+    print("ready", flush=True)
+    forward(fd_a, fd_b, a.delay_ms / 1000, a.rate_gbit * 1e9)
+
+
+if __name__ == "__main__":
+    main()

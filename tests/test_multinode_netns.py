@@ -12,6 +12,7 @@ import shutil
 import subprocess
 import sys
 import time
+from dataclasses import dataclass
 
 import pytest
 
@@ -81,6 +82,23 @@ def model(tmp_path_factory):
     return save_tiny_model("llama", tmp_path_factory.mktemp("mn"))
 
 
+@dataclass(frozen=True)
+class Workload:
+    model: str
+    extra: tuple[str, ...]  # later flags override generate()'s defaults
+    label: str
+
+
+@pytest.fixture(scope="module", params=["tiny", "default"])
+def workload(request) -> Workload:
+    """The tiny model (960 tokens, chunks of 128), and the default model at 2,048 tokens in
+    chunks of 256, where a few ms of link delay meet seconds of compute."""
+    if request.param == "tiny":
+        return Workload(request.getfixturevalue("model"), (), "tiny, 960 tokens, chunks of 128")
+    return Workload("default", ("--input-len", "2048", "--chunked-prefill-size", "256"),
+                    "default model, 2048 tokens, chunks of 256")
+
+
 @pytest.fixture(scope="module", params=[0.0, 1.0], ids=["0ms", "1ms"])
 def delay_link(netns, request):
     """The TUN link between the same namespaces, 10 Gbit/s, 0 ms (the forwarder's own cost,
@@ -124,16 +142,16 @@ def finish(proc: subprocess.Popen, within_s: float) -> tuple[int, str]:
 
 
 @pytest.fixture(scope="module")
-def pp1(netns, model, tmp_path_factory) -> dict:
+def pp1(netns, workload, tmp_path_factory) -> dict:
     out = str(tmp_path_factory.mktemp("pp1") / "pp1.json")
-    code, log = finish(generate(None, model, out=out), START_BOUND_S)
+    code, log = finish(generate(None, workload.model, *workload.extra, out=out), START_BOUND_S)
     assert code == 0, log
     return json.load(open(out))
 
 
-def run_pp2(model: str, out: str, link=(IFACE, IP)) -> dict:
-    node1 = generate(1, model, link=link)
-    code, log = finish(generate(0, model, out=out, link=link), START_BOUND_S)
+def run_pp2(w: Workload, out: str, link=(IFACE, IP)) -> dict:
+    node1 = generate(1, w.model, *w.extra, link=link)
+    code, log = finish(generate(0, w.model, *w.extra, out=out, link=link), START_BOUND_S)
     assert code == 0, log
     assert finish(node1, 60)[0] == 0
     return json.load(open(out))
@@ -143,23 +161,23 @@ def _ttft_ms(result: dict) -> float:
     return result["metrics"]["ttft_s"] * 1000
 
 
-def test_pp2_across_two_namespaces_equals_pp1(netns, model, pp1, tmp_path):
-    pp2 = run_pp2(model, str(tmp_path / "pp2.json"))
+def test_pp2_across_two_namespaces_equals_pp1(netns, workload, pp1, tmp_path):
+    pp2 = run_pp2(workload, str(tmp_path / "pp2.json"))
     assert pp2["prompt_ids"] == pp1["prompt_ids"]
     assert pp2["output_ids"] == pp1["output_ids"]
-    print(f"\nlink: {netns}\nTTFT 960 tokens, chunks of 128: PP1 {_ttft_ms(pp1):.1f} ms, "
+    print(f"\nlink: {netns}\nTTFT {workload.label}: PP1 {_ttft_ms(pp1):.1f} ms, "
           f"PP2 across namespaces {_ttft_ms(pp2):.1f} ms")
 
 
-def test_pp2_over_the_delay_link_equals_pp1(delay_link, model, pp1, tmp_path):
-    pp2 = run_pp2(model, str(tmp_path / "pp2d.json"), link=(TUN, TUN_IP))
+def test_pp2_over_the_delay_link_equals_pp1(delay_link, workload, pp1, tmp_path):
+    pp2 = run_pp2(workload, str(tmp_path / "pp2d.json"), link=(TUN, TUN_IP))
     assert pp2["prompt_ids"] == pp1["prompt_ids"]
     assert pp2["output_ids"] == pp1["output_ids"]
     # The link really delays: a round trip cannot be shorter than two one-way delays.
     assert delay_link["rtt_ms"] >= 2 * delay_link["delay_ms"], delay_link
     print(f"\nlink: TUN forwarder, {delay_link['delay_ms']:g} ms each way, 10gbit limit; "
           f"measured RTT {delay_link['rtt_ms']:.2f} ms, goodput {delay_link['gbit_s']:.1f} "
-          f"Gbit/s\nTTFT 960 tokens, chunks of 128: PP1 {_ttft_ms(pp1):.1f} ms, PP2 over it "
+          f"Gbit/s\nTTFT {workload.label}: PP1 {_ttft_ms(pp1):.1f} ms, PP2 over it "
           f"{_ttft_ms(pp2):.1f} ms")
 
 

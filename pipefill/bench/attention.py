@@ -32,6 +32,7 @@ import torch.nn.functional as F
 
 from pipefill.bench.prefill import parse_ints
 from pipefill.model.attention import heads_first, split_attention
+from pipefill.runtime.platform import cpu_name
 
 
 def add_parser(sub) -> None:
@@ -193,16 +194,6 @@ def _print_row(row: dict, kernels: tuple[str, ...]) -> None:
     print("    max |diff| vs masked SDPA: " + "  ".join(
         f"{m} {row[f'{m}_vs_masked_max_abs']:.1e}" for m in (*kernels, "split")), flush=True)
 
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 def run(ns: argparse.Namespace) -> int:

@@ -28,6 +28,7 @@ import torch
 
 from pipefill.bench.prefill import load_hf_model, parse_ints
 from pipefill.config import server_args_from_namespace, server_args_parser_group
+from pipefill.runtime.platform import cpu_name
 
 log = logging.getLogger("pipefill.bench")
 
@@ -46,17 +47,6 @@ def add_parser(sub) -> None:
     server_args_parser_group(p, skip=("max_total_tokens",))
     p.set_defaults(run=run)
 
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    import platform
-    return platform.processor() or "unknown CPU"
 
 
 def copy_bandwidth(nbytes: int = 512 << 20, reps: int = 5) -> float:

@@ -26,6 +26,8 @@ import time
 
 import torch
 
+from pipefill.runtime.platform import cpu_name
+
 PATTERN_LAYER = 1000  # page p of layer l holds p + 1000 * l (K) and its negative (V)
 
 
@@ -48,16 +50,6 @@ def add_parser(sub) -> None:
     p.add_argument("--json", metavar="FILE", help="write every number to this JSON file")
     p.set_defaults(run=run)
 
-
-def cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return "unknown CPU"
 
 
 def pattern_kv(layers, pages, page_size, heads, dim, dtype, fill: bool):

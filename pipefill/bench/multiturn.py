@@ -18,10 +18,11 @@ from __future__ import annotations
 
 import argparse
 import json
-import platform
 import random
 import time
 from dataclasses import asdict, dataclass
+
+from pipefill.runtime.platform import cpu_name
 
 # Measured with the default model's tokenizer (SmolLM2) on text from make_text(): 1.24 tokens
 # per word (seeds 0-4, 2,000 and 8,000 words, 1.226-1.256). Other tokenizers differ by some
@@ -234,16 +235,6 @@ def _row(res: TurnResult, first: TurnResult) -> str:
 HEADER = f"{'turn':>4} {'prompt':>8} {'cached':>8} {'TTFT s':>9} {'/turn 1':>9} {'E2E s':>8}"
 
 
-def _cpu_name() -> str:
-    try:
-        with open("/proc/cpuinfo") as f:
-            for line in f:
-                if line.startswith("model name"):
-                    return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return platform.processor() or "unknown CPU"
-
 
 def summary(results: list[TurnResult], recorded_turn1: float | None) -> dict:
     ok = [r for r in results if r.ok]
@@ -291,7 +282,7 @@ def run(ns) -> int:
         what = f"document ~{ns.doc_tokens:,} tokens, questions ~{ns.question_tokens}"
     ns.answer_tokens = ns.answer_tokens or 64
     print(f"multiturn {ns.label} {ns.base_url}: {len(conv.questions)} turns, {what}, answers "
-          f"{ns.answer_tokens} tokens; client CPU {_cpu_name()}")
+          f"{ns.answer_tokens} tokens; client CPU {cpu_name()}")
     print(HEADER)
     results = run_conversation(ns, conv)
     summ = summary(results, recorded_turn1)
@@ -301,7 +292,7 @@ def run(ns) -> int:
         with open(ns.json, "w") as f:
             settings = {k: getattr(ns, k) for k in ("doc_tokens", "question_tokens",
                                                      "answer_tokens", "seed", "replay")}
-            json.dump({"label": ns.label, "base_url": ns.base_url, "cpu": _cpu_name(),
+            json.dump({"label": ns.label, "base_url": ns.base_url, "cpu": cpu_name(),
                        "settings": settings, "summary": summ,
                        "results": [asdict(r) for r in results],
                        "conversation": asdict(conv)}, f, indent=1)

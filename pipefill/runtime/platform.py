@@ -11,16 +11,27 @@ import torch
 log = logging.getLogger(__name__)
 
 
-@functools.cache
-def cpu_flags() -> frozenset[str]:
+def _cpuinfo_field(name: str) -> str | None:
     try:
         with open("/proc/cpuinfo") as f:
             for line in f:
-                if line.startswith("flags"):
-                    return frozenset(line.split(":", 1)[1].split())
+                if line.startswith(name):
+                    return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return frozenset()
+    return None
+
+
+@functools.cache
+def cpu_flags() -> frozenset[str]:
+    return frozenset((_cpuinfo_field("flags") or "").split())
+
+
+@functools.cache
+def cpu_name() -> str:
+    """The CPU's model name, which every benchmark prints beside its numbers."""
+    import platform
+    return _cpuinfo_field("model name") or platform.processor() or "unknown CPU"
 
 
 def usable_cpu_flags(hide: str | Iterable[str] = "") -> frozenset[str]:

@@ -43,12 +43,12 @@ import math
 import os
 import platform
 import sys
-import threading
 import time
 from pathlib import Path
 
 import torch
 
+from pipefill.kernels.build import LazyExtension
 from pipefill.kernels.build import build_dir as kernel_build_dir
 from pipefill.kernels.build import compile_object, require_ninja
 from pipefill.runtime.platform import cpu_flags
@@ -68,9 +68,6 @@ REQUIRED_CPU_FLAGS = ("amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512vl",
                       "avx512_bf16", "fma")
 EXPECTED_BUILD_S = 30
 
-_lock = threading.Lock()
-_ext = None
-_ext_error: str | None = None
 _status: tuple[bool, str] | None = None
 
 
@@ -96,18 +93,12 @@ def _build():
     return mod
 
 
+_extension = LazyExtension("AMX attention extension", _build)
+
+
 def _load():
     """The extension module; raises RuntimeError with the reason if it cannot be built."""
-    global _ext, _ext_error
-    with _lock:
-        if _ext is None and _ext_error is None:
-            try:
-                _ext = _build()
-            except Exception as e:  # noqa: BLE001 - any build problem means "not available"
-                _ext_error = f"{type(e).__name__}: {e}"
-        if _ext is None:
-            raise RuntimeError(f"AMX attention extension unavailable: {_ext_error}")
-        return _ext
+    return _extension.load()
 
 
 def amx_available(force_disable: bool = False) -> tuple[bool, str]:
@@ -148,7 +139,7 @@ def _require():
     ok, why = amx_available()
     if not ok:
         raise RuntimeError(f"AMX attention unavailable: {why}")
-    return _ext
+    return _extension.module
 
 
 class AmxKVCache:
@@ -217,7 +208,7 @@ class AmxKVCache:
 def _page_packer(dtype: torch.dtype):
     """A loaded extension's write_kv for a cache of `dtype` (AMX for bf16 when it is loaded,
     else the vector kernels', which pack both dtypes), or None: then pack_pages in torch."""
-    if dtype == torch.bfloat16 and _ext is not None:
+    if dtype == torch.bfloat16 and _extension.module is not None:
         return write_kv
     try:
         from pipefill.kernels import cpu_attention

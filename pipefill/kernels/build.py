@@ -7,6 +7,7 @@ import hashlib
 import os
 import subprocess
 import sys
+import threading
 from pathlib import Path
 
 import torch
@@ -63,3 +64,26 @@ def compile_object(source: Path, header: Path, flags: list[str], out_dir: Path,
             except OSError:
                 pass
     return obj
+
+
+class LazyExtension:
+    """A kernel extension built at first use, once per process. A failed build is remembered
+    (not retried on every call) and raised as RuntimeError('<what> unavailable: <reason>')."""
+
+    def __init__(self, what: str, build):
+        self.what = what
+        self._build = build
+        self._lock = threading.Lock()
+        self.module = None  # None until a build succeeded
+        self._error: str | None = None
+
+    def load(self):
+        with self._lock:
+            if self.module is None and self._error is None:
+                try:
+                    self.module = self._build()
+                except Exception as e:  # noqa: BLE001 - any build problem means "not available"
+                    self._error = f"{type(e).__name__}: {e}"
+            if self.module is None:
+                raise RuntimeError(f"{self.what} unavailable: {self._error}")
+            return self.module

@@ -27,12 +27,12 @@ import logging
 import math
 import platform
 import sys
-import threading
 import time
 from pathlib import Path
 
 import torch
 
+from pipefill.kernels.build import LazyExtension
 from pipefill.kernels.build import build_dir as kernel_build_dir
 from pipefill.kernels.build import compile_object, require_ninja
 from pipefill.runtime.platform import cpu_flags
@@ -60,10 +60,6 @@ REQUIRED_CPU_FLAGS = {
 }
 GLUE_FLAGS = ["-O3", "-std=c++17", "-fopenmp"]
 
-_lock = threading.Lock()
-_ext = None
-_ext_error: str | None = None
-
 
 def _build():
     import torch.utils.cpp_extension as cpp_ext
@@ -83,17 +79,12 @@ def _build():
     return mod
 
 
+_extension = LazyExtension("CPU attention extension", _build)
+
+
 def _load():
-    global _ext, _ext_error
-    with _lock:
-        if _ext is None and _ext_error is None:
-            try:
-                _ext = _build()
-            except Exception as e:  # noqa: BLE001 - any build problem means "not available"
-                _ext_error = f"{type(e).__name__}: {e}"
-        if _ext is None:
-            raise RuntimeError(f"CPU attention extension unavailable: {_ext_error}")
-        return _ext
+    """The extension module; raises RuntimeError with the reason if it cannot be built."""
+    return _extension.load()
 
 
 def kernel_available(isa: str, flags: frozenset[str] | None = None) -> tuple[bool, str]:

@@ -13,9 +13,6 @@ from pipefill.runtime.platform import resolve_dtype, usable_cpu_flags
 
 def prepare(args: ServerArgs) -> tuple[ServerArgs, WeightSource]:
     """Resolves model-dependent defaults and rejects impossible settings up front."""
-    if args.disaggregation_mode == "decode" and args.pp_size != 1:
-        raise ValueError("--disaggregation-mode decode runs with --pp-size 1 for now (the "
-                         "prefill server may use any --pp-size)")
     if args.disaggregation_mode != "null" and args.nnodes > 1:
         raise ValueError(f"--disaggregation-mode {args.disaggregation_mode} runs on one node "
                          "(--nnodes 1) for now")

@@ -1,5 +1,5 @@
 """The --disaggregation-* flags: validated in ServerArgs, mapped to the transfer timings, and
-`pipefill serve` refuses a decode pipeline (PP > 1: not served yet) with a sentence (exit 2)."""
+`pipefill serve` refuses a PD role across nodes (not served yet) with a sentence (exit 2)."""
 from __future__ import annotations
 
 import signal
@@ -26,12 +26,14 @@ def test_bad_values_name_the_flag(field, value):
         ServerArgs(**{field: value})
 
 
-def test_serve_refuses_a_decode_pipeline_with_a_sentence(capsys):
+def test_serve_refuses_a_multi_node_decode_with_a_sentence(capsys):
+    """A decode pipeline on one node is served (tests/test_pd_decode_pp.py); across nodes not."""
     from pipefill.cli.main import main
     previous = signal.getsignal(signal.SIGTERM)
     try:
-        assert main(["serve", "--disaggregation-mode", "decode", "--pp-size", "2"]) == 2
+        assert main(["serve", "--disaggregation-mode", "decode", "--pp-size", "2", "--nnodes",
+                     "2", "--node-rank", "0", "--dist-init-addr", "127.0.0.1:5000"]) == 2
     finally:
         signal.signal(signal.SIGTERM, previous)
     err = capsys.readouterr().err
-    assert "--disaggregation-mode decode runs with --pp-size 1" in err and "Traceback" not in err
+    assert "--disaggregation-mode decode runs on one node" in err and "Traceback" not in err

@@ -1,5 +1,5 @@
 """The transfer plane wired into the stages (DESIGN.md section 7): what a prefill stage and a
-decode stage 0 do around their micro-batch loops.
+decode stage do around their micro-batch loops.
 
 Prefill, every stage: a KVSender registered with the bootstrap service; after each forward it
 queues the whole pages the plan completed for each PD request (never blocking the loop); its
@@ -7,9 +7,10 @@ release callback reports ("kv_done", (room, rank)) on a socket of its own (ZMQ s
 thread-safe), the front end forwards it to stage 0, and the scheduler keeps the request's pages
 until every stage reported. Stage 0 also sends the final metadata (first token, logprobs, seed).
 
-Decode, stage 0 (decode PP 1): a KVReceiver writing into stage 0's own KV pool; the loop thread
-admits requests into pages, asks the prefill for their KV, polls finished rooms, and frees
-pages the receiver let go (its callbacks run on its threads: they only queue, because PagePool
+Decode, every stage: a KVReceiver writing its own layers into its own KV pool. Stage 0's loop
+thread admits requests into pages, asks the prefill for their KV (and tells the later stages
+to do the same for their layers, see DecodeStagePD), polls finished rooms, and frees pages the
+receivers let go (callbacks run on the receiver's threads: they only queue, because PagePool
 is not thread-safe). Received pages are treated as computed: the decode's prefix cache takes
 them as it would its own pages.
 """
@@ -19,6 +20,7 @@ import logging
 import queue
 import socket
 import threading
+import time
 from collections import OrderedDict
 
 from pipefill.disagg import messages as m
@@ -28,6 +30,10 @@ from pipefill.runtime.platform import dtype_name
 from pipefill.scheduler.scheduler import kv_send_end
 
 log = logging.getLogger(__name__)
+# "pd-timeline" debug lines carry wall-clock stamps of a room's last moments (last chunk's
+# forward end, pages all sent and released, decode ready) for `pipefill bench pd-serving`, which compares them
+# with the client's first token on the same machine.
+TIMELINE = "pd-timeline room %d %s %.6f"
 
 REMEMBERED_ROOMS = 4096
 LOOKUP_TIMEOUT_S = 5.0  # the decode loop waits this long at most for an unready prefill
@@ -91,11 +97,20 @@ class PrefillStagePD:
                 self.sender.open_room(w.room, sends_final=self.rank == 0)
             p0, p1 = w.kv_send_from // self.page_size, kv_send_end(w, self.page_size)
             is_last = w.sample is not None
+            if is_last:
+                log.debug(TIMELINE, w.room, f"stage{self.rank}-last-forward-end", time.time())
             if p1 > p0 or is_last:
                 self.sender.send_pages(w.room, p0, w.page_table[p0:p1], is_last)
 
     def poll(self, scheduler) -> list:
         return []
+
+    def on_kv_done(self, scheduler, payload) -> None:
+        """Stage 0: one stage's sender is done with a room; its pages may go when all are."""
+        scheduler.pd_stage_done(payload[0])
+
+    def take_down(self):
+        return None
 
     def after_update(self, scheduler, outputs) -> None:
         """Stage 0: the first token of a PD request is the room's final metadata."""
@@ -114,23 +129,48 @@ class PrefillStagePD:
                 r.seed.to_bytes(4, "little")))
 
     def _released(self, room: int, pages: list[int]) -> None:
+        log.debug(TIMELINE, room, f"stage{self.rank}-released", time.time())
         with self._lock:  # called from the sender's threads
             if self._done.add(room):
                 self._report("kv_done", (room, self.rank))
 
 
 class DecodeStagePD:
-    def __init__(self, args, executor, cfg):
+    """Decode, every stage of the pipeline. Each stage receives its own layers' KV from the
+    prefill stages that hold them, into the pages stage 0 chose. Stage 0 admits and tells the
+    later stages through "pd" control messages down the pipe (in order with the plans, and
+    sent at once, not with the next plan: a room waiting for its KV is in no plan): ("expect",
+    ...) allocates the room's pages on that stage and asks its prefill stages for their KV,
+    ("ready", pages) marks them written just before the first plan that reads them, ("drop",
+    room) ends a room that failed elsewhere or was aborted. A later stage reports back through
+    the front end the way prefill stages report kv_done: ("kv_done", (room, rank)) when it has
+    all its layers, (room, -rank) once its room failed and its receiver let the pages go.
+    Stage 0 declares a room ready only when every stage has all of its layers
+    (rooms.DecodePipelineRooms), and frees its pages only when no stage can write them."""
+
+    def __init__(self, args, executor, cfg, info=None, report=None):
+        from pipefill.disagg.rooms import DecodePipelineRooms
         from pipefill.disagg.transfer_receiver import KVReceiver
+        from pipefill.model.partition import partition_layers
         self.args, self.cfg, self.executor = args, cfg, executor
+        self.rank = info.rank if info is not None else 0
         self.secret = _secret(args)
-        self.kv = KVTensors.from_cache(executor.cache, 0)
+        self.kv = KVTensors.from_cache(executor.cache, info.layers.start if info else 0)
+        # The whole decode pipeline's layers: a prefill stage learns how many decode stages
+        # will bootstrap each room from it.
+        self.layer_ranges = [(r.start, r.stop) for r in partition_layers(
+            cfg.num_layers, args.pp_size, args.pp_layer_partition)]
         self._released_rooms: queue.SimpleQueue = queue.SimpleQueue()
         self.receiver = KVReceiver(self.kv, release=lambda room, pages:
                                    self._released_rooms.put(room),
                                    backend=args.disaggregation_transfer_backend,
                                    host=node_host(args.host), timing=Timing.from_args(args),
                                    secret=self.secret)
+        self.pipeline = DecodePipelineRooms(args.pp_size)  # stage 0
+        self._own: dict[int, object] = {}  # stage 0: room -> its own RoomResult, until ready
+        self._reports: queue.SimpleQueue = queue.SimpleQueue()  # stage 0: later stages' kv_done
+        self._down: list = []  # stage 0: "pd" ops for the later stages, sent before any plan
+        self._down_page_ops = None
         if args.disaggregation_prefill_bootstrap:  # check the pairing at start-up
             host, _, port = args.disaggregation_prefill_bootstrap.rpartition(":")
             key = f"{host}:{port}"
@@ -139,12 +179,29 @@ class DecodeStagePD:
             except ValueError as e:
                 raise ValueError(f"this decode cannot pair with the prefill at "
                                  f"--disaggregation-prefill-bootstrap {key}: {e}") from None
+        if self.rank > 0:
+            self._report = report
+            threading.Thread(target=self._watch, name="pd-decode-watch", daemon=True).start()
 
     def after_forward(self, plan) -> None:
         pass
 
     def after_update(self, scheduler, outputs) -> None:
         pass
+
+    def on_kv_done(self, scheduler, payload) -> None:
+        """Stage 0, from the front end: a later stage's (room, rank) or (room, -rank)."""
+        self._reports.put(tuple(payload))
+
+    def take_down(self):
+        """Stage 0: (ops, page_ops) for the later stages, or None."""
+        if not self._down:
+            return None
+        down, self._down = (self._down, self._down_page_ops), []
+        self._down_page_ops = None
+        return down
+
+    # ---- stage 0 ---------------------------------------------------------------------------
 
     def poll(self, scheduler) -> list:
         """On the loop thread: the outputs of rooms that ended, after new ones were asked
@@ -155,49 +212,97 @@ class DecodeStagePD:
             ops = scheduler.kv.drain_ops()
             self.executor.apply_page_ops(ops)
             self.executor.finish_page_ops(ops)
+            self._down_page_ops = ops  # the later stages replay them before the allocations
         for r in admitted:
             self.executor.owners.allocate(r.rid, r.pages)
             error = self._expect(r)
-            if error is not None:
+            self._send_down(["expect", r.pd.room, r.rid, list(r.pages), r.pd.host, r.pd.port,
+                             len(r.prompt_ids), error is None])
+            if error is not None:  # no stage was asked: nothing can write into the pages
                 scheduler.kv_released(r.pd.room)
                 outputs.append(scheduler.kv_failed(r.pd.room, error))
-        for room in scheduler.dropped_rooms:
-            self.receiver.drop_room(room, "the client went away")
+            else:
+                self.pipeline.open(r.pd.room)
+        for room in scheduler.dropped_rooms:  # their requests are over: no output
+            self._act(scheduler, room, self.pipeline.fail(room), outputs, "the client went away")
         scheduler.dropped_rooms.clear()
         for res in self.receiver.take_finished():
-            out = self._finished(scheduler, res)
-            if out is not None:
-                outputs.append(out)
+            self._finished(scheduler, res, outputs)
         while not self._released_rooms.empty():
-            scheduler.kv_released(self._released_rooms.get())
+            room = self._released_rooms.get()
+            self._act(scheduler, room, self.pipeline.released(room, 0), outputs)
+        while not self._reports.empty():
+            room, rank = self._reports.get()
+            if rank > 0:
+                self._act(scheduler, room, self.pipeline.ready(room, rank), outputs)
+            else:
+                why = (f"decode stage {-rank} could not receive its layers' KV from the "
+                       f"prefill server (its log says why)")
+                self._act(scheduler, room, self.pipeline.fail(room), outputs, why)
+                self._act(scheduler, room, self.pipeline.released(room, -rank), outputs)
         return [o for o in outputs if o is not None]
 
-    def _finished(self, scheduler, res):
+    def _finished(self, scheduler, res, outputs: list) -> None:
         if not res.ok:
-            return scheduler.kv_failed(res.room, f"the KV transfer from the prefill server "
-                                                 f"failed: {res.reason}")
+            self._act(scheduler, res.room, self.pipeline.fail(res.room), outputs,
+                      f"the KV transfer from the prefill server failed: {res.reason}")
+            return
         r = scheduler.rooms.get(res.room)
         f = res.final
         if r is None or f is None or f.num_prompt_tokens != len(r.prompt_ids):
-            scheduler.kv_released(res.room)
-            return scheduler.kv_failed(res.room, "the prefill's final metadata does not match "
-                                                 "this request")
-        self.executor.owners.mark_written(r.pages)
-        seed = int.from_bytes(f.sampling_state, "little") if f.sampling_state else None
-        return scheduler.kv_arrived(res.room, f.first_token, f.logprob, f.top_logprobs, seed)
+            # The pages are ours again (a success hands them over): nothing writes them.
+            self._act(scheduler, res.room, self.pipeline.fail(res.room), outputs,
+                      "the prefill's final metadata does not match this request")
+            self._act(scheduler, res.room, self.pipeline.released(res.room, 0), outputs)
+            return
+        self._own[res.room] = res
+        self._act(scheduler, res.room, self.pipeline.ready(res.room, 0), outputs)
+
+    def _act(self, scheduler, room: int, actions: set[str], outputs: list,
+             why: str = "") -> None:
+        if "fail" in actions:
+            self._own.pop(room, None)
+            self._drop(room, why or "the request ended")
+            outputs.append(scheduler.kv_failed(room, why or "the request ended"))
+        if "release" in actions:
+            scheduler.kv_released(room)
+        if "ready" in actions:
+            res, r = self._own.pop(room), scheduler.rooms.get(room)
+            if r is None:
+                return
+            self.executor.owners.mark_written(r.pages)
+            self._send_down(["ready", list(r.pages)])
+            f = res.final
+            seed = int.from_bytes(f.sampling_state, "little") if f.sampling_state else None
+            outputs.append(scheduler.kv_arrived(room, f.first_token, f.logprob,
+                                                f.top_logprobs, seed))
+
+    def _drop(self, room: int, reason: str) -> None:
+        """Every stage stops waiting for the room (a room already over is left alone)."""
+        self.receiver.drop_room(room, reason)
+        self._send_down(["drop", room, reason])
+
+    def _send_down(self, op: list) -> None:
+        if self.args.pp_size > 1:
+            self._down.append(op)
 
     def _expect(self, r) -> str | None:
         """Asks the prefill for r's KV; a sentence when that cannot be done."""
         key = f"{r.pd.host}:{r.pd.port}"
         try:
-            if not self.receiver.connected(key):
-                self.connect(key, m.Endpoint(r.pd.host, r.pd.port))
-            self.receiver.expect_room(r.pd.room, key, list(r.pages),
-                                      num_prompt_tokens=len(r.prompt_ids))
+            self._expect_room(r.pd.room, key, r.pd.host, r.pd.port, list(r.pages),
+                              len(r.prompt_ids))
         except (RuntimeError, ValueError, OSError) as e:
             log.warning("room %d: %s", r.pd.room, e)
             return f"cannot take KV from the prefill server at bootstrap {key}: {e}"
         return None
+
+    def _expect_room(self, room, key, host, port, pages, num_prompt_tokens) -> None:
+        if not self.receiver.connected(key):
+            self.connect(key, m.Endpoint(host, port))
+        # Only stage 0 overlaps prefill stage 0, the one that sends the final metadata.
+        self.receiver.expect_room(room, key, pages, num_prompt_tokens=num_prompt_tokens,
+                                  want_final=self.rank == 0)
 
     def connect(self, key: str, endpoint: m.Endpoint, timeout_s: float = LOOKUP_TIMEOUT_S):
         info = lookup_prefill(endpoint, timeout_s, self.secret)
@@ -205,4 +310,42 @@ class DecodeStagePD:
                          model_fingerprint=m.model_fingerprint(self.cfg),
                          backend=self.args.disaggregation_transfer_backend,
                          num_layers=self.cfg.num_layers, kv_layout=self.kv.layout)
-        self.receiver.connect(key, info)
+        self.receiver.connect(key, info, decode_layer_ranges=self.layer_ranges)
+
+    # ---- later stages ------------------------------------------------------------------------
+
+    def on_control(self, ops) -> None:
+        """A later stage, on its loop thread (in pipe order, after the message's page ops)."""
+        for op in ops:
+            if op[0] == "expect":
+                _, room, rid, pages, host, port, num_prompt_tokens, ask = op
+                self.executor.owners.allocate(rid, pages)
+                if ask:
+                    self._expect_later(room, host, port, pages, num_prompt_tokens)
+            elif op[0] == "ready":
+                self.executor.owners.mark_written(op[1])
+            elif op[0] == "drop":
+                self.receiver.drop_room(op[1], op[2])
+
+    def _expect_later(self, room, host, port, pages, num_prompt_tokens) -> None:
+        key = f"{host}:{port}"
+        try:
+            self._expect_room(room, key, host, port, pages, num_prompt_tokens)
+        except (RuntimeError, ValueError, OSError) as e:
+            log.warning("decode stage %d, room %d: cannot take KV from the prefill server at "
+                        "bootstrap %s: %s", self.rank, room, key, e)
+            self._report("kv_done", (room, -self.rank))  # nothing was asked: nothing writes
+
+    def _watch(self) -> None:
+        """A later stage's reports to stage 0: a room whose layers all arrived, and a failed
+        room once its receiver let the pages go (its failure alone is only logged)."""
+        while True:
+            for res in self.receiver.wait_finished(
+                    0.5, wake=lambda: not self._released_rooms.empty()):
+                if res.ok:
+                    self._report("kv_done", (res.room, self.rank))
+                else:
+                    log.info("decode stage %d, room %d failed: %s", self.rank, res.room,
+                             res.reason)
+            while not self._released_rooms.empty():
+                self._report("kv_done", (self._released_rooms.get(), -self.rank))

@@ -70,6 +70,7 @@ class Dest:
     peer: str
     nonce: int
     dst_pages: list[int]
+    staging_addr: int = 0  # mooncake: where this decode stages the room's chunks (0: none)
 
 
 @dataclass
@@ -130,7 +131,7 @@ class PrefillRooms:
                                                           reason))]
         r = self._room(msg.room, now)
         r.expected = msg.expected_bootstraps
-        r.dests[peer] = Dest(peer, msg.nonce, list(msg.dst_pages))
+        r.dests[peer] = Dest(peer, msg.nonce, list(msg.dst_pages), msg.staging_addr)
         if not r.bootstrapped:
             return [], []
         work = [(item, d) for item in r.pending for d in r.dests.values()]
@@ -450,3 +451,64 @@ class DecodeRooms:
         if self.live.get(r.room) is r:
             del self.live[r.room]
             self.release(r.room, r.dst_pages)
+
+
+# ---------------------------------------------------------------- a decode pipeline
+
+@dataclass
+class PipelineRoom:
+    waiting: set[int]  # decode stages whose layers have not all arrived
+    holding: set[int]  # decode stages whose receiver may still write into the room's pages
+    failed: bool = False
+
+
+class DecodePipelineRooms:
+    """Decode stage 0's view of one room across the decode pipeline (every stage receives
+    its own layers from the prefill stages that hold them): the room is ready only when every
+    stage has all of its layers, it fails on the first stage that fails, and its pages may be
+    reused only once no stage's receiver can still write into them. Pure bookkeeping: each
+    call returns what the caller must now do, a subset of {"ready", "fail", "release"}."""
+
+    def __init__(self, pp_size: int):
+        self.pp_size = pp_size
+        self.live: dict[int, PipelineRoom] = {}
+
+    def open(self, room: int) -> None:
+        stages = set(range(self.pp_size))
+        self.live[room] = PipelineRoom(set(stages), set(stages))
+
+    def ready(self, room: int, stage: int) -> set[str]:
+        """The stage has every page of its layers (its receiver let go of the room)."""
+        r = self.live.get(room)
+        if r is None:
+            return set()
+        r.waiting.discard(stage)
+        r.holding.discard(stage)
+        if r.failed:
+            return self._maybe_released(room, r)
+        if not r.waiting:
+            del self.live[room]
+            return {"ready"}
+        return set()
+
+    def fail(self, room: int) -> set[str]:
+        """A stage failed (or the request was aborted): "fail" the first time only."""
+        r = self.live.get(room)
+        if r is None or r.failed:
+            return set()
+        r.failed = True
+        return {"fail"} | self._maybe_released(room, r)
+
+    def released(self, room: int, stage: int) -> set[str]:
+        """The stage's receiver will not write into the room's pages any more."""
+        r = self.live.get(room)
+        if r is None:
+            return set()
+        r.holding.discard(stage)
+        return self._maybe_released(room, r)
+
+    def _maybe_released(self, room: int, r: PipelineRoom) -> set[str]:
+        if r.failed and not r.holding:
+            del self.live[room]
+            return {"release"}
+        return set()

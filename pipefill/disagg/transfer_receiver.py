@@ -25,12 +25,17 @@ class KVReceiver:
 
     def __init__(self, kv: KVTensors, *, release: Callable[[int, list[int]], None],
                  backend: str = "tcp", host: str = "127.0.0.1", timing: Timing = Timing(),
-                 secret: bytes | None = None, clock=time.monotonic):
+                 secret: bytes | None = None, clock=time.monotonic,
+                 staging_bytes: int | None = None):
         self.kv, self.secret = kv, secret
         self.name = f"decode-{kv.layer_start}-{os.getpid()}-{os.urandom(3).hex()}"
-        self.data = make_data_path(backend, kv, host)
+        self.data = make_data_path(backend, kv, host, staging_bytes)
         self._p = Peers(timing, clock)
-        self.rooms = DecodeRooms(timing.waiting_timeout_s, release, self.data.one_sided,
+
+        def released(room: int, pages: list[int]) -> None:
+            self._free_staging(room)  # with the pages: no write into either can still happen
+            release(room, pages)
+        self.rooms = DecodeRooms(timing.waiting_timeout_s, released, self.data.one_sided,
                                  drain_grace_s=timing.heartbeat_interval_s *
                                  timing.heartbeat_max_misses)
         self.prefills: dict[str, dict[str, tuple[int, int]]] = {}  # key -> stage -> layers
@@ -82,8 +87,11 @@ class KVReceiver:
         with self._p.lock:
             self.rooms.expect(room, nonce, dst_pages, stages, self._p.clock(), want_final,
                               num_prompt_tokens)
-        notices = [(st, m.RoomBootstrap(room, nonce, list(dst_pages), self._expected[key][st]))
-                   for st in stages]
+            # One-sided writes into fragmented pages go through a staging region per stage.
+            staging = self.data.plan_room(room, nonce, stages, dst_pages) \
+                if self.data.one_sided else {}
+        notices = [(st, m.RoomBootstrap(room, nonce, list(dst_pages), self._expected[key][st],
+                                        staging.get(st, 0))) for st in stages]
         self._p.send(notices, self._stage_dead)
         return nonce
 
@@ -96,6 +104,14 @@ class KVReceiver:
     def take_finished(self) -> list[RoomResult]:
         """Every room that ended since the last call (for a loop that polls, never waits)."""
         with self._p.lock:
+            rooms = list(self.rooms.results)
+            return [self.rooms.take_result(room) for room in rooms]
+
+    def wait_finished(self, timeout_s: float, wake=lambda: False) -> list[RoomResult]:
+        """Like take_finished, but waits up to timeout_s for a room to end (or for `wake()`,
+        checked under the receiver's lock whenever its state changes, to turn true)."""
+        with self._p.changed:
+            self._p.changed.wait_for(lambda: bool(self.rooms.results) or wake(), timeout_s)
             rooms = list(self.rooms.results)
             return [self.rooms.take_result(room) for room in rooms]
 
@@ -161,6 +177,7 @@ class KVReceiver:
             if dst is not None:
                 with self._p.lock:
                     self.rooms.end_chunk(stage, msg, self._p.clock(), ok=ok)
+                    self._free_staging(msg.room)
                     self._p.changed.notify_all()
 
     def _on_control(self, stage: str, msg) -> None:
@@ -168,6 +185,7 @@ class KVReceiver:
         with self._p.lock:
             if isinstance(msg, m.FinalMeta):
                 notices = self.rooms.on_final(stage, msg, now)
+                self._free_staging(msg.room)
             elif isinstance(msg, m.RoomFailed):
                 notices = self.rooms.on_failed(stage, msg, now)
             elif isinstance(msg, m.DropAck):
@@ -178,6 +196,12 @@ class KVReceiver:
                 self._p.conns[stage].drops.drop(f"{type(msg).__name__} is not for a decode")
             self._p.changed.notify_all()
         self._p.send(notices, self._stage_dead)
+
+    def _free_staging(self, room: int) -> None:
+        """Frees a room's staging regions once it left `live` (ready, or failed and released);
+        under the lock."""
+        if self.data.one_sided and room not in self.rooms.live:
+            self.data.end_room(room)
 
     def _stage_dead(self, stage: str, conn: ch.Channel | None = None) -> None:
         with self._p.lock:

@@ -27,7 +27,7 @@ LOAD_REPORT_S = 0.2  # the server's /metrics reads these pushed snapshots
 class FirstStageLoop:
     def __init__(self, executor, scheduler: Scheduler, channel, pipe=None,
                  max_inflight: int = 1, tracer: StageTracer | None = None, on_result=None,
-                 pd=None):
+                 pd=None, chunk_policy=None):
         self.executor = executor
         self.scheduler = scheduler
         self.channel = channel  # front end: poll() requests, report() events
@@ -36,6 +36,8 @@ class FirstStageLoop:
         self.tracer = tracer or StageTracer(0, False)
         self.on_result = on_result  # (plan, result) -> None: online chunk-cost calibration
         self.pd = pd  # PD disaggregation role (pipefill.disagg.roles), or None
+        # runtime.chunk_policy.ChunkPolicy: its idle_step runs a background profile's prefills
+        self.chunk_policy = chunk_policy
         self.inflight: deque[StepPlan] = deque()
         self.stopping = False
         self._load_changed = False
@@ -44,6 +46,9 @@ class FirstStageLoop:
     def run(self) -> None:
         while not (self.stopping and not self.inflight):
             idle = not self.inflight and not self.scheduler.has_work
+            if idle and self.chunk_policy is not None and \
+                    self.chunk_policy.idle_step(self.scheduler):
+                idle = False  # one background-profile prefill ran: look for requests, go on
             self._ingest(IDLE_POLL_MS if idle else 0)
             if self.pd is not None:
                 self._pd_poll()
@@ -79,12 +84,17 @@ class FirstStageLoop:
                 self._control(kind)
             elif kind == "stop":
                 self._stop()
-            elif kind == "kv_done":
-                self.scheduler.pd_stage_done(payload[0])
+            elif kind == "kv_done" and self.pd is not None:
+                self.pd.on_kv_done(self.scheduler, payload)
         return len(messages)
 
     def _pd_poll(self) -> None:
         outputs = self.pd.poll(self.scheduler)
+        down = self.pd.take_down() if self.pipe is not None else None
+        if down is not None:  # PD decode: room ops for the later stages, ahead of any plan
+            ops, page_ops = down
+            self.pipe.send_forward(PipeMessage(None, control=("pd", ops), page_ops=page_ops),
+                                   None)
         if outputs:
             self._load_changed = True
             self.channel.report("outputs", outputs)
@@ -127,7 +137,8 @@ class FirstStageLoop:
                 "owned_pages": owners.num_used if owners is not None else None,
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "inflight_micro_batches": len(self.inflight),
-                "page_size": self.scheduler.cfg.page_size, **self.scheduler.kv.stats()}
+                "page_size": self.scheduler.cfg.page_size, **self.scheduler.kv.stats(),
+                "chunking": self.chunk_policy.info if self.chunk_policy is not None else None}
 
     # ---- schedule / run / update -------------------------------------------------------------
 
@@ -215,6 +226,8 @@ def run_later_stage(executor, pipe, channel, tracer: StageTracer | None = None,
             if msg.page_ops is not None:
                 executor.apply_page_ops(msg.page_ops)
                 executor.finish_page_ops(msg.page_ops)
+            if msg.control[0] == "pd" and pd is not None:  # PD decode: room ops from stage 0
+                pd.on_control(msg.control[1])
             report_control(msg.control[0], pipe.rank, channel, tracer, executor)
             if not last:
                 pipe.send_forward(msg, None)

@@ -148,21 +148,20 @@ def _run_stage(args: ServerArgs, model_file: str, rank: int, channel: StageChann
 
 def make_pd_role(args: ServerArgs, executor, info, cfg, addrs: Addresses | None):
     """The stage's PD disaggregation role (pipefill.disagg.roles), or None."""
-    if args.disaggregation_mode == "decode":
-        from pipefill.disagg.roles import DecodeStagePD
-        return DecodeStagePD(args, executor, cfg)
-    if args.disaggregation_mode != "prefill":
+    if args.disaggregation_mode not in ("prefill", "decode"):
         return None
     import threading
 
-    from pipefill.disagg.roles import PrefillStagePD
-    # The sender's threads report on a socket of their own: ZMQ sockets are not thread-safe.
+    from pipefill.disagg.roles import DecodeStagePD, PrefillStagePD
+    # Transfer threads report on a socket of their own: ZMQ sockets are not thread-safe.
     side = StageChannel(addrs, read_requests=False)
     lock = threading.Lock()
 
     def report(kind, payload):
         with lock:
             side.report(kind, payload)
+    if args.disaggregation_mode == "decode":
+        return DecodeStagePD(args, executor, cfg, info, report)
     return PrefillStagePD(args, executor, info.rank, info.layers.start, cfg, report)
 
 
@@ -191,7 +190,7 @@ def make_first_stage_loop(args, cfg, executor, channel, pipe, tracer, policy, pd
     if pd is not None:
         scheduler.pd_role, scheduler.pd_stages = args.disaggregation_mode, args.pp_size
     return FirstStageLoop(executor, scheduler, channel, pipe, args.max_inflight, tracer,
-                          on_result=policy.observe, pd=pd)
+                          on_result=policy.observe, pd=pd, chunk_policy=policy)
 
 
 if __name__ == "__main__":

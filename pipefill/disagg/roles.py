@@ -270,6 +270,7 @@ class DecodeStagePD:
             res, r = self._own.pop(room), scheduler.rooms.get(room)
             if r is None:
                 return
+            log.debug(TIMELINE, room, "decode-ready", time.time())
             self.executor.owners.mark_written(r.pages)
             self._send_down(["ready", list(r.pages)])
             f = res.final

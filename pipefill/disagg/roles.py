@@ -31,8 +31,9 @@ from pipefill.scheduler.scheduler import kv_send_end
 
 log = logging.getLogger(__name__)
 # "pd-timeline" debug lines carry wall-clock stamps of a room's last moments (last chunk's
-# forward end, pages all sent and released, decode ready) for `pipefill bench pd-serving`, which compares them
-# with the client's first token on the same machine.
+# forward end, each prefill stage's pages all sent and released, decode ready on every stage)
+# for `pipefill bench pd-serving`, which compares them with the client's first token on the
+# same machine.
 TIMELINE = "pd-timeline room %d %s %.6f"
 
 REMEMBERED_ROOMS = 4096

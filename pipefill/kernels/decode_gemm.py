@@ -2,10 +2,11 @@
 
 Decode steps multiply a handful of rows (one per running request) by every weight matrix; torch's
 matmul streams the weights well at M = 1 but several times slower at M = 4..16. Here each call
-reads each weight once for all rows: W is packed into blocks of 16 output columns with the
-column values of one k (float32) or of one k-pair (bf16) contiguous, the blocks are split over
-torch's thread pool, and every row's sum runs in an order that does not depend on M (a row
-gives the same bits alone or inside a batch).
+reads each weight once for all rows: W is packed into groups of 48 output columns with the
+column values of one k (float32) or of one k-pair (bf16) contiguous, the groups are split over
+torch's thread pool, a register tile of up to 8 rows (AVX-512; 4 on AVX2) x 48 columns uses each
+loaded weight for all its rows, and every row's sum is one chain in k order that does not depend
+on M (a row gives the same bits alone or inside a batch).
 
 Paths, one C++ translation unit each, built with its own -m flags and chosen at run time from
 cpuid (a CPU never runs an instruction it lacks; ``disable=`` forces paths off for tests):
@@ -37,7 +38,7 @@ from pipefill.kernels.build import build_dir, compile_object, require_ninja
 
 log = logging.getLogger("pipefill.kernels")
 
-BLOCK = 16  # output columns per packed block
+BLOCK = 48  # output columns per packed group (kGroup in decode_gemm_kernel.h)
 ISAS = ("avx512bf16", "avx512", "avx2")  # preference order
 _ISA_CODE = {"avx2": 0, "avx512": 1, "avx512bf16": 2}
 _BASE = ["-O3", "-std=c++17", "-fPIC", "-ffp-contract=off", "-fno-exceptions"]
@@ -146,8 +147,8 @@ def available(compute_dtype: torch.dtype = torch.float32,
 
 
 def pack_weight(weight: torch.Tensor, weight_dtype: torch.dtype) -> torch.Tensor:
-    """[N, K] -> float32 [nb, Kp, 16] or bf16 [nb, Kp/2, 16, 2] (zero padding to the block
-    and to an even K)."""
+    """[N, K] -> float32 [ng, Kp, 48] or bf16 [ng, Kp/2, 48, 2] (zero padding to a whole group
+    of 48 columns and to an even K)."""
     n, k = weight.shape
     nb, kp = -(-n // BLOCK), k + (k & 1)
     w = torch.zeros(nb * BLOCK, kp, dtype=weight_dtype)

@@ -64,9 +64,10 @@ inline float bf16_to_f32(uint16_t h) {
   return f;
 }
 
-// Blocks per task: at least ~64 KB of weights each, so small matrices stay on one thread.
+// Column groups per task: at least ~64 KB of weights each, so small matrices stay on one
+// thread (a group of a 576-wide matrix is already 55 KB in bf16).
 int64_t grain(int64_t kp, int64_t w_elem) {
-  return std::max<int64_t>(1, 65536 / std::max<int64_t>(1, kp * kBlock * w_elem));
+  return std::max<int64_t>(1, 65536 / std::max<int64_t>(1, kp * kGroup * w_elem));
 }
 
 }  // namespace
@@ -90,7 +91,7 @@ int pf_dg_gemm(int isa, const void* x, int x_dtype, int64_t ldx, const void* wp,
   if (K <= 0 || (isa == kAvx512Bf16 && (w_dtype != kBF16 || x_dtype != kBF16))) return -3;
   const Out out{y, y_dtype, ldy, N, bias};
   const int64_t kp = K + (K & 1);
-  const int64_t nb = (N + kBlock - 1) / kBlock;
+  const int64_t ng = (N + kGroup - 1) / kGroup;
   try {
     if (isa == kAvx512Bf16) {
       const uint16_t* xb = static_cast<const uint16_t*>(x);
@@ -101,8 +102,8 @@ int pf_dg_gemm(int isa, const void* x, int x_dtype, int64_t ldx, const void* wp,
         xb = padded.data();
         ldx = kp;
       }
-      at::parallel_for(0, nb, grain(kp, 2), [&](int64_t b0, int64_t b1) {
-        avx512bf16::gemm_blocks(xb, ldx, wp, M, kp, out, b0, b1);
+      at::parallel_for(0, ng, grain(kp, 2), [&](int64_t g0, int64_t g1) {
+        avx512bf16::gemm_blocks(xb, ldx, wp, M, kp, out, g0, g1);
       });
       return 0;
     }
@@ -117,8 +118,8 @@ int pf_dg_gemm(int isa, const void* x, int x_dtype, int64_t ldx, const void* wp,
       ldx = K;
     }
     auto fn = isa == kAvx2 ? avx2::gemm_blocks : avx512::gemm_blocks;
-    at::parallel_for(0, nb, grain(kp, w_dtype == kBF16 ? 2 : 4), [&](int64_t b0, int64_t b1) {
-      fn(xf, ldx, wp, w_dtype, M, K, out, b0, b1);
+    at::parallel_for(0, ng, grain(kp, w_dtype == kBF16 ? 2 : 4), [&](int64_t g0, int64_t g1) {
+      fn(xf, ldx, wp, w_dtype, M, K, out, g0, g1);
     });
   } catch (const std::exception& e) {
     std::fprintf(stderr, "pipefill decode gemm: %s\n", e.what());

@@ -1,8 +1,9 @@
 // AVX2 + FMA decode GEMM, float32 compute, float32 or bf16 weights (bf16 -> float32 in
 // registers: a 16-bit shift for the even k of a pair, a mask for the odd k). Entered only after
-// the glue's cpuid/XCR0 check for AVX2 and FMA. A block of 16 columns is two 8-lane halves;
-// per row and half two partial sums (even and odd k), added at the end: the same order as the
-// AVX-512 path, whatever M.
+// the glue's cpuid/XCR0 check for AVX2 and FMA. 16 ymm registers: a tile is up to 4 rows x 24
+// columns (12 accumulators + 3 weights + a broadcast), or up to 2 rows x the whole 48-column
+// group; the row tiles and column halves after the first read the group from L2. One FMA chain
+// per (row, column) in k order: the same bits as the AVX-512 path, whatever M.
 #include <immintrin.h>
 
 #include "decode_gemm_kernel.h"
@@ -11,7 +12,8 @@ namespace pipefill_decode {
 namespace avx2 {
 namespace {
 
-constexpr int kRows = 3;  // 12 accumulators + 2-4 weights + a broadcast <= 16 ymm
+constexpr int kRows = 4;
+constexpr int kPrefetchPairs = 8;
 
 inline uint16_t to_bf16(float f) {
   uint32_t b;
@@ -20,11 +22,10 @@ inline uint16_t to_bf16(float f) {
   return (uint16_t)((b + 0x7fff + ((b >> 16) & 1)) >> 16);
 }
 
-inline void store_row(const Out& o, int64_t m, int64_t n0, __m256 lo, __m256 hi) {
-  float v[16];
-  _mm256_storeu_ps(v, lo);
-  _mm256_storeu_ps(v + 8, hi);
-  const int64_t n = o.N - n0 < 16 ? o.N - n0 : 16;
+inline void store8(const Out& o, int64_t m, int64_t n0, __m256 acc) {
+  float v[8];
+  _mm256_storeu_ps(v, acc);
+  const int64_t n = o.N - n0 < 8 ? o.N - n0 : 8;
   if (o.bias)
     for (int64_t j = 0; j < n; ++j) v[j] += o.bias[n0 + j];
   if (o.y_dtype == kF32) {
@@ -36,66 +37,79 @@ inline void store_row(const Out& o, int64_t m, int64_t n0, __m256 lo, __m256 hi)
   }
 }
 
-// Weights of k = 2p and 2p + 1 for columns [8h, 8h + 8) of a block.
-template <bool BF16>
-inline void load_pair(const void* blk, int64_t p, int h, __m256& we, __m256& wo) {
-  if (BF16) {
-    const __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(static_cast<const uint32_t*>(blk) + p * 16 + 8 * h));
-    we = _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-    wo = _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32((int)0xFFFF0000u)));
-  } else {
-    const float* w = static_cast<const float*>(blk) + p * 32 + 8 * h;
-    we = _mm256_loadu_ps(w);
-    wo = _mm256_loadu_ps(w + 16);
+// Weights of k = 2p + j (j = 0 even, 1 odd) for the NV * 8 columns from c0 of a group.
+template <int NV, bool BF16>
+inline void load_k(const void* grp, int64_t p, int j, int c0, __m256 w[NV]) {
+  for (int v = 0; v < NV; ++v) {
+    if (BF16) {
+      const __m256i pair = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+          static_cast<const uint32_t*>(grp) + p * kGroup + c0 + 8 * v));
+      w[v] = _mm256_castsi256_ps(j == 0 ? _mm256_slli_epi32(pair, 16)
+                                        : _mm256_and_si256(pair, _mm256_set1_epi32((int)0xFFFF0000u)));
+    } else {
+      w[v] = _mm256_loadu_ps(static_cast<const float*>(grp) + (2 * p + j) * kGroup + c0 + 8 * v);
+    }
   }
+}
+
+template <int MR, int NV, bool BF16>
+inline void step(const float* x, int64_t ldx, const void* grp, int64_t p, int j, int c0,
+                 __m256 acc[][NV]) {
+  __m256 w[NV];
+  load_k<NV, BF16>(grp, p, j, c0, w);
+  for (int r = 0; r < MR; ++r) {
+    const __m256 xv = _mm256_set1_ps(x[r * ldx + 2 * p + j]);
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_fmadd_ps(xv, w[v], acc[r][v]);
+  }
+}
+
+// Rows [m0, m0 + MR) x columns [n0 + c0, n0 + c0 + 8 NV) of one group.
+template <int MR, int NV, bool BF16>
+inline void tile(const float* x, int64_t ldx, const void* grp, int64_t K, const Out& o, int64_t m0,
+                 int64_t n0, int c0) {
+  __m256 acc[MR][NV];
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_setzero_ps();
+  const int64_t pairs = K / 2;
+  const int64_t pair_bytes = (BF16 ? 4 : 8) * kGroup;
+  for (int64_t p = 0; p < pairs; ++p) {
+    if (c0 == 0) {  // the first column half of a group fetches; the second finds it in L2
+      const char* ahead = static_cast<const char*>(grp) + (p + kPrefetchPairs) * pair_bytes;
+      for (int64_t off = 0; off < pair_bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
+    }
+    step<MR, NV, BF16>(x, ldx, grp, p, 0, c0, acc);
+    step<MR, NV, BF16>(x, ldx, grp, p, 1, c0, acc);
+  }
+  if (K & 1) step<MR, NV, BF16>(x, ldx, grp, pairs, 0, c0, acc);  // no partner for the last k
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < NV && n0 + c0 + 8 * v < o.N; ++v) store8(o, m0 + r, n0 + c0 + 8 * v, acc[r][v]);
 }
 
 template <int MR, bool BF16>
-inline void tile(const float* x, int64_t ldx, const void* blk, int64_t K, const Out& o, int64_t m0,
+inline void rows(const float* x, int64_t ldx, const void* grp, int64_t K, const Out& o, int64_t m0,
                  int64_t n0) {
-  __m256 a0[MR][2], a1[MR][2];
-  for (int r = 0; r < MR; ++r)
-    for (int h = 0; h < 2; ++h) a0[r][h] = a1[r][h] = _mm256_setzero_ps();
-  const int64_t pairs = K / 2;
-  const char* pf = static_cast<const char*>(blk);
-  const int64_t pair_bytes = BF16 ? 64 : 128;
-  for (int64_t p = 0; p < pairs; ++p) {
-    _mm_prefetch(pf + (p + 16) * pair_bytes, _MM_HINT_T0);
-    for (int h = 0; h < 2; ++h) {
-      __m256 we, wo;
-      load_pair<BF16>(blk, p, h, we, wo);
-      for (int r = 0; r < MR; ++r) {
-        const float* xr = x + r * ldx + 2 * p;
-        a0[r][h] = _mm256_fmadd_ps(_mm256_set1_ps(xr[0]), we, a0[r][h]);
-        a1[r][h] = _mm256_fmadd_ps(_mm256_set1_ps(xr[1]), wo, a1[r][h]);
-      }
-    }
+  if (MR <= 2) {
+    tile<MR, 6, BF16>(x, ldx, grp, K, o, m0, n0, 0);
+  } else {
+    tile<MR, 3, BF16>(x, ldx, grp, K, o, m0, n0, 0);
+    if (n0 + 24 < o.N) tile<MR, 3, BF16>(x, ldx, grp, K, o, m0, n0, 24);
   }
-  if (K & 1) {
-    for (int h = 0; h < 2; ++h) {
-      __m256 we, wo;
-      load_pair<BF16>(blk, pairs, h, we, wo);
-      for (int r = 0; r < MR; ++r)
-        a0[r][h] = _mm256_fmadd_ps(_mm256_set1_ps(x[r * ldx + K - 1]), we, a0[r][h]);
-    }
-  }
-  for (int r = 0; r < MR; ++r)
-    store_row(o, m0 + r, n0, _mm256_add_ps(a0[r][0], a1[r][0]), _mm256_add_ps(a0[r][1], a1[r][1]));
 }
 
 template <bool BF16>
-void run(const float* x, int64_t ldx, const void* wp, int64_t M, int64_t K, const Out& o, int64_t b0,
-         int64_t b1) {
+void run(const float* x, int64_t ldx, const void* wp, int64_t M, int64_t K, const Out& o, int64_t g0,
+         int64_t g1) {
   const int64_t kp = K + (K & 1);
   const int64_t elem = BF16 ? 2 : 4;
-  for (int64_t b = b0; b < b1; ++b) {
-    const void* blk = static_cast<const char*>(wp) + b * kp * 16 * elem;
+  for (int64_t g = g0; g < g1; ++g) {
+    const void* grp = static_cast<const char*>(wp) + g * kp * kGroup * elem;
     for (int64_t m0 = 0; m0 < M; m0 += kRows) {
       const float* xt = x + m0 * ldx;
       switch (M - m0 >= kRows ? kRows : M - m0) {
-        case 1: tile<1, BF16>(xt, ldx, blk, K, o, m0, b * 16); break;
-        case 2: tile<2, BF16>(xt, ldx, blk, K, o, m0, b * 16); break;
-        case 3: tile<3, BF16>(xt, ldx, blk, K, o, m0, b * 16); break;
+        case 1: rows<1, BF16>(xt, ldx, grp, K, o, m0, g * kGroup); break;
+        case 2: rows<2, BF16>(xt, ldx, grp, K, o, m0, g * kGroup); break;
+        case 3: rows<3, BF16>(xt, ldx, grp, K, o, m0, g * kGroup); break;
+        case 4: rows<4, BF16>(xt, ldx, grp, K, o, m0, g * kGroup); break;
       }
     }
   }
@@ -104,9 +118,9 @@ void run(const float* x, int64_t ldx, const void* wp, int64_t M, int64_t K, cons
 }  // namespace
 
 void gemm_blocks(const float* x, int64_t ldx, const void* wp, int w_dtype, int64_t M, int64_t K,
-                 const Out& out, int64_t b0, int64_t b1) {
-  if (w_dtype == kBF16) run<true>(x, ldx, wp, M, K, out, b0, b1);
-  else run<false>(x, ldx, wp, M, K, out, b0, b1);
+                 const Out& out, int64_t g0, int64_t g1) {
+  if (w_dtype == kBF16) run<true>(x, ldx, wp, M, K, out, g0, g1);
+  else run<false>(x, ldx, wp, M, K, out, g0, g1);
 }
 
 }  // namespace avx2

@@ -1,7 +1,10 @@
 // AVX-512-BF16 decode GEMM: bf16 activations x bf16 weights, float32 sums (vdpbf16ps: per
 // column acc += x[2p] * w[2p] + x[2p + 1] * w[2p + 1]). Entered only after the glue's cpuid
-// check for AVX-512 F/BW/VL + AVX512_BF16. Two partial sums per row (even and odd pairs) keep
-// two dependency chains in flight at M = 1; the order is fixed, whatever M.
+// check for AVX-512 F/BW/VL + AVX512_BF16. A tile is up to 8 rows x one 48-column group: 24
+// accumulators in zmm registers, the 3 weight vectors of a k-pair loaded once for all 8 rows,
+// each x pair broadcast by the dot product's memory operand ({1to16}, no shuffle uop). At
+// M = 1 the 3 column chains (latency 6) still outrun memory. One chain per (row, column) in
+// pair order: the same bits whatever M.
 #include <immintrin.h>
 
 #include <cstring>
@@ -12,7 +15,8 @@ namespace pipefill_decode {
 namespace avx512bf16 {
 namespace {
 
-constexpr int kRows = 12;
+constexpr int kRows = 8;          // 24 accumulators + 3 weights < 32 zmm
+constexpr int kPrefetchPairs = 8;  // 1.5 KB ahead of the loads
 
 inline void store_row(const Out& o, int64_t m, int64_t n0, __m512 v) {
   const int64_t left = o.N - n0;
@@ -30,48 +34,50 @@ inline void store_row(const Out& o, int64_t m, int64_t n0, __m512 v) {
   _mm256_mask_storeu_epi16(static_cast<uint16_t*>(o.y) + m * o.ldy + n0, mask, _mm512_cvtepi32_epi16(r));
 }
 
-inline __m512bh pair_of(const uint16_t* x) {
-  uint32_t bits;
+// Broadcast of one x pair as the instruction's memory operand (no separate broadcast uop).
+inline __m512 dot_pair(__m512 acc, __m512bh w, const uint16_t* x) {
+  int bits;
   std::memcpy(&bits, x, 4);
-  return (__m512bh)_mm512_set1_epi32((int)bits);
+  return _mm512_dpbf16_ps(acc, w, (__m512bh)_mm512_set1_epi32(bits));
 }
 
 template <int MR>
-inline void tile(const uint16_t* x, int64_t ldx, const uint32_t* blk, int64_t K, const Out& o,
+inline void tile(const uint16_t* x, int64_t ldx, const uint32_t* grp, int64_t K, const Out& o,
                  int64_t m0, int64_t n0) {
-  __m512 a0[MR], a1[MR];
-  for (int r = 0; r < MR; ++r) a0[r] = a1[r] = _mm512_setzero_ps();
+  __m512 acc[MR][3];
+  for (int r = 0; r < MR; ++r) acc[r][0] = acc[r][1] = acc[r][2] = _mm512_setzero_ps();
   const int64_t pairs = K / 2;
-  int64_t p = 0;
-  for (; p + 1 < pairs; p += 2) {
-    _mm_prefetch(reinterpret_cast<const char*>(blk + (p + 16) * 16), _MM_HINT_T0);
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(blk + p * 16);
-    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(blk + (p + 1) * 16);
+  for (int64_t p = 0; p < pairs; ++p) {
+    const uint32_t* w = grp + p * kGroup;
+    const char* ahead = reinterpret_cast<const char*>(w + kPrefetchPairs * kGroup);
+    _mm_prefetch(ahead, _MM_HINT_T0);
+    _mm_prefetch(ahead + 64, _MM_HINT_T0);
+    _mm_prefetch(ahead + 128, _MM_HINT_T0);
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(w);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(w + 16);
+    const __m512bh w2 = (__m512bh)_mm512_loadu_si512(w + 32);
     for (int r = 0; r < MR; ++r) {
       const uint16_t* xr = x + r * ldx + 2 * p;
-      a0[r] = _mm512_dpbf16_ps(a0[r], pair_of(xr), w0);
-      a1[r] = _mm512_dpbf16_ps(a1[r], pair_of(xr + 2), w1);
+      acc[r][0] = dot_pair(acc[r][0], w0, xr);
+      acc[r][1] = dot_pair(acc[r][1], w1, xr);
+      acc[r][2] = dot_pair(acc[r][2], w2, xr);
     }
   }
-  if (p < pairs) {
-    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(blk + p * 16);
-    for (int r = 0; r < MR; ++r) a0[r] = _mm512_dpbf16_ps(a0[r], pair_of(x + r * ldx + 2 * p), w0);
-  }
-  for (int r = 0; r < MR; ++r) store_row(o, m0 + r, n0, _mm512_add_ps(a0[r], a1[r]));
+  for (int r = 0; r < MR; ++r)
+    for (int v = 0; v < 3 && n0 + 16 * v < o.N; ++v) store_row(o, m0 + r, n0 + 16 * v, acc[r][v]);
 }
 
 }  // namespace
 
 void gemm_blocks(const uint16_t* x, int64_t ldx, const void* wp, int64_t M, int64_t K,
-                 const Out& o, int64_t b0, int64_t b1) {
-  for (int64_t b = b0; b < b1; ++b) {
-    const uint32_t* blk = static_cast<const uint32_t*>(wp) + b * (K / 2) * 16;
-    for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+                 const Out& o, int64_t g0, int64_t g1) {
+  for (int64_t g = g0; g < g1; ++g) {
+    const uint32_t* grp = static_cast<const uint32_t*>(wp) + g * (K / 2) * kGroup;
+    for (int64_t m0 = 0; m0 < M; m0 += kRows) {  // row tiles after the first read grp from L2
       const uint16_t* xt = x + m0 * ldx;
       switch (M - m0 >= kRows ? kRows : M - m0) {
-#define PF_TILE(R) case R: tile<R>(xt, ldx, blk, K, o, m0, b * 16); break;
-        PF_TILE(1) PF_TILE(2) PF_TILE(3) PF_TILE(4) PF_TILE(5) PF_TILE(6)
-        PF_TILE(7) PF_TILE(8) PF_TILE(9) PF_TILE(10) PF_TILE(11) PF_TILE(12)
+#define PF_TILE(R) case R: tile<R>(xt, ldx, grp, K, o, m0, g * kGroup); break;
+        PF_TILE(1) PF_TILE(2) PF_TILE(3) PF_TILE(4) PF_TILE(5) PF_TILE(6) PF_TILE(7) PF_TILE(8)
 #undef PF_TILE
       }
     }

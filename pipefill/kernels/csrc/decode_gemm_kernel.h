@@ -3,14 +3,17 @@
 // -m flags and entered only after the glue's cpuid/XCR0 check for that ISA). Plain C++ only.
 //
 // y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for small M, W packed at load time:
-//   blocks of 16 output columns; K padded to Kp = K rounded up to even (zeros);
-//   float32 weights: wp[nb][Kp][16]            (16 columns of one k contiguous)
-//   bf16 weights:    wp[nb][Kp/2][16][2]        (per column the pair k = 2p, 2p + 1 in one
-//                                                 32-bit word: low half = even k)
-// Each row's sum runs in a fixed order (two partial sums, even and odd k or k-pair, added at
-// the end) that does not depend on M or on which row tile the row falls in, so a row gives
-// the same bits alone or inside a batch.
-// Each function computes the column blocks [b0, b1) of all M rows: y[m * ldy + n] =
+//   groups of kGroup = 48 output columns (3 zmm / 6 ymm of float32 sums); K padded to
+//   Kp = K rounded up to even (zeros), N to a whole group (zeros);
+//   float32 weights: wp[g][Kp][48]            (48 columns of one k contiguous: 3 cache lines)
+//   bf16 weights:    wp[g][Kp/2][48][2]       (per column the pair k = 2p, 2p + 1 in one
+//                                               32-bit word: low half = even k)
+// so a tile of rows x columns reads its weights as one sequential stream, once for up to 8
+// rows (AVX-512) or from L2 for the next row tile.
+// Each row's sum per column is ONE chain in k order (k = 0, 1, ..., K - 1 as float32 FMAs;
+// pair p = 0, 1, ... as vdpbf16ps), bias added last; the order does not depend on M, on the
+// tile a row falls in or on the ISA, so a row gives the same bits alone or inside a batch.
+// Each function computes the column groups [g0, g1) of all M rows: y[m * ldy + n] =
 // sum + bias[n] (bias may be null; float32) for n < N, stored as float32 or as bf16 (rounded to
 // nearest even by integer code, the same on every ISA; NaN -> 0x7FC0).
 #pragma once
@@ -20,7 +23,7 @@ namespace pipefill_decode {
 
 constexpr int kF32 = 0;
 constexpr int kBF16 = 1;
-constexpr int kBlock = 16;
+constexpr int kGroup = 48;
 
 struct Out {
   void* y;
@@ -33,17 +36,17 @@ struct Out {
 namespace avx2 {
 // x: float32 [M, ldx]; w_dtype: kF32 or kBF16 (layouts above); K is the real (unpadded) K.
 void gemm_blocks(const float* x, int64_t ldx, const void* wp, int w_dtype, int64_t M, int64_t K,
-                 const Out& out, int64_t b0, int64_t b1);
+                 const Out& out, int64_t g0, int64_t g1);
 }
 namespace avx512 {
 void gemm_blocks(const float* x, int64_t ldx, const void* wp, int w_dtype, int64_t M, int64_t K,
-                 const Out& out, int64_t b0, int64_t b1);
+                 const Out& out, int64_t g0, int64_t g1);
 }
 namespace avx512bf16 {
 // x: bf16 bits [M, ldx] with K even (the glue pads an odd K with a zero column); bf16 weights
 // only (vdpbf16ps).
 void gemm_blocks(const uint16_t* x, int64_t ldx, const void* wp, int64_t M, int64_t K,
-                 const Out& out, int64_t b0, int64_t b1);
+                 const Out& out, int64_t g0, int64_t g1);
 }
 
 }  // namespace pipefill_decode

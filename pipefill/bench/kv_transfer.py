@@ -2,9 +2,12 @@
 
 Workload: the KV of one --input-len prompt of the default model's shape (30 layers, 3 KV heads,
 head dim 64, 64-token pages), sent by a prefill stage (KVSender, a separate process pinned to
-the first of --cores) in --chunk-size token chunks, the way prefill streams it, into shuffled
-pre-allocated pages of a decode (KVReceiver, this process, pinned to the second core). Time: from
-telling the sender to start until the decode's room is ready. Every page is checked.
+the first of --cores) in --chunk-size token chunks, the way prefill streams it, into
+pre-allocated pages of a decode (KVReceiver, this process, pinned to the second core): page ids
+shuffled on both sides (free-list order) and/or consecutive (--layout); mooncake into shuffled
+pages through the decode's staging region and/or one write per page per layer
+(--mooncake-staging). Time: from telling the sender to start until the decode's room is ready.
+Every page is checked.
 
 Baselines, measured in the same run: `raw tcp`, the same number of bytes streamed between the
 same two pinned processes over one loopback socket in 4 MiB sends into one reused buffer (the
@@ -44,9 +47,13 @@ def add_parser(sub) -> None:
     p.add_argument("--backends", default="tcp,mooncake")
     p.add_argument("--reps", type=int, default=3, help="timed transfers per case (best kept)")
     p.add_argument("--cores", default="0,1", help="sender core,receiver core")
-    p.add_argument("--contiguous", action="store_true",
-                   help="consecutive page ids on both sides (a fresh pool) instead of shuffled "
-                        "ones (the worst case: every page its own run)")
+    p.add_argument("--layout", choices=("shuffled", "consecutive", "both"), default="both",
+                   help="page ids on both sides: shuffled (free-list order, the worst case: "
+                        "every page its own run), consecutive (a fresh pool), or both")
+    p.add_argument("--mooncake-staging", choices=("on", "off", "both"), default="both",
+                   help="mooncake into shuffled pages: through the decode's staging region "
+                        "(on), one write per page per layer (off: the previous data path), or "
+                        "both in one run")
     p.add_argument("--json", metavar="FILE", help="write every number to this JSON file")
     p.set_defaults(run=run)
 
@@ -186,7 +193,8 @@ def check_pages(kv, src, dst) -> None:
             raise RuntimeError(f"layer {layer}: received pages differ from the sent ones")
 
 
-def bench_case(a, backend: str, dtype: str, cores: list[int]) -> dict:
+def bench_case(a, backend: str, dtype: str, cores: list[int], contiguous: bool,
+               staging: bool = True) -> dict:
     from pipefill.disagg import messages as m
     from pipefill.disagg.bootstrap import lookup_prefill
     from pipefill.disagg.transfer_receiver import KVReceiver
@@ -195,19 +203,23 @@ def bench_case(a, backend: str, dtype: str, cores: list[int]) -> dict:
            "--backend", backend, "--dtype", dtype, "--core", str(cores[0]),
            *[f"--{k}={getattr(a, k.replace('-', '_'))}" for k in
              ("input-len", "chunk-size", "layers", "kv-heads", "head-dim", "page-size")],
-           *(["--contiguous"] if a.contiguous else [])]
+           *(["--contiguous"] if contiguous else [])]
     child = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
                              env={**os.environ, "GLOG_minloglevel": "2"})
     try:
         port = int(child.stdout.readline())
         kv = pattern_kv(a.layers, pages, a.page_size, a.kv_heads, a.head_dim,
                         getattr(torch, dtype), fill=False)
-        receiver = KVReceiver(kv, release=lambda room, p: None, backend=backend)
+        # A real decode stages rooms within a share of a much larger pool; here the pool is
+        # one room, so the arena is sized for it (0: staging off, per-page writes).
+        room_bytes = 2 * kv.k.numel() * kv.k.element_size()
+        receiver = KVReceiver(kv, release=lambda room, p: None, backend=backend,
+                              staging_bytes=room_bytes if staging else 0)
         receiver.connect("bench", lookup_prefill(m.Endpoint("127.0.0.1", port), 120))
         times = []
         for rep in range(a.reps):
             room = 1000 + rep
-            dst = page_order(pages, -room, a.contiguous)
+            dst = page_order(pages, -room, contiguous)
             receiver.expect_room(room, "bench", dst, num_prompt_tokens=a.input_len)
             t0 = time.perf_counter()
             child.stdin.write(f"{room}\n")
@@ -216,21 +228,61 @@ def bench_case(a, backend: str, dtype: str, cores: list[int]) -> dict:
             times.append(time.perf_counter() - t0)
             if res is None or not res.ok:
                 raise RuntimeError(f"{backend}: room failed: {res}")
-            src = page_order(pages, room, a.contiguous)
+            src = page_order(pages, room, contiguous)
             check_pages(kv, src, dst)
+        staged = backend == "mooncake" and receiver.data.staging_bytes > 0 and not contiguous
         nbytes = 2 * a.layers * pages * kv.page_bytes
         raw_mc = raw_mooncake_gbs(child, receiver, nbytes, a.reps) if backend == "mooncake" \
             else None
         receiver.close()
         raw = raw_tcp_gbs(child, nbytes, a.reps)
         base = local_copy_gbs(kv, src, dst, a.reps)
-        return {"backend": backend, "dtype": dtype, "bytes": nbytes, "best_s": min(times),
+        return {"backend": backend, "dtype": dtype, "layout": "consecutive" if contiguous
+                else "shuffled", "staged": staged, "bytes": nbytes, "best_s": min(times),
                 "times_s": times, "gbs": nbytes / min(times) / 1e9, "raw_tcp_gbs": raw,
                 "raw_mooncake_gbs": raw_mc,
                 "local_copy_gbs": base}
     finally:
         child.kill()
         child.wait()
+
+
+def cases(a) -> list[tuple[str, str, bool, bool]]:
+    """(backend, dtype, consecutive, staging) in run order: per dtype and layout, every
+    backend; mooncake into shuffled pages with and/or without staging (--mooncake-staging)."""
+    layouts = {"shuffled": [False], "consecutive": [True], "both": [False, True]}[a.layout]
+    stagings = {"on": [True], "off": [False], "both": [True, False]}[a.mooncake_staging]
+    out = []
+    for dtype in a.dtypes.split(","):
+        for consecutive in layouts:
+            for backend in a.backends.split(","):
+                for staging in (stagings if backend == "mooncake" and not consecutive
+                                else [True]):
+                    out.append((backend, dtype, consecutive, staging))
+    return out
+
+
+def label(r: dict) -> str:
+    if r["backend"] != "mooncake" or r["layout"] == "consecutive":
+        return r["backend"]
+    return "mooncake staged" if r["staged"] else "mooncake per-page"
+
+
+def summary(rows: list[dict]) -> list[str]:
+    """Ratios inside this run: shuffled against consecutive pages, staged against per-page."""
+    by = {(label(r), r["dtype"], r["layout"]): r["gbs"] for r in rows}
+    lines = []
+    for (name, dtype, layout), gbs in by.items():
+        if layout != "shuffled":
+            continue
+        base = by.get((name.split()[0], dtype, "consecutive"))
+        if base:
+            lines.append(f"{name:17s} {dtype:9s} shuffled = {gbs / base:.2f} x consecutive")
+        per_page = by.get(("mooncake per-page", dtype, "shuffled"))
+        if name == "mooncake staged" and per_page:
+            lines.append(f"{name:17s} {dtype:9s} shuffled = {gbs / per_page:.2f} x the per-page "
+                         f"writes (before staging)")
+    return lines
 
 
 def run(a: argparse.Namespace) -> int:
@@ -240,22 +292,24 @@ def run(a: argparse.Namespace) -> int:
     os.sched_setaffinity(0, {cores[1]})
     torch.set_num_threads(1)
     print(f"{cpu_name()}; sender on core {cores[0]}, receiver on core {cores[1]}; "
-          f"{'contiguous' if a.contiguous else 'shuffled'} pages; {a.input_len} tokens x "
+          f"{a.layout} page layout; {a.input_len} tokens x "
           f"{a.layers} layers x {a.kv_heads} KV heads x {a.head_dim}, "
           f"{a.page_size}-token pages, {a.chunk_size}-token chunks, best of {a.reps}")
     rows = []
-    for dtype in a.dtypes.split(","):
-        for backend in a.backends.split(","):
-            r = bench_case(a, backend, dtype, cores)
-            rows.append(r)
-            print(f"{backend:9s} {dtype:9s} {r['bytes'] / 2**20:7.1f} MiB  {r['best_s']:.3f} s  "
-                  f"{r['gbs']:.2f} GB/s = {r['gbs'] / r['raw_tcp_gbs']:.2f} x raw tcp "
-                  f"({r['raw_tcp_gbs']:.2f} GB/s), {r['gbs'] / r['local_copy_gbs']:.2f} x "
-                  f"local copy ({r['local_copy_gbs']:.2f} GB/s); one {a.chunk_size}-token chunk "
-                  f"{r['best_s'] * a.chunk_size / a.input_len * 1e3:.0f} ms", flush=True)
-            if r["raw_mooncake_gbs"]:
-                print(f"  (raw Mooncake writes, 1 MiB blocks: {r['raw_mooncake_gbs']:.2f} GB/s; "
-                      f"the transfer plane reaches {r['gbs'] / r['raw_mooncake_gbs']:.2f} x)")
+    for backend, dtype, consecutive, staging in cases(a):
+        r = bench_case(a, backend, dtype, cores, consecutive, staging)
+        rows.append(r)
+        print(f"{label(r):17s} {dtype:9s} {r['layout']:11s} {r['bytes'] / 2**20:7.1f} MiB  "
+              f"{r['best_s']:.3f} s  "
+              f"{r['gbs']:.2f} GB/s = {r['gbs'] / r['raw_tcp_gbs']:.2f} x raw tcp "
+              f"({r['raw_tcp_gbs']:.2f} GB/s), {r['gbs'] / r['local_copy_gbs']:.2f} x "
+              f"local copy ({r['local_copy_gbs']:.2f} GB/s); one {a.chunk_size}-token chunk "
+              f"{r['best_s'] * a.chunk_size / a.input_len * 1e3:.0f} ms", flush=True)
+        if r["raw_mooncake_gbs"]:
+            print(f"  (raw Mooncake writes, 1 MiB blocks: {r['raw_mooncake_gbs']:.2f} GB/s; "
+                  f"the transfer plane reaches {r['gbs'] / r['raw_mooncake_gbs']:.2f} x)")
+    for line in summary(rows):
+        print(line)
     if a.json:
         with open(a.json, "w") as f:
             json.dump({"cpu": cpu_name(), "args": vars(a) | {"run": None}, "rows": rows}, f,

@@ -89,6 +89,7 @@ class RoomBootstrap(_Msg):
     nonce: int  # the decode's id for this attempt of the room
     dst_pages: list[int]  # the decode's page ids for the prompt's pages, in order
     expected_bootstraps: int  # decode stages that will bootstrap this prefill stage for the room
+    staging_addr: int = 0  # mooncake: the room's staging region for this stage's layers (0: none)
 
 
 class KVChunk(_Msg):

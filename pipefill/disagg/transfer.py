@@ -83,13 +83,14 @@ class KVTensors:
         return self._bytes[key]
 
 
-def make_data_path(backend: str, kv: KVTensors, host: str):
+def make_data_path(backend: str, kv: KVTensors, host: str, staging_bytes: int | None = None):
+    """staging_bytes: the decode's staging arena of one-sided transports (None: their default)."""
     if backend == "tcp":
         from pipefill.disagg.transfer_tcp import TcpDataPath
         return TcpDataPath(kv)
     if backend == "mooncake":
         from pipefill.disagg.transfer_mooncake import MooncakeDataPath
-        return MooncakeDataPath(kv, host)
+        return MooncakeDataPath(kv, host, staging_bytes)
     raise ValueError(f"--disaggregation-transfer-backend {backend!r}: one of {BACKENDS}")
 
 

@@ -1,19 +1,42 @@
 """`mooncake` KV transport: Mooncake's transfer engine (PyPI mooncake-transfer-engine-non-cuda,
 or the CUDA wheel on GPUs), TCP protocol, peer-to-peer handshake (metadata server
 "P2PHANDSHAKE": no etcd). The decode registers its K and V tensors and publishes their addresses
-in its DecodeHello; the prefill stage writes its pages one-sidedly into them, runs of pages
-consecutive on both sides merged into one write, then sends the KVChunk notice (nbytes 0) over
-the control connection: the notice arrives after the synchronous writes completed."""
+in its DecodeHello; the prefill stage writes its pages one-sidedly into them, then sends the
+KVChunk notice (nbytes 0) over the control connection: the notice arrives after the synchronous
+writes completed.
+
+Every write has a fixed cost (measured: a 48 KiB write reaches about half the GB/s of a 1 MiB
+one), and real page ids are shuffled (free-list order), so a page-by-page copy is one write per
+page per layer for K and for V. Two remedies:
+- the sender gathers the chunk's pages into a registered buffer of its own (index_select), so
+  only the destination's runs of consecutive pages count;
+- a room whose destination pages are fragmented gets a staging region on the decode: the
+  region of (room, prefill stage) holds, per request page, this stage's layers of K and V,
+  laid out per chunk as [layer][K, V][page][page bytes]. The sender writes each chunk as one
+  block at the chunk's offset, and the decode scatters it into its pages when the chunk's
+  notice arrives (the write has completed by then). The region is allocated when the decode
+  expects the room and freed exactly when the room's pages are (success, or a failure once no
+  write into it can still happen: the same drop acknowledgements), so a late write of a dead
+  room can never land in another room's region.
+"""
 from __future__ import annotations
 
 import logging
+import threading
+
+import torch
 
 from pipefill.disagg import messages as m
 from pipefill.disagg.channel import Channel
+from pipefill.disagg.transfer_tcp import runs
 
 log = logging.getLogger(__name__)
 
 MAX_BATCH = 512  # larger batches failed (-1) in measurements on this package version
+GATHER_BYTES = 16 << 20  # the sender's gather buffer: whole layers, about this many bytes
+MIN_RUN_PAGES = 4  # destination runs shorter than this on average: stage the room
+STAGING_FRACTION = 0.25  # default staging arena: this share of the decode stage's KV bytes
+ALIGN = 4096
 
 
 class TransferFailed(RuntimeError):
@@ -45,17 +68,64 @@ def pair_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
     return out
 
 
+def fragmented(pages: list[int]) -> bool:
+    """True when writing straight into these pages would take many small writes."""
+    return len(pages) > 1 and len(runs(pages)) * MIN_RUN_PAGES > len(pages)
+
+
+class Arena:
+    """First-fit allocator of byte ranges of the staging buffer (offsets, ALIGN-aligned)."""
+
+    def __init__(self, capacity: int):
+        self.capacity = capacity
+        self.free: list[tuple[int, int]] = [(0, capacity)] if capacity > 0 else []
+        self.used: dict[int, int] = {}  # offset -> size
+
+    def alloc(self, nbytes: int) -> int | None:
+        size = -(-nbytes // ALIGN) * ALIGN
+        for i, (off, n) in enumerate(self.free):
+            if n >= size:
+                self.free[i:i + 1] = [(off + size, n - size)] if n > size else []
+                self.used[off] = size
+                return off
+        return None
+
+    def release(self, off: int) -> None:
+        size = self.used.pop(off)  # a KeyError here is a double free: a bug, never silent
+        self.free.append((off, size))
+        self.free.sort()
+        merged: list[tuple[int, int]] = []
+        for o, n in self.free:
+            if merged and merged[-1][0] + merged[-1][1] == o:
+                merged[-1] = (merged[-1][0], merged[-1][1] + n)
+            else:
+                merged.append((o, n))
+        self.free = merged
+
+
 class MooncakeDataPath:
     name = "mooncake"
     one_sided = True
 
-    def __init__(self, kv, host: str = "127.0.0.1"):
+    def __init__(self, kv, host: str = "127.0.0.1", staging_bytes: int | None = None):
         self.kv = kv
         self.engine = _engine(host)
         self.session = f"{host}:{self.engine.get_rpc_port()}"
         for t in (kv.k, kv.v):
-            if self.engine.register_memory(t.data_ptr(), t.numel() * t.element_size()) != 0:
-                raise RuntimeError("Mooncake could not register the KV cache memory")
+            self._register(t)
+        if staging_bytes is None:
+            staging_bytes = int(2 * kv.k.numel() * kv.k.element_size() * STAGING_FRACTION)
+        self.staging_bytes = staging_bytes
+        self._staging: torch.Tensor | None = None  # registered on first use (decode only)
+        self._arena = Arena(staging_bytes)
+        self._regions: dict[tuple[int, int], tuple[int, int]] = {}  # (room, layer) -> nonce, off
+        self._lock = threading.Lock()
+        self._local = threading.local()  # a gather buffer per sending thread
+        self.num_staged_chunks = 0
+
+    def _register(self, t: torch.Tensor) -> None:
+        if self.engine.register_memory(t.data_ptr(), t.numel() * t.element_size()) != 0:
+            raise RuntimeError("Mooncake could not register the KV cache memory")
 
     def hello_fields(self) -> dict:
         kv = self.kv
@@ -66,30 +136,136 @@ class MooncakeDataPath:
     def payload_bytes(self, num_pages: int, num_layers: int) -> int:
         return 0
 
+    # ---- decode side: staging regions
+    def plan_room(self, room: int, nonce: int, stages: dict[str, tuple[int, int]],
+                  dst_pages: list[int]) -> dict[str, int]:
+        """Staging addresses by prefill stage for a room about to be expected ({} when its
+        pages are not fragmented or the arena is full: then the sender writes into them)."""
+        if not fragmented(dst_pages):
+            return {}
+        pb, out = self.kv.page_bytes, {}
+        with self._lock:
+            if self._staging is None and self.staging_bytes > 0:
+                self._staging = torch.empty(self.staging_bytes, dtype=torch.uint8)
+                self._register(self._staging)
+            for stage, (ls, le) in stages.items():
+                off = self._arena.alloc(len(dst_pages) * 2 * (le - ls) * pb)
+                if off is None:  # rare: fall back to direct writes for this stage
+                    log.debug("room %d: staging arena full, direct writes", room)
+                    continue
+                self._regions[(room, ls)] = (nonce, off)
+                out[stage] = self._staging.data_ptr() + off
+        return out
+
+    def end_room(self, room: int) -> None:
+        """Frees the room's staging regions (its pages were released or handed over)."""
+        with self._lock:
+            for key in [key for key in self._regions if key[0] == room]:
+                self._arena.release(self._regions.pop(key)[1])
+
+    def staging_in_use(self) -> int:
+        with self._lock:
+            return len(self._regions)
+
+    # ---- prefill side
     def send(self, conn: Channel, header: m.KVChunk, src_pages: list[int], dst_pages: list[int],
-             hello: m.DecodeHello) -> None:
+             hello: m.DecodeHello, staging_addr: int = 0) -> None:
         if not hello.mooncake_session:
             raise TransferFailed("the decode did not publish a Mooncake session (is it running "
                                  "--disaggregation-transfer-backend mooncake?)")
+        if staging_addr:
+            self._send_staged(header, src_pages, hello, staging_addr)
+        elif len(pair_runs(src_pages, dst_pages)) > len(runs(dst_pages)):
+            self._send_gathered(header, src_pages, dst_pages, hello)
+        else:
+            self._send_direct(header, src_pages, dst_pages, hello)
+        conn.send(header)
+
+    def _send_direct(self, header, src_pages, dst_pages, hello) -> None:
+        """Runs consecutive on both sides, straight from the KV tensors."""
         kv, pb = self.kv, self.kv.page_bytes
-        srcs, dsts, lens = [], [], []
+        writes = []
         pairs = pair_runs(src_pages, dst_pages)
         for layer in range(header.layer_start, header.layer_end):
-            local_dst = layer - hello.layer_start
             for t, ptrs in ((kv.k, hello.k_ptrs), (kv.v, hello.v_ptrs)):
-                base = kv.local(t, layer).data_ptr()
-                for s, d, count in pairs:
-                    srcs.append(base + s * pb)
-                    dsts.append(ptrs[local_dst] + d * pb)
-                    lens.append(count * pb)
-        for i in range(0, len(srcs), MAX_BATCH):
+                base, dbase = kv.local(t, layer).data_ptr(), ptrs[layer - hello.layer_start]
+                writes += [(base + s * pb, dbase + d * pb, count * pb) for s, d, count in pairs]
+        self._write(hello, writes)
+
+    def _send_gathered(self, header, src_pages, dst_pages, hello) -> None:
+        """Source pages gathered layer group by layer group; one write per destination run."""
+        pb, n, dst_runs = self.kv.page_bytes, len(src_pages), runs(dst_pages)
+        for layers, buf in self._gather(header, src_pages):
+            writes, base = [], buf.data_ptr()
+            for i, layer in enumerate(layers):
+                for j, ptrs in enumerate((hello.k_ptrs, hello.v_ptrs)):
+                    block = base + (2 * i + j) * n * pb
+                    dbase = ptrs[layer - hello.layer_start]
+                    writes += [(block + at * pb, dbase + first * pb, count * pb)
+                               for at, first, count in dst_runs]
+            self._write(hello, writes)
+
+    def _send_staged(self, header, src_pages, hello, staging_addr: int) -> None:
+        """The chunk as one block (per layer group) at its offset in the room's region."""
+        n, pb = len(src_pages), self.kv.page_bytes
+        at = staging_addr + header.page_offset * 2 * (header.layer_end - header.layer_start) * pb
+        for layers, buf in self._gather(header, src_pages):
+            nbytes = 2 * len(layers) * n * pb
+            block = at + (layers[0] - header.layer_start) * 2 * n * pb
+            self._write(hello, [(buf.data_ptr(), block, nbytes)])
+        self.num_staged_chunks += 1
+
+    def _gather(self, header, src_pages):
+        """Yields (layers, buffer holding [layer][K, V][page] of those layers)."""
+        kv, n = self.kv, len(src_pages)
+        if n == 0:
+            return
+        idx = torch.tensor(src_pages, dtype=torch.long)
+        layer_bytes = 2 * n * kv.page_bytes
+        per_group = max(1, GATHER_BYTES // layer_bytes)
+        buf = self._gather_buffer(min(per_group, header.layer_end - header.layer_start) *
+                                  layer_bytes)
+        for first in range(header.layer_start, header.layer_end, per_group):
+            layers = list(range(first, min(first + per_group, header.layer_end)))
+            out = buf[:len(layers) * layer_bytes].view(kv.dtype).view(len(layers), 2, n,
+                                                                       kv.page_elems)
+            for i, layer in enumerate(layers):
+                for j, t in enumerate((kv.k, kv.v)):
+                    torch.index_select(kv.pages(t, layer), 0, idx, out=out[i, j])
+            yield layers, buf
+
+    def _gather_buffer(self, nbytes: int) -> torch.Tensor:
+        buf = getattr(self._local, "buf", None)
+        if buf is None or buf.numel() < nbytes:
+            if buf is not None:
+                self.engine.unregister_memory(buf.data_ptr())
+            buf = self._local.buf = torch.empty(nbytes, dtype=torch.uint8)
+            self._register(buf)
+        return buf
+
+    def _write(self, hello: m.DecodeHello, writes: list[tuple[int, int, int]]) -> None:
+        for i in range(0, len(writes), MAX_BATCH):
+            part = writes[i:i + MAX_BATCH]
             ret = self.engine.batch_transfer_sync_write(
-                hello.mooncake_session, srcs[i:i + MAX_BATCH], dsts[i:i + MAX_BATCH],
-                lens[i:i + MAX_BATCH])
+                hello.mooncake_session, [w[0] for w in part], [w[1] for w in part],
+                [w[2] for w in part])
             if ret < 0:
                 raise TransferFailed(f"Mooncake write to {hello.mooncake_session} failed "
                                      f"(code {ret})")
-        conn.send(header)
 
+    # ---- decode side: the notice of a completed write
     def receive(self, conn: Channel, header: m.KVChunk, dst_pages: list[int]) -> None:
-        pass  # the bytes are already in place: the notice follows the writes
+        """Direct writes are already in place; a staged chunk is scattered into its pages."""
+        with self._lock:
+            region = self._regions.get((header.room, header.layer_start))
+        if region is None or region[0] != header.nonce or not dst_pages:
+            return
+        kv, n = self.kv, len(dst_pages)
+        nlayers = header.layer_end - header.layer_start
+        start = region[1] + header.page_offset * 2 * nlayers * kv.page_bytes
+        block = self._staging[start:start + 2 * nlayers * n * kv.page_bytes]
+        block = block.view(kv.dtype).view(nlayers, 2, n, kv.page_elems)
+        idx = torch.tensor(dst_pages, dtype=torch.long)
+        for i in range(nlayers):
+            for j, t in enumerate((kv.k, kv.v)):
+                kv.pages(t, header.layer_start + i).index_copy_(0, idx, block[i, j])

@@ -197,7 +197,11 @@ class KVSender:
         nbytes = self.data.payload_bytes(n, le - ls)
         header = m.KVChunk(item.room, dest.nonce, self.rank, item.chunk_id, item.page_offset, n,
                            ls, le, nbytes, item.is_last)
-        self.data.send(conn, header, item.src_pages, dest.dst_pages[item.page_offset:end], hello)
+        dst = dest.dst_pages[item.page_offset:end]
+        if dest.staging_addr:  # only a one-sided data path's decode hands out staging
+            self.data.send(conn, header, item.src_pages, dst, hello, dest.staging_addr)
+        else:
+            self.data.send(conn, header, item.src_pages, dst, hello)
         self.bytes_sent += 2 * n * (le - ls) * self.kv.page_bytes
 
     def _peer_dead(self, peer: str) -> None:

@@ -13,14 +13,24 @@ from dataclasses import dataclass
 log = logging.getLogger(__name__)
 
 MIN_PROFILE_SAMPLES = 8
-MAX_PROFILE_SAMPLES = 128
+# 16 prefills: the fit's three coefficients need few samples, and each sample is a whole
+# prefill of up to 1.25 x C0 tokens on a CPU that may take seconds per prefill.
+PROFILE_SAMPLES = 16
 
 
-def profile_lengths(base_chunk_size: int, num: int = MAX_PROFILE_SAMPLES) -> list[int]:
-    """l_i = floor(1.25*C0 - i*floor(1.25*C0/num)), i = 0.., stopping at l <= 0."""
-    top = int(1.25 * base_chunk_size)
-    step = max(1, top // num)
-    return [top - i * step for i in range(num) if top - i * step > 0]
+def profile_lengths(base_chunk_size: int, num: int = PROFILE_SAMPLES) -> list[int]:
+    """num distinct lengths from 1.25*C0 down to about 1.25*C0/32, quadratically spaced: the
+    cheap short prefills pin the constant and linear terms, a few long ones the quadratic term
+    (the long end is what the predictor extrapolates from), and the whole profile costs about a
+    third of num prefills of 1.25*C0. Multiples of 8 where there is room; longest first."""
+    top = max(int(1.25 * base_chunk_size), num)
+    low = max(1, top // 32)
+    grain = 8 if top >= 32 * num else 1
+    lengths = set()
+    for i in range(num):
+        x = low + (top - low) * (i / (num - 1)) ** 2
+        lengths.add(max(grain, round(x / grain) * grain))
+    return sorted(lengths, reverse=True)
 
 
 def fit_relative_error(lengths: list[int], latencies: list[float],

@@ -68,6 +68,11 @@ class ServerArgs:
     dynamic_chunking_profile_cache: str | None = _flag(
         "Folder for cached start-up profiles (default ~/.cache/pipefill/profiles).",
         default=None)
+    dynamic_chunking_profile: str = _flag(
+        "When there is no cached start-up profile: background (serve at once with fixed chunks "
+        "of C0, profile stage 0 while it is idle, then switch to the fitted chunks) or "
+        "blocking (profile before the server answers).", default="background",
+        choices=["background", "blocking"])
     tune_input_len: int | None = _flag(
         "Prompt length that --chunked-prefill-size auto optimizes for (default: "
         "--max-model-len).", default=None)

@@ -3,7 +3,8 @@ import math
 
 import pytest
 
-from pipefill.chunking import ChunkSizePredictor, OnlineCalibrator, profile_lengths
+from pipefill.chunking import (PROFILE_SAMPLES, ChunkSizePredictor, OnlineCalibrator,
+                               profile_lengths)
 from pipefill.sim import CostModel, Transfer, simulate, simulate_costs
 
 A, B, C = 1e-6, 1e-3, 0.05
@@ -71,7 +72,7 @@ def test_caps_by_context_and_budget():
 
 def test_fit_recovers_the_model_and_clamps_b():
     lengths = profile_lengths(2048)
-    assert lengths[0] == 2560 and len(lengths) == 128 and lengths[-1] > 0
+    assert lengths[0] == 2560 and len(lengths) == PROFILE_SAMPLES and lengths[-1] > 0
     p = ChunkSizePredictor(2048)
     p.fit(lengths, [A * x * x + B * x + C for x in lengths])
     a, b, c = p.coefficients
@@ -79,6 +80,33 @@ def test_fit_recovers_the_model_and_clamps_b():
     assert p.target_latency == pytest.approx(A * 2048**2 + B * 2048, rel=1e-6)
     p.fit(lengths, [A * x * x - 1e-4 * x + C for x in lengths])
     assert p.coefficients[1] == 0.0  # b < 0 is clamped
+
+
+@pytest.mark.parametrize("c0", [64, 256, 2048, 8192])
+def test_profile_lengths_are_distinct_and_quadratically_spread(c0):
+    lengths = profile_lengths(c0)
+    top = int(1.25 * c0)
+    assert lengths == sorted(set(lengths), reverse=True) and len(lengths) >= 8
+    assert lengths[0] == top and 0 < lengths[-1] <= top // 16
+    gaps = [x - y for x, y in zip(lengths, lengths[1:])]
+    assert gaps[0] > 4 * gaps[-1]  # dense where prefills are cheap, sparse where they are long
+    if c0 >= 2048:  # the whole profile: about a third of 16 full-length prefills
+        assert sum(lengths) < 0.4 * PROFILE_SAMPLES * top
+
+
+def test_sixteen_noisy_samples_predict_far_prefixes():
+    """With 2% timing noise, the chunk sizes predicted from the 16-length profile stay within
+    10% of the true model's at prefixes 4 to 64 times C0 (what the profile extrapolates to)."""
+    import random
+    lengths = profile_lengths(2048)
+    truth = predictor(2048, 1.0, 64)
+    for seed in range(50):
+        rng = random.Random(seed)
+        p = ChunkSizePredictor(2048, 64, 1.0)
+        p.fit(lengths, [(A * x * x + B * x + C) * (1 + rng.uniform(-0.02, 0.02))
+                        for x in lengths])
+        for prefix in (8192, 32768, 131072):
+            assert p.raw_size(prefix) == pytest.approx(truth.raw_size(prefix), rel=0.10)
 
 
 @pytest.mark.parametrize("latencies, match", [

@@ -1,5 +1,6 @@
 """Dynamic chunking in the engine: through PP2 it gives fixed chunking's results, a failed fit
-falls back to fixed chunks, and the start-up profile is cached on disk."""
+falls back to fixed chunks, and the start-up profile is cached on disk. (The background
+profile has its own file, test_background_profile.py.)"""
 import json
 from types import SimpleNamespace
 
@@ -28,8 +29,8 @@ def write_profile(cache_dir, model, c0, page, layers, seconds_of):
     key = profile_key(model, "float32", layers, 1, c0, page, "KVCache", lengths)
     path = cache_path(str(cache_dir), key)
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps({"key": key, "lengths": lengths[1:],
-                                "seconds": [seconds_of(x) for x in lengths[1:]]}))
+    path.write_text(json.dumps({"key": key, "lengths": lengths,
+                                "seconds": [seconds_of(x) for x in lengths]}))
 
 
 def engine(model, cache_dir, **kw):
@@ -54,8 +55,7 @@ def test_dynamic_equals_fixed_through_pp2(model7, tmp_path):
         assert e.chunking["mode"] == "dynamic" and e.chunking["profile_cache_hit"]
         dyn = run(e)
     expected = ChunkSizePredictor(256, 16, 0.75)
-    expected.fit(profile_lengths(256)[1:], [A * x * x + B * x + C
-                                           for x in profile_lengths(256)[1:]])
+    expected.fit(profile_lengths(256), [A * x * x + B * x + C for x in profile_lengths(256)])
     assert dyn.metrics["chunk_sizes"] == expected.chunk_sequence(len(PROMPT))
     assert dyn.metrics["chunk_sizes"][:2] == [256, 128]  # smaller after the first
     assert fixed.metrics["chunk_sizes"] == [256, 256, 88]
@@ -71,11 +71,13 @@ def test_concave_profile_falls_back_to_fixed(model7, tmp_path):
         assert run(e).metrics["chunk_sizes"] == [256, 256, 88]
 
 
-def test_profile_cache_is_hit_on_the_second_start(model7, tmp_path):
-    with engine(model7, tmp_path, enable_dynamic_chunking=True) as e:
+def test_blocking_profile_cache_is_hit_on_the_second_start(model7, tmp_path):
+    with engine(model7, tmp_path, enable_dynamic_chunking=True,
+                dynamic_chunking_profile="blocking") as e:
         first = e.chunking
     with engine(model7, tmp_path, enable_dynamic_chunking=True) as e:
         second = e.chunking
+    assert first["mode"] == second["mode"] == "dynamic"
     assert not first["profile_cache_hit"] and second["profile_cache_hit"]
     assert first["profile"] == second["profile"]
 
@@ -84,13 +86,14 @@ def test_failed_profile_never_stops_start_up(tmp_path):
     class Broken:
         model = SimpleNamespace(cfg=SimpleNamespace(hidden_size=64), is_first=True,
                                 dtype=torch.float32)
-        cache = object()
+        cache = SimpleNamespace(page_size=16)
 
-        def scratch_prefill(self, num_tokens):
+        def forward(self, plan, acts):
             raise RuntimeError("out of memory")
     args = ServerArgs(pp_size=2, enable_dynamic_chunking=True, max_model_len=4096,
                       dynamic_chunking_profile_cache=str(tmp_path), chunked_prefill_size=512,
-                      dynamic_chunking_smooth_factor=0.75, dtype="float32")
+                      dynamic_chunking_smooth_factor=0.75, dtype="float32",
+                      dynamic_chunking_profile="blocking")
     model_file = tmp_path / "model.bin"
     model_file.write_bytes(b"x")
     policy = build_chunk_policy(args, Broken(), str(model_file), range(0, 2), [2, 2])

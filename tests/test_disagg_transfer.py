@@ -144,16 +144,18 @@ def test_two_stages_into_shuffled_pages(backend, dtype):
         service.close()
 
 
+@pytest.mark.parametrize("backend", BACKENDS)
 @pytest.mark.parametrize("decode_split", [2, 3], ids=["same-partition", "other-partition"])
-def test_decode_pipeline_of_two_stages(decode_split):
+def test_decode_pipeline_of_two_stages(decode_split, backend):
     """Decode PP 2: each decode stage takes only its layers, from whichever prefill stages hold
-    them (with another partition, prefill stage 1 serves both decode stages)."""
-    service, senders, src_pools = start_prefill("tcp", torch.float32)
+    them (with another partition, prefill stage 1 serves both decode stages); with mooncake,
+    each (decode stage, prefill stage) pair through its own staging region."""
+    service, senders, src_pools = start_prefill(backend, torch.float32)
     ranges = [(0, decode_split), (decode_split, LAYERS)]
     pools = [Pool(), Pool()]
     kvs = [random_kv(50 + i, ls, le - ls) for i, (ls, le) in enumerate(ranges)]
-    receivers = [KVReceiver(kv, release=pool.release, timing=FAST) for kv, pool in
-                 zip(kvs, pools)]
+    receivers = [KVReceiver(kv, release=pool.release, timing=FAST, backend=backend)
+                 for kv, pool in zip(kvs, pools)]
     try:
         info = lookup_prefill(service.endpoint, 10)
         dsts = []
@@ -173,6 +175,9 @@ def test_decode_pipeline_of_two_stages(decode_split):
                         assert torch.equal(sender.kv.pages(a, layer)[pages],
                                            kv.pages(b, layer)[dst])
         assert wait_until(lambda: all(p.clean() for p in src_pools))
+        if backend == "mooncake":  # 2 chunks per (prefill stage, decode stage) pair, staged
+            assert sum(s.data.num_staged_chunks for s in senders) == 2 * (2 + decode_split - 2)
+            assert all(r.data.staging_in_use() == 0 for r in receivers)
     finally:
         for r in receivers:
             r.close()
@@ -438,3 +443,114 @@ def test_decode_process_dies_mid_transfer_prefill_frees_its_pages(backend, fault
         service.close()
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait()
+
+
+# ------------------------------------------------------------ mooncake staging
+
+def test_staging_arena_first_fit_merges_and_refuses_a_double_free():
+    from pipefill.disagg.transfer_mooncake import ALIGN, Arena, fragmented
+    a = Arena(10 * ALIGN)
+    x, y, z = a.alloc(1), a.alloc(3 * ALIGN), a.alloc(ALIGN + 1)
+    assert (x, y, z) == (0, ALIGN, 4 * ALIGN)
+    assert a.alloc(5 * ALIGN) is None  # 4 left
+    a.release(y)
+    assert a.alloc(2 * ALIGN) == ALIGN  # first fit, into the hole
+    for off in (x, ALIGN, z):
+        a.release(off)
+    assert a.free == [(0, 10 * ALIGN)] and not a.used
+    with pytest.raises(KeyError):
+        a.release(0)
+    assert not fragmented([]) and not fragmented([5]) and not fragmented(list(range(8)))
+    assert fragmented(list(range(8))[::-1]) and fragmented([0, 1, 2, 10, 11, 12])
+    assert not fragmented([0, 1, 2, 3, 10, 11, 12, 13])
+
+
+@pytest.mark.skipif(not have_mooncake(), reason="mooncake-transfer-engine-non-cuda is not "
+                    "installed")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("case", ["staged", "arena-for-one-stage", "staging-off",
+                                  "consecutive-pages"])
+def test_mooncake_into_shuffled_pages(case, dtype):
+    """Shuffled source and destination pages, byte-exact: staged (one block per chunk), the
+    arena too small for the second stage (that stage writes page runs straight), staging off,
+    and consecutive destination pages (never staged: runs are already long)."""
+    service, senders, src_pools = start_prefill("mooncake", dtype)
+    num_pages, dst_pool = 21, Pool()
+    kv = KVTensors(torch.zeros(LAYERS, PAGES * PAGE, HEADS, DIM, dtype=dtype),
+                   torch.zeros(LAYERS, PAGES * PAGE, HEADS, DIM, dtype=dtype), PAGE)
+    region = num_pages * 2 * 2 * kv.page_bytes  # one prefill stage's two layers
+    staging = {"staged": 2 * region, "arena-for-one-stage": region + region // 2,
+               "staging-off": 0, "consecutive-pages": 2 * region}[case]
+    receiver = KVReceiver(kv, release=dst_pool.release, backend="mooncake", timing=FAST,
+                          staging_bytes=staging)
+    try:
+        receiver.connect("p", lookup_prefill(service.endpoint, 10))
+        dst = dst_pool.pool.allocate(num_pages)
+        if case != "consecutive-pages":
+            random.Random(5).shuffle(dst)
+        receiver.expect_room(ROOM, "p", dst, num_prompt_tokens=num_pages * PAGE)
+        src = send_request(senders, src_pools, num_pages)
+        res = receiver.wait_room(ROOM, 30)
+        assert res.ok, res
+        for s, pages in zip(senders, src):
+            assert_pages_equal(s.kv, pages, kv, dst)
+        staged = sorted(s.data.num_staged_chunks for s in senders)
+        assert staged == {"staged": [2, 2], "arena-for-one-stage": [0, 2],
+                          "staging-off": [0, 0], "consecutive-pages": [0, 0]}[case]
+        assert receiver.data.staging_in_use() == 0  # handed over with the pages
+        assert not receiver.data._arena.used
+        assert wait_until(lambda: all(p.clean() for p in src_pools))
+    finally:
+        receiver.close()
+        for s in senders:
+            s.close()
+        service.close()
+
+
+@pytest.mark.skipif(not have_mooncake(), reason="mooncake-transfer-engine-non-cuda is not "
+                    "installed")
+def test_mooncake_sender_killed_mid_transfer_leaves_nothing_stale():
+    """A prefill process killed after its first staged chunk: the decode fails the room, frees
+    its pages and its staging region once; the next room into the same pages (and the same
+    staging bytes) from another prefill is byte-exact."""
+    num_pages, dst_pool = 24, Pool()
+    kv = KVTensors(torch.zeros(LAYERS, PAGES * PAGE, HEADS, DIM),
+                   torch.zeros(LAYERS, PAGES * PAGE, HEADS, DIM), PAGE)
+    released = []
+
+    def release(room, pages):
+        released.append((room, receiver.data.staging_in_use()))
+        dst_pool.release(room, pages)
+    receiver = KVReceiver(kv, release=release, backend="mooncake",
+                          timing=Timing(20, 20, 0.2, 3), staging_bytes=2 << 20)
+    procs = []
+    try:
+        for attempt, mode in enumerate(["stall", "full"]):
+            proc, info = spawn_sender("mooncake", mode, num_pages)
+            procs.append(proc)
+            receiver.connect(f"p{attempt}",
+                             lookup_prefill(m.Endpoint("127.0.0.1", info["port"]), 60))
+            dst = dst_pool.pool.allocate(num_pages)
+            random.Random(8).shuffle(dst)
+            receiver.expect_room(ROOM, f"p{attempt}", dst)
+            assert receiver.data.staging_in_use() == 1
+            if mode == "full":
+                res = receiver.wait_room(ROOM, 60)
+                assert res.ok, res
+                assert_pages_equal(random_kv(10, 0, LAYERS), info["src"], kv, dst)
+                break
+            assert wait_until(lambda: len(receiver.rooms.live[ROOM].delivered) == 1, 30)
+            os.kill(proc.pid, signal.SIGKILL)
+            res = receiver.wait_room(ROOM, 30)
+            assert not res.ok and "stopped answering" in res.reason
+            assert wait_until(dst_pool.clean, 10)
+            assert released == [(ROOM, 0)]  # once, its staging region freed with the pages
+            assert not receiver.data._arena.used
+            kv.k.zero_()
+            kv.v.zero_()
+    finally:
+        receiver.close()
+        for proc in procs:
+            if proc.poll() is None:
+                os.kill(proc.pid, signal.SIGKILL)
+            proc.wait()

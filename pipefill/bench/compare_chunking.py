@@ -10,6 +10,8 @@ from pipefill.sim import CostModel, Transfer, chunk_plan, default_c0_grid, simul
 
 
 def configs(args, c0_grid: list[int], with_auto: bool) -> list[tuple[str, object]]:
+    # The comparison needs each engine's fitted policy from its first request on.
+    args = args.replace(dynamic_chunking_profile="blocking")
     out = [("dynamic", args.replace(enable_dynamic_chunking=True))]
     if with_auto:
         out.append(("auto", args.replace(enable_dynamic_chunking=True,

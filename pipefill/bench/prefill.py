@@ -89,7 +89,8 @@ def run(ns: argparse.Namespace) -> int:
 
     lengths = parse_ints(ns.input_len, "--input-len")
     pp_sizes = parse_ints(ns.pp_sizes, "--pp-size")
-    args = server_args_from_namespace(ns)
+    # Timed runs need the fitted chunk policy from the first request on: profile before serving.
+    args = server_args_from_namespace(ns).replace(dynamic_chunking_profile="blocking")
     source = WeightSource(resolve_model_path(args.model_path))
     need = max(lengths) + 1  # the prompt and its first token
     if args.max_model_len is None and max(lengths) <= source.config.max_position_embeddings:

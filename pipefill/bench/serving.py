@@ -2,9 +2,13 @@
 benchmarks do, and report TTFT, time per output token, inter-token latency and end-to-end
 latency (mean, p50, p90, p99) with request and token throughput.
 
-Prompts are random token ids (exact lengths; any server that takes token-id prompts on
-/v1/completions), lengths uniform in [I(1-r), I(1+r)] for --random-input-len I and
---random-range-ratio r; every request streams exactly its output length (ignore_eos).
+Prompts (--prompt-mode): `tokens`, random token ids (exact lengths; any server that takes
+token-id prompts on /v1/completions), or `text`, random whole words of --tokenizer's vocabulary
+that it encodes back to exactly the wanted length (routers such as sglang-router take only text
+prompts); the prompt tokens reported are the server's own count (`usage`) when it sends one.
+Lengths are uniform in [I(1-r), I(1+r)] for --random-input-len I and --random-range-ratio r;
+every request streams exactly its output length (ignore_eos). ITL is every gap between two
+streamed tokens of a request; TPOT is a request's (E2E - TTFT) / (output tokens - 1).
 Requests arrive as a Poisson process at --request-rate (inf: all at once), at most
 --max-concurrency in flight.
 """
@@ -35,7 +39,12 @@ def add_parser(sub) -> None:
     p.add_argument("--max-concurrency", type=int, default=None,
                    help="most requests in flight at once (default: no limit)")
     p.add_argument("--vocab-size", type=int, default=49152,
-                   help="token ids are drawn from [100, vocab-size)")
+                   help="token ids are drawn from [100, vocab-size) (--prompt-mode tokens)")
+    p.add_argument("--prompt-mode", choices=["tokens", "text"], default="tokens",
+                   help="token-id prompts, or text prompts of the same lengths (for routers)")
+    p.add_argument("--tokenizer", default=None,
+                   help="model (folder or .gguf) whose tokenizer builds text prompts "
+                        "(default: the default model)")
     p.add_argument("--seed", type=int, default=0, help="seed of lengths, prompts, arrivals")
     p.add_argument("--timeout", type=float, default=3600, help="seconds per request")
     p.add_argument("--label", default="", help="a name for this run in the printout and JSON")
@@ -45,7 +54,8 @@ def add_parser(sub) -> None:
 
 @dataclass
 class RequestResult:
-    input_len: int
+    input_len: int  # the prompt tokens: the server's count (usage) when it sent one
+    requested_input_len: int = 0
     output_len: int = 0
     ok: bool = False
     error: str | None = None
@@ -65,8 +75,46 @@ def lengths(mean: int, ratio: float, n: int, rng: random.Random) -> list[int]:
     return [rng.randint(lo, hi) for _ in range(n)]
 
 
-async def one_request(client, url, headers, model, prompt, max_tokens, timeout):
-    result = RequestResult(len(prompt))
+class TextPrompts:
+    """Random text that `tokenizer` encodes to exactly n tokens: whole words of its vocabulary
+    (a byte-level BPE or SentencePiece word token with its leading space), which re-encode one
+    token each; a few rounds of re-encoding and trimming fix any that merge."""
+
+    def __init__(self, model_path: str | None):
+        from pipefill.model.loader import WeightSource, resolve_model_path
+        from pipefill.model.tokenizer import load_tokenizer
+        self.tok = load_tokenizer(WeightSource(resolve_model_path(model_path)))
+        if self.tok is None:
+            raise ValueError(f"--tokenizer {model_path}: that model has no tokenizer")
+        vocab = self.tok.hf.get_vocab()
+        self.words = sorted(i for t, i in vocab.items() if len(t) > 3 and t[0] in "Ġ▁"
+                            and t[1:].isascii() and t[1:].isalpha())
+        if len(self.words) < 100:  # an unusual vocabulary: any token will do
+            self.words = sorted(vocab.values())
+        self.specials = len(self.tok.encode(""))  # BOS and the like, added by the server
+
+    def make(self, n: int, rng: random.Random) -> str:
+        want = max(1, n - self.specials)
+        ids = [rng.choice(self.words) for _ in range(want)]
+        for _ in range(4):
+            text = self.tok.decode(ids)
+            ids = self.tok.hf.encode(text, add_special_tokens=False)
+            if len(ids) == want:
+                break
+            ids = ids[:want] + [rng.choice(self.words) for _ in range(want - len(ids))]
+        return text
+
+
+def make_prompts(ns, ins: list[int], rng: random.Random) -> list:
+    if ns.prompt_mode == "tokens":
+        return [[rng.randrange(100, ns.vocab_size) for _ in range(n)] for n in ins]
+    maker = TextPrompts(ns.tokenizer)
+    return [maker.make(n, rng) for n in ins]
+
+
+async def one_request(client, url, headers, model, prompt, max_tokens, timeout,
+                      input_len: int):
+    result = RequestResult(input_len, input_len)
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
             "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     t0 = last = time.perf_counter()
@@ -86,6 +134,7 @@ async def one_request(client, url, headers, model, prompt, max_tokens, timeout):
                     return result
                 if data.get("usage"):
                     result.output_len = data["usage"]["completion_tokens"]
+                    result.input_len = data["usage"].get("prompt_tokens") or result.input_len
                 if data.get("choices") and data["choices"][0].get("text"):
                     now = time.perf_counter()
                     if result.ttft_s is None:
@@ -108,7 +157,7 @@ async def run_benchmark(ns) -> tuple[list[RequestResult], float]:
     rng = random.Random(ns.seed)
     ins = lengths(ns.random_input_len, ns.random_range_ratio, ns.num_prompts, rng)
     outs = lengths(ns.random_output_len, ns.random_range_ratio, ns.num_prompts, rng)
-    prompts = [[rng.randrange(100, ns.vocab_size) for _ in range(n)] for n in ins]
+    prompts = make_prompts(ns, ins, rng)
     rate = float(ns.request_rate)
     headers = {"Authorization": f"Bearer {ns.api_key}"} if ns.api_key else {}
     base = ns.base_url.rstrip("/")
@@ -119,17 +168,17 @@ async def run_benchmark(ns) -> tuple[list[RequestResult], float]:
                              ).json()["data"][0]["id"]
         bar = tqdm(total=ns.num_prompts, desc="requests", unit="req")
 
-        async def limited(prompt, out_len):
+        async def limited(prompt, out_len, in_len):
             async with limit:
                 res = await one_request(client, base + "/v1/completions", headers, model,
-                                        prompt, out_len, ns.timeout)
+                                        prompt, out_len, ns.timeout, in_len)
             bar.update(1)
             return res
 
         tasks = []
         start = time.perf_counter()
-        for prompt, out_len in zip(prompts, outs):
-            tasks.append(asyncio.create_task(limited(prompt, out_len)))
+        for prompt, out_len, in_len in zip(prompts, outs, ins):
+            tasks.append(asyncio.create_task(limited(prompt, out_len, in_len)))
             if rate != float("inf"):
                 await asyncio.sleep(rng.expovariate(rate))
         results = await asyncio.gather(*tasks)

@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pipefill.bench import attention as bench_attention
     from pipefill.bench import kv_transfer as bench_kv_transfer
     from pipefill.bench import multiturn as bench_multiturn
+    from pipefill.bench import pd_serving as bench_pd_serving
     from pipefill.bench import decode as bench_decode
     from pipefill.bench import prefill as bench_prefill
     from pipefill.bench import serving as bench_serving
@@ -37,6 +38,7 @@ def build_parser() -> argparse.ArgumentParser:
         dest="bench_command", required=True, metavar="BENCHMARK")
     bench_prefill.add_parser(bench)
     bench_serving.add_parser(bench)
+    bench_pd_serving.add_parser(bench)
     bench_attention.add_parser(bench)
     bench_kv_transfer.add_parser(bench)
     bench_multiturn.add_parser(bench)

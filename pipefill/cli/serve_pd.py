@@ -86,16 +86,9 @@ def run(ns) -> int:
         for name, cmd in zip(names, (prefill, decode, router)):
             print(f"serve-pd: {name}: {shlex.join(cmd)}", flush=True)
             procs[name] = subprocess.Popen(cmd, preexec_fn=_die_with_parent)
-        checks = {"prefill": prefill[prefill.index("--port") + 1],
-                  "decode": decode[decode.index("--port") + 1]}
-        health = [f"http://{ns.host}:{port}/health" for port in checks.values()]
-        deadline = time.monotonic() + ns.startup_timeout
-        while not (all(_healthy(u) for u in health) and _healthy(url + "/readiness")):
-            _check_alive(procs)
-            if time.monotonic() > deadline:
-                raise RuntimeError(f"not every server was healthy within {ns.startup_timeout:g} "
-                                   "s (--startup-timeout)")
-            time.sleep(0.5)
+        ports = [cmd[cmd.index("--port") + 1] for cmd in (prefill, decode)]
+        wait_ready(procs, [f"http://{ns.host}:{port}/health" for port in ports] +
+                   [url + "/readiness"], ns.startup_timeout)
         print(f"serve-pd: ready: {url}", flush=True)
         while True:
             _check_alive(procs)
@@ -106,6 +99,17 @@ def run(ns) -> int:
         stop(procs)
 
 
+def wait_ready(procs: dict[str, subprocess.Popen], urls: list[str], timeout_s: float) -> None:
+    """Until every URL answers 200; a sentence if a child exits or timeout_s passes first."""
+    deadline = time.monotonic() + timeout_s
+    while not all(_healthy(u) for u in urls):
+        _check_alive(procs)
+        if time.monotonic() > deadline:
+            raise RuntimeError(f"not every server was healthy within {timeout_s:g} s "
+                               "(--startup-timeout)")
+        time.sleep(0.5)
+
+
 def _check_alive(procs) -> None:
     for name, p in procs.items():
         if p.poll() is not None:
@@ -114,9 +118,9 @@ def _check_alive(procs) -> None:
 
 def stop(procs: dict[str, subprocess.Popen]) -> None:
     """SIGTERM to every child (router first: no new requests), then SIGKILL after a grace."""
-    for name in ("router", "decode", "prefill"):
-        p = procs.get(name)
-        if p is not None and p.poll() is None:
+    for name in sorted(procs, key=lambda n: n != "router"):
+        p = procs[name]
+        if p.poll() is None:
             p.send_signal(signal.SIGTERM)
     deadline = time.monotonic() + STOP_TIMEOUT_S
     for p in procs.values():

@@ -46,12 +46,13 @@ class FirstStageLoop:
     def run(self) -> None:
         while not (self.stopping and not self.inflight):
             idle = not self.inflight and not self.scheduler.has_work
-            if idle and self.chunk_policy is not None and \
-                    self.chunk_policy.idle_step(self.scheduler):
-                idle = False  # one background-profile prefill ran: look for requests, go on
-            self._ingest(IDLE_POLL_MS if idle else 0)
+            arrived = self._ingest(IDLE_POLL_MS if idle else 0)
             if self.pd is not None:
                 self._pd_poll()
+            if idle and not arrived and self.chunk_policy is not None and \
+                    not self.stopping and not self.scheduler.has_work:
+                # Nothing came during an idle poll: one prefill of a background profile.
+                self.chunk_policy.idle_step(self.scheduler)
             nothing_to_launch = not self._launch()
             self._retire_ready(must_wait=nothing_to_launch or self.stopping
                                or len(self.inflight) >= self.max_inflight)

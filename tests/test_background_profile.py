@@ -1,0 +1,152 @@
+"""Dynamic chunking with the start-up profile in the background (issue 12, step 5): the server
+answers at once with fixed chunks, stage 0 profiles while idle on pages it borrows from the
+pool, then switches to the fitted chunks; outputs equal HF transformers before and after; a
+cached profile skips the background phase."""
+import time
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import assert_pages_free, hf_reference, save_tiny_model, track
+from pipefill import Engine
+from pipefill.chunking import ChunkSizePredictor
+from pipefill.config import make_server_args
+from pipefill.frontend import prepare
+from pipefill.kv.pool import PagePool
+from pipefill.runtime.chunk_policy import build_chunk_policy
+from pipefill.runtime.stage import build_stage, stage_info
+from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig
+
+PAGE, C0 = 16, 256
+PROMPT = [(11 * i + 5) % 512 for i in range(600)]
+FIXED = [256, 256, 88]
+
+
+@pytest.fixture(scope="module")
+def model7(tmp_path_factory):
+    return save_tiny_model("llama", tmp_path_factory.mktemp("llama7bg"), num_hidden_layers=7)
+
+
+@pytest.fixture(scope="module")
+def reference(model7):
+    return hf_reference(model7, PROMPT, 8)
+
+
+def engine(model, cache_dir, **kw):
+    # The prefix cache is off so that every run computes the whole prompt in its own chunks.
+    return track(Engine(model, dtype="float32", page_size=PAGE, threads_per_stage=1, pp_size=2,
+                        chunked_prefill_size=C0, enable_dynamic_chunking=True,
+                        disable_radix_cache=True, dynamic_chunking_profile_cache=str(cache_dir),
+                        **kw))
+
+
+def run_and_check(e, reference):
+    out = e.generate([PROMPT], max_new_tokens=8, ignore_eos=True,
+                     return_prompt_logprobs=True)[0]
+    ref_lp, ref_tokens = reference
+    assert out.output_ids == ref_tokens
+    assert (torch.tensor(out.prompt_logprobs) - ref_lp).abs().max().item() < 1e-4
+    assert_pages_free(e)
+    return out
+
+
+def wait_for_switch(e, limit_s=300.0) -> dict:
+    """Stage 0's chunking state once the background profile is over (a hang guard only)."""
+    deadline = time.monotonic() + limit_s
+    while time.monotonic() < deadline:
+        info = e.stats()["chunking"]
+        if info["mode"] != "profiling":
+            return info
+        time.sleep(0.2)
+    raise AssertionError("the background profile never finished")
+
+
+def expected_chunks(e, info) -> list[int]:
+    a, b, c = info["coefficients"]
+    p = ChunkSizePredictor(info["c0"], PAGE, info["smooth_factor"], e.args.max_model_len,
+                           e.args.max_prefill_tokens)
+    p.set_model(a, max(b, 0.0), c, info["target_latency_s"])
+    return p.chunk_sequence(len(PROMPT))
+
+
+def test_serves_during_profile_switches_then_cache_hit(model7, reference, tmp_path):
+    with engine(model7, tmp_path) as e:
+        # "ready" came before the first profile prefill: the server answers at once.
+        assert e.chunking == {"mode": "profiling", "c0": C0, "samples": 16}
+        before = run_and_check(e, reference)
+        assert before.metrics["chunk_sizes"] == FIXED  # served with fixed chunks of C0
+        info = wait_for_switch(e)
+        assert info["mode"] == "dynamic" and not info["profile_cache_hit"], info
+        assert info["samples"] == 16 and info["fit_rel_rms"] >= 0
+        after = run_and_check(e, reference)
+        assert after.metrics["chunk_sizes"] == expected_chunks(e, info)
+        assert after.metrics["chunk_sizes"][:2] != FIXED[:2]  # the fitted policy is in use
+    with engine(model7, tmp_path) as e:  # the profile is cached: no background phase
+        assert e.chunking["mode"] == "dynamic" and e.chunking["profile_cache_hit"]
+        assert e.chunking["coefficients"] == info["coefficients"]
+        assert e.stats()["chunking"] == e.chunking
+        hit = run_and_check(e, reference)
+        assert hit.metrics["chunk_sizes"] == after.metrics["chunk_sizes"]
+
+
+@pytest.fixture(scope="module")
+def stage0(model7, tmp_path_factory):
+    """Stage 0 of a PP2 pipeline built in this process, its args and layer slice."""
+    args, source = prepare(make_server_args(
+        model7, dtype="float32", page_size=PAGE, threads_per_stage=1, pp_size=2,
+        chunked_prefill_size=64, enable_dynamic_chunking=True, max_total_tokens=2048))
+    info = stage_info(args, source.config.num_layers, 0)
+    return args, source, info, build_stage(args, source, info)
+
+
+def scheduler_for(args, num_pages):
+    cfg = SchedulerConfig(page_size=PAGE, chunked_prefill_size=64, max_prefill_tokens=4096,
+                          max_running_requests=4, max_model_len=args.max_model_len)
+    return Scheduler(cfg, PagePool(num_pages))
+
+
+def test_idle_steps_borrow_pages_and_give_them_back(stage0, tmp_path):
+    args, source, info, executor = stage0
+    args = args.replace(dynamic_chunking_profile_cache=str(tmp_path))
+    policy = build_chunk_policy(args, executor, source.path, info.layers, [3, 4])
+    assert policy.info["mode"] == "profiling" and policy.background is not None
+    num_pages = executor.cache.num_pages
+    total = len(policy.background.run.lengths) + 1  # a warm-up, then one prefill per length
+    # A pool with too few free pages: the profile waits, touching nothing.
+    tight = scheduler_for(args, num_pages)
+    held = tight.pool.allocate(num_pages - 2)
+    assert not policy.idle_step(tight) and policy.background.run.steps_left == total
+    tight.pool.release(held)
+    sched = scheduler_for(args, num_pages)
+    owned = sched.pool.allocate(3)  # a request's pages: the profile must not take them
+    steps = 0
+    while policy.background is not None:
+        assert policy.idle_step(sched)
+        steps += 1
+        sched.pool.check_integrity()
+        assert sched.pool.num_used == 3 and sched.pool.freed == []  # nothing to announce
+        assert all(sched.pool.refcount(p) == 1 for p in owned)
+    assert steps == total
+    assert policy.info["mode"] in ("dynamic", "fixed")
+    if policy.info["mode"] == "dynamic":  # the fitted predictor is the scheduler's now
+        assert sched.next_chunk_size is policy.next_chunk_size
+    assert sched.cfg.chunked_prefill_size == policy.c0 == 64
+    assert not policy.idle_step(sched)  # nothing left to do
+
+
+def test_failed_background_profile_keeps_fixed_chunks(stage0, tmp_path):
+    args, source, info, executor = stage0
+    args = args.replace(dynamic_chunking_profile_cache=str(tmp_path))
+    policy = build_chunk_policy(args, executor, source.path, info.layers, [3, 4])
+
+    def broken(plan, acts):
+        raise RuntimeError("out of memory")
+    policy.background.executor = SimpleNamespace(forward=broken, model=executor.model,
+                                                 cache=executor.cache)
+    sched = scheduler_for(args, executor.cache.num_pages)
+    assert policy.idle_step(sched)
+    assert policy.background is None and policy.next_chunk_size is None
+    assert policy.info["mode"] == "fixed" and "out of memory" in policy.info["fallback"]
+    assert sched.pool.num_used == 0 and sched.pool.freed == []
+    assert sched.next_chunk_size(1000) == 64

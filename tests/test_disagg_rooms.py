@@ -205,10 +205,12 @@ def test_decode_prompt_length_mismatch_fails_the_room():
 
 def test_decode_waiting_timeout_drops_the_room_at_the_prefill_and_releases():
     rooms, p, pages = decode(timeout=10.0)
-    deliver(rooms, "p/0", kv("p/0", 0, 2), now=6.0)  # progress resets the clock
-    rooms.on_heartbeat("p/1", [ROOM], 12.0)  # a prefill that still works on it, too
-    assert rooms.tick(21.9) == []
-    notices = rooms.tick(22.1)
+    rooms.on_heartbeat("p/1", [ROOM], 8.0)  # no KV yet: a heartbeat naming the room renews it
+    assert rooms.tick(17.9) == []
+    deliver(rooms, "p/0", kv("p/0", 0, 2), now=18.0)  # progress resets the clock
+    rooms.on_heartbeat("p/1", [ROOM], 24.0)  # started: only chunks renew it now (the lease)
+    assert rooms.tick(27.9) == []
+    notices = rooms.tick(28.1)
     assert sorted(peer for peer, _ in notices) == sorted(STAGES)
     assert all(isinstance(msg, m.DropRoom) and msg.nonce == NONCE for _, msg in notices)
     res = rooms.take_result(ROOM)

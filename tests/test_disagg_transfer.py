@@ -216,6 +216,34 @@ def test_hmac_sealed_transfer_and_a_room_that_never_comes():
         service.close()
 
 
+def test_a_prefill_that_heartbeats_but_stalls_loses_the_room():
+    """The lease: both stages start the room (first chunk sent), then stall while their
+    heartbeats, every 0.2 s, keep naming it; the decode fails it after the waiting timeout and
+    both sides free its pages."""
+    timing = Timing(bootstrap_timeout_s=20, waiting_timeout_s=1.0, heartbeat_interval_s=0.2,
+                    heartbeat_max_misses=3)
+    service, senders, src_pools = start_prefill("tcp", torch.float32, timing=timing)
+    dst_pool = Pool()
+    receiver = KVReceiver(random_kv(0, 0, LAYERS), release=dst_pool.release, timing=timing)
+    try:
+        receiver.connect("p", lookup_prefill(service.endpoint, 10))
+        receiver.expect_room(ROOM, "p", dst_pool.pool.allocate(8))
+        send_request(senders, src_pools, 8, last_chunk=False)
+        assert wait_until(lambda: receiver.progress(ROOM) == {"p/0": 4, "p/1": 4})
+        assert all(s.rooms.heartbeat_rooms() == [ROOM] for s in senders)
+        start = time.monotonic()
+        res = receiver.wait_room(ROOM, 30)
+        assert not res.ok and "--disaggregation-waiting-timeout" in res.reason
+        assert time.monotonic() - start < 10  # not renewed by the heartbeats
+        assert wait_until(dst_pool.clean)
+        assert wait_until(lambda: all(p.clean() for p in src_pools))  # the drop reached them
+    finally:
+        receiver.close()
+        for s in senders:
+            s.close()
+        service.close()
+
+
 def test_prefill_abort_reaches_the_decode_and_frees_both_sides():
     service, senders, src_pools = start_prefill("tcp", torch.float32)
     dst_pool = Pool()

@@ -11,8 +11,10 @@ bootstrap within --disaggregation-bootstrap-timeout, drops the room, or dies.
 
 Decode stage, per room: waits until every prefill stage it expects has delivered every page (and
 said it was the last) and the final metadata arrived for this very room and attempt (nonce);
-fails when no prefill stage made progress on it (a chunk, or a heartbeat naming it) for
---disaggregation-waiting-timeout, when a prefill stage reports a failure or dies, or on abort.
+fails when no prefill stage made progress on it for --disaggregation-waiting-timeout (a chunk;
+until the first chunk arrives, also a heartbeat naming it: a lease that a prefill stuck after
+it started the room cannot renew forever), when a prefill stage reports a failure or dies, or
+on abort.
 A failed room releases its pages only when no write into them can still happen: no local
 receive in progress, and with one-sided transports, every live prefill stage acknowledged the
 drop (or the grace time passed).
@@ -370,10 +372,13 @@ class DecodeRooms:
             self._maybe_release(r, now)
 
     def on_heartbeat(self, stage: str, rooms: list[int], now: float) -> None:
-        """A prefill stage that still works on a room keeps it from timing out."""
+        """A prefill stage that works on a room keeps it from timing out until its KV starts
+        arriving; from then on only chunks (and the final metadata) count as progress, so a
+        prefill whose heartbeat thread lives on while its room is stuck cannot hold the room's
+        pages forever."""
         for room in rooms:
             r = self.live.get(room)
-            if r is not None and stage in r.stages and r.failed is None:
+            if r is not None and stage in r.stages and r.failed is None and not r.delivered:
                 r.progress_at = now
 
     def on_stage_dead(self, stage: str, now: float) -> list[Notice]:

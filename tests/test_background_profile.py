@@ -150,3 +150,47 @@ def test_failed_background_profile_keeps_fixed_chunks(stage0, tmp_path):
     assert policy.info["mode"] == "fixed" and "out of memory" in policy.info["fallback"]
     assert sched.pool.num_used == 0 and sched.pool.freed == []
     assert sched.next_chunk_size(1000) == 64
+
+
+def test_loop_profiles_only_at_request_boundaries():
+    """Stage 0's loop (in memory, one stage) calls the policy's idle_step only when no request
+    is running, so a switch of chunk policy never lands inside a prompt's chunks, and again
+    once the server is idle after each request."""
+    import threading
+
+    from test_loop_inmemory import FakeExecutor, MemoryChannel
+
+    from pipefill.runtime.loop import FirstStageLoop
+    from pipefill.scheduler.plan import NewRequest, SamplingParams
+
+    class RecordingPolicy:  # the loop's side of ChunkPolicy: idle_step and info
+        info = {"mode": "profiling"}
+
+        def __init__(self):
+            self.seen_running = []
+
+        def idle_step(self, scheduler):
+            self.seen_running.append(len(scheduler.running))
+            return True
+
+    channel, policy = MemoryChannel(), RecordingPolicy()
+    scheduler = Scheduler(SchedulerConfig(16, 32, 64, 8, 4096), PagePool(64))
+    loop = FirstStageLoop(FakeExecutor(0), scheduler, channel, chunk_policy=policy)
+    thread = threading.Thread(target=loop.run, daemon=True)
+    thread.start()
+    for rid in ("a", "b"):
+        calls = len(policy.seen_running)
+        channel.inbox.put(("add", [NewRequest(rid, list(range(320)),
+                                              SamplingParams(max_new_tokens=3))]))
+        finished = False
+        while not finished:
+            kind, payload = channel.reports.get(timeout=20)
+            finished = kind == "outputs" and any(o.finished for o in payload)
+        deadline = time.monotonic() + 20  # a hang guard: the idle loop profiles again
+        while len(policy.seen_running) == calls and time.monotonic() < deadline:
+            time.sleep(0.01)
+    channel.inbox.put(("stop", None))
+    thread.join(10)
+    assert not thread.is_alive()
+    assert set(policy.seen_running) == {0}, policy.seen_running  # never inside a request
+    assert len(policy.seen_running) >= 2  # and again after each request

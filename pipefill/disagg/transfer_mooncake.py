@@ -68,6 +68,12 @@ def pair_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
     return out
 
 
+def _sync(t: torch.Tensor) -> None:
+    """On a GPU, copies are queued: wait for them before the engine reads or reuses bytes."""
+    if t.is_cuda:
+        torch.cuda.synchronize(t.device)
+
+
 def fragmented(pages: list[int]) -> bool:
     """True when writing straight into these pages would take many small writes."""
     return len(pages) > 1 and len(runs(pages)) * MIN_RUN_PAGES > len(pages)
@@ -146,7 +152,8 @@ class MooncakeDataPath:
         pb, out = self.kv.page_bytes, {}
         with self._lock:
             if self._staging is None and self.staging_bytes > 0:
-                self._staging = torch.empty(self.staging_bytes, dtype=torch.uint8)
+                self._staging = torch.empty(self.staging_bytes, dtype=torch.uint8,
+                                            device=self.kv.k.device)
                 self._register(self._staging)
             for stage, (ls, le) in stages.items():
                 off = self._arena.alloc(len(dst_pages) * 2 * (le - ls) * pb)
@@ -220,7 +227,7 @@ class MooncakeDataPath:
         kv, n = self.kv, len(src_pages)
         if n == 0:
             return
-        idx = torch.tensor(src_pages, dtype=torch.long)
+        idx = torch.tensor(src_pages, dtype=torch.long, device=kv.k.device)
         layer_bytes = 2 * n * kv.page_bytes
         per_group = max(1, GATHER_BYTES // layer_bytes)
         buf = self._gather_buffer(min(per_group, header.layer_end - header.layer_start) *
@@ -232,6 +239,7 @@ class MooncakeDataPath:
             for i, layer in enumerate(layers):
                 for j, t in enumerate((kv.k, kv.v)):
                     torch.index_select(kv.pages(t, layer), 0, idx, out=out[i, j])
+            _sync(buf)
             yield layers, buf
 
     def _gather_buffer(self, nbytes: int) -> torch.Tensor:
@@ -239,7 +247,8 @@ class MooncakeDataPath:
         if buf is None or buf.numel() < nbytes:
             if buf is not None:
                 self.engine.unregister_memory(buf.data_ptr())
-            buf = self._local.buf = torch.empty(nbytes, dtype=torch.uint8)
+            buf = self._local.buf = torch.empty(nbytes, dtype=torch.uint8,
+                                                device=self.kv.k.device)
             self._register(buf)
         return buf
 
@@ -265,7 +274,8 @@ class MooncakeDataPath:
         start = region[1] + header.page_offset * 2 * nlayers * kv.page_bytes
         block = self._staging[start:start + 2 * nlayers * n * kv.page_bytes]
         block = block.view(kv.dtype).view(nlayers, 2, n, kv.page_elems)
-        idx = torch.tensor(dst_pages, dtype=torch.long)
+        idx = torch.tensor(dst_pages, dtype=torch.long, device=kv.k.device)
         for i in range(nlayers):
             for j, t in enumerate((kv.k, kv.v)):
                 kv.pages(t, header.layer_start + i).index_copy_(0, idx, block[i, j])
+        _sync(block)  # the region may be written again as soon as the room ends

@@ -1,7 +1,8 @@
 """PD disaggregation with a decode pipeline (decode PP 2), real processes behind the unmodified
 sglang-router: every decode stage receives its own layers' KV from the prefill stages that
 hold them, and decodes only once every stage has all of them. Greedy text and logprobs must be
-one colocated server's; pages come back on both sides. Fault cases are slow."""
+one colocated server's; pages come back on both sides. The fast case (the prefill's layer
+split) is in test_pd_router.py; here: the room bookkeeping, another split and a fault (slow)."""
 from __future__ import annotations
 
 import os
@@ -51,32 +52,50 @@ def assert_same(got, want) -> None:
         assert list(a.values()) == pytest.approx(list(b.values()), abs=1e-4)
 
 
-@pytest.mark.parametrize("partition", [
-    (),  # the prefill's layer split: decode stage s takes its layers from prefill stage s
-    ("--pp-layer-partition", "1,3")])  # decode stage 1 takes layers from both prefill stages
-def test_decode_pipeline_answers_equal_a_colocated_server(chat_model, partition):
-    procs, urls = start_pd_pp(chat_model, decode_extra=partition, reference=not partition)
+def test_pipeline_room_is_ready_only_when_every_stage_has_its_layers():
+    from pipefill.disagg.rooms import DecodePipelineRooms
+    rooms = DecodePipelineRooms(3)
+    rooms.open(7)
+    assert rooms.ready(7, 2) == set() and rooms.ready(7, 0) == set()
+    assert rooms.ready(7, 1) == {"ready"} and 7 not in rooms.live
+    assert rooms.ready(7, 1) == set()  # a late report of an ended room is ignored
+
+
+def test_pipeline_room_fails_once_and_releases_when_no_stage_can_write():
+    from pipefill.disagg.rooms import DecodePipelineRooms
+    rooms = DecodePipelineRooms(3)
+    rooms.open(7)
+    assert rooms.ready(7, 1) == set()  # stage 1 is done: its pages are no longer written
+    assert rooms.fail(7) == {"fail"}  # stage 2 failed: the request fails at once...
+    assert rooms.fail(7) == set()  # ...once
+    assert rooms.released(7, 2) == set()  # ...but stage 0 may still write the pages
+    assert rooms.ready(7, 0) == {"release"}  # a stage that finished anyway lets go too
+    assert 7 not in rooms.live
+
+
+def test_pipeline_room_aborted_before_any_stage_answered():
+    from pipefill.disagg.rooms import DecodePipelineRooms
+    rooms = DecodePipelineRooms(2)
+    rooms.open(9)
+    assert rooms.fail(9) == {"fail"}
+    assert rooms.released(9, 1) == set()
+    assert rooms.released(9, 0) == {"release"}
+    assert rooms.released(9, 0) == set() and rooms.fail(9) == set()
+
+
+@pytest.mark.slow
+def test_decode_pipeline_with_another_layer_split(chat_model):
+    """Decode layers split 1,3 against the prefill's 2,2: decode stage 1 takes layer 1 from
+    prefill stage 0 and layers 2-3 from prefill stage 1 (prefill stage 0 sends to both)."""
+    procs, urls = start_pd_pp(chat_model, decode_extra=("--pp-layer-partition", "1,3"))
     try:
-        router = client(urls["router"])
-        ref = client(urls.get("ref", urls["router"]))
-        prompts = PROMPTS if not partition else PROMPTS[:2]
-        want = [completion(ref, p) for p in prompts] if not partition else None
-        hits = metric(urls["prefill"], "pipefill_cache_hit_tokens")
-        for i, prompt in enumerate(prompts):
-            got = completion(router, prompt)
-            if want is not None:
-                assert_same(got, want[i])
-                assert completion(router, prompt, stream=True) == want[i][0]
-            else:  # the same answer as the even split's (checked against the reference)
-                assert completion(router, prompt, stream=True) == got[0]
-        if not partition:  # PROMPTS[2] shares 9 whole pages with PROMPTS[1] on the prefill
-            assert metric(urls["prefill"], "pipefill_cache_hit_tokens") > hits
-        # Every page a transfer held is back, on both sides (the prefix caches keep theirs);
-        # a later decode stage replays stage 0's page decisions and checks every micro-batch
-        # against them, so a page it lost track of would have failed a request above.
+        router, ref = client(urls["router"]), client(urls["ref"])
+        for prompt in PROMPTS[:3]:
+            want = completion(ref, prompt)
+            assert_same(completion(router, prompt), want)
+            assert completion(router, prompt, stream=True) == want[0]
         wait_pages_free(urls["prefill"], 10)
         wait_pages_free(urls["decode"], 10)
-        assert httpx.get(urls["decode"] + "/health", timeout=5).status_code == 200
     finally:
         stop(*procs.values())
 
@@ -87,55 +106,104 @@ FAULTS = ("--disable-radix-cache", "--chunked-prefill-size", "16",
 LONG = "word " * 2500  # ~160 chunks of 16 on the prefill
 
 
+def post(url: str, prompt: str, **pd_fields) -> httpx.Response:
+    return httpx.post(url + "/v1/completions", timeout=120, json={
+        "model": "m", "prompt": prompt, "max_tokens": 8, "temperature": 0, **pd_fields})
+
+
+def one_room_in_flight(urls: dict, room: int, prefill: bool = True) -> dict:
+    """Sends the decode's (and, with `prefill`, the prefill's) part of one room of LONG
+    straight to each server (no router, so no retry hides the decode's own answer) and returns
+    once the decode waits for the KV (and the prefill is sending it); box["r"] gets the
+    decode's response."""
+    import threading
+    fields = dict(bootstrap_room=room, bootstrap_host="127.0.0.1",
+                  bootstrap_port=urls["bootstrap_port"])
+    box: dict = {}
+    threading.Thread(target=lambda: box.setdefault("r", post(urls["decode"], LONG, **fields)),
+                     daemon=True).start()
+    wait_until(lambda: request_pages(urls["decode"]) > 0, "the decode never admitted it")
+    if not prefill:
+        return box
+    threading.Thread(target=lambda: box.setdefault("p", _catch(post, urls["prefill"], LONG,
+                                                                **fields)), daemon=True).start()
+    wait_until(lambda: request_pages(urls["prefill"]) > 0, "the prefill never started")
+    return box
+
+
+def _catch(fn, *args, **kw):
+    try:
+        return fn(*args, **kw)
+    except httpx.HTTPError as e:
+        return e
+
+
+def wait_until(cond, what: str, timeout_s: float = 60) -> None:
+    deadline = time.monotonic() + timeout_s
+    while not cond():
+        assert time.monotonic() < deadline, what
+        time.sleep(0.02)
+
+
+def stage_pids(proc) -> list[str]:
+    return subprocess.run(["pgrep", "-P", str(proc.pid)], capture_output=True,
+                          text=True).stdout.split()
+
+
 @pytest.mark.slow
 def test_decode_stage_1_killed_mid_transfer(chat_model):
     """The decode's stage 1 dies while the KV streams in: the prefill frees every page of the
-    room, the decode fails the request fast (no waiting timeout), restarts its stages and
-    serves the next request through the same router."""
+    room, the decode fails the request fast (not after its waiting timeout), restarts its
+    stages and serves the next request through the same router."""
     procs, urls = start_pd_pp(chat_model, *FAULTS, router_extra=("--disable-circuit-breaker",),
                               reference=False)
     try:
-        want = httpx.post(urls["router"] + "/v1/completions", timeout=120, json={
-            "model": "m", "prompt": "A short one", "max_tokens": 8, "temperature": 0})
+        want = post(urls["router"], "A short one")
         assert want.status_code == 200, want.text
-        import threading
-        box = {}
-
-        def call():
-            box["r"] = httpx.post(urls["decode"] + "/v1/completions", timeout=120, json={
-                "model": "m", "prompt": LONG, "max_tokens": 8, "temperature": 0,
-                "bootstrap_room": 4242, "bootstrap_host": "127.0.0.1",
-                "bootstrap_port": urls["bootstrap_port"]})
-        # The decode's request alone: the prefill's part goes straight to the prefill server.
-        t = threading.Thread(target=call, daemon=True)
-        t.start()
-        p = threading.Thread(target=lambda: httpx.post(
-            urls["prefill"] + "/v1/completions", timeout=120, json={
-                "model": "m", "prompt": LONG, "max_tokens": 8, "temperature": 0,
-                "bootstrap_room": 4242, "bootstrap_host": "127.0.0.1",
-                "bootstrap_port": urls["bootstrap_port"]}), daemon=True)
-        deadline = time.monotonic() + 60
-        while request_pages(urls["decode"]) == 0:
-            assert time.monotonic() < deadline, "the decode never admitted the request"
-            time.sleep(0.02)
-        p.start()
-        deadline = time.monotonic() + 60
-        while request_pages(urls["prefill"]) == 0:
-            assert time.monotonic() < deadline, "the prefill never started"
-            time.sleep(0.02)
-        stages = subprocess.run(["pgrep", "-P", str(procs["decode"].pid)], capture_output=True,
-                                text=True).stdout.split()
+        box = one_room_in_flight(urls, 4242)
         t0 = time.monotonic()
-        os.kill(int(stages[-1]), signal.SIGKILL)  # the decode's stage 1
-        t.join(60)
+        os.kill(int(stage_pids(procs["decode"])[-1]), signal.SIGKILL)  # the decode's stage 1
+        wait_until(lambda: "r" in box, "the decode did not answer")
         assert time.monotonic() - t0 < 8, "the decode waited for its timeout"
         assert box["r"].status_code >= 500, box["r"].text
         wait_pages_free(urls["prefill"], 10)
         wait_healthy(procs["decode"], urls["decode"], timeout_s=120)
-        again = httpx.post(urls["router"] + "/v1/completions", timeout=120, json={
-            "model": "m", "prompt": "A short one", "max_tokens": 8, "temperature": 0})
-        assert again.status_code == 200 and again.json()["choices"][0]["text"] == \
-            want.json()["choices"][0]["text"], again.text
+        again = post(urls["router"], "A short one")
+        assert again.status_code == 200, again.text
+        assert again.json()["choices"][0]["text"] == want.json()["choices"][0]["text"]
+        wait_pages_free(urls["prefill"], 10)
+        wait_pages_free(urls["decode"], 10)
+    finally:
+        stop(*procs.values())
+
+
+@pytest.mark.slow
+def test_prefill_stage_1_killed_fails_the_room_on_every_decode_stage(chat_model):
+    """The prefill's stage 1 dies while the decode's stages wait for a room's KV (the
+    prefill's part is not sent, so the room cannot complete first): decode stage 1 loses its
+    only source, reports the failure to stage 0, which fails the request at once (a 5xx, not
+    the waiting timeout) and drops the room on stage 0 too; every decode page comes back, the
+    decode stays up (its stages never died) and serves the next request once the prefill
+    restarted its stages."""
+    procs, urls = start_pd_pp(chat_model, *FAULTS, router_extra=("--disable-circuit-breaker",),
+                              reference=False)
+    try:
+        want = post(urls["router"], "A short one")
+        assert want.status_code == 200, want.text
+        box = one_room_in_flight(urls, 4343, prefill=False)
+        time.sleep(0.5)  # decode stage 1 has asked prefill stage 1 for its layers by now
+        decode_stages = stage_pids(procs["decode"])
+        t0 = time.monotonic()
+        os.kill(int(stage_pids(procs["prefill"])[-1]), signal.SIGKILL)  # the prefill's stage 1
+        wait_until(lambda: "r" in box, "the decode did not answer")
+        assert time.monotonic() - t0 < 8, "the decode waited for its timeout"
+        assert box["r"].status_code >= 500, box["r"].text
+        wait_pages_free(urls["decode"], 10)
+        assert stage_pids(procs["decode"]) == decode_stages  # no restart on the decode
+        wait_healthy(procs["prefill"], urls["prefill"], timeout_s=120)
+        again = post(urls["router"], "A short one")
+        assert again.status_code == 200, again.text
+        assert again.json()["choices"][0]["text"] == want.json()["choices"][0]["text"]
         wait_pages_free(urls["prefill"], 10)
         wait_pages_free(urls["decode"], 10)
     finally:

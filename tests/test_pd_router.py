@@ -277,3 +277,33 @@ def test_mooncake_transport_through_the_router(chat_model):
         wait_pages_free(urls["decode"], 10)
     finally:
         stop(*procs.values())
+
+
+def test_decode_pipeline_pp2_equals_a_colocated_server(pd, chat_model):
+    """Decode PP 2 behind its own router, paired with the same prefill (PP 2): every decode
+    stage receives its own layers' KV; greedy text and logprobs are the colocated server's,
+    streamed or not, with prefix-cache hits on the prefill; pages come back on both sides (a
+    later decode stage replays stage 0's page decisions and checks every micro-batch, so a
+    page it lost track of fails a request). More in test_pd_decode_pp.py (slow)."""
+    decode, decode_url = spawn_server(chat_model, "--pp-size", "2",
+                                      "--disaggregation-mode", "decode")
+    router = None
+    try:
+        wait_healthy(decode, decode_url)
+        router, router_url = spawn_router(pd["prefill"], pd["bootstrap_port"], decode_url)
+        wait_healthy(router, router_url, "/readiness", 60)
+        hits = metric(pd["prefill"], "pipefill_cache_hit_tokens")
+        for prompt in PROMPTS:
+            want = completion(client(pd["ref"]), prompt)
+            got = completion(client(router_url), prompt)
+            assert got[0] == want[0] and len(got[1]) == 12
+            assert got[1] == pytest.approx(want[1], abs=1e-4)
+            for a, b in zip(got[2], want[2]):
+                assert a.keys() == b.keys()
+                assert list(a.values()) == pytest.approx(list(b.values()), abs=1e-4)
+            assert completion(client(router_url), prompt, stream=True) == want[0]
+        assert metric(pd["prefill"], "pipefill_cache_hit_tokens") > hits
+        wait_pages_free(pd["prefill"], 10)
+        wait_pages_free(decode_url, 10)
+    finally:
+        stop(*[p for p in (router, decode) if p is not None])

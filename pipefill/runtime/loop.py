@@ -90,7 +90,11 @@ class FirstStageLoop:
         return len(messages)
 
     def _pd_poll(self) -> None:
+        free = self.scheduler.pool.num_free
         outputs = self.pd.poll(self.scheduler)
+        # Pages a transfer let go change the load without an output (PD decode frees a failed
+        # room's pages once every stage's receiver let go, maybe a poll after its error).
+        self._load_changed |= self.scheduler.pool.num_free != free
         down = self.pd.take_down() if self.pipe is not None else None
         if down is not None:  # PD decode: room ops for the later stages, ahead of any plan
             ops, page_ops = down

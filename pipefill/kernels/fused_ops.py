@@ -187,6 +187,21 @@ def _require():
 
 # ----------------------------------------------------------------------------- ops
 
+def unchecked_lib():
+    """The C entry points (pf_add_rms_norm, pf_rope, pf_silu_mul) for callers that own their
+    buffers and call them per decode layer: the wrappers below re-check shapes, dtypes and
+    strides on every call, which costs more than the kernel at one row. Raises RuntimeError
+    when the ops are unavailable."""
+    return _require()
+
+
+def dtype_code(dtype: torch.dtype) -> int:
+    """The C entry points' code for a float32 or bfloat16 tensor."""
+    if dtype not in _DTYPE_CODE:
+        raise TypeError(f"expected bfloat16 or float32, got {dtype}")
+    return _DTYPE_CODE[dtype]
+
+
 def _code(t: torch.Tensor, what: str) -> int:
     code = _DTYPE_CODE.get(t.dtype)
     if code is None:

@@ -13,6 +13,7 @@ import torch.nn.functional as F
 
 from pipefill.model.attention import SeqMeta, paged_attention
 from pipefill.model.config import ModelConfig
+from pipefill.model.decode_step import DecodeRunner
 from pipefill.model.rope import apply_rope_, cos_sin, inverse_frequencies
 
 
@@ -124,6 +125,11 @@ class StageModel:
         self.dtype = dtype
         self.inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
         self.scale = cfg.head_dim ** -0.5
+        # Decode steps on the packed GEMM, fused ops and a vector attention kernel take the lean
+        # path (model.decode_step: same kernels, same bits, no per-call overhead); tests and
+        # benchmarks set fast_decode = False to run _layer instead.
+        self.fast_decode = True
+        self._decode = DecodeRunner(self) if DecodeRunner.supports(self) else None
 
     @property
     def num_layers(self) -> int:
@@ -144,6 +150,8 @@ class StageModel:
     def forward(self, hidden, residual, meta: ForwardMeta, k_cache, v_cache):
         """Runs this stage's layers. k_cache/v_cache: [num_local_layers, slots, Hkv, D]."""
         cos, sin = cos_sin(meta.positions, self.inv_freq)
+        if self.fast_decode and self._decode is not None and self._decode.fits(hidden, meta):
+            return self._decode.forward(hidden, residual, meta, cos, sin, k_cache, v_cache)
         for i, layer in enumerate(self.w.layers):
             hidden, residual = self._layer(layer, hidden, residual, meta, cos, sin,
                                            k_cache[i], v_cache[i])

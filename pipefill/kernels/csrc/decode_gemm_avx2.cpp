@@ -1,8 +1,8 @@
 // AVX2 + FMA decode GEMM, float32 compute, float32 or bf16 weights (bf16 -> float32 in
 // registers: a 16-bit shift for the even k of a pair, a mask for the odd k). Entered only after
 // the glue's cpuid/XCR0 check for AVX2 and FMA. 16 ymm registers: a tile is up to 4 rows x 24
-// columns (12 accumulators + 3 weights + a broadcast), or up to 2 rows x the whole 48-column
-// group; the row tiles and column halves after the first read the group from L2. One FMA chain
+// columns or 1 x 48 (see rows()); the row tiles and column halves after the first read the
+// group from L2. One FMA chain
 // per (row, column) in k order: the same bits as the AVX-512 path, whatever M.
 #include <immintrin.h>
 
@@ -37,30 +37,39 @@ inline void store8(const Out& o, int64_t m, int64_t n0, __m256 acc) {
   }
 }
 
-// Weights of k = 2p + j (j = 0 even, 1 odd) for the NV * 8 columns from c0 of a group.
-template <int NV, bool BF16>
-inline void load_k(const void* grp, int64_t p, int j, int c0, __m256 w[NV]) {
-  for (int v = 0; v < NV; ++v) {
-    if (BF16) {
-      const __m256i pair = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
-          static_cast<const uint32_t*>(grp) + p * kGroup + c0 + 8 * v));
-      w[v] = _mm256_castsi256_ps(j == 0 ? _mm256_slli_epi32(pair, 16)
-                                        : _mm256_and_si256(pair, _mm256_set1_epi32((int)0xFFFF0000u)));
-    } else {
-      w[v] = _mm256_loadu_ps(static_cast<const float*>(grp) + (2 * p + j) * kGroup + c0 + 8 * v);
-    }
+// Weights of k = 2p + J (J = 0 even, 1 odd) for the 8 columns from c of a group, as float32.
+// The odd k of a bf16 pair is cleared by two shifts rather than an AND: no mask register.
+template <int J, bool BF16>
+inline __m256 load_k(const void* grp, int64_t p, int c) {
+  if (BF16) {
+    const __m256i pair = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
+        static_cast<const uint32_t*>(grp) + p * kGroup + c));
+    return _mm256_castsi256_ps(J == 0 ? _mm256_slli_epi32(pair, 16)
+                                      : _mm256_slli_epi32(_mm256_srli_epi32(pair, 16), 16));
+  }
+  return _mm256_loadu_ps(static_cast<const float*>(grp) + (2 * p + J) * kGroup + c);
+}
+
+// k = 2p + J for the tile: NV weight registers, each x broadcast once for NV FMAs.
+template <int J, int MR, int NV, bool BF16>
+inline void k_step(const float* x, int64_t ldx, const void* grp, int64_t p, int c0,
+                   __m256 acc[][NV]) {
+  __m256 w[NV];
+  for (int v = 0; v < NV; ++v) w[v] = load_k<J, BF16>(grp, p, c0 + 8 * v);
+  for (int r = 0; r < MR; ++r) {
+    const __m256 xv = _mm256_broadcast_ss(x + r * ldx + 2 * p + J);
+    for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_fmadd_ps(xv, w[v], acc[r][v]);
   }
 }
 
 template <int MR, int NV, bool BF16>
-inline void step(const float* x, int64_t ldx, const void* grp, int64_t p, int j, int c0,
-                 __m256 acc[][NV]) {
-  __m256 w[NV];
-  load_k<NV, BF16>(grp, p, j, c0, w);
-  for (int r = 0; r < MR; ++r) {
-    const __m256 xv = _mm256_set1_ps(x[r * ldx + 2 * p + j]);
-    for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_fmadd_ps(xv, w[v], acc[r][v]);
-  }
+inline void pair_step(const float* x, int64_t ldx, const void* grp, int64_t p, int c0,
+                      __m256 acc[][NV]) {
+  k_step<0, MR, NV, BF16>(x, ldx, grp, p, c0, acc);
+  // bf16: the odd k reloads the pair (an L1 hit) instead of keeping NV more registers live,
+  // which the compiler would otherwise do and then spill accumulators.
+  if (BF16) asm volatile("" ::: "memory");
+  k_step<1, MR, NV, BF16>(x, ldx, grp, p, c0, acc);
 }
 
 // Rows [m0, m0 + MR) x columns [n0 + c0, n0 + c0 + 8 NV) of one group.
@@ -68,32 +77,38 @@ template <int MR, int NV, bool BF16>
 inline void tile(const float* x, int64_t ldx, const void* grp, int64_t K, const Out& o, int64_t m0,
                  int64_t n0, int c0) {
   __m256 acc[MR][NV];
+#pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
     for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_setzero_ps();
   const int64_t pairs = K / 2;
   const int64_t pair_bytes = (BF16 ? 4 : 8) * kGroup;
   for (int64_t p = 0; p < pairs; ++p) {
-    if (c0 == 0) {  // the first column half of a group fetches; the second finds it in L2
+    if (c0 == 0) {  // the first column slice of a group fetches; the others find it in L2
       const char* ahead = static_cast<const char*>(grp) + (p + kPrefetchPairs) * pair_bytes;
       for (int64_t off = 0; off < pair_bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
     }
-    step<MR, NV, BF16>(x, ldx, grp, p, 0, c0, acc);
-    step<MR, NV, BF16>(x, ldx, grp, p, 1, c0, acc);
+    pair_step<MR, NV, BF16>(x, ldx, grp, p, c0, acc);
   }
-  if (K & 1) step<MR, NV, BF16>(x, ldx, grp, pairs, 0, c0, acc);  // no partner for the last k
+  if (K & 1) k_step<0, MR, NV, BF16>(x, ldx, grp, pairs, c0, acc);  // no partner for the last k
+  // Constant trip counts (a test inside, not in the loop condition): the accumulators then
+  // stay registers instead of an array GCC spills on every k.
+#pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < NV && n0 + c0 + 8 * v < o.N; ++v) store8(o, m0 + r, n0 + c0 + 8 * v, acc[r][v]);
+#pragma GCC unroll 8
+    for (int v = 0; v < NV; ++v)
+      if (n0 + c0 + 8 * v < o.N) store8(o, m0 + r, n0 + c0 + 8 * v, acc[r][v]);
 }
 
+// Tile widths that fit 16 ymm (accumulators + NV weights + a broadcast) and keep >= 6
+// independent FMA chains: 1 row x 48 columns, 2-4 rows x 24 (two column halves; the second
+// finds the group in L2).
 template <int MR, bool BF16>
 inline void rows(const float* x, int64_t ldx, const void* grp, int64_t K, const Out& o, int64_t m0,
                  int64_t n0) {
-  if (MR <= 2) {
-    tile<MR, 6, BF16>(x, ldx, grp, K, o, m0, n0, 0);
-  } else {
-    tile<MR, 3, BF16>(x, ldx, grp, K, o, m0, n0, 0);
-    if (n0 + 24 < o.N) tile<MR, 3, BF16>(x, ldx, grp, K, o, m0, n0, 24);
-  }
+  constexpr int NV = MR == 1 ? 6 : 3;
+  for (int c0 = 0; c0 < kGroup && n0 + c0 < o.N; c0 += 8 * NV)
+    tile<MR, NV, BF16>(x, ldx, grp, K, o, m0, n0, c0);
 }
 
 template <bool BF16>

@@ -71,8 +71,9 @@ inline void tile(const float* x, int64_t ldx, const void* grp, int64_t K, const 
     step<MR, BF16>(x, ldx, grp, p, 1, acc);
   }
   if (K & 1) step<MR, BF16>(x, ldx, grp, pairs, 0, acc);  // the last k has no partner
-  for (int r = 0; r < MR; ++r)
-    for (int v = 0; v < 3 && n0 + 16 * v < o.N; ++v) store_row(o, m0 + r, n0 + 16 * v, acc[r][v]);
+  for (int r = 0; r < MR; ++r)  // constant trip counts keep acc in registers (see avx2)
+    for (int v = 0; v < 3; ++v)
+      if (n0 + 16 * v < o.N) store_row(o, m0 + r, n0 + 16 * v, acc[r][v]);
 }
 
 template <bool BF16>

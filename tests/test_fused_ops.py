@@ -301,3 +301,32 @@ def test_build_failure_reports_unavailable(tmp_path):
     lines = r.stdout.splitlines()
     assert lines[0] == "False" and "not usable" in lines[1], r.stdout
     assert lines[2].startswith("raised pipefill fused ops unavailable"), r.stdout
+
+
+# ------------------------------------------------------------------------------ --hide-cpu-flags
+
+@pytest.mark.parametrize("hide", ["", "avx512_bf16", "avx512vl", "avx512f", "avx512bw,avx512_bf16",
+                                  "fma", "avx2", "avx2,avx512f"])
+def test_hidden_flags_select_a_smaller_build(hide):
+    """flags = usable_cpu_flags(--hide-cpu-flags) picks the best build those flags allow (a CPU
+    without a flag never runs a build that needs it), or none: then the engine keeps torch ops."""
+    from pipefill.runtime.platform import usable_cpu_flags
+    flags = usable_cpu_flags(hide)
+    runnable = _variants()  # the builds cpuid allows here
+    want = next((v for v, need in fo.VARIANT_CPU_FLAGS.items()
+                 if v in runnable and set(need) <= flags), None)
+    default = fo.kernel_variant()
+    gu = torch.randn(33, 2 * 64, generator=torch.Generator().manual_seed(1))
+    try:
+        ok, why = fo.fused_available(flags=flags)
+        if want is None:
+            assert not ok and "lacks" in why, why
+            return
+        assert ok, why
+        assert fo.kernel_variant() == want
+        for need in fo.VARIANT_CPU_FLAGS[fo.kernel_variant()]:
+            assert need in flags
+        assert_matches(fo.silu_mul(gu), F.silu(gu[:, :64]) * gu[:, 64:])
+    finally:
+        fo._select_variant(default)
+    assert fo.fused_available() == (_OK, _WHY) and fo.kernel_variant() == default

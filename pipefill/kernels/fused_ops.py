@@ -2,8 +2,11 @@
 
 API (what the engine calls; all tensors on CPU, T = rows = tokens, any T >= 0):
 
-* ``fused_available(force_disable=False) -> (ok, reason)`` — cached, never raises. Checks the
-  CPU flags, builds/loads the extension and verifies the CPU with cpuid/XCR0 (AVX512 F/BW/VL).
+* ``fused_available(force_disable=False, flags=None) -> (ok, reason)`` — cached, never raises.
+  Checks the CPU flags, builds/loads the extension and verifies the CPU with cpuid/XCR0 (AVX512
+  F/BW/VL). ``flags``: the CPU flags to trust (``usable_cpu_flags(--hide-cpu-flags)``): the best
+  build they allow is selected for this process (avx512bf16, avx512, avx2; ``VARIANT_CPU_FLAGS``),
+  and ``(False, why)`` when they allow none, exactly as a CPU without those flags would get.
   ``force_disable=True`` (or ``FORCE_DISABLE = True`` on this module) returns ``(False, why)``.
   When it is False the engine uses plain torch ops; the wrappers below then raise RuntimeError.
 * ``add_rms_norm(residual, hidden, weight, eps, *, dtype=None, out=None) -> normed``
@@ -66,6 +69,12 @@ AVX2_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-mavx2", "-mfma", "-ffp-contract=of
               "-fno-exceptions"]
 GLUE_FLAGS = ["-O3", "-std=c++17", "-fopenmp"]
 REQUIRED_CPU_FLAGS = ("avx2", "fma")  # the least any build needs; cpuid picks the best build
+# The CPU flags (as in /proc/cpuinfo) each build needs, best build first.
+VARIANT_CPU_FLAGS = {
+    "avx512bf16": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
+    "avx512": ("avx512f", "avx512bw", "avx512vl"),
+    "avx2": ("avx2", "fma"),
+}
 
 _F32, _BF16 = 0, 1
 _DTYPE_CODE = {torch.float32: _F32, torch.bfloat16: _BF16}
@@ -144,22 +153,41 @@ def _check() -> tuple[bool, str]:
     return True, "ok"
 
 
-def fused_available(force_disable: bool = False) -> tuple[bool, str]:
+def fused_available(force_disable: bool = False,
+                    flags: frozenset[str] | None = None) -> tuple[bool, str]:
     """(True, "ok") when the fused ops can run in this process, else (False, why). Never raises.
 
-    The first call builds (or loads the cached) extension; the result is cached."""
+    The first call builds (or loads the cached) extension; the result is cached. `flags` (the
+    CPU flags to trust, e.g. usable_cpu_flags(args.hide_cpu_flags)) selects the best build they
+    allow, process-wide; None keeps the current build (at first: the best cpuid allows)."""
     global _status
     if force_disable or FORCE_DISABLE:
         return False, "fused ops disabled by caller (force_disable)"
-    if _status is not None:
+    if _status is None:
+        with _lock:
+            if _status is None:
+                try:
+                    _status = _check()
+                except Exception as e:  # noqa: BLE001
+                    _status = (False, f"unexpected error: {type(e).__name__}: {e}")
+    if not _status[0] or flags is None:
         return _status
-    with _lock:
-        if _status is None:
-            try:
-                _status = _check()
-            except Exception as e:  # noqa: BLE001
-                _status = (False, f"unexpected error: {type(e).__name__}: {e}")
-    return _status
+    return _select_for_flags(frozenset(flags))
+
+
+def _select_for_flags(flags: frozenset[str]) -> tuple[bool, str]:
+    """Selects the best build `flags` allow (and cpuid confirms); (False, why) if none."""
+    reasons = []
+    for variant, need in VARIANT_CPU_FLAGS.items():
+        missing = [f for f in need if f not in flags]
+        if missing:
+            reasons.append(f"{variant}: CPU lacks {', '.join(missing)}")
+        elif _lib.pf_fused_select(variant.encode()):
+            return True, "ok"
+        else:
+            reasons.append(f"{variant}: cpuid says no")
+    return False, "; ".join(reasons)
+
 
 
 def kernel_variant() -> str:

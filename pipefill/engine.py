@@ -185,6 +185,11 @@ class Engine:
         return GenerateOutput(p.output_ids, text, p.prompt_logprobs, p.done.finish_reason,
                               p.num_prompt_tokens, metrics)
 
+    def stage_pids(self) -> list[int]:
+        """Process ids of this node's stage processes, by rank (memory reports read /proc)."""
+        self._require_stages()
+        return [proc.pid for proc in self._stages.procs]
+
     def collect_trace(self) -> list[dict]:
         """Every stage's spans since the last call (Chrome-trace events). Needs --trace-dir."""
         if not self.args.trace_dir:

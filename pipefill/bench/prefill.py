@@ -9,7 +9,11 @@ command.
 With --pp-size 1,2 every pipeline size runs with the same threads per stage (default: usable
 cores // largest pp size), plus PP1 on all usable cores; the strong-scaling efficiency is
 T(PP1, same threads per stage) / (P * T(PP P)), and with --trace-dir the measured bubble ratio
-of the last repetition is printed next to the theory (P-1)/(P-1+M).
+of the last repetition is printed next to the theory (P-1)/(P-1+M). --with-auto times every
+configuration again with --chunked-prefill-size auto (PP1 auto is then the efficiency's base).
+
+Every repetition is a cold prefill (the prefix cache is off). Each row also gives the peak RSS
+of its stage processes during that length beside weights + KV (pipefill.bench.memory).
 """
 from __future__ import annotations
 
@@ -24,6 +28,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pipefill.bench.memory import (format_report, memory_report, proc_status_bytes,
+                                   reset_peak_rss, stage_needs)
 from pipefill.bench.roofline import matmul_peak_flops, prefill_flops
 from pipefill.config import (ServerArgs, server_args_from_namespace,
                              server_args_parser_group)
@@ -49,7 +55,9 @@ def add_parser(sub) -> None:
     p.add_argument("--chunk-grid", default="1024,2048,4096",
                    help="C0 values of the fixed configurations of --compare-chunking")
     p.add_argument("--with-auto", action="store_true",
-                   help="add --chunked-prefill-size auto to --compare-chunking")
+                   help="add --chunked-prefill-size auto to --compare-chunking; without it, "
+                        "time every --pp-size configuration once more with auto chunking "
+                        "(efficiency against PP1 with auto)")
     server_args_parser_group(p, skip=("pp_size",))
     p.set_defaults(run=run)
 
@@ -70,15 +78,25 @@ class Config:
     args: ServerArgs
 
 
-def make_configs(args: ServerArgs, pp_sizes: list[int]) -> list[Config]:
+def make_configs(args: ServerArgs, pp_sizes: list[int], with_auto: bool = False
+                 ) -> list[Config]:
+    """The configurations to time; with_auto adds each one again with --chunked-prefill-size
+    auto (and dynamic chunking where pp > 1), named "<name>-auto"."""
     cores = len(os.sched_getaffinity(0))
     if pp_sizes == [1]:
-        return [Config(f"pp1-t{args.num_threads}", args)]
-    threads = args.threads_per_stage or max(1, cores // max(pp_sizes))
-    configs = [Config(f"pp{p}-t{threads}", args.replace(pp_size=p, threads_per_stage=threads))
-               for p in sorted(set([1] + pp_sizes))]
-    if cores > threads:
-        configs.append(Config(f"pp1-t{cores}", args.replace(pp_size=1, threads_per_stage=cores)))
+        configs = [Config(f"pp1-t{args.num_threads}", args)]
+    else:
+        threads = args.threads_per_stage or max(1, cores // max(pp_sizes))
+        configs = [Config(f"pp{p}-t{threads}",
+                          args.replace(pp_size=p, threads_per_stage=threads))
+                   for p in sorted(set([1] + pp_sizes))]
+        if cores > threads:
+            configs.append(Config(f"pp1-t{cores}",
+                                  args.replace(pp_size=1, threads_per_stage=cores)))
+    if with_auto and args.chunked_prefill_size != "auto":
+        configs += [Config(f"{c.name}-auto", c.args.replace(
+            chunked_prefill_size="auto", enable_dynamic_chunking=c.args.pp_size > 1))
+            for c in configs]
     return configs
 
 
@@ -95,13 +113,15 @@ def run(ns: argparse.Namespace) -> int:
     need = max(lengths) + 1  # the prompt and its first token
     if args.max_model_len is None and max(lengths) <= source.config.max_position_embeddings:
         args = args.replace(max_model_len=max(need, source.config.max_position_embeddings))
-    args = resolve(args, source.config)
+    # Every repetition is a cold prefill: with the prefix cache on, repetitions 2.. would
+    # reuse the first one's pages and time only the last partial page.
+    args = resolve(args, source.config).replace(disable_radix_cache=True)
     if need > args.max_model_len:
         raise ValueError(f"--input-len {max(lengths)} does not fit --max-model-len "
                          f"{args.max_model_len}; pass --max-model-len {need} or more")
     if ns.compare_chunking:
         return run_compare_chunking(ns, args, source, lengths, pp_sizes)
-    configs = make_configs(args, pp_sizes)
+    configs = make_configs(args, pp_sizes, ns.with_auto)
     dtype = resolve_dtype(args.dtype)
     threads = len(os.sched_getaffinity(0)) if len(configs) > 1 else args.num_threads
     torch.set_num_threads(threads)
@@ -112,6 +132,9 @@ def run(ns: argparse.Namespace) -> int:
                for n in lengths}
     hf = None if ns.no_hf else load_hf_model(source, dtype)
     rows = run_configs(configs, hf, source.config, prompts, ns.reps, peak)
+    if hf is None:
+        print("peak RSS of the bench process (front end): "
+              f"{proc_status_bytes(os.getpid(), 'VmHWM') / 2**20:.0f} MiB")
     if not ns.no_split:
         from pipefill.bench.time_split import prefill_time_split
         split_cfg = max((c for c in configs if c.args.pp_size == 1),
@@ -153,13 +176,20 @@ def run_configs(configs: list[Config], hf, cfg, prompts: dict, reps: int, peak: 
     from pipefill.engine import Engine
     engines = {}
     try:
+        load_peaks = {}  # each stage's peak RSS while it started (loading the weights)
         for c in configs:
             engines[c.name] = Engine(**vars(c.args))
+            load_peaks[c.name] = [proc_status_bytes(pid, "VmHWM")
+                                  for pid in engines[c.name].stage_pids()]
         rows = []
         for n, prompt in prompts.items():
             times = {c.name: [] for c in configs}
             chunks, traces = {}, {}
             hf_times = []
+            for engine in engines.values():
+                for pid in engine.stage_pids():
+                    reset_peak_rss(pid)
+            reset_peak_rss(os.getpid())
             for rep in range(reps):
                 for c in configs:  # A B C A B C: drift hits every configuration alike
                     engine = engines[c.name]
@@ -174,11 +204,14 @@ def run_configs(configs: list[Config], hf, cfg, prompts: dict, reps: int, peak: 
                     hf_times.append(hf_prefill_seconds(hf, prompt))
             flops = prefill_flops(cfg, n)
             hf_row = summary(hf_times, flops, peak, n) if hf_times else None
+            engine_peak = proc_status_bytes(os.getpid(), "VmHWM")
             for c in configs:
                 row = {"len": n, "config": c.name, "pp_size": c.args.pp_size,
                        "threads_per_stage": c.args.num_threads,
                        "chunk_sizes": chunks[c.name],
                        "pipefill": summary(times[c.name], flops, peak, n),
+                       "memory": stage_memory(engines[c.name], c.args, cfg, n, engine_peak,
+                                              load_peaks[c.name]),
                        "trace": traces.get(c.name)}
                 if hf_row:
                     row["hf"] = hf_row
@@ -193,15 +226,30 @@ def run_configs(configs: list[Config], hf, cfg, prompts: dict, reps: int, peak: 
             e.shutdown()
 
 
+def stage_memory(engine, args: ServerArgs, cfg, n: int, engine_peak: int,
+                 load_peaks: list[int]) -> dict:
+    """Peak RSS of the engine's stage processes since the last reset, beside weights + KV."""
+    needs = stage_needs(args, cfg, n, engine.kv_capacity_tokens)
+    peaks = [proc_status_bytes(pid, "VmHWM") for pid in engine.stage_pids()]
+    report = memory_report(needs, peaks, engine_peak)
+    for stage, load_peak in zip(report["stages"], load_peaks):
+        stage["load_peak_rss"] = load_peak
+    report["total_load_peak_rss"] = sum(load_peaks)
+    return report
+
+
 def add_scaling(rows: list[dict]) -> None:
     """Strong-scaling efficiency against PP1 with the same threads per stage."""
-    base = {r["threads_per_stage"]: r for r in rows if r["pp_size"] == 1}
+    def key(r):  # same threads per stage, same chunking (fixed or auto)
+        return r["threads_per_stage"], r["config"].endswith("-auto")
+    base = {key(r): r for r in rows if r["pp_size"] == 1}
     for r in rows:
-        b = base.get(r["threads_per_stage"])
+        b = base.get(key(r))
         if r["pp_size"] > 1 and b:
             r["scaling_efficiency"] = b["pipefill"]["ttft_s"] / (
                 r["pp_size"] * r["pipefill"]["ttft_s"])
-        others = [x for x in rows if x["pp_size"] == 1 and x is not b]
+        others = [x for x in rows
+                  if x["pp_size"] == 1 and x is not b and key(x)[1] == key(r)[1]]
         if r["pp_size"] > 1 and others:
             r["speedup_vs_pp1_all_cores"] = others[0]["pipefill"]["ttft_s"] / r["pipefill"]["ttft_s"]
 
@@ -271,6 +319,7 @@ def print_row(row: dict) -> None:
         line += (f"  |  HF TTFT {h['ttft_s']:7.3f} s {h['tflops']:.3f} TF/s"
                  f"  |  pipefill/HF {row['ratio_ttft_pipefill_over_hf']:.2f}")
     print(line, flush=True)
+    print(f"len {row['len']:>6} {row['config']:>7}  {format_report(row['memory'])}", flush=True)
 
 
 def print_split(row: dict) -> None:

@@ -1,0 +1,140 @@
+"""Peak resident memory of the stage processes beside what the model needs.
+
+"Needed" is computed from the model config and the flags, per stage: the weight matrices in
+the compute dtype (norms in float32), the decode GEMM's packed copies when that path runs on
+this CPU, and the KV of the prompt's pages at the KV dtype; "pool" is the same with the whole
+allocated KV pool instead of the prompt's pages (the pool is allocated lazily: pages become
+resident only when written, so the prompt's KV is the bar and the pool is an upper bound).
+
+Peak RSS is each stage process's VmHWM (/proc/<pid>/status). Before a measurement the peak is
+reset to the current RSS (`5` into /proc/<pid>/clear_refs), so a length's peak covers that
+length only (plus whatever was already resident: weights, and KV pages earlier prompts
+touched). The sum of the stages' peaks bounds the peak of their sum from above. The bench also
+gives each stage's peak while it started (loading and converting the weights), and the bench
+process's own peak (the front end, plus the HF baseline when that runs).
+"""
+from __future__ import annotations
+
+import torch
+
+from pipefill.config import ServerArgs
+from pipefill.model.config import ModelConfig
+
+
+def proc_status_bytes(pid: int, field: str) -> int:
+    """A memory field of /proc/<pid>/status ("VmHWM", "VmRSS") in bytes."""
+    with open(f"/proc/{pid}/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    raise ValueError(f"/proc/{pid}/status has no {field} line")
+
+
+def reset_peak_rss(pid: int) -> bool:
+    """Sets the process's VmHWM to its current RSS; False where the kernel refuses."""
+    try:
+        with open(f"/proc/{pid}/clear_refs", "w") as f:
+            f.write("5")
+        return True
+    except OSError:
+        return False
+
+
+def stage_weight_bytes(cfg: ModelConfig, num_layers: int, first: bool, last: bool,
+                       dtype: torch.dtype) -> int:
+    """Bytes of one stage's weights as the loader keeps them: matrices (and biases) in the
+    compute dtype, norms in float32, a tied LM head shared with the embedding on one stage."""
+    matrices = (cfg.q_size + 2 * cfg.kv_size) * cfg.hidden_size + cfg.hidden_size * cfg.q_size \
+        + 3 * cfg.intermediate_size * cfg.hidden_size
+    biases = (cfg.q_size + 2 * cfg.kv_size) if cfg.attention_bias else 0
+    norms = 2 * cfg.hidden_size + (2 * cfg.head_dim if cfg.qk_norm else 0)
+    total = num_layers * ((matrices + biases) * dtype.itemsize + norms * 4)
+    embed = cfg.vocab_size * cfg.hidden_size * dtype.itemsize
+    if first:
+        total += embed
+    if last:
+        total += cfg.hidden_size * 4 + (0 if first and cfg.tie_word_embeddings else embed)
+    return total
+
+
+def stage_packed_bytes(cfg: ModelConfig, num_layers: int, last: bool,
+                       weight_dtype: torch.dtype) -> int:
+    """Bytes of the decode GEMM's packed copies (every linear layer, and the LM head)."""
+    matrices = (cfg.q_size + 2 * cfg.kv_size) * cfg.hidden_size + cfg.hidden_size * cfg.q_size \
+        + 3 * cfg.intermediate_size * cfg.hidden_size
+    head = cfg.vocab_size * cfg.hidden_size if last else 0
+    return (num_layers * matrices + head) * weight_dtype.itemsize
+
+
+def packs_decode_weights(args: ServerArgs) -> bool:
+    """Whether the stages keep packed decode copies (the same choice build_stage makes)."""
+    from pipefill.kernels import decode_gemm
+    from pipefill.model.loader import resolve_weight_dtype
+    from pipefill.runtime.platform import resolve_dtype, usable_cpu_flags
+    if args.decode_gemm_max_rows <= 0 or args.device != "cpu":
+        return False
+    dtype = resolve_dtype(args.dtype, usable_cpu_flags(args.hide_cpu_flags))
+    weight_dtype = resolve_weight_dtype(args.weight_dtype, dtype)
+    disable = decode_gemm.hidden_isas(args.hide_cpu_flags)
+    return decode_gemm.choose_isa(dtype, weight_dtype, disable)[0] is not None
+
+
+def stage_needs(args: ServerArgs, cfg: ModelConfig, prompt_tokens: int,
+                pool_tokens: int) -> list[dict]:
+    """Per stage: weights, packed copies, KV of the prompt and of the allocated pool, bytes."""
+    from pipefill.kv.cache import KVCache
+    from pipefill.model.attention import resolve_kv_dtype
+    from pipefill.model.loader import resolve_weight_dtype
+    from pipefill.model.partition import partition_layers
+    from pipefill.runtime.platform import resolve_dtype, usable_cpu_flags
+    dtype = resolve_dtype(args.dtype, usable_cpu_flags(args.hide_cpu_flags))
+    kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, dtype)
+    weight_dtype = resolve_weight_dtype(args.weight_dtype, dtype)
+    packed = packs_decode_weights(args)
+    pages = -(-prompt_tokens // args.page_size)
+    ranges = partition_layers(cfg.num_layers, args.pp_size, args.pp_layer_partition)
+    rows = []
+    for rank, layers in enumerate(ranges):
+        first, last = rank == 0, rank == len(ranges) - 1
+        per_token = KVCache.bytes_per_token(len(layers), cfg.num_kv_heads, cfg.head_dim,
+                                            kv_dtype)
+        rows.append({
+            "rank": rank,
+            "weights": stage_weight_bytes(cfg, len(layers), first, last, dtype),
+            "packed": stage_packed_bytes(cfg, len(layers), last, weight_dtype) if packed else 0,
+            "kv_prompt": pages * args.page_size * per_token,
+            "kv_pool": pool_tokens * per_token})
+    return rows
+
+
+def memory_report(needs: list[dict], stage_peaks: list[int], engine_peak: int) -> dict:
+    """Peaks beside needs: per stage, the sum over stages, and the two ratios."""
+    stages = []
+    for need, peak in zip(needs, stage_peaks):
+        weights = need["weights"] + need["packed"]
+        stages.append({**need, "peak_rss": peak,
+                       "ratio_prompt": peak / (weights + need["kv_prompt"]),
+                       "ratio_pool": peak / (weights + need["kv_pool"])})
+    total = {k: sum(s[k] for s in stages)
+             for k in ("weights", "packed", "kv_prompt", "kv_pool", "peak_rss")}
+    weights = total["weights"] + total["packed"]
+    return {"stages": stages, **{f"total_{k}": v for k, v in total.items()},
+            "engine_peak_rss": engine_peak,
+            "ratio_prompt": total["peak_rss"] / (weights + total["kv_prompt"]),
+            "ratio_pool": total["peak_rss"] / (weights + total["kv_pool"])}
+
+
+def format_report(mem: dict) -> str:
+    mib = lambda b: b / 2**20  # noqa: E731
+    w = mem["total_weights"] + mem["total_packed"]
+    per_stage = ", ".join(f"stage {s['rank']} {mib(s['peak_rss']):.0f} MiB "
+                          f"(x{s['ratio_prompt']:.2f})" for s in mem["stages"])
+    return (f"peak RSS of the stages {mib(mem['total_peak_rss']):.0f} MiB [{per_stage}]; "
+            f"weights {mib(mem['total_weights']):.0f} + packed {mib(mem['total_packed']):.0f} "
+            f"MiB; KV of the prompt {mib(mem['total_kv_prompt']):.0f} MiB -> "
+            f"x{mem['ratio_prompt']:.2f} of weights + prompt KV "
+            f"({mib(w + mem['total_kv_prompt']):.0f} MiB); allocated pool "
+            f"{mib(mem['total_kv_pool']):.0f} MiB -> x{mem['ratio_pool']:.2f}; "
+            + (f"stages' peak while loading {mib(mem['total_load_peak_rss']):.0f} MiB; "
+               if "total_load_peak_rss" in mem else "")
+            + f"bench process peak {mib(mem['engine_peak_rss']):.0f} MiB")

@@ -1,0 +1,84 @@
+"""`pipefill bench prefill` as a user runs it (the CLI, real stage processes, tiny model), and
+the weight and KV byte counts its memory report divides by."""
+import json
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from conftest import FAMILIES, save_tiny_model
+from pipefill.bench.memory import memory_report, stage_needs, stage_weight_bytes
+from pipefill.config import make_server_args, resolve
+from pipefill.model.loader import WeightSource, load_stage_weights
+
+pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
+
+
+def weight_nbytes(w) -> int:
+    """Bytes of the distinct tensors a stage holds (a tied head counted once)."""
+    seen, total = set(), 0
+    tensors = [getattr(layer, f) for layer in w.layers for f in layer.__dataclass_fields__
+               if f != "packed"] + [w.embed, w.final_norm, w.lm_head]
+    for t in tensors:
+        if t is not None and t.data_ptr() not in seen:
+            seen.add(t.data_ptr())
+            total += t.nbytes
+    return total
+
+
+@pytest.mark.parametrize("family", FAMILIES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_weight_bytes_match_the_loaded_stage(tmp_path, family, dtype):
+    source = WeightSource(save_tiny_model(family, tmp_path))
+    cfg = source.config
+    for layers, first, last in ((range(0, 4), True, True), (range(0, 2), True, False),
+                                (range(2, 4), False, True)):
+        w = load_stage_weights(source, layers, first, last, dtype)
+        assert stage_weight_bytes(cfg, len(layers), first, last, dtype) == weight_nbytes(w)
+
+
+def test_kv_bytes_count_whole_pages_of_each_stage_layers(tmp_path):
+    source = WeightSource(save_tiny_model("llama", tmp_path))
+    args = resolve(make_server_args(str(tmp_path), dtype="float32", pp_size=2,
+                                    pp_layer_partition="1,3"), source.config)
+    needs = stage_needs(args, source.config, prompt_tokens=65, pool_tokens=1024)
+    per_layer_token = 2 * 2 * 16 * 4  # K and V, 2 KV heads, head_dim 16, float32
+    assert [n["kv_prompt"] for n in needs] == [128 * per_layer_token, 3 * 128 * per_layer_token]
+    assert [n["kv_pool"] for n in needs] == [1024 * per_layer_token, 3 * 1024 * per_layer_token]
+    report = memory_report(needs, [10 * 2**20, 20 * 2**20], 5 * 2**20)
+    need = sum(n["weights"] + n["packed"] + n["kv_prompt"] for n in needs)
+    assert report["ratio_prompt"] == pytest.approx(30 * 2**20 / need)
+    assert report["ratio_pool"] < report["ratio_prompt"]
+
+
+def test_bench_prefill_reports_peak_rss_and_scaling(tmp_path):
+    model = save_tiny_model("llama", tmp_path / "model")
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipefill.cli.main", "bench", "prefill", "--model-path", model,
+         "--input-len", "300", "--pp-size", "1,2", "--reps", "2", "--no-hf", "--no-split",
+         "--chunked-prefill-size", "128", "--max-prefill-tokens", "128",
+         "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "peak RSS of the stages" in proc.stdout
+    rows = json.loads(out.read_text())["rows"]
+    assert {(r["len"], r["pp_size"]) for r in rows} == {(300, 1), (300, 2)}
+    for r in rows:
+        mem = r["memory"]
+        assert len(mem["stages"]) == r["pp_size"]
+        # A stage process holds at least its weights and the prompt's KV, and an interpreter
+        # with torch costs far more than a tiny model: ratios well above 1.
+        for s in mem["stages"]:
+            assert s["peak_rss"] > s["weights"] + s["kv_prompt"]
+            assert s["ratio_prompt"] > 1 and s["ratio_pool"] > 0
+            assert s["load_peak_rss"] > s["weights"]
+        assert mem["total_peak_rss"] == sum(s["peak_rss"] for s in mem["stages"])
+        assert mem["engine_peak_rss"] > 0
+        # Cold prefills: no repetition reuses an earlier one's pages (every chunk computed).
+        assert sum(r["chunk_sizes"]) == r["len"]
+        if r["pp_size"] == 2:
+            base = next(x for x in rows if x["len"] == r["len"] and x["pp_size"] == 1
+                        and x["threads_per_stage"] == r["threads_per_stage"])
+            assert r["scaling_efficiency"] == pytest.approx(
+                base["pipefill"]["ttft_s"] / (2 * r["pipefill"]["ttft_s"]))

@@ -495,9 +495,10 @@ def test_staging_arena_first_fit_merges_and_refuses_a_double_free():
 
 @pytest.mark.skipif(not have_mooncake(), reason="mooncake-transfer-engine-non-cuda is not "
                     "installed")
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("case", ["staged", "arena-for-one-stage", "staging-off",
-                                  "consecutive-pages"])
+@pytest.mark.parametrize("case,dtype", [
+    ("staged", torch.float32), ("staged", torch.bfloat16),
+    ("arena-for-one-stage", torch.bfloat16), ("staging-off", torch.float32),
+    ("consecutive-pages", torch.bfloat16)], ids=str)
 def test_mooncake_into_shuffled_pages(case, dtype):
     """Shuffled source and destination pages, byte-exact: staged (one block per chunk), the
     arena too small for the second stage (that stage writes page runs straight), staging off,
@@ -551,34 +552,40 @@ def test_mooncake_sender_killed_mid_transfer_leaves_nothing_stale():
         dst_pool.release(room, pages)
     receiver = KVReceiver(kv, release=release, backend="mooncake",
                           timing=Timing(20, 20, 0.2, 3), staging_bytes=2 << 20)
-    procs = []
+    proc, info = spawn_sender("mooncake", "stall", num_pages)
+    service = senders = None
     try:
-        for attempt, mode in enumerate(["stall", "full"]):
-            proc, info = spawn_sender("mooncake", mode, num_pages)
-            procs.append(proc)
-            receiver.connect(f"p{attempt}",
-                             lookup_prefill(m.Endpoint("127.0.0.1", info["port"]), 60))
-            dst = dst_pool.pool.allocate(num_pages)
-            random.Random(8).shuffle(dst)
-            receiver.expect_room(ROOM, f"p{attempt}", dst)
-            assert receiver.data.staging_in_use() == 1
-            if mode == "full":
-                res = receiver.wait_room(ROOM, 60)
-                assert res.ok, res
-                assert_pages_equal(random_kv(10, 0, LAYERS), info["src"], kv, dst)
-                break
-            assert wait_until(lambda: len(receiver.rooms.live[ROOM].delivered) == 1, 30)
-            os.kill(proc.pid, signal.SIGKILL)
-            res = receiver.wait_room(ROOM, 30)
-            assert not res.ok and "stopped answering" in res.reason
-            assert wait_until(dst_pool.clean, 10)
-            assert released == [(ROOM, 0)]  # once, its staging region freed with the pages
-            assert not receiver.data._arena.used
-            kv.k.zero_()
-            kv.v.zero_()
+        receiver.connect("dead", lookup_prefill(m.Endpoint("127.0.0.1", info["port"]), 60))
+        dst = dst_pool.pool.allocate(num_pages)
+        random.Random(8).shuffle(dst)
+        receiver.expect_room(ROOM, "dead", dst)
+        assert receiver.data.staging_in_use() == 1
+        assert wait_until(lambda: len(receiver.rooms.live[ROOM].delivered) == 1, 30)
+        os.kill(proc.pid, signal.SIGKILL)
+        res = receiver.wait_room(ROOM, 30)
+        assert not res.ok and "stopped answering" in res.reason
+        assert wait_until(dst_pool.clean, 10)
+        assert released == [(ROOM, 0)]  # once, its staging region freed with the pages
+        assert not receiver.data._arena.used
+        kv.k.zero_()
+        kv.v.zero_()
+        # Another prefill (two stages, other data), the same pages, the same staging bytes.
+        service, senders, src_pools = start_prefill("mooncake", torch.float32)
+        receiver.connect("p", lookup_prefill(service.endpoint, 10))
+        dst = dst_pool.pool.allocate(num_pages)
+        random.Random(8).shuffle(dst)
+        receiver.expect_room(ROOM + 1, "p", dst)
+        src = send_request(senders, src_pools, num_pages, room=ROOM + 1)
+        assert receiver.wait_room(ROOM + 1, 30).ok
+        for s, pages in zip(senders, src):
+            assert s.data.num_staged_chunks == 2
+            assert_pages_equal(s.kv, pages, kv, dst)
     finally:
         receiver.close()
-        for proc in procs:
-            if proc.poll() is None:
-                os.kill(proc.pid, signal.SIGKILL)
-            proc.wait()
+        for s in senders or []:
+            s.close()
+        if service is not None:
+            service.close()
+        if proc.poll() is None:
+            os.kill(proc.pid, signal.SIGKILL)
+        proc.wait()

@@ -162,9 +162,9 @@ def start(config, cores, extra, log_dir, timeout_s):
                 procs[name] = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
                                                preexec_fn=serve_pd._die_with_parent)
         serve_pd.wait_ready(procs, health, timeout_s)
-        # A server's own name: the router's /v1/models answers "unknown", which PD servers
-        # take on chat requests only.
-        server = health[-2 if config == "pd" else -1].removesuffix("/health")
+        # The decode's (pd) or the server's own model name: the router's /v1/models answers
+        # "unknown", which PD servers take on chat requests only.
+        server = health[1 if config == "pd" else 0].removesuffix("/health")
         model = httpx.get(server + "/v1/models", timeout=30).json()["data"][0]["id"]
     except BaseException:
         serve_pd.stop(procs)
@@ -266,8 +266,8 @@ def one_request_first_token(url: str, model: str, prompt: str,
 def timeline(a, url: str, model: str, logs: dict, tokenizer) -> dict:
     import random
 
-    from pipefill.bench.serving import TextPrompts
-    prompt = TextPrompts(tokenizer).make(a.timeline_len, random.Random(a.seed + 1))
+    from pipefill.bench.serving import text_prompts
+    prompt = text_prompts(tokenizer).make(a.timeline_len, random.Random(a.seed + 1))
     sent, first = one_request_first_token(url, model, prompt)
     time.sleep(1.0)  # the stages' log lines of the room's end
     rooms = read_stamps([logs["prefill"], logs["decode"]], sent)

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import random
 import statistics
@@ -105,10 +106,16 @@ class TextPrompts:
         return text
 
 
+@functools.lru_cache(maxsize=2)
+def text_prompts(model_path: str | None) -> TextPrompts:
+    """One tokenizer load per model (a GGUF's takes seconds) for runs in one process."""
+    return TextPrompts(model_path)
+
+
 def make_prompts(ns, ins: list[int], rng: random.Random) -> list:
     if ns.prompt_mode == "tokens":
         return [[rng.randrange(100, ns.vocab_size) for _ in range(n)] for n in ins]
-    maker = TextPrompts(ns.tokenizer)
+    maker = text_prompts(ns.tokenizer)
     return [maker.make(n, rng) for n in ins]
 
 

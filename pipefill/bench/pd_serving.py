@@ -125,15 +125,12 @@ def _pinned(cores: list[int], cmd: list[str]) -> list[str]:
 def commands(config: str, cores: list[int], extra: list[str]) -> tuple[dict, list[str], str,
                                                                        int | None]:
     """({name: command}, health URLs, the URL to benchmark, the bootstrap port or None)."""
-    from pipefill.cli import serve_pd
+    from pipefill.disagg.launch import pd_commands
     from pipefill.runtime.launch import free_port
     if config == "pd":
         bport = free_port()
-        ns = argparse.Namespace(host="127.0.0.1", port=free_port(), prefill_port=0,
-                                decode_port=0, prefill_pp_size=1, router_args="",
-                                disaggregation_bootstrap_port=bport,
-                                server_args=extra + ["--threads-per-stage", "1"])
-        prefill, decode, router, url = serve_pd.commands(ns)
+        prefill, decode, router, url = pd_commands("127.0.0.1", free_port(), 0, 0, 1, bport,
+                                                   extra + ["--threads-per-stage", "1"])
         ports = [cmd[cmd.index("--port") + 1] for cmd in (prefill, decode)]
         health = [f"http://127.0.0.1:{p}/health" for p in ports] + [url + "/readiness"]
         cmds = {"prefill": _pinned(cores[:1], prefill), "decode": _pinned(cores[1:], decode),
@@ -151,7 +148,8 @@ def start(config, cores, extra, log_dir, timeout_s):
     """Starts a configuration's processes, logs to log_dir/<config>-<name>.log; waits.
     (processes, logs, URL, bootstrap port, the served model's name)"""
     import httpx
-    from pipefill.cli import serve_pd
+
+    from pipefill.disagg import launch
     cmds, health, url, bport = commands(config, cores, extra)
     procs, logs = {}, {}
     try:
@@ -160,14 +158,14 @@ def start(config, cores, extra, log_dir, timeout_s):
             print(f"pd-serving: {config} {name}: {shlex.join(cmd)}", flush=True)
             with open(logs[name], "w") as f:
                 procs[name] = subprocess.Popen(cmd, stdout=f, stderr=subprocess.STDOUT,
-                                               preexec_fn=serve_pd._die_with_parent)
-        serve_pd.wait_ready(procs, health, timeout_s)
+                                               preexec_fn=launch.die_with_parent)
+        launch.wait_ready(procs, health, timeout_s)
         # The decode's (pd) or the server's own model name: the router's /v1/models answers
         # "unknown", which PD servers take on chat requests only.
         server = health[1 if config == "pd" else 0].removesuffix("/health")
         model = httpx.get(server + "/v1/models", timeout=30).json()["data"][0]["id"]
     except BaseException:
-        serve_pd.stop(procs)
+        launch.stop(procs)
         raise
     return procs, logs, url, bport, model
 
@@ -330,7 +328,7 @@ def print_timeline(t: dict, xfer: dict) -> None:
 # ---------------------------------------------------------------- the sitting
 
 def run(a: argparse.Namespace) -> int:
-    from pipefill.cli import serve_pd
+    from pipefill.disagg.launch import stop
     configs, cores, extra, outs = check_args(a)
     if _flag_value(extra, "--max-model-len") is None:
         extra += ["--max-model-len", str(a.max_model_len or max_model_len(a, outs))]
@@ -349,7 +347,7 @@ def run(a: argparse.Namespace) -> int:
             if config == "pd" and a.timeline_len:
                 tl, shape = timeline(a, url, model, logs, tokenizer), prefill_shape(bport)
         finally:
-            serve_pd.stop(procs)
+            stop(procs)
         if tl is not None and "chunk_transfer" not in tl:  # measured with the servers gone
             tl["chunk_transfer"] = chunk_transfer(a, shape, cores, int(chunk)) \
                 if chunk.isdigit() else None

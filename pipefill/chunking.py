@@ -13,22 +13,23 @@ from dataclasses import dataclass
 log = logging.getLogger(__name__)
 
 MIN_PROFILE_SAMPLES = 8
-# 16 prefills: the fit's three coefficients need few samples, and each sample is a whole
-# prefill of up to 1.25 x C0 tokens on a CPU that may take seconds per prefill.
-PROFILE_SAMPLES = 16
+# 12 prefills: the fit has three coefficients, and each sample is a whole prefill of up to
+# 1.25 x C0 tokens on a CPU that may take seconds per prefill (issue 12: 128 of them took 430 s).
+PROFILE_SAMPLES = 12
+PROFILE_SPACING = 2.5  # l_i grows like i^2.5: dense where prefills are cheap
 
 
 def profile_lengths(base_chunk_size: int, num: int = PROFILE_SAMPLES) -> list[int]:
-    """num distinct lengths from 1.25*C0 down to about 1.25*C0/32, quadratically spaced: the
+    """num distinct lengths from 1.25*C0 down to about 1.25*C0/32, spaced like i^2.5: the
     cheap short prefills pin the constant and linear terms, a few long ones the quadratic term
-    (the long end is what the predictor extrapolates from), and the whole profile costs about a
-    third of num prefills of 1.25*C0. Multiples of 8 where there is room; longest first."""
+    (the long end is what the predictor extrapolates from), and the whole profile costs about
+    a third of num prefills of 1.25*C0. Multiples of 8 where there is room; longest first."""
     top = max(int(1.25 * base_chunk_size), num)
     low = max(1, top // 32)
     grain = 8 if top >= 32 * num else 1
     lengths = set()
     for i in range(num):
-        x = low + (top - low) * (i / (num - 1)) ** 2
+        x = low + (top - low) * (i / (num - 1)) ** PROFILE_SPACING
         lengths.add(max(grain, round(x / grain) * grain))
     return sorted(lengths, reverse=True)
 

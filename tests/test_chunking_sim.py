@@ -90,13 +90,14 @@ def test_profile_lengths_are_distinct_and_quadratically_spread(c0):
     assert lengths[0] == top and 0 < lengths[-1] <= top // 16
     gaps = [x - y for x, y in zip(lengths, lengths[1:])]
     assert gaps[0] > 4 * gaps[-1]  # dense where prefills are cheap, sparse where they are long
-    if c0 >= 2048:  # the whole profile: about a third of 16 full-length prefills
-        assert sum(lengths) < 0.4 * PROFILE_SAMPLES * top
+    if c0 >= 2048:  # the whole profile: about a third of PROFILE_SAMPLES full-length ones
+        assert sum(lengths) < 0.35 * PROFILE_SAMPLES * top
 
 
-def test_sixteen_noisy_samples_predict_far_prefixes():
-    """With 2% timing noise, the chunk sizes predicted from the 16-length profile stay within
-    10% of the true model's at prefixes 4 to 64 times C0 (what the profile extrapolates to)."""
+def test_few_noisy_samples_predict_far_prefixes():
+    """With 2% timing noise, the chunk sizes predicted from the 12-length profile stay within
+    10% of the true model's at prefixes 4 to 64 times C0 (what the profile extrapolates to;
+    the old 128 lengths: within 3%, at ten times the cost)."""
     import random
     lengths = profile_lengths(2048)
     truth = predictor(2048, 1.0, 64)

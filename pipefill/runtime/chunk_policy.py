@@ -124,9 +124,9 @@ class BackgroundProfile:
         from pipefill.runtime.profile import save
         lengths, seconds = self.setup.lengths, self.run.seconds
         where = save(self.setup.key, lengths, seconds, self.args.dynamic_chunking_profile_cache)
-        log.info("dynamic chunking: background profile done: %d prefills (+1 warm-up), %.1f s "
-                 "of stage 0's time within %.1f s", len(lengths), self.run.busy_s,
-                 time.monotonic() - self.started)
+        log.info("dynamic chunking: background profile done: %d lengths (+1 warm-up, %d timed "
+                 "twice), %.1f s of stage 0's time within %.1f s", len(lengths),
+                 self.run.retimed, self.run.busy_s, time.monotonic() - self.started)
         try:
             return _policy_from_profile(self.args, self.setup, lengths, seconds, where, False,
                                         self.executor, self.layer_counts)

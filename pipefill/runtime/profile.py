@@ -15,14 +15,17 @@ from pathlib import Path
 
 import torch
 
+from pipefill.chunking import fit_quadratic
 from pipefill.scheduler.plan import SeqWork, StepPlan
 
 log = logging.getLogger(__name__)
 
 DEFAULT_CACHE = Path.home() / ".cache" / "pipefill" / "profiles"
-# The warm-up prefill (not timed) is a quarter of the longest length: enough to touch the
-# kernels' code paths and buffers, at a sixteenth of the old full-length warm-up's attention.
-WARMUP_FRACTION = 4
+# The warm-up prefill (not timed) is an eighth of the longest length: it runs the kernels' code
+# paths once (the stage's own 16-token warm-up ran them at toy size), for a fraction of the old
+# full-length warm-up.
+WARMUP_FRACTION = 8
+RETIME_RATIO, MAX_RETIMED = 1.3, 4
 
 
 def profile_key(model_file: str, dtype: str, layers: range, threads: int, c0: int,
@@ -83,19 +86,24 @@ def profile_forward(executor, num_tokens: int, pages: list[int]) -> float:
 
 @dataclass
 class ProfileRun:
-    """The profile's prefills, one per step: an untimed warm-up, then every length."""
+    """The profile's prefills, one per step: an untimed warm-up, then every length, then a
+    second timing of the few samples far above the fit of all (a prefill that was preempted
+    on a busy machine; with 12 samples one such spike can bend the fit), keeping the faster."""
     lengths: list[int]
     seconds: list[float] = field(default_factory=list)
     warmed: bool = False
+    retry: list[int] | None = None  # indices to time again; None until every length ran
+    retimed: int = 0
     busy_s: float = 0.0  # wall time spent in steps
 
     @property
     def finished(self) -> bool:
-        return len(self.seconds) == len(self.lengths)
+        return self.retry == []
 
     @property
     def steps_left(self) -> int:
-        return len(self.lengths) - len(self.seconds) + (not self.warmed)
+        """At least this many (the second timings are known once every length ran)."""
+        return (not self.warmed) + len(self.lengths) - len(self.seconds) + len(self.retry or [])
 
     def pages_needed(self, page_size: int) -> int:
         return -(-max(self.lengths) // page_size)
@@ -105,10 +113,29 @@ class ProfileRun:
         if not self.warmed:
             profile_forward(executor, max(1, max(self.lengths) // WARMUP_FRACTION), pages)
             self.warmed = True
-        else:
+        elif len(self.seconds) < len(self.lengths):
             self.seconds.append(profile_forward(executor, self.lengths[len(self.seconds)],
                                                 pages))
+        elif self.retry:
+            i = self.retry.pop()
+            self.seconds[i] = min(self.seconds[i],
+                                  profile_forward(executor, self.lengths[i], pages))
+            self.retimed += 1
+        if self.retry is None and len(self.seconds) == len(self.lengths):
+            self.retry = slow_outliers(self.lengths, self.seconds)
         self.busy_s += time.perf_counter() - t0
+
+
+def slow_outliers(lengths: list[int], seconds: list[float]) -> list[int]:
+    """Indices of at most MAX_RETIMED samples above RETIME_RATIO x the quadratic fit of all,
+    the largest excess last (a spike bends the fit most where its excess in seconds is)."""
+    try:
+        a, b, c = fit_quadratic(lengths, seconds)
+    except ValueError:
+        return []
+    excess = {i: s - f for i, (x, s) in enumerate(zip(lengths, seconds))
+              if s > RETIME_RATIO * (f := a * x * x + b * x + c)}
+    return sorted(excess, key=excess.get)[-MAX_RETIMED:]
 
 
 def measure(executor, lengths: list[int]) -> list[float]:
@@ -121,8 +148,10 @@ def measure(executor, lengths: list[int]) -> list[float]:
               unit="prefill", leave=False, disable=None) as bar:
         while not run.finished:
             run.step(executor, pages)
+            bar.total = bar.n + 1 + run.steps_left
             bar.update()
-    log.info("dynamic chunking: profiled %d prefills in %.1f s", len(lengths), run.busy_s)
+    log.info("dynamic chunking: profiled %d lengths in %.1f s (%d timed twice)", len(lengths),
+             run.busy_s, run.retimed)
     return run.seconds
 
 

@@ -33,6 +33,7 @@ from pipefill.disagg.transfer_tcp import runs
 log = logging.getLogger(__name__)
 
 MAX_BATCH = 512  # larger batches failed (-1) in measurements on this package version
+WRITE_PIECE = 1 << 20  # a staged block goes as pieces of one batch (the engine spreads them)
 GATHER_BYTES = 16 << 20  # the sender's gather buffer: whole layers, about this many bytes
 MIN_RUN_PAGES = 4  # destination runs shorter than this on average: stage the room
 STAGING_FRACTION = 0.25  # default staging arena: this share of the decode stage's KV bytes
@@ -219,7 +220,8 @@ class MooncakeDataPath:
         for layers, buf in self._gather(header, src_pages):
             nbytes = 2 * len(layers) * n * pb
             block = at + (layers[0] - header.layer_start) * 2 * n * pb
-            self._write(hello, [(buf.data_ptr(), block, nbytes)])
+            self._write(hello, [(buf.data_ptr() + o, block + o, min(WRITE_PIECE, nbytes - o))
+                                for o in range(0, nbytes, WRITE_PIECE)])
         self.num_staged_chunks += 1
 
     def _gather(self, header, src_pages):

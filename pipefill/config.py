@@ -217,6 +217,9 @@ class ServerArgs:
         sigma = self.dynamic_chunking_smooth_factor
         if sigma is not None and not 0 <= sigma <= 1:
             raise ValueError(f"--dynamic-chunking-smooth-factor must be in [0, 1], got {sigma}")
+        if self.dynamic_chunking_profile not in ("background", "blocking"):
+            raise ValueError("--dynamic-chunking-profile must be background or blocking, got "
+                             f"{self.dynamic_chunking_profile!r}")
         if self.chunked_prefill_size != "auto" and \
                 self.max_prefill_tokens < self.chunked_prefill_size:
             raise ValueError(

@@ -112,6 +112,50 @@ def test_bit_identical_across_threads(isa, q_dtype, kv_dtype):
         assert torch.equal(o, outs[0])
 
 
+# Split KV (flash-decoding): (prefix L, chunk C, group G, kv heads, head dim, page size, kv_split)
+SPLIT_SHAPES = [
+    (5000, 1, 3, 3, 64, 64, 0),      # decode, auto: parts of 1024 keys, the last one partial
+    (2100, 1, 3, 3, 64, 64, 0),      # just past the auto threshold (2 * 1024 keys)
+    (3001, 5, 4, 2, 128, 32, 0),     # a small chunk (one q-tile), D = 128, page size 32
+    (700, 3, 8, 1, 64, 64, 64),      # forced: parts of one kernel step, rows that see no key
+    (1000, 1, 1, 2, 64, 128, 192),   # forced: parts not a multiple of the page size
+]
+
+
+@pytest.mark.parametrize("isa,q_dtype,kv_dtype", COMBOS)
+@pytest.mark.parametrize("shape", SPLIT_SHAPES,
+                         ids=lambda s: "L{}-C{}-G{}-H{}-D{}-ps{}-split{}".format(*s))
+def test_split_kv_matches_float64_at_any_thread_count(isa, q_dtype, kv_dtype, shape):
+    L, C, G, hkv, D, ps, split = shape
+    q, k, v, kc, vc, table = _setup(L, C, G, hkv, D, ps, kv_dtype, q_dtype, seed=L)
+    ca.write_kv(kc, vc, k[L:], v[L:], table, L)
+    ref = reference_attention(q.double(), k.double(), v.double(), L, D ** -0.5)
+    saved = torch.get_num_threads()
+    outs = []
+    try:
+        for n in (1, 2, 8):
+            torch.set_num_threads(n)
+            outs.append(ca.chunk_attention(isa, q, kc, vc, table, L, D ** -0.5, kv_split=split))
+    finally:
+        torch.set_num_threads(saved)
+    assert all(torch.equal(o, outs[0]) for o in outs[1:])
+    assert (outs[0].double() - ref).abs().max().item() <= _tolerance(ref, q_dtype)
+    whole = ca.chunk_attention(isa, q, kc, vc, table, L, D ** -0.5, kv_split=-1)
+    assert not torch.equal(whole, outs[0]) or q_dtype == torch.bfloat16  # the split did happen
+    assert (whole.double() - ref).abs().max().item() <= _tolerance(ref, q_dtype)
+
+
+def test_bad_kv_split_is_a_sentence():
+    isa = next((i for i in ca.ISAS if _STATUS[i][0]), None)
+    if isa is None:
+        pytest.skip("no vector kernel runs here")
+    dt = torch.bfloat16
+    q, k, v, kc, vc, table = _setup(300, 1, 3, 1, 64, 64, dt, dt)
+    with pytest.raises(RuntimeError, match="kv_split must be a multiple of 64, got 100"):
+        ca.chunk_attention(isa, q, kc, vc, table, 300, 0.125, k_new=k[300:], v_new=v[300:],
+                           kv_split=100)
+
+
 def test_bad_arguments_are_sentences():
     isa = next((i for i in ("avx512", "avx2") if _STATUS[i][0]), None)
     if isa is None:

@@ -12,8 +12,9 @@ API (what the engine calls):
 * ``write_kv(k_cache, v_cache, k_new, v_new, page_table, start)`` — packs tokens
   ``[start, start + C)`` (converted to the cache dtype) and zeroes the rest of their 32-token group.
 * ``chunk_attention(isa, q, k_cache, v_cache, page_table, prefix_len, scale, k_new=None,
-  v_new=None, out=None, qtile=0) -> out`` — bottom-right causal attention of q [C, Hq, D]
-  (positions [L, L + C)) over cached tokens [0, L + C).
+  v_new=None, out=None, qtile=0, kv_split=0) -> out`` — bottom-right causal attention of q
+  [C, Hq, D] (positions [L, L + C)) over cached tokens [0, L + C); decode (one q-tile) over a
+  long context splits the KV range into fixed parts merged by log-sum-exp (flash-decoding).
 * ``read_kv(...)`` — tokens back in token-major order (tests).
 
 Build: ``csrc/cpu_attn_kernel.cpp`` is compiled three times into objects, each with only its own
@@ -121,8 +122,14 @@ def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
 def chunk_attention(isa: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     page_table: torch.Tensor, prefix_len: int, scale: float,
                     k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
-                    out: torch.Tensor | None = None, qtile: int = 0) -> torch.Tensor:
-    """Causal (bottom-right) attention of q [C, Hq, D] over cached tokens [0, prefix_len + C)."""
+                    out: torch.Tensor | None = None, qtile: int = 0,
+                    kv_split: int = 0) -> torch.Tensor:
+    """Causal (bottom-right) attention of q [C, Hq, D] over cached tokens [0, prefix_len + C).
+
+    kv_split (split KV, for decode and small chunks that fit one q-tile): 0 = auto (parts of
+    1024 keys once the context exceeds 2048, so every thread works on one sequence), < 0 = never,
+    > 0 = keys per part (a multiple of 64). The parts are fixed by the lengths, never by the
+    thread count, and merged in order: results are bit-identical at any thread count."""
     if isa not in ISA_ID:
         raise ValueError(f"unknown kernel {isa!r} (choose from {', '.join(ISAS)})")
     ext = _load()
@@ -131,7 +138,7 @@ def chunk_attention(isa: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if k_new is not None:
         write_kv(k_cache, v_cache, k_new, v_new, page_table, prefix_len)
     return ext.chunk_attention(ISA_ID[isa], q, k_cache, v_cache, page_table, int(prefix_len),
-                               float(scale), out, int(qtile))
+                               float(scale), out, int(qtile), int(kv_split))
 
 
 def read_kv(k_layer_cache: torch.Tensor, v_layer_cache: torch.Tensor, page_table: torch.Tensor,

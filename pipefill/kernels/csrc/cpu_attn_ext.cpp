@@ -7,7 +7,9 @@
 
 #include <cpuid.h>
 
+#include <algorithm>
 #include <atomic>
+#include <cmath>
 #include <cstdlib>
 #include <cstring>
 #include <string>
@@ -160,13 +162,71 @@ void write_kv(torch::Tensor kc, torch::Tensor vc, torch::Tensor k, torch::Tensor
   }
 }
 
+// Split KV for one q-tile over a long context (decode): parts of this many keys, fixed so that the
+// split (and so every bit of the result) does not depend on the thread count.
+constexpr int64_t kAutoKvPart = 1024;
+
+// kv_split: 0 auto (parts of kAutoKvPart keys when one q-tile sees more than two parts), < 0 never,
+// > 0 keys per part (a multiple of the kernel step). -> keys per part, 0 for no split.
+int64_t choose_kv_part(int64_t kv_split, int64_t C, int64_t qtile, int64_t keys) {
+  if (kv_split < 0 || C > qtile) return 0;
+  if (kv_split > 0) {
+    TORCH_CHECK(kv_split % pa::kStep == 0, "kv_split must be a multiple of ", pa::kStep, ", got ", kv_split);
+    return kv_split < keys ? kv_split : 0;
+  }
+  return keys > 2 * kAutoKvPart ? kAutoKvPart : 0;
+}
+
+uint16_t bf16_rne(float x) {  // as the kernels' to_bf16 (no NaN here)
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// out rows = the parts' (O, m, l) merged in part order: O = sum_i 2^(m_i - m) O_i / sum_i 2^(m_i - m) l_i.
+// Plain C++ (this file has no ISA flags); the same arithmetic whichever thread merges a row.
+void merge_parts(const pa::Params& p, const float* partial) {
+  const int64_t G = p.group, D = p.head_dim, M = p.C * G, np = p.nparts;
+  at::parallel_for(0, p.num_kv_heads * M, 16, [&](int64_t b, int64_t e) {
+    float acc[128];
+    for (int64_t i = b; i < e; ++i) {
+      const int64_t g = i / M, r = i % M, t = r / G, h = r % G;
+      const float* part0 = partial + (g * np * M + r) * (D + 2);
+      const int64_t stride = M * (D + 2);
+      float mx = -__builtin_inff();
+      for (int64_t j = 0; j < np; ++j) mx = std::max(mx, part0[j * stride + D]);
+      float l = 0.f;
+      std::fill(acc, acc + D, 0.f);
+      for (int64_t j = 0; j < np; ++j) {
+        const float* pj = part0 + j * stride;
+        if (pj[D] == -__builtin_inff()) continue;  // the row sees no key of this part
+        const float w = std::exp2(pj[D] - mx);
+        l += w * pj[D + 1];
+        for (int64_t d = 0; d < D; ++d) acc[d] += w * pj[d];
+      }
+      const float inv = 1.0f / l;
+      char* dst = static_cast<char*>(p.out) + ((t) * p.o_st + (g * G + h) * p.o_sh) * (p.q_bf16 ? 2 : 4);
+      for (int64_t d = 0; d < D; ++d) {
+        const float x = acc[d] * inv;
+        if (p.q_bf16) {
+          const uint16_t hb = bf16_rne(x);
+          std::memcpy(dst + 2 * d, &hb, 2);
+        } else {
+          std::memcpy(dst + 4 * d, &x, 4);
+        }
+      }
+    }
+  });
+}
+
 using RunItem = void (*)(const pa::Params&, int64_t, const pa::Scratch&);
 constexpr RunItem kKernels[3] = {pa::avx512bf16::run_item, pa::avx512::run_item, pa::avx2::run_item};
 constexpr const char* kNames[3] = {"avx512bf16", "avx512", "avx2"};
 
 // out[C, Hq, D] = causal attention of q (positions [L, L + C)) over cached tokens [0, L + C).
 torch::Tensor chunk_attention(int64_t isa, torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor pt,
-                              int64_t L, double scale, c10::optional<torch::Tensor> out_opt, int64_t qtile) {
+                              int64_t L, double scale, c10::optional<torch::Tensor> out_opt, int64_t qtile,
+                              int64_t kv_split) {
   TORCH_CHECK(isa >= 0 && isa <= 2, "unknown ISA id ", isa);
   TORCH_CHECK(isa_ok(isa), "pipefill CPU attention: this CPU cannot run the ", kNames[isa], " kernel: ",
               std::get<1>(cpu_supported(isa)));
@@ -219,13 +279,21 @@ torch::Tensor chunk_attention(int64_t isa, torch::Tensor q, torch::Tensor kc, to
   p.scale = (float)scale;
   p.q_bf16 = q_bf16;
   p.kv_bf16 = kv_bf16;
+  p.kv_part = choose_kv_part(kv_split, C, qtile, L + C);
+  p.nparts = p.kv_part ? (L + C + p.kv_part - 1) / p.kv_part : 1;
+  torch::Tensor partial;
+  if (p.nparts > 1) {
+    partial = torch::empty({Hkv * p.nparts * C * G * (D + 2)}, torch::kFloat);
+    p.partial = partial.data_ptr<float>();
+  }
 
   const int64_t n = pa::num_items(p);
   const int nthreads = at::get_num_threads();
   const int64_t rows = pa::rows_pad(qtile, G);
-  const size_t q_bytes = align64(rows * D * 4), o_bytes = align64(rows * D * 4), ml_bytes = align64(rows * 4);
+  const size_t q_bytes = align64(rows * D * 4), o_bytes = align64(rows * D * 4), m_bytes = align64(rows * 4);
+  const size_t l_bytes = align64(rows * pa::kLanes * 4);
   const size_t s_bytes = align64(pa::kMaxRows * pa::kStep * 4), p_bytes = align64(pa::kMaxRows * pa::kStep * 2);
-  const size_t total = q_bytes + o_bytes + 2 * ml_bytes + s_bytes + p_bytes;
+  const size_t total = q_bytes + o_bytes + m_bytes + l_bytes + s_bytes + p_bytes;
   const RunItem run = kKernels[isa];
   std::atomic<int64_t> next{0};
   // One task per thread; each pulls items (longest first) from the shared counter. An item is
@@ -237,11 +305,12 @@ torch::Tensor chunk_attention(int64_t isa, torch::Tensor q, torch::Tensor kc, to
     s.q = base;
     s.o = reinterpret_cast<float*>(base + q_bytes);
     s.m = reinterpret_cast<float*>(base + q_bytes + o_bytes);
-    s.l = reinterpret_cast<float*>(base + q_bytes + o_bytes + ml_bytes);
-    s.s = reinterpret_cast<float*>(base + q_bytes + o_bytes + 2 * ml_bytes);
-    s.p = reinterpret_cast<uint16_t*>(base + q_bytes + o_bytes + 2 * ml_bytes + s_bytes);
+    s.l = reinterpret_cast<float*>(base + q_bytes + o_bytes + m_bytes);
+    s.s = reinterpret_cast<float*>(base + q_bytes + o_bytes + m_bytes + l_bytes);
+    s.p = reinterpret_cast<uint16_t*>(base + q_bytes + o_bytes + m_bytes + l_bytes + s_bytes);
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) run(p, i, s);
   });
+  if (p.nparts > 1) merge_parts(p, p.partial);
   return out;
 }
 
@@ -254,6 +323,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         py::arg("start"), py::call_guard<py::gil_scoped_release>());
   m.def("chunk_attention", &chunk_attention, "fused causal chunk attention (vector kernels)", py::arg("isa"),
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("page_table"), py::arg("prefix_len"),
-        py::arg("scale"), py::arg("out") = py::none(), py::arg("qtile") = 0,
+        py::arg("scale"), py::arg("out") = py::none(), py::arg("qtile") = 0, py::arg("kv_split") = 0,
         py::call_guard<py::gil_scoped_release>());
 }

@@ -21,9 +21,7 @@
 
 #include "cpu_attn_kernel.h"
 
-#if PF_ATTN_BF16DOT
-#include <immintrin.h>
-#endif
+#include <immintrin.h>  // intrinsics are emitted only where used, within this object's -m flags
 
 namespace pipefill_cpu_attn {
 namespace PF_ATTN_NS {
@@ -47,41 +45,60 @@ inline void storef(void* p, vf v) { std::memcpy(p, &v, sizeof(vf)); }
 inline vu loadu(const void* p) { vu v; std::memcpy(&v, p, sizeof(vu)); return v; }
 inline vf splat(float x) { return vf{} + x; }
 
+// Horizontal max/sum by shuffles (a scalar loop is a 16-long dependency chain per row and step).
+#if PF_ATTN_WIDTH == 16
+inline float hmax(vf v) { return _mm512_reduce_max_ps((__m512)v); }
+inline float hsum(vf v) { return _mm512_reduce_add_ps((__m512)v); }
+#else
 inline float hmax(vf v) {
-  float m = v[0];
-  for (int i = 1; i < W; ++i) m = v[i] > m ? v[i] : m;
-  return m;
+  __m128 x = _mm_max_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+  x = _mm_max_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_max_ss(x, _mm_movehdup_ps(x)));
 }
 inline float hsum(vf v) {
-  vf a = v;
-  float s = 0.f;
-  for (int i = 0; i < W; ++i) s += a[i];
-  return s;
+  __m128 x = _mm_add_ps(_mm256_castps256_ps128((__m256)v), _mm256_extractf128_ps((__m256)v, 1));
+  x = _mm_add_ps(x, _mm_movehl_ps(x, x));
+  return _mm_cvtss_f32(_mm_add_ss(x, _mm_movehdup_ps(x)));
+}
+#endif
+inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+
+// Polynomial for 2^f, f in [-1/2, 1/2].
+template <int DEG>
+inline vf exp2_poly(vf f) {
+  if (DEG == 3) return ((0.05517167f * f + 0.24261114f) * f + 0.69326099f) * f + 0.99992807f;  // rel. 7.5e-5 (as AMX)
+  vf p = 1.5403530e-4f * f + 1.3333558e-3f;  // Taylor of e^(f ln 2) to degree 6: rel. ~1.2e-7
+  p = p * f + 9.6181291e-3f;
+  p = p * f + 5.5504109e-2f;
+  p = p * f + 0.24022651f;
+  p = p * f + 0.69314718f;
+  return p * f + 1.0f;
 }
 
-// 2^x: n = round(x), f = x - n in [-1/2, 1/2], poly(f) * 2^n; lanes below -126 are 0.
+// 2^x = poly(f) * 2^n, n = round(x), f = x - n. Masked (-inf) lanes come out exactly 0.
+#if PF_ATTN_WIDTH == 16
 template <int DEG>
 inline vf exp2v(vf x) {
+  // AVX-512: roundscale + scalef (2^n with n <= -150 underflows to exactly 0). The clamp keeps
+  // -inf lanes from making f = -inf - -inf = NaN.
+  const __m512 xc = _mm512_max_ps((__m512)x, _mm512_set1_ps(-200.f));
+  const __m512 n = _mm512_roundscale_ps(xc, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const vf p = exp2_poly<DEG>((vf)_mm512_sub_ps(xc, n));
+  return (vf)_mm512_scalef_ps((__m512)p, n);
+}
+#else
+template <int DEG>
+inline vf exp2v(vf x) {  // AVX2: exponent added as an integer; lanes below -126 are 0
   const vi small = x < splat(-126.f);
   const vf xc = small ? splat(-126.f) : x;
   const vf big = splat(12582912.f);  // 1.5 * 2^23: adding it rounds to an integer
   const vf n = (xc + big) - big;
-  const vf f = xc - n;
-  vf p;
-  if (DEG == 3) {  // near-minimax, relative error 7.5e-5 (as the AMX kernel)
-    p = ((0.05517167f * f + 0.24261114f) * f + 0.69326099f) * f + 0.99992807f;
-  } else {  // Taylor of e^(f ln 2) to degree 6: relative error ~1.2e-7
-    p = 1.5403530e-4f * f + 1.3333558e-3f;
-    p = p * f + 9.6181291e-3f;
-    p = p * f + 5.5504109e-2f;
-    p = p * f + 0.24022651f;
-    p = p * f + 0.69314718f;
-    p = p * f + 1.0f;
-  }
+  const vf p = exp2_poly<DEG>(xc - n);
   const vi ni = __builtin_convertvector(n, vi);
   const vf r = (vf)((vu)p + (vu)(ni << 23));
   return small ? splat(0.f) : r;
 }
+#endif
 
 // Part h (of NV) of a 32-value row as (even, odd) float vectors: bf16 rows hold 16 uint32 pairs
 // (low half even, high half odd), float32 rows [16 even][16 odd].
@@ -108,7 +125,7 @@ struct Kernel {
   static constexpr int64_t kEsz = KVB ? 2 : 4;
   const Params& p;
   const Scratch& s;
-  int64_t G, t0, base_pos, kend, head_off, page_stride;
+  int64_t G, g, part, t0, base_pos, kend, kv_lo, kv_hi, head_off, page_stride;
   int M, nblk;
   float c;
   int64_t kend_b[2048 / R + 1];
@@ -117,8 +134,10 @@ struct Kernel {
     G = p.group;
     const int64_t Hkv = p.num_kv_heads, ps = p.page_size;
     const int64_t ntiles = (p.C + p.qtile - 1) / p.qtile;
-    const int64_t ti = ntiles - 1 - item / Hkv;  // longest (last) q-tiles first
-    const int64_t g = item % Hkv;
+    part = item % p.nparts;
+    const int64_t rest = item / p.nparts;
+    const int64_t ti = ntiles - 1 - rest / Hkv;  // longest (last) q-tiles first
+    g = rest % Hkv;
     t0 = ti * p.qtile;
     const int64_t nt = p.C - t0 < p.qtile ? p.C - t0 : p.qtile;
     M = (int)(nt * G);
@@ -129,15 +148,15 @@ struct Kernel {
     c = p.scale * 1.4426950408889634f;
     stage_q(g);
     std::memset(s.o, 0, sizeof(float) * (size_t)nblk * R * D);
-    for (int r = 0; r < nblk * R; ++r) {
-      s.m[r] = kNegInf;
-      s.l[r] = 0.f;
-    }
+    std::memset(s.l, 0, sizeof(float) * (size_t)nblk * R * W);
+    for (int r = 0; r < nblk * R; ++r) s.m[r] = kNegInf;
     for (int b = 0; b < nblk; ++b) {
       const int last = R * b + R - 1 < M - 1 ? R * b + R - 1 : M - 1;
       kend_b[b] = base_pos + last / G + 1;
     }
     kend = kend_b[nblk - 1];
+    kv_lo = part * p.kv_part;  // split KV: this item's keys [kv_lo, kv_hi) only
+    kv_hi = p.nparts > 1 && kv_lo + p.kv_part < kend ? kv_lo + p.kv_part : kend;
   }
 
   const char* q_row_src(int r, int64_t g) const {
@@ -214,40 +233,60 @@ struct Kernel {
   }
 
   // One row of ncol scores: columns > lim masked; softmax'd in place (and as bf16 into prow).
+  // The row's sum stays a vector (s.l[r * W ..]) until the epilogue: no reduction per step.
   void softmax_row(float* srow, uint16_t* prow, int ncol, int lim, int r) const {
     if (lim < ncol - 1)
       for (int x = lim + 1; x < ncol; ++x) srow[x] = kNegInf;
-    vf mx = splat(kNegInf);
-    for (int x = 0; x < ncol; x += W) {
-      const vf v = loadf(srow + x);
-      mx = mx > v ? mx : v;
+    vf mx0 = splat(kNegInf), mx1 = mx0;
+    int x = 0;
+    for (; x + 2 * W <= ncol; x += 2 * W) {
+      mx0 = vmax(mx0, loadf(srow + x));
+      mx1 = vmax(mx1, loadf(srow + x + W));
     }
-    const float bmax = hmax(mx) * c;
+    if (x < ncol) mx0 = vmax(mx0, loadf(srow + x));
+    const float bmax = hmax(vmax(mx0, mx1)) * c;
     float m = s.m[r];
+    float* lrow = s.l + (int64_t)r * W;
     if (bmax > m + kLazy) {
       if (m != kNegInf) {
         const float alpha = __builtin_exp2f(m - bmax);
-        s.l[r] *= alpha;
+        storef(lrow, loadf(lrow) * alpha);
         float* orow = s.o + (int64_t)r * D;
         for (int d = 0; d < D; d += W) storef(orow + d, loadf(orow + d) * alpha);
       }
       m = bmax;
       s.m[r] = m;
     }
-    vf sum = vf{};
-    for (int x = 0; x < ncol; x += W) {
+    vf sum = loadf(lrow);
 #if PF_ATTN_BF16DOT
-      const vf pv = exp2v<3>(loadf(srow + x) * c - m);
-      const vh h = to_bf16(pv);
-      std::memcpy(prow + x, &h, sizeof(vh));
+    x = 0;
+    for (; x + 32 <= ncol; x += 32) {  // two vectors -> 32 bf16 in one rounding instruction
+      const vf p0 = exp2v<3>(loadf(srow + x) * c - m);
+      const vf p1 = exp2v<3>(loadf(srow + x + 16) * c - m);
+      _mm512_storeu_si512(prow + x, (__m512i)_mm512_cvtne2ps_pbh((__m512)p1, (__m512)p0));
+      sum += p0 + p1;
+    }
+    if (x < ncol) {
+      const vf p0 = exp2v<3>(loadf(srow + x) * c - m);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + x), (__m256i)_mm512_cvtneps_pbh((__m512)p0));
+      sum += p0;
+    }
 #else
+    // float32: the step's sum is added to lane 0 in lane order, the summation order of the
+    // first version of these kernels (a vector sum moved an end-to-end logprob by 1.5e-4 against
+    // split SDPA, past test_bf16_kv_cache_matches_hf_within_rounding's 1e-4).
+    vf step = vf{};
+    for (x = 0; x < ncol; x += W) {
       const vf pv = exp2v<6>(loadf(srow + x) * c - m);
       storef(srow + x, pv);
-      (void)prow;
-#endif
-      sum += pv;
+      step += pv;
     }
-    s.l[r] += hsum(sum);
+    float t = 0.f;
+    for (int i = 0; i < W; ++i) t += step[i];
+    sum[0] += t;
+    (void)prow;
+#endif
+    storef(lrow, sum);
   }
 
   // O_block[R, D] += P[R, 2 * npairs] V[2 * npairs, D]; vg: the step's 32-token V groups.
@@ -292,13 +331,14 @@ struct Kernel {
   void run() {
     const char* kg[NB / 16];
     const char* vg[NB / 32];
-    for (int64_t kv0 = 0; kv0 < kend; kv0 += NB) {
-      const int64_t nstep = kend - kv0 < NB ? kend - kv0 : NB;
+    for (int64_t kv0 = kv_lo; kv0 < kv_hi; kv0 += NB) {
+      const int64_t nstep = kv_hi - kv0 < NB ? kv_hi - kv0 : NB;
       for (int j = 0; j < (nstep + 15) / 16; ++j) kg[j] = tok_ptr(p.k, kv0 + 16 * j);
       for (int j = 0; j < (nstep + 31) / 32; ++j) vg[j] = tok_ptr(p.v, kv0 + 32 * j);
       for (int b = 0; b < nblk; ++b) {
-        if (kend_b[b] <= kv0) continue;
-        const int64_t nb = kend_b[b] - kv0 < NB ? kend_b[b] - kv0 : NB;
+        const int64_t hi = kend_b[b] < kv_hi ? kend_b[b] : kv_hi;
+        if (hi <= kv0) continue;
+        const int64_t nb = hi - kv0 < NB ? hi - kv0 : NB;
         const int ncol = (int)((nb + 15) / 16 * 16);
         for (int j = 0; j < ncol / 16; ++j) qk_group(b, kg[j], s.s + 16 * j);
         for (int i = 0; i < R; ++i) {
@@ -319,13 +359,23 @@ struct Kernel {
     }
   }
 
+  // Split KV: the unnormalised O rows, running max and sum of this part, for the glue to merge.
+  void epilogue_part() const {
+    float* dst = p.partial + (g * p.nparts + part) * M * (D + 2);
+    for (int r = 0; r < M; ++r, dst += D + 2) {
+      std::memcpy(dst, s.o + (int64_t)r * D, D * 4);
+      dst[D] = s.m[r];
+      dst[D + 1] = hsum(loadf(s.l + (int64_t)r * W));
+    }
+  }
+
   void epilogue() const {
-    const int64_t g = head_off / (p.page_size * D);
+    if (p.nparts > 1) return epilogue_part();
     const int64_t esz = p.q_bf16 ? 2 : 4;
     for (int r = 0; r < M; ++r) {
       const int64_t t = r / G, h = r % G;
       char* dst = static_cast<char*>(p.out) + ((t0 + t) * p.o_st + (g * G + h) * p.o_sh) * esz;
-      const float inv = 1.0f / s.l[r];
+      const float inv = 1.0f / hsum(loadf(s.l + (int64_t)r * W));
       const float* orow = s.o + (int64_t)r * D;
       for (int d = 0; d < D; d += W) {
         const vf x = loadf(orow + d) * inv;

@@ -27,6 +27,11 @@ struct Params {
   int64_t page_size, num_kv_heads, head_dim, group;  // group = Hq / Hkv
   int64_t C, L;   // queries at positions [L, L + C)
   int64_t qtile;  // query tokens per work item
+  // Split KV (flash-decoding, one q-tile only): keys [i * kv_part, (i + 1) * kv_part) are part i
+  // of nparts (1 = no split); part results go to partial [Hkv, nparts, C * group, D + 2]
+  // (unnormalised O, max in the log2 domain, sum), merged by the glue in part order.
+  int64_t kv_part, nparts;
+  float* partial;
   float scale;
   bool q_bf16, kv_bf16;
 };
@@ -35,16 +40,17 @@ struct Scratch {
   void* q;    // [rows_pad, D] staged queries: float32, or bf16 for the avx512bf16 kernel
   float* o;   // [rows_pad, D] accumulator
   float* m;   // [rows_pad] running max (log2 domain, scaled)
-  float* l;   // [rows_pad] running sum
+  float* l;   // [rows_pad, kLanes] running sums, one vector per row (reduced in the epilogue)
   float* s;   // [kMaxRows, kStep] scores, probabilities in place
   uint16_t* p;  // [kMaxRows, kStep] bf16 probabilities (avx512bf16)
 };
 
 constexpr int kMaxRows = 8;  // rows per register block (avx512: 8, avx2: 4)
+constexpr int kLanes = 16;   // floats per row of Scratch::l (the widest vector)
 
 inline int64_t rows_pad(int64_t qtile, int64_t group) { return (qtile * group + kMaxRows - 1) / kMaxRows * kMaxRows; }
 
-inline int64_t num_items(const Params& p) { return p.num_kv_heads * ((p.C + p.qtile - 1) / p.qtile); }
+inline int64_t num_items(const Params& p) { return p.num_kv_heads * ((p.C + p.qtile - 1) / p.qtile) * p.nparts; }
 
 #define PF_ATTN_DECLARE(NS) \
   namespace NS {            \

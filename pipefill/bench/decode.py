@@ -8,6 +8,8 @@ sampling, as on a last stage). Timed, interleaved per repetition:
 
 * pipefill — the packed small-M decode GEMM (--decode-gemm-max-rows) for every linear layer;
 * torch    — the same stage with the packed copies switched off (F.linear everywhere);
+* general  — the packed GEMM, but every layer through StageModel._layer instead of the lean
+             decode path (model/decode_step.py): what the per-call overhead costs;
 * HF       — transformers `generate` on the same weights and dtype in this process: per step
              (time of 1 + S new tokens - time of 1 new token) / S, batch of equal prompts.
 
@@ -165,18 +167,22 @@ def bench_case(executor, batch: int, context: int, pages_per_seq: int, steps: in
             times.append(1e3 * (time.perf_counter() - t0))
         return times
 
-    ours, theirs = [], []
+    ours, theirs, general = [], [], []
     step_ms(2)  # warm-up
     for _ in range(reps):
         ours += step_ms(steps)
         with _TorchLinears(model):
             theirs += step_ms(steps)
+        model.fast_decode = False  # the general layer code (before the lean decode path)
+        general += step_ms(steps)
+        model.fast_decode = True
     cfg = model.cfg
     kv = batch * context * KVCache.bytes_per_token(model.num_layers, cfg.num_kv_heads,
                                                    cfg.head_dim, cache.k.dtype)
     wbytes = weight_bytes(model, packed=True)
     ms = statistics.median(ours)
     return {"batch": batch, "context": context, "ms": ms, "torch_ms": statistics.median(theirs),
+            "general_ms": statistics.median(general),
             "tok_per_s_per_request": 1e3 / ms, "tok_per_s": batch * 1e3 / ms,
             "weight_bytes": wbytes, "kv_bytes": kv, "gb_per_s": (wbytes + kv) / ms / 1e6,
             "floor_ms": 1e3 * (wbytes + kv) / bw}
@@ -201,7 +207,8 @@ def print_row(row: dict) -> None:
             f"total)  {(row['weight_bytes'] + row['kv_bytes']) / 1e6:6.0f} MB/step at "
             f"{row['gb_per_s']:5.1f} GB/s = {row['ms'] / row['floor_ms']:4.2f}x the floor "
             f"({row['floor_ms']:.2f} ms)  torch linear {row['torch_ms']:7.2f} ms "
-            f"({row['torch_ms'] / row['ms']:4.2f}x)")
+            f"({row['torch_ms'] / row['ms']:4.2f}x)  general path {row['general_ms']:7.2f} ms "
+            f"({row['general_ms'] / row['ms']:4.2f}x)")
     if "hf_ms" in row:
         line += f"  HF {row['hf_ms']:7.2f} ms ({row['hf_ms'] / row['ms']:4.2f}x)"
     print(line, flush=True)

@@ -121,6 +121,9 @@ def test_idle_steps_borrow_pages_and_give_them_back(stage0, tmp_path):
     held = tight.pool.allocate(num_pages - 2)
     assert not policy.idle_step(tight) and policy.background.run.steps_left == total
     tight.pool.release(held)
+    # A copy to the host tier queued for the next plan may read a free page: the profile waits.
+    tight.kv.host = SimpleNamespace(ops=["copy out of a free page"])
+    assert not policy.idle_step(tight) and policy.background.run.steps_left == total
     sched = scheduler_for(args, num_pages)
     owned = sched.pool.allocate(3)  # a request's pages: the profile must not take them
     steps = 0

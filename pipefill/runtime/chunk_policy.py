@@ -108,7 +108,7 @@ class BackgroundProfile:
         """One prefill; False when the pool has no room for it now (it waits for frees)."""
         pool = scheduler.pool
         n = self.run.pages_needed(self.args.page_size)
-        if pool.num_free - scheduler.kv.promised < n:
+        if _tier_ops_pending(scheduler.kv) or pool.num_free - scheduler.kv.promised < n:
             return False
         pages = pool.allocate(n)
         try:
@@ -132,6 +132,12 @@ class BackgroundProfile:
                                         self.executor, self.layer_counts)
         except Exception as e:  # noqa: BLE001 - an unusable fit keeps fixed chunks, loudly
             return _fallback(self.args, e)
+
+
+def _tier_ops_pending(kv) -> bool:
+    """Copies to the host or storage tier queued for the next plan may read pages that are
+    free already (evicted): the profile must not write any page before they ran."""
+    return any(t is not None and t.ops for t in (kv.host, kv.storage))
 
 
 def build_chunk_policy(args: ServerArgs, executor, model_file: str, layers: range,

@@ -75,6 +75,9 @@ def profile_forward(executor, num_tokens: int, pages: list[int]) -> float:
     stage's layers (zero activations in on later stages). A scratch plan (step id -1): no
     page bookkeeping, the caller owns the pages."""
     plan = StepPlan(-1, [SeqWork("profile", 0, num_tokens, [1] * num_tokens, pages)])
+    host = getattr(executor, "host", None)
+    if host is not None:  # a host-tier copy out of a freed page must finish before we write
+        host.wait_for(set(pages))
     acts = None
     if not executor.model.is_first:
         from pipefill.runtime.executor import Activations

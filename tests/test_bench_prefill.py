@@ -73,6 +73,7 @@ def test_bench_prefill_reports_peak_rss_and_scaling(tmp_path):
             assert s["peak_rss"] > s["weights"] + s["kv_prompt"]
             assert s["ratio_prompt"] > 1 and s["ratio_pool"] > 0
             assert s["load_peak_rss"] > s["weights"]
+            assert s["weights"] < s["rss_before"] <= s["peak_rss"]
         assert mem["total_peak_rss"] == sum(s["peak_rss"] for s in mem["stages"])
         assert mem["engine_peak_rss"] > 0
         # Cold prefills: no repetition reuses an earlier one's pages (every chunk computed).

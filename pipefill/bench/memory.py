@@ -135,6 +135,7 @@ def format_report(mem: dict) -> str:
             f"x{mem['ratio_prompt']:.2f} of weights + prompt KV "
             f"({mib(w + mem['total_kv_prompt']):.0f} MiB); allocated pool "
             f"{mib(mem['total_kv_pool']):.0f} MiB -> x{mem['ratio_pool']:.2f}; "
-            + (f"stages' peak while loading {mib(mem['total_load_peak_rss']):.0f} MiB; "
+            + (f"stages' RSS before {mib(mem['total_rss_before']):.0f} MiB, peak while "
+               f"loading {mib(mem['total_load_peak_rss']):.0f} MiB; "
                if "total_load_peak_rss" in mem else "")
             + f"bench process peak {mib(mem['engine_peak_rss']):.0f} MiB")

@@ -186,9 +186,12 @@ def run_configs(configs: list[Config], hf, cfg, prompts: dict, reps: int, peak: 
             times = {c.name: [] for c in configs}
             chunks, traces = {}, {}
             hf_times = []
-            for engine in engines.values():
+            rss_before = {}  # resident before this length: weights, KV pages touched earlier
+            for name, engine in engines.items():
                 for pid in engine.stage_pids():
                     reset_peak_rss(pid)
+                rss_before[name] = [proc_status_bytes(pid, "VmRSS")
+                                    for pid in engine.stage_pids()]
             reset_peak_rss(os.getpid())
             for rep in range(reps):
                 for c in configs:  # A B C A B C: drift hits every configuration alike
@@ -211,7 +214,7 @@ def run_configs(configs: list[Config], hf, cfg, prompts: dict, reps: int, peak: 
                        "chunk_sizes": chunks[c.name],
                        "pipefill": summary(times[c.name], flops, peak, n),
                        "memory": stage_memory(engines[c.name], c.args, cfg, n, engine_peak,
-                                              load_peaks[c.name]),
+                                              load_peaks[c.name], rss_before[c.name]),
                        "trace": traces.get(c.name)}
                 if hf_row:
                     row["hf"] = hf_row
@@ -227,14 +230,16 @@ def run_configs(configs: list[Config], hf, cfg, prompts: dict, reps: int, peak: 
 
 
 def stage_memory(engine, args: ServerArgs, cfg, n: int, engine_peak: int,
-                 load_peaks: list[int]) -> dict:
-    """Peak RSS of the engine's stage processes since the last reset, beside weights + KV."""
+                 load_peaks: list[int], rss_before: list[int]) -> dict:
+    """Peak RSS of the engine's stage processes since the last reset, beside weights + KV,
+    with each stage's RSS before this length and its peak while it started."""
     needs = stage_needs(args, cfg, n, engine.kv_capacity_tokens)
     peaks = [proc_status_bytes(pid, "VmHWM") for pid in engine.stage_pids()]
     report = memory_report(needs, peaks, engine_peak)
-    for stage, load_peak in zip(report["stages"], load_peaks):
-        stage["load_peak_rss"] = load_peak
+    for stage, load_peak, before in zip(report["stages"], load_peaks, rss_before):
+        stage["load_peak_rss"], stage["rss_before"] = load_peak, before
     report["total_load_peak_rss"] = sum(load_peaks)
+    report["total_rss_before"] = sum(rss_before)
     return report
 
 

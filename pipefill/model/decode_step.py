@@ -34,9 +34,25 @@ class DecodeBuffers:
     act: torch.Tensor  # [M, I]
     down: torch.Tensor  # [M, hidden] output of every layer but the stage's last
     per_seq: list  # (q, k, v, out) views of row j
+    attn2d: torch.Tensor  # attn as [M, q_size]
+    rope: tuple  # pf_rope's arguments but cos and sin
+    silu: tuple  # pf_silu_mul's arguments
+    calls: list | None = None  # LayerCalls per layer, built at first use
 
 
-def _buffers(cfg, dtype: torch.dtype, rows: int) -> DecodeBuffers:
+@dataclass
+class LayerCalls:
+    """One layer's GEMMs and fused-op arguments for one batch size."""
+    packed: dict  # the layer's packed copies (the bench swaps them out to time torch)
+    qkv: object  # kernels.decode_gemm.PackedLinear
+    o_proj: object
+    gate_up: object
+    down: object
+    post_norm: tuple  # pf_add_rms_norm's arguments after the residual's pointer and stride
+    next_norm: tuple | None  # the next layer's input norm over buf.down; None: the last layer
+
+
+def _buffers(cfg, dtype: torch.dtype, code: int, rows: int) -> DecodeBuffers:
     def empty(*shape):
         return torch.empty(*shape, dtype=dtype)
     qkv = empty(rows, cfg.q_size + 2 * cfg.kv_size)
@@ -45,10 +61,15 @@ def _buffers(cfg, dtype: torch.dtype, rows: int) -> DecodeBuffers:
     k = qkv[:, cfg.q_size:cfg.q_size + cfg.kv_size].view(rows, cfg.num_kv_heads, cfg.head_dim)
     v = qkv[:, cfg.q_size + cfg.kv_size:].view(rows, cfg.num_kv_heads, cfg.head_dim)
     per_seq = [(q[j:j + 1], k[j:j + 1], v[j:j + 1], attn[j:j + 1]) for j in range(rows)]
+    gate_up, act = empty(rows, 2 * cfg.intermediate_size), empty(rows, cfg.intermediate_size)
+    rope = (qkv.data_ptr(), code, qkv.stride(0), cfg.head_dim, rows,
+            cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
+    silu = (gate_up.data_ptr(), code, gate_up.stride(0), act.data_ptr(), act.stride(0), rows,
+            cfg.intermediate_size)
     return DecodeBuffers(rows, empty(rows, cfg.hidden_size), qkv, attn,
-                         empty(rows, cfg.hidden_size), empty(rows, 2 * cfg.intermediate_size),
-                         empty(rows, cfg.intermediate_size), empty(rows, cfg.hidden_size),
-                         per_seq)
+                         empty(rows, cfg.hidden_size), gate_up, act,
+                         empty(rows, cfg.hidden_size), per_seq, attn.view(rows, cfg.q_size),
+                         rope, silu)
 
 
 class DecodeRunner:
@@ -91,33 +112,58 @@ class DecodeRunner:
         rows = hidden.shape[0]
         buf = self.buffers.get(rows)
         if buf is None:
-            buf = self.buffers[rows] = _buffers(self.model.cfg, self.model.dtype, rows)
+            buf = self.buffers[rows] = _buffers(self.model.cfg, self.model.dtype, self.code,
+                                                 rows)
+        layers = self.model.w.layers
+        if buf.calls is None or any(c.packed is not w.packed for c, w in zip(buf.calls, layers)):
+            buf.calls = self._calls(buf)
         if residual is None:  # layer 0 of the model: the residual stream starts as the input
             residual = hidden.float()
-            self._norm(residual, None, self.model.w.layers[0].input_norm, buf.x)
+            self._norm(residual, None, layers[0].input_norm, buf.x)
         else:
-            self._norm(residual, hidden, self.model.w.layers[0].input_norm, buf.x)
+            self._norm(residual, hidden, layers[0].input_norm, buf.x)
+        res = (residual.data_ptr(), residual.stride(0))
+        rope = buf.rope + (cos.data_ptr(), sin.data_ptr())
         caches = self._caches(k_cache, v_cache)
-        last = self.model.num_layers - 1
-        for i, w in enumerate(self.model.w.layers):
-            out = buf.down if i < last else torch.empty_like(buf.down)
-            self._layer(w, buf, residual, meta.seqs, cos, sin, caches[i], out)
-            if i < last:
-                self._norm(residual, out, self.model.w.layers[i + 1].input_norm, buf.x)
-            hidden = out
-        return hidden, residual
+        for calls, cache in zip(buf.calls, caches):
+            out = buf.down if calls.next_norm is not None else torch.empty_like(buf.down)
+            self._layer(calls, buf, res, rope, meta.seqs, cache, out)
+            if calls.next_norm is not None:
+                self._check(self.lib.pf_add_rms_norm(*res, *calls.next_norm), "add_rms_norm")
+        return out, residual
 
-    def _layer(self, w, buf: DecodeBuffers, residual, seqs, cos, sin, cache, out) -> None:
+    def _layer(self, calls: LayerCalls, buf: DecodeBuffers, res, rope, seqs, cache, out):
         """One layer from its normed input (buf.x) to `out`; the residual is updated in place."""
-        cfg, packed, rows = self.model.cfg, w.packed, buf.rows
-        packed["qkv"](buf.x, out=buf.qkv)
-        self._rope(buf.qkv, rows, cos, sin)
+        lib = self.lib
+        calls.qkv(buf.x, out=buf.qkv)
+        self._check(lib.pf_rope(*rope), "rope")  # q and k heads (adjacent columns) in one pass
         self._attend(buf, seqs, cache)
-        packed["o_proj"](buf.attn.view(rows, cfg.q_size), out=buf.o)
-        self._norm(residual, buf.o, w.post_norm, buf.x)
-        packed["gate_up"](buf.x, out=buf.gate_up)
-        self._silu_mul(buf.gate_up, buf.act)
-        packed["down"](buf.act, out=out)
+        calls.o_proj(buf.attn2d, out=buf.o)
+        self._check(lib.pf_add_rms_norm(*res, *calls.post_norm), "add_rms_norm")
+        calls.gate_up(buf.x, out=buf.gate_up)
+        self._check(lib.pf_silu_mul(*buf.silu), "silu_mul")
+        calls.down(buf.act, out=out)
+
+    def _calls(self, buf: DecodeBuffers) -> list[LayerCalls]:
+        """Every layer's GEMMs and fused-op arguments for buf's rows (pointers taken once)."""
+        cfg, code, layers = self.model.cfg, self.code, self.model.w.layers
+
+        def norm(hidden, weight):  # pf_add_rms_norm's arguments after the residual's
+            return (hidden.data_ptr(), code, hidden.stride(0), weight.data_ptr(),
+                    buf.x.data_ptr(), code, buf.x.stride(0), buf.rows, cfg.hidden_size,
+                    cfg.rms_norm_eps)
+        calls = []
+        for i, w in enumerate(layers):
+            nxt = norm(buf.down, layers[i + 1].input_norm) if i + 1 < len(layers) else None
+            p = w.packed
+            calls.append(LayerCalls(p, p["qkv"], p["o_proj"], p["gate_up"], p["down"],
+                                    norm(buf.o, w.post_norm), nxt))
+        return calls
+
+    @staticmethod
+    def _check(rc: int, op: str) -> None:
+        if rc:
+            raise RuntimeError(f"pipefill fused {op} failed (rc={rc})")
 
     def _attend(self, buf: DecodeBuffers, seqs, cache) -> None:
         k_cache, v_cache = cache
@@ -126,31 +172,13 @@ class DecodeRunner:
             for seq, (q, k, v, out) in zip(seqs, buf.per_seq):
                 attend.decode_one(q, k, v, k_cache, v_cache, seq, scale, out)
 
-    # The fused kernels' C entry points; shapes and strides come from the buffers above.
     def _norm(self, residual, hidden, weight, out) -> None:
         rows, width = residual.shape
         if hidden is None:
             hptr, hcode, hstride = None, 0, 0
         else:
             hptr, hcode, hstride = hidden.data_ptr(), self.code, hidden.stride(0)
-        rc = self.lib.pf_add_rms_norm(residual.data_ptr(), residual.stride(0), hptr, hcode,
-                                      hstride, weight.data_ptr(), out.data_ptr(), self.code,
-                                      out.stride(0), rows, width, self.model.cfg.rms_norm_eps)
-        if rc:
-            raise RuntimeError(f"pipefill fused add_rms_norm failed (rc={rc})")
-
-    def _rope(self, qkv, rows, cos, sin) -> None:
-        # q and k are adjacent columns of qkv: every q and k head rotates in one pass.
-        cfg = self.model.cfg
-        rc = self.lib.pf_rope(qkv.data_ptr(), self.code, qkv.stride(0), cfg.head_dim, rows,
-                              cfg.num_heads + cfg.num_kv_heads, cfg.head_dim, cos.data_ptr(),
-                              sin.data_ptr())
-        if rc:
-            raise RuntimeError(f"pipefill fused rope failed (rc={rc})")
-
-    def _silu_mul(self, gate_up, out) -> None:
-        rc = self.lib.pf_silu_mul(gate_up.data_ptr(), self.code, gate_up.stride(0),
-                                  out.data_ptr(), out.stride(0), gate_up.shape[0],
-                                  out.shape[1])
-        if rc:
-            raise RuntimeError(f"pipefill fused silu_mul failed (rc={rc})")
+        self._check(self.lib.pf_add_rms_norm(
+            residual.data_ptr(), residual.stride(0), hptr, hcode, hstride, weight.data_ptr(),
+            out.data_ptr(), self.code, out.stride(0), rows, width, self.model.cfg.rms_norm_eps),
+            "add_rms_norm")

@@ -2,20 +2,23 @@
 // (layout in cpu_attn_kernel.h). This one source is compiled three times, each into its own
 // namespace (PF_ATTN_NS) with its own flags:
 //   avx512bf16: -mavx512f/bw/vl/dq -mavx512bf16 -mfma; QK^T and PV with vdpbf16ps on bf16 Q, K,
-//               V and P (fp32 accumulators), R = 8 rows per register block;
-//   avx512:     -mavx512f/bw/vl/dq -mfma; fp32 compute, R = 8;
+//               V and P (fp32 accumulators), R = 8 rows per register block (4 for decode);
+//   avx512:     -mavx512f/bw/vl/dq -mfma; fp32 compute, R = 8 (4 for decode);
 //   avx2:       -mavx2 -mfma; fp32 compute, R = 4 (16 ymm registers).
 // The fp32 kernels read bf16 caches by a shift (even dims/tokens) and a mask (odd), or float32
 // caches directly. Generic code uses GCC vector extensions (16 floats; AVX2 gets two ymm per
 // vector), so the same source serves every ISA and the compiler only emits what -m allows.
 //
-// Work item = (kv head g, q-tile of qtile tokens); rows are token-major (row = t * G + h), so each
+// Work item = (kv head g, q-tile of qtile tokens[, KV part]); rows are token-major (row = t * G + h), so each
 // K/V tile loaded serves all G query heads of the group. Per step of kStep keys (K/V of the step
 // stay in L1) and per block of R rows: S = Q K^T (fp32), online softmax in the log2 domain with a
 // lazy rescale (the running max moves only when it grows by more than 8), p = exp2 by a
-// polynomial (degree 3 where P is rounded to bf16 anyway, degree 6 for fp32), O += P V. Causal
-// limits come from the loop bounds: a block stops at the last key its last row sees; only steps
-// crossing the diagonal mask columns.
+// polynomial (degree 3 where P is rounded to bf16 anyway, degree 6 for fp32; AVX-512 scales by
+// 2^n with vscalefps), O += P V. Horizontal max/sum use shuffles, never a 16-long scalar chain;
+// the bf16 kernel keeps each row's sum as a vector until the epilogue. Causal limits come from the
+// loop bounds: a block stops at the last key its last row sees; only steps crossing the diagonal
+// mask columns. Split KV (one q-tile over a long context): an item covers one part of the keys
+// and writes (O, max, sum) for the glue to merge.
 #include <cstdint>
 #include <cstring>
 
@@ -35,7 +38,7 @@ typedef uint32_t vu __attribute__((vector_size(4 * W)));
 typedef int32_t vi __attribute__((vector_size(4 * W)));
 typedef uint16_t vh __attribute__((vector_size(2 * W)));
 
-constexpr int R = PF_ATTN_ROWS;
+constexpr int kRows = PF_ATTN_ROWS;  // rows per register block; decode (<= 4 rows) uses 4
 constexpr int NB = kStep;
 constexpr float kNegInf = -__builtin_inff();
 constexpr float kLazy = 8.0f;
@@ -120,8 +123,9 @@ inline vh to_bf16(vf x) {  // round to nearest even, like torch's .to(bfloat16) 
   return __builtin_convertvector(u, vh);
 }
 
-template <int D, bool KVB>
+template <int D, bool KVB, int RB>
 struct Kernel {
+  static constexpr int R = RB;
   static constexpr int64_t kEsz = KVB ? 2 : 4;
   const Params& p;
   const Scratch& s;
@@ -390,11 +394,20 @@ struct Kernel {
   }
 };
 
-template <int D, bool KVB>
-void run_d(const Params& p, int64_t item, const Scratch& s) {
-  Kernel<D, KVB> k(p, s, item);
+template <int D, bool KVB, int RB>
+void run_r(const Params& p, int64_t item, const Scratch& s) {
+  Kernel<D, KVB, RB> k(p, s, item);
   k.run();
   k.epilogue();
+}
+
+// Decode (a q-tile of at most 4 rows, e.g. one token of a group of 3) takes blocks of 4 rows:
+// blocks of 8 would compute 5 padding rows of 8. Rows are computed alike in either block size.
+template <int D, bool KVB>
+void run_d(const Params& p, int64_t item, const Scratch& s) {
+  const int64_t rows = (p.C < p.qtile ? p.C : p.qtile) * p.group;
+  if (kRows > 4 && rows <= 4) run_r<D, KVB, 4>(p, item, s);
+  else run_r<D, KVB, kRows>(p, item, s);
 }
 
 }  // namespace

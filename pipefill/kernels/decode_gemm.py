@@ -4,9 +4,10 @@ Decode steps multiply a handful of rows (one per running request) by every weigh
 matmul streams the weights well at M = 1 but several times slower at M = 4..16. Here each call
 reads each weight once for all rows: W is packed into groups of 48 output columns with the
 column values of one k (float32) or of one k-pair (bf16) contiguous, the groups are split over
-torch's thread pool, a register tile of up to 8 rows (AVX-512; 4 on AVX2) x 48 columns uses each
-loaded weight for all its rows, and every row's sum is one chain in k order that does not depend
-on M (a row gives the same bits alone or inside a batch).
+torch's thread pool, a register tile of up to 8 rows x 48 columns (AVX-512; 4 x 24 on AVX2) uses
+each loaded weight for all its rows, and every row's sum is one chain in k order that does not
+depend on M (a row gives the same bits alone or inside a batch). Padding N to whole groups costs
+at most 47 columns per matrix (none for the default model's shapes).
 
 Paths, one C++ translation unit each, built with its own -m flags and chosen at run time from
 cpuid (a CPU never runs an instruction it lacks; ``disable=`` forces paths off for tests):

@@ -6,6 +6,8 @@
 // per (row, column) in k order: the same bits as the AVX-512 path, whatever M.
 #include <immintrin.h>
 
+#include <vector>
+
 #include "decode_gemm_kernel.h"
 
 namespace pipefill_decode {
@@ -72,27 +74,37 @@ inline void pair_step(const float* x, int64_t ldx, const void* grp, int64_t p, i
   k_step<1, MR, NV, BF16>(x, ldx, grp, p, c0, acc);
 }
 
-// Rows [m0, m0 + MR) x columns [n0 + c0, n0 + c0 + 8 NV) of one group.
+// Rows [m0, m0 + MR) x columns [n0 + c0, n0 + c0 + 8 NV) of one group, k-pairs [p0, p1).
+// Between K chunks the sums wait in part[r * kGroup + column] (stored and reloaded exactly, so
+// the per-column chain is the same as without chunks); the last chunk adds the bias and stores.
 template <int MR, int NV, bool BF16>
 inline void tile(const float* x, int64_t ldx, const void* grp, int64_t K, const Out& o, int64_t m0,
-                 int64_t n0, int c0) {
+                 int64_t n0, int c0, int64_t p0, int64_t p1, float* part) {
   __m256 acc[MR][NV];
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 8
-    for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_setzero_ps();
+    for (int v = 0; v < NV; ++v)
+      acc[r][v] = p0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(part + r * kGroup + c0 + 8 * v);
   const int64_t pairs = K / 2;
   const int64_t pair_bytes = (BF16 ? 4 : 8) * kGroup;
-  for (int64_t p = 0; p < pairs; ++p) {
-    if (c0 == 0) {  // the first column slice of a group fetches; the others find it in L2
+  for (int64_t p = p0; p < p1; ++p) {
+    if (c0 == 0 && m0 == 0) {  // the first pass over a chunk fetches; the others hit L1
       const char* ahead = static_cast<const char*>(grp) + (p + kPrefetchPairs) * pair_bytes;
       for (int64_t off = 0; off < pair_bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
     }
     pair_step<MR, NV, BF16>(x, ldx, grp, p, c0, acc);
   }
-  if (K & 1) k_step<0, MR, NV, BF16>(x, ldx, grp, pairs, c0, acc);  // no partner for the last k
   // Constant trip counts (a test inside, not in the loop condition): the accumulators then
   // stay registers instead of an array GCC spills on every k.
+  if (p1 < pairs) {
+#pragma GCC unroll 8
+    for (int r = 0; r < MR; ++r)
+#pragma GCC unroll 8
+      for (int v = 0; v < NV; ++v) _mm256_storeu_ps(part + r * kGroup + c0 + 8 * v, acc[r][v]);
+    return;
+  }
+  if (K & 1) k_step<0, MR, NV, BF16>(x, ldx, grp, pairs, c0, acc);  // no partner for the last k
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
 #pragma GCC unroll 8
@@ -101,32 +113,43 @@ inline void tile(const float* x, int64_t ldx, const void* grp, int64_t K, const 
 }
 
 // Tile widths that fit 16 ymm (accumulators + NV weights + a broadcast) and keep >= 6
-// independent FMA chains: 1 row x 48 columns, 2-4 rows x 24 (two column halves; the second
-// finds the group in L2).
+// independent FMA chains: 1 row x 48 columns, 2-4 rows x 24 (two column halves).
 template <int MR, bool BF16>
 inline void rows(const float* x, int64_t ldx, const void* grp, int64_t K, const Out& o, int64_t m0,
-                 int64_t n0) {
+                 int64_t n0, int64_t p0, int64_t p1, float* part) {
   constexpr int NV = MR == 1 ? 6 : 3;
   for (int c0 = 0; c0 < kGroup && n0 + c0 < o.N; c0 += 8 * NV)
-    tile<MR, NV, BF16>(x, ldx, grp, K, o, m0, n0, c0);
+    tile<MR, NV, BF16>(x, ldx, grp, K, o, m0, n0, c0, p0, p1, part);
 }
 
+// Per group, K in chunks of ~16 KB of weights: every row tile and column half runs over a chunk
+// while it is in L1 (a whole group, 110 KB of float32 at K = 576, is not).
 template <bool BF16>
 void run(const float* x, int64_t ldx, const void* wp, int64_t M, int64_t K, const Out& o, int64_t g0,
          int64_t g1) {
   const int64_t kp = K + (K & 1);
   const int64_t elem = BF16 ? 2 : 4;
+  const int64_t pairs = K / 2;
+  const int64_t chunk = 16384 / ((BF16 ? 4 : 8) * kGroup);
+  std::vector<float> part((size_t)(M * kGroup));
   for (int64_t g = g0; g < g1; ++g) {
     const void* grp = static_cast<const char*>(wp) + g * kp * kGroup * elem;
-    for (int64_t m0 = 0; m0 < M; m0 += kRows) {
-      const float* xt = x + m0 * ldx;
-      switch (M - m0 >= kRows ? kRows : M - m0) {
-        case 1: rows<1, BF16>(xt, ldx, grp, K, o, m0, g * kGroup); break;
-        case 2: rows<2, BF16>(xt, ldx, grp, K, o, m0, g * kGroup); break;
-        case 3: rows<3, BF16>(xt, ldx, grp, K, o, m0, g * kGroup); break;
-        case 4: rows<4, BF16>(xt, ldx, grp, K, o, m0, g * kGroup); break;
+    int64_t p0 = 0;
+    do {
+      const int64_t p1 = pairs - p0 > chunk ? p0 + chunk : pairs;
+      for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+        const float* xt = x + m0 * ldx;
+        float* pt = part.data() + m0 * kGroup;
+        const int64_t n0 = g * kGroup;
+        switch (M - m0 >= kRows ? kRows : M - m0) {
+          case 1: rows<1, BF16>(xt, ldx, grp, K, o, m0, n0, p0, p1, pt); break;
+          case 2: rows<2, BF16>(xt, ldx, grp, K, o, m0, n0, p0, p1, pt); break;
+          case 3: rows<3, BF16>(xt, ldx, grp, K, o, m0, n0, p0, p1, pt); break;
+          case 4: rows<4, BF16>(xt, ldx, grp, K, o, m0, n0, p0, p1, pt); break;
+        }
       }
-    }
+      p0 = p1;
+    } while (p0 < pairs);
   }
 }
 

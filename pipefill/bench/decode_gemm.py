@@ -88,9 +88,7 @@ def in_cache_gflops(isa, x_dtype, w_dtype, m: int, min_s: float) -> float:
     return 2 * m * k * n / time_calls([p] * 64, x, out, min_s) / 1e9
 
 
-def main(argv=None) -> int:
-    ap = argparse.ArgumentParser(description=__doc__,
-                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--rows", default="1,2,4,8,16", help="comma-separated M")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--isa", default=None, help="one of " + ", ".join(dg.ISAS) +
@@ -106,7 +104,23 @@ def main(argv=None) -> int:
                     help="time with this thread's CPU time instead of the wall clock (needs "
                     "--threads 1): on a CPU shared with other jobs, time spent descheduled is "
                     "not counted (memory bandwidth is still shared)")
-    ns = ap.parse_args(argv)
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("decode-gemm", help="the small-M decode GEMM alone, per shape and M",
+                       description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(p)
+    p.set_defaults(run=run)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__,
+                                 formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_arguments(ap)
+    return run(ap.parse_args(argv))
+
+
+def run(ns: argparse.Namespace) -> int:
     global CLOCK
     if ns.cpu_clock:
         if ns.threads != 1:

@@ -23,6 +23,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pipefill.bench import multiturn as bench_multiturn
     from pipefill.bench import pd_serving as bench_pd_serving
     from pipefill.bench import decode as bench_decode
+    from pipefill.bench import decode_gemm as bench_decode_gemm
     from pipefill.bench import prefill as bench_prefill
     from pipefill.bench import serving as bench_serving
     from pipefill.cli import generate, serve_pd, sim
@@ -43,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_kv_transfer.add_parser(bench)
     bench_multiturn.add_parser(bench)
     bench_decode.add_parser(bench)
+    bench_decode_gemm.add_parser(bench)
     sim.add_parser(sub)
     return parser
 

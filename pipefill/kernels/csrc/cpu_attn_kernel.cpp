@@ -339,7 +339,17 @@ struct Kernel {
       const int64_t nstep = kv_hi - kv0 < NB ? kv_hi - kv0 : NB;
       for (int j = 0; j < (nstep + 15) / 16; ++j) kg[j] = tok_ptr(p.k, kv0 + 16 * j);
       for (int j = 0; j < (nstep + 31) / 32; ++j) vg[j] = tok_ptr(p.v, kv0 + 32 * j);
+      // The next step's K and V (32-token runs on other pages, where the hardware prefetchers
+      // stop) are prefetched to L2, a share per block, while this step computes.
+      const char* next[4] = {nullptr, nullptr, nullptr, nullptr};  // K run 0, 1; V run 0, 1
+      for (int j = 0; kv0 + NB + 32 * j < kv_hi && j < 2; ++j) {
+        next[j] = tok_ptr(p.k, kv0 + NB + 32 * j);
+        next[2 + j] = tok_ptr(p.v, kv0 + NB + 32 * j);
+      }
+      constexpr int kRunLines = 32 * D * kEsz / 64;
       for (int b = 0; b < nblk; ++b) {
+        for (int i = 4 * kRunLines * b / nblk; i < 4 * kRunLines * (b + 1) / nblk; ++i)
+          if (next[i / kRunLines]) __builtin_prefetch(next[i / kRunLines] + 64 * (i % kRunLines), 0, 2);
         const int64_t hi = kend_b[b] < kv_hi ? kend_b[b] : kv_hi;
         if (hi <= kv0) continue;
         const int64_t nb = hi - kv0 < NB ? hi - kv0 : NB;

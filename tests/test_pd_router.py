@@ -1,6 +1,7 @@
 """PD disaggregation through the unmodified sglang-router (PD mode), real processes: a prefill
-server (PP 2), a decode server (PP 1), the router, and a colocated server as the reference; the
-official openai client. Fault tests are in test_pd_faults.py (slow)."""
+server (PP 2), a decode server (PP 1; one test pairs the prefill with a decode PP 2 as well), the
+router, and a colocated server as the reference; the official openai client. Fault tests are in
+test_pd_faults.py and test_pd_decode_pp.py (slow)."""
 from __future__ import annotations
 
 import os

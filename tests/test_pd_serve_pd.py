@@ -72,3 +72,18 @@ def test_serve_pd_refuses_flags_it_sets_itself(capsys):
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert "--pp-size is set by serve-pd itself" in capsys.readouterr().err
+
+
+def test_serve_pd_passes_the_decode_pipeline_size_and_refuses_zero(capsys):
+    from pipefill.cli.main import build_parser, main
+    from pipefill.cli.serve_pd import commands
+    ns = build_parser().parse_args(["serve-pd", "--prefill-pp-size", "2", "--decode-pp-size", "2"])
+    prefill, decode, _, _ = commands(ns)
+    assert prefill[prefill.index("--pp-size") + 1] == "2"
+    assert decode[decode.index("--pp-size") + 1] == "2"
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        assert main(["serve-pd", "--decode-pp-size", "0"]) == 2
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert "--decode-pp-size must be at least 1" in capsys.readouterr().err

@@ -24,7 +24,10 @@ def add_parser(sub) -> None:
     p.add_argument("--prefill-port", type=int, default=0, help="Prefill server port (0: free).")
     p.add_argument("--decode-port", type=int, default=0, help="Decode server port (0: free).")
     p.add_argument("--prefill-pp-size", type=int, default=1,
-                   help="Pipeline stages of the prefill server (the decode runs one).")
+                   help="Pipeline stages of the prefill server.")
+    p.add_argument("--decode-pp-size", type=int, default=1,
+                   help="Pipeline stages of the decode server (each decode stage receives its "
+                        "own layers' KV from the prefill stages that hold them).")
     p.add_argument("--disaggregation-bootstrap-port", type=int, default=8998,
                    help="The prefill's bootstrap port.")
     p.add_argument("--router-args", default="",
@@ -40,13 +43,18 @@ def add_parser(sub) -> None:
 def commands(ns) -> tuple[list[str], list[str], list[str], str]:
     """(prefill, decode, router) command lines and the router URL."""
     extra = [a for a in ns.server_args if a != "--"]
+    for flag, size in (("--prefill-pp-size", ns.prefill_pp_size),
+                       ("--decode-pp-size", ns.decode_pp_size)):
+        if size < 1:
+            raise ValueError(f"{flag} must be at least 1, got {size}")
     for bad in ("--pp-size", "--port", "--host", "--disaggregation-mode",
                 "--disaggregation-bootstrap-port"):
         if any(a == bad or a.startswith(bad + "=") for a in extra):
             raise ValueError(f"{bad} is set by serve-pd itself: use its own flags "
                              "(--prefill-pp-size, --port, --prefill-port, ...)")
     return pd_commands(ns.host, ns.port, ns.prefill_port, ns.decode_port, ns.prefill_pp_size,
-                       ns.disaggregation_bootstrap_port, extra, ns.router_args)
+                       ns.disaggregation_bootstrap_port, extra, ns.router_args,
+                       decode_pp_size=ns.decode_pp_size)
 
 
 def run(ns) -> int:

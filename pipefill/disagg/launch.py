@@ -17,7 +17,8 @@ STOP_TIMEOUT_S = 30
 
 def pd_commands(host: str, port: int, prefill_port: int, decode_port: int,
                 prefill_pp_size: int, bootstrap_port: int, extra: list[str],
-                router_args: str = "") -> tuple[list[str], list[str], list[str], str]:
+                router_args: str = "", decode_pp_size: int = 1
+                ) -> tuple[list[str], list[str], list[str], str]:
     """(prefill, decode, router) command lines and the router URL (port 0: a free one);
     `extra` goes to both servers."""
     from pipefill.runtime.launch import free_port
@@ -26,7 +27,7 @@ def pd_commands(host: str, port: int, prefill_port: int, decode_port: int,
     prefill = base + ["--port", str(pport), "--pp-size", str(prefill_pp_size),
                       "--disaggregation-mode", "prefill", "--disaggregation-bootstrap-port",
                       str(bootstrap_port)] + extra
-    decode = base + ["--port", str(dport), "--pp-size", "1",
+    decode = base + ["--port", str(dport), "--pp-size", str(decode_pp_size),
                      "--disaggregation-mode", "decode", "--disaggregation-prefill-bootstrap",
                      f"{host}:{bootstrap_port}"] + extra
     router = [sys.executable, "-m", "sglang_router.launch_router", "--pd-disaggregation",

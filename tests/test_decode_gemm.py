@@ -137,3 +137,86 @@ def test_float16_is_not_packed_and_bad_shapes_are_refused():
     assert p(torch.zeros(0, 32)).shape == (0, 16)
     strided = torch.randn(3, 64)[:, ::2]  # not contiguous along K: copied first
     assert_close64(p(strided), strided, w, None)
+
+
+def _usable_paths():
+    return [(i, a, b) for i, a, b in PATHS if dg.isa_status()[i][0]]
+
+
+def test_bound_call_equals_the_plain_call_bit_for_bit():
+    """PackedLinear.bind(x, out)() runs the kernel on the same arguments as p(x, out=out): the
+    same bits, on every path here, with and without bias, float32 output from bf16 inputs, rows
+    of x further apart than K (a column slice of a wider buffer); a later call reads x's new
+    values and writes the same out."""
+    if not _usable_paths():
+        pytest.skip("no decode GEMM path runs here")
+    for isa, x_dtype, w_dtype in _usable_paths():
+        for m, k, n in ((1, 576, 96), (5, 33, 37), (9, 100, 130)):
+            x, w, b = data(m, k, n, x_dtype, w_dtype, seed=3)
+            for bias, out_dtype in ((None, x_dtype), (b, x_dtype), (b, torch.float32)):
+                p = dg.pack(w, bias, x_dtype, w_dtype, disable=only(isa))
+                wide = torch.zeros(m, k + 5, dtype=x_dtype)
+                xs = wide[:, 2:2 + k]
+                xs.copy_(x)
+                out = torch.full((m, n), float("nan"), dtype=out_dtype)
+                bound = p.bind(xs, out)
+                assert bound() is out
+                assert torch.equal(out, p(x, out=torch.empty(m, n, dtype=out_dtype))), \
+                    (isa, m, k, n)
+                xs.mul_(-0.5)  # new values in the bound buffer
+                bound()
+                assert torch.equal(out, p(xs.contiguous(), out=torch.empty_like(out))), \
+                    (isa, m, k, n)
+
+
+def test_bind_refuses_buffers_the_kernel_cannot_take():
+    if not dg.available():
+        pytest.skip("no decode GEMM path runs here")
+    x, w, _ = data(3, 32, 16, torch.float32, torch.float32)
+    p = dg.pack(w, None, torch.float32)
+    out = torch.empty(3, 16)
+    bad = {
+        "x width": (torch.zeros(3, 31), out),
+        "x 1-D": (torch.zeros(32), out),
+        "out width": (x, torch.empty(3, 17)),
+        "out rows": (x, torch.empty(2, 16)),
+        "x float16": (x.half(), out),
+        "out float64": (x, out.double()),
+        "x not contiguous along K": (torch.zeros(3, 64)[:, ::2], out),
+        "out not contiguous along N": (x, torch.empty(3, 32)[:, ::2]),
+        "out rows overlap": (x, torch.empty(1, 16).expand(3, 16)),
+        "x not a tensor": (x.tolist(), out),
+    }
+    for what, (a, o) in bad.items():
+        with pytest.raises(ValueError, match="bind"):
+            p.bind(a, o)
+            pytest.fail(f"bind accepted: {what}")
+    both = torch.empty(3, 48)
+    with pytest.raises(ValueError, match="overlaps"):  # out written while x is read
+        p.bind(both[:, :32], both[:, 32:])
+    if dg.isa_status()["avx512bf16"][0]:
+        pb = dg.pack(w, None, torch.bfloat16, torch.bfloat16)
+        assert pb.isa == "avx512bf16"
+        with pytest.raises(ValueError, match="bfloat16 x"):
+            pb.bind(x, out)
+        pb.bind(x.bfloat16(), out)  # float32 output from bf16 inputs: fine
+
+
+def test_bound_call_keeps_its_buffers_alive():
+    import gc
+    import weakref
+    if not dg.available():
+        pytest.skip("no decode GEMM path runs here")
+    x, w, b = data(4, 64, 50, torch.float32, torch.float32, seed=4)
+    p = dg.pack(w, b, torch.float32)
+    want = p(x)
+    xb, out = x.clone(), torch.empty(4, 50)
+    refs = [weakref.ref(xb), weakref.ref(out)]
+    bound = p.bind(xb, out)
+    del xb, out, p
+    gc.collect()
+    assert all(r() is not None for r in refs)
+    assert torch.equal(bound(), want)
+    del bound
+    gc.collect()
+    assert all(r() is None for r in refs)

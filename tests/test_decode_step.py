@@ -154,3 +154,24 @@ def test_greedy_through_the_engine_matches_hf(models, hf_tokens):
     for ours, (ref, gaps) in zip(batch, hf_tokens):
         assert_agrees(ours, ref, gaps)
     assert alone == batch[3]
+
+
+def test_lean_path_gemms_are_bound_to_the_per_batch_buffers(models):
+    """The lean path binds each layer's GEMMs to the buffers of its batch size once (the last
+    layer's down projection writes a fresh tensor per step, so it stays unbound), and binds
+    again after the packed copies are swapped (as the bench does)."""
+    from pipefill.kernels.decode_gemm import BoundLinear, PackedLinear
+    ex = _stage(models["llama"], "float32")
+    _decode([ex], [0, 2], fast=True, steps=2)
+    buf = ex.model._decode.buffers[2]
+    calls = buf.calls
+    for c in calls:
+        assert c.qkv.x is buf.x and c.qkv.out is buf.qkv
+        assert c.o_proj.x is buf.attn2d and c.o_proj.out is buf.o
+        assert c.gate_up.x is buf.x and c.gate_up.out is buf.gate_up
+    assert all(isinstance(c.down, BoundLinear) and c.down.out is buf.down for c in calls[:-1])
+    assert isinstance(calls[-1].down, PackedLinear)
+    layer = ex.model.w.layers[1]
+    layer.packed = dict(layer.packed)  # a swapped-in copy of the packed dict
+    _decode([ex], [0, 2], fast=True, steps=1)
+    assert buf.calls is not calls and buf.calls[1].qkv.linear is layer.packed["qkv"]

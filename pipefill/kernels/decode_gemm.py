@@ -21,11 +21,14 @@ F.linear over the original [N, K] weights, so the packed copy costs one extra co
 packed matrix (or half of one for bf16 packs of float32 weights).
 
 API: ``pack(weight, bias, compute_dtype, weight_dtype=None, max_rows=32, disable=()) ->
-PackedLinear | None`` and ``PackedLinear(x) -> y``; ``isa_status()``; ``available()``.
+PackedLinear | None`` and ``PackedLinear(x) -> y``; ``PackedLinear.bind(x, out) -> BoundLinear``
+(checked once, then ``bound()`` is one C call over the same buffers); ``isa_status()``;
+``available()``.
 """
 from __future__ import annotations
 
 import ctypes
+import functools
 import logging
 import platform
 import threading
@@ -51,6 +54,9 @@ _CSRC = Path(__file__).resolve().parent / "csrc"
 _HEADER = _CSRC / "decode_gemm_kernel.h"
 _F32, _BF16 = 0, 1
 _CODE = {torch.float32: _F32, torch.bfloat16: _BF16}
+_P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
+# pf_dg_gemm(isa, x, x_dtype, ldx, wp, w_dtype, bias, y, y_dtype, ldy, M, N, K)
+_GEMM_ARGTYPES = (_I32, _P, _I32, _I64, _P, _I32, _P, _P, _I32, _I64, _I64, _I64, _I64)
 
 _lock = threading.Lock()
 _lib = None
@@ -78,7 +84,7 @@ def _bind(path: str):
     p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
     lib.pf_dg_isa_supported.argtypes = [i32, ctypes.c_char_p, i32]
     lib.pf_dg_isa_supported.restype = i32
-    lib.pf_dg_gemm.argtypes = [i32, p, i32, i64, p, i32, p, p, i32, i64, i64, i64, i64]
+    lib.pf_dg_gemm.argtypes = list(_GEMM_ARGTYPES)
     lib.pf_dg_gemm.restype = i32
     return lib
 
@@ -184,18 +190,76 @@ class PackedLinear:
             raise TypeError(f"x: expected float32 or bfloat16, got {x.dtype}")
         if x.stride(1) != 1:
             x = x.contiguous()
-        m = x.shape[0]
         if out is None:
-            out = torch.empty(m, self.out_features, dtype=x.dtype)
-        rc = _lib.pf_dg_gemm(_ISA_CODE[self.isa], x.data_ptr(), _CODE[x.dtype], x.stride(0),
-                             self.packed.data_ptr(), _CODE[self.packed.dtype],
-                             None if self.bias is None else self.bias.data_ptr(),
-                             out.data_ptr(), _CODE[out.dtype], out.stride(0), m,
-                             self.out_features, self.in_features)
+            out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
+        rc = _lib.pf_dg_gemm(*self._gemm_args(x, out))
         if rc:
             raise RuntimeError(f"pipefill decode GEMM ({self.isa}) failed (rc={rc}) for x "
                                f"{x.dtype} {list(x.shape)}")
         return out
+
+    def _gemm_args(self, x: torch.Tensor, out: torch.Tensor) -> tuple:
+        """pf_dg_gemm's arguments for x -> out (one builder for the plain and the bound call,
+        so both run the kernel on exactly the same arguments)."""
+        return (_ISA_CODE[self.isa], x.data_ptr(), _CODE[x.dtype], x.stride(0),
+                self.packed.data_ptr(), _CODE[self.packed.dtype],
+                None if self.bias is None else self.bias.data_ptr(),
+                out.data_ptr(), _CODE[out.dtype], out.stride(0), x.shape[0],
+                self.out_features, self.in_features)
+
+    def bind(self, x: torch.Tensor, out: torch.Tensor) -> BoundLinear:
+        """A call of this matrix from x [M, K] into out [M, N], checked now: each later
+        ``bound()`` recomputes out from x's current values with no checks and no data_ptr()
+        calls. x and out must keep their storage (no resize_/set_) while the bound call is
+        used; it holds references to both, so they stay allocated as long as it exists.
+        ValueError for a shape, dtype, layout or device the kernel cannot take."""
+        _check_bind(self, x, out)
+        gemm = _lib["pf_dg_gemm"]  # a fresh function object: no argtypes, so ctypes passes
+        gemm.restype = _I32        # the prebuilt instances below without converting them
+        args = [None if a is None else t(a)
+                for t, a in zip(_GEMM_ARGTYPES, self._gemm_args(x, out))]
+        return BoundLinear(self, x, out, functools.partial(gemm, *args))
+
+
+def _rows_span(t: torch.Tensor) -> tuple[int, int]:
+    """[first byte, end byte) of a 2-D tensor with contiguous rows."""
+    n = ((t.shape[0] - 1) * t.stride(0) + t.shape[1]) if t.numel() else 0
+    return t.data_ptr(), t.data_ptr() + n * t.element_size()
+
+
+def _check_bind(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor) -> None:
+    for name, t, width in (("x", x, lin.in_features), ("out", out, lin.out_features)):
+        if not isinstance(t, torch.Tensor) or t.device.type != "cpu":
+            raise ValueError(f"bind: {name} must be a CPU tensor")
+        if t.dim() != 2 or t.shape[1] != width or t.shape[0] != x.shape[0]:
+            rows = x.shape[0] if x.dim() == 2 else "M"
+            raise ValueError(f"bind: {name}: expected [{rows}, {width}], got {list(t.shape)}")
+        if t.dtype not in _CODE:
+            raise ValueError(f"bind: {name}: expected float32 or bfloat16, got {t.dtype}")
+        if (t.shape[1] > 1 and t.stride(1) != 1) or (t.shape[0] > 1 and t.stride(0) < width):
+            raise ValueError(f"bind: {name} must have contiguous, non-overlapping rows "
+                             f"(strides {t.stride()} for shape {list(t.shape)})")
+    if lin.isa == "avx512bf16" and x.dtype != torch.bfloat16:
+        raise ValueError(f"bind: the avx512bf16 path takes bfloat16 x, got {x.dtype}")
+    (x0, x1), (o0, o1) = _rows_span(x), _rows_span(out)
+    if x0 < o1 and o0 < x1:  # the kernel reads x while it writes out
+        raise ValueError("bind: out overlaps x")
+
+
+@dataclass(slots=True, eq=False)
+class BoundLinear:
+    """PackedLinear.bind's result: ``bound()`` computes linear(x) into out and returns out."""
+    linear: PackedLinear
+    x: torch.Tensor  # held so that the pointers in _gemm stay valid
+    out: torch.Tensor
+    _gemm: functools.partial  # pf_dg_gemm with every argument prebuilt
+
+    def __call__(self) -> torch.Tensor:
+        rc = self._gemm()
+        if rc:
+            raise RuntimeError(f"pipefill decode GEMM ({self.linear.isa}) failed (rc={rc}) "
+                               f"for a bound x {self.x.dtype} {list(self.x.shape)}")
+        return self.out
 
 
 def pack(weight: torch.Tensor, bias: torch.Tensor | None, compute_dtype: torch.dtype,

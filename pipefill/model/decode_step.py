@@ -10,6 +10,8 @@ same order on the same inputs (so the results are bit-identical to `_layer`), bu
   step, with their q/k/v/per-sequence views built once;
 * the fused elementwise ops are called straight through their C entry points with pointers taken
   once, since the buffers guarantee the shapes their wrappers check;
+* each GEMM whose input and output are such buffers is bound to them once per M
+  (`PackedLinear.bind`: checked once, then one C call with prebuilt ctypes arguments);
 * the attention's profiler range is opened only while a profiler records.
 
 Tensors that leave the stage (the residual stream, the last layer's output) are fresh each step:
@@ -44,10 +46,11 @@ class DecodeBuffers:
 class LayerCalls:
     """One layer's GEMMs and fused-op arguments for one batch size."""
     packed: dict  # the layer's packed copies (the bench swaps them out to time torch)
-    qkv: object  # kernels.decode_gemm.PackedLinear
-    o_proj: object
-    gate_up: object
-    down: object
+    qkv: object  # kernels.decode_gemm.BoundLinear: buf.x -> buf.qkv
+    o_proj: object  # buf.attn2d -> buf.o
+    gate_up: object  # buf.x -> buf.gate_up
+    down: object  # BoundLinear buf.act -> buf.down; the stage's last layer: the PackedLinear
+    # itself (its output leaves the stage, so it is a fresh tensor every step)
     post_norm: tuple  # pf_add_rms_norm's arguments after the residual's pointer and stride
     next_norm: tuple | None  # the next layer's input norm over buf.down; None: the last layer
 
@@ -135,17 +138,20 @@ class DecodeRunner:
     def _layer(self, calls: LayerCalls, buf: DecodeBuffers, res, rope, seqs, cache, out):
         """One layer from its normed input (buf.x) to `out`; the residual is updated in place."""
         lib = self.lib
-        calls.qkv(buf.x, out=buf.qkv)
+        calls.qkv()
         self._check(lib.pf_rope(*rope), "rope")  # q and k heads (adjacent columns) in one pass
         self._attend(buf, seqs, cache)
-        calls.o_proj(buf.attn2d, out=buf.o)
+        calls.o_proj()
         self._check(lib.pf_add_rms_norm(*res, *calls.post_norm), "add_rms_norm")
-        calls.gate_up(buf.x, out=buf.gate_up)
+        calls.gate_up()
         self._check(lib.pf_silu_mul(*buf.silu), "silu_mul")
-        calls.down(buf.act, out=out)
+        if calls.next_norm is None:
+            calls.down(buf.act, out=out)
+        else:
+            calls.down()  # into buf.down (= out)
 
     def _calls(self, buf: DecodeBuffers) -> list[LayerCalls]:
-        """Every layer's GEMMs and fused-op arguments for buf's rows (pointers taken once)."""
+        """Every layer's GEMMs bound to buf and its fused-op arguments (pointers taken once)."""
         cfg, code, layers = self.model.cfg, self.code, self.model.w.layers
 
         def norm(hidden, weight):  # pf_add_rms_norm's arguments after the residual's
@@ -156,7 +162,10 @@ class DecodeRunner:
         for i, w in enumerate(layers):
             nxt = norm(buf.down, layers[i + 1].input_norm) if i + 1 < len(layers) else None
             p = w.packed
-            calls.append(LayerCalls(p, p["qkv"], p["o_proj"], p["gate_up"], p["down"],
+            down = p["down"] if nxt is None else p["down"].bind(buf.act, buf.down)
+            calls.append(LayerCalls(p, p["qkv"].bind(buf.x, buf.qkv),
+                                    p["o_proj"].bind(buf.attn2d, buf.o),
+                                    p["gate_up"].bind(buf.x, buf.gate_up), down,
                                     norm(buf.o, w.post_norm), nxt))
         return calls
 

@@ -81,11 +81,10 @@ def _build() -> str:
 
 def _bind(path: str):
     lib = ctypes.CDLL(path)
-    p, i64, i32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-    lib.pf_dg_isa_supported.argtypes = [i32, ctypes.c_char_p, i32]
-    lib.pf_dg_isa_supported.restype = i32
+    lib.pf_dg_isa_supported.argtypes = [_I32, ctypes.c_char_p, _I32]
+    lib.pf_dg_isa_supported.restype = _I32
     lib.pf_dg_gemm.argtypes = list(_GEMM_ARGTYPES)
-    lib.pf_dg_gemm.restype = i32
+    lib.pf_dg_gemm.restype = _I32
     return lib
 
 

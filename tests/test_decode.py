@@ -242,8 +242,18 @@ def test_hidden_cpu_flags_force_the_fallback_paths(tiny_models):
     assert decode_gemm.hidden_isas("fma") == ("avx2",)
     if not decode_gemm.isa_status()["avx2"][0]:
         pytest.skip("AVX2 path cannot run here: " + decode_gemm.isa_status()["avx2"][1])
-    ex = _stage(tiny_models["llama"], "float32", hide_cpu_flags="avx512f")
-    assert ex.model.w.lm_head_packed.isa == "avx2"
-    assert all(p.isa == "avx2" for p in ex.model.w.layers[0].packed.values())
-    ex = _stage(tiny_models["llama"], "float32", hide_cpu_flags="avx512f,avx2")
-    assert ex.model.w.lm_head_packed is None and ex.model.w.layers[0].packed is None
+    from pipefill.kernels import fused_ops
+    from pipefill.model.llama import FusedOps, TorchOps
+    from pipefill.runtime.platform import usable_cpu_flags
+    try:
+        ex = _stage(tiny_models["llama"], "float32", hide_cpu_flags="avx512f")
+        assert ex.model.w.lm_head_packed.isa == "avx2"
+        assert all(p.isa == "avx2" for p in ex.model.w.layers[0].packed.values())
+        # The fused elementwise ops follow the same hidden flags (a smaller build, or torch).
+        if isinstance(ex.model.ops, FusedOps):
+            assert "512" not in fused_ops.kernel_variant()
+        ex = _stage(tiny_models["llama"], "float32", hide_cpu_flags="avx512f,avx2")
+        assert ex.model.w.lm_head_packed is None and ex.model.w.layers[0].packed is None
+        assert isinstance(ex.model.ops, TorchOps)
+    finally:
+        fused_ops.fused_available(flags=usable_cpu_flags(""))

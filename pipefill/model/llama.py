@@ -102,14 +102,15 @@ class FusedOps:
 
 
 def elementwise_ops(cfg: ModelConfig, device: torch.device,
-                    dtype: torch.dtype = torch.float32):
+                    dtype: torch.dtype = torch.float32, flags: frozenset[str] | None = None):
     """Fused kernels where the CPU, the dtype and the shapes allow, else torch. The kernels
-    take float32 and bfloat16 only: float16 (issue 11) stays on torch."""
+    take float32 and bfloat16 only: float16 (issue 11) stays on torch. `flags`: the CPU flags
+    to trust (--hide-cpu-flags removed), so a hidden capability is never executed."""
     widths = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim)
     fits = dtype in (torch.float32, torch.bfloat16) and all(w % 16 == 0 for w in widths)
     if device.type == "cpu" and fits:
         from pipefill.kernels.fused_ops import fused_available
-        if fused_available()[0]:
+        if fused_available(flags=flags)[0]:
             return FusedOps()
     return TorchOps()
 

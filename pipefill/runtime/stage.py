@@ -83,7 +83,7 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
         cache = KVCache(len(info.layers), num_pages, args.page_size, cfg.num_kv_heads,
                         cfg.head_dim, kv_dtype, device)
     attention = backend_attention(backend)
-    ops = elementwise_ops(cfg, device, dtype)
+    ops = elementwise_ops(cfg, device, dtype, flags)
     from pipefill.kernels.decode_gemm import hidden_isas
     packed_bytes = pack_stage_weights(weights, dtype, weight_dtype, args.decode_gemm_max_rows,
                                       disable=hidden_isas(args.hide_cpu_flags))

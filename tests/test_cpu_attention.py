@@ -325,3 +325,110 @@ def test_each_object_holds_only_its_own_isa():
     avx512 = asm(("cpu_attention", "cpu_attn_avx512-*.o"))
     assert "bf16" not in avx512 and "zmm" in avx512
     assert "vdpbf16ps" in asm(("cpu_attention", "cpu_attn_avx512bf16-*.o"))
+
+
+# --- one batched decode call per layer (issue 14): decode_attention == per-sequence calls ----
+
+# prefix lengths of one decode step: 0, page-unaligned, page-aligned, past the split threshold
+# (2048 keys: split into parts of 1024) and an unaligned split one.
+DECODE_LENS = [100, 0, 64, 2100, 517, 63, 1, 3000]
+
+
+def _decode_setup(lens, G, hkv, D, ps, kv_dtype, q_dtype, seed=1):
+    """A shared cache with each sequence's prefix on its own shuffled pages, and one decode
+    step's q/k/v as views of a [B, q + 2 kv] buffer (the lean decode path's layout)."""
+    gen = torch.Generator().manual_seed(seed)
+    need = [L // ps + 1 for L in lens]
+    npages = sum(need) + 2
+    kc = torch.full((npages, hkv, ps, D), float("nan"), dtype=kv_dtype)
+    vc = torch.full_like(kc, float("nan"))
+    perm = torch.randperm(npages, generator=gen).to(torch.int32)
+    tables, at = [], 0
+    for L, n in zip(lens, need):
+        tables.append(perm[at:at + n].clone())
+        at += n
+        if L:
+            k = torch.randn(L, hkv, D, generator=gen).to(kv_dtype)
+            ca.write_kv(kc, vc, k, torch.randn(L, hkv, D, generator=gen).to(kv_dtype),
+                        tables[-1], 0)
+    B, Hq = len(lens), hkv * G
+    qkv = torch.randn(B, (Hq + 2 * hkv) * D, generator=gen).to(q_dtype)
+    q = qkv[:, :Hq * D].view(B, Hq, D)
+    k = qkv[:, Hq * D:(Hq + hkv) * D].view(B, hkv, D)
+    v = qkv[:, (Hq + hkv) * D:].view(B, hkv, D)
+    return q, k, v, kc, vc, tables
+
+
+def _bits(t):
+    return t.view(torch.int16 if t.element_size() == 2 else torch.int32)
+
+
+def _per_sequence(isa, q, k, v, kc, vc, tables, lens, scale):
+    out = torch.empty_like(q)
+    for b, L in enumerate(lens):
+        ca.chunk_attention(isa, q[b:b + 1], kc, vc, tables[b], L, scale, k_new=k[b:b + 1],
+                           v_new=v[b:b + 1], out=out[b:b + 1])
+    return out
+
+
+@pytest.mark.parametrize("isa,q_dtype,kv_dtype", COMBOS)
+@pytest.mark.parametrize("G,hkv,D", [(3, 2, 64), (1, 2, 128)])
+def test_batched_decode_equals_per_sequence_bit_for_bit(isa, q_dtype, kv_dtype, G, hkv, D):
+    lens = DECODE_LENS if D == 64 else DECODE_LENS[:4]
+    q, k, v, kc, vc, tables = _decode_setup(lens, G, hkv, D, 64, kv_dtype, q_dtype)
+    scale = D ** -0.5
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    ref = _per_sequence(isa, q, k, v, kc_ref, vc_ref, tables, lens, scale)
+    step = ca.decode_tables(tables, lens)  # once per step, reused by every layer
+    saved = torch.get_num_threads()
+    try:
+        for threads in (1, 2, 8):
+            torch.set_num_threads(threads)
+            kc2, vc2 = kc.clone(), vc.clone()
+            out = torch.full_like(q, float("nan"))
+            ca.decode_attention(isa, q, k, v, kc2, vc2, *step, scale, out)
+            assert torch.equal(_bits(out), _bits(ref)), f"{threads} threads"
+            assert torch.equal(_bits(kc2), _bits(kc_ref)) and torch.equal(_bits(vc2), _bits(vc_ref))
+    finally:
+        torch.set_num_threads(saved)
+    # the long sequences did take the split path: unsplit attention differs in the last bits
+    splits = [b for b, L in enumerate(lens) if L + 1 > 2048]
+    whole = [ca.chunk_attention(isa, q[b:b + 1], kc_ref, vc_ref, tables[b], lens[b], scale,
+                                kv_split=-1) for b in splits]
+    assert q_dtype == torch.bfloat16 or any(
+        not torch.equal(w, ref[b:b + 1]) for w, b in zip(whole, splits))
+
+
+def test_batched_decode_bad_arguments_are_sentences():
+    isa = next((i for i in ("avx512", "avx2") if _STATUS[i][0]), None)
+    if isa is None:
+        pytest.skip("no float32 vector kernel runs here")
+    lens = [100, 5]
+    q, k, v, kc, vc, tables = _decode_setup(lens, 2, 1, 64, 64, torch.float32, torch.float32)
+    tabs, lt = ca.decode_tables(tables, lens)
+    out = torch.empty_like(q)
+
+    def call(**kw):
+        args = dict(isa=isa, q=q, k_new=k, v_new=v, k_cache=kc, v_cache=vc, tables=tabs,
+                    lens=lt, scale=0.125, out=out)
+        args.update(kw)
+        ca.decode_attention(**args)
+
+    with pytest.raises(RuntimeError, match="page_tables row 0: 2 pages, need 3"):
+        call(lens=torch.tensor([130, 5]))
+    with pytest.raises(RuntimeError, match=r"page_tables\[1, 0\] = 99 out of range"):
+        call(tables=torch.tensor([[tabs[0, 0], tabs[0, 1]], [99, 0]], dtype=torch.int32))
+    with pytest.raises(RuntimeError, match="would write their new token into the same page"):
+        call(tables=torch.stack([tabs[0], tabs[0]]), lens=torch.tensor([100, 70]))
+    with pytest.raises(RuntimeError, match="prefix_lens.*int64"):
+        call(lens=lt.to(torch.int32))
+    with pytest.raises(RuntimeError, match="prefix_lens\\[1\\] = -1 must be >= 0"):
+        call(lens=torch.tensor([100, -1]))
+    with pytest.raises(RuntimeError, match="need 2 rows each"):
+        call(out=out[:1])
+    with pytest.raises(RuntimeError, match="k_new: expected"):
+        call(k_new=k.to(torch.bfloat16))
+    with pytest.raises(ValueError, match="unknown kernel"):
+        call(isa="sse2")
+    with pytest.raises(ValueError, match="2 page tables for 1 prefix lengths"):
+        ca.decode_tables(tables, lens[:1])

@@ -175,3 +175,37 @@ def test_lean_path_gemms_are_bound_to_the_per_batch_buffers(models):
     layer.packed = dict(layer.packed)  # a swapped-in copy of the packed dict
     _decode([ex], [0, 2], fast=True, steps=1)
     assert buf.calls is not calls and buf.calls[1].qkv.linear is layer.packed["qkv"]
+
+
+@pytest.mark.parametrize("kv", ["float32", "bfloat16"])
+def test_one_attention_call_per_layer_equals_per_sequence_past_the_split(models, kv):
+    """The lean path's batched attention (one kernel call per layer: every sequence's KV write
+    and attention) against the general path's per-sequence calls, with contexts past the 2048-key
+    split-KV threshold (one crosses it during the steps), page-unaligned ones and a float32 or
+    bfloat16 KV cache: logits bit for bit."""
+    lens, steps, width = [2100, 5, 2046, 64, 517], 4, 70  # width: pages per sequence
+    path = models["llama"]
+    source = WeightSource(path)
+    args = resolve(ServerArgs(model_path=path, dtype="float32", page_size=PAGE, kv_cache_dtype=kv,
+                              max_total_tokens=len(lens) * width * PAGE, threads_per_stage=1),
+                   source.config)
+    ex = build_stage(args, source, StageInfo(0, 1, range(source.config.num_layers)))
+    assert ex.model._decode is not None, "the lean path should serve this stage"
+    gen = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(0, 512, (n,), generator=gen).tolist() for n in lens]
+    tables = [list(range(i * width, (i + 1) * width)) for i in range(len(lens))]
+    runs = {}
+    with torch.inference_mode():
+        for fast in (False, True):
+            ex.model.fast_decode = fast
+            toks = {i: int(_run([ex], _plan({i: p}, tables, [0] * len(lens)))[0].argmax())
+                    for i, p in enumerate(prompts)}
+            runs[fast] = []
+            for s in range(steps):
+                pos = {i: n + s for i, n in enumerate(lens)}
+                logits = _run([ex], _plan({i: [t] for i, t in toks.items()}, tables, pos))
+                runs[fast].append(logits.clone())
+                toks = {i: int(row.argmax()) for i, row in enumerate(logits)}
+    assert _lean_steps([ex]) == 1
+    for s, (a, b) in enumerate(zip(runs[False], runs[True])):
+        assert torch.equal(a, b), f"step {s}: batched attention != per-sequence attention"

@@ -15,6 +15,10 @@ API (what the engine calls):
   v_new=None, out=None, qtile=0, kv_split=0) -> out`` — bottom-right causal attention of q
   [C, Hq, D] (positions [L, L + C)) over cached tokens [0, L + C); decode (one q-tile) over a
   long context splits the KV range into fixed parts merged by log-sum-exp (flash-decoding).
+* ``decode_tables(page_tables, prefix_lens) -> (tables, lens)`` and ``decode_attention(isa, q,
+  k_new, v_new, k_cache, v_cache, tables, lens, scale, out)`` — one decode step of a layer for B
+  sequences in one call (each sequence's K/V write, then its attention; the tables are built
+  once per step for all layers); bit-identical to B ``chunk_attention(..., k_new=, v_new=)`` calls.
 * ``read_kv(...)`` — tokens back in token-major order (tests).
 
 Build: ``csrc/cpu_attn_kernel.cpp`` is compiled three times into objects, each with only its own
@@ -24,6 +28,7 @@ OpenMP pool) is compiled without ISA flags and linked with them (~25 s once, cac
 """
 from __future__ import annotations
 
+import hashlib
 import logging
 import math
 import platform
@@ -71,9 +76,14 @@ def _build():
     objs = [str(compile_object(_KERNEL_SRC, _HEADER, flags + [f"-DPF_ATTN_NS={isa}"], build_dir,
                                f"cpu_attn_{isa}"))
             for isa, flags in ISA_FLAGS.items()]
+    # The glue's own folder per source version: processes running other checkouts of pipefill
+    # (a CI copy, an older commit) share ~/.cache and would otherwise relink one another's .so.
+    tag = hashlib.sha256(_GLUE_SRC.read_bytes() + _HEADER.read_bytes()).hexdigest()[:12]
+    glue_dir = build_dir / f"glue-{tag}"
+    glue_dir.mkdir(exist_ok=True)
     mod = cpp_ext.load(name="pipefill_cpu_attention", sources=[str(_GLUE_SRC)],
                        extra_cflags=GLUE_FLAGS, extra_ldflags=[*objs, "-fopenmp"],
-                       extra_include_paths=[str(_CSRC)], build_directory=str(build_dir),
+                       extra_include_paths=[str(_CSRC)], build_directory=str(glue_dir),
                        verbose=False)
     if time.perf_counter() - t0 > 2:
         log.info("pipefill CPU attention kernels ready after %.0f s", time.perf_counter() - t0)
@@ -139,6 +149,33 @@ def chunk_attention(isa: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         write_kv(k_cache, v_cache, k_new, v_new, page_table, prefix_len)
     return ext.chunk_attention(ISA_ID[isa], q, k_cache, v_cache, page_table, int(prefix_len),
                                float(scale), out, int(qtile), int(kv_split))
+
+
+def decode_tables(page_tables: list[torch.Tensor],
+                  prefix_lens: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """The per-step arguments of decode_attention: page tables as one int32 [B, max pages]
+    tensor (short rows padded with page 0, never read) and the prefix lengths as int64 [B]."""
+    if len(page_tables) != len(prefix_lens):
+        raise ValueError(f"{len(page_tables)} page tables for {len(prefix_lens)} prefix lengths")
+    width = max((t.shape[0] for t in page_tables), default=0)
+    tables = torch.zeros(len(page_tables), width, dtype=torch.int32)
+    for row, t in zip(tables, page_tables):
+        row[:t.shape[0]] = t
+    return tables, torch.tensor(prefix_lens, dtype=torch.int64)
+
+
+def decode_attention(isa: str, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
+                     k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
+                     lens: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
+    """One decode step of a layer: row b of q/k_new/v_new [B, H, D] is sequence b's new token
+    at position lens[b]; its K/V go into the cache (converted to the cache dtype), then out[b] =
+    its attention over tokens [0, lens[b] + 1). All (sequence, kv head, split part) items share
+    one pool of threads; each is computed as chunk_attention computes it (same split parts)."""
+    if isa not in ISA_ID:
+        raise ValueError(f"unknown kernel {isa!r} (choose from {', '.join(ISAS)})")
+    _load().decode_attention(ISA_ID[isa], q, k_new, v_new, k_cache, v_cache, tables, lens,
+                             float(scale), out)
+    return out
 
 
 def read_kv(k_layer_cache: torch.Tensor, v_layer_cache: torch.Tensor, page_table: torch.Tensor,

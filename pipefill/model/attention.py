@@ -152,6 +152,19 @@ class VectorAttention:
                         k_new=k, v_new=v, out=out)
 
     @staticmethod
+    def decode_tables(seqs: list[SeqMeta]) -> tuple[torch.Tensor, torch.Tensor]:
+        """decode_batch's per-step arguments (page tables, prefix lengths): once per step."""
+        from pipefill.kernels.cpu_attention import decode_tables
+        return decode_tables([s.page_table for s in seqs], [s.prefix_len for s in seqs])
+
+    def decode_batch(self, q, k, v, k_cache, v_cache, tables, scale: float, out) -> None:
+        """One decode step of a layer, every sequence (one new token each, rows in seqs order)
+        in one call: its K/V into the cache, its attention into out. Same bits as decode_one
+        per sequence."""
+        from pipefill.kernels.cpu_attention import decode_attention
+        decode_attention(self.isa, q, k, v, k_cache, v_cache, *tables, scale, out)
+
+    @staticmethod
     def profiled():
         return profiled("pipefill::cpu_attention")
 

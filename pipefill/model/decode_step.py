@@ -7,7 +7,9 @@ same order on the same inputs (so the results are bit-identical to `_layer`), bu
 
 * the per-row buffers of a step with M rows (normed x, qkv, attention out, o_proj, gate_up, the
   SiLU product, the down projection) are allocated once per M and reused by every layer and every
-  step, with their q/k/v/per-sequence views built once;
+  step, with their q/k/v views built once;
+* the attention is one kernel call per layer for all sequences (each one's KV write and
+  attention; the page tables and lengths are packed once per step for all layers);
 * the fused elementwise ops are called straight through their C entry points with pointers taken
   once, since the buffers guarantee the shapes their wrappers check;
 * each GEMM whose input and output are such buffers is bound to them once per M
@@ -35,7 +37,7 @@ class DecodeBuffers:
     gate_up: torch.Tensor  # [M, 2 I]
     act: torch.Tensor  # [M, I]
     down: torch.Tensor  # [M, hidden] output of every layer but the stage's last
-    per_seq: list  # (q, k, v, out) views of row j
+    qkv_heads: tuple  # (q, k, v): qkv's [M, heads, D] views, the attention's inputs
     attn2d: torch.Tensor  # attn as [M, q_size]
     rope: tuple  # pf_rope's arguments but cos and sin
     silu: tuple  # pf_silu_mul's arguments
@@ -63,7 +65,6 @@ def _buffers(cfg, dtype: torch.dtype, code: int, rows: int) -> DecodeBuffers:
     q = qkv[:, :cfg.q_size].view(rows, cfg.num_heads, cfg.head_dim)
     k = qkv[:, cfg.q_size:cfg.q_size + cfg.kv_size].view(rows, cfg.num_kv_heads, cfg.head_dim)
     v = qkv[:, cfg.q_size + cfg.kv_size:].view(rows, cfg.num_kv_heads, cfg.head_dim)
-    per_seq = [(q[j:j + 1], k[j:j + 1], v[j:j + 1], attn[j:j + 1]) for j in range(rows)]
     gate_up, act = empty(rows, 2 * cfg.intermediate_size), empty(rows, cfg.intermediate_size)
     rope = (qkv.data_ptr(), code, qkv.stride(0), cfg.head_dim, rows,
             cfg.num_heads + cfg.num_kv_heads, cfg.head_dim)
@@ -71,7 +72,7 @@ def _buffers(cfg, dtype: torch.dtype, code: int, rows: int) -> DecodeBuffers:
             cfg.intermediate_size)
     return DecodeBuffers(rows, empty(rows, cfg.hidden_size), qkv, attn,
                          empty(rows, cfg.hidden_size), gate_up, act,
-                         empty(rows, cfg.hidden_size), per_seq, attn.view(rows, cfg.q_size),
+                         empty(rows, cfg.hidden_size), (q, k, v), attn.view(rows, cfg.q_size),
                          rope, silu)
 
 
@@ -128,19 +129,20 @@ class DecodeRunner:
         res = (residual.data_ptr(), residual.stride(0))
         rope = buf.rope + (cos.data_ptr(), sin.data_ptr())
         caches = self._caches(k_cache, v_cache)
+        tables = self.model.attention.decode_tables(meta.seqs)  # once per step, every layer's
         for calls, cache in zip(buf.calls, caches):
             out = buf.down if calls.next_norm is not None else torch.empty_like(buf.down)
-            self._layer(calls, buf, res, rope, meta.seqs, cache, out)
+            self._layer(calls, buf, res, rope, tables, cache, out)
             if calls.next_norm is not None:
                 self._check(self.lib.pf_add_rms_norm(*res, *calls.next_norm), "add_rms_norm")
         return out, residual
 
-    def _layer(self, calls: LayerCalls, buf: DecodeBuffers, res, rope, seqs, cache, out):
+    def _layer(self, calls: LayerCalls, buf: DecodeBuffers, res, rope, tables, cache, out):
         """One layer from its normed input (buf.x) to `out`; the residual is updated in place."""
         lib = self.lib
         calls.qkv()
         self._check(lib.pf_rope(*rope), "rope")  # q and k heads (adjacent columns) in one pass
-        self._attend(buf, seqs, cache)
+        self._attend(buf, tables, cache)
         calls.o_proj()
         self._check(lib.pf_add_rms_norm(*res, *calls.post_norm), "add_rms_norm")
         calls.gate_up()
@@ -174,12 +176,11 @@ class DecodeRunner:
         if rc:
             raise RuntimeError(f"pipefill fused {op} failed (rc={rc})")
 
-    def _attend(self, buf: DecodeBuffers, seqs, cache) -> None:
-        k_cache, v_cache = cache
-        attend, scale = self.model.attention, self.model.scale
+    def _attend(self, buf: DecodeBuffers, tables, cache) -> None:
+        """Every sequence's KV write and attention in one kernel call (bits as decode_one's)."""
+        attend = self.model.attention
         with attend.profiled():
-            for seq, (q, k, v, out) in zip(seqs, buf.per_seq):
-                attend.decode_one(q, k, v, k_cache, v_cache, seq, scale, out)
+            attend.decode_batch(*buf.qkv_heads, *cache, tables, self.model.scale, buf.attn)
 
     def _norm(self, residual, hidden, weight, out) -> None:
         rows, width = residual.shape

@@ -14,6 +14,7 @@
 #include <cstring>
 #include <string>
 #include <tuple>
+#include <vector>
 
 #include "cpu_attn_kernel.h"
 
@@ -183,41 +184,69 @@ uint16_t bf16_rne(float x) {  // as the kernels' to_bf16 (no NaN here)
   return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
-// out rows = the parts' (O, m, l) merged in part order: O = sum_i 2^(m_i - m) O_i / sum_i 2^(m_i - m) l_i.
-// Plain C++ (this file has no ISA flags); the same arithmetic whichever thread merges a row.
-void merge_parts(const pa::Params& p, const float* partial) {
+// Row i (kv head g, row r) of p's output = the parts' (O, m, l) merged in part order:
+// O = sum_j 2^(m_j - m) O_j / sum_j 2^(m_j - m) l_j. Plain C++ (this file has no ISA flags);
+// the same arithmetic whichever thread merges a row.
+void merge_row(const pa::Params& p, int64_t i) {
   const int64_t G = p.group, D = p.head_dim, M = p.C * G, np = p.nparts;
-  at::parallel_for(0, p.num_kv_heads * M, 16, [&](int64_t b, int64_t e) {
-    float acc[128];
-    for (int64_t i = b; i < e; ++i) {
-      const int64_t g = i / M, r = i % M, t = r / G, h = r % G;
-      const float* part0 = partial + (g * np * M + r) * (D + 2);
-      const int64_t stride = M * (D + 2);
-      float mx = -__builtin_inff();
-      for (int64_t j = 0; j < np; ++j) mx = std::max(mx, part0[j * stride + D]);
-      float l = 0.f;
-      std::fill(acc, acc + D, 0.f);
-      for (int64_t j = 0; j < np; ++j) {
-        const float* pj = part0 + j * stride;
-        if (pj[D] == -__builtin_inff()) continue;  // the row sees no key of this part
-        const float w = std::exp2(pj[D] - mx);
-        l += w * pj[D + 1];
-        for (int64_t d = 0; d < D; ++d) acc[d] += w * pj[d];
-      }
-      const float inv = 1.0f / l;
-      char* dst = static_cast<char*>(p.out) + ((t) * p.o_st + (g * G + h) * p.o_sh) * (p.q_bf16 ? 2 : 4);
-      for (int64_t d = 0; d < D; ++d) {
-        const float x = acc[d] * inv;
-        if (p.q_bf16) {
-          const uint16_t hb = bf16_rne(x);
-          std::memcpy(dst + 2 * d, &hb, 2);
-        } else {
-          std::memcpy(dst + 4 * d, &x, 4);
-        }
-      }
+  float acc[128];
+  const int64_t g = i / M, r = i % M, t = r / G, h = r % G;
+  const float* part0 = p.partial + (g * np * M + r) * (D + 2);
+  const int64_t stride = M * (D + 2);
+  float mx = -__builtin_inff();
+  for (int64_t j = 0; j < np; ++j) mx = std::max(mx, part0[j * stride + D]);
+  float l = 0.f;
+  std::fill(acc, acc + D, 0.f);
+  for (int64_t j = 0; j < np; ++j) {
+    const float* pj = part0 + j * stride;
+    if (pj[D] == -__builtin_inff()) continue;  // the row sees no key of this part
+    const float w = std::exp2(pj[D] - mx);
+    l += w * pj[D + 1];
+    for (int64_t d = 0; d < D; ++d) acc[d] += w * pj[d];
+  }
+  const float inv = 1.0f / l;
+  char* dst = static_cast<char*>(p.out) + ((t) * p.o_st + (g * G + h) * p.o_sh) * (p.q_bf16 ? 2 : 4);
+  for (int64_t d = 0; d < D; ++d) {
+    const float x = acc[d] * inv;
+    if (p.q_bf16) {
+      const uint16_t hb = bf16_rne(x);
+      std::memcpy(dst + 2 * d, &hb, 2);
+    } else {
+      std::memcpy(dst + 4 * d, &x, 4);
     }
+  }
+}
+
+void merge_parts(const pa::Params& p) {
+  at::parallel_for(0, p.num_kv_heads * p.C * p.group, 16, [&](int64_t b, int64_t e) {
+    for (int64_t i = b; i < e; ++i) merge_row(p, i);
   });
 }
+
+// Per-thread kernel scratch for items of `qtile` queries of a group of G heads, head dim D.
+struct ScratchLayout {
+  size_t q_bytes, o_bytes, m_bytes, l_bytes, s_bytes, total;
+  ScratchLayout(int64_t qtile, int64_t G, int64_t D) {
+    const int64_t rows = pa::rows_pad(qtile, G);
+    q_bytes = o_bytes = align64(rows * D * 4);
+    m_bytes = align64(rows * 4);
+    l_bytes = align64(rows * pa::kLanes * 4);
+    s_bytes = align64(pa::kMaxRows * pa::kStep * 4);
+    total = q_bytes + o_bytes + m_bytes + l_bytes + s_bytes + align64(pa::kMaxRows * pa::kStep * 2);
+  }
+  pa::Scratch thread_scratch() const {  // the calling thread's buffer, grown when needed
+    thread_local ThreadScratch scratch;
+    char* base = static_cast<char*>(scratch.get(total));
+    pa::Scratch s;
+    s.q = base;
+    s.o = reinterpret_cast<float*>(base + q_bytes);
+    s.m = reinterpret_cast<float*>(base + q_bytes + o_bytes);
+    s.l = reinterpret_cast<float*>(base + q_bytes + o_bytes + m_bytes);
+    s.s = reinterpret_cast<float*>(base + q_bytes + o_bytes + m_bytes + l_bytes);
+    s.p = reinterpret_cast<uint16_t*>(base + q_bytes + o_bytes + m_bytes + l_bytes + s_bytes);
+    return s;
+  }
+};
 
 using RunItem = void (*)(const pa::Params&, int64_t, const pa::Scratch&);
 constexpr RunItem kKernels[3] = {pa::avx512bf16::run_item, pa::avx512::run_item, pa::avx2::run_item};
@@ -288,30 +317,184 @@ torch::Tensor chunk_attention(int64_t isa, torch::Tensor q, torch::Tensor kc, to
   }
 
   const int64_t n = pa::num_items(p);
-  const int nthreads = at::get_num_threads();
-  const int64_t rows = pa::rows_pad(qtile, G);
-  const size_t q_bytes = align64(rows * D * 4), o_bytes = align64(rows * D * 4), m_bytes = align64(rows * 4);
-  const size_t l_bytes = align64(rows * pa::kLanes * 4);
-  const size_t s_bytes = align64(pa::kMaxRows * pa::kStep * 4), p_bytes = align64(pa::kMaxRows * pa::kStep * 2);
-  const size_t total = q_bytes + o_bytes + m_bytes + l_bytes + s_bytes + p_bytes;
+  const ScratchLayout layout(qtile, G, D);
   const RunItem run = kKernels[isa];
   std::atomic<int64_t> next{0};
   // One task per thread; each pulls items (longest first) from the shared counter. An item is
   // computed the same way whichever thread runs it: results do not depend on the thread count.
-  at::parallel_for(0, std::min<int64_t>(nthreads, n), 1, [&](int64_t, int64_t) {
-    thread_local ThreadScratch scratch;
-    char* base = static_cast<char*>(scratch.get(total));
-    pa::Scratch s;
-    s.q = base;
-    s.o = reinterpret_cast<float*>(base + q_bytes);
-    s.m = reinterpret_cast<float*>(base + q_bytes + o_bytes);
-    s.l = reinterpret_cast<float*>(base + q_bytes + o_bytes + m_bytes);
-    s.s = reinterpret_cast<float*>(base + q_bytes + o_bytes + m_bytes + l_bytes);
-    s.p = reinterpret_cast<uint16_t*>(base + q_bytes + o_bytes + m_bytes + l_bytes + s_bytes);
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
+    const pa::Scratch s = layout.thread_scratch();
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) run(p, i, s);
   });
-  if (p.nparts > 1) merge_parts(p, p.partial);
+  if (p.nparts > 1) merge_parts(p);
   return out;
+}
+
+// One new token's K or V row (dtype S) converted to the cache's dtype T.
+inline uint16_t to_cache(float x, uint16_t*) { return x != x ? (uint16_t)0x7fc0 : bf16_rne(x); }
+inline float to_cache(uint16_t x, float*) {
+  const uint32_t u = (uint32_t)x << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+template <typename T>
+inline T to_cache(T x, T*) { return x; }
+
+// write_kv of one token at position L (dtype S -> the cache's T), as pack() does it: the token's
+// K/V, then zeroes for the rest of its 32-token group (same page, as page_size % 32 == 0).
+template <typename T, typename S>
+void put_token(T* kd, T* vd, const S* k, const S* v, int64_t ksh, int64_t vsh, const int32_t* table, int64_t H,
+               int64_t ps, int64_t D, int64_t L) {
+  const bool bf16 = sizeof(T) == 2;
+  const int64_t tail = (L + 32) / 32 * 32;
+  for (int64_t pos = L; pos < tail; ++pos) {
+    const int64_t off = pos % ps;
+    for (int64_t h = 0; h < H; ++h) {
+      const int64_t base = ((int64_t)table[L / ps] * H + h) * ps * D;
+      for (int64_t d = 0; d < D; ++d) {
+        kd[base + k_index(off, d, D, bf16)] = pos == L ? to_cache(k[h * ksh + d], (T*)nullptr) : T(0);
+        vd[base + v_index(off, d, D, bf16)] = pos == L ? to_cache(v[h * vsh + d], (T*)nullptr) : T(0);
+      }
+    }
+  }
+}
+
+template <typename T>
+void put_token_any(const torch::Tensor& kc, const torch::Tensor& vc, const torch::Tensor& k, const torch::Tensor& v,
+                   int64_t b, const int32_t* table, int64_t L) {
+  const int64_t H = kc.size(1), ps = kc.size(2), D = kc.size(3);
+  T* kd = reinterpret_cast<T*>(kc.data_ptr());
+  T* vd = reinterpret_cast<T*>(vc.data_ptr());
+  if (k.scalar_type() == torch::kFloat)
+    put_token(kd, vd, k.data_ptr<float>() + b * k.stride(0), v.data_ptr<float>() + b * v.stride(0), k.stride(1),
+              v.stride(1), table, H, ps, D, L);
+  else
+    put_token(kd, vd, reinterpret_cast<const uint16_t*>(k.data_ptr()) + b * k.stride(0),
+              reinterpret_cast<const uint16_t*>(v.data_ptr()) + b * v.stride(0), k.stride(1), v.stride(1), table,
+              H, ps, D, L);
+}
+
+// Checks of decode_attention's per-step arguments: every table row covers its sequence's
+// tokens [0, L + 1) with pages in range, and no two sequences write into the same page.
+void check_decode_tables(const torch::Tensor& tables, const torch::Tensor& lens, int64_t B, int64_t ps, int64_t P) {
+  TORCH_CHECK(tables.scalar_type() == torch::kInt32 && tables.dim() == 2 && tables.is_contiguous() &&
+                  tables.size(0) == B,
+              "page_tables: expected a contiguous int32 tensor [", B, ", pages], got ", tables.scalar_type(), " ",
+              tables.sizes());
+  TORCH_CHECK(lens.scalar_type() == torch::kLong && lens.dim() == 1 && lens.is_contiguous() && lens.size(0) == B,
+              "prefix_lens: expected a contiguous int64 tensor [", B, "], got ", lens.scalar_type(), " ",
+              lens.sizes());
+  const int64_t W = tables.size(1);
+  const int32_t* t = tables.data_ptr<int32_t>();
+  const int64_t* L = lens.data_ptr<int64_t>();
+  for (int64_t b = 0; b < B; ++b) {
+    TORCH_CHECK(L[b] >= 0, "prefix_lens[", b, "] = ", L[b], " must be >= 0");
+    const int64_t needed = L[b] / ps + 1;
+    TORCH_CHECK(needed <= W, "page_tables row ", b, ": ", W, " pages, need ", needed, " for prefix_len ", L[b]);
+    for (int64_t i = 0; i < needed; ++i)
+      TORCH_CHECK(t[b * W + i] >= 0 && t[b * W + i] < P, "page_tables[", b, ", ", i, "] = ", t[b * W + i],
+                  " out of range [0, ", P, ")");
+    for (int64_t c = 0; c < b; ++c)
+      TORCH_CHECK(t[b * W + L[b] / ps] != t[c * W + L[c] / ps], "sequences ", c, " and ", b,
+                  " would write their new token into the same page ", t[b * W + L[b] / ps]);
+  }
+}
+
+// One decode step of a layer for B sequences (one new token each, at position prefix_lens[b]):
+// writes each token's K/V into its page slot, then out[b] = attention of q[b] over the
+// sequence's tokens [0, L_b + 1). Each sequence is the Params that chunk_attention builds for it
+// (same q-tile, same split-KV parts), and all sequences' (kv head, part) items share one pool,
+// so the bits equal B chunk_attention calls at any thread count.
+void decode_attention(int64_t isa, torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor kc,
+                      torch::Tensor vc, torch::Tensor tables, torch::Tensor lens, double scale, torch::Tensor out) {
+  TORCH_CHECK(isa >= 0 && isa <= 2, "unknown ISA id ", isa);
+  TORCH_CHECK(isa_ok(isa), "pipefill CPU attention: this CPU cannot run the ", kNames[isa], " kernel: ",
+              std::get<1>(cpu_supported(isa)));
+  check_cache(kc, "k_cache");
+  check_cache(vc, "v_cache");
+  TORCH_CHECK(kc.sizes() == vc.sizes() && kc.scalar_type() == vc.scalar_type(), "k_cache and v_cache differ");
+  const int64_t P = kc.size(0), Hkv = kc.size(1), ps = kc.size(2), D = kc.size(3);
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == D, "q: expected [B, Hq, ", D, "], got ", q.sizes());
+  const bool q_bf16 = q.scalar_type() == torch::kBFloat16, kv_bf16 = kc.scalar_type() == torch::kBFloat16;
+  TORCH_CHECK(q_bf16 || q.scalar_type() == torch::kFloat, "q: expected bfloat16 or float32");
+  if (isa == 0) TORCH_CHECK(q_bf16 && kv_bf16, "the avx512bf16 kernel needs bfloat16 q and KV cache");
+  const int64_t B = q.size(0), Hq = q.size(1);
+  TORCH_CHECK(Hq % Hkv == 0, "q heads (", Hq, ") must be a multiple of kv heads (", Hkv, ")");
+  check_tokens(q, "q", Hq, D, q.scalar_type());
+  check_tokens(k, "k_new", Hkv, D, q.scalar_type());
+  check_tokens(v, "v_new", Hkv, D, q.scalar_type());
+  check_tokens(out, "out", Hq, D, q.scalar_type());
+  TORCH_CHECK(k.size(0) == B && v.size(0) == B && out.size(0) == B, "q, k_new, v_new and out need ", B,
+              " rows each, got ", k.size(0), ", ", v.size(0), ", ", out.size(0));
+  check_decode_tables(tables, lens, B, ps, P);
+  if (B == 0) return;
+  const int64_t G = Hq / Hkv, W = tables.size(1);
+  const int64_t* L = lens.data_ptr<int64_t>();
+
+  std::vector<pa::Params> seqs(B);
+  std::vector<int64_t> order(B), first(B + 1, 0), part_at(B, 0);
+  int64_t partial_floats = 0;
+  for (int64_t b = 0; b < B; ++b) {
+    pa::Params& p = seqs[b];
+    p.q = static_cast<const char*>(q.data_ptr()) + b * q.stride(0) * q.element_size();
+    p.q_st = q.stride(0);
+    p.q_sh = q.stride(1);
+    p.out = static_cast<char*>(out.data_ptr()) + b * out.stride(0) * out.element_size();
+    p.o_st = out.stride(0);
+    p.o_sh = out.stride(1);
+    p.k = kc.data_ptr();
+    p.v = vc.data_ptr();
+    p.page_table = tables.data_ptr<int32_t>() + b * W;
+    p.page_size = ps;
+    p.num_kv_heads = Hkv;
+    p.head_dim = D;
+    p.group = G;
+    p.C = 1;
+    p.L = L[b];
+    p.qtile = 1;  // chunk_attention's min(max(1, 128 / G), C) for C = 1
+    p.scale = (float)scale;
+    p.q_bf16 = q_bf16;
+    p.kv_bf16 = kv_bf16;
+    p.kv_part = choose_kv_part(0, 1, 1, L[b] + 1);
+    p.nparts = p.kv_part ? (L[b] + 1 + p.kv_part - 1) / p.kv_part : 1;
+    part_at[b] = partial_floats;
+    if (p.nparts > 1) partial_floats += Hkv * p.nparts * G * (D + 2);
+    order[b] = b;
+  }
+  thread_local std::vector<float> partial;  // reused across layers and steps
+  partial.resize(partial_floats);
+  for (int64_t b = 0; b < B; ++b)
+    if (seqs[b].nparts > 1) seqs[b].partial = partial.data() + part_at[b];
+
+  // The KV writes first (a sequence reads only its own pages' new slots).
+  for (int64_t b = 0; b < B; ++b) {
+    if (kv_bf16) put_token_any<uint16_t>(kc, vc, k, v, b, seqs[b].page_table, L[b]);
+    else put_token_any<float>(kc, vc, k, v, b, seqs[b].page_table, L[b]);
+  }
+  // Items of the sequences with the most keys per item first, so the last items are short.
+  auto keys_per_item = [&](int64_t b) { return (L[b] + 1 + seqs[b].nparts - 1) / seqs[b].nparts; };
+  std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return keys_per_item(a) > keys_per_item(b); });
+  for (int64_t j = 0; j < B; ++j) first[j + 1] = first[j] + pa::num_items(seqs[order[j]]);
+  const int64_t n = first[B];
+  const ScratchLayout layout(1, G, D);
+  const RunItem run = kKernels[isa];
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
+    const pa::Scratch s = layout.thread_scratch();
+    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
+      const int64_t j = std::upper_bound(first.begin(), first.end(), i) - first.begin() - 1;
+      run(seqs[order[j]], i - first[j], s);
+    }
+  });
+  // Merge the split sequences' parts: Hkv * G rows each, one pool for all of them.
+  std::vector<int64_t> split;
+  for (int64_t b = 0; b < B; ++b)
+    if (seqs[b].nparts > 1) split.push_back(b);
+  const int64_t rows = Hkv * G;
+  at::parallel_for(0, (int64_t)split.size() * rows, 16, [&](int64_t lo, int64_t hi) {
+    for (int64_t i = lo; i < hi; ++i) merge_row(seqs[split[i / rows]], i % rows);
+  });
 }
 
 }  // namespace
@@ -324,5 +507,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("chunk_attention", &chunk_attention, "fused causal chunk attention (vector kernels)", py::arg("isa"),
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("page_table"), py::arg("prefix_len"),
         py::arg("scale"), py::arg("out") = py::none(), py::arg("qtile") = 0, py::arg("kv_split") = 0,
+        py::call_guard<py::gil_scoped_release>());
+  m.def("decode_attention", &decode_attention,
+        "one decode step of a layer for all sequences: KV write + attention (vector kernels)", py::arg("isa"),
+        py::arg("q"), py::arg("k_new"), py::arg("v_new"), py::arg("k_cache"), py::arg("v_cache"),
+        py::arg("page_tables"), py::arg("prefix_lens"), py::arg("scale"), py::arg("out"),
         py::call_guard<py::gil_scoped_release>());
 }

@@ -71,25 +71,42 @@ def expected_chunks(e, info) -> list[int]:
     return p.chunk_sequence(len(PROMPT))
 
 
-def test_serves_during_profile_switches_then_cache_hit(model7, reference, tmp_path):
-    with engine(model7, tmp_path) as e:
+def profile_then_switch(model, cache_dir, reference):
+    """One engine life: served with fixed chunks while profiling, then the switch. Returns the
+    chunking state after the switch and the chunks of a request served after it."""
+    with engine(model, cache_dir) as e:
         # "ready" came before the first profile prefill: the server answers at once.
         assert e.chunking == {"mode": "profiling", "c0": C0,
                               "samples": len(profile_lengths(C0))}
         before = run_and_check(e, reference)
         assert before.metrics["chunk_sizes"] == FIXED  # served with fixed chunks of C0
         info = wait_for_switch(e)
-        assert info["mode"] == "dynamic" and not info["profile_cache_hit"], info
-        assert info["samples"] == len(profile_lengths(C0)) and info["fit_rel_rms"] >= 0
         after = run_and_check(e, reference)
-        assert after.metrics["chunk_sizes"] == expected_chunks(e, info)
-        assert after.metrics["chunk_sizes"][:2] != FIXED[:2]  # the fitted policy is in use
-    with engine(model7, tmp_path) as e:  # the profile is cached: no background phase
+        if info["mode"] == "dynamic":
+            assert after.metrics["chunk_sizes"] == expected_chunks(e, info)
+        return info, after.metrics["chunk_sizes"]
+
+
+def test_serves_during_profile_switches_then_cache_hit(model7, reference, tmp_path):
+    # The tiny model's chunks of 10..320 tokens cost almost linearly, so timing noise now and
+    # then fits a slightly concave cost and the policy rightly stays fixed; a fresh profile
+    # (new cache folder) is then taken, at most three in all.
+    for attempt in range(3):
+        cache_dir = tmp_path / f"profile{attempt}"
+        info, chunks = profile_then_switch(model7, cache_dir, reference)
+        if info["mode"] == "dynamic":
+            break
+        assert info["mode"] == "fixed" and "not convex" in info["fallback"], info
+        assert chunks == FIXED
+    assert info["mode"] == "dynamic" and not info["profile_cache_hit"], info
+    assert info["samples"] == len(profile_lengths(C0)) and info["fit_rel_rms"] >= 0
+    assert chunks[:2] != FIXED[:2]  # the fitted policy is in use
+    with engine(model7, cache_dir) as e:  # the profile is cached: no background phase
         assert e.chunking["mode"] == "dynamic" and e.chunking["profile_cache_hit"]
         assert e.chunking["coefficients"] == info["coefficients"]
         assert e.stats()["chunking"] == e.chunking
         hit = run_and_check(e, reference)
-        assert hit.metrics["chunk_sizes"] == after.metrics["chunk_sizes"]
+        assert hit.metrics["chunk_sizes"] == chunks
 
 
 @pytest.fixture(scope="module")

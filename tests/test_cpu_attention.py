@@ -334,11 +334,11 @@ def test_each_object_holds_only_its_own_isa():
 DECODE_LENS = [100, 0, 64, 2100, 517, 63, 1, 3000]
 
 
-def _decode_setup(lens, G, hkv, D, ps, kv_dtype, q_dtype, seed=1):
+def _decode_setup(lens, G, hkv, D, ps, kv_dtype, q_dtype, seed=1, room=0):
     """A shared cache with each sequence's prefix on its own shuffled pages, and one decode
     step's q/k/v as views of a [B, q + 2 kv] buffer (the lean decode path's layout)."""
     gen = torch.Generator().manual_seed(seed)
-    need = [L // ps + 1 for L in lens]
+    need = [(L + room) // ps + 1 for L in lens]  # room: tokens later steps add
     npages = sum(need) + 2
     kc = torch.full((npages, hkv, ps, D), float("nan"), dtype=kv_dtype)
     vc = torch.full_like(kc, float("nan"))
@@ -397,6 +397,26 @@ def test_batched_decode_equals_per_sequence_bit_for_bit(isa, q_dtype, kv_dtype, 
                                 kv_split=-1) for b in splits]
     assert q_dtype == torch.bfloat16 or any(
         not torch.equal(w, ref[b:b + 1]) for w, b in zip(whole, splits))
+
+
+@pytest.mark.parametrize("isa,q_dtype,kv_dtype", COMBOS)
+def test_consecutive_decode_steps_equal_chunk_writes(isa, q_dtype, kv_dtype):
+    """Decode zeroes the rest of a 32-token group only at the group's first token; step after
+    step (across groups and a page, on pages that start as NaN) the cache and the outputs stay
+    bit-identical to chunk_attention's writes, which zero the rest every time."""
+    lens = [60, 0, 27]
+    q, k, v, kc, vc, tables = _decode_setup(lens, 3, 2, 64, 64, kv_dtype, q_dtype, room=72)
+    kc_ref, vc_ref = kc.clone(), vc.clone()
+    gen = torch.Generator().manual_seed(7)
+    for step in range(72):  # 60 -> 132: groups at 64, 96, 128; the page at 64
+        now = [L + step for L in lens]
+        if step:
+            q, k, v = (torch.randn(t.shape, generator=gen).to(q_dtype) for t in (q, k, v))
+        ref = _per_sequence(isa, q, k, v, kc_ref, vc_ref, tables, now, 0.125)
+        out = torch.full_like(q, float("nan"))
+        ca.decode_attention(isa, q, k, v, kc, vc, *ca.decode_tables(tables, now), 0.125, out)
+        assert torch.equal(_bits(out), _bits(ref)), f"step {step}"
+        assert torch.equal(_bits(kc), _bits(kc_ref)) and torch.equal(_bits(vc), _bits(vc_ref))
 
 
 def test_batched_decode_bad_arguments_are_sentences():

@@ -203,37 +203,62 @@ struct Kernel {
     return static_cast<const char*>(base) + off * kEsz;
   }
 
-  // S[R, 16] (row stride NB) = Q_block K_group^T for one 16-token group.
-  void qk_group(int b, const char* kg, float* S) const {
+  // Independent accumulator chains per pass: a block of R rows alone gives R chains (vdpbf16ps
+  // and FMA latency 4-6), too few to keep the vector unit busy at decode's R = 4, so QK^T takes
+  // NG 16-token groups and PV NDC 16-dim chunks per pass. Each accumulator still sums in the
+  // same order, so the bits do not depend on NG or NDC. AVX2 (16 ymm) keeps one per pass.
+  static constexpr int kChains = W == 16 ? 16 : R * NV;
+  static constexpr int NG = kChains / (R * NV) < 4 ? kChains / (R * NV) : 4;
+  static constexpr int NDC = NG < D / 16 ? NG : D / 16;
+
+  // S[R, 16 * N] (row stride NB) = Q_block K^T for N 16-token groups kg[0..N).
+  template <int N>
+  void qk_groups(int b, const char* const* kg, float* S) const {
 #if PF_ATTN_BF16DOT
-    vf acc[R];
-    for (int r = 0; r < R; ++r) acc[r] = vf{};
+    vf acc[N][R];
+    for (int n = 0; n < N; ++n)
+      for (int r = 0; r < R; ++r) acc[n][r] = vf{};
     const uint32_t* q = static_cast<const uint32_t*>(s.q) + (int64_t)R * b * (D / 2);
     for (int j = 0; j < D / 2; ++j) {
-      const __m512bh kr = (__m512bh)_mm512_loadu_si512(kg + ((j / 16) * 512 + (j % 16) * 32) * kEsz);
-      for (int r = 0; r < R; ++r)
-        acc[r] = (vf)_mm512_dpbf16_ps((__m512)acc[r], (__m512bh)_mm512_set1_epi32((int)q[r * (D / 2) + j]), kr);
-    }
-    for (int r = 0; r < R; ++r) storef(S + r * NB, acc[r]);
-#else
-    vf acc[R][NV];
-    for (int r = 0; r < R; ++r)
-      for (int h = 0; h < NV; ++h) acc[r][h] = vf{};
-    const float* q = static_cast<const float*>(s.q) + (int64_t)R * b * D;
-    for (int j = 0; j < D / 2; ++j) {
-      const char* row = kg + ((j / 16) * 512 + (j % 16) * 32) * kEsz;
-      for (int h = 0; h < NV; ++h) {
-        vf e, o;
-        load_pair<KVB>(row, h, e, o);
-        for (int r = 0; r < R; ++r) {
-          acc[r][h] += q[r * D + 2 * j] * e;
-          acc[r][h] += q[r * D + 2 * j + 1] * o;
-        }
+      const int64_t off = ((j / 16) * 512 + (j % 16) * 32) * kEsz;
+      __m512bh kr[N];
+      for (int n = 0; n < N; ++n) kr[n] = (__m512bh)_mm512_loadu_si512(kg[n] + off);
+      for (int r = 0; r < R; ++r) {
+        const __m512bh qb = (__m512bh)_mm512_set1_epi32((int)q[r * (D / 2) + j]);
+        for (int n = 0; n < N; ++n) acc[n][r] = (vf)_mm512_dpbf16_ps((__m512)acc[n][r], qb, kr[n]);
       }
     }
-    for (int r = 0; r < R; ++r)
-      for (int h = 0; h < NV; ++h) storef(S + r * NB + h * W, acc[r][h]);
+    for (int n = 0; n < N; ++n)
+      for (int r = 0; r < R; ++r) storef(S + r * NB + 16 * n, acc[n][r]);
+#else
+    vf acc[N][R][NV];
+    for (int n = 0; n < N; ++n)
+      for (int r = 0; r < R; ++r)
+        for (int h = 0; h < NV; ++h) acc[n][r][h] = vf{};
+    const float* q = static_cast<const float*>(s.q) + (int64_t)R * b * D;
+    for (int j = 0; j < D / 2; ++j) {
+      const int64_t off = ((j / 16) * 512 + (j % 16) * 32) * kEsz;
+      for (int n = 0; n < N; ++n)
+        for (int h = 0; h < NV; ++h) {
+          vf e, o;
+          load_pair<KVB>(kg[n] + off, h, e, o);
+          for (int r = 0; r < R; ++r) {
+            acc[n][r][h] += q[r * D + 2 * j] * e;
+            acc[n][r][h] += q[r * D + 2 * j + 1] * o;
+          }
+        }
+    }
+    for (int n = 0; n < N; ++n)
+      for (int r = 0; r < R; ++r)
+        for (int h = 0; h < NV; ++h) storef(S + r * NB + 16 * n + h * W, acc[n][r][h]);
 #endif
+  }
+
+  // S = Q_block K^T for the step's first `groups` 16-token groups, NG at a time.
+  void qk_block(int b, const char* const* kg, int groups) const {
+    int j = 0;
+    for (; j + NG <= groups; j += NG) qk_groups<NG>(b, kg + j, s.s + 16 * j);
+    for (; j < groups; ++j) qk_groups<1>(b, kg + j, s.s + 16 * j);
   }
 
   // One row of ncol scores: columns > lim masked; softmax'd in place (and as bf16 into prow).
@@ -295,41 +320,53 @@ struct Kernel {
 
   // O_block[R, D] += P[R, 2 * npairs] V[2 * npairs, D]; vg: the step's 32-token V groups.
   void pv_block(int b, const float* S, const uint16_t* P, const char* const* vg, int npairs) const {
-    float* O = s.o + (int64_t)R * b * D;
-    for (int dc = 0; dc < D / 16; ++dc) {
+    for (int dc = 0; dc < D / 16; dc += NDC) pv_chunks<NDC>(b, S, P, vg, npairs, dc);
+  }
+
+  // O_block[R, 16 dims of chunks dc0 .. dc0 + N) += P V: N chunks' chains side by side.
+  template <int N>
+  void pv_chunks(int b, const float* S, const uint16_t* P, const char* const* vg, int npairs, int dc0) const {
+    float* O = s.o + (int64_t)R * b * D + dc0 * 16;
 #if PF_ATTN_BF16DOT
-      vf acc[R];
-      for (int r = 0; r < R; ++r) acc[r] = loadf(O + r * D + dc * 16);
-      for (int tp = 0; tp < npairs; ++tp) {
-        const char* row = vg[tp / 16] + (dc * 512 + (tp % 16) * 32) * kEsz;
-        const __m512bh vr = (__m512bh)_mm512_loadu_si512(row);
-        for (int r = 0; r < R; ++r) {
-          uint32_t pp;
-          std::memcpy(&pp, P + r * NB + 2 * tp, 4);
-          acc[r] = (vf)_mm512_dpbf16_ps((__m512)acc[r], (__m512bh)_mm512_set1_epi32((int)pp), vr);
-        }
+    vf acc[N][R];
+    for (int n = 0; n < N; ++n)
+      for (int r = 0; r < R; ++r) acc[n][r] = loadf(O + r * D + n * 16);
+    for (int tp = 0; tp < npairs; ++tp) {
+      const char* row = vg[tp / 16] + ((int64_t)dc0 * 512 + (tp % 16) * 32) * kEsz;
+      __m512bh vr[N];
+      for (int n = 0; n < N; ++n) vr[n] = (__m512bh)_mm512_loadu_si512(row + n * 512 * kEsz);
+      for (int r = 0; r < R; ++r) {
+        uint32_t pp;
+        std::memcpy(&pp, P + r * NB + 2 * tp, 4);
+        const __m512bh pb = (__m512bh)_mm512_set1_epi32((int)pp);
+        for (int n = 0; n < N; ++n) acc[n][r] = (vf)_mm512_dpbf16_ps((__m512)acc[n][r], pb, vr[n]);
       }
-      for (int r = 0; r < R; ++r) storef(O + r * D + dc * 16, acc[r]);
+    }
+    for (int n = 0; n < N; ++n)
+      for (int r = 0; r < R; ++r) storef(O + r * D + n * 16, acc[n][r]);
+    (void)S;
 #else
-      vf acc[R][NV];
+    vf acc[N][R][NV];
+    for (int n = 0; n < N; ++n)
       for (int r = 0; r < R; ++r)
-        for (int h = 0; h < NV; ++h) acc[r][h] = loadf(O + r * D + dc * 16 + h * W);
-      for (int tp = 0; tp < npairs; ++tp) {
-        const char* row = vg[tp / 16] + (dc * 512 + (tp % 16) * 32) * kEsz;
+        for (int h = 0; h < NV; ++h) acc[n][r][h] = loadf(O + r * D + n * 16 + h * W);
+    for (int tp = 0; tp < npairs; ++tp) {
+      const char* row = vg[tp / 16] + ((int64_t)dc0 * 512 + (tp % 16) * 32) * kEsz;
+      for (int n = 0; n < N; ++n)
         for (int h = 0; h < NV; ++h) {
           vf e, o;
-          load_pair<KVB>(row, h, e, o);
+          load_pair<KVB>(row + n * 512 * kEsz, h, e, o);
           for (int r = 0; r < R; ++r) {
-            acc[r][h] += S[r * NB + 2 * tp] * e;
-            acc[r][h] += S[r * NB + 2 * tp + 1] * o;
+            acc[n][r][h] += S[r * NB + 2 * tp] * e;
+            acc[n][r][h] += S[r * NB + 2 * tp + 1] * o;
           }
         }
-      }
-      for (int r = 0; r < R; ++r)
-        for (int h = 0; h < NV; ++h) storef(O + r * D + dc * 16 + h * W, acc[r][h]);
-      (void)P;
-#endif
     }
+    for (int n = 0; n < N; ++n)
+      for (int r = 0; r < R; ++r)
+        for (int h = 0; h < NV; ++h) storef(O + r * D + n * 16 + h * W, acc[n][r][h]);
+    (void)P;
+#endif
   }
 
   void run() {
@@ -354,7 +391,7 @@ struct Kernel {
         if (hi <= kv0) continue;
         const int64_t nb = hi - kv0 < NB ? hi - kv0 : NB;
         const int ncol = (int)((nb + 15) / 16 * 16);
-        for (int j = 0; j < ncol / 16; ++j) qk_group(b, kg[j], s.s + 16 * j);
+        qk_block(b, kg, ncol / 16);
         for (int i = 0; i < R; ++i) {
           const int r = R * b + i;
           const int rr = r < M ? r : M - 1;  // padding rows behave like the last real row

@@ -50,7 +50,7 @@ import torch
 
 from pipefill.kernels.build import LazyExtension
 from pipefill.kernels.build import build_dir as kernel_build_dir
-from pipefill.kernels.build import compile_object, require_ninja
+from pipefill.kernels.build import compile_object, glue_dir, require_ninja
 from pipefill.runtime.platform import cpu_flags
 
 log = logging.getLogger("pipefill.kernels")
@@ -77,7 +77,7 @@ def _build():
     require_ninja("the AMX attention kernel")
     build_dir = kernel_build_dir("amx_attention")
     name = "pipefill_amx_attention"
-    fresh = not any(build_dir.glob(f"{name}*.so"))
+    fresh = not any(build_dir.glob(f"glue-*/{name}*.so"))
     if fresh or not any(build_dir.glob("amx_kernel-*.o")):
         msg = f"building pipefill AMX attention kernel (first use, ~{EXPECTED_BUILD_S} s) in {build_dir}"
         log.info(msg)
@@ -86,7 +86,8 @@ def _build():
     obj = compile_object(_KERNEL_SRC, _HEADER, AMX_FLAGS, build_dir, "amx_kernel")
     mod = cpp_ext.load(name=name, sources=[str(_GLUE_SRC)], extra_cflags=GLUE_FLAGS,
                        extra_ldflags=[str(obj), "-fopenmp"], extra_include_paths=[str(_CSRC)],
-                       build_directory=str(build_dir), verbose=False)
+                       build_directory=str(glue_dir(build_dir, [_GLUE_SRC, _HEADER], [str(obj)])),
+                       verbose=False)
     dt = time.perf_counter() - t0
     if dt > 2:
         log.info("pipefill AMX attention kernel ready after %.0f s", dt)

@@ -8,6 +8,7 @@ import os
 import subprocess
 import sys
 import threading
+import time
 from pathlib import Path
 
 import torch
@@ -49,6 +50,7 @@ def compile_object(source: Path, header: Path, flags: list[str], out_dir: Path,
         h.update(part)
     obj = out_dir / f"{stem}-{h.hexdigest()[:16]}.o"
     if obj.exists():
+        _drop_stale(out_dir, stem, obj)
         return obj
     tmp = out_dir / f".{obj.name}.{os.getpid()}.tmp.o"
     cmd = [cxx, *flags, "-I", str(source.parent), "-c", str(source), "-o", str(tmp)]
@@ -57,13 +59,39 @@ def compile_object(source: Path, header: Path, flags: list[str], out_dir: Path,
         raise RuntimeError(f"compiling {source.name} failed:\n{' '.join(cmd)}\n"
                            f"{r.stderr[-4000:]}")
     os.replace(tmp, obj)
-    for stale in out_dir.glob(f"{stem}-*.o"):  # objects of older sources
-        if stale != obj:
-            try:
-                stale.unlink()
-            except OSError:
-                pass
+    _drop_stale(out_dir, stem, obj)
     return obj
+
+
+# Objects and glue folders of other source versions are dropped only once unused this long:
+# other checkouts of pipefill (a CI clone, an older commit, a helper's copy) share the cache and
+# may be linking them right now.
+STALE_AFTER_S = 7 * 24 * 3600
+
+
+def _drop_stale(out_dir: Path, stem: str, keep: Path) -> None:
+    os.utime(keep)  # in use: its age counts from now
+    for stale in out_dir.glob(f"{stem}-*.o"):
+        try:
+            if stale != keep and time.time() - stale.stat().st_mtime > STALE_AFTER_S:
+                stale.unlink()
+        except OSError:
+            pass
+
+
+def glue_dir(out_dir: Path, sources: list[Path], objects: list[str]) -> Path:
+    """The folder where cpp_extension builds a glue library: one per version of its sources,
+    headers and the objects it links, so that checkouts at other versions never relink (or
+    load half-written) one another's library."""
+    h = hashlib.sha256()
+    for src in sources:
+        h.update(src.read_bytes())
+    for obj in objects:
+        h.update(Path(obj).name.encode())
+    path = out_dir / f"glue-{h.hexdigest()[:12]}"
+    path.mkdir(exist_ok=True)
+    os.utime(path)
+    return path
 
 
 class LazyExtension:

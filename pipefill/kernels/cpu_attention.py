@@ -28,7 +28,6 @@ OpenMP pool) is compiled without ISA flags and linked with them (~25 s once, cac
 """
 from __future__ import annotations
 
-import hashlib
 import logging
 import math
 import platform
@@ -40,7 +39,7 @@ import torch
 
 from pipefill.kernels.build import LazyExtension
 from pipefill.kernels.build import build_dir as kernel_build_dir
-from pipefill.kernels.build import compile_object, require_ninja
+from pipefill.kernels.build import compile_object, glue_dir, require_ninja
 from pipefill.runtime.platform import cpu_flags
 
 log = logging.getLogger("pipefill.kernels")
@@ -76,14 +75,10 @@ def _build():
     objs = [str(compile_object(_KERNEL_SRC, _HEADER, flags + [f"-DPF_ATTN_NS={isa}"], build_dir,
                                f"cpu_attn_{isa}"))
             for isa, flags in ISA_FLAGS.items()]
-    # The glue's own folder per source version: processes running other checkouts of pipefill
-    # (a CI copy, an older commit) share ~/.cache and would otherwise relink one another's .so.
-    tag = hashlib.sha256(_GLUE_SRC.read_bytes() + _HEADER.read_bytes()).hexdigest()[:12]
-    glue_dir = build_dir / f"glue-{tag}"
-    glue_dir.mkdir(exist_ok=True)
     mod = cpp_ext.load(name="pipefill_cpu_attention", sources=[str(_GLUE_SRC)],
                        extra_cflags=GLUE_FLAGS, extra_ldflags=[*objs, "-fopenmp"],
-                       extra_include_paths=[str(_CSRC)], build_directory=str(glue_dir),
+                       extra_include_paths=[str(_CSRC)],
+                       build_directory=str(glue_dir(build_dir, [_GLUE_SRC, _HEADER], objs)),
                        verbose=False)
     if time.perf_counter() - t0 > 2:
         log.info("pipefill CPU attention kernels ready after %.0f s", time.perf_counter() - t0)

@@ -38,7 +38,7 @@ from pathlib import Path
 
 import torch
 
-from pipefill.kernels.build import build_dir, compile_object, require_ninja
+from pipefill.kernels.build import build_dir, compile_object, glue_dir, require_ninja
 
 log = logging.getLogger("pipefill.kernels")
 
@@ -73,7 +73,9 @@ def _build() -> str:
     path = cpp_ext.load(name="pipefill_decode_gemm", sources=[str(_CSRC / "decode_gemm.cpp")],
                         extra_cflags=["-O3", "-std=c++17", "-fopenmp"],
                         extra_ldflags=[*objs, "-fopenmp"], extra_include_paths=[str(_CSRC)],
-                        build_directory=str(out), is_python_module=False, verbose=False)
+                        build_directory=str(glue_dir(out, [_CSRC / "decode_gemm.cpp", _HEADER],
+                                                     objs)),
+                        is_python_module=False, verbose=False)
     if time.perf_counter() - t0 > 1:
         log.info("pipefill decode GEMM built in %.1f s (%s)", time.perf_counter() - t0, out)
     return path

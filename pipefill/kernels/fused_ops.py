@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from pipefill.kernels.build import build_dir as kernel_build_dir
-from pipefill.kernels.build import compile_object, require_ninja
+from pipefill.kernels.build import compile_object, glue_dir, require_ninja
 from pipefill.runtime.platform import cpu_flags
 
 log = logging.getLogger("pipefill.kernels")
@@ -110,7 +110,8 @@ def _build() -> str:
     objs.append(str(compile_object(_AVX2_SRC, _HEADER, AVX2_FLAGS, build_dir, "fused_avx2")))
     path = cpp_ext.load(name="pipefill_fused_ops", sources=[str(_GLUE_SRC)],
                         extra_cflags=GLUE_FLAGS, extra_ldflags=[*objs, "-fopenmp"],
-                        extra_include_paths=[str(_CSRC)], build_directory=str(build_dir),
+                        extra_include_paths=[str(_CSRC)],
+                        build_directory=str(glue_dir(build_dir, [_GLUE_SRC, _HEADER], objs)),
                         is_python_module=False, verbose=False)
     dt = time.perf_counter() - t0
     if dt > 1:

@@ -252,25 +252,37 @@ using RunItem = void (*)(const pa::Params&, int64_t, const pa::Scratch&);
 constexpr RunItem kKernels[3] = {pa::avx512bf16::run_item, pa::avx512::run_item, pa::avx2::run_item};
 constexpr const char* kNames[3] = {"avx512bf16", "avx512", "avx2"};
 
-// out[C, Hq, D] = causal attention of q (positions [L, L + C)) over cached tokens [0, L + C).
-torch::Tensor chunk_attention(int64_t isa, torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor pt,
-                              int64_t L, double scale, c10::optional<torch::Tensor> out_opt, int64_t qtile,
-                              int64_t kv_split) {
+// The checks both entry points share: the kernel runs here, the caches agree, q [rows, Hq, D]
+// fits them. -> the caches' (pages, kv heads, page size, head dim) and whether q / KV are bf16.
+struct Shapes {
+  int64_t P, Hkv, ps, D;
+  bool q_bf16, kv_bf16;
+};
+
+Shapes check_inputs(int64_t isa, const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc,
+                    const char* rows) {
   TORCH_CHECK(isa >= 0 && isa <= 2, "unknown ISA id ", isa);
   TORCH_CHECK(isa_ok(isa), "pipefill CPU attention: this CPU cannot run the ", kNames[isa], " kernel: ",
               std::get<1>(cpu_supported(isa)));
   check_cache(kc, "k_cache");
   check_cache(vc, "v_cache");
   TORCH_CHECK(kc.sizes() == vc.sizes() && kc.scalar_type() == vc.scalar_type(), "k_cache and v_cache differ");
-  const int64_t P = kc.size(0), Hkv = kc.size(1), ps = kc.size(2), D = kc.size(3);
-  TORCH_CHECK(q.dim() == 3 && q.size(2) == D, "q: expected [C, Hq, ", D, "], got ", q.sizes());
-  const bool q_bf16 = q.scalar_type() == torch::kBFloat16, kv_bf16 = kc.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(q_bf16 || q.scalar_type() == torch::kFloat, "q: expected bfloat16 or float32");
-  if (isa == 0)
-    TORCH_CHECK(q_bf16 && kv_bf16, "the avx512bf16 kernel needs bfloat16 q and KV cache");
+  const Shapes sh{kc.size(0), kc.size(1), kc.size(2), kc.size(3), q.scalar_type() == torch::kBFloat16,
+                  kc.scalar_type() == torch::kBFloat16};
+  TORCH_CHECK(q.dim() == 3 && q.size(2) == sh.D, "q: expected [", rows, ", Hq, ", sh.D, "], got ", q.sizes());
+  TORCH_CHECK(sh.q_bf16 || q.scalar_type() == torch::kFloat, "q: expected bfloat16 or float32");
+  if (isa == 0) TORCH_CHECK(sh.q_bf16 && sh.kv_bf16, "the avx512bf16 kernel needs bfloat16 q and KV cache");
+  TORCH_CHECK(q.size(1) % sh.Hkv == 0, "q heads (", q.size(1), ") must be a multiple of kv heads (", sh.Hkv, ")");
+  check_tokens(q, "q", q.size(1), sh.D, q.scalar_type());
+  return sh;
+}
+
+// out[C, Hq, D] = causal attention of q (positions [L, L + C)) over cached tokens [0, L + C).
+torch::Tensor chunk_attention(int64_t isa, torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor pt,
+                              int64_t L, double scale, c10::optional<torch::Tensor> out_opt, int64_t qtile,
+                              int64_t kv_split) {
+  const auto [P, Hkv, ps, D, q_bf16, kv_bf16] = check_inputs(isa, q, kc, vc, "C");
   const int64_t C = q.size(0), Hq = q.size(1);
-  TORCH_CHECK(Hq % Hkv == 0, "q heads (", Hq, ") must be a multiple of kv heads (", Hkv, ")");
-  check_tokens(q, "q", Hq, D, q.scalar_type());
   TORCH_CHECK(L >= 0, "prefix_len must be >= 0");
   const int64_t G = Hq / Hkv;
   torch::Tensor out;
@@ -413,20 +425,8 @@ void check_decode_tables(const torch::Tensor& tables, const torch::Tensor& lens,
 // so the bits equal B chunk_attention calls at any thread count.
 void decode_attention(int64_t isa, torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor kc,
                       torch::Tensor vc, torch::Tensor tables, torch::Tensor lens, double scale, torch::Tensor out) {
-  TORCH_CHECK(isa >= 0 && isa <= 2, "unknown ISA id ", isa);
-  TORCH_CHECK(isa_ok(isa), "pipefill CPU attention: this CPU cannot run the ", kNames[isa], " kernel: ",
-              std::get<1>(cpu_supported(isa)));
-  check_cache(kc, "k_cache");
-  check_cache(vc, "v_cache");
-  TORCH_CHECK(kc.sizes() == vc.sizes() && kc.scalar_type() == vc.scalar_type(), "k_cache and v_cache differ");
-  const int64_t P = kc.size(0), Hkv = kc.size(1), ps = kc.size(2), D = kc.size(3);
-  TORCH_CHECK(q.dim() == 3 && q.size(2) == D, "q: expected [B, Hq, ", D, "], got ", q.sizes());
-  const bool q_bf16 = q.scalar_type() == torch::kBFloat16, kv_bf16 = kc.scalar_type() == torch::kBFloat16;
-  TORCH_CHECK(q_bf16 || q.scalar_type() == torch::kFloat, "q: expected bfloat16 or float32");
-  if (isa == 0) TORCH_CHECK(q_bf16 && kv_bf16, "the avx512bf16 kernel needs bfloat16 q and KV cache");
+  const auto [P, Hkv, ps, D, q_bf16, kv_bf16] = check_inputs(isa, q, kc, vc, "B");
   const int64_t B = q.size(0), Hq = q.size(1);
-  TORCH_CHECK(Hq % Hkv == 0, "q heads (", Hq, ") must be a multiple of kv heads (", Hkv, ")");
-  check_tokens(q, "q", Hq, D, q.scalar_type());
   check_tokens(k, "k_new", Hkv, D, q.scalar_type());
   check_tokens(v, "v_new", Hkv, D, q.scalar_type());
   check_tokens(out, "out", Hq, D, q.scalar_type());

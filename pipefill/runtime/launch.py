@@ -195,7 +195,7 @@ def free_port() -> int:
 
 
 def _spawn(args: ServerArgs, model_file: str, rank: int, addrs: Addresses) -> subprocess.Popen:
-    proc = subprocess.Popen([sys.executable, "-m", "pipefill.runtime.worker"],
+    proc = subprocess.Popen([sys.executable, "-m", "pipefill.runtime.stage_main"],
                             stdin=subprocess.PIPE, start_new_session=False)
     proc.stdin.write(encode_stage_start(args, model_file, rank, addrs))
     proc.stdin.close()

@@ -7,7 +7,6 @@ import datetime
 import logging
 import os
 import signal
-import sys
 from dataclasses import dataclass
 
 from pipefill.config import ServerArgs
@@ -203,8 +202,3 @@ def make_first_stage_loop(args, cfg, executor, channel, pipe, tracer, policy, pd
         scheduler.pd_role, scheduler.pd_stages = args.disaggregation_mode, args.pp_size
     return FirstStageLoop(executor, scheduler, channel, pipe, args.max_inflight, tracer,
                           on_result=policy.observe, pd=pd, chunk_policy=policy)
-
-
-if __name__ == "__main__":
-    start = decode_stage_start(sys.stdin.buffer.read())
-    stage_entry(start.args, start.model_file, start.rank, start.addrs)

@@ -73,7 +73,9 @@ def test_decode_waits_in_preallocated_pages_then_continues_from_the_first_token(
     assert s.schedule() is None  # not admitted into a plan before its KV
     (r,) = s.admit_kv()
     assert len(r.pages) == 3 and s.schedule() is None
+    assert s.awaits_kv and not s.has_work  # the loop polls for the room often, yet is idle
     out = s.kv_arrived(3, token=9, logprob=-0.5, top=[(9, -0.5)], seed=1234)
+    assert not s.awaits_kv
     assert out.new_token_ids == [9] and out.token_logprobs == [-0.5] and not out.finished
     assert r.seed == 1234
     plan = s.schedule()

@@ -21,6 +21,10 @@ from pipefill.scheduler.scheduler import Scheduler
 log = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 50
+# A PD decode whose rooms wait for their KV: the receiver's threads cannot wake the front-end
+# poll, so a room that became ready waited up to a whole idle poll (measured: a mean 27 ms of
+# the 45 ms from the prefill's last forward to the first token).
+KV_WAIT_POLL_MS = 1
 LOAD_REPORT_S = 0.2  # the server's /metrics reads these pushed snapshots
 
 
@@ -46,7 +50,8 @@ class FirstStageLoop:
     def run(self) -> None:
         while not (self.stopping and not self.inflight):
             idle = not self.inflight and not self.scheduler.has_work
-            arrived = self._ingest(IDLE_POLL_MS if idle else 0)
+            wait = KV_WAIT_POLL_MS if self.scheduler.awaits_kv else IDLE_POLL_MS
+            arrived = self._ingest(wait if idle else 0)
             if self.pd is not None:
                 self._pd_poll()
             if idle and not arrived and self.chunk_policy is not None and \

@@ -180,6 +180,11 @@ class Scheduler:
         return bool(self.waiting) or any(r.ready for r in self.running.values())
 
     @property
+    def awaits_kv(self) -> bool:
+        """Decode: some admitted request waits for its KV from a prefill server."""
+        return self.pd_role == "decode" and any(r.kv_waiting for r in self.rooms.values())
+
+    @property
     def num_inflight_requests(self) -> int:
         return sum(1 for r in self.running.values() if r.num_inflight)
 

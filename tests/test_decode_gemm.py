@@ -220,3 +220,24 @@ def test_bound_call_keeps_its_buffers_alive():
     del bound
     gc.collect()
     assert all(r() is None for r in refs)
+
+
+@pytest.mark.parametrize("w_dtype", (torch.float32, torch.bfloat16), ids=("wfloat32", "wbfloat16"))
+def test_avx2_row_tiles_give_the_same_bits_for_every_batch_size(w_dtype):
+    """The AVX2 path cuts M into row tiles of 1-5 rows (5 + 5 + ... then 3 + 3 or 4 + 3) of 48,
+    24 or 16 columns: for every M = 1..17, N short of and past each column tile and an odd and
+    even K, each row equals the row computed alone, and the whole batch equals the AVX-512F path
+    (same arithmetic, so the same bits as before the tiles changed)."""
+    need("avx2")
+    both = dg.isa_status()["avx512"][0]
+    for k, n in ((75, 61), (200, 100), (33, 16), (66, 8)):  # N: 48 + 13, 2 x 48 + 4, 16, 8
+        x, w, b = data(17, k, n, torch.float32, w_dtype, seed=3)
+        p = dg.pack(w, b, torch.float32, w_dtype, disable=only("avx2"))
+        alone = torch.cat([p(x[i:i + 1]) for i in range(17)])
+        q = dg.pack(w, b, torch.float32, w_dtype, disable=only("avx512")) if both else None
+        for m in range(1, 18):
+            y = p(x[:m])
+            assert torch.equal(y, alone[:m]), (k, n, m)
+            assert q is None or torch.equal(y, q(x[:m])), (k, n, m)
+            out = torch.empty(m, n, dtype=torch.bfloat16)  # the bf16 store of every tile
+            assert torch.equal(p(x[:m], out=out), alone[:m].to(torch.bfloat16)), (k, n, m)

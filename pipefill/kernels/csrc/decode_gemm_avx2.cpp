@@ -1,9 +1,11 @@
 // AVX2 + FMA decode GEMM, float32 compute, float32 or bf16 weights (bf16 -> float32 in
 // registers: a 16-bit shift for the even k of a pair, a mask for the odd k). Entered only after
-// the glue's cpuid/XCR0 check for AVX2 and FMA. 16 ymm registers: a tile is up to 4 rows x 24
-// columns or 1 x 48 (see rows()); the row tiles and column halves after the first read the
-// group from L2. One FMA chain
-// per (row, column) in k order: the same bits as the AVX-512 path, whatever M.
+// the glue's cpuid/XCR0 check for AVX2 and FMA. 16 ymm registers: a tile is at most 12
+// accumulators (5 rows x 16 columns, 4 x 16, 3 x 24, 2 x 24 or 1 x 48, see kTileCols), with
+// room left for the weights and a broadcast: GCC spills an accumulator to the stack when a tile
+// needs all 16 (an FMA chain through memory: half the speed). The row tiles and column passes
+// after the first read a K chunk of the group from L1. One FMA chain per (row, column) in k
+// order: the same bits as the AVX-512 path, whatever M and whichever tile a row falls in.
 #include <immintrin.h>
 
 #include <vector>
@@ -14,7 +16,6 @@ namespace pipefill_decode {
 namespace avx2 {
 namespace {
 
-constexpr int kRows = 4;
 constexpr int kPrefetchPairs = 8;
 
 inline uint16_t to_bf16(float f) {
@@ -40,27 +41,41 @@ inline void store8(const Out& o, int64_t m, int64_t n0, __m256 acc) {
 }
 
 // Weights of k = 2p + J (J = 0 even, 1 odd) for the 8 columns from c of a group, as float32.
-// The odd k of a bf16 pair is cleared by two shifts rather than an AND: no mask register.
+// bf16: one integer op on the 32-bit pairs, as on AVX-512 (a shift for the even k, an AND for
+// the odd k: one uop, where the old two shifts took two); each k loads the pair from L1 again,
+// so no pair register stays live.
 template <int J, bool BF16>
 inline __m256 load_k(const void* grp, int64_t p, int c) {
   if (BF16) {
     const __m256i pair = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(
         static_cast<const uint32_t*>(grp) + p * kGroup + c));
+    const __m256i odd_mask = _mm256_set1_epi32((int)0xFFFF0000u);
     return _mm256_castsi256_ps(J == 0 ? _mm256_slli_epi32(pair, 16)
-                                      : _mm256_slli_epi32(_mm256_srli_epi32(pair, 16), 16));
+                                      : _mm256_and_si256(pair, odd_mask));
   }
   return _mm256_loadu_ps(static_cast<const float*>(grp) + (2 * p + J) * kGroup + c);
 }
 
-// k = 2p + J for the tile: NV weight registers, each x broadcast once for NV FMAs.
+// k = 2p + J for the tile. The order of the loads decides how many registers are live (GCC keeps
+// it: no scheduling before register allocation on x86): NV weights then one broadcast at a time
+// when NV <= MR, else MR broadcasts then one weight at a time.
 template <int J, int MR, int NV, bool BF16>
 inline void k_step(const float* x, int64_t ldx, const void* grp, int64_t p, int c0,
                    __m256 acc[][NV]) {
-  __m256 w[NV];
-  for (int v = 0; v < NV; ++v) w[v] = load_k<J, BF16>(grp, p, c0 + 8 * v);
-  for (int r = 0; r < MR; ++r) {
-    const __m256 xv = _mm256_broadcast_ss(x + r * ldx + 2 * p + J);
-    for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_fmadd_ps(xv, w[v], acc[r][v]);
+  if (NV <= MR) {
+    __m256 w[NV];
+    for (int v = 0; v < NV; ++v) w[v] = load_k<J, BF16>(grp, p, c0 + 8 * v);
+    for (int r = 0; r < MR; ++r) {
+      const __m256 xv = _mm256_broadcast_ss(x + r * ldx + 2 * p + J);
+      for (int v = 0; v < NV; ++v) acc[r][v] = _mm256_fmadd_ps(xv, w[v], acc[r][v]);
+    }
+  } else {
+    __m256 xv[MR];
+    for (int r = 0; r < MR; ++r) xv[r] = _mm256_broadcast_ss(x + r * ldx + 2 * p + J);
+    for (int v = 0; v < NV; ++v) {
+      const __m256 w = load_k<J, BF16>(grp, p, c0 + 8 * v);
+      for (int r = 0; r < MR; ++r) acc[r][v] = _mm256_fmadd_ps(xv[r], w, acc[r][v]);
+    }
   }
 }
 
@@ -68,9 +83,6 @@ template <int MR, int NV, bool BF16>
 inline void pair_step(const float* x, int64_t ldx, const void* grp, int64_t p, int c0,
                       __m256 acc[][NV]) {
   k_step<0, MR, NV, BF16>(x, ldx, grp, p, c0, acc);
-  // bf16: the odd k reloads the pair (an L1 hit) instead of keeping NV more registers live,
-  // which the compiler would otherwise do and then spill accumulators.
-  if (BF16) asm volatile("" ::: "memory");
   k_step<1, MR, NV, BF16>(x, ldx, grp, p, c0, acc);
 }
 
@@ -112,17 +124,30 @@ inline void tile(const float* x, int64_t ldx, const void* grp, int64_t K, const 
       if (n0 + c0 + 8 * v < o.N) store8(o, m0 + r, n0 + c0 + 8 * v, acc[r][v]);
 }
 
-// Tile widths that fit 16 ymm (accumulators + NV weights + a broadcast) and keep >= 6
-// independent FMA chains: 1 row x 48 columns, 2-4 rows x 24 (two column halves).
+// Columns per tile of MR rows: MR x NV accumulators (NV = columns / 8) + min(MR, NV) weights or
+// broadcasts + 1 + the odd-k mask <= 15 registers, and >= 8 independent chains where the rows
+// allow (2 FMA pipes x 4 cycles of latency on Zen 3/4). 4 x 24 (16 registers) ran at 0.75x of
+// 4 x 16 and, with bf16 weights, 6 x 16 (16 with the mask) at 0.7x of 5 x 16: the accumulator
+// GCC spilled. (4 x 24 alone, as before, did not spill with float32 weights and is ~7% faster
+// at M = 4 there; next to the other tiles in one function GCC spilled in all of them.)
+constexpr int kTileCols[6] = {0, 48, 24, 24, 16, 16};
+constexpr int kRows = 5;
+
+// The next row tile's height for `left` rows still to do: tiles of 5, and the last 6 or 7 rows
+// as 3 + 3 or 4 + 3 rather than leaving a tile of 1 or 2 rows (few chains, one more pass).
+inline int tile_rows(int64_t left) {
+  return (int)(left <= kRows ? left : left == 6 ? 3 : left == 7 ? 4 : kRows);
+}
+
 template <int MR, bool BF16>
 inline void rows(const float* x, int64_t ldx, const void* grp, int64_t K, const Out& o, int64_t m0,
                  int64_t n0, int64_t p0, int64_t p1, float* part) {
-  constexpr int NV = MR == 1 ? 6 : 3;
+  constexpr int NV = kTileCols[MR] / 8;
   for (int c0 = 0; c0 < kGroup && n0 + c0 < o.N; c0 += 8 * NV)
     tile<MR, NV, BF16>(x, ldx, grp, K, o, m0, n0, c0, p0, p1, part);
 }
 
-// Per group, K in chunks of ~16 KB of weights: every row tile and column half runs over a chunk
+// Per group, K in chunks of ~16 KB of weights: every row tile and column pass runs over a chunk
 // while it is in L1 (a whole group, 110 KB of float32 at K = 576, is not).
 template <bool BF16>
 void run(const float* x, int64_t ldx, const void* wp, int64_t M, int64_t K, const Out& o, int64_t g0,
@@ -137,16 +162,17 @@ void run(const float* x, int64_t ldx, const void* wp, int64_t M, int64_t K, cons
     int64_t p0 = 0;
     do {
       const int64_t p1 = pairs - p0 > chunk ? p0 + chunk : pairs;
-      for (int64_t m0 = 0; m0 < M; m0 += kRows) {
+      for (int64_t m0 = 0; m0 < M;) {
+        const int mr = tile_rows(M - m0);
         const float* xt = x + m0 * ldx;
         float* pt = part.data() + m0 * kGroup;
         const int64_t n0 = g * kGroup;
-        switch (M - m0 >= kRows ? kRows : M - m0) {
-          case 1: rows<1, BF16>(xt, ldx, grp, K, o, m0, n0, p0, p1, pt); break;
-          case 2: rows<2, BF16>(xt, ldx, grp, K, o, m0, n0, p0, p1, pt); break;
-          case 3: rows<3, BF16>(xt, ldx, grp, K, o, m0, n0, p0, p1, pt); break;
-          case 4: rows<4, BF16>(xt, ldx, grp, K, o, m0, n0, p0, p1, pt); break;
+        switch (mr) {
+#define PF_ROWS(R) case R: rows<R, BF16>(xt, ldx, grp, K, o, m0, n0, p0, p1, pt); break;
+          PF_ROWS(1) PF_ROWS(2) PF_ROWS(3) PF_ROWS(4) PF_ROWS(5)
+#undef PF_ROWS
         }
+        m0 += mr;
       }
       p0 = p1;
     } while (p0 < pairs);

@@ -224,10 +224,11 @@ def test_bound_call_keeps_its_buffers_alive():
 
 @pytest.mark.parametrize("w_dtype", (torch.float32, torch.bfloat16), ids=("wfloat32", "wbfloat16"))
 def test_avx2_row_tiles_give_the_same_bits_for_every_batch_size(w_dtype):
-    """The AVX2 path cuts M into row tiles of 1-5 rows (5 + 5 + ... then 3 + 3 or 4 + 3) of 48,
-    24 or 16 columns: for every M = 1..17, N short of and past each column tile and an odd and
-    even K, each row equals the row computed alone, and the whole batch equals the AVX-512F path
-    (same arithmetic, so the same bits as before the tiles changed)."""
+    """The AVX2 path cuts M into row tiles (bf16 weights: 5 + 5 + ... then 3 + 3 or 4 + 3 rows
+    of 16 or 24 columns; float32: 4 + 4 + ... rows of 24) and a single row into 48 columns: for
+    every M = 1..17, N short of and past each column tile and an odd and even K (one K chunk and
+    several), each row equals the row computed alone, and the whole batch equals the AVX-512F
+    path (same arithmetic, so the same bits as before the tiles changed)."""
     need("avx2")
     both = dg.isa_status()["avx512"][0]
     for k, n in ((75, 61), (200, 100), (33, 16), (66, 8)):  # N: 48 + 13, 2 x 48 + 4, 16, 8

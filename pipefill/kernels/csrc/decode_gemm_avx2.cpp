@@ -1,11 +1,12 @@
 // AVX2 + FMA decode GEMM, float32 compute, float32 or bf16 weights (bf16 -> float32 in
 // registers: a 16-bit shift for the even k of a pair, a mask for the odd k). Entered only after
 // the glue's cpuid/XCR0 check for AVX2 and FMA. 16 ymm registers: a tile is at most 12
-// accumulators (5 rows x 16 columns, 4 x 16, 3 x 24, 2 x 24 or 1 x 48, see kTileCols), with
-// room left for the weights and a broadcast: GCC spills an accumulator to the stack when a tile
-// needs all 16 (an FMA chain through memory: half the speed). The row tiles and column passes
-// after the first read a K chunk of the group from L1. One FMA chain per (row, column) in k
-// order: the same bits as the AVX-512 path, whatever M and whichever tile a row falls in.
+// accumulators (bf16 weights: 5 rows x 16 columns, 4 x 16, 3 x 24, 2 x 24 or 1 x 48; float32:
+// 4 x 24 to 1 x 48, see tile_cols) with room for the weights and a broadcast: when a tile needs
+// more than 16, GCC spills an accumulator to the stack (an FMA chain through memory: half
+// speed). The row tiles and column passes after the first read a K chunk of the group from L1.
+// One FMA chain per (row, column) in k order: the same bits as the AVX-512 path, whatever M and
+// whichever tile a row falls in.
 #include <immintrin.h>
 
 #include <vector>
@@ -57,12 +58,14 @@ inline __m256 load_k(const void* grp, int64_t p, int c) {
 }
 
 // k = 2p + J for the tile. The order of the loads decides how many registers are live (GCC keeps
-// it: no scheduling before register allocation on x86): NV weights then one broadcast at a time
-// when NV <= MR, else MR broadcasts then one weight at a time.
+// it: no scheduling before register allocation on x86): NV weights then one broadcast at a time,
+// or for bf16 tiles with fewer rows than weight vectors MR broadcasts then one weight at a time.
+// (float32 keeps the first order everywhere: with the second in its 1 x 48 and 2 x 24 tiles,
+// GCC spilled in its 3 x 24 and 4 x 24 tiles.)
 template <int J, int MR, int NV, bool BF16>
 inline void k_step(const float* x, int64_t ldx, const void* grp, int64_t p, int c0,
                    __m256 acc[][NV]) {
-  if (NV <= MR) {
+  if (NV <= MR || !BF16) {
     __m256 w[NV];
     for (int v = 0; v < NV; ++v) w[v] = load_k<J, BF16>(grp, p, c0 + 8 * v);
     for (int r = 0; r < MR; ++r) {
@@ -124,25 +127,31 @@ inline void tile(const float* x, int64_t ldx, const void* grp, int64_t K, const 
       if (n0 + c0 + 8 * v < o.N) store8(o, m0 + r, n0 + c0 + 8 * v, acc[r][v]);
 }
 
-// Columns per tile of MR rows: MR x NV accumulators (NV = columns / 8) + min(MR, NV) weights or
-// broadcasts + 1 + the odd-k mask <= 15 registers, and >= 8 independent chains where the rows
-// allow (2 FMA pipes x 4 cycles of latency on Zen 3/4). 4 x 24 (16 registers) ran at 0.75x of
-// 4 x 16 and, with bf16 weights, 6 x 16 (16 with the mask) at 0.7x of 5 x 16: the accumulator
-// GCC spilled. (4 x 24 alone, as before, did not spill with float32 weights and is ~7% faster
-// at M = 4 there; next to the other tiles in one function GCC spilled in all of them.)
-constexpr int kTileCols[6] = {0, 48, 24, 24, 16, 16};
-constexpr int kRows = 5;
+// Columns per tile of MR rows: MR x NV accumulators (NV = columns / 8) + the weights or
+// broadcasts held + 1 (+ the odd-k mask for bf16) <= 16 registers, and >= 8 independent chains
+// where the rows allow (2 FMA pipes x 4 cycles of latency on Zen 3/4). float32 weights: up to
+// 4 x 24 (16 registers; as before this change, ~100 GFLOP/s at M = 16 already). bf16: the mask
+// makes 4 x 24 17 registers and 6 x 16 16, and GCC spilled an accumulator in both (0.75x and 0.7x
+// of 4 x 16 and 5 x 16). GCC's allocation is fragile here: a 5 x 16 tile next to 4 x 24 in the
+// float32 function made it spill in every float32 tile; check the inner loops for %rsp after a
+// change.
+template <bool BF16>
+constexpr int tile_cols(int mr) {
+  return mr == 1 ? 48 : BF16 && mr >= 4 ? 16 : 24;
+}
 
-// The next row tile's height for `left` rows still to do: tiles of 5, and the last 6 or 7 rows
-// as 3 + 3 or 4 + 3 rather than leaving a tile of 1 or 2 rows (few chains, one more pass).
+// The next row tile's height for `left` rows still to do. bf16: tiles of 5, and the last 6 or 7
+// rows as 3 + 3 or 4 + 3 rather than leaving a tile of 1 or 2 rows (few chains, one more pass).
+template <bool BF16>
 inline int tile_rows(int64_t left) {
-  return (int)(left <= kRows ? left : left == 6 ? 3 : left == 7 ? 4 : kRows);
+  if (!BF16) return (int)(left < 4 ? left : 4);
+  return (int)(left <= 5 ? left : left == 6 ? 3 : left == 7 ? 4 : 5);
 }
 
 template <int MR, bool BF16>
 inline void rows(const float* x, int64_t ldx, const void* grp, int64_t K, const Out& o, int64_t m0,
                  int64_t n0, int64_t p0, int64_t p1, float* part) {
-  constexpr int NV = kTileCols[MR] / 8;
+  constexpr int NV = tile_cols<BF16>(MR) / 8;
   for (int c0 = 0; c0 < kGroup && n0 + c0 < o.N; c0 += 8 * NV)
     tile<MR, NV, BF16>(x, ldx, grp, K, o, m0, n0, c0, p0, p1, part);
 }
@@ -163,13 +172,14 @@ void run(const float* x, int64_t ldx, const void* wp, int64_t M, int64_t K, cons
     do {
       const int64_t p1 = pairs - p0 > chunk ? p0 + chunk : pairs;
       for (int64_t m0 = 0; m0 < M;) {
-        const int mr = tile_rows(M - m0);
+        const int mr = tile_rows<BF16>(M - m0);
         const float* xt = x + m0 * ldx;
         float* pt = part.data() + m0 * kGroup;
         const int64_t n0 = g * kGroup;
         switch (mr) {
 #define PF_ROWS(R) case R: rows<R, BF16>(xt, ldx, grp, K, o, m0, n0, p0, p1, pt); break;
-          PF_ROWS(1) PF_ROWS(2) PF_ROWS(3) PF_ROWS(4) PF_ROWS(5)
+          PF_ROWS(1) PF_ROWS(2) PF_ROWS(3) PF_ROWS(4)
+          case 5: if (BF16) rows<5, BF16>(xt, ldx, grp, K, o, m0, n0, p0, p1, pt); break;
 #undef PF_ROWS
         }
         m0 += mr;

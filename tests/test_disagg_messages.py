@@ -22,7 +22,8 @@ SAMPLES = [
     m.KVChunk(1, 2, 0, 3, 4, 5, 0, 15, 1 << 33, True),
     m.FinalMeta(9, 8, 100, 42, -0.25, [(42, -0.25), (7, -3.5)], b"\x00\x01state"),
     m.FinalMeta(9, 8, 100, 42),
-    m.RoomFailed(1, 2, 0, "boom"), m.DropRoom(1, 2, "timeout"), m.DropAck(1, 2, 1),
+    m.RoomFailed(1, 2, 0, "boom"), m.RoomFailed(1, 2, 0, "too long", 400),
+    m.RejectRoom(1, 400, "too long"), m.DropRoom(1, 2, "timeout"), m.DropAck(1, 2, 1),
     m.Heartbeat("prefill-0", [1, 2, 3]),
 ]
 

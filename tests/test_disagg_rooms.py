@@ -53,7 +53,7 @@ def test_prefill_chunks_wait_for_bootstrap_then_success_releases():
     for item, dest in work:
         assert rooms.begin_send(item.room)
         rooms.end_send(item, dest.peer, ok=True)
-    assert not rooms.live and rooms.finished[ROOM] == (True, "sent")
+    assert not rooms.live and rooms.finished[ROOM] == (True, "sent", 200)
     assert p.clean() and len(p.released) == 1
 
 

@@ -76,6 +76,11 @@ class BootstrapServer:
                  msg.rank, msg.layer_start, msg.layer_end, msg.endpoint)
         return m.Ack(True)
 
+    def endpoints(self) -> list[m.Endpoint]:
+        """The registered stages' transfer endpoints (a restarted stage's current one)."""
+        with self._lock:
+            return [s.endpoint for s in self.stages.values()]
+
     def lookup(self) -> m.PrefillInfo | m.NotReady:
         with self._lock:
             stages = sorted(self.stages.values(), key=lambda s: s.rank)

@@ -10,6 +10,8 @@ dropped (and logged, rate-limited), never unpickled.
   prefill stage -> decode stage:
       KVChunk (+ raw page bytes with tcp; a notice after the one-sided writes with mooncake),
       FinalMeta, RoomFailed, DropAck, Heartbeat
+  prefill front end -> prefill stage: RejectRoom (its own connection, no hello): the HTTP
+      server refused the room's request, so the stage answers the room's decodes at once
 
 A room is one request attempt (the router's bootstrap_room, a u64 < 2^63); the decode adds a
 random nonce per attempt, echoed by every KVChunk and FinalMeta, so nothing from an earlier
@@ -123,6 +125,18 @@ class RoomFailed(_Msg):
     nonce: int
     rank: int
     reason: str
+    # The HTTP status the decode answers with: 4xx when the prefill refused the request itself
+    # (the client's fault: the router does not retry it), 5xx for a fault. Last and defaulted,
+    # so a RoomFailed without it still decodes (as a fault).
+    status: int = 500
+
+
+class RejectRoom(_Msg):
+    """The prefill's HTTP server refused the request of this room with this status and
+    sentence; the request never reached the stages."""
+    room: int
+    status: int
+    reason: str
 
 
 class DropRoom(_Msg):
@@ -143,7 +157,7 @@ class Heartbeat(_Msg):
 
 
 Message = Union[RegisterStage, Ack, Lookup, PrefillInfo, NotReady, DecodeHello, RoomBootstrap,
-                KVChunk, FinalMeta, RoomFailed, DropRoom, DropAck, Heartbeat]
+                KVChunk, FinalMeta, RoomFailed, RejectRoom, DropRoom, DropAck, Heartbeat]
 
 _encoder = msgspec.msgpack.Encoder()
 _decoder = msgspec.msgpack.Decoder(Message)

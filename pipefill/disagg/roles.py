@@ -245,8 +245,12 @@ class DecodeStagePD:
 
     def _finished(self, scheduler, res, outputs: list) -> None:
         if not res.ok:
-            self._act(scheduler, res.room, self.pipeline.fail(res.room), outputs,
-                      f"the KV transfer from the prefill server failed: {res.reason}")
+            if 400 <= res.status < 500:  # the prefill refused the request: the client's fault
+                why = f"the prefill server refused this request: {res.reason}"
+            else:
+                why = f"the KV transfer from the prefill server failed: {res.reason}"
+            self._act(scheduler, res.room, self.pipeline.fail(res.room), outputs, why,
+                      res.status)
             return
         r = scheduler.rooms.get(res.room)
         f = res.final
@@ -260,11 +264,14 @@ class DecodeStagePD:
         self._act(scheduler, res.room, self.pipeline.ready(res.room, 0), outputs)
 
     def _act(self, scheduler, room: int, actions: set[str], outputs: list,
-             why: str = "") -> None:
+             why: str = "", status: int = 500) -> None:
         if "fail" in actions:
             self._own.pop(room, None)
             self._drop(room, why or "the request ended")
-            outputs.append(scheduler.kv_failed(room, why or "the request ended"))
+            out = scheduler.kv_failed(room, why or "the request ended")
+            if out is not None and 400 <= status < 500:
+                out.error_status = status
+            outputs.append(out)
         if "release" in actions:
             scheduler.kv_released(room)
         if "ready" in actions:

@@ -7,7 +7,10 @@ Prefill stage, per room: created by whichever comes first, the local request (`o
 decode's RoomBootstrap; chunks wait (their pages held) until every decode stage that covers
 this stage's layers has bootstrapped; the room succeeds when its last chunk (and the final
 metadata, if this stage sends it) went to every destination, and fails when the decode does not
-bootstrap within --disaggregation-bootstrap-timeout, drops the room, or dies.
+bootstrap within --disaggregation-bootstrap-timeout, drops the room, or dies. A room whose
+request the prefill's HTTP server refused (`reject`) is remembered for the bootstrap timeout:
+its decodes hear the refusal (its 4xx status and sentence) whether they bootstrap it before or
+after, instead of waiting for their --disaggregation-waiting-timeout.
 
 Decode stage, per room: waits until every prefill stage it expects has delivered every page (and
 said it was the last) and the final metadata arrived for this very room and attempt (nonce);
@@ -56,6 +59,42 @@ class Liveness:
         for p in gone:
             del self._last[p]
         return gone
+
+
+class TTLMap:
+    """A bounded map whose entries expire ttl_s after they were put; when full, the oldest
+    entry goes first. Time comes in as `now`."""
+
+    def __init__(self, ttl_s: float, max_size: int):
+        if ttl_s <= 0 or max_size < 1:
+            raise ValueError(f"a TTL map needs ttl_s > 0 and max_size >= 1, got {ttl_s}, "
+                             f"{max_size}")
+        self.ttl_s, self.max_size = ttl_s, max_size
+        self._d: OrderedDict = OrderedDict()  # key -> (expires_at, value), oldest first
+
+    def put(self, key, value, now: float) -> None:
+        self._d.pop(key, None)
+        self._d[key] = (now + self.ttl_s, value)
+        self._expire(now)
+        while len(self._d) > self.max_size:
+            self._d.popitem(last=False)
+
+    def get(self, key, now: float):
+        """The value, or None when absent or expired."""
+        self._expire(now)
+        entry = self._d.get(key)
+        return None if entry is None else entry[1]
+
+    def pop(self, key) -> None:
+        self._d.pop(key, None)
+
+    def __len__(self) -> int:
+        return len(self._d)
+
+    def _expire(self, now: float) -> None:
+        # One TTL for all: insertion order is expiry order, so expired entries lead.
+        while self._d and next(iter(self._d.values()))[0] <= now:
+            self._d.popitem(last=False)
 
 
 def _remember(finished: OrderedDict, room: int, value) -> None:
@@ -113,10 +152,15 @@ class PrefillRooms:
         self.release = release
         self.live: dict[int, PrefillRoom] = {}
         self.draining: dict[int, PrefillRoom] = {}  # ended, a send still reads their pages
-        self.finished: OrderedDict[int, tuple[bool, str]] = OrderedDict()  # (ok, why)
+        # (ok, why, HTTP status the decode answers with)
+        self.finished: OrderedDict[int, tuple[bool, str, int]] = OrderedDict()
+        # room -> (status, sentence) of requests the HTTP server refused: as long as a room
+        # waits for its decodes' bootstraps, its refusal answers them.
+        self.rejected = TTLMap(bootstrap_timeout_s, FINISHED_MEMORY)
         self.num_dropped_late = 0
 
     def open(self, room: int, now: float, sends_final: bool = False) -> None:
+        self.rejected.pop(room)  # this request was accepted: an older refusal is not its own
         r = self._room(room, now)
         r.opened = True
         r.sends_final = r.sends_final or sends_final
@@ -124,13 +168,19 @@ class PrefillRooms:
     def on_bootstrap(self, peer: str, msg: m.RoomBootstrap,
                      now: float) -> tuple[list[tuple[Item, Dest]], list[Notice]]:
         """(work now sendable, notices): a bootstrap for a room that already failed here is
-        answered with the failure, so that decode does not wait for its timeout."""
+        answered with the failure, so that decode does not wait for its timeout; so is one
+        for a room whose request the HTTP server refused."""
+        refused = self.rejected.get(msg.room, now)
+        if refused is not None and msg.room not in self.live:
+            status, reason = refused
+            log.info("bootstrap for refused room %d: answered %d", msg.room, status)
+            return [], [(peer, m.RoomFailed(msg.room, msg.nonce, self.rank, reason, status))]
         if msg.room in self.finished:
             self.num_dropped_late += 1
-            ok, reason = self.finished[msg.room]
+            ok, reason, status = self.finished[msg.room]
             log.info("late bootstrap for finished room %d", msg.room)
             return [], [] if ok else [(peer, m.RoomFailed(msg.room, msg.nonce, self.rank,
-                                                          reason))]
+                                                          reason, status))]
         r = self._room(msg.room, now)
         r.expected = msg.expected_bootstraps
         r.dests[peer] = Dest(peer, msg.nonce, list(msg.dst_pages), msg.staging_addr)
@@ -184,16 +234,25 @@ class PrefillRooms:
             dests = set(r.dests)
             if r.bootstrapped and r.last_sent >= dests and \
                     (r.final_sent >= dests or not r.sends_final):
-                self._end(r, True, "sent")
+                self._end(r, True, "sent", 200)
         return []
 
-    def fail(self, room: int, reason: str) -> list[Notice]:
+    def fail(self, room: int, reason: str, status: int = 500) -> list[Notice]:
         """Ends the room as failed; the RoomFailed notices for its destinations."""
         r = self.live.get(room)
         if r is None:
             return []
-        self._end(r, False, reason)
-        return [(d.peer, m.RoomFailed(room, d.nonce, self.rank, reason)) for d in r.dests.values()]
+        self._end(r, False, reason, status)
+        return [(d.peer, m.RoomFailed(room, d.nonce, self.rank, reason, status))
+                for d in r.dests.values()]
+
+    def reject(self, room: int, status: int, reason: str, now: float) -> list[Notice]:
+        """The HTTP server refused the room's request with status (a 4xx: the client's
+        fault; anything else counts as a fault, 500) and a sentence: the decodes that already
+        bootstrapped the room hear it now, later ones when they bootstrap it."""
+        status = status if 400 <= status < 600 else 500
+        self.rejected.put(room, (status, reason), now)
+        return self.fail(room, reason, status)
 
     def on_drop(self, peer: str, msg: m.DropRoom) -> list[Notice]:
         ack = [(peer, m.DropAck(msg.room, msg.nonce, self.rank))]
@@ -238,9 +297,9 @@ class PrefillRooms:
             r = self.live[room] = PrefillRoom(room, now)
         return r
 
-    def _end(self, r: PrefillRoom, ok: bool, reason: str) -> None:
+    def _end(self, r: PrefillRoom, ok: bool, reason: str, status: int = 500) -> None:
         del self.live[r.room]
-        _remember(self.finished, r.room, (ok, reason))
+        _remember(self.finished, r.room, (ok, reason, status))
         if not ok:
             log.info("prefill room %d failed: %s", r.room, reason)
         if r.sends_in_flight:
@@ -263,6 +322,7 @@ class RoomResult:
     reason: str = ""
     pages: list[int] = field(default_factory=list)  # handed to the caller on success
     final: m.FinalMeta | None = None
+    status: int = 500  # of a failure: the HTTP status to answer (4xx: the prefill refused it)
 
 
 @dataclass
@@ -363,7 +423,9 @@ class DecodeRooms:
         r = self._valid(stage, msg.room, msg.nonce)
         if r is None:
             return []
-        return self._fail(r, f"prefill stage {msg.rank} failed: {msg.reason}", now)
+        if 400 <= msg.status < 500:  # the prefill refused the request: its sentence as is
+            return self._fail(r, msg.reason, now, msg.status)
+        return self._fail(r, f"prefill stage {msg.rank} failed: {msg.reason}", now, msg.status)
 
     def on_drop_ack(self, stage: str, msg: m.DropAck, now: float) -> None:
         r = self.live.get(msg.room)
@@ -439,10 +501,10 @@ class DecodeRooms:
             del self.live[r.room]
             _remember(self.results, r.room, RoomResult(r.room, True, "", r.dst_pages, r.final))
 
-    def _fail(self, r: DecodeRoom, reason: str, now: float) -> list[Notice]:
+    def _fail(self, r: DecodeRoom, reason: str, now: float, status: int = 500) -> list[Notice]:
         log.info("decode room %d failed: %s", r.room, reason)
         r.failed = reason
-        _remember(self.results, r.room, RoomResult(r.room, False, reason))
+        _remember(self.results, r.room, RoomResult(r.room, False, reason, status=status))
         alive = [s for s in r.stages if s not in self.dead_stages]
         if self.one_sided:
             r.acks_pending = set(alive)

@@ -1,8 +1,9 @@
 """KVSender: the prefill stage's side of the KV transfer (see transfer.py).
 
 Threads: one accepts decode connections, one reads each of them (bootstraps, drops,
-heartbeats), one dispatches the caller's queued items to the rooms, one sends per decode (a
-stalled decode delays only itself), and one ticks timeouts and heartbeats."""
+heartbeats; on the prefill HTTP server's own connection, the rooms it refused), one dispatches
+the caller's queued items to the rooms, one sends per decode (a stalled decode delays only
+itself), and one ticks timeouts and heartbeats."""
 from __future__ import annotations
 
 import logging
@@ -71,6 +72,12 @@ class KVSender:
             notices = self.rooms.fail(room, reason)
         self._p.send(notices, self._peer_dead)
 
+    def reject_room(self, room: int, status: int, reason: str) -> None:
+        """The HTTP server refused the room's request: its decodes answer status at once."""
+        with self._p.lock:
+            notices = self.rooms.reject(room, status, reason, self._p.clock())
+        self._p.send(notices, self._peer_dead)
+
     def close(self) -> None:
         """Fails every live room (its decodes hear why, its pages are released), then stops."""
         with self._p.lock:
@@ -98,6 +105,9 @@ class KVSender:
         peer = None
         try:
             hello = conn.recv()
+            if isinstance(hello, m.RejectRoom):
+                self._serve_refusals(conn, hello)
+                return
             if not isinstance(hello, m.DecodeHello):
                 conn.drops.drop(f"expected DecodeHello, got {type(hello).__name__}")
                 return
@@ -121,6 +131,16 @@ class KVSender:
             conn.close()
             if peer is not None and self._p.conns.get(peer) is conn:
                 self._peer_dead(peer)
+
+    def _serve_refusals(self, conn: ch.Channel, msg) -> None:
+        """The prefill HTTP server's connection (rejects.RejectNotifier): RejectRoom messages
+        until it closes; it is no decode, so it joins no peer table."""
+        while True:
+            if isinstance(msg, m.RejectRoom):
+                self.reject_room(msg.room, msg.status, msg.reason)
+            else:
+                conn.drops.drop(f"{type(msg).__name__} on the HTTP server's connection")
+            msg = conn.recv()
 
     def _on_message(self, peer: str, msg) -> None:
         now = self._p.clock()

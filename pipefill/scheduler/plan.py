@@ -159,6 +159,9 @@ class RequestOutput:
     finished: bool = False
     finish_reason: str | None = None  # "stop" (EOS), "length", "abort", "error"
     error: str | None = None
+    # With "error": the HTTP status to answer when it is not a fault (PD decode: 4xx when the
+    # prefill refused the request); None: a fault (500).
+    error_status: int | None = None
     prompt_logprobs: list[float] | None = None
     token_logprobs: list[float] | None = None
     top_logprobs: list[list[tuple[int, float]]] | None = None  # per new token, when asked

@@ -36,6 +36,7 @@ class Served:
     api_key: str | None
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     token_bytes: int = 0  # the most prompt bytes one token stands for
+    rejects: object = None  # a PD prefill's disagg.rejects.RejectNotifier
 
     def __post_init__(self):
         self.token_bytes = self.token_bytes or longest_token_bytes(self.tokenizer)
@@ -331,6 +332,26 @@ def encode(fn, arg) -> list[int]:
 
 
 async def handle(served: Served, request: Request, body, chat: bool):
+    try:
+        return await _handle(served, request, body, chat)
+    except ApiError as e:
+        if served.rejects is not None:
+            tell_decodes(served, body, e)
+        raise
+
+
+def tell_decodes(served: Served, body, error: ApiError) -> None:
+    """A PD prefill refused a request that names a room: the room's decodes answer the same
+    status and sentence at once, instead of waiting for the KV until their
+    --disaggregation-waiting-timeout and then answering 5xx (which the router retries)."""
+    try:
+        pd = pd_info(body.model_extra, "prefill")
+    except ValueError:
+        return  # no usable room: no decode can be waiting for it
+    served.rejects.tell(pd.room, error.status, error.message)
+
+
+async def _handle(served: Served, request: Request, body, chat: bool):
     if not served.engine.healthy:
         raise ApiError(503, served.engine.failure or "the model is still loading",
                        kind="server_error")

@@ -67,6 +67,17 @@ def start_bootstrap(args):
                            "--disaggregation-bootstrap-port") from None
 
 
+def start_rejects(args, bootstrap):
+    """A prefill server tells its stages which rooms it refused (their decodes answer at
+    once); None elsewhere."""
+    if bootstrap is None:
+        return None
+    from pipefill.disagg.rejects import RejectNotifier
+    from pipefill.runtime.wire import read_cluster_secret
+    return RejectNotifier(bootstrap.endpoints,
+                          read_cluster_secret(args.cluster_secret, args.cluster_secret_file))
+
+
 def run(ns: argparse.Namespace) -> int:
     import uvicorn
 
@@ -82,10 +93,11 @@ def run(ns: argparse.Namespace) -> int:
         return run_other_node(args)
     args, source = prepare(args)
     bootstrap = start_bootstrap(args)
+    rejects = start_rejects(args, bootstrap)
     metrics = ServerMetrics()
     engine = AsyncEngine(args, source, on_restart=metrics.stage_restarts.inc)
     served = Served(engine, load_tokenizer(source), model_name(args, source), args.api_key,
-                    metrics)
+                    metrics, rejects=rejects)
     failed = []
 
     def on_startup_failure(exc):
@@ -105,6 +117,8 @@ def run(ns: argparse.Namespace) -> int:
     try:
         server.run()
     finally:
+        if rejects is not None:
+            rejects.close()
         if bootstrap is not None:
             bootstrap.close()
     if failed:

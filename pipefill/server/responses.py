@@ -34,13 +34,20 @@ class ApiError(Exception):
 
 
 class RequestFailed(RuntimeError):
-    """The stages could not finish this one request (the others go on)."""
+    """The stages could not finish this one request (the others go on). status: a 4xx when
+    the request itself was at fault (a PD decode whose prefill refused it), else None."""
+
+    def __init__(self, message: str, status: int | None = None):
+        super().__init__(message)
+        self.status = status
 
 
 def error_of(e: Exception) -> ApiError:
     """The answer for a request that failed after it was accepted."""
     if isinstance(e, ValueError):  # stage 0 rejected it: the request's own fault
         return ApiError(400, str(e))
+    if isinstance(e, RequestFailed) and e.status is not None and 400 <= e.status < 500:
+        return ApiError(e.status, str(e))  # not retried by the router, not a fault
     if isinstance(e, RequestFailed):
         # Every parameter known to be bad is refused at the door, so a failure while
         # generating is the server's: 500, which the client may report or retry.
@@ -87,7 +94,7 @@ class Run:
 
     def _on_output(self, out) -> list[str]:
         if out.finish_reason == "error":
-            raise RequestFailed(out.error or "no reason given")
+            raise RequestFailed(out.error or "no reason given", out.error_status)
         if out.prompt_logprobs is not None and self.job.echo and self.logprobs is not None:
             self._add_prompt_logprobs(out.prompt_logprobs)
         for size in out.chunk_sizes or []:

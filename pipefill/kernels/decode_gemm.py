@@ -156,14 +156,27 @@ def available(compute_dtype: torch.dtype = torch.float32,
 
 def pack_weight(weight: torch.Tensor, weight_dtype: torch.dtype) -> torch.Tensor:
     """[N, K] -> float32 [ng, Kp, 48] or bf16 [ng, Kp/2, 48, 2] (zero padding to a whole group
-    of 48 columns and to an even K)."""
+    of 48 columns and to an even K). Written in place through a view of the packed tensor in
+    W's row order, so packing costs the packed copy only (no padded or converted copy of the
+    whole matrix on top: the LM head's would be 56 MB of bf16 for the default model)."""
     n, k = weight.shape
     nb, kp = -(-n // BLOCK), k + (k & 1)
-    w = torch.zeros(nb * BLOCK, kp, dtype=weight_dtype)
-    w[:n, :k] = weight
     if weight_dtype == torch.float32:
-        return w.view(nb, BLOCK, kp).permute(0, 2, 1).contiguous()
-    return w.view(nb, BLOCK, kp // 2, 2).permute(0, 2, 1, 3).contiguous()
+        packed = torch.empty(nb, kp, BLOCK, dtype=weight_dtype)
+        by_rows = packed.permute(0, 2, 1)  # [ng, 48, Kp]: group g's rows of W
+    else:
+        packed = torch.empty(nb, kp // 2, BLOCK, 2, dtype=weight_dtype)
+        by_rows = packed.permute(0, 2, 1, 3)  # [ng, 48, Kp/2, 2]
+    row_shape = by_rows.shape[2:]
+    full = n // BLOCK if k == kp else 0  # groups that need no padding
+    if full:
+        by_rows[:full].copy_(weight[:full * BLOCK].reshape(full, BLOCK, *row_shape))
+    for g in range(full, nb):  # padded groups, through a zeroed [48, Kp] tile
+        tile = torch.zeros(BLOCK, kp, dtype=weight_dtype)
+        rows = weight[g * BLOCK:(g + 1) * BLOCK]
+        tile[:rows.shape[0], :k] = rows
+        by_rows[g].copy_(tile.view(BLOCK, *row_shape))
+    return packed
 
 
 @dataclass

@@ -4,8 +4,10 @@ from __future__ import annotations
 import glob
 import importlib.util
 import json
+import math
 import os
 
+import numpy as np
 import torch
 
 from pipefill.model.config import ModelConfig
@@ -39,6 +41,11 @@ def resolve_model_path(model_path: str | None) -> str:
     return model_path
 
 
+# Float32 bytes of the rows of a matrix that are read and converted at a time: the only float32
+# copy a stage's load makes, so the peak at load stays near the weights in the serving dtype.
+ROW_BLOCK_BYTES = 16 << 20
+
+
 class WeightSource:
     """Reads tensors by their Hugging Face names, as float32, from safetensors or GGUF."""
 
@@ -64,12 +71,53 @@ class WeightSource:
     def has(self, name: str) -> bool:
         return self.gguf.has(name) if self.gguf else name in self._file_of
 
+    def shape(self, name: str) -> tuple[int, ...]:
+        """The tensor's shape in Hugging Face layout, without reading its values."""
+        if self.gguf:
+            from pipefill.model.gguf_file import hf_to_gguf_name
+            return tuple(int(x) for x in reversed(self.gguf.tensors[hf_to_gguf_name(name)]
+                                                  .shape.tolist()))
+        from safetensors import safe_open
+        with safe_open(self._file_of[name], framework="pt") as st:
+            return tuple(st.get_slice(name).get_shape())
+
     def load(self, name: str) -> torch.Tensor:
         if self.gguf:
             return self.gguf.load(name, self.config)
         from safetensors import safe_open
         with safe_open(self._file_of[name], framework="pt") as st:
             return st.get_tensor(name).float()
+
+    def row_blocks(self, name: str, shape: tuple[int, ...]) -> list[tuple[int, int]]:
+        """[start, end) row ranges that load_rows reads, about ROW_BLOCK_BYTES of float32
+        each; one range for vectors and for GGUF llama q/k (whose rows load reorders)."""
+        rows = shape[0]
+        if len(shape) < 2 or self._reorders_rows(name):
+            return [(0, rows)]
+        step = max(1, ROW_BLOCK_BYTES // (4 * math.prod(shape[1:])))
+        return [(r, min(r + step, rows)) for r in range(0, rows, step)]
+
+    def load_rows(self, name: str, start: int, end: int) -> torch.Tensor:
+        """Rows start:end of the tensor as float32: the same values as load(name)[start:end]
+        (dequantization and widening work element by element, or block by block in a row)."""
+        if self.gguf is None:
+            from safetensors import safe_open
+            with safe_open(self._file_of[name], framework="pt") as st:
+                return st.get_slice(name)[start:end].float()
+        if (start, end) == (0, self.shape(name)[0]) or self._reorders_rows(name):
+            return self.load(name)[start:end]
+        import gguf
+        from pipefill.model.gguf_file import hf_to_gguf_name
+        t = self.gguf.tensors[hf_to_gguf_name(name)]
+        data = gguf.quants.dequantize(t.data[start:end], t.tensor_type)
+        data = np.ascontiguousarray(data, dtype=np.float32).reshape(end - start, -1)
+        # F32 tensors come back as read-only views of the memory-mapped file.
+        return torch.from_numpy(data if data.flags.writeable else data.copy())
+
+    def _reorders_rows(self, name: str) -> bool:
+        """GGUF llama q/k: GGUFFile.load undoes llama.cpp's rotary interleave across rows."""
+        return (self.gguf is not None and self.gguf.arch == "llama"
+                and name.endswith(("q_proj.weight", "k_proj.weight")))
 
 
 def tensor_names(cfg: ModelConfig, layers: range, first: bool, last: bool) -> list[str]:
@@ -114,7 +162,9 @@ def load_stage_weights(source: WeightSource, layers: range, first: bool, last: b
                        dtype: torch.dtype, progress_desc: str | None = None,
                        weight_dtype: torch.dtype | None = None) -> StageWeights:
     """Matrices in `dtype`; with a narrower weight_dtype their values are first rounded to it
-    (so prefill on torch and decode on the packed copy compute with the same weights)."""
+    (so prefill on torch and decode on the packed copy compute with the same weights).
+    Tensor by tensor and block of rows by block: each matrix is allocated once in `dtype` and
+    filled, so the stage is never resident in float32 (a 7B model would need 28 GB)."""
     from tqdm import tqdm
     cfg = source.config
     head_name = "lm_head.weight"
@@ -122,39 +172,64 @@ def load_stage_weights(source: WeightSource, layers: range, first: bool, last: b
         head_name = "model.embed_tokens.weight"  # tied, or an untied config whose file ties
     names = tensor_names(cfg, layers, first, False) + ([head_name, "model.norm.weight"]
                                                           if last else [])
-    raw = {}
-    for name in tqdm(list(dict.fromkeys(names)), desc=progress_desc or "loading weights",
-                     unit="tensor", leave=False,
-                     disable=None if progress_desc else True):
-        raw[name] = source.load(name)
+    progress = tqdm(total=len(set(names)), desc=progress_desc or "loading weights",
+                    unit="tensor", leave=False, disable=None if progress_desc else True)
+    round_to = weight_dtype if weight_dtype is not None and weight_dtype != dtype else None
+
+    def vec(name):  # norms: float32, as read
+        progress.update()
+        return source.load(name)
 
     def mat(*parts):
-        m = torch.cat([raw[p] for p in parts])
-        if weight_dtype is not None and weight_dtype != dtype:
-            m = m.to(weight_dtype)
-        return m.to(dtype).contiguous()
+        m = stacked_rows(source, parts, dtype, round_to)
+        progress.update(len(parts))
+        return m
 
     out_layers = []
     for i in layers:
         p = f"model.layers.{i}."
         a = p + "self_attn."
         out_layers.append(LayerWeights(
-            input_norm=raw[p + "input_layernorm.weight"],
+            input_norm=vec(p + "input_layernorm.weight"),
             qkv=mat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
             qkv_bias=(mat(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias")
                       if cfg.attention_bias else None),
             o_proj=mat(a + "o_proj.weight"),
-            post_norm=raw[p + "post_attention_layernorm.weight"],
+            post_norm=vec(p + "post_attention_layernorm.weight"),
             gate_up=mat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
             down=mat(p + "mlp.down_proj.weight"),
-            q_norm=raw.get(a + "q_norm.weight"),
-            k_norm=raw.get(a + "k_norm.weight"),
+            q_norm=vec(a + "q_norm.weight") if cfg.qk_norm else None,
+            k_norm=vec(a + "k_norm.weight") if cfg.qk_norm else None,
         ))
     embed = mat("model.embed_tokens.weight") if first else None
     lm_head = None
     if last:
         lm_head = embed if first and head_name == "model.embed_tokens.weight" else mat(head_name)
-    return StageWeights(out_layers, embed, raw["model.norm.weight"] if last else None, lm_head)
+    final_norm = vec("model.norm.weight") if last else None
+    progress.close()
+    return StageWeights(out_layers, embed, final_norm, lm_head)
+
+
+def stacked_rows(source: WeightSource, parts: tuple[str, ...], dtype: torch.dtype,
+                 round_to: torch.dtype | None = None) -> torch.Tensor:
+    """The parts' rows stacked into one contiguous tensor in `dtype` (values rounded to
+    round_to first), the same bits as torch.cat of the float32 parts then .to(): conversions
+    work element by element. Filled a block of rows at a time, so the only float32 copy alive
+    is one block."""
+    shapes = [source.shape(p) for p in parts]
+    for name, shape in zip(parts[1:], shapes[1:]):
+        if shape[1:] != shapes[0][1:]:
+            raise ValueError(f"{name} has shape {list(shape)} but {parts[0]} has "
+                             f"{list(shapes[0])}: the weight file does not fit the model config")
+    out = torch.empty(sum(s[0] for s in shapes), *shapes[0][1:], dtype=dtype)
+    offset = 0
+    for name, shape in zip(parts, shapes):
+        for start, end in source.row_blocks(name, shape):
+            block = source.load_rows(name, start, end)
+            out[offset + start:offset + end].copy_(block if round_to is None
+                                                   else block.to(round_to))
+        offset += shape[0]
+    return out
 
 
 PACKED_FIELDS = ("qkv", "o_proj", "gate_up", "down")

@@ -230,13 +230,17 @@ def bf16_kv_runs(model_g3):
 
 
 def test_bf16_kv_cache_matches_hf_within_rounding(reference, bf16_kv_runs):
-    """A bf16 cache rounds K and V (relative 2^-9): measured here ~2e-3 mean / 9e-3 max nats
-    against HF float32. The kernel adds nothing beyond float32 summation order to that: it must
-    equal split SDPA over the same rounded cache to 1e-4, and HF to 0.01 mean / 0.05 max."""
+    """A bf16 cache rounds K and V (relative 2^-9): measured ~2e-3 mean / 6-9e-3 max nats
+    against HF float32. The kernel adds nothing beyond float32 summation order to that, but
+    the two runs' float32 K/V of later layers differ by ~1e-7 (another attention summation
+    order upstream), which moves the odd value across a bf16 rounding boundary (a 2^-8 step):
+    under 1e-4 on the Zen 4 this test was written on, 1.8e-4 on a Xeon with AMX, between the
+    kernel and split SDPA over the same rounded cache. The bound is 5e-4, a tenth of the
+    rounding's own effect; against HF 0.01 mean / 0.05 max."""
     ref_lp, ref_tokens, margins = reference
     kernel, sdpa = bf16_kv_runs
     for a, b in zip(kernel, sdpa):
-        assert _lp_diff(a, b.prompt_logprobs).max().item() < 1e-4
+        assert _lp_diff(a, b.prompt_logprobs).max().item() < 5e-4
     diff = _lp_diff(kernel[0], ref_lp)
     assert diff.mean().item() < 0.01 and diff.max().item() < 0.05
     assert_greedy_agrees(kernel[0].output_ids, ref_tokens, margins)

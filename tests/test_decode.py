@@ -237,8 +237,9 @@ def test_build_meta_slots_equal_token_slots_on_random_plans():
 def test_hidden_cpu_flags_force_the_fallback_paths(tiny_models):
     """--hide-cpu-flags runs the stage as on a smaller CPU: AVX-512 hidden -> the AVX2 path;
     AVX2 hidden too -> torch (no packed copies)."""
-    assert decode_gemm.hidden_isas("avx512_bf16") == ("avx512bf16",)
-    assert decode_gemm.hidden_isas("avx512f") == ("avx512bf16", "avx512")
+    assert decode_gemm.hidden_isas("avx512_bf16") == ("amx", "avx512bf16")
+    assert decode_gemm.hidden_isas("amx_tile") == ("amx",)
+    assert decode_gemm.hidden_isas("avx512f") == ("amx", "avx512bf16", "avx512")
     assert decode_gemm.hidden_isas("fma") == ("avx2",)
     if not decode_gemm.isa_status()["avx2"][0]:
         pytest.skip("AVX2 path cannot run here: " + decode_gemm.isa_status()["avx2"][1])

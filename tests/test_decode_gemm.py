@@ -21,7 +21,7 @@ SHAPES = [(1, 576, 960), (1, 33, 37), (2, 64, 16), (3, 17, 31), (5, 1536, 576), 
           # vectors of 16 / 6 of 8): one row and column past and short of each, K = 1 and 2.
           (7, 49, 47), (8, 2, 49), (9, 1, 95), (16, 577, 97), (17, 64, 144), (4, 3, 8),
           (1, 1, 1)]  # (M, K, N)
-PATHS = [("avx512bf16", torch.bfloat16, torch.bfloat16),
+PATHS = [("amx", torch.bfloat16, torch.bfloat16), ("avx512bf16", torch.bfloat16, torch.bfloat16),
          ("avx512", torch.float32, torch.float32), ("avx512", torch.float32, torch.bfloat16),
          ("avx512", torch.bfloat16, torch.bfloat16),
          ("avx2", torch.float32, torch.float32), ("avx2", torch.float32, torch.bfloat16),
@@ -112,7 +112,7 @@ def test_forced_fallbacks_pick_the_next_path_then_torch():
     isa, _ = dg.choose_isa(torch.bfloat16, torch.bfloat16)
     assert isa == usable[0]
     # float32 activations never take the bf16 dot-product path (it would round them).
-    assert dg.choose_isa(torch.float32, torch.bfloat16)[0] != "avx512bf16"
+    assert dg.choose_isa(torch.float32, torch.bfloat16)[0] not in dg.BF16_ONLY
     isa, why = dg.choose_isa(torch.bfloat16, torch.bfloat16, disable=dg.ISAS)
     assert isa is None and "disabled by caller" in why
     x, w, b = data(4, 40, 24, torch.float32, torch.float32)
@@ -194,9 +194,11 @@ def test_bind_refuses_buffers_the_kernel_cannot_take():
     both = torch.empty(3, 48)
     with pytest.raises(ValueError, match="overlaps"):  # out written while x is read
         p.bind(both[:, :32], both[:, 32:])
-    if dg.isa_status()["avx512bf16"][0]:
-        pb = dg.pack(w, None, torch.bfloat16, torch.bfloat16)
-        assert pb.isa == "avx512bf16"
+    for isa in dg.BF16_ONLY:
+        if not dg.isa_status()[isa][0]:
+            continue
+        pb = dg.pack(w, None, torch.bfloat16, torch.bfloat16, disable=only(isa))
+        assert pb.isa == isa
         with pytest.raises(ValueError, match="bfloat16 x"):
             pb.bind(x, out)
         pb.bind(x.bfloat16(), out)  # float32 output from bf16 inputs: fine
@@ -242,3 +244,20 @@ def test_avx2_row_tiles_give_the_same_bits_for_every_batch_size(w_dtype):
             assert q is None or torch.equal(y, q(x[:m])), (k, n, m)
             out = torch.empty(m, n, dtype=torch.bfloat16)  # the bf16 store of every tile
             assert torch.equal(p(x[:m], out=out), alone[:m].to(torch.bfloat16)), (k, n, m)
+
+
+def test_amx_pads_k_to_whole_tiles_and_agrees_with_the_vector_path():
+    """The AMX path packs K up to a multiple of 32 (zeros) and reads x through a zero-padded
+    copy of whole 16-row tiles: K short of, at and past a tile, M across row tiles up to the
+    32 of --decode-gemm-max-rows; within the float32-summation bound of the vdpbf16ps path
+    (other order, so not the same bits)."""
+    need("amx")
+    for m, k, n in ((1, 31, 48), (15, 32, 50), (16, 33, 96), (31, 95, 1), (32, 576, 144)):
+        x, w, b = data(m, k, n, torch.bfloat16, torch.bfloat16, seed=5)
+        p = dg.pack(w, b, torch.bfloat16, torch.bfloat16, disable=only("amx"))
+        assert p.packed.shape == (-(-n // dg.BLOCK), -(-k // 32) * 16, dg.BLOCK, 2)
+        y = p(x, out=torch.empty(m, n))
+        assert_close64(y, x, w, b)
+        if dg.isa_status()["avx512bf16"][0]:
+            v = dg.pack(w, b, torch.bfloat16, torch.bfloat16, disable=only("avx512bf16"))
+            assert_close64(v(x, out=torch.empty(m, n)), x, w, b)

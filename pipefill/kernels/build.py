@@ -34,10 +34,11 @@ def require_ninja(what: str) -> None:
                            f"run `{sys.executable} -m pip install ninja`")
 
 
-def compile_object(source: Path, header: Path, flags: list[str], out_dir: Path,
-                   stem: str) -> Path:
-    """source -> <stem>-<hash>.o, rebuilt when the source, header, flags or compiler change;
-    written to a temporary name and renamed, so concurrent processes are safe."""
+def compile_object(source: Path, header: Path | tuple[Path, ...], flags: list[str],
+                   out_dir: Path, stem: str) -> Path:
+    """source -> <stem>-<hash>.o, rebuilt when the source, its header(s), flags or compiler
+    change; written to a temporary name and renamed, so concurrent processes are safe."""
+    headers = (header,) if isinstance(header, Path) else header
     cxx = os.environ.get("CXX", "c++")
     try:
         version = subprocess.run([cxx, "--version"], capture_output=True, text=True,
@@ -45,8 +46,8 @@ def compile_object(source: Path, header: Path, flags: list[str], out_dir: Path,
     except (OSError, subprocess.CalledProcessError) as e:
         raise RuntimeError(f"C++ compiler {cxx!r} not usable: {e}") from None
     h = hashlib.sha256()
-    for part in (source.read_bytes(), header.read_bytes(), " ".join(flags).encode(),
-                 version.encode(), cxx.encode()):
+    for part in (source.read_bytes(), *(hd.read_bytes() for hd in headers),
+                 " ".join(flags).encode(), version.encode(), cxx.encode()):
         h.update(part)
     obj = out_dir / f"{stem}-{h.hexdigest()[:16]}.o"
     if obj.exists():

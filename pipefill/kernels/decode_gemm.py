@@ -12,11 +12,16 @@ at most 47 columns per matrix (none for the default model's shapes).
 Paths, one C++ translation unit each, built with its own -m flags and chosen at run time from
 cpuid (a CPU never runs an instruction it lacks; ``disable=`` forces paths off for tests):
 
+* ``amx``: bf16 activations x bf16 weights in AMX tiles (TDPBF16PS, 16 rows x 32 k x 16
+  columns per instruction), float32 sums; K padded to a multiple of 32 in the packed copy.
+  The vector paths turn compute-bound from ~8 rows; this one streams the weights at the same
+  speed for every M up to 16. Its sums are batch-independent too, but not the same bits as
+  ``avx512bf16``'s (another summation order).
 * ``avx512bf16``: bf16 activations x bf16 weights with vdpbf16ps, float32 sums.
 * ``avx512``: float32 compute, float32 or bf16 weights (bf16 widened in registers).
 * ``avx2``: AVX2 + FMA, the same arithmetic as ``avx512`` (bit-identical results).
 
-AMX is not used: no test machine of this project has it. Larger M (prefill) stays on torch's
+Larger M (prefill) stays on torch's
 F.linear over the original [N, K] weights, so the packed copy costs one extra copy of each
 packed matrix (or half of one for bf16 packs of float32 weights).
 
@@ -43,15 +48,19 @@ from pipefill.kernels.build import build_dir, compile_object, glue_dir, require_
 log = logging.getLogger("pipefill.kernels")
 
 BLOCK = 48  # output columns per packed group (kGroup in decode_gemm_kernel.h)
-ISAS = ("avx512bf16", "avx512", "avx2")  # preference order
-_ISA_CODE = {"avx2": 0, "avx512": 1, "avx512bf16": 2}
+ISAS = ("amx", "avx512bf16", "avx512", "avx2")  # preference order
+_ISA_CODE = {"avx2": 0, "avx512": 1, "avx512bf16": 2, "amx": 3}
+BF16_ONLY = ("amx", "avx512bf16")  # bf16 activations and weights only
+AMX_K = 32  # the AMX path's packed K is a multiple of this (kAmxK)
 _BASE = ["-O3", "-std=c++17", "-fPIC", "-ffp-contract=off", "-fno-exceptions"]
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl"]
 ISA_FLAGS = {"avx2": _BASE + ["-mavx2", "-mfma"],
              "avx512": _BASE + _AVX512,
-             "avx512bf16": _BASE + _AVX512 + ["-mavx512bf16"]}
+             "avx512bf16": _BASE + _AVX512 + ["-mavx512bf16"],
+             "amx": _BASE + _AVX512 + ["-mavx512bf16", "-mamx-tile", "-mamx-bf16"]}
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _HEADER = _CSRC / "decode_gemm_kernel.h"
+_STORE512 = _CSRC / "decode_gemm_store512.h"  # included by the AVX-512 and AMX paths
 _F32, _BF16 = 0, 1
 _CODE = {torch.float32: _F32, torch.bfloat16: _BF16}
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -68,7 +77,8 @@ def _build() -> str:
     require_ninja("the decode GEMM")
     out = build_dir("decode_gemm")
     t0 = time.perf_counter()
-    objs = [str(compile_object(_CSRC / f"decode_gemm_{isa}.cpp", _HEADER, flags, out,
+    objs = [str(compile_object(_CSRC / f"decode_gemm_{isa}.cpp",
+                               _HEADER if isa == "avx2" else (_HEADER, _STORE512), flags, out,
                                f"decode_gemm_{isa}")) for isa, flags in ISA_FLAGS.items()]
     path = cpp_ext.load(name="pipefill_decode_gemm", sources=[str(_CSRC / "decode_gemm.cpp")],
                         extra_cflags=["-O3", "-std=c++17", "-fopenmp"],
@@ -120,7 +130,9 @@ def isa_status() -> dict[str, tuple[bool, str]]:
 
 
 # CPU flags (as /proc/cpuinfo names them) each path needs; --hide-cpu-flags turns paths off.
-ISA_CPU_FLAGS = {"avx512bf16": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
+ISA_CPU_FLAGS = {"amx": ("amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512vl",
+                         "avx512_bf16"),
+                 "avx512bf16": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
                  "avx512": ("avx512f", "avx512bw", "avx512vl"), "avx2": ("avx2", "fma")}
 
 
@@ -139,7 +151,7 @@ def choose_isa(compute_dtype: torch.dtype, weight_dtype: torch.dtype,
     reasons = []
     for isa in ISAS:
         ok, why = isa_status()[isa]
-        if isa == "avx512bf16" and (compute_dtype, weight_dtype) != (torch.bfloat16,) * 2:
+        if isa in BF16_ONLY and (compute_dtype, weight_dtype) != (torch.bfloat16,) * 2:
             ok, why = False, "needs bf16 activations and weights"
         if isa in disable:
             ok, why = False, "disabled by caller"
@@ -154,13 +166,18 @@ def available(compute_dtype: torch.dtype = torch.float32,
     return choose_isa(compute_dtype, weight_dtype or compute_dtype)[0] is not None
 
 
-def pack_weight(weight: torch.Tensor, weight_dtype: torch.dtype) -> torch.Tensor:
+def padded_k(k: int, isa: str) -> int:
+    """K of the packed copy: even, and a multiple of AMX_K for the AMX path (whole tiles)."""
+    return -(-k // AMX_K) * AMX_K if isa == "amx" else k + (k & 1)
+
+
+def pack_weight(weight: torch.Tensor, weight_dtype: torch.dtype, isa: str = "avx512") -> torch.Tensor:
     """[N, K] -> float32 [ng, Kp, 48] or bf16 [ng, Kp/2, 48, 2] (zero padding to a whole group
-    of 48 columns and to an even K). Written in place through a view of the packed tensor in
-    W's row order, so packing costs the packed copy only (no padded or converted copy of the
-    whole matrix on top: the LM head's would be 56 MB of bf16 for the default model)."""
+    of 48 columns and to Kp = padded_k(K, isa)). Written in place through a view of the packed
+    tensor in W's row order, so packing costs the packed copy only (no padded or converted copy
+    of the whole matrix on top: the LM head's would be 56 MB of bf16 for the default model)."""
     n, k = weight.shape
-    nb, kp = -(-n // BLOCK), k + (k & 1)
+    nb, kp = -(-n // BLOCK), padded_k(k, isa)
     if weight_dtype == torch.float32:
         packed = torch.empty(nb, kp, BLOCK, dtype=weight_dtype)
         by_rows = packed.permute(0, 2, 1)  # [ng, 48, Kp]: group g's rows of W
@@ -253,8 +270,8 @@ def _check_bind(lin: PackedLinear, x: torch.Tensor, out: torch.Tensor) -> None:
         if (t.shape[1] > 1 and t.stride(1) != 1) or (t.shape[0] > 1 and t.stride(0) < width):
             raise ValueError(f"bind: {name} must have contiguous, non-overlapping rows "
                              f"(strides {t.stride()} for shape {list(t.shape)})")
-    if lin.isa == "avx512bf16" and x.dtype != torch.bfloat16:
-        raise ValueError(f"bind: the avx512bf16 path takes bfloat16 x, got {x.dtype}")
+    if lin.isa in BF16_ONLY and x.dtype != torch.bfloat16:
+        raise ValueError(f"bind: the {lin.isa} path takes bfloat16 x, got {x.dtype}")
     (x0, x1), (o0, o1) = _rows_span(x), _rows_span(out)
     if x0 < o1 and o0 < x1:  # the kernel reads x while it writes out
         raise ValueError("bind: out overlaps x")
@@ -285,5 +302,5 @@ def pack(weight: torch.Tensor, bias: torch.Tensor | None, compute_dtype: torch.d
     if isa is None or weight.device.type != "cpu":
         return None
     b = None if bias is None else bias.float().contiguous()
-    return PackedLinear(pack_weight(weight, weight_dtype), weight.shape[0], weight.shape[1], b,
-                        isa, max_rows)
+    return PackedLinear(pack_weight(weight, weight_dtype, isa), weight.shape[0], weight.shape[1],
+                        b, isa, max_rows)

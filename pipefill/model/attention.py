@@ -169,15 +169,42 @@ class VectorAttention:
         return profiled("pipefill::cpu_attention")
 
 
+@dataclass
+class AmxAttention(VectorAttention):
+    """AMX for prefill chunks; decode rows on the avx512bf16 vector kernel (isa), which reads
+    the same packed bf16 cache (the layouts are byte-identical). One query token per sequence
+    fills 3 of an AMX tile's 16 rows, and the vector kernel's decode entry serves a whole batch
+    per layer (the lean decode path's decode_batch)."""
+    isa: str = "avx512bf16"
+
+    def __call__(self, q, k, v, k_cache, v_cache, seqs: list[SeqMeta], scale: float):
+        from pipefill.kernels.amx_attention import chunk_attention
+        out = torch.empty_like(q)
+        with profiled("pipefill::amx_attention"):
+            for seq in seqs:
+                rows = slice(seq.row_start, seq.row_start + seq.num_new)
+                if seq.num_new == 1 and seq.prefix_len > 0:
+                    self.decode_one(q[rows], k[rows], v[rows], k_cache, v_cache, seq, scale,
+                                    out[rows])
+                else:
+                    chunk_attention(q[rows], k_cache, v_cache, seq.page_table, seq.prefix_len,
+                                    scale, k_new=k[rows], v_new=v[rows], out=out[rows])
+        return out
+
+
 def cpu_paged_attention(isa: str) -> VectorAttention:
     return VectorAttention(isa)
 
 
-def backend_attention(backend: str):
-    """(q, k, v, k_cache, v_cache, seqs, scale) -> out for a backend choose_backend returned."""
+def backend_attention(backend: str, flags: frozenset[str] | None = None):
+    """(q, k, v, k_cache, v_cache, seqs, scale) -> out for a backend choose_backend returned
+    (flags: the CPU flags to trust, as there)."""
     if backend == "sdpa":
         return paged_attention
     if backend == "amx":
+        from pipefill.kernels.cpu_attention import kernel_available
+        if kernel_available("avx512bf16", flags)[0]:
+            return AmxAttention()
         return amx_paged_attention
     return cpu_paged_attention(backend)
 

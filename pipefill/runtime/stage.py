@@ -82,7 +82,7 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
     else:
         cache = KVCache(len(info.layers), num_pages, args.page_size, cfg.num_kv_heads,
                         cfg.head_dim, kv_dtype, device)
-    attention = backend_attention(backend)
+    attention = backend_attention(backend, flags)
     ops = elementwise_ops(cfg, device, dtype, flags)
     from pipefill.kernels.decode_gemm import hidden_isas
     packed_bytes = pack_stage_weights(weights, dtype, weight_dtype, args.decode_gemm_max_rows,
@@ -96,7 +96,9 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
     warm_up(executor)
     log.info("stage %d/%d ready: layers %d-%d, %s, attention %s (%s), %s KV cache, %s "
              "elementwise ops, %d KV pages of %d tokens, %d threads", info.rank, info.size,
-             info.layers.start, info.layers.stop - 1, args.dtype, backend, why,
+             info.layers.start, info.layers.stop - 1, args.dtype,
+             backend + (f" (decode on {attention.isa})" if backend == "amx" and
+                        hasattr(attention, "isa") else ""), why,
              dtype_name(kv_dtype),
              "fused" if isinstance(ops, FusedOps) else "torch", num_pages, args.page_size,
              torch.get_num_threads())

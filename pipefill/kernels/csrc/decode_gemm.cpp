@@ -6,6 +6,8 @@
 #include <ATen/Parallel.h>
 
 #include <cpuid.h>
+#include <sys/syscall.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <cstdint>
@@ -20,7 +22,8 @@ namespace {
 
 using namespace pipefill_decode;
 
-enum Isa { kAvx2 = 0, kAvx512 = 1, kAvx512Bf16 = 2 };
+enum Isa { kAvx2 = 0, kAvx512 = 1, kAvx512Bf16 = 2, kAmx = 3 };
+constexpr int kIsas = 4;
 
 uint64_t xgetbv0() {
   uint32_t eax, edx;
@@ -28,9 +31,21 @@ uint64_t xgetbv0() {
   return ((uint64_t)edx << 32) | eax;
 }
 
+// Linux lends AMX tile data only to a process that asked for it (arch_prctl); process-wide,
+// so torch's pool threads may then use tiles too. nullptr when granted.
+const char* amx_permission() {
+  constexpr long kGetPerm = 0x1022, kReqPerm = 0x1023, kXtiledata = 18;
+  unsigned long mask = 0;
+  if (syscall(SYS_arch_prctl, kGetPerm, &mask) == 0 && (mask & (1ul << kXtiledata))) return nullptr;
+  if (syscall(SYS_arch_prctl, kReqPerm, kXtiledata) != 0) return "AMX tile permission refused (ARCH_REQ_XCOMP_PERM)";
+  if (syscall(SYS_arch_prctl, kGetPerm, &mask) != 0 || !(mask & (1ul << kXtiledata)))
+    return "AMX tile permission not granted (ARCH_GET_XCOMP_PERM)";
+  return nullptr;
+}
+
 const char* isa_check(int isa) {
   unsigned a, b, c, d;
-  if (isa < kAvx2 || isa > kAvx512Bf16) return "unknown ISA";
+  if (isa < 0 || isa >= kIsas) return "unknown ISA";
   if (!__get_cpuid(1, &a, &b, &c, &d)) return "cpuid leaf 1 unavailable";
   if (!(c & (1u << 27))) return "OSXSAVE not enabled";
   const bool fma = c & (1u << 12);
@@ -46,15 +61,23 @@ const char* isa_check(int isa) {
   if (!(b & (1u << 16))) return "no AVX512F";
   if (!(b & (1u << 30))) return "no AVX512BW";
   if (!(b & (1u << 31))) return "no AVX512VL";
-  if (isa == kAvx512Bf16) {
+  const bool amx_tile = d & (1u << 24), amx_bf16 = d & (1u << 22);
+  if (isa == kAvx512Bf16 || isa == kAmx) {
     if (!__get_cpuid_count(7, 1, &a, &b, &c, &d) || !(a & (1u << 5))) return "no AVX512_BF16";
+  }
+  if (isa == kAmx) {
+    if (!amx_tile) return "no AMX-TILE";
+    if (!amx_bf16) return "no AMX-BF16";
+    if ((xcr0 & 0x60000) != 0x60000) return "OS does not enable AMX tile state (XCR0)";
+    return amx_permission();
   }
   return nullptr;
 }
 
 bool isa_ok(int isa) {
-  static const bool ok[3] = {isa_check(0) == nullptr, isa_check(1) == nullptr, isa_check(2) == nullptr};
-  return isa >= 0 && isa <= 2 && ok[isa];
+  static const bool ok[kIsas] = {isa_check(0) == nullptr, isa_check(1) == nullptr,
+                                 isa_check(2) == nullptr, isa_check(3) == nullptr};
+  return isa >= 0 && isa < kIsas && ok[isa];
 }
 
 inline float bf16_to_f32(uint16_t h) {
@@ -83,16 +106,30 @@ int pf_dg_isa_supported(int isa, char* buf, int n) {
 
 // y[M, N] (row stride ldy, float32 or bf16) = x[M, K] (row stride ldx, float32 or bf16) @ W^T
 // (+ bias float32 [N] or null), W packed (see decode_gemm_kernel.h) as w_dtype.
+// W's Kp is K rounded up to even, or to a multiple of kAmxK for the AMX path.
 // Returns 0, or -2 (ISA not usable here), -3 (bad arguments), -1 (exception).
 int pf_dg_gemm(int isa, const void* x, int x_dtype, int64_t ldx, const void* wp, int w_dtype,
                const float* bias, void* y, int y_dtype, int64_t ldy, int64_t M, int64_t N, int64_t K) {
   if (!isa_ok(isa)) return -2;
   if (M <= 0 || N <= 0) return 0;
-  if (K <= 0 || (isa == kAvx512Bf16 && (w_dtype != kBF16 || x_dtype != kBF16))) return -3;
+  const bool bf16_only = isa == kAvx512Bf16 || isa == kAmx;
+  if (K <= 0 || (bf16_only && (w_dtype != kBF16 || x_dtype != kBF16))) return -3;
   const Out out{y, y_dtype, ldy, N, bias};
-  const int64_t kp = K + (K & 1);
+  const int64_t kp = isa == kAmx ? (K + kAmxK - 1) / kAmxK * kAmxK : K + (K & 1);
   const int64_t ng = (N + kGroup - 1) / kGroup;
   try {
+    if (isa == kAmx) {  // A tiles read whole 16-row x 32-k blocks: a zero-padded copy of x
+      thread_local std::vector<uint16_t> padded;
+      const int64_t rows = (M + 15) / 16 * 16;
+      padded.assign((size_t)(rows * kp), 0);
+      const uint16_t* xb = static_cast<const uint16_t*>(x);
+      for (int64_t m = 0; m < M; ++m) std::memcpy(&padded[m * kp], xb + m * ldx, K * 2);
+      const uint16_t* xp = padded.data();
+      at::parallel_for(0, ng, grain(kp, 2), [&](int64_t g0, int64_t g1) {
+        amx::gemm_blocks(xp, wp, M, kp, out, g0, g1);
+      });
+      return 0;
+    }
     if (isa == kAvx512Bf16) {
       const uint16_t* xb = static_cast<const uint16_t*>(x);
       std::vector<uint16_t> padded;

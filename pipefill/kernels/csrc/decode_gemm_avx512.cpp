@@ -7,6 +7,7 @@
 #include <immintrin.h>
 
 #include "decode_gemm_kernel.h"
+#include "decode_gemm_store512.h"
 
 namespace pipefill_decode {
 namespace avx512 {
@@ -14,22 +15,6 @@ namespace {
 
 constexpr int kRows = 8;  // 24 accumulators + 3 weights + a broadcast < 32 zmm
 constexpr int kPrefetchPairs = 8;
-
-inline void store_row(const Out& o, int64_t m, int64_t n0, __m512 v) {
-  const int64_t left = o.N - n0;
-  const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-  if (o.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, o.bias + n0));
-  if (o.y_dtype == kF32) {
-    _mm512_mask_storeu_ps(static_cast<float*>(o.y) + m * o.ldy + n0, mask, v);
-    return;
-  }
-  // Round to nearest even, NaN -> quiet NaN, as c10::BFloat16 does.
-  const __m512i b = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7fc0));
-  _mm256_mask_storeu_epi16(static_cast<uint16_t*>(o.y) + m * o.ldy + n0, mask, _mm512_cvtepi32_epi16(r));
-}
 
 // The 48 weights of k = 2p + j (j = 0 even, 1 odd) of a group, as float32.
 template <bool BF16>

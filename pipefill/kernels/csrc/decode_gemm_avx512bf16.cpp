@@ -11,6 +11,7 @@
 #include <cstring>
 
 #include "decode_gemm_kernel.h"
+#include "decode_gemm_store512.h"
 
 namespace pipefill_decode {
 namespace avx512bf16 {
@@ -18,22 +19,6 @@ namespace {
 
 constexpr int kRows = 8;          // 24 accumulators + 3 weights < 32 zmm
 constexpr int kPrefetchPairs = 8;  // 1.5 KB ahead of the loads
-
-inline void store_row(const Out& o, int64_t m, int64_t n0, __m512 v) {
-  const int64_t left = o.N - n0;
-  const __mmask16 mask = left >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << left) - 1);
-  if (o.bias) v = _mm512_add_ps(v, _mm512_maskz_loadu_ps(mask, o.bias + n0));
-  if (o.y_dtype == kF32) {
-    _mm512_mask_storeu_ps(static_cast<float*>(o.y) + m * o.ldy + n0, mask, v);
-    return;
-  }
-  // Integer rounding (not vcvtneps2bf16, which flushes denormals): same bits as the other ISAs.
-  const __m512i b = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(b, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(b, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7fff))), 16);
-  r = _mm512_mask_blend_epi32(_mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), r, _mm512_set1_epi32(0x7fc0));
-  _mm256_mask_storeu_epi16(static_cast<uint16_t*>(o.y) + m * o.ldy + n0, mask, _mm512_cvtepi32_epi16(r));
-}
 
 // acc += x pair . w per column; the compiler shares one broadcast of the pair per row.
 inline __m512 dot_pair(__m512 acc, __m512bh w, const uint16_t* x) {

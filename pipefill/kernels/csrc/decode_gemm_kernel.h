@@ -1,10 +1,10 @@
 // Interface between the decode-GEMM glue (decode_gemm.cpp, built without ISA flags) and the
-// per-ISA translation units decode_gemm_{avx2,avx512,avx512bf16}.cpp (each built with its own
+// per-ISA translation units decode_gemm_{avx2,avx512,avx512bf16,amx}.cpp (each built with its own
 // -m flags and entered only after the glue's cpuid/XCR0 check for that ISA). Plain C++ only.
 //
 // y[M, N] = x[M, K] @ W[N, K]^T (+ bias) for small M, W packed at load time:
 //   groups of kGroup = 48 output columns (3 zmm / 6 ymm of float32 sums); K padded to
-//   Kp = K rounded up to even (zeros), N to a whole group (zeros);
+//   Kp = K rounded up to even (AMX: to a multiple of kAmxK) with zeros, N to a whole group;
 //   float32 weights: wp[g][Kp][48]            (48 columns of one k contiguous: 3 cache lines)
 //   bf16 weights:    wp[g][Kp/2][48][2]       (per column the pair k = 2p, 2p + 1 in one
 //                                               32-bit word: low half = even k)
@@ -24,6 +24,7 @@ namespace pipefill_decode {
 constexpr int kF32 = 0;
 constexpr int kBF16 = 1;
 constexpr int kGroup = 48;
+constexpr int kAmxK = 32;  // k values per AMX step (one 16-pair B tile)
 
 struct Out {
   void* y;
@@ -47,6 +48,13 @@ namespace avx512bf16 {
 // only (vdpbf16ps).
 void gemm_blocks(const uint16_t* x, int64_t ldx, const void* wp, int64_t M, int64_t K,
                  const Out& out, int64_t g0, int64_t g1);
+}
+
+namespace amx {
+// x: bf16 bits, zero-padded to whole 16-row tiles [ceil(M / 16) * 16, Kp] (row stride Kp, a
+// multiple of kAmxK); bf16 weights packed with that Kp. Needs tile permission (the glue's).
+void gemm_blocks(const uint16_t* x, const void* wp, int64_t M, int64_t Kp, const Out& out,
+                 int64_t g0, int64_t g1);
 }
 
 }  // namespace pipefill_decode

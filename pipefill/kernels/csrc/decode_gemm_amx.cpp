@@ -36,11 +36,12 @@ struct alignas(64) TileConfig {
   uint8_t rows[16] = {};
 };
 
-void configure() {
+// A and C tiles of `rows` rows (fewer rows multiply faster), B tiles 16 rows; 64 bytes each.
+void configure(int rows) {
   TileConfig cfg;
-  for (int t = 0; t < 7; ++t) {  // every tile 16 rows x 64 bytes
+  for (int t = 0; t < 7; ++t) {
     cfg.colsb[t] = 64;
-    cfg.rows[t] = kRows;
+    cfg.rows[t] = t >= 4 ? kRows : rows;
   }
   _tile_loadconfig(&cfg);
 }
@@ -80,7 +81,7 @@ void tile(const uint16_t* x, int64_t Kp, const uint32_t* grp, const Out& o, int6
 
 void gemm_blocks(const uint16_t* x, const void* wp, int64_t M, int64_t Kp, const Out& o,
                  int64_t g0, int64_t g1) {
-  configure();  // tile state is per thread: every task configures its own
+  configure(M < kRows ? (int)M : kRows);  // tile state is per thread: every task its own
   for (int64_t g = g0; g < g1; ++g) {
     const uint32_t* grp = static_cast<const uint32_t*>(wp) + g * (Kp / 2) * kGroup;
     for (int64_t m0 = 0; m0 < M; m0 += kRows)  // later row tiles read grp from L2

@@ -8,8 +8,9 @@
 // Layout: the packed bf16 groups of decode_gemm_kernel.h, with K padded to a multiple of 32
 // (kAmxK) so every k-step is one whole tile: the pairs [p, p + 16) of a 16-column slice of a
 // group are 16 rows of 64 bytes, 192 bytes apart (the group's row of pairs), which is exactly a
-// B tile. The glue hands in x zero-padded to whole 16-row tiles and Kp columns (A tiles read 16
-// rows). Tiles: C0..C2 the 48 sums of a group, A3 the rows, B4..B6 the weights.
+// B tile. The glue hands in x zero-padded to whole 16-row tiles and Kp columns. Tiles: C0..C2
+// the 48 sums of a group, A3 the rows, B4..B6 the weights; A and C have min(M, 16) rows (fewer
+// rows multiply faster: M = 1 costs what the vector path costs).
 // Sums per (row, column) run over the k-steps in order, each step one TDPBF16PS whose result for
 // a row depends on that row alone: the same bits whatever M (not the same bits as the vector
 // path's one-pair-at-a-time chain).

@@ -83,3 +83,19 @@ def test_bench_prefill_reports_peak_rss_and_scaling(tmp_path):
                         and x["threads_per_stage"] == r["threads_per_stage"])
             assert r["scaling_efficiency"] == pytest.approx(
                 base["pipefill"]["ttft_s"] / (2 * r["pipefill"]["ttft_s"]))
+
+
+def test_bench_prefill_time_split_with_auto_chunks(tmp_path):
+    """--chunked-prefill-size auto: the time split runs the C0 auto chose in the timed run
+    (it passed the string 'auto' to the scheduler and died with a TypeError)."""
+    model = save_tiny_model("llama", tmp_path / "model")
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipefill.cli.main", "bench", "prefill", "--model-path", model,
+         "--input-len", "300", "--reps", "1", "--no-hf", "--chunked-prefill-size", "auto",
+         "--dynamic-chunking-profile-cache", str(tmp_path / "profiles"), "--json", str(out)],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "time split" in proc.stdout
+    (row,) = json.loads(out.read_text())["rows"]
+    assert row["split"]["wall_s"] > 0 and sum(row["chunk_sizes"]) == 300

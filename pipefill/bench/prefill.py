@@ -141,7 +141,10 @@ def run(ns: argparse.Namespace) -> int:
                         key=lambda c: c.args.num_threads)
         for row in rows:
             if row["config"] == split_cfg.name:
-                row["split"] = prefill_time_split(split_cfg.args, source, prompts[row["len"]])
+                args = split_cfg.args
+                if args.chunked_prefill_size == "auto":  # the C0 auto chose in the timed run
+                    args = args.replace(chunked_prefill_size=row["chunk_sizes"][0])
+                row["split"] = prefill_time_split(args, source, prompts[row["len"]])
                 print_split(row)
     if ns.json:
         with open(ns.json, "w") as f:

@@ -60,7 +60,7 @@ ISA_FLAGS = {"avx2": _BASE + ["-mavx2", "-mfma"],
              "amx": _BASE + _AVX512 + ["-mavx512bf16", "-mamx-tile", "-mamx-bf16"]}
 _CSRC = Path(__file__).resolve().parent / "csrc"
 _HEADER = _CSRC / "decode_gemm_kernel.h"
-_STORE512 = _CSRC / "decode_gemm_store512.h"  # included by the AVX-512 and AMX paths
+_STORE512 = _CSRC / "decode_gemm_store512.h"  # the AVX-512 and AMX paths' row store
 _F32, _BF16 = 0, 1
 _CODE = {torch.float32: _F32, torch.bfloat16: _BF16}
 _P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
@@ -77,9 +77,8 @@ def _build() -> str:
     require_ninja("the decode GEMM")
     out = build_dir("decode_gemm")
     t0 = time.perf_counter()
-    objs = [str(compile_object(_CSRC / f"decode_gemm_{isa}.cpp",
-                               _HEADER if isa == "avx2" else (_HEADER, _STORE512), flags, out,
-                               f"decode_gemm_{isa}")) for isa, flags in ISA_FLAGS.items()]
+    objs = [str(compile_object(_CSRC / f"decode_gemm_{isa}.cpp", (_HEADER, _STORE512), flags,
+                               out, f"decode_gemm_{isa}")) for isa, flags in ISA_FLAGS.items()]
     path = cpp_ext.load(name="pipefill_decode_gemm", sources=[str(_CSRC / "decode_gemm.cpp")],
                         extra_cflags=["-O3", "-std=c++17", "-fopenmp"],
                         extra_ldflags=[*objs, "-fopenmp"], extra_include_paths=[str(_CSRC)],
@@ -171,7 +170,8 @@ def padded_k(k: int, isa: str) -> int:
     return -(-k // AMX_K) * AMX_K if isa == "amx" else k + (k & 1)
 
 
-def pack_weight(weight: torch.Tensor, weight_dtype: torch.dtype, isa: str = "avx512") -> torch.Tensor:
+def pack_weight(weight: torch.Tensor, weight_dtype: torch.dtype,
+                isa: str = "avx512") -> torch.Tensor:
     """[N, K] -> float32 [ng, Kp, 48] or bf16 [ng, Kp/2, 48, 2] (zero padding to a whole group
     of 48 columns and to Kp = padded_k(K, isa)). Written in place through a view of the packed
     tensor in W's row order, so packing costs the packed copy only (no padded or converted copy

@@ -114,14 +114,19 @@ def profiled(name: str):
 
 def amx_paged_attention(q, k, v, k_cache, v_cache, seqs: list[SeqMeta], scale: float):
     """The fused AMX kernel; it writes the new K/V into its packed cache layout itself."""
-    from pipefill.kernels.amx_attention import chunk_attention
     out = torch.empty_like(q)
     with profiled("pipefill::amx_attention"):  # for the time split
         for seq in seqs:
             rows = slice(seq.row_start, seq.row_start + seq.num_new)
-            chunk_attention(q[rows], k_cache, v_cache, seq.page_table, seq.prefix_len, scale,
-                            k_new=k[rows], v_new=v[rows], out=out[rows])
+            _amx_rows(q[rows], k[rows], v[rows], k_cache, v_cache, seq, scale, out[rows])
     return out
+
+
+def _amx_rows(q, k, v, k_cache, v_cache, seq: SeqMeta, scale: float, out) -> None:
+    """One sequence's rows through the AMX kernel into out."""
+    from pipefill.kernels.amx_attention import chunk_attention
+    chunk_attention(q, k_cache, v_cache, seq.page_table, seq.prefix_len, scale, k_new=k,
+                    v_new=v, out=out)
 
 
 # Fused kernels over the packed paged cache (pipefill.kernels.amx_attention.AmxKVCache), best
@@ -178,17 +183,12 @@ class AmxAttention(VectorAttention):
     isa: str = "avx512bf16"
 
     def __call__(self, q, k, v, k_cache, v_cache, seqs: list[SeqMeta], scale: float):
-        from pipefill.kernels.amx_attention import chunk_attention
         out = torch.empty_like(q)
         with profiled("pipefill::amx_attention"):
             for seq in seqs:
                 rows = slice(seq.row_start, seq.row_start + seq.num_new)
-                if seq.num_new == 1 and seq.prefix_len > 0:
-                    self.decode_one(q[rows], k[rows], v[rows], k_cache, v_cache, seq, scale,
-                                    out[rows])
-                else:
-                    chunk_attention(q[rows], k_cache, v_cache, seq.page_table, seq.prefix_len,
-                                    scale, k_new=k[rows], v_new=v[rows], out=out[rows])
+                attend = self.decode_one if seq.num_new == 1 and seq.prefix_len > 0 else _amx_rows
+                attend(q[rows], k[rows], v[rows], k_cache, v_cache, seq, scale, out[rows])
         return out
 
 

@@ -87,6 +87,15 @@ inline float bf16_to_f32(uint16_t h) {
   return f;
 }
 
+// x's M rows of K bf16 values copied into buf as `rows` rows of kp values (row stride kp),
+// the rest zeros -> buf's data.
+const uint16_t* zero_padded(const uint16_t* x, int64_t ldx, int64_t M, int64_t K, int64_t rows,
+                            int64_t kp, std::vector<uint16_t>& buf) {
+  buf.assign((size_t)(rows * kp), 0);
+  for (int64_t m = 0; m < M; ++m) std::memcpy(&buf[m * kp], x + m * ldx, K * 2);
+  return buf.data();
+}
+
 // Column groups per task: at least ~64 KB of weights each, so small matrices stay on one
 // thread (a group of a 576-wide matrix is already 55 KB in bf16).
 int64_t grain(int64_t kp, int64_t w_elem) {
@@ -120,11 +129,8 @@ int pf_dg_gemm(int isa, const void* x, int x_dtype, int64_t ldx, const void* wp,
   try {
     if (isa == kAmx) {  // A tiles read whole 16-row x 32-k blocks: a zero-padded copy of x
       thread_local std::vector<uint16_t> padded;
-      const int64_t rows = (M + 15) / 16 * 16;
-      padded.assign((size_t)(rows * kp), 0);
-      const uint16_t* xb = static_cast<const uint16_t*>(x);
-      for (int64_t m = 0; m < M; ++m) std::memcpy(&padded[m * kp], xb + m * ldx, K * 2);
-      const uint16_t* xp = padded.data();
+      const uint16_t* xp = zero_padded(static_cast<const uint16_t*>(x), ldx, M, K,
+                                       (M + 15) / 16 * 16, kp, padded);
       at::parallel_for(0, ng, grain(kp, 2), [&](int64_t g0, int64_t g1) {
         amx::gemm_blocks(xp, wp, M, kp, out, g0, g1);
       });
@@ -134,9 +140,7 @@ int pf_dg_gemm(int isa, const void* x, int x_dtype, int64_t ldx, const void* wp,
       const uint16_t* xb = static_cast<const uint16_t*>(x);
       std::vector<uint16_t> padded;
       if (K & 1) {  // vdpbf16ps reads k in pairs: give the last k a zero partner
-        padded.assign((size_t)(M * kp), 0);
-        for (int64_t m = 0; m < M; ++m) std::memcpy(&padded[m * kp], xb + m * ldx, K * 2);
-        xb = padded.data();
+        xb = zero_padded(xb, ldx, M, K, M, kp, padded);
         ldx = kp;
       }
       at::parallel_for(0, ng, grain(kp, 2), [&](int64_t g0, int64_t g1) {

@@ -54,7 +54,7 @@ ISA_FLAGS = {
     "avx512bf16": _BASE + _AVX512 + ["-mavx512bf16", "-DPF_ATTN_BF16DOT=1", "-DPF_ATTN_ROWS=8",
                                             "-DPF_ATTN_WIDTH=16"],
     "avx512": _BASE + _AVX512 + ["-DPF_ATTN_ROWS=8", "-DPF_ATTN_WIDTH=16"],
-    "avx2": _BASE + ["-mavx2", "-mfma", "-DPF_ATTN_ROWS=4", "-DPF_ATTN_WIDTH=8"],
+    "avx2": _BASE + ["-mavx2", "-mfma", "-DPF_ATTN_ROWS=6", "-DPF_ATTN_WIDTH=8"],
 }
 ISAS = tuple(ISA_FLAGS)
 ISA_ID = {name: i for i, name in enumerate(ISAS)}  # must match kKernels in cpu_attn_ext.cpp

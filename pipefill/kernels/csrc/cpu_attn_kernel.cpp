@@ -4,7 +4,8 @@
 //   avx512bf16: -mavx512f/bw/vl/dq -mavx512bf16 -mfma; QK^T and PV with vdpbf16ps on bf16 Q, K,
 //               V and P (fp32 accumulators), R = 8 rows per register block (4 for decode);
 //   avx512:     -mavx512f/bw/vl/dq -mfma; fp32 compute, R = 8 (4 for decode);
-//   avx2:       -mavx2 -mfma; fp32 compute, R = 4 (16 ymm registers).
+//   avx2:       -mavx2 -mfma; fp32 compute, R = 6 (12 accumulators of 16 ymm registers; QK^T
+//               and PV written with intrinsics: GCC spilled the generic code's), 4 for decode.
 // The fp32 kernels read bf16 caches by a shift (even dims/tokens) and a mask (odd), or float32
 // caches directly. Generic code uses GCC vector extensions (16 floats; AVX2 gets two ymm per
 // vector), so the same source serves every ISA and the compiler only emits what -m allows.
@@ -116,6 +117,30 @@ inline void load_pair(const char* row, int h, vf& e, vf& o) {
     o = loadf(row + 64 + 4 * W * h);
   }
 }
+
+#if PF_ATTN_WIDTH == 8
+// AVX2: the even (odd = 0) or odd half of a 32-value row as two 8-float vectors (values 0-7 and
+// 8-15 of the 16 tokens or dims). bf16 rows are loaded again for the odd half (an L1 hit) so
+// that the 2R accumulators, two values and a broadcast fit in 16 ymm registers.
+template <bool KVB>
+inline void load_half(const char* row, int odd, __m256& a, __m256& b) {
+  if (KVB) {
+    const __m256i x0 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row));
+    const __m256i x1 = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(row + 32));
+    if (odd) {
+      const __m256i hi = _mm256_set1_epi32((int)0xffff0000u);
+      a = _mm256_castsi256_ps(_mm256_and_si256(x0, hi));
+      b = _mm256_castsi256_ps(_mm256_and_si256(x1, hi));
+    } else {
+      a = _mm256_castsi256_ps(_mm256_slli_epi32(x0, 16));
+      b = _mm256_castsi256_ps(_mm256_slli_epi32(x1, 16));
+    }
+  } else {
+    a = _mm256_loadu_ps(reinterpret_cast<const float*>(row + 64 * odd));
+    b = _mm256_loadu_ps(reinterpret_cast<const float*>(row + 64 * odd + 32));
+  }
+}
+#endif
 
 inline vh to_bf16(vf x) {  // round to nearest even, like torch's .to(bfloat16) (no NaN here)
   vu u = (vu)x;
@@ -230,6 +255,29 @@ struct Kernel {
     }
     for (int n = 0; n < N; ++n)
       for (int r = 0; r < R; ++r) storef(S + r * NB + 16 * n, acc[n][r]);
+#elif PF_ATTN_WIDTH == 8
+    static_assert(N == 1, "AVX2 keeps one 16-token group per pass");
+    // R rows x 16 tokens = 2R ymm accumulators; per dim two K vectors and one broadcast per
+    // row, in dim order 0, 1, 2, ... (the generic code's order, so the same bits).
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
+    const float* q = static_cast<const float*>(s.q) + (int64_t)R * b * D;
+    for (int j = 0; j < D / 2; ++j) {
+      const char* row = kg[0] + ((j / 16) * 512 + (j % 16) * 32) * kEsz;
+      for (int odd = 0; odd < 2; ++odd) {
+        __m256 k0, k1;
+        load_half<KVB>(row, odd, k0, k1);
+        for (int r = 0; r < R; ++r) {
+          const __m256 qb = _mm256_broadcast_ss(q + r * D + 2 * j + odd);
+          acc[r][0] = _mm256_fmadd_ps(qb, k0, acc[r][0]);
+          acc[r][1] = _mm256_fmadd_ps(qb, k1, acc[r][1]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(S + r * NB, acc[r][0]);
+      _mm256_storeu_ps(S + r * NB + 8, acc[r][1]);
+    }
 #else
     vf acc[N][R][NV];
     for (int n = 0; n < N; ++n)
@@ -345,6 +393,32 @@ struct Kernel {
     for (int n = 0; n < N; ++n)
       for (int r = 0; r < R; ++r) storef(O + r * D + n * 16, acc[n][r]);
     (void)S;
+#elif PF_ATTN_WIDTH == 8
+    static_assert(N == 1, "AVX2 keeps one 16-dim chunk per pass");
+    // As qk_groups: R rows x 16 dims, per token two V vectors and one broadcast of p per row,
+    // tokens in order (the generic code's order).
+    __m256 acc[R][2];
+    for (int r = 0; r < R; ++r) {
+      acc[r][0] = _mm256_loadu_ps(O + r * D);
+      acc[r][1] = _mm256_loadu_ps(O + r * D + 8);
+    }
+    for (int tp = 0; tp < npairs; ++tp) {
+      const char* row = vg[tp / 16] + ((int64_t)dc0 * 512 + (tp % 16) * 32) * kEsz;
+      for (int odd = 0; odd < 2; ++odd) {
+        __m256 v0, v1;
+        load_half<KVB>(row, odd, v0, v1);
+        for (int r = 0; r < R; ++r) {
+          const __m256 pb = _mm256_broadcast_ss(S + r * NB + 2 * tp + odd);
+          acc[r][0] = _mm256_fmadd_ps(pb, v0, acc[r][0]);
+          acc[r][1] = _mm256_fmadd_ps(pb, v1, acc[r][1]);
+        }
+      }
+    }
+    for (int r = 0; r < R; ++r) {
+      _mm256_storeu_ps(O + r * D, acc[r][0]);
+      _mm256_storeu_ps(O + r * D + 8, acc[r][1]);
+    }
+    (void)P;
 #else
     vf acc[N][R][NV];
     for (int n = 0; n < N; ++n)

@@ -45,10 +45,11 @@ struct Scratch {
   uint16_t* p;  // [kMaxRows, kStep] bf16 probabilities (avx512bf16)
 };
 
-constexpr int kMaxRows = 8;  // rows per register block (avx512: 8, avx2: 4)
+constexpr int kMaxRows = 8;  // rows per register block (avx512: 8, avx2: 6; decode: 4)
 constexpr int kLanes = 16;   // floats per row of Scratch::l (the widest vector)
 
-inline int64_t rows_pad(int64_t qtile, int64_t group) { return (qtile * group + kMaxRows - 1) / kMaxRows * kMaxRows; }
+// Scratch rows: a multiple of every block height (4, 6, 8), so whole blocks always fit.
+inline int64_t rows_pad(int64_t qtile, int64_t group) { return (qtile * group + 23) / 24 * 24; }
 
 inline int64_t num_items(const Params& p) { return p.num_kv_heads * ((p.C + p.qtile - 1) / p.qtile) * p.nparts; }
 

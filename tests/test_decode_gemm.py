@@ -261,3 +261,31 @@ def test_amx_pads_k_to_whole_tiles_and_agrees_with_the_vector_path():
         if dg.isa_status()["avx512bf16"][0]:
             v = dg.pack(w, b, torch.bfloat16, torch.bfloat16, disable=only("avx512bf16"))
             assert_close64(v(x, out=torch.empty(m, n)), x, w, b)
+
+
+def test_bench_decode_gemm_times_every_row_count(capsys):
+    """`pipefill bench decode-gemm`: one table row per (shape, M), M = 1 the baseline of the
+    ratios; the M values are timed in turn (interleaved rounds), each a median of 5."""
+    from pipefill.bench import decode_gemm as bench
+    isa = next(i for i in ("avx512bf16", "avx512", "avx2") if dg.isa_status()[i][0])
+    dtype = "bfloat16" if isa == "avx512bf16" else "float32"
+    assert bench.main(["--rows", "1,3", "--shapes", "o_proj", "--min-s", "0.02", "--threads",
+                       "1", "--isa", isa, "--dtype", dtype]) == 0
+    rows = [line.split("|") for line in capsys.readouterr().out.splitlines()
+            if line.startswith("| o_proj")]
+    assert [r[3].strip() for r in rows] == ["1", "3"]
+    assert rows[0][5].strip() == "1.00" and float(rows[1][4]) > 0
+
+
+def test_interleaved_timing_visits_every_case_each_round():
+    from pipefill.bench import decode_gemm as bench
+    seen = []
+
+    class Fake:
+        def __call__(self, x, out):
+            seen.append(int(x))
+    times = bench.time_interleaved([Fake()], [(torch.tensor(1), None), (torch.tensor(2), None)],
+                                   min_s=0.0, rounds=3)
+    assert len(times) == 2 and all(t >= 0 for t in times)
+    # a warm-up call per case (per copy, up to two), then rounds alternating between the cases
+    assert seen == [1, 2] + [1, 2] * 3

@@ -9,7 +9,8 @@ ceilings measured in the same run:
 Weights are streamed from memory as in a real decode step: each timed call uses the next of
 enough copies of the matrix to exceed the last-level cache, so no call finds its weights cached.
 The ratio M / 1 of the time per call is what a batch costs over a single sequence (1.0 = the
-weights are read once and the extra rows are free).
+weights are read once and the extra rows are free). The M values of a shape are timed in
+turn, round after round (medians of 5), so the ratios hold while the machine's speed drifts.
 
     python -m pipefill.bench.decode_gemm --rows 1,2,4,8,16 --threads 2 --isa avx512bf16
 """
@@ -42,23 +43,35 @@ def copy_bandwidth(nbytes: int = 512 << 20, reps: int = 5) -> float:
     return 2 * nbytes / best
 
 
+def _round(mats: list, x: torch.Tensor, out: torch.Tensor, seconds: float) -> float:
+    """Seconds per call over at least `seconds`, cycling through the copies in `mats`."""
+    n, t0 = 0, CLOCK()
+    while True:
+        for p in mats:
+            p(x, out=out)
+        n += len(mats)
+        el = CLOCK() - t0
+        if el >= seconds:
+            return el / n
+
+
 def time_calls(mats: list, x: torch.Tensor, out: torch.Tensor, min_s: float) -> float:
-    """Seconds per call (median of rounds), cycling through the copies in `mats`."""
-    for p in mats[:2]:
-        p(x, out=out)
-    rounds = []
-    for _ in range(5):
-        n, t0 = 0, CLOCK()
-        while True:
-            for p in mats:
-                p(x, out=out)
-            n += len(mats)
-            el = CLOCK() - t0
-            if el >= min_s / 5:
-                break
-        rounds.append(el / n)
-    rounds.sort()
-    return rounds[len(rounds) // 2]
+    """Seconds per call (median of 5 rounds), cycling through the copies in `mats`."""
+    return time_interleaved(mats, [(x, out)], min_s)[0]
+
+
+def time_interleaved(mats: list, cases: list, min_s: float, rounds: int = 5) -> list[float]:
+    """Seconds per call of each (x, out) case: the median of `rounds` rounds that visit the
+    cases in turn, so a drift of the machine's speed reaches every case alike (the M / 1
+    ratios are what the bench is for)."""
+    for x, out in cases:
+        for p in mats[:2]:
+            p(x, out=out)
+    times = [[] for _ in cases]
+    for _ in range(rounds):
+        for t, (x, out) in zip(times, cases):
+            t.append(_round(mats, x, out, min_s / rounds))
+    return [sorted(t)[len(t) // 2] for t in times]
 
 
 def bench_shape(k: int, n: int, rows: list[int], isa: str, x_dtype, w_dtype, min_s: float):
@@ -69,13 +82,11 @@ def bench_shape(k: int, n: int, rows: list[int], isa: str, x_dtype, w_dtype, min
     copies = max(1, -(-STREAM_BYTES // first.nbytes))
     mats = [first] + [dg.pack(w, None, x_dtype, w_dtype, max(rows), disable)
                       for _ in range(copies - 1)]
-    res = []
-    for m in rows:
-        x = torch.randn(m, k, generator=g).to(x_dtype)
-        out = torch.empty(m, n, dtype=x_dtype)
-        s = time_calls(mats, x, out, min_s)
-        res.append((m, s, first.nbytes / s, 2 * m * k * n / s))
-    return first.nbytes, res
+    cases = [(torch.randn(m, k, generator=g).to(x_dtype), torch.empty(m, n, dtype=x_dtype))
+             for m in rows]
+    times = time_interleaved(mats, cases, min_s)
+    return first.nbytes, [(m, s, first.nbytes / s, 2 * m * k * n / s)
+                          for m, s in zip(rows, times)]
 
 
 def in_cache_gflops(isa, x_dtype, w_dtype, m: int, min_s: float) -> float:

@@ -17,7 +17,14 @@ namespace pipefill_decode {
 namespace avx2 {
 namespace {
 
-constexpr int kPrefetchPairs = 8;
+constexpr int64_t kChunkBytes = 16384;  // weights per K chunk: L1-resident while every pass runs
+constexpr int64_t kChunkLines = kChunkBytes / 64;
+constexpr int kPrefetchPairs = 8;  // M = 1 (one pass per chunk): this far ahead into L1
+
+// Which pass over a K chunk a tile is (passes = 0: no software prefetch).
+struct Fetch {
+  int pass, passes;
+};
 
 inline uint16_t to_bf16(float f) {
   uint32_t b;
@@ -94,7 +101,7 @@ inline void pair_step(const float* x, int64_t ldx, const void* grp, int64_t p, i
 // the per-column chain is the same as without chunks); the last chunk adds the bias and stores.
 template <int MR, int NV, bool BF16>
 inline void tile(const float* x, int64_t ldx, const void* grp, int64_t K, const Out& o, int64_t m0,
-                 int64_t n0, int c0, int64_t p0, int64_t p1, float* part) {
+                 int64_t n0, int c0, int64_t p0, int64_t p1, float* part, Fetch fetch) {
   __m256 acc[MR][NV];
 #pragma GCC unroll 8
   for (int r = 0; r < MR; ++r)
@@ -103,8 +110,19 @@ inline void tile(const float* x, int64_t ldx, const void* grp, int64_t K, const 
       acc[r][v] = p0 == 0 ? _mm256_setzero_ps() : _mm256_loadu_ps(part + r * kGroup + c0 + 8 * v);
   const int64_t pairs = K / 2;
   const int64_t pair_bytes = (BF16 ? 4 : 8) * kGroup;
+  // Every pass over a chunk asks for its share of the next chunk's lines (the same group's next
+  // K chunk, or the next group's first: this thread's next work) into L2, spread over its
+  // pairs, so memory streams the whole time the chunk's passes compute from L1 and L2.
+  const char* next = static_cast<const char*>(grp) + p1 * pair_bytes;
+  const int64_t lo = fetch.passes ? kChunkLines * fetch.pass / fetch.passes : 0;
+  const int64_t hi = fetch.passes ? kChunkLines * (fetch.pass + 1) / fetch.passes : 0;
+  const int64_t n = p1 - p0;
   for (int64_t p = p0; p < p1; ++p) {
-    if (c0 == 0 && m0 == 0) {  // the first pass over a chunk fetches; the others hit L1
+    if (fetch.passes) {
+      const int64_t i = p - p0;
+      for (int64_t l = lo + (hi - lo) * i / n; l < lo + (hi - lo) * (i + 1) / n; ++l)
+        _mm_prefetch(next + 64 * l, _MM_HINT_T1);
+    } else {  // one pass: a few pairs ahead into L1
       const char* ahead = static_cast<const char*>(grp) + (p + kPrefetchPairs) * pair_bytes;
       for (int64_t off = 0; off < pair_bytes; off += 64) _mm_prefetch(ahead + off, _MM_HINT_T0);
     }
@@ -150,10 +168,23 @@ inline int tile_rows(int64_t left) {
 
 template <int MR, bool BF16>
 inline void rows(const float* x, int64_t ldx, const void* grp, int64_t K, const Out& o, int64_t m0,
-                 int64_t n0, int64_t p0, int64_t p1, float* part) {
+                 int64_t n0, int64_t p0, int64_t p1, float* part, Fetch& fetch) {
   constexpr int NV = tile_cols<BF16>(MR) / 8;
-  for (int c0 = 0; c0 < kGroup && n0 + c0 < o.N; c0 += 8 * NV)
-    tile<MR, NV, BF16>(x, ldx, grp, K, o, m0, n0, c0, p0, p1, part);
+  for (int c0 = 0; c0 < kGroup && n0 + c0 < o.N; c0 += 8 * NV, ++fetch.pass)
+    tile<MR, NV, BF16>(x, ldx, grp, K, o, m0, n0, c0, p0, p1, part, fetch);
+}
+
+// Tile passes over each K chunk for M rows (row tiles x column passes), or 0 where there is one
+// (M = 1: the pass prefetches a few pairs ahead into L1 instead).
+template <bool BF16>
+int chunk_passes(int64_t M) {
+  int passes = 0;
+  for (int64_t m0 = 0; m0 < M;) {
+    const int mr = tile_rows<BF16>(M - m0);
+    passes += kGroup / tile_cols<BF16>(mr);
+    m0 += mr;
+  }
+  return passes > 1 ? passes : 0;
 }
 
 // Per group, K in chunks of ~16 KB of weights: every row tile and column pass runs over a chunk
@@ -164,22 +195,24 @@ void run(const float* x, int64_t ldx, const void* wp, int64_t M, int64_t K, cons
   const int64_t kp = K + (K & 1);
   const int64_t elem = BF16 ? 2 : 4;
   const int64_t pairs = K / 2;
-  const int64_t chunk = 16384 / ((BF16 ? 4 : 8) * kGroup);
+  const int64_t chunk = kChunkBytes / ((BF16 ? 4 : 8) * kGroup);
+  const int passes = chunk_passes<BF16>(M);
   std::vector<float> part((size_t)(M * kGroup));
   for (int64_t g = g0; g < g1; ++g) {
     const void* grp = static_cast<const char*>(wp) + g * kp * kGroup * elem;
     int64_t p0 = 0;
     do {
       const int64_t p1 = pairs - p0 > chunk ? p0 + chunk : pairs;
+      Fetch fetch{0, passes};
       for (int64_t m0 = 0; m0 < M;) {
         const int mr = tile_rows<BF16>(M - m0);
         const float* xt = x + m0 * ldx;
         float* pt = part.data() + m0 * kGroup;
         const int64_t n0 = g * kGroup;
         switch (mr) {
-#define PF_ROWS(R) case R: rows<R, BF16>(xt, ldx, grp, K, o, m0, n0, p0, p1, pt); break;
+#define PF_ROWS(R) case R: rows<R, BF16>(xt, ldx, grp, K, o, m0, n0, p0, p1, pt, fetch); break;
           PF_ROWS(1) PF_ROWS(2) PF_ROWS(3) PF_ROWS(4)
-          case 5: if (BF16) rows<5, BF16>(xt, ldx, grp, K, o, m0, n0, p0, p1, pt); break;
+          case 5: if (BF16) rows<5, BF16>(xt, ldx, grp, K, o, m0, n0, p0, p1, pt, fetch); break;
 #undef PF_ROWS
         }
         m0 += mr;

@@ -206,6 +206,21 @@ def test_sampler_draws_only_from_the_nucleus_without_a_full_sort(top_k, top_p):
     assert sample(logits, SampleSpec(0.0, top_p, top_k, 7, 3, None))[0] == int(logits.argmax())
 
 
+def test_greedy_token_is_torch_argmax():
+    """The greedy pick (numpy) equals torch.argmax: the first of tied maxima, a NaN as the
+    maximum, infinities, bf16 logits, a strided row."""
+    from pipefill.runtime.sampler import greedy_token
+    nan, inf = float("nan"), float("inf")
+    rows = [torch.tensor(r) for r in ([1., 3., 3., 2.], [1., nan, 5., nan], [-inf] * 4,
+                                      [0., inf, inf], [nan] * 3, [2.])]
+    g = torch.Generator().manual_seed(0)
+    rows += [torch.randn(49152, generator=g), torch.randn(100, generator=g).to(torch.bfloat16),
+             torch.randn(8, 300, generator=g)[:, 7]]
+    rows += [torch.randint(0, 4, (1000,), generator=g).float() for _ in range(5)]  # many ties
+    for r in rows:
+        assert greedy_token(r) == int(torch.argmax(r)), r
+
+
 def test_build_meta_slots_equal_token_slots_on_random_plans():
     """build_meta derives the write slots from the read slots and expands scattered page tables
     page by page: the same cache slots as token_slots, for decode and prefill work alike."""

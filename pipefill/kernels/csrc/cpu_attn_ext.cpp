@@ -360,37 +360,51 @@ inline T to_cache(T x, T*) { return x; }
 // before it (pack, this, whole-page copies of such pages) left them. Zeroing the rest at every
 // step cost ~10 us per sequence and layer.
 template <typename T, typename S>
-void put_token(T* kd, T* vd, const S* k, const S* v, int64_t ksh, int64_t vsh, const int32_t* table, int64_t H,
-               int64_t ps, int64_t D, int64_t L) {
+void put_token(T* kd, T* vd, const S* k, const S* v, const int32_t* table, int64_t H, int64_t h, int64_t ps,
+               int64_t D, int64_t L) {
   const bool bf16 = sizeof(T) == 2;
   const int64_t off = L % ps;
-  for (int64_t h = 0; h < H; ++h) {
-    const int64_t base = ((int64_t)table[L / ps] * H + h) * ps * D;
-    if (L % 32 == 0) {  // K: two 16-token blocks of 16 * D values; V: one 32-token block
-      std::memset(kd + base + (off / 16) * 16 * D, 0, 32 * D * sizeof(T));
-      std::memset(vd + base + (off / 32) * 32 * D, 0, 32 * D * sizeof(T));
-    }
-    for (int64_t d = 0; d < D; ++d) {
-      kd[base + k_index(off, d, D, bf16)] = to_cache(k[h * ksh + d], (T*)nullptr);
-      vd[base + v_index(off, d, D, bf16)] = to_cache(v[h * vsh + d], (T*)nullptr);
-    }
+  const int64_t base = ((int64_t)table[L / ps] * H + h) * ps * D;
+  if (L % 32 == 0) {  // K: two 16-token blocks of 16 * D values; V: one 32-token block
+    std::memset(kd + base + (off / 16) * 16 * D, 0, 32 * D * sizeof(T));
+    std::memset(vd + base + (off / 32) * 32 * D, 0, 32 * D * sizeof(T));
+  }
+  for (int64_t d = 0; d < D; ++d) {
+    kd[base + k_index(off, d, D, bf16)] = to_cache(k[d], (T*)nullptr);
+    vd[base + v_index(off, d, D, bf16)] = to_cache(v[d], (T*)nullptr);
   }
 }
 
-template <typename T>
-void put_token_any(const torch::Tensor& kc, const torch::Tensor& vc, const torch::Tensor& k, const torch::Tensor& v,
-                   int64_t b, const int32_t* table, int64_t L) {
-  const int64_t H = kc.size(1), ps = kc.size(2), D = kc.size(3);
-  T* kd = reinterpret_cast<T*>(kc.data_ptr());
-  T* vd = reinterpret_cast<T*>(vc.data_ptr());
-  if (k.scalar_type() == torch::kFloat)
-    put_token(kd, vd, k.data_ptr<float>() + b * k.stride(0), v.data_ptr<float>() + b * v.stride(0), k.stride(1),
-              v.stride(1), table, H, ps, D, L);
-  else
-    put_token(kd, vd, reinterpret_cast<const uint16_t*>(k.data_ptr()) + b * k.stride(0),
-              reinterpret_cast<const uint16_t*>(v.data_ptr()) + b * v.stride(0), k.stride(1), v.stride(1), table,
-              H, ps, D, L);
-}
+// The new tokens of a decode step (k, v [B, H, D], float32 or bf16) and the caches they go to.
+struct NewTokens {
+  void *kd, *vd;
+  const char *k, *v;
+  int64_t k_st, k_sh, v_st, v_sh, esz, H, ps, D;
+  bool src_f32, kv_bf16;
+
+  NewTokens(const torch::Tensor& kc, const torch::Tensor& vc, const torch::Tensor& k_, const torch::Tensor& v_)
+      : kd(kc.data_ptr()), vd(vc.data_ptr()), k(static_cast<const char*>(k_.data_ptr())),
+        v(static_cast<const char*>(v_.data_ptr())), k_st(k_.stride(0)), k_sh(k_.stride(1)), v_st(v_.stride(0)),
+        v_sh(v_.stride(1)), esz(k_.element_size()), H(kc.size(1)), ps(kc.size(2)), D(kc.size(3)),
+        src_f32(k_.scalar_type() == torch::kFloat), kv_bf16(kc.scalar_type() == torch::kBFloat16) {}
+
+  // Sequence b's kv head h at position L (its page table `table`).
+  void put(int64_t b, int64_t h, const int32_t* table, int64_t L) const {
+    const char* ks = k + (b * k_st + h * k_sh) * esz;
+    const char* vs = v + (b * v_st + h * v_sh) * esz;
+    if (kv_bf16) put_as(static_cast<uint16_t*>(kd), static_cast<uint16_t*>(vd), ks, vs, table, h, L);
+    else put_as(static_cast<float*>(kd), static_cast<float*>(vd), ks, vs, table, h, L);
+  }
+
+  template <typename T>
+  void put_as(T* kt, T* vt, const char* ks, const char* vs, const int32_t* table, int64_t h, int64_t L) const {
+    if (src_f32)
+      put_token(kt, vt, reinterpret_cast<const float*>(ks), reinterpret_cast<const float*>(vs), table, H, h, ps, D, L);
+    else
+      put_token(kt, vt, reinterpret_cast<const uint16_t*>(ks), reinterpret_cast<const uint16_t*>(vs), table, H, h,
+                ps, D, L);
+  }
+};
 
 // Checks of decode_attention's per-step arguments: every table row covers its sequence's
 // tokens [0, L + 1) with pages in range, and no two sequences write into the same page.
@@ -472,11 +486,7 @@ void decode_attention(int64_t isa, torch::Tensor q, torch::Tensor k, torch::Tens
   for (int64_t b = 0; b < B; ++b)
     if (seqs[b].nparts > 1) seqs[b].partial = partial.data() + part_at[b];
 
-  // The KV writes first (a sequence reads only its own pages' new slots).
-  for (int64_t b = 0; b < B; ++b) {
-    if (kv_bf16) put_token_any<uint16_t>(kc, vc, k, v, b, seqs[b].page_table, L[b]);
-    else put_token_any<float>(kc, vc, k, v, b, seqs[b].page_table, L[b]);
-  }
+  const NewTokens tokens(kc, vc, k, v);
   // Items of the sequences with the most keys per item first, so the last items are short.
   auto keys_per_item = [&](int64_t b) { return (L[b] + 1 + seqs[b].nparts - 1) / seqs[b].nparts; };
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return keys_per_item(a) > keys_per_item(b); });
@@ -489,7 +499,13 @@ void decode_attention(int64_t isa, torch::Tensor q, torch::Tensor k, torch::Tens
     const pa::Scratch s = layout.thread_scratch();
     for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
       const int64_t j = std::upper_bound(first.begin(), first.end(), i) - first.begin() - 1;
-      run(seqs[order[j]], i - first[j], s);
+      const int64_t b = order[j], item = i - first[j];
+      const pa::Params& p = seqs[b];
+      // The item of the part holding the new token (the last) writes its head's K/V first:
+      // no other item reads that page, and the writer is the reader (the lines stay in this
+      // core's cache instead of crossing from the thread that used to write every token).
+      if (item % p.nparts == p.nparts - 1) tokens.put(b, (item / p.nparts) % Hkv, p.page_table, L[b]);
+      run(p, item, s);
     }
   });
   // Merge the split sequences' parts: Hkv * G rows each, one pool for all of them.

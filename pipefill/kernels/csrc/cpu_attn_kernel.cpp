@@ -303,10 +303,17 @@ struct Kernel {
   }
 
   // S = Q_block K^T for the step's first `groups` 16-token groups, NG at a time.
+  // The last groups (a decode step of 33-63 keys has 3) go in one pass too: one group alone is
+  // R chains, latency-bound at decode's R = 4.
   void qk_block(int b, const char* const* kg, int groups) const {
     int j = 0;
     for (; j + NG <= groups; j += NG) qk_groups<NG>(b, kg + j, s.s + 16 * j);
-    for (; j < groups; ++j) qk_groups<1>(b, kg + j, s.s + 16 * j);
+    switch (groups - j) {  // < NG (the N below only keep N <= NG instantiated)
+      case 3: qk_groups<(NG > 3 ? 3 : 1)>(b, kg + j, s.s + 16 * j); break;
+      case 2: qk_groups<(NG > 2 ? 2 : 1)>(b, kg + j, s.s + 16 * j); break;
+      case 1: qk_groups<1>(b, kg + j, s.s + 16 * j); break;
+      default: break;
+    }
   }
 
   // One row of ncol scores: columns > lim masked; softmax'd in place (and as bf16 into prow).

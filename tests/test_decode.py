@@ -273,3 +273,22 @@ def test_hidden_cpu_flags_force_the_fallback_paths(tiny_models):
         assert isinstance(ex.model.ops, TorchOps)
     finally:
         fused_ops.fused_available(flags=usable_cpu_flags(""))
+
+
+def test_bench_decode_interleaves_cases_and_reports_batch_ratios(tiny_models, tmp_path, capsys):
+    """`pipefill bench decode` on a tiny model: one row per (batch, context), each with its
+    ratio to batch 1 at the same context (cases timed in turn within every repetition)."""
+    import json
+
+    from pipefill.cli.main import main
+    out = tmp_path / "decode.json"
+    assert main(["bench", "decode", "--model-path", tiny_models["llama"], "--batch", "1,3",
+                 "--context", "8,40", "--steps", "2", "--reps", "2", "--no-hf",
+                 "--page-size", str(PAGE), "--dtype", "float32", "--json", str(out)]) == 0
+    rows = json.loads(out.read_text())["rows"]
+    assert [(r["batch"], r["context"]) for r in rows] == [(1, 8), (3, 8), (1, 40), (3, 40)]
+    assert all(r["x_batch_1"] == r["ms"] / next(s["ms"] for s in rows if s["batch"] == 1 and
+                                               s["context"] == r["context"]) for r in rows)
+    assert [r["x_batch_1"] for r in rows if r["batch"] == 1] == [1.0, 1.0]
+    assert all(r["kv_bytes"] > 0 and r["floor_ms"] > 0 for r in rows)
+    assert "x batch 1" in capsys.readouterr().out

@@ -13,6 +13,10 @@ sampling, as on a last stage). Timed, interleaved per repetition:
 * HF       — transformers `generate` on the same weights and dtype in this process: per step
              (time of 1 + S new tokens - time of 1 new token) / S, batch of equal prompts.
 
+Every repetition visits all (batch, context) cases in turn, so the ratios between batch sizes
+come from steps timed side by side (this machine's speed drifts by tens of percent within
+minutes); HF is timed after them.
+
 Bytes per step = weights streamed (packed copies, or the torch matrices; the embedding is a
 gather and is not counted) + the KV cache read (batch x context x bytes per token). The memory
 floor is those bytes over the copy bandwidth measured in this run (`copy_` of a 512 MiB buffer,
@@ -91,15 +95,16 @@ def run(ns: argparse.Namespace) -> int:
     hf = None if ns.no_hf else load_hf_model(source, dtype)
     print(f"{cpu_name()}, {args.num_threads} threads, {dtype_name(dtype)} compute, weights "
           f"{args.weight_dtype}; copy bandwidth {bw / 1e9:.1f} GB/s (read + write)")
-    rows = []
-    for context in contexts:
-        for batch in batches:
-            row = bench_case(executor, batch, context, pages_per_seq, ns.steps, ns.reps, bw)
-            if hf is not None and batch * context <= ns.hf_max_tokens:
-                row["hf_ms"] = 1e3 * hf_step_seconds(hf, batch, context, ns.steps,
-                                                     source.config.vocab_size)
-            print_row(row)
-            rows.append(row)
+    cases = [(batch, context) for context in contexts for batch in batches]
+    rows = bench_cases(executor, cases, pages_per_seq, ns.steps, ns.reps, bw)
+    single = {r["context"]: r["ms"] for r in rows if r["batch"] == 1}
+    for row in rows:
+        if row["context"] in single:
+            row["x_batch_1"] = row["ms"] / single[row["context"]]
+        if hf is not None and row["batch"] * row["context"] <= ns.hf_max_tokens:
+            row["hf_ms"] = 1e3 * hf_step_seconds(hf, row["batch"], row["context"], ns.steps,
+                                                 source.config.vocab_size)
+        print_row(row)
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump({"cpu": cpu_name(), "threads": args.num_threads, "args": vars(args),
@@ -145,44 +150,57 @@ class _TorchLinears:
         self.model.w.lm_head_packed = self.saved[1]
 
 
-def bench_case(executor, batch: int, context: int, pages_per_seq: int, steps: int, reps: int,
-               bw: float) -> dict:
-    from pipefill.kv.cache import KVCache
-    from pipefill.scheduler.plan import SampleSpec, SeqWork, StepPlan
+def bench_cases(executor, cases: list[tuple[int, int]], pages_per_seq: int, steps: int,
+                reps: int, bw: float) -> list[dict]:
+    """One row per (batch, context) case. Each repetition times every case in turn (and in a
+    case: packed GEMM, torch, general path), so a drift of the machine's speed reaches all
+    cases alike and the batch-B / batch-1 ratios compare steps timed minutes apart at most."""
     cache, model = executor.cache, executor.model
-    tables = [list(range(i * pages_per_seq, (i + 1) * pages_per_seq)) for i in range(batch)]
     cache.k.fill_(0.01)  # real memory behind every page the steps read (any cache layout)
     cache.v.fill_(0.01)
-
-    def step_ms(n_steps: int) -> list[float]:
-        times = []
-        for s in range(n_steps):
-            spec = SampleSpec(0.0, 1.0, -1, 0, s, None)
-            # step_id -1: a scratch plan (no page owners to check: this bench owns the pool).
-            plan = StepPlan(-1, [SeqWork(f"r{i}", context + s, context + s + 1, [100 + i],
-                                        tables[i], spec) for i in range(batch)])
-            t0 = time.perf_counter()
-            acts, _ = executor.forward(plan, None)
-            executor.results(plan, acts)
-            times.append(1e3 * (time.perf_counter() - t0))
-        return times
-
-    ours, theirs, general = [], [], []
-    step_ms(2)  # warm-up
+    times = {case: {"ours": [], "torch": [], "general": []} for case in cases}
+    for case in cases:
+        _steps_ms(executor, *case, pages_per_seq, 2)  # warm-up (buffers of this batch size)
     for _ in range(reps):
-        ours += step_ms(steps)
-        with _TorchLinears(model):
-            theirs += step_ms(steps)
-        model.fast_decode = False  # the general layer code (before the lean decode path)
-        general += step_ms(steps)
-        model.fast_decode = True
+        for case in cases:
+            t = times[case]
+            t["ours"] += _steps_ms(executor, *case, pages_per_seq, steps)
+            with _TorchLinears(model):
+                t["torch"] += _steps_ms(executor, *case, pages_per_seq, steps)
+            model.fast_decode = False  # the general layer code (before the lean decode path)
+            t["general"] += _steps_ms(executor, *case, pages_per_seq, steps)
+            model.fast_decode = True
+    return [_row(model, cache, *case, times[case], bw) for case in cases]
+
+
+def _steps_ms(executor, batch: int, context: int, pages_per_seq: int, n_steps: int) -> list[float]:
+    """Milliseconds of each of n_steps greedy decode steps of `batch` sequences at `context`
+    cached tokens (forward + LM head + sampling, as on a last stage)."""
+    from pipefill.scheduler.plan import SampleSpec, SeqWork, StepPlan
+    tables = [list(range(i * pages_per_seq, (i + 1) * pages_per_seq)) for i in range(batch)]
+    times = []
+    for s in range(n_steps):
+        spec = SampleSpec(0.0, 1.0, -1, 0, s, None)
+        # step_id -1: a scratch plan (no page owners to check: this bench owns the pool).
+        plan = StepPlan(-1, [SeqWork(f"r{i}", context + s, context + s + 1, [100 + i],
+                                    tables[i], spec) for i in range(batch)])
+        t0 = time.perf_counter()
+        acts, _ = executor.forward(plan, None)
+        executor.results(plan, acts)
+        times.append(1e3 * (time.perf_counter() - t0))
+    return times
+
+
+def _row(model, cache, batch: int, context: int, times: dict, bw: float) -> dict:
+    from pipefill.kv.cache import KVCache
     cfg = model.cfg
     kv = batch * context * KVCache.bytes_per_token(model.num_layers, cfg.num_kv_heads,
                                                    cfg.head_dim, cache.k.dtype)
     wbytes = weight_bytes(model, packed=True)
-    ms = statistics.median(ours)
-    return {"batch": batch, "context": context, "ms": ms, "torch_ms": statistics.median(theirs),
-            "general_ms": statistics.median(general),
+    ms = statistics.median(times["ours"])
+    return {"batch": batch, "context": context, "ms": ms,
+            "torch_ms": statistics.median(times["torch"]),
+            "general_ms": statistics.median(times["general"]),
             "tok_per_s_per_request": 1e3 / ms, "tok_per_s": batch * 1e3 / ms,
             "weight_bytes": wbytes, "kv_bytes": kv, "gb_per_s": (wbytes + kv) / ms / 1e6,
             "floor_ms": 1e3 * (wbytes + kv) / bw}
@@ -206,9 +224,13 @@ def print_row(row: dict) -> None:
             f"({row['tok_per_s_per_request']:6.1f} tok/s per request, {row['tok_per_s']:7.1f} "
             f"total)  {(row['weight_bytes'] + row['kv_bytes']) / 1e6:6.0f} MB/step at "
             f"{row['gb_per_s']:5.1f} GB/s = {row['ms'] / row['floor_ms']:4.2f}x the floor "
-            f"({row['floor_ms']:.2f} ms)  torch linear {row['torch_ms']:7.2f} ms "
+            f"({row['floor_ms']:.2f} ms){_x_batch_1(row)}  torch linear {row['torch_ms']:7.2f} ms "
             f"({row['torch_ms'] / row['ms']:4.2f}x)  general path {row['general_ms']:7.2f} ms "
             f"({row['general_ms'] / row['ms']:4.2f}x)")
     if "hf_ms" in row:
         line += f"  HF {row['hf_ms']:7.2f} ms ({row['hf_ms'] / row['ms']:4.2f}x)"
     print(line, flush=True)
+
+
+def _x_batch_1(row: dict) -> str:
+    return f", {row['x_batch_1']:4.2f}x batch 1" if "x_batch_1" in row else ""

@@ -140,6 +140,29 @@ inline void load_half(const char* row, int odd, __m256& a, __m256& b) {
     b = _mm256_loadu_ps(reinterpret_cast<const float*>(row + 64 * odd + 32));
   }
 }
+
+// acc[r] += x[r * ldx] * (even half of row) + x[r * ldx + 1] * (odd half), for R rows: one
+// K row (dims 2j, 2j + 1 of 16 tokens; x = q) or V row (tokens 2t, 2t + 1 of 16 dims; x = p).
+template <bool KVB, int R>
+inline void fma_row(__m256 (*acc)[2], const char* row, const float* x, int64_t ldx) {
+  for (int odd = 0; odd < 2; ++odd) {
+    __m256 a, b;
+    load_half<KVB>(row, odd, a, b);
+    for (int r = 0; r < R; ++r) {
+      const __m256 xb = _mm256_broadcast_ss(x + r * ldx + odd);
+      acc[r][0] = _mm256_fmadd_ps(xb, a, acc[r][0]);
+      acc[r][1] = _mm256_fmadd_ps(xb, b, acc[r][1]);
+    }
+  }
+}
+
+template <int R>
+inline void store_rows(float* dst, int64_t ld, __m256 (*acc)[2]) {
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(dst + r * ld, acc[r][0]);
+    _mm256_storeu_ps(dst + r * ld + 8, acc[r][1]);
+  }
+}
 #endif
 
 inline vh to_bf16(vf x) {  // round to nearest even, like torch's .to(bfloat16) (no NaN here)
@@ -262,22 +285,9 @@ struct Kernel {
     __m256 acc[R][2];
     for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_ps();
     const float* q = static_cast<const float*>(s.q) + (int64_t)R * b * D;
-    for (int j = 0; j < D / 2; ++j) {
-      const char* row = kg[0] + ((j / 16) * 512 + (j % 16) * 32) * kEsz;
-      for (int odd = 0; odd < 2; ++odd) {
-        __m256 k0, k1;
-        load_half<KVB>(row, odd, k0, k1);
-        for (int r = 0; r < R; ++r) {
-          const __m256 qb = _mm256_broadcast_ss(q + r * D + 2 * j + odd);
-          acc[r][0] = _mm256_fmadd_ps(qb, k0, acc[r][0]);
-          acc[r][1] = _mm256_fmadd_ps(qb, k1, acc[r][1]);
-        }
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      _mm256_storeu_ps(S + r * NB, acc[r][0]);
-      _mm256_storeu_ps(S + r * NB + 8, acc[r][1]);
-    }
+    for (int j = 0; j < D / 2; ++j)
+      fma_row<KVB, R>(acc, kg[0] + ((j / 16) * 512 + (j % 16) * 32) * kEsz, q + 2 * j, D);
+    store_rows<R>(S, NB, acc);
 #else
     vf acc[N][R][NV];
     for (int n = 0; n < N; ++n)
@@ -409,22 +419,9 @@ struct Kernel {
       acc[r][0] = _mm256_loadu_ps(O + r * D);
       acc[r][1] = _mm256_loadu_ps(O + r * D + 8);
     }
-    for (int tp = 0; tp < npairs; ++tp) {
-      const char* row = vg[tp / 16] + ((int64_t)dc0 * 512 + (tp % 16) * 32) * kEsz;
-      for (int odd = 0; odd < 2; ++odd) {
-        __m256 v0, v1;
-        load_half<KVB>(row, odd, v0, v1);
-        for (int r = 0; r < R; ++r) {
-          const __m256 pb = _mm256_broadcast_ss(S + r * NB + 2 * tp + odd);
-          acc[r][0] = _mm256_fmadd_ps(pb, v0, acc[r][0]);
-          acc[r][1] = _mm256_fmadd_ps(pb, v1, acc[r][1]);
-        }
-      }
-    }
-    for (int r = 0; r < R; ++r) {
-      _mm256_storeu_ps(O + r * D, acc[r][0]);
-      _mm256_storeu_ps(O + r * D + 8, acc[r][1]);
-    }
+    for (int tp = 0; tp < npairs; ++tp)
+      fma_row<KVB, R>(acc, vg[tp / 16] + ((int64_t)dc0 * 512 + (tp % 16) * 32) * kEsz, S + 2 * tp, NB);
+    store_rows<R>(O, D, acc);
     (void)P;
 #else
     vf acc[N][R][NV];

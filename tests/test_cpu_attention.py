@@ -3,7 +3,6 @@ cache packing, repeatability across thread counts, and the engine end to end (HF
 --kv-cache-dtype, forced fallbacks by hiding CPU flags). Kernels this CPU cannot run are
 skipped with the reason."""
 import random
-
 import re
 
 import pytest

@@ -19,19 +19,23 @@ from pipefill.runtime.profile import slow_outliers
 from pipefill.runtime.stage import build_stage, stage_info
 from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig
 
-PAGE, C0 = 16, 256
-PROMPT = [(11 * i + 5) % 512 for i in range(600)]
-FIXED = [256, 256, 88]
+# C0 is large enough that the profile's longest prefills (1.25 * C0) cost clearly more than
+# linearly even on the tiny model: at C0 = 256 the constant per-step cost hid the quadratic
+# term, and timing noise sometimes fitted a concave cost (CI at stops 9 and 18).
+PAGE, C0 = 16, 1024
+PROMPT = [(11 * i + 5) % 512 for i in range(2400)]
+FIXED = [1024, 1024, 352]
 
 
 @pytest.fixture(scope="module")
 def model7(tmp_path_factory):
-    return save_tiny_model("llama", tmp_path_factory.mktemp("llama7bg"), num_hidden_layers=7)
+    return save_tiny_model("llama", tmp_path_factory.mktemp("llama7bg"), num_hidden_layers=7,
+                           max_position_embeddings=4096)
 
 
 @pytest.fixture(scope="module")
 def reference(model7):
-    return hf_reference(model7, PROMPT, 8)
+    return hf_reference(model7, PROMPT, 8, full_forwards=True)
 
 
 def engine(model, cache_dir, **kw):
@@ -88,9 +92,8 @@ def profile_then_switch(model, cache_dir, reference):
 
 
 def test_serves_during_profile_switches_then_cache_hit(model7, reference, tmp_path):
-    # The tiny model's chunks of 10..320 tokens cost almost linearly, so timing noise now and
-    # then fits a slightly concave cost and the policy rightly stays fixed; a fresh profile
-    # (new cache folder) is then taken, at most three in all.
+    # Should timing noise still fit a concave cost, the policy rightly stays fixed; a fresh
+    # profile (new cache folder) is then taken, at most three in all.
     for attempt in range(3):
         cache_dir = tmp_path / f"profile{attempt}"
         info, chunks = profile_then_switch(model7, cache_dir, reference)

@@ -20,7 +20,8 @@ PROMPT = [(11 * i + 5) % 512 for i in range(600)]
 
 @pytest.fixture(scope="module")
 def model7(tmp_path_factory):
-    return save_tiny_model("llama", tmp_path_factory.mktemp("llama7dc"), num_hidden_layers=7)
+    return save_tiny_model("llama", tmp_path_factory.mktemp("llama7dc"), num_hidden_layers=7,
+                           max_position_embeddings=4096)
 
 
 def write_profile(cache_dir, model, c0, page, layers, seconds_of):
@@ -34,9 +35,9 @@ def write_profile(cache_dir, model, c0, page, layers, seconds_of):
 
 
 def engine(model, cache_dir, **kw):
+    kw = {"chunked_prefill_size": 256, **kw}
     return track(Engine(model, dtype="float32", page_size=16, threads_per_stage=1, pp_size=2,
-                        chunked_prefill_size=256, dynamic_chunking_profile_cache=str(cache_dir),
-                        **kw))
+                        dynamic_chunking_profile_cache=str(cache_dir), **kw))
 
 
 def run(e):
@@ -72,10 +73,12 @@ def test_concave_profile_falls_back_to_fixed(model7, tmp_path):
 
 
 def test_blocking_profile_cache_is_hit_on_the_second_start(model7, tmp_path):
-    with engine(model7, tmp_path, enable_dynamic_chunking=True,
+    # C0 1024: the tiny model's profile up to 1,280 tokens is clearly convex, where at 256 the
+    # constant per-step cost hides the quadratic term and timing noise may fit a concave one.
+    with engine(model7, tmp_path, enable_dynamic_chunking=True, chunked_prefill_size=1024,
                 dynamic_chunking_profile="blocking") as e:
         first = e.chunking
-    with engine(model7, tmp_path, enable_dynamic_chunking=True) as e:
+    with engine(model7, tmp_path, enable_dynamic_chunking=True, chunked_prefill_size=1024) as e:
         second = e.chunking
     assert first["mode"] == second["mode"] == "dynamic"
     assert not first["profile_cache_hit"] and second["profile_cache_hit"]

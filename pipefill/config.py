@@ -36,6 +36,14 @@ class ServerArgs:
         "Linear layers with at most this many rows (decode steps) run the packed small-M "
         "GEMM (an extra packed copy of the weights); more rows run torch. 0 = torch always.",
         default=32)
+    prefill_gemm: str = _flag(
+        "Linear layers with more rows than --decode-gemm-max-rows (prefill chunks): auto "
+        "(oneDNN for float32 matrices on AMD CPUs, where MKL's sgemm behind torch's float32 "
+        "F.linear takes a slower path; torch elsewhere), torch (F.linear), or onednn "
+        "(float32 or bfloat16; the matrices are reordered once at load into oneDNN's layout, "
+        "replacing the plain copy). oneDNN picks its own ISA from cpuid (ONEDNN_MAX_CPU_ISA "
+        "caps it; --hide-cpu-flags does not reach it). The choice is logged at start.",
+        default="auto", choices=["auto", "torch", "onednn"])
     attention_backend: str = _flag(
         "Prefill/decode attention: auto (the best kernel the CPU runs: amx with AMX-BF16, "
         "avx512bf16 (vdpbf16ps), avx512 or avx2 (float32 compute); split SDPA where none "

@@ -87,7 +87,10 @@ def run(ns: argparse.Namespace) -> int:
         raise ValueError(f"--context {max(contexts)} + --steps {ns.steps} does not fit "
                          f"--max-model-len {args.max_model_len}")
     pages_per_seq = -(-per_seq // args.page_size)
-    args = args.replace(max_total_tokens=max(batches) * pages_per_seq * args.page_size, pp_size=1)
+    # prefill_gemm torch: the `torch` column is F.linear on the plain matrices, which a
+    # oneDNN prefill copy would replace (decode itself runs the packed copies either way).
+    args = args.replace(max_total_tokens=max(batches) * pages_per_seq * args.page_size, pp_size=1,
+                        prefill_gemm="torch")
     torch.set_num_threads(args.num_threads)
     executor = _build(args, source)
     dtype = resolve_dtype(args.dtype)

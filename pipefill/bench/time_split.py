@@ -16,7 +16,8 @@ from pipefill.runtime.stage import StageInfo, build_stage
 from pipefill.scheduler.plan import NewRequest, SamplingParams
 from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig
 
-LINEAR_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul")
+LINEAR_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul",
+              "mkldnn::_linear_pointwise")
 ATTENTION_OPS = ("aten::_scaled_dot_product_flash_attention_for_cpu", "pipefill::amx_attention",
                  "pipefill::cpu_attention")
 

@@ -27,17 +27,21 @@ class ForwardMeta:
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden] float32
-    qkv: torch.Tensor  # [q_size + 2 * kv_size, hidden]
+    # The four matrices are None once moved into `prefill` (loader.reorder_prefill_weights).
+    qkv: torch.Tensor | None  # [q_size + 2 * kv_size, hidden]
     qkv_bias: torch.Tensor | None
-    o_proj: torch.Tensor  # [hidden, q_size]
+    o_proj: torch.Tensor | None  # [hidden, q_size]
     post_norm: torch.Tensor  # [hidden] float32
-    gate_up: torch.Tensor  # [2 * intermediate, hidden]
-    down: torch.Tensor  # [hidden, intermediate]
+    gate_up: torch.Tensor | None  # [2 * intermediate, hidden]
+    down: torch.Tensor | None  # [hidden, intermediate]
     q_norm: torch.Tensor | None  # [head_dim] float32 (Qwen3)
     k_norm: torch.Tensor | None
     # Decode copies of qkv/o_proj/gate_up/down for the small-M GEMM (kernels.decode_gemm),
     # by field name; None: torch for every M.
     packed: dict | None = None
+    # oneDNN copies of the same four for larger M (kernels.prefill_gemm), by field name;
+    # None: F.linear on the plain matrices.
+    prefill: dict | None = None
 
 
 @dataclass
@@ -49,11 +53,16 @@ class StageWeights:
     lm_head_packed: object | None = None  # kernels.decode_gemm.PackedLinear
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias=None, packed=None) -> torch.Tensor:
-    """F.linear; decode-sized x (at most packed.max_rows rows) runs the packed small-M GEMM,
-    which reads every weight once for all rows (torch's matmul slows down at M = 4..16)."""
+def linear(x: torch.Tensor, weight: torch.Tensor | None, bias=None, packed=None,
+           large=None) -> torch.Tensor:
+    """Decode-sized x (at most packed.max_rows rows) runs the packed small-M GEMM, which reads
+    every weight once for all rows (torch's matmul slows down at M = 4..16); larger x runs
+    `large` (a oneDNN-layout copy, which holds the bias too) where there is one, else
+    F.linear."""
     if packed is not None and x.shape[0] <= packed.max_rows:
         return packed(x)
+    if large is not None:
+        return large(x)
     return F.linear(x, weight, bias)
 
 
@@ -162,8 +171,8 @@ class StageModel:
         cfg, ops = self.cfg, self.ops
         x, residual = ops.add_rms_norm(residual, hidden, w.input_norm, cfg.rms_norm_eps,
                                        self.dtype)
-        packed = w.packed or {}
-        qkv = linear(x, w.qkv, w.qkv_bias, packed.get("qkv"))
+        packed, large = w.packed or {}, w.prefill or {}
+        qkv = linear(x, w.qkv, w.qkv_bias, packed.get("qkv"), large.get("qkv"))
         num_tokens = qkv.shape[0]
         q = qkv[:, :cfg.q_size].view(num_tokens, cfg.num_heads, cfg.head_dim)
         k = qkv[:, cfg.q_size:cfg.q_size + cfg.kv_size].view(num_tokens, cfg.num_kv_heads, -1)
@@ -179,11 +188,12 @@ class StageModel:
             ops.rope_(qk, cos, sin)
         attn = self.attention(q, k, v, k_cache, v_cache, meta.seqs, self.scale)
         hidden = linear(attn.reshape(num_tokens, cfg.q_size), w.o_proj, None,
-                        packed.get("o_proj"))
+                        packed.get("o_proj"), large.get("o_proj"))
         x, residual = ops.add_rms_norm(residual, hidden, w.post_norm, cfg.rms_norm_eps,
                                        self.dtype)
-        gate_up = linear(x, w.gate_up, None, packed.get("gate_up"))
-        return linear(ops.silu_mul(gate_up), w.down, None, packed.get("down")), residual
+        gate_up = linear(x, w.gate_up, None, packed.get("gate_up"), large.get("gate_up"))
+        return linear(ops.silu_mul(gate_up), w.down, None, packed.get("down"),
+                      large.get("down")), residual
 
     @torch.inference_mode()
     def logits(self, hidden, residual, rows: torch.Tensor) -> torch.Tensor:

@@ -260,3 +260,21 @@ def pack_stage_weights(weights: StageWeights, dtype: torch.dtype, weight_dtype: 
         weights.lm_head_packed = pack(weights.lm_head)
         total += weights.lm_head_packed.nbytes
     return total
+
+
+def reorder_prefill_weights(weights: StageWeights, rows_hint: int) -> int:
+    """Moves every layer's four matrices into oneDNN's layout (kernels.prefill_gemm) for
+    prefill-sized GEMMs; returns their bytes. Run after pack_stage_weights, which reads the
+    plain matrices: those are dropped here (set to None), so the stage holds one prefill copy.
+    The LM head stays plain: prefill computes logits for a few rows only."""
+    from pipefill.kernels.prefill_gemm import OneDnnLinear
+    total = 0
+    for layer in weights.layers:
+        layer.prefill = {name: OneDnnLinear.reorder(getattr(layer, name),
+                                                    layer.qkv_bias if name == "qkv" else None,
+                                                    rows_hint)
+                         for name in PACKED_FIELDS}
+        for name in PACKED_FIELDS:
+            setattr(layer, name, None)
+        total += sum(p.nbytes for p in layer.prefill.values())
+    return total

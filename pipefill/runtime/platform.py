@@ -34,6 +34,12 @@ def cpu_name() -> str:
     return _cpuinfo_field("model name") or platform.processor() or "unknown CPU"
 
 
+@functools.cache
+def cpu_vendor() -> str:
+    """cpuid's vendor string, e.g. GenuineIntel or AuthenticAMD ('' where unknown)."""
+    return _cpuinfo_field("vendor_id") or ""
+
+
 def usable_cpu_flags(hide: str | Iterable[str] = "") -> frozenset[str]:
     """The CPU's flags less the hidden ones (--hide-cpu-flags: "avx512f,avx512_bf16" or a
     collection), so kernel selection can be run as on a smaller CPU."""

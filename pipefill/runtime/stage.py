@@ -7,15 +7,16 @@ from dataclasses import dataclass
 import torch
 
 from pipefill.config import ServerArgs
+from pipefill.kernels.prefill_gemm import choose_prefill_gemm
 from pipefill.kv.cache import KVCache
 from pipefill.model.attention import (KERNEL_BACKENDS, backend_attention, choose_backend,
                                        resolve_kv_dtype)
 from pipefill.model.llama import FusedOps, StageModel, elementwise_ops
 from pipefill.model.loader import (WeightSource, load_stage_weights, pack_stage_weights,
-                                   resolve_weight_dtype)
+                                   reorder_prefill_weights, resolve_weight_dtype)
 from pipefill.model.partition import partition_layers
 from pipefill.runtime.executor import StageExecutor
-from pipefill.runtime.platform import dtype_name, resolve_dtype, usable_cpu_flags
+from pipefill.runtime.platform import cpu_vendor, dtype_name, resolve_dtype, usable_cpu_flags
 
 log = logging.getLogger(__name__)
 
@@ -91,6 +92,12 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
     log.info("stage %d: decode GEMM %s", info.rank,
              f"{head.isa}, packed copies {packed_bytes / 2**20:.0f} MiB "
              f"({dtype_name(weight_dtype)})" if packed_bytes and head else "off (torch)")
+    gemm, gemm_why = choose_prefill_gemm(args.prefill_gemm, dtype, weight_dtype, device,
+                                         cpu_vendor())
+    if gemm == "onednn":
+        c0 = args.chunked_prefill_size  # the layout's row hint ('auto': not yet known)
+        reorder_prefill_weights(weights, c0 if isinstance(c0, int) else 2048)
+    log.info("stage %d: prefill GEMM %s (%s)", info.rank, gemm, gemm_why)
     model = StageModel(cfg, info.layers.start, weights, dtype, attention, ops)
     executor = StageExecutor(model, cache)
     warm_up(executor)

@@ -1,0 +1,125 @@
+"""Prefill-sized linear layers on oneDNN (kernels.prefill_gemm, --prefill-gemm).
+
+* The reordered GEMM against float64 for many (M, K, N): M = 1, M not a multiple of any
+  block, K and N not multiples of the vector width, with and without bias, a strided input.
+* The choice: auto takes oneDNN for float32 on AMD CPUs only; a named onednn that cannot
+  run is an error naming the flag.
+* A stage with its matrices moved to oneDNN's layout drops the plain copies and computes what
+  the torch stage computes; an engine on it equals HF transformers through PP1 and PP2.
+"""
+import pytest
+import torch
+
+from conftest import hf_reference, track
+from pipefill import Engine
+from pipefill.config import ServerArgs, resolve
+from pipefill.kernels.prefill_gemm import OneDnnLinear, choose_prefill_gemm, onednn_status
+from pipefill.model.loader import WeightSource
+from pipefill.runtime.stage import StageInfo, build_stage
+
+pytestmark = pytest.mark.skipif(not onednn_status()[0], reason=onednn_status()[1])
+
+CPU = torch.device("cpu")
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+@pytest.mark.parametrize("m", [1, 3, 33, 257, 2055])
+@pytest.mark.parametrize("k,n", [(64, 96), (576, 960), (100, 37)])
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_against_float64(m, k, n, with_bias):
+    g = torch.Generator().manual_seed(m * 7 + k + n)
+    x = torch.randn(m, k, generator=g)
+    w = torch.randn(n, k, generator=g)
+    b = torch.randn(n, generator=g) if with_bias else None
+    lin = OneDnnLinear.reorder(w, b, rows_hint=2048)
+    y = lin(x)
+    ref = x.double() @ w.double().T + (0 if b is None else b.double())
+    assert y.shape == (m, n) and y.dtype == F32
+    # float32 products summed over K: the error grows like sqrt(K) * eps * |x||w|.
+    bound = 8 * k ** 0.5 * torch.finfo(F32).eps * (x.abs().max() * w.abs().max()).item()
+    assert (y.double() - ref).abs().max().item() < bound
+    assert lin.nbytes == w.numel() * 4 and (lin.out_features, lin.in_features) == (n, k)
+
+
+def test_bfloat16_and_strided_input():
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(48, 80, generator=g).to(BF16)
+    wide = torch.randn(40, 160, generator=g).to(BF16)
+    x = wide[:, ::2]  # not contiguous
+    y = OneDnnLinear.reorder(w, None, rows_hint=64)(x)
+    ref = x.double() @ w.double().T
+    assert y.dtype == BF16
+    assert (y.double() - ref).abs().max().item() < 0.02 * ref.abs().max().item()
+
+
+def test_wrong_width_is_a_clear_error():
+    lin = OneDnnLinear.reorder(torch.randn(8, 16), None, rows_hint=4)
+    with pytest.raises(ValueError, match="16 input features, got 12"):
+        lin(torch.randn(3, 12))
+
+
+def test_auto_takes_onednn_for_float32_on_amd_only():
+    amd, intel = "AuthenticAMD", "GenuineIntel"
+    assert choose_prefill_gemm("auto", F32, F32, CPU, amd)[0] == "onednn"
+    assert choose_prefill_gemm("auto", F32, F32, CPU, "HygonGenuine")[0] == "onednn"
+    assert choose_prefill_gemm("auto", F32, F32, CPU, "")[0] == "torch"  # e.g. not x86
+    assert choose_prefill_gemm("auto", F32, F32, CPU, intel)[0] == "torch"
+    assert choose_prefill_gemm("auto", BF16, BF16, CPU, amd)[0] == "torch"
+    assert choose_prefill_gemm("auto", F32, BF16, CPU, amd)[0] == "torch"  # --weight-dtype
+    assert choose_prefill_gemm("auto", torch.float16, torch.float16, CPU, amd)[0] == "torch"
+    assert choose_prefill_gemm("auto", F32, F32, torch.device("cuda"), amd)[0] == "torch"
+    assert choose_prefill_gemm("torch", F32, F32, CPU, amd) == ("torch", "requested")
+    assert choose_prefill_gemm("onednn", BF16, BF16, CPU, intel) == ("onednn", "requested")
+
+
+def test_named_onednn_that_cannot_run_names_the_flag():
+    with pytest.raises(ValueError, match="--prefill-gemm onednn is not available: dtype"):
+        choose_prefill_gemm("onednn", torch.float16, torch.float16, CPU, "AuthenticAMD")
+    with pytest.raises(ValueError, match="--prefill-gemm onednn is not available: the matri"):
+        choose_prefill_gemm("onednn", F32, BF16, CPU, "AuthenticAMD")
+    with pytest.raises(ValueError, match="--prefill-gemm 'mkl'"):
+        choose_prefill_gemm("mkl", F32, F32, CPU, "AuthenticAMD")
+
+
+def _stage(path, **kw):
+    source = WeightSource(path)
+    args = resolve(ServerArgs(model_path=path, dtype="float32", page_size=16,
+                              max_total_tokens=4096, threads_per_stage=1, **kw), source.config)
+    return build_stage(args, source, StageInfo(0, 1, range(source.config.num_layers)))
+
+
+def test_stage_drops_the_plain_matrices_and_computes_the_same(tiny_models):
+    # qwen2: the qkv bias rides in the oneDNN copy.
+    path = tiny_models["qwen2"]
+    plain = _stage(path, prefill_gemm="torch")
+    dnn = _stage(path, prefill_gemm="onednn")
+    assert all(layer.prefill is None and layer.qkv is not None for layer in plain.model.w.layers)
+    for layer in dnn.model.w.layers:
+        assert set(layer.prefill) == {"qkv", "o_proj", "gate_up", "down"}
+        assert layer.qkv is layer.o_proj is layer.gate_up is layer.down is None
+        assert layer.prefill["qkv"].bias is not None
+    x = torch.randn(300, plain.model.cfg.hidden_size)
+    for a, b in zip(plain.model.w.layers, dnn.model.w.layers):
+        want = torch.nn.functional.linear(x, a.qkv, a.qkv_bias)
+        assert (b.prefill["qkv"](x) - want).abs().max().item() < 1e-5
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_models):
+    return hf_reference(tiny_models["llama"], PROMPT, 8, full_forwards=True)
+
+
+PROMPT = [(13 * i + 7) % 512 for i in range(300)]
+
+
+@pytest.mark.parametrize("pp", [1, 2])
+def test_engine_on_onednn_equals_hf(tiny_models, reference, pp):
+    with track(Engine(tiny_models["llama"], dtype="float32", page_size=16, threads_per_stage=1,
+                      pp_size=pp, chunked_prefill_size=128, prefill_gemm="onednn",
+                      disable_radix_cache=True)) as e:
+        out = e.generate([PROMPT], max_new_tokens=8, ignore_eos=True,
+                         return_prompt_logprobs=True)[0]
+    ref_lp, ref_tokens = reference
+    assert out.metrics["chunk_sizes"] == [128, 128, 44]
+    assert out.output_ids == ref_tokens
+    assert (torch.tensor(out.prompt_logprobs) - ref_lp).abs().max().item() < 1e-4

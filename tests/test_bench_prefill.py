@@ -10,6 +10,7 @@ import torch
 from conftest import FAMILIES, save_tiny_model
 from pipefill.bench.memory import memory_report, stage_needs, stage_weight_bytes
 from pipefill.config import make_server_args, resolve
+from pipefill.kernels.prefill_gemm import onednn_status
 from pipefill.model.loader import WeightSource, load_stage_weights
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -99,3 +100,23 @@ def test_bench_prefill_time_split_with_auto_chunks(tmp_path):
     assert "time split" in proc.stdout
     (row,) = json.loads(out.read_text())["rows"]
     assert row["split"]["wall_s"] > 0 and sum(row["chunk_sizes"]) == 300
+
+
+@pytest.mark.skipif(not onednn_status()[0], reason=onednn_status()[1])
+def test_bench_prefill_compares_prefill_gemms_in_turn(tmp_path):
+    model = save_tiny_model("llama", tmp_path / "model")
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "pipefill.cli.main", "bench", "prefill", "--model-path", model,
+           "--input-len", "200", "--reps", "1", "--no-hf", "--no-split", "--dtype", "float32",
+           "--json", str(out)]
+    proc = subprocess.run(cmd + ["--compare-prefill-gemm", "torch,onednn"],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads(out.read_text())["rows"]
+    base = rows[0]["config"]
+    assert [r["config"] for r in rows] == [base, f"{base}-torch", f"{base}-onednn"]
+    assert "prefill GEMM torch (requested)" in proc.stderr
+    assert "prefill GEMM onednn (requested)" in proc.stderr
+    bad = subprocess.run(cmd + ["--compare-prefill-gemm", "mkl"], capture_output=True,
+                         text=True, timeout=600)
+    assert bad.returncode == 2 and "--compare-prefill-gemm 'mkl'" in bad.stderr

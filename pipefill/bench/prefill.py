@@ -58,6 +58,10 @@ def add_parser(sub) -> None:
                    help="add --chunked-prefill-size auto to --compare-chunking; without it, "
                         "time every --pp-size configuration once more with auto chunking "
                         "(efficiency against PP1 with auto)")
+    p.add_argument("--compare-prefill-gemm", metavar="LIST", default="",
+                   help="also time every configuration with each of these --prefill-gemm "
+                        "values (comma-separated: torch, onednn), in turn with it in every "
+                        "repetition, named <configuration>-<value>")
     server_args_parser_group(p, skip=("pp_size",))
     p.set_defaults(run=run)
 
@@ -100,6 +104,17 @@ def make_configs(args: ServerArgs, pp_sizes: list[int], with_auto: bool = False
     return configs
 
 
+def gemm_variants(configs: list[Config], values: str) -> list[Config]:
+    """Every configuration again with each --prefill-gemm value of `values`."""
+    from pipefill.kernels.prefill_gemm import CHOICES
+    gemms = [v.strip() for v in values.split(",") if v.strip()]
+    for g in gemms:
+        if g not in CHOICES:
+            raise ValueError(f"--compare-prefill-gemm {g!r}: choose from {', '.join(CHOICES)}")
+    return [Config(f"{c.name}-{g}", c.args.replace(prefill_gemm=g)) for g in gemms
+            for c in configs]
+
+
 def run(ns: argparse.Namespace) -> int:
     from pipefill.config import resolve
     from pipefill.model.loader import WeightSource, resolve_model_path
@@ -122,6 +137,7 @@ def run(ns: argparse.Namespace) -> int:
     if ns.compare_chunking:
         return run_compare_chunking(ns, args, source, lengths, pp_sizes)
     configs = make_configs(args, pp_sizes, ns.with_auto)
+    configs += gemm_variants(configs, ns.compare_prefill_gemm)
     dtype = resolve_dtype(args.dtype)
     threads = len(os.sched_getaffinity(0)) if len(configs) > 1 else args.num_threads
     torch.set_num_threads(threads)

@@ -5,10 +5,11 @@ from __future__ import annotations
 import torch
 
 from pipefill.config import ServerArgs, resolve
+from pipefill.kernels.prefill_gemm import choose_prefill_gemm
 from pipefill.model.attention import choose_backend, resolve_kv_dtype
-from pipefill.model.loader import WeightSource, resolve_model_path
+from pipefill.model.loader import WeightSource, resolve_model_path, resolve_weight_dtype
 from pipefill.model.partition import partition_layers
-from pipefill.runtime.platform import resolve_dtype, usable_cpu_flags
+from pipefill.runtime.platform import cpu_vendor, resolve_dtype, usable_cpu_flags
 
 
 def prepare(args: ServerArgs) -> tuple[ServerArgs, WeightSource]:
@@ -24,4 +25,8 @@ def prepare(args: ServerArgs) -> tuple[ServerArgs, WeightSource]:
         choose_backend(args.attention_backend, dtype, source.config.head_dim, args.page_size,
                        torch.device(args.device), resolve_kv_dtype(args.kv_cache_dtype, dtype),
                        usable_cpu_flags(args.hide_cpu_flags))
+    if args.prefill_gemm == "onednn":  # likewise
+        dtype = resolve_dtype(args.dtype, usable_cpu_flags(args.hide_cpu_flags))
+        choose_prefill_gemm("onednn", dtype, resolve_weight_dtype(args.weight_dtype, dtype),
+                            torch.device(args.device), cpu_vendor())
     return args, source

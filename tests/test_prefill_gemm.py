@@ -12,7 +12,8 @@ import torch
 
 from conftest import hf_reference, track
 from pipefill import Engine
-from pipefill.config import ServerArgs, resolve
+from pipefill.config import ServerArgs, make_server_args, resolve
+from pipefill.frontend import prepare
 from pipefill.kernels.prefill_gemm import OneDnnLinear, choose_prefill_gemm, onednn_status
 from pipefill.model.loader import WeightSource
 from pipefill.runtime.stage import StageInfo, build_stage
@@ -79,6 +80,12 @@ def test_named_onednn_that_cannot_run_names_the_flag():
         choose_prefill_gemm("onednn", F32, BF16, CPU, "AuthenticAMD")
     with pytest.raises(ValueError, match="--prefill-gemm 'mkl'"):
         choose_prefill_gemm("mkl", F32, F32, CPU, "AuthenticAMD")
+
+
+def test_front_end_refuses_a_named_onednn_before_any_stage_starts(tiny_models):
+    with pytest.raises(ValueError, match="--prefill-gemm onednn is not available: dtype float16"):
+        prepare(make_server_args(tiny_models["llama"], dtype="float16", prefill_gemm="onednn"))
+    prepare(make_server_args(tiny_models["llama"], dtype="float32", prefill_gemm="onednn"))
 
 
 def _stage(path, **kw):

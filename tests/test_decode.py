@@ -15,12 +15,10 @@ import random
 import pytest
 import torch
 
-from conftest import save_tiny_model, track
+from conftest import save_tiny_model, single_stage, track
 from pipefill import Engine
-from pipefill.config import ServerArgs, resolve
+from pipefill.config import ServerArgs
 from pipefill.kernels import decode_gemm
-from pipefill.model.loader import WeightSource
-from pipefill.runtime.stage import StageInfo, build_stage
 from pipefill.scheduler.plan import SampleSpec, SeqWork, StepPlan
 
 pytestmark = pytest.mark.skipif(not decode_gemm.available(),
@@ -98,10 +96,7 @@ def test_greedy_matches_hf_and_torch_path_batch_1_and_8(tiny_models, hf_tokens):
 
 
 def _stage(path, dtype, **kw):
-    source = WeightSource(path)
-    args = resolve(ServerArgs(model_path=path, dtype=dtype, page_size=PAGE,
-                              max_total_tokens=4096, threads_per_stage=1, **kw), source.config)
-    return build_stage(args, source, StageInfo(0, 1, range(source.config.num_layers)))
+    return single_stage(path, dtype, page_size=PAGE, **kw)
 
 
 def _step(ex, seqs: dict, tables, start):

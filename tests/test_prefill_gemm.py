@@ -10,13 +10,11 @@
 import pytest
 import torch
 
-from conftest import hf_reference, track
+from conftest import hf_reference, single_stage, track
 from pipefill import Engine
-from pipefill.config import ServerArgs, make_server_args, resolve
+from pipefill.config import make_server_args
 from pipefill.frontend import prepare
 from pipefill.kernels.prefill_gemm import OneDnnLinear, choose_prefill_gemm, onednn_status
-from pipefill.model.loader import WeightSource
-from pipefill.runtime.stage import StageInfo, build_stage
 
 pytestmark = pytest.mark.skipif(not onednn_status()[0], reason=onednn_status()[1])
 
@@ -88,18 +86,11 @@ def test_front_end_refuses_a_named_onednn_before_any_stage_starts(tiny_models):
     prepare(make_server_args(tiny_models["llama"], dtype="float32", prefill_gemm="onednn"))
 
 
-def _stage(path, **kw):
-    source = WeightSource(path)
-    args = resolve(ServerArgs(model_path=path, dtype="float32", page_size=16,
-                              max_total_tokens=4096, threads_per_stage=1, **kw), source.config)
-    return build_stage(args, source, StageInfo(0, 1, range(source.config.num_layers)))
-
-
 def test_stage_drops_the_plain_matrices_and_computes_the_same(tiny_models):
     # qwen2: the qkv bias rides in the oneDNN copy.
     path = tiny_models["qwen2"]
-    plain = _stage(path, prefill_gemm="torch")
-    dnn = _stage(path, prefill_gemm="onednn")
+    plain = single_stage(path, "float32", prefill_gemm="torch")
+    dnn = single_stage(path, "float32", prefill_gemm="onednn")
     assert all(layer.prefill is None and layer.qkv is not None for layer in plain.model.w.layers)
     for layer in dnn.model.w.layers:
         assert set(layer.prefill) == {"qkv", "o_proj", "gate_up", "down"}

@@ -94,10 +94,12 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
              f"({dtype_name(weight_dtype)})" if packed_bytes and head else "off (torch)")
     gemm, gemm_why = choose_prefill_gemm(args.prefill_gemm, dtype, weight_dtype, device,
                                          cpu_vendor())
+    reordered = ""
     if gemm == "onednn":
         c0 = args.chunked_prefill_size  # the layout's row hint ('auto': not yet known)
-        reorder_prefill_weights(weights, c0 if isinstance(c0, int) else 2048)
-    log.info("stage %d: prefill GEMM %s (%s)", info.rank, gemm, gemm_why)
+        nbytes = reorder_prefill_weights(weights, c0 if isinstance(c0, int) else 2048)
+        reordered = f", matrices in its layout {nbytes / 2**20:.0f} MiB"
+    log.info("stage %d: prefill GEMM %s (%s)%s", info.rank, gemm, gemm_why, reordered)
     model = StageModel(cfg, info.layers.start, weights, dtype, attention, ops)
     executor = StageExecutor(model, cache)
     warm_up(executor)

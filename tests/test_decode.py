@@ -108,7 +108,7 @@ def _step(ex, seqs: dict, tables, start):
         works.append(SeqWork(f"s{i}", start[i], end, toks, tables[i][:-(-end // PAGE)], spec))
     acts, _ = ex.forward(StepPlan(-1, works), None)  # -1: scratch plan, the test owns the pages
     rows = torch.tensor(list(range(len(works))))
-    if any(w.num_tokens > 1 for w in works):
+    if any(w.num_tokens > 1 for w in works) and not acts.logit_rows_only:
         rows = torch.cumsum(torch.tensor([w.num_tokens for w in works]), 0) - 1
     return ex.model.logits(acts.hidden, acts.residual, rows)
 

@@ -70,8 +70,10 @@ def _run(stages, plan) -> torch.Tensor:
     acts = None
     for ex in stages:
         out, _ = ex.forward(plan, acts)
-        acts = Activations(out.hidden.clone(), out.residual.clone())
+        acts = Activations(out.hidden.clone(), out.residual.clone(), out.logit_rows_only)
     rows = torch.cumsum(torch.tensor([w.num_tokens for w in plan.seqs]), 0) - 1
+    if acts.logit_rows_only:  # the last layer kept each sequence's last row only
+        rows = torch.arange(len(plan.seqs))
     return stages[-1].model.logits(acts.hidden, acts.residual, rows)
 
 

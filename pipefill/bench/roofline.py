@@ -11,7 +11,9 @@ from pipefill.model.config import ModelConfig
 
 def prefill_flops(cfg: ModelConfig, num_tokens: int, prefix_len: int = 0) -> dict[str, float]:
     """Linear layers of every token plus the lm_head of the last one, and causal attention
-    (QK^T and PV, 2 FLOPs per multiply-add) of tokens [prefix_len, prefix_len + num_tokens)."""
+    (QK^T and PV, 2 FLOPs per multiply-add) of tokens [prefix_len, prefix_len + num_tokens).
+    This is the whole model's work, as HF does it; pipefill's last layer skips the attention
+    and MLP of rows no logit reads (StageModel.trims), so its TF/s count that work as done."""
     h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
     per_token = 2 * (h * (q + 2 * kv) + q * h + 3 * h * inter)
     linear = cfg.num_layers * per_token * num_tokens + 2 * h * cfg.vocab_size

@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pipefill.model.attention import SeqMeta, paged_attention
+from pipefill.model.attention import SeqMeta, kv_writer, last_rows_attention, paged_attention
 from pipefill.model.config import ModelConfig
 from pipefill.model.decode_step import DecodeRunner
 from pipefill.model.rope import apply_rope_, cos_sin, inverse_frequencies
@@ -22,6 +22,10 @@ class ForwardMeta:
     """Per-forward metadata, built per stage from the micro-batch's plan."""
     positions: torch.Tensor  # [num_tokens] long
     seqs: list[SeqMeta]
+    # Last stage: per sequence, whether its last row's output is used (logits); None = every
+    # row of every sequence is. With a list, forward returns only those rows, in order: the
+    # last layer then computes K/V for all rows but attention and MLP for those rows only.
+    last_rows: list[bool] | None = None
 
 
 @dataclass
@@ -124,11 +128,17 @@ def elementwise_ops(cfg: ModelConfig, device: torch.device,
     return TorchOps()
 
 
+def _last_row_index(meta: ForwardMeta) -> torch.Tensor:
+    rows = [s.row_start + s.num_new - 1 for s, keep in zip(meta.seqs, meta.last_rows) if keep]
+    return torch.tensor(rows, dtype=torch.long, device=meta.positions.device)
+
+
 class StageModel:
     def __init__(self, cfg: ModelConfig, layer_start: int, weights: StageWeights,
                  dtype: torch.dtype, attention=paged_attention, ops=None):
         self.cfg = cfg
         self.attention = attention  # (q, k, v, k_cache, v_cache, seqs, scale) -> out
+        self.kv_writer = kv_writer(attention)  # K/V into the cache without attention, or None
         self.ops = ops or TorchOps()
         self.layer_start = layer_start
         self.w = weights
@@ -162,12 +172,20 @@ class StageModel:
         cos, sin = cos_sin(meta.positions, self.inv_freq)
         if self.fast_decode and self._decode is not None and self._decode.fits(hidden, meta):
             return self._decode.forward(hidden, residual, meta, cos, sin, k_cache, v_cache)
+        last = len(self.w.layers) - 1
+        trim = self.trims(meta)
         for i, layer in enumerate(self.w.layers):
             hidden, residual = self._layer(layer, hidden, residual, meta, cos, sin,
-                                           k_cache[i], v_cache[i])
+                                           k_cache[i], v_cache[i], trim and i == last)
         return hidden, residual
 
-    def _layer(self, w: LayerWeights, hidden, residual, meta, cos, sin, k_cache, v_cache):
+    def trims(self, meta: ForwardMeta) -> bool:
+        """Whether the last layer computes only the rows meta.last_rows asks for (the last
+        stage's final layer feeds nothing but the logits; its K/V are still written for all)."""
+        return meta.last_rows is not None and self.is_last and self.kv_writer is not None
+
+    def _layer(self, w: LayerWeights, hidden, residual, meta, cos, sin, k_cache, v_cache,
+               trim: bool = False):
         cfg, ops = self.cfg, self.ops
         x, residual = ops.add_rms_norm(residual, hidden, w.input_norm, cfg.rms_norm_eps,
                                        self.dtype)
@@ -186,8 +204,15 @@ class StageModel:
             # q and k are adjacent columns of qkv: rotate both heads in one pass.
             qk = qkv[:, :cfg.q_size + cfg.kv_size].view(num_tokens, -1, cfg.head_dim)
             ops.rope_(qk, cos, sin)
-        attn = self.attention(q, k, v, k_cache, v_cache, meta.seqs, self.scale)
-        hidden = linear(attn.reshape(num_tokens, cfg.q_size), w.o_proj, None,
+        if trim:
+            attn = last_rows_attention(self.attention, self.kv_writer, q, k, v, k_cache,
+                                       v_cache, meta.seqs, meta.last_rows, self.scale)
+            residual = residual[_last_row_index(meta)]
+            if residual.shape[0] == 0:  # no logits this step (a chunk before a prompt's last)
+                return attn.new_empty((0, cfg.hidden_size)), residual
+        else:
+            attn = self.attention(q, k, v, k_cache, v_cache, meta.seqs, self.scale)
+        hidden = linear(attn.reshape(attn.shape[0], cfg.q_size), w.o_proj, None,
                         packed.get("o_proj"), large.get("o_proj"))
         x, residual = ops.add_rms_norm(residual, hidden, w.post_norm, cfg.rms_norm_eps,
                                        self.dtype)

@@ -21,6 +21,9 @@ log = logging.getLogger(__name__)
 class Activations:
     hidden: torch.Tensor  # [num_tokens, hidden_size] compute dtype
     residual: torch.Tensor | None  # [num_tokens, hidden_size] float32; None before layer 0
+    # After a last stage that computed only the logit rows (StageModel.trims): those rows, in
+    # plan order, instead of every row.
+    logit_rows_only: bool = False
 
 
 def build_meta(plan: StepPlan, page_size: int, device: torch.device) -> ForwardMeta:
@@ -53,6 +56,20 @@ def _read_slots(pages: list[int], table: torch.Tensor, end: int, page_size: int,
         return slice(pages[0] * page_size, pages[0] * page_size + end)
     slots = table[:used].long()[:, None] * page_size + torch.arange(page_size)
     return slots.view(-1)[:end].to(device)
+
+
+def last_rows(plan: StepPlan) -> list[bool] | None:
+    """Per sequence, whether its last row is its only logit row (False: it has none); None
+    when some sequence needs other rows (prompt logprobs) or no row could be skipped."""
+    keep = []
+    for work in plan.seqs:
+        rows = logit_rows(work, 0)
+        if rows and rows != [work.num_tokens - 1]:
+            return None
+        keep.append(bool(rows))
+    if sum(w.num_tokens for w in plan.seqs) == sum(keep):
+        return None
+    return keep
 
 
 def logit_rows(work, row: int) -> list[int]:
@@ -121,6 +138,8 @@ class StageExecutor:
         self.num_forwards += 1
         device = self.cache.k.device
         meta = build_meta(plan, self.cache.page_size, device)
+        if self.model.is_last:
+            meta.last_rows = last_rows(plan)
         if acts is None:
             ids = torch.tensor([t for w in plan.seqs for t in w.input_ids], dtype=torch.long)
             acts = Activations(self.model.embed(ids.to(device)), None)
@@ -130,7 +149,7 @@ class StageExecutor:
             torch.cuda.synchronize(device)  # the forward time is for the chunk-cost model
         if plan.step_id >= 0:
             self.finish_page_ops(plan.page_ops)
-        return Activations(hidden, residual), time.perf_counter() - t0
+        return Activations(hidden, residual, self.model.trims(meta)), time.perf_counter() - t0
 
     def scratch_prefill(self, num_tokens: int) -> float:
         """Seconds of a from-scratch prefill of num_tokens dummy tokens on this stage's layers
@@ -156,8 +175,9 @@ class StageExecutor:
         if not rows:
             result.seqs = [SeqResult(w.rid) for w in plan.seqs]
             return result
+        held = range(len(rows)) if acts.logit_rows_only else rows
         logits = self.model.logits(acts.hidden, acts.residual,
-                                   torch.tensor(rows, device=acts.hidden.device)).cpu()
+                                   torch.tensor(held, device=acts.hidden.device)).cpu()
         at = 0
         for work, seq_rows in zip(plan.seqs, per_seq):
             result.seqs.append(_seq_result(work, logits[at:at + len(seq_rows)]))

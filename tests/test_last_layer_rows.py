@@ -33,13 +33,13 @@ def _backends():
     return out
 
 
-def _plan(sample_first: bool = True) -> StepPlan:
+def _plan() -> StepPlan:
     """Three sequences in one micro-batch: a first chunk that samples, a later chunk of a long
     prompt that does not (pages not in order), and one decode token."""
     gen = torch.Generator().manual_seed(0)
     tok = lambda n: torch.randint(0, 200, (n,), generator=gen).tolist()  # noqa: E731
     return StepPlan(-1, [
-        SeqWork("a", 0, 45, tok(45), [0, 1], GREEDY if sample_first else None),
+        SeqWork("a", 0, 45, tok(45), [0, 1], GREEDY),
         SeqWork("b", 70, 131, tok(61), [9, 4, 7, 3, 8], None),
         SeqWork("c", 20, 21, tok(1), [12], GREEDY),
     ])
@@ -78,7 +78,9 @@ def test_kept_rows_and_cache_match_the_whole_layer(path, backend, dtype):
                                                                      trimmed.cache.v)
     ref = whole.model.logits(h, r, rows)
     got = trimmed.model.logits(ht, rt, torch.arange(2))
-    tol = 1e-5 if dtype == "float32" else 2e-2  # bf16: the row's attention rounds P anew
+    # Measured on Zen 4: the vector kernels give the same bits, float32 SDPA differs by 2e-6.
+    # AMX's tiles and the decode kernel it hands one-row calls to round P to bf16 apart.
+    tol = 1e-5 if dtype == "float32" else 2e-2
     assert (got - ref).abs().max().item() < tol * max(1.0, ref.abs().max().item())
     assert torch.equal(got.argmax(-1), ref.argmax(-1))
 

@@ -140,3 +140,24 @@ def test_executor_results_equal_with_and_without_trim(path):
     ref = ref_ex.model.logits(h, r, torch.tensor([44, 106])).log_softmax(-1)
     got = [s for s in trimmed.seqs if s.token is not None]
     assert [s.token for s in got] == ref.argmax(-1).tolist()
+
+
+def test_decode_batch_with_an_unsampled_one_token_chunk(path):
+    """A step of one-token rows where one is a prompt chunk that samples nothing (a token
+    budget can leave a one-token chunk): the lean decode path would compute every row, so the
+    step must either trim on the general path or not trim; the tokens equal the whole layer's."""
+    ex = single_stage(path, "float32", page_size=PAGE)
+    ref_ex = single_stage(path, "float32", page_size=PAGE)
+    plan = StepPlan(-1, [SeqWork("p", 30, 31, [7], [0, 1], None),
+                         SeqWork("d", 20, 21, [9], [12], SampleSpec(0.0, 1.0, -1, 0, 0, 0))])
+    for e in (ex, ref_ex):
+        _prime(e, plan)
+    assert last_rows(plan) == [False, True]
+    got = ex.results(plan, ex.forward(plan, None)[0])
+    meta = build_meta(plan, PAGE, torch.device("cpu"))
+    ids = torch.tensor([7, 9])
+    h, r = ref_ex.model.forward(ref_ex.model.embed(ids), None, meta, ref_ex.cache.k,
+                                ref_ex.cache.v)
+    ref = ref_ex.model.logits(h, r, torch.tensor([1]))
+    assert [s.token for s in got.seqs] == [None, ref.argmax(-1).item()]
+    assert abs(got.seqs[1].token_logprob - ref.log_softmax(-1).max().item()) < 1e-5

@@ -170,10 +170,13 @@ class StageModel:
     def forward(self, hidden, residual, meta: ForwardMeta, k_cache, v_cache):
         """Runs this stage's layers. k_cache/v_cache: [num_local_layers, slots, Hkv, D]."""
         cos, sin = cos_sin(meta.positions, self.inv_freq)
-        if self.fast_decode and self._decode is not None and self._decode.fits(hidden, meta):
+        # A step of one-token rows where some row feeds no logit (a one-token prompt chunk)
+        # trims on the general path: the lean decode path returns every row.
+        trim = self.trims(meta)
+        if (not trim and self.fast_decode and self._decode is not None
+                and self._decode.fits(hidden, meta)):
             return self._decode.forward(hidden, residual, meta, cos, sin, k_cache, v_cache)
         last = len(self.w.layers) - 1
-        trim = self.trims(meta)
         for i, layer in enumerate(self.w.layers):
             hidden, residual = self._layer(layer, hidden, residual, meta, cos, sin,
                                            k_cache[i], v_cache[i], trim and i == last)

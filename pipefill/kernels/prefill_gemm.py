@@ -15,6 +15,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pipefill.runtime.platform import dtype_name
+
 CHOICES = ("auto", "torch", "onednn")
 MKL_SLOW_VENDORS = ("AuthenticAMD", "HygonGenuine")  # cpuid vendor strings
 
@@ -57,7 +59,7 @@ def _unfit(dtype: torch.dtype, weight_dtype: torch.dtype, device: torch.device) 
     if device.type != "cpu":
         return f"the stage runs on {device.type}"
     if dtype not in (torch.float32, torch.bfloat16):
-        return f"dtype {str(dtype).removeprefix('torch.')} (float32 and bfloat16 only)"
+        return f"dtype {dtype_name(dtype)} (float32 and bfloat16 only)"
     if weight_dtype != dtype:
         return "the matrices are kept in a different dtype from the compute dtype"
     ok, why = onednn_status()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from contextlib import nullcontext
 from dataclasses import dataclass
+from functools import partial
 
 import torch
 
@@ -192,41 +193,33 @@ class AmxAttention(VectorAttention):
         return out
 
 
-def _write_packed(k, v, k_cache, v_cache, seqs: list[SeqMeta]) -> None:
-    from pipefill.kernels.cpu_attention import write_kv as pack
+def _write_packed(pack, k_cache, v_cache, k, v, seqs: list[SeqMeta]) -> None:
     for seq in seqs:
         rows = slice(seq.row_start, seq.row_start + seq.num_new)
         pack(k_cache, v_cache, k[rows], v[rows], seq.page_table, seq.prefix_len)
-
-
-def _write_packed_amx(k, v, k_cache, v_cache, seqs: list[SeqMeta]) -> None:
-    from pipefill.kernels.amx_attention import write_kv as pack
-    for seq in seqs:
-        rows = slice(seq.row_start, seq.row_start + seq.num_new)
-        pack(k_cache, v_cache, k[rows], v[rows], seq.page_table, seq.prefix_len)
-
-
-def _write_token_major(k, v, k_cache, v_cache, seqs: list[SeqMeta]) -> None:
-    write_kv(k_cache, v_cache, k, v, seqs)
 
 
 def kv_writer(attention):
-    """(k, v, k_cache, v_cache, seqs) -> None writing new K/V in the layout `attention` reads,
-    with no attention computed; None for an attention callable this module does not know."""
+    """(k_cache, v_cache, k, v, seqs) -> None writing new K/V in the layout `attention` reads
+    (as write_kv does for the token-major cache), with no attention computed; None for an
+    attention callable this module does not know."""
     if isinstance(attention, VectorAttention):
-        return _write_packed
+        from pipefill.kernels.cpu_attention import write_kv as pack
+        return partial(_write_packed, pack)
     if attention is amx_paged_attention:
-        return _write_packed_amx
+        from pipefill.kernels.amx_attention import write_kv as pack
+        return partial(_write_packed, pack)
     if attention is paged_attention:
-        return _write_token_major
+        return write_kv
     return None
 
 
 def last_rows_attention(attention, writer, q, k, v, k_cache, v_cache, seqs: list[SeqMeta],
-                        keep: list[bool], scale: float) -> torch.Tensor:
+                        keep: list[bool], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
     """Every sequence's new K/V into the cache, and attention for the last query row of the
-    sequences with keep[i] only -> [sum(keep), Hq, D]. That row is the last new token at
-    position L + C - 1 over keys [0, L + C): the same attention as in the whole chunk's call."""
+    sequences with keep[i] only -> ([sum(keep), Hq, D], those rows' indices in q). That row is
+    the last new token at position L + C - 1 over keys [0, L + C): the same attention as in
+    the whole chunk's call."""
     heads, lasts = [], []
     for seq, wanted in zip(seqs, keep):
         n = seq.num_new - 1 if wanted else seq.num_new
@@ -237,13 +230,13 @@ def last_rows_attention(attention, writer, q, k, v, k_cache, v_cache, seqs: list
             lasts.append(SeqMeta(seq.row_start + n, 1, seq.prefix_len + n,
                                  _last(seq.write_slots), seq.read_slots, seq.page_table))
     if heads:
-        writer(k, v, k_cache, v_cache, heads)
+        writer(k_cache, v_cache, k, v, heads)
+    rows = torch.tensor([s.row_start for s in lasts], dtype=torch.long, device=q.device)
     if not lasts:
-        return q.new_empty((0, *q.shape[1:]))
-    rows = torch.tensor([s.row_start for s in lasts], device=q.device)
+        return q.new_empty((0, *q.shape[1:])), rows
     compact = [SeqMeta(i, 1, s.prefix_len, s.write_slots, s.read_slots, s.page_table)
                for i, s in enumerate(lasts)]
-    return attention(q[rows], k[rows], v[rows], k_cache, v_cache, compact, scale)
+    return attention(q[rows], k[rows], v[rows], k_cache, v_cache, compact, scale), rows
 
 
 def _first(slots, n: int):

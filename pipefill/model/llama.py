@@ -128,11 +128,6 @@ def elementwise_ops(cfg: ModelConfig, device: torch.device,
     return TorchOps()
 
 
-def _last_row_index(meta: ForwardMeta) -> torch.Tensor:
-    rows = [s.row_start + s.num_new - 1 for s, keep in zip(meta.seqs, meta.last_rows) if keep]
-    return torch.tensor(rows, dtype=torch.long, device=meta.positions.device)
-
-
 class StageModel:
     def __init__(self, cfg: ModelConfig, layer_start: int, weights: StageWeights,
                  dtype: torch.dtype, attention=paged_attention, ops=None):
@@ -208,9 +203,9 @@ class StageModel:
             qk = qkv[:, :cfg.q_size + cfg.kv_size].view(num_tokens, -1, cfg.head_dim)
             ops.rope_(qk, cos, sin)
         if trim:
-            attn = last_rows_attention(self.attention, self.kv_writer, q, k, v, k_cache,
-                                       v_cache, meta.seqs, meta.last_rows, self.scale)
-            residual = residual[_last_row_index(meta)]
+            attn, rows = last_rows_attention(self.attention, self.kv_writer, q, k, v, k_cache,
+                                             v_cache, meta.seqs, meta.last_rows, self.scale)
+            residual = residual[rows]
             if residual.shape[0] == 0:  # no logits this step (a chunk before a prompt's last)
                 return attn.new_empty((0, cfg.hidden_size)), residual
         else:

@@ -18,6 +18,11 @@ import torch
 from pipefill.runtime.platform import dtype_name
 
 CHOICES = ("auto", "torch", "onednn")
+# oneDNN builds (JIT) and keeps a primitive per row count, ~0.7 MiB each that stays resident:
+# a server whose steps have ever-new row counts grew ~4 MiB a minute. Row counts are rounded
+# up to this grain (zero rows added, dropped from the output), so a stage meets at most
+# max rows / ROW_GRAIN of them per weight shape; chunk sizes are multiples of it already.
+ROW_GRAIN = 64
 MKL_SLOW_VENDORS = ("AuthenticAMD", "HygonGenuine")  # cpuid vendor strings
 
 
@@ -87,5 +92,15 @@ class OneDnnLinear:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"linear expects {self.in_features} input features, got "
                              f"{x.shape[-1]}")
-        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias,
-                                                  "none", [], "")
+        rows = x.shape[0] if x.dim() == 2 else None
+        if rows is None or rows % ROW_GRAIN == 0:
+            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias,
+                                                      "none", [], "")
+        padded = torch.nn.functional.pad(x, (0, 0, 0, padded_rows(rows) - rows))
+        return torch.ops.mkldnn._linear_pointwise(padded, self.weight, self.bias, "none", [],
+                                                  "")[:rows]
+
+
+def padded_rows(rows: int) -> int:
+    """The row count oneDNN sees for `rows` rows: the next multiple of ROW_GRAIN."""
+    return -(-rows // ROW_GRAIN) * ROW_GRAIN

@@ -18,7 +18,7 @@ from pipefill import Engine
 from pipefill.config import make_server_args
 from pipefill.frontend import prepare
 from pipefill.kernels.prefill_gemm import (ROW_GRAIN, OneDnnLinear, choose_prefill_gemm,
-                                           onednn_status, padded_rows)
+                                           onednn_status, padded_rows, torch_linear)
 
 pytestmark = pytest.mark.skipif(not onednn_status()[0], reason=onednn_status()[1])
 
@@ -56,6 +56,18 @@ def test_a_padded_call_gives_the_bits_of_the_whole_grain_call():
     whole = lin(x)
     for m in (1, 17, ROW_GRAIN + 1, 2 * ROW_GRAIN - 1):
         assert torch.equal(lin(x[:m]), whole[:m])
+
+
+def test_torch_linear_pads_bfloat16_only():
+    """bfloat16 F.linear on CPU is oneDNN as well: torch_linear pads its rows; float32
+    (MKL, no per-shape state) is F.linear untouched."""
+    g = torch.Generator().manual_seed(6)
+    x = torch.randn(ROW_GRAIN, 64, generator=g)
+    w = torch.randn(96, 64, generator=g)
+    whole = torch.nn.functional.linear(x.bfloat16(), w.bfloat16())
+    assert torch.equal(torch_linear(x[:5].bfloat16(), w.bfloat16()), whole[:5])
+    assert torch_linear(x[:5].bfloat16(), w.bfloat16()).shape == (5, 96)
+    assert torch.equal(torch_linear(x[:5], w), torch.nn.functional.linear(x[:5], w))
 
 
 def rss_mib() -> float:

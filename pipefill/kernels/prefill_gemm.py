@@ -22,6 +22,7 @@ CHOICES = ("auto", "torch", "onednn")
 # a server whose steps have ever-new row counts grew ~4 MiB a minute. Row counts are rounded
 # up to this grain (zero rows added, dropped from the output), so a stage meets at most
 # max rows / ROW_GRAIN of them per weight shape; chunk sizes are multiples of it already.
+# torch's bfloat16 F.linear on CPU is oneDNN too and gets the same treatment (in_row_grains).
 ROW_GRAIN = 64
 MKL_SLOW_VENDORS = ("AuthenticAMD", "HygonGenuine")  # cpuid vendor strings
 
@@ -92,15 +93,28 @@ class OneDnnLinear:
         if x.shape[-1] != self.in_features:
             raise ValueError(f"linear expects {self.in_features} input features, got "
                              f"{x.shape[-1]}")
-        rows = x.shape[0] if x.dim() == 2 else None
-        if rows is None or rows % ROW_GRAIN == 0:
-            return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias,
-                                                      "none", [], "")
-        padded = torch.nn.functional.pad(x, (0, 0, 0, padded_rows(rows) - rows))
-        return torch.ops.mkldnn._linear_pointwise(padded, self.weight, self.bias, "none", [],
-                                                  "")[:rows]
+        return in_row_grains(self._compute, x)
+
+    def _compute(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x.contiguous(), self.weight, self.bias,
+                                                  "none", [], "")
 
 
 def padded_rows(rows: int) -> int:
     """The row count oneDNN sees for `rows` rows: the next multiple of ROW_GRAIN."""
     return -(-rows // ROW_GRAIN) * ROW_GRAIN
+
+
+def in_row_grains(fn, x: torch.Tensor) -> torch.Tensor:
+    """fn(x) for a row-wise fn of a 2-D x, called on x padded with zero rows to padded_rows."""
+    rows = x.shape[0]
+    if x.dim() != 2 or rows % ROW_GRAIN == 0:
+        return fn(x)
+    return fn(torch.nn.functional.pad(x, (0, 0, 0, padded_rows(rows) - rows)))[:rows]
+
+
+def torch_linear(x: torch.Tensor, weight: torch.Tensor, bias=None) -> torch.Tensor:
+    """F.linear, with x's rows in grains where torch runs it on oneDNN (bfloat16 on CPU)."""
+    if x.dtype == torch.bfloat16 and x.device.type == "cpu":
+        return in_row_grains(lambda rows: torch.nn.functional.linear(rows, weight, bias), x)
+    return torch.nn.functional.linear(x, weight, bias)

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from pipefill.model.attention import SeqMeta, kv_writer, last_rows_attention, paged_attention
+from pipefill.kernels.prefill_gemm import torch_linear
 from pipefill.model.config import ModelConfig
 from pipefill.model.decode_step import DecodeRunner
 from pipefill.model.rope import apply_rope_, cos_sin, inverse_frequencies
@@ -62,12 +63,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor | None, bias=None, packed=None,
     """Decode-sized x (at most packed.max_rows rows) runs the packed small-M GEMM, which reads
     every weight once for all rows (torch's matmul slows down at M = 4..16); larger x runs
     `large` (a oneDNN-layout copy, which holds the bias too) where there is one, else
-    F.linear."""
+    F.linear (oneDNN for bfloat16 on CPU: rows padded as for `large`, see prefill_gemm)."""
     if packed is not None and x.shape[0] <= packed.max_rows:
         return packed(x)
     if large is not None:
         return large(x)
-    return F.linear(x, weight, bias)
+    return torch_linear(x, weight, bias)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype):
@@ -226,4 +227,4 @@ class StageModel:
         head = self.w.lm_head_packed
         if head is not None and x.shape[0] <= head.max_rows:  # float32 logits straight away
             return head(x, out=torch.empty(x.shape[0], head.out_features))
-        return F.linear(x, self.w.lm_head).float()
+        return torch_linear(x, self.w.lm_head).float()

@@ -64,7 +64,9 @@ class ServerArgs:
     chunked_prefill_size: int | str = _flag(
         "Tokens per prefill chunk (C0): long prompts are cut into chunks of this size. 'auto': "
         "profile stage 0 and pick C0 (and the smooth factor with dynamic chunking) with the "
-        "pipeline simulator for --tune-input-len tokens.", default=2048, type=lambda x: x)
+        "pipeline simulator for --tune-input-len tokens. On CPU the prefill GEMMs see row "
+        "counts padded to a multiple of 64, so other sizes compute up to 63 rows in vain.",
+        default=2048, type=lambda x: x)
     enable_dynamic_chunking: bool = _flag(
         "Shrink later chunks so every chunk costs the same time (needs --pp-size > 1; a "
         "start-up profile of stage 0 fits the cost model).", default=False)

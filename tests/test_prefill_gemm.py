@@ -10,11 +10,14 @@
 * A stage with its matrices moved to oneDNN's layout drops the plain copies and computes what
   the torch stage computes; an engine on it equals HF transformers through PP1 and PP2.
 """
+import os
+
 import pytest
 import torch
 
 from conftest import hf_reference, single_stage, track
 from pipefill import Engine
+from pipefill.bench.memory import proc_status_bytes
 from pipefill.config import make_server_args
 from pipefill.frontend import prepare
 from pipefill.kernels.prefill_gemm import (ROW_GRAIN, OneDnnLinear, choose_prefill_gemm,
@@ -70,11 +73,6 @@ def test_torch_linear_pads_bfloat16_only():
     assert torch.equal(torch_linear(x[:5], w), torch.nn.functional.linear(x[:5], w))
 
 
-def rss_mib() -> float:
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
-
-
 def test_many_row_counts_keep_resident_memory_bounded():
     """200 distinct row counts in 8 grains: without the grain oneDNN would build and keep 200
     primitives (~140 MiB here); with it, 8."""
@@ -82,10 +80,10 @@ def test_many_row_counts_keep_resident_memory_bounded():
     x = torch.randn(8 * ROW_GRAIN, 576)
     for m in range(ROW_GRAIN, 9 * ROW_GRAIN, ROW_GRAIN):  # the 8 grains' primitives first
         lin(x[:m])
-    before = rss_mib()
+    before = proc_status_bytes(os.getpid(), "VmRSS")
     for m in range(2 * ROW_GRAIN // 3, 8 * ROW_GRAIN, 2)[:200]:
         lin(x[:m])
-    assert rss_mib() - before < 40
+    assert proc_status_bytes(os.getpid(), "VmRSS") - before < 40 * 2**20
 
 
 def test_bfloat16_and_strided_input():

@@ -11,8 +11,8 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from pipefill.model.attention import SeqMeta, kv_writer, last_rows_attention, paged_attention
 from pipefill.kernels.prefill_gemm import torch_linear
+from pipefill.model.attention import SeqMeta, kv_writer, last_rows_attention, paged_attention
 from pipefill.model.config import ModelConfig
 from pipefill.model.decode_step import DecodeRunner
 from pipefill.model.rope import apply_rope_, cos_sin, inverse_frequencies

@@ -120,3 +120,24 @@ def test_bench_prefill_compares_prefill_gemms_in_turn(tmp_path):
     bad = subprocess.run(cmd + ["--compare-prefill-gemm", "mkl"], capture_output=True,
                          text=True, timeout=600)
     assert bad.returncode == 2 and "--compare-prefill-gemm 'mkl'" in bad.stderr
+
+
+def test_bench_prefill_against_hf_reports_spread_and_paired_ratio(tmp_path):
+    """With HF on, each row gives the median TTFT of both sides with their [min-max] spread, and
+    pipefill / HF is the median of the per-repetition ratios (each pair timed back to back),
+    not one median over the other."""
+    import statistics
+    model = save_tiny_model("llama", tmp_path / "model")
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipefill.cli.main", "bench", "prefill", "--model-path", model,
+         "--input-len", "200", "--reps", "3", "--no-split", "--dtype", "float32",
+         "--json", str(out)], capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    (row,) = json.loads(out.read_text())["rows"]
+    ours, hf = row["pipefill"]["times_s"], row["hf"]["times_s"]
+    assert len(ours) == len(hf) == 3
+    assert row["ratio_ttft_pipefill_over_hf"] == pytest.approx(
+        statistics.median(a / b for a, b in zip(ours, hf)))
+    assert row["hf"]["min_s"] == min(hf) and row["pipefill"]["max_s"] == max(ours)
+    assert f"[{min(ours):.3f}-{max(ours):.3f}]" in proc.stdout

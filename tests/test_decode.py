@@ -287,3 +287,23 @@ def test_bench_decode_interleaves_cases_and_reports_batch_ratios(tiny_models, tm
     assert [r["x_batch_1"] for r in rows if r["batch"] == 1] == [1.0, 1.0]
     assert all(r["kv_bytes"] > 0 and r["floor_ms"] > 0 for r in rows)
     assert "x batch 1" in capsys.readouterr().out
+
+
+def test_bench_decode_times_engine_generate_against_hf_alike(tiny_models, tmp_path, capsys):
+    """With HF on, every (batch, context) row also times pipefill's whole Engine.generate loop
+    the way HF generate is timed, both in every repetition: the row keeps every repetition's
+    figure for both, and the ratio is the median of the per-repetition ratios."""
+    import json
+    import statistics
+
+    from pipefill.cli.main import main
+    out = tmp_path / "decode.json"
+    assert main(["bench", "decode", "--model-path", tiny_models["llama"], "--batch", "2",
+                 "--context", "16", "--steps", "2", "--reps", "3",
+                 "--page-size", str(PAGE), "--dtype", "float32", "--json", str(out)]) == 0
+    (row,) = json.loads(out.read_text())["rows"]
+    assert len(row["engine_ms_all"]) == len(row["hf_ms_all"]) == 3
+    assert row["engine_ms"] == statistics.median(row["engine_ms_all"])
+    ratios = [e / h for e, h in zip(row["engine_ms_all"], row["hf_ms_all"])]
+    assert row["engine_over_hf"] == statistics.median(ratios)
+    assert "Engine.generate" in capsys.readouterr().out

@@ -10,12 +10,18 @@ sampling, as on a last stage). Timed, interleaved per repetition:
 * torch    — the same stage with the packed copies switched off (F.linear everywhere);
 * general  — the packed GEMM, but every layer through StageModel._layer instead of the lean
              decode path (model/decode_step.py): what the per-call overhead costs;
-* HF       — transformers `generate` on the same weights and dtype in this process: per step
-             (time of 1 + S new tokens - time of 1 new token) / S, batch of equal prompts.
+* engine   — pipefill's whole `Engine.generate` loop (front end, scheduler, stage process,
+             sampling, detokenization), timed exactly as HF's is: per step
+             (time of 1 + S new tokens - time of 1 new token) / S, batch of equal prompts,
+             the prefix cache off so both recompute the prompt;
+* HF       — transformers `generate` on the same weights and dtype in this process, timed the
+             same way, alternating with `engine` in every repetition.
 
 Every repetition visits all (batch, context) cases in turn, so the ratios between batch sizes
 come from steps timed side by side (this machine's speed drifts by tens of percent within
-minutes); HF is timed after them.
+minutes). engine and HF are timed after them, A B A B per case; their rows give the median
+and the spread (min-max) over the repetitions, and the ratio is the median of the
+per-repetition ratios.
 
 Bytes per step = weights streamed (packed copies, or the torch matrices; the embedding is a
 gather and is not counted) + the KV cache read (batch x context x bytes per token). The memory
@@ -33,8 +39,13 @@ import time
 import torch
 
 from pipefill.bench.prefill import load_hf_model, parse_ints
-from pipefill.config import server_args_from_namespace, server_args_parser_group
-from pipefill.runtime.platform import cpu_name
+from pipefill.config import resolve, server_args_from_namespace, server_args_parser_group
+from pipefill.engine import Engine
+from pipefill.kv.cache import KVCache
+from pipefill.model.loader import WeightSource, resolve_model_path
+from pipefill.runtime.platform import cpu_name, dtype_name, resolve_dtype
+from pipefill.runtime.stage import StageInfo, build_stage
+from pipefill.scheduler.plan import SampleSpec, SeqWork, StepPlan
 
 log = logging.getLogger("pipefill.bench")
 
@@ -71,10 +82,6 @@ def _timed(fn) -> float:
 
 
 def run(ns: argparse.Namespace) -> int:
-    from pipefill.config import resolve
-    from pipefill.model.loader import WeightSource, resolve_model_path
-    from pipefill.runtime.platform import dtype_name, resolve_dtype
-
     batches = parse_ints(ns.batch, "--batch")
     contexts = parse_ints(ns.context, "--context")
     if ns.steps < 1 or ns.reps < 1:
@@ -87,6 +94,7 @@ def run(ns: argparse.Namespace) -> int:
         raise ValueError(f"--context {max(contexts)} + --steps {ns.steps} does not fit "
                          f"--max-model-len {args.max_model_len}")
     pages_per_seq = -(-per_seq // args.page_size)
+    engine_args = args.replace(pp_size=1, disable_radix_cache=True)
     # prefill_gemm torch: the `torch` column is F.linear on the plain matrices, which a
     # oneDNN prefill copy would replace (decode itself runs the packed copies either way).
     args = args.replace(max_total_tokens=max(batches) * pages_per_seq * args.page_size, pp_size=1,
@@ -104,9 +112,14 @@ def run(ns: argparse.Namespace) -> int:
     for row in rows:
         if row["context"] in single:
             row["x_batch_1"] = row["ms"] / single[row["context"]]
-        if hf is not None and row["batch"] * row["context"] <= ns.hf_max_tokens:
-            row["hf_ms"] = 1e3 * hf_step_seconds(hf, row["batch"], row["context"], ns.steps,
-                                                 source.config.vocab_size)
+    if hf is not None:
+        del executor  # the engine's stage process holds its own copy of the weights
+        with Engine(**vars(engine_args)) as engine:
+            for row in rows:
+                if row["batch"] * row["context"] <= ns.hf_max_tokens:
+                    row.update(generate_vs_hf(engine, hf, row["batch"], row["context"],
+                                              ns.steps, ns.reps, source.config.vocab_size))
+    for row in rows:
         print_row(row)
     if ns.json:
         with open(ns.json, "w") as f:
@@ -117,7 +130,6 @@ def run(ns: argparse.Namespace) -> int:
 
 
 def _build(args, source):
-    from pipefill.runtime.stage import StageInfo, build_stage
     info = StageInfo(0, 1, range(source.config.num_layers))
     return build_stage(args, source, info)
 
@@ -179,7 +191,6 @@ def bench_cases(executor, cases: list[tuple[int, int]], pages_per_seq: int, step
 def _steps_ms(executor, batch: int, context: int, pages_per_seq: int, n_steps: int) -> list[float]:
     """Milliseconds of each of n_steps greedy decode steps of `batch` sequences at `context`
     cached tokens (forward + LM head + sampling, as on a last stage)."""
-    from pipefill.scheduler.plan import SampleSpec, SeqWork, StepPlan
     tables = [list(range(i * pages_per_seq, (i + 1) * pages_per_seq)) for i in range(batch)]
     times = []
     for s in range(n_steps):
@@ -195,7 +206,6 @@ def _steps_ms(executor, batch: int, context: int, pages_per_seq: int, n_steps: i
 
 
 def _row(model, cache, batch: int, context: int, times: dict, bw: float) -> dict:
-    from pipefill.kv.cache import KVCache
     cfg = model.cfg
     kv = batch * context * KVCache.bytes_per_token(model.num_layers, cfg.num_kv_heads,
                                                    cfg.head_dim, cache.k.dtype)
@@ -209,17 +219,41 @@ def _row(model, cache, batch: int, context: int, times: dict, bw: float) -> dict
             "floor_ms": 1e3 * (wbytes + kv) / bw}
 
 
-def hf_step_seconds(model, batch: int, context: int, steps: int, vocab: int) -> float:
+def equal_prompts(batch: int, context: int, vocab: int) -> torch.Tensor:
+    """`batch` copies of one random prompt of `context` tokens, seeded by the context."""
     g = torch.Generator().manual_seed(context)
-    ids = torch.randint(100, vocab, (1, context), generator=g).repeat(batch, 1)
+    return torch.randint(100, vocab, (1, context), generator=g).repeat(batch, 1)
 
-    def gen(n: int) -> float:
-        with torch.inference_mode():
-            return _timed(lambda: model.generate(
-                ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-                do_sample=False, pad_token_id=0))
-    gen(2)  # warm-up
-    return max(0.0, gen(1 + steps) - gen(1)) / steps
+
+def hf_generate_seconds(model, ids: torch.Tensor, n: int) -> float:
+    with torch.inference_mode():
+        return _timed(lambda: model.generate(
+            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
+            do_sample=False, pad_token_id=0))
+
+
+def engine_generate_seconds(engine, ids: torch.Tensor, n: int) -> float:
+    prompts = ids.tolist()
+    return _timed(lambda: engine.generate(prompts, max_new_tokens=n, ignore_eos=True))
+
+
+def generate_vs_hf(engine, hf, batch: int, context: int, steps: int, reps: int,
+                   vocab: int) -> dict:
+    """Per-step decode time of pipefill's Engine.generate and of HF generate, measured the same
+    way ((time of 1 + S tokens - time of 1 token) / S) and alternated in every repetition."""
+    ids = equal_prompts(batch, context, vocab)
+    per_step = {"engine": engine_generate_seconds, "hf": hf_generate_seconds}
+    for fn, model in ((engine_generate_seconds, engine), (hf_generate_seconds, hf)):
+        fn(model, ids, 2)  # warm-up
+    ms = {name: [] for name in per_step}
+    for _ in range(reps):
+        for name, model in (("engine", engine), ("hf", hf)):
+            fn = per_step[name]
+            ms[name].append(1e3 * max(0.0, fn(model, ids, 1 + steps) - fn(model, ids, 1)) / steps)
+    ratios = [e / h for e, h in zip(ms["engine"], ms["hf"]) if h > 0]
+    return {"engine_ms": statistics.median(ms["engine"]), "engine_ms_all": ms["engine"],
+            "hf_ms": statistics.median(ms["hf"]), "hf_ms_all": ms["hf"],
+            "engine_over_hf": statistics.median(ratios) if ratios else None}
 
 
 def print_row(row: dict) -> None:
@@ -231,8 +265,18 @@ def print_row(row: dict) -> None:
             f"({row['torch_ms'] / row['ms']:4.2f}x)  general path {row['general_ms']:7.2f} ms "
             f"({row['general_ms'] / row['ms']:4.2f}x)")
     if "hf_ms" in row:
-        line += f"  HF {row['hf_ms']:7.2f} ms ({row['hf_ms'] / row['ms']:4.2f}x)"
+        line += (f"  |  Engine.generate {row['engine_ms']:7.2f} ms/step "
+                 f"[{_spread(row['engine_ms_all'])}]  HF generate {row['hf_ms']:7.2f} ms/step "
+                 f"[{_spread(row['hf_ms_all'])}]  engine/HF {_ratio(row['engine_over_hf'])}")
     print(line, flush=True)
+
+
+def _spread(values: list[float]) -> str:
+    return f"{min(values):.2f}-{max(values):.2f}"
+
+
+def _ratio(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"
 
 
 def _x_batch_1(row: dict) -> str:

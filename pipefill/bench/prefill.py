@@ -3,7 +3,8 @@
 For each length, the same random prompt goes through each pipefill configuration (real stage
 processes) and through Hugging Face transformers' forward (sdpa, logits_to_keep=1) on the same
 weights in this process, alternating A B C A B C ... so that the machine's drift hits all alike;
-medians are reported. Achieved TFLOP/s are given against a matmul peak measured by the same
+medians are reported with their spread [min-max] over the repetitions, and pipefill / HF is
+the median of the per-repetition ratios (each pair timed back to back). Achieved TFLOP/s are given against a matmul peak measured by the same
 command.
 
 With --pp-size 1,2 every pipeline size runs with the same threads per stage (default: usable
@@ -237,7 +238,7 @@ def run_configs(configs: list[Config], hf, cfg, prompts: dict, reps: int, peak: 
                        "trace": traces.get(c.name)}
                 if hf_row:
                     row["hf"] = hf_row
-                    row["ratio_ttft_pipefill_over_hf"] = row["pipefill"]["ttft_s"] / hf_row["ttft_s"]
+                    row["ratio_ttft_pipefill_over_hf"] = paired_ratio(times[c.name], hf_times)
                 rows.append(row)
             add_scaling(rows[-len(configs):])
             for row in rows[-len(configs):]:
@@ -280,8 +281,15 @@ def add_scaling(rows: list[dict]) -> None:
 
 def summary(times: list[float], flops: dict, peak: float, n: int) -> dict:
     med = statistics.median(times)
-    return {"ttft_s": med, "times_s": times, "tok_per_s": n / med,
-            "tflops": flops["total"] / med / 1e12, "of_peak": flops["total"] / med / peak}
+    return {"ttft_s": med, "times_s": times, "min_s": min(times), "max_s": max(times),
+            "tok_per_s": n / med, "tflops": flops["total"] / med / 1e12,
+            "of_peak": flops["total"] / med / peak}
+
+
+def paired_ratio(ours: list[float], theirs: list[float]) -> float:
+    """The median over repetitions of ours / theirs, each pair timed back to back: a slow
+    phase of the machine hits both sides of a pair, so it cancels in the ratio."""
+    return statistics.median(a / b for a, b in zip(ours, theirs))
 
 
 def load_hf_model(source, dtype: torch.dtype):
@@ -329,7 +337,7 @@ def hf_prefill_seconds(model, prompt: list[int]) -> float:
 def print_row(row: dict) -> None:
     p = row["pipefill"]
     line = (f"len {row['len']:>6} {row['config']:>7}  TTFT {p['ttft_s']:7.3f} s "
-            f"{p['tok_per_s']:6.0f} tok/s  {p['tflops']:.3f} TF/s ({100 * p['of_peak']:.0f}% "
+            f"[{p['min_s']:.3f}-{p['max_s']:.3f}] {p['tok_per_s']:6.0f} tok/s  {p['tflops']:.3f} TF/s ({100 * p['of_peak']:.0f}% "
             f"of peak)")
     if "scaling_efficiency" in row:
         line += f"  efficiency {row['scaling_efficiency']:.2f}"
@@ -340,7 +348,8 @@ def print_row(row: dict) -> None:
         line += f"  bubble {t['bubble_ratio']:.3f} (theory {t['bubble_theory']:.3f})"
     if "hf" in row:
         h = row["hf"]
-        line += (f"  |  HF TTFT {h['ttft_s']:7.3f} s {h['tflops']:.3f} TF/s"
+        line += (f"  |  HF TTFT {h['ttft_s']:7.3f} s [{h['min_s']:.3f}-{h['max_s']:.3f}] "
+                 f"{h['tflops']:.3f} TF/s"
                  f"  |  pipefill/HF {row['ratio_ttft_pipefill_over_hf']:.2f}")
     print(line, flush=True)
     print(f"len {row['len']:>6} {row['config']:>7}  {format_report(row['memory'])}", flush=True)

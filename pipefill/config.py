@@ -114,6 +114,10 @@ class ServerArgs:
         choices=["file", "mooncake"])
     hicache_storage_dir: str | None = _flag(
         "Folder of the file storage tier.", default=None)
+    hicache_storage_max_gb: float | None = _flag(
+        "Size cap of the file storage tier's folder in GB (GiB), shared by every stage and "
+        "server that uses the folder: past it the least recently read pages are removed. "
+        "Default: no cap.", default=None, type=float)
     hicache_mooncake_master: str | None = _flag(
         "HOST:PORT of the mooncake_master of the mooncake storage tier.", default=None)
     hicache_write_policy: str = _flag(
@@ -168,6 +172,23 @@ class ServerArgs:
     shutdown_timeout: int = _flag(
         "`pipefill serve`: seconds in-flight requests get to finish after SIGTERM before "
         "they are failed.", default=10)
+    header_read_timeout: float = _flag(
+        "`pipefill serve`: seconds a client has to send a request's headers, counted from "
+        "the connection's start or from the end of the previous response on a kept-alive "
+        "connection; a slower client's connection is closed.", default=10.0, type=float)
+    body_read_timeout: float = _flag(
+        "`pipefill serve`: seconds a client has to send a request's whole body once its "
+        "headers have arrived; a slower body gets a 408 and its connection is closed (its "
+        "bytes are freed).", default=30.0, type=float)
+    max_connections: int = _flag(
+        "`pipefill serve`: most open client connections; a request on one more gets a 503 "
+        "with Retry-After and its connection is closed. Worst-case memory of bodies being "
+        "read is about this many times the largest accepted body (which grows with "
+        "--max-model-len) for --body-read-timeout seconds.", default=512)
+    max_queued_requests: int = _flag(
+        "`pipefill serve`: requests held beyond --max-running-requests (being tokenized or "
+        "waiting for a slot); one more gets a 429 with Retry-After instead of a place in an "
+        "endless queue.", default=256)
     stage_restart_timeout: int = _flag(
         "`pipefill serve`: seconds a request that arrives while the stages restart (after a "
         "stage died) waits for them before it gets a 503.", default=120)
@@ -178,6 +199,15 @@ class ServerArgs:
     stage_restart_window: int = _flag(
         "`pipefill serve`: the window, in seconds, over which --max-stage-restarts counts.",
         default=600)
+    stage_stall_timeout: float = _flag(
+        "`pipefill serve`: seconds a stage may have work (requests in flight that reach it) "
+        "without its loop making progress before it counts as failed: its requests get a 503 "
+        "naming it, /health says which stage stalled, and the stages restart as after a crash. "
+        "One step must finish well within it: the longest is one prefill chunk through one "
+        "stage (or one background-profile prefill), which on CPU takes tens of seconds for a "
+        "2,048-token chunk of a 7-8B model split over few stages; time yours with `pipefill "
+        "bench prefill` and give a few times that. Idle stages are never stalled. Only the "
+        "stages of node 0 are watched. 0 = off.", default=60.0, type=float)
     disaggregation_mode: str = _flag(
         "Prefill/decode disaggregation role: null (prefill and decode in one server), prefill "
         "or decode (behind sglang-router in PD mode, see `pipefill serve-pd`; decode with "
@@ -195,9 +225,19 @@ class ServerArgs:
         "heartbeat saying the prefill works on it) before it fails and the prefill is told to "
         "drop it.", default=300.0, type=float)
     disaggregation_bootstrap_timeout: float = _flag(
-        "Prefill: seconds a room may wait for the decode's bootstrap (its destination pages), "
-        "or for its own request, before it fails and its pages are freed.", default=120.0,
-        type=float)
+        "Prefill: seconds a decode's bootstrap of a room (its destination pages) waits for the "
+        "room's request to reach this server's stages before the room fails and the decode "
+        "hears so; also the upper bound of --disaggregation-room-claim-timeout.",
+        default=120.0, type=float)
+    disaggregation_room_claim_timeout: float = _flag(
+        "Prefill: seconds a running request's room waits for a decode to bootstrap (claim) it; "
+        "a room no decode claims then fails and frees its pages and its running slot. At most "
+        "--disaggregation-bootstrap-timeout.", default=30.0, type=float)
+    disaggregation_insecure: bool = _flag(
+        "Run a PD role (--disaggregation-mode prefill or decode) without --cluster-secret / "
+        "--cluster-secret-file: anyone who reaches its bootstrap and KV ports can read and "
+        "drop rooms. Logs a warning at start and /health says so. `pipefill serve-pd` makes a "
+        "secret itself.", default=False)
     disaggregation_heartbeat_interval: float = _flag(
         "Seconds between heartbeats on every prefill-decode connection.", default=2.0,
         type=float)
@@ -205,9 +245,17 @@ class ServerArgs:
         "Heartbeat intervals without a message after which a peer counts as dead and all its "
         "rooms fail.", default=3)
     disaggregation_prefill_bootstrap: str | None = _flag(
-        "Decode server: HOST:PORT of the prefill's bootstrap service, checked at start-up "
-        "(same model, --page-size, --dtype, backend; a mismatch stops the start with a "
-        "sentence). Without it the first request does the check.", default=None)
+        "Decode server: HOST:PORT of the prefill's bootstrap service (or several, comma-"
+        "separated), checked at start-up (same model, --page-size, --dtype, backend; a mismatch "
+        "stops the start with a sentence), and the only prefills this decode takes KV from: a "
+        "request naming another bootstrap (its bootstrap_host:bootstrap_port, spelled as here) "
+        "gets a 403. Without it any bootstrap a request names is looked up, and the first "
+        "request for it does the check.", default=None)
+    disaggregation_connect_timeout: float = _flag(
+        "Decode server: seconds the whole lookup of a request's prefill (its bootstrap "
+        "service's answer) and the connects to the prefill stages may take, however slowly "
+        "the peer answers; past it the requests waiting for that prefill get a 504. The stage "
+        "loop never waits for it.", default=10.0, type=float)
     seed: int = _flag("Seed for random prompts and for sampling without a per-request seed.",
                       default=0)
     log_level: str = _flag("Logging level.", default="info",
@@ -237,6 +285,14 @@ class ServerArgs:
                 f"--chunked-prefill-size ({self.chunked_prefill_size})")
         if self.decode_gemm_max_rows < 0:
             raise ValueError("--decode-gemm-max-rows must be >= 0")
+        for name in ("header_read_timeout", "body_read_timeout"):
+            if not getattr(self, name) > 0:
+                raise ValueError(f"--{_dash(name)} must be > 0 seconds, got "
+                                 f"{getattr(self, name)}")
+        if self.max_connections < 1 or self.max_queued_requests < 0:
+            raise ValueError("--max-connections must be at least 1 and --max-queued-requests "
+                             f"at least 0, got {self.max_connections} and "
+                             f"{self.max_queued_requests}")
         if self.enable_hierarchical_cache and self.disable_radix_cache:
             raise ValueError("--enable-hierarchical-cache needs the radix cache: drop "
                              "--disable-radix-cache")
@@ -248,6 +304,8 @@ class ServerArgs:
         if self.hicache_storage_backend == "mooncake" and not self.hicache_mooncake_master:
             raise ValueError("--hicache-storage-backend mooncake needs "
                              "--hicache-mooncake-master HOST:PORT")
+        if self.hicache_storage_max_gb is not None and self.hicache_storage_max_gb <= 0:
+            raise ValueError("--hicache-storage-max-gb must be positive")
         if self.hicache_prefetch_timeout < 0:
             raise ValueError("--hicache-prefetch-timeout must be >= 0")
         if self.hicache_ratio <= 0 or (self.hicache_size is not None and self.hicache_size <= 0):
@@ -258,6 +316,9 @@ class ServerArgs:
             if getattr(self, name) < 1:
                 raise ValueError(f"--{_dash(name)} must be at least 1 second, got "
                                  f"{getattr(self, name)}")
+        if self.stage_stall_timeout < 0:
+            raise ValueError("--stage-stall-timeout must be >= 0 (0 = off), got "
+                             f"{self.stage_stall_timeout}")
         if self.max_stage_restarts < 0:
             raise ValueError("--max-stage-restarts must be >= 0 (0 = never restart)")
         if self.pp_async_batch_depth < 0:
@@ -274,16 +335,34 @@ class ServerArgs:
             if not host or not port.isdigit():
                 raise ValueError(f"--dist-init-addr {self.dist_init_addr!r}: expected HOST:PORT")
         for name in ("disaggregation_waiting_timeout", "disaggregation_bootstrap_timeout",
-                     "disaggregation_heartbeat_interval", "disaggregation_heartbeat_max_misses"):
+                     "disaggregation_room_claim_timeout", "disaggregation_heartbeat_interval",
+                     "disaggregation_heartbeat_max_misses", "disaggregation_connect_timeout"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"--{_dash(name)} must be > 0, got {getattr(self, name)}")
         if not 0 < self.disaggregation_bootstrap_port < 65536:
             raise ValueError("--disaggregation-bootstrap-port must be a TCP port (1-65535)")
-        if self.disaggregation_prefill_bootstrap is not None:
-            host, _, port = self.disaggregation_prefill_bootstrap.rpartition(":")
-            if not host or not port.isdigit():
-                raise ValueError(f"--disaggregation-prefill-bootstrap "
-                                 f"{self.disaggregation_prefill_bootstrap!r}: expected HOST:PORT")
+        bootstraps = self.disaggregation_prefill_bootstrap
+        for item in bootstraps.split(",") if bootstraps is not None else ():
+            host, _, port = item.strip().rpartition(":")
+            if not host or not port.isdigit() or not 0 < int(port) < 65536:
+                raise ValueError(f"--disaggregation-prefill-bootstrap {bootstraps!r}: expected "
+                                 "HOST:PORT[,HOST:PORT...] with ports 1-65535")
+        if self.disaggregation_mode != "null" and not self.has_cluster_secret and \
+                not self.disaggregation_insecure:
+            raise ValueError(
+                f"--disaggregation-mode {self.disaggregation_mode} needs the deployment's shared "
+                "secret: give both PD servers the same --cluster-secret-file (or "
+                "--cluster-secret), or --disaggregation-insecure to run unauthenticated; "
+                "`pipefill serve-pd` makes one itself")
+
+    @property
+    def has_cluster_secret(self) -> bool:
+        return self.cluster_secret is not None or self.cluster_secret_file is not None
+
+    @property
+    def pd_insecure(self) -> bool:
+        """A PD role whose bootstrap and KV ports authenticate nobody."""
+        return self.disaggregation_mode != "null" and not self.has_cluster_secret
 
     @property
     def stages_per_node(self) -> int:

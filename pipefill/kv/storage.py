@@ -302,19 +302,21 @@ class PageStore:
 
 
 def open_page_store(backend: str, *, key_suffix: str, storage_dir: str | None = None,
-                    mooncake_master: str | None = None, mooncake_local_hostname: str = "127.0.0.1",
+                    storage_max_bytes: int | None = None, mooncake_master: str | None = None,
+                    mooncake_local_hostname: str = "127.0.0.1",
                     mooncake_segment_bytes: int = 256 << 20,
                     mooncake_connect_timeout_s: float = 5.0,
                     max_pending_bytes: int = _MAX_PENDING_BYTES) -> PageStore:
-    """A `PageStore` on `backend` ('file' or 'mooncake'); ValueError / RuntimeError with a
-    sentence for bad settings (an unreachable Mooncake master names its address)."""
+    """A `PageStore` on `backend` ('file' or 'mooncake'; `storage_max_bytes` caps a file
+    store's folder); ValueError / RuntimeError with a sentence for bad settings (an
+    unreachable Mooncake master names its address)."""
     if not key_suffix:
         raise ValueError("open_page_store needs the stage's key_suffix (see stage_key_suffix)")
     if backend == "file":
         from pipefill.kv.storage_file import FileBackend
         if not storage_dir:
             raise ValueError("--hicache-storage-backend file needs --hicache-storage-dir")
-        impl = FileBackend(storage_dir)
+        impl = FileBackend(storage_dir, storage_max_bytes)
     elif backend == "mooncake":
         from pipefill.kv.storage_mooncake import MooncakeBackend
         if not mooncake_master:

@@ -145,8 +145,10 @@ def open_stage_storage(args, model_file: str, cache, info) -> StorageTier:
     from pipefill.kv.storage import model_fingerprint, open_page_store, stage_key_suffix
     fingerprint = model_fingerprint(model_file)
     suffix = stage_key_suffix(fingerprint, cache.k.dtype, args.page_size, info.layers)
+    cap = args.hicache_storage_max_gb
     store = open_page_store(args.hicache_storage_backend, key_suffix=suffix,
                             storage_dir=args.hicache_storage_dir,
+                            storage_max_bytes=None if cap is None else int(cap * 2**30),
                             mooncake_master=args.hicache_mooncake_master)
     return StorageTier(store, cache, info.rank, fingerprint)
 

@@ -3,30 +3,48 @@ body reaches the prefill and the decode server with bootstrap_host, bootstrap_po
 bootstrap_room (lists for a batch, which pipefill does not take: one prompt per request)."""
 from __future__ import annotations
 
+from pipefill.disagg.validate import check_allowed, check_host, check_port, parse_bootstraps
 from pipefill.scheduler.plan import PDInfo
 
 ROUTER_MODEL = "unknown"  # what the router puts in a chat request that named no model
 
 
-def pd_info(extra: dict | None, mode: str) -> PDInfo | None:
-    """The request's PD room, or None on a colocated server; ValueError with a sentence for a
-    PD server's request that lacks or garbles the fields."""
+class FieldError(ValueError):
+    """A request's PD fields this server does not take: `status` is the HTTP answer (400, or
+    403 for a bootstrap outside --disaggregation-prefill-bootstrap)."""
+
+    def __init__(self, sentence: str, status: int = 400):
+        super().__init__(sentence)
+        self.status = status
+
+
+def pd_info(extra: dict | None, mode: str, prefill_bootstrap: str | None = None
+            ) -> PDInfo | None:
+    """The request's PD room, or None on a colocated server; FieldError with a sentence for a
+    PD server's request that lacks or garbles the fields, or (decode) names a bootstrap
+    outside prefill_bootstrap (--disaggregation-prefill-bootstrap, when given)."""
     extra = extra or {}
     if mode == "null":
         return None
     room, host, port = (extra.get(k) for k in ("bootstrap_room", "bootstrap_host",
                                                 "bootstrap_port"))
     if room is None:
-        raise ValueError(f"this is a {mode} server of a PD pair: send requests through the PD "
+        raise FieldError(f"this is a {mode} server of a PD pair: send requests through the PD "
                          "router (sglang-router --pd-disaggregation), which adds bootstrap_room")
     if any(isinstance(v, list) for v in (room, host, port)):
-        raise ValueError("batched PD requests (lists of bootstrap rooms) are not supported: "
+        raise FieldError("batched PD requests (lists of bootstrap rooms) are not supported: "
                          "send one prompt per request")
     if not isinstance(room, int) or isinstance(room, bool) or not 0 <= room < 2**63:
-        raise ValueError("bootstrap_room must be an integer in [0, 2^63)")
-    if not isinstance(host, str) or not host:
-        raise ValueError("bootstrap_host must be the prefill server's host")
-    if not isinstance(port, int) or isinstance(port, bool) or not 0 < port < 65536:
-        raise ValueError("bootstrap_port must be the prefill's bootstrap port: start the router "
-                         "with --prefill URL BOOTSTRAP_PORT")
+        raise FieldError("bootstrap_room must be an integer in [0, 2^63)")
+    try:
+        check_host(host, "bootstrap_host (the prefill server's host)")
+        check_port(port, "bootstrap_port (the prefill's bootstrap port: start the router with "
+                         "--prefill URL BOOTSTRAP_PORT)")
+    except ValueError as e:
+        raise FieldError(str(e)) from None
+    if mode == "decode":
+        try:
+            check_allowed(host, port, parse_bootstraps(prefill_bootstrap))
+        except ValueError as e:
+            raise FieldError(str(e), 403) from None
     return PDInfo(room, host, port)

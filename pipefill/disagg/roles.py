@@ -22,11 +22,20 @@ import socket
 import threading
 import time
 from collections import OrderedDict
+from dataclasses import dataclass
 
 from pipefill.disagg import messages as m
-from pipefill.disagg.bootstrap import check_compatible, lookup_prefill, register_stage
+from pipefill.disagg.bootstrap import check_compatible, register_stage
+from pipefill.disagg.connector import (BAD_ANSWER, Deadline, PeerError, PrefillConnector,
+                                       as_peer_error, lookup)
+from pipefill.disagg.rooms import DecodePipelineRooms
 from pipefill.disagg.transfer import KVTensors, Timing
+from pipefill.disagg.transfer_receiver import KVReceiver
+from pipefill.disagg.transfer_sender import KVSender
+from pipefill.disagg.validate import check_final_meta, check_prefill_info, parse_bootstraps
+from pipefill.model.partition import partition_layers
 from pipefill.runtime.platform import dtype_name
+from pipefill.runtime.wire import read_cluster_secret
 from pipefill.scheduler.scheduler import kv_send_end
 
 log = logging.getLogger(__name__)
@@ -37,7 +46,6 @@ log = logging.getLogger(__name__)
 TIMELINE = "pd-timeline room %d %s %.6f"
 
 REMEMBERED_ROOMS = 4096
-LOOKUP_TIMEOUT_S = 5.0  # the decode loop waits this long at most for an unready prefill
 STARTUP_LOOKUP_TIMEOUT_S = 120.0  # --disaggregation-prefill-bootstrap: the prefill may load
 
 
@@ -53,7 +61,6 @@ def node_host(host: str) -> str:
 
 
 def _secret(args) -> bytes | None:
-    from pipefill.runtime.wire import read_cluster_secret
     return read_cluster_secret(args.cluster_secret, args.cluster_secret_file)
 
 
@@ -75,7 +82,6 @@ class _Seen:
 
 class PrefillStagePD:
     def __init__(self, args, executor, rank: int, layer_start: int, cfg, report):
-        from pipefill.disagg.transfer_sender import KVSender
         self.rank, self.page_size, self._report = rank, args.page_size, report
         self._lock = threading.Lock()
         self._opened, self._done = _Seen(), _Seen()
@@ -136,6 +142,21 @@ class PrefillStagePD:
                 self._report("kv_done", (room, self.rank))
 
 
+def _passed_on(status: int) -> bool:
+    """Whether a failed room's status reaches the client as it is: a refusal of the request
+    (4xx) or a prefill that answered badly or too slowly (502, 504); anything else is a fault
+    of this server (500)."""
+    return 400 <= status < 500 or status in (502, 504)
+
+
+@dataclass
+class _Asked:
+    """A room whose KV this stage asks for once it is connected to the room's prefill."""
+    room: int
+    pages: list[int]
+    num_prompt_tokens: int
+
+
 class DecodeStagePD:
     """Decode, every stage of the pipeline. Each stage receives its own layers' KV from the
     prefill stages that hold them, into the pages stage 0 chose. Stage 0 admits and tells the
@@ -147,12 +168,14 @@ class DecodeStagePD:
     the front end the way prefill stages report kv_done: ("kv_done", (room, rank)) when it has
     all its layers, (room, -rank) once its room failed and its receiver let the pages go.
     Stage 0 declares a room ready only when every stage has all of its layers
-    (rooms.DecodePipelineRooms), and frees its pages only when no stage can write them."""
+    (rooms.DecodePipelineRooms), and frees its pages only when no stage can write them.
+
+    Looking a prefill up and connecting to its stages happens on a PrefillConnector's worker
+    threads, never on the loop thread: a room for a prefill this stage is not connected to
+    waits in `_waiting` until the connect ends, then is asked for or failed with the
+    connect's status (502/504) and sentence."""
 
     def __init__(self, args, executor, cfg, info=None, report=None):
-        from pipefill.disagg.rooms import DecodePipelineRooms
-        from pipefill.disagg.transfer_receiver import KVReceiver
-        from pipefill.model.partition import partition_layers
         self.args, self.cfg, self.executor = args, cfg, executor
         self.rank = info.rank if info is not None else 0
         self.secret = _secret(args)
@@ -172,17 +195,32 @@ class DecodeStagePD:
         self._reports: queue.SimpleQueue = queue.SimpleQueue()  # stage 0: later stages' kv_done
         self._down: list = []  # stage 0: "pd" ops for the later stages, sent before any plan
         self._down_page_ops = None
-        if args.disaggregation_prefill_bootstrap:  # check the pairing at start-up
-            host, _, port = args.disaggregation_prefill_bootstrap.rpartition(":")
-            key = f"{host}:{port}"
-            try:
-                self.connect(key, m.Endpoint(host, int(port)), STARTUP_LOOKUP_TIMEOUT_S)
-            except ValueError as e:
-                raise ValueError(f"this decode cannot pair with the prefill at "
-                                 f"--disaggregation-prefill-bootstrap {key}: {e}") from None
+        self._report = report
+        # _waiting: a later stage takes rooms out of it on connect workers and its loop thread
+        self._lock = threading.RLock()
+        self._waiting: dict[str, list[_Asked]] = {}  # prefill key -> rooms waiting on its connect
+        self._connects: queue.SimpleQueue = queue.SimpleQueue()  # stage 0: (key, error) ended
+        self.connector = PrefillConnector(
+            self.connect, args.disaggregation_connect_timeout,
+            self._connect_done if self.rank == 0 else self._connected_later)
+        for host, port in sorted(parse_bootstraps(args.disaggregation_prefill_bootstrap) or ()):
+            self._check_pairing(host, port)
         if self.rank > 0:
-            self._report = report
             threading.Thread(target=self._watch, name="pd-decode-watch", daemon=True).start()
+
+    def _check_pairing(self, host: str, port: int) -> None:
+        """--disaggregation-prefill-bootstrap: pairs with that prefill before serving (the
+        loop does not run yet: waiting here blocks no request)."""
+        key = f"{host}:{port}"
+        deadline = Deadline(STARTUP_LOOKUP_TIMEOUT_S)
+        try:
+            self.connect(key, m.Endpoint(host, port), deadline, retry_unreachable=True)
+        except Exception as e:  # noqa: BLE001 - every failure is the same sentence
+            raise ValueError(f"this decode cannot pair with the prefill at "
+                             f"--disaggregation-prefill-bootstrap {key}: "
+                             f"{as_peer_error(e, key, deadline)}") from None
+        finally:
+            deadline.cancel()
 
     def after_forward(self, plan) -> None:
         pass
@@ -216,14 +254,16 @@ class DecodeStagePD:
             self._down_page_ops = ops  # the later stages replay them before the allocations
         for r in admitted:
             self.executor.owners.allocate(r.rid, r.pages)
-            error = self._expect(r)
             self._send_down(["expect", r.pd.room, r.rid, list(r.pages), r.pd.host, r.pd.port,
-                             len(r.prompt_ids), error is None])
-            if error is not None:  # no stage was asked: nothing can write into the pages
-                scheduler.kv_released(r.pd.room)
-                outputs.append(scheduler.kv_failed(r.pd.room, error))
-            else:
-                self.pipeline.open(r.pd.room)
+                             len(r.prompt_ids)])
+            self.pipeline.open(r.pd.room)
+            asked = _Asked(r.pd.room, list(r.pages), len(r.prompt_ids))
+            error = self._ask(f"{r.pd.host}:{r.pd.port}", m.Endpoint(r.pd.host, r.pd.port),
+                              asked)
+            if error is not None:
+                self._fail_unasked(scheduler, r.pd.room, error, outputs)
+        while not self._connects.empty():
+            self._connect_ended(scheduler, *self._connects.get(), outputs)
         for room in scheduler.dropped_rooms:  # their requests are over: no output
             self._act(scheduler, room, self.pipeline.fail(room), outputs, "the client went away")
         scheduler.dropped_rooms.clear()
@@ -243,6 +283,24 @@ class DecodeStagePD:
                 self._act(scheduler, room, self.pipeline.released(room, -rank), outputs)
         return [o for o in outputs if o is not None]
 
+    def _connect_done(self, key: str, error: PeerError | None) -> None:
+        """Stage 0, on a connect worker: the loop takes the outcome at its next poll."""
+        self._connects.put((key, error))
+
+    def _connect_ended(self, scheduler, key: str, error: PeerError | None,
+                       outputs: list) -> None:
+        """Stage 0: asks for the rooms that waited on the connect to `key`, or fails them."""
+        for asked in self._take_waiting(key):
+            if error is None:
+                error = self._ask(key, None, asked)
+            if error is not None:
+                self._fail_unasked(scheduler, asked.room, error, outputs)
+
+    def _fail_unasked(self, scheduler, room: int, error: PeerError, outputs: list) -> None:
+        """Stage 0: a room this stage never asked for: its receiver has nothing to let go."""
+        self._act(scheduler, room, self.pipeline.fail(room), outputs, str(error), error.status)
+        self._act(scheduler, room, self.pipeline.released(room, 0), outputs)
+
     def _finished(self, scheduler, res, outputs: list) -> None:
         if not res.ok:
             if 400 <= res.status < 500:  # the prefill refused the request: the client's fault
@@ -253,25 +311,40 @@ class DecodeStagePD:
                       res.status)
             return
         r = scheduler.rooms.get(res.room)
-        f = res.final
-        if r is None or f is None or f.num_prompt_tokens != len(r.prompt_ids):
+        why = self._final_problem(r, res.final)
+        if why is not None:
             # The pages are ours again (a success hands them over): nothing writes them.
-            self._act(scheduler, res.room, self.pipeline.fail(res.room), outputs,
-                      "the prefill's final metadata does not match this request")
+            self._act(scheduler, res.room, self.pipeline.fail(res.room), outputs, why,
+                      BAD_ANSWER)
             self._act(scheduler, res.room, self.pipeline.released(res.room, 0), outputs)
             return
         self._own[res.room] = res
         self._act(scheduler, res.room, self.pipeline.ready(res.room, 0), outputs)
 
+    def _final_problem(self, r, final) -> str | None:
+        """Why the request r cannot continue from the prefill's final metadata, or None."""
+        if r is None or final is None:
+            return "the prefill's final metadata does not match this request"
+        try:
+            check_final_meta(final, vocab_size=self.cfg.vocab_size,
+                             num_prompt_tokens=len(r.prompt_ids), logprobs=r.params.logprobs)
+        except ValueError as e:
+            return (f"the prefill server at bootstrap {r.pd.host}:{r.pd.port} sent a first "
+                    f"token this request cannot continue from: {e}")
+        return None
+
     def _act(self, scheduler, room: int, actions: set[str], outputs: list,
              why: str = "", status: int = 500) -> None:
         if "fail" in actions:
             self._own.pop(room, None)
+            unasked = self._forget_waiting(room)
             self._drop(room, why or "the request ended")
             out = scheduler.kv_failed(room, why or "the request ended")
-            if out is not None and 400 <= status < 500:
+            if out is not None and _passed_on(status):
                 out.error_status = status
             outputs.append(out)
+            if unasked:  # the room waited on a connect: this stage's receiver never had it
+                self._act(scheduler, room, self.pipeline.released(room, 0), outputs)
         if "release" in actions:
             scheduler.kv_released(room)
         if "ready" in actions:
@@ -295,31 +368,58 @@ class DecodeStagePD:
         if self.args.pp_size > 1:
             self._down.append(op)
 
-    def _expect(self, r) -> str | None:
-        """Asks the prefill for r's KV; a sentence when that cannot be done."""
-        key = f"{r.pd.host}:{r.pd.port}"
+    # ---- every stage: asking the prefill ------------------------------------------------------
+
+    def _ask(self, key: str, endpoint: m.Endpoint | None, asked: _Asked) -> PeerError | None:
+        """Asks the prefill at `key` for the room's KV now if this stage is connected to it;
+        else the room waits for a connect (started here when endpoint is given). The error
+        when the prefill cannot be asked."""
+        if not self.receiver.connected(key):
+            if endpoint is None:
+                return PeerError(BAD_ANSWER, f"lost the connection to the prefill server at "
+                                             f"bootstrap {key} while connecting to it")
+            with self._lock:
+                self._waiting.setdefault(key, []).append(asked)
+            self.connector.start(key, endpoint)
+            return None
         try:
-            self._expect_room(r.pd.room, key, r.pd.host, r.pd.port, list(r.pages),
-                              len(r.prompt_ids))
-        except (RuntimeError, ValueError, OSError) as e:
-            log.warning("room %d: %s", r.pd.room, e)
-            return f"cannot take KV from the prefill server at bootstrap {key}: {e}"
+            # Only stage 0 overlaps prefill stage 0, the one that sends the final metadata.
+            self.receiver.expect_room(asked.room, key, asked.pages,
+                                      num_prompt_tokens=asked.num_prompt_tokens,
+                                      want_final=self.rank == 0)
+        except Exception as e:  # noqa: BLE001 - the request fails, not the stage
+            log.warning("room %d: %s", asked.room, e)
+            return PeerError(BAD_ANSWER, f"cannot take KV from the prefill server at "
+                                         f"bootstrap {key}: {e}")
         return None
 
-    def _expect_room(self, room, key, host, port, pages, num_prompt_tokens) -> None:
-        if not self.receiver.connected(key):
-            self.connect(key, m.Endpoint(host, port))
-        # Only stage 0 overlaps prefill stage 0, the one that sends the final metadata.
-        self.receiver.expect_room(room, key, pages, num_prompt_tokens=num_prompt_tokens,
-                                  want_final=self.rank == 0)
+    def _take_waiting(self, key: str) -> list[_Asked]:
+        with self._lock:
+            return self._waiting.pop(key, [])
 
-    def connect(self, key: str, endpoint: m.Endpoint, timeout_s: float = LOOKUP_TIMEOUT_S):
-        info = lookup_prefill(endpoint, timeout_s, self.secret)
+    def _forget_waiting(self, room: int) -> bool:
+        """Takes the room out of the rooms waiting on a connect; whether it was there."""
+        with self._lock:
+            for key, rooms in self._waiting.items():
+                for asked in rooms:
+                    if asked.room == room:
+                        rooms.remove(asked)
+                        return True
+        return False
+
+    def connect(self, key: str, endpoint: m.Endpoint, deadline: Deadline,
+                retry_unreachable: bool = False) -> None:
+        """Looks the prefill up, checks its answer and the pairing, and connects this stage's
+        receiver to the prefill stages it overlaps, all before the deadline."""
+        info = lookup(endpoint, deadline, self.secret, retry_unreachable)
+        stages = check_prefill_info(info, self.cfg.num_layers)
+        info = m.PrefillInfo(stages)
         check_compatible(info, page_size=self.kv.page_size, kv_dtype=dtype_name(self.kv.dtype),
                          model_fingerprint=m.model_fingerprint(self.cfg),
                          backend=self.args.disaggregation_transfer_backend,
                          num_layers=self.cfg.num_layers, kv_layout=self.kv.layout)
-        self.receiver.connect(key, info, decode_layer_ranges=self.layer_ranges)
+        self.receiver.connect(key, info, timeout_s=deadline.remaining(),
+                              decode_layer_ranges=self.layer_ranges)
 
     # ---- later stages ------------------------------------------------------------------------
 
@@ -327,23 +427,33 @@ class DecodeStagePD:
         """A later stage, on its loop thread (in pipe order, after the message's page ops)."""
         for op in ops:
             if op[0] == "expect":
-                _, room, rid, pages, host, port, num_prompt_tokens, ask = op
+                _, room, rid, pages, host, port, num_prompt_tokens = op
                 self.executor.owners.allocate(rid, pages)
-                if ask:
-                    self._expect_later(room, host, port, pages, num_prompt_tokens)
+                asked = _Asked(room, pages, num_prompt_tokens)
+                error = self._ask(f"{host}:{port}", m.Endpoint(host, port), asked)
+                if error is not None:
+                    self._unasked_later(asked.room, error)
             elif op[0] == "ready":
                 self.executor.owners.mark_written(op[1])
             elif op[0] == "drop":
-                self.receiver.drop_room(op[1], op[2])
+                with self._lock:  # not while a connect worker asks for the room
+                    if self._forget_waiting(op[1]):
+                        self._report("kv_done", (op[1], -self.rank))  # nothing was asked
+                    else:
+                        self.receiver.drop_room(op[1], op[2])
 
-    def _expect_later(self, room, host, port, pages, num_prompt_tokens) -> None:
-        key = f"{host}:{port}"
-        try:
-            self._expect_room(room, key, host, port, pages, num_prompt_tokens)
-        except (RuntimeError, ValueError, OSError) as e:
-            log.warning("decode stage %d, room %d: cannot take KV from the prefill server at "
-                        "bootstrap %s: %s", self.rank, room, key, e)
-            self._report("kv_done", (room, -self.rank))  # nothing was asked: nothing writes
+    def _connected_later(self, key: str, error: PeerError | None) -> None:
+        """A later stage, on a connect worker: asks for the rooms that waited, or reports
+        them failed."""
+        with self._lock:  # a "drop" for one of the rooms waits until it was asked for
+            for asked in self._take_waiting(key):
+                failed = error if error is not None else self._ask(key, None, asked)
+                if failed is not None:
+                    self._unasked_later(asked.room, failed)
+
+    def _unasked_later(self, room: int, error: PeerError) -> None:
+        log.warning("decode stage %d, room %d: %s", self.rank, room, error)
+        self._report("kv_done", (room, -self.rank))  # nothing was asked: nothing writes
 
     def _watch(self) -> None:
         """A later stage's reports to stage 0: a room whose layers all arrived, and a failed

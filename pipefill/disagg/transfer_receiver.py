@@ -48,7 +48,9 @@ class KVReceiver:
                 decode_layer_ranges: list[tuple[int, int]] | None = None) -> None:
         """Opens a connection to every stage of prefill `key` (e.g. its bootstrap host:port)
         whose layers overlap this stage's; decode_layer_ranges: the whole decode pipeline's.
-        Stages still connected are kept: calling it again reconnects only the lost ones."""
+        Stages still connected are kept: calling it again reconnects only the lost ones.
+        timeout_s bounds each TCP connect. Runs on any thread (a decode connects on worker
+        threads while its loop asks for rooms of prefills already connected)."""
         ranges = decode_layer_ranges or [(self.kv.layer_start, self.kv.layer_end)]
         hello = m.DecodeHello(self.name, self.kv.layer_start, self.kv.layer_end,
                               self.kv.page_bytes, **self.data.hello_fields())
@@ -70,11 +72,13 @@ class KVReceiver:
                 self._p.liveness.seen(stage, self._p.clock())
                 self.rooms.on_stage_alive(stage)
             threading.Thread(target=self._read, args=(stage, conn), daemon=True).start()
-        self.prefills[key], self._expected[key] = stages, expected
+        with self._p.lock:  # a room asked for meanwhile sees both maps of one connect
+            self.prefills[key], self._expected[key] = stages, expected
 
     def connected(self, key: str) -> bool:
-        stages = self.prefills.get(key)
-        return bool(stages) and all(s in self._p.conns for s in stages)
+        with self._p.lock:
+            stages = self.prefills.get(key)
+            return bool(stages) and all(s in self._p.conns for s in stages)
 
     def expect_room(self, room: int, key: str, dst_pages: list[int], *,
                     num_prompt_tokens: int | None = None, want_final: bool = True) -> int:
@@ -83,16 +87,16 @@ class KVReceiver:
             raise RuntimeError(f"not connected to every stage of prefill {key}: connect() "
                                "first (again after a stage was lost)")
         nonce = int.from_bytes(os.urandom(8), "little") >> 1
-        stages = self.prefills[key]
         with self._p.lock:
             self.rooms.expect(room, nonce, dst_pages, stages, self._p.clock(), want_final,
                               num_prompt_tokens)
             # One-sided writes into fragmented pages go through a staging region per stage.
             staging = self.data.plan_room(room, nonce, stages, dst_pages) \
                 if self.data.one_sided else {}
-        notices = [(st, m.RoomBootstrap(room, nonce, list(dst_pages), self._expected[key][st],
+        notices = [(st, m.RoomBootstrap(room, nonce, list(dst_pages), expected[st],
                                         staging.get(st, 0))) for st in stages]
         self._p.send(notices, self._stage_dead)
+            stages, expected = self.prefills[key], self._expected[key]
         return nonce
 
     def wait_room(self, room: int, timeout_s: float | None = None) -> RoomResult | None:

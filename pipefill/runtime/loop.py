@@ -163,14 +163,16 @@ class FirstStageLoop:
                 acts, seconds = self.executor.forward(plan, None)
             if self.pd is not None:
                 self.pd.after_forward(plan)
+            failed = self.executor.take_failed_fetches()
             if self.pipe is None:
                 result = self.executor.results(plan, acts)
-                result.stage_seconds = [seconds]
+                result.stage_seconds, result.failed_fetches = [seconds], failed
                 self._update(plan, result)
                 return True  # one step, then read the front end again: new requests join
             else:
                 with self.tracer.span("send", "send", step=plan.step_id):
-                    self.pipe.send_forward(PipeMessage(plan, [seconds]), acts)
+                    self.pipe.send_forward(PipeMessage(plan, [seconds], failed_fetches=failed),
+                                           acts)
                 self.inflight.append(plan)
         return True
 
@@ -252,12 +254,13 @@ def run_later_stage(executor, pipe, channel, tracer: StageTracer | None = None,
                 pd.after_forward(plan)
             result = executor.results(plan, acts) if last else None
         stage_seconds = msg.stage_seconds + [seconds]
+        failed = msg.failed_fetches + executor.take_failed_fetches()
         with tracer.span("send", "send", step=plan.step_id):
             if last:
-                result.stage_seconds = stage_seconds
+                result.stage_seconds, result.failed_fetches = stage_seconds, failed
                 pipe.send_result(result)
             else:
-                pipe.send_forward(PipeMessage(plan, stage_seconds), acts)
+                pipe.send_forward(PipeMessage(plan, stage_seconds, failed_fetches=failed), acts)
     pipe.flush()
 
 

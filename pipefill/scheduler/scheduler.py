@@ -22,6 +22,7 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
+from pipefill.disagg.validate import room_in_use
 from pipefill.kv.pool import PagePool
 from pipefill.scheduler.kv_manager import KVManager
 from pipefill.scheduler.plan import (NewRequest, PDInfo, RequestOutput, SampleSpec,
@@ -58,6 +59,9 @@ class Request:
     num_inserted: int = 0  # whole pages of this request already in the prefix cache
     cached_tokens: int = 0  # prompt tokens reused from the cache at first admission
     admitted_at: int = 0  # admission order: preemption takes the newest
+    # Its prefix on its way from the storage tier (kv_manager.StorageFetch): admitted after.
+    storage_fetch: object = None
+    storage_tried: bool = False  # the last admission attempt fetched: the next one does not
     preempt_pending: bool = False  # preempt once its micro-batches in flight are back
     num_inflight: int = 0  # micro-batches that contain this request
     awaiting_token: bool = False
@@ -145,6 +149,9 @@ class Scheduler:
 
     def add(self, req: NewRequest) -> None:
         self.check_request(req)
+        if req.pd is not None and self.room_live(req.pd.room):
+            # Taking it would hand the first request's pages and transfer to this one.
+            raise ValueError(room_in_use(req.pd.room))
         seed = req.params.seed
         if seed is None:  # stable across processes, unlike hash()
             seed = zlib.crc32(f"{self.cfg.seed}:{req.rid}".encode())
@@ -165,6 +172,7 @@ class Scheduler:
             for r in queue:
                 if r.rid == rid:
                     queue.remove(r)
+                    self.kv.cancel_fetch(r)
                     return RequestOutput(rid, [], True, "abort")
         r = self.running.get(rid)
         if r is None:
@@ -220,9 +228,13 @@ class Scheduler:
             seqs.append(self._prefill_chunk(r, budget))
             budget -= seqs[-1].num_tokens
             partial = partial or (r if r.in_prefill else None)
-        if not seqs:
+        if not seqs and not self.kv.has_new_fetches:
             return None
-        return StepPlan(next(self._step_ids), seqs, self.kv.drain_ops())
+        # A plan without sequences still goes when it carries storage fetches: their result
+        # says which pages every stage read.
+        plan = StepPlan(next(self._step_ids), seqs, self.kv.drain_ops())
+        self.kv.plan_sent(plan.step_id)
+        return plan
 
     def _prefill_chunk(self, r: Request, budget: int) -> SeqWork:
         # The first chunk from scratch is C0; after a cached prefix of L tokens (or earlier
@@ -321,6 +333,10 @@ class Scheduler:
 
     # ---- PD disaggregation -------------------------------------------------------------------
 
+    def room_live(self, room: int) -> bool:
+        """PD: a request of this server holds the room (admitted, or waiting for pages)."""
+        return room in self.rooms or any(r.pd.room == room for r in self.waiting_kv)
+
     def pd_stage_done(self, room: int) -> None:
         """Prefill: one stage's sender let the room's pages go (sent, or the room failed)."""
         r = self.rooms.get(room)
@@ -395,6 +411,7 @@ class Scheduler:
     # ---- results in --------------------------------------------------------------------------
 
     def update(self, plan: StepPlan, result: StepResult | None) -> list[RequestOutput]:
+        self.kv.finish_fetches(plan.step_id, result.failed_fetches if result else [])
         by_rid = {s.rid: s for s in result.seqs} if result else {}
         outputs = []
         for work in plan.seqs:

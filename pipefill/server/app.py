@@ -14,7 +14,8 @@ from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from pipefill.disagg.http_fields import ROUTER_MODEL, pd_info
+from pipefill.disagg.http_fields import ROUTER_MODEL, FieldError, pd_info
+from pipefill.disagg.validate import is_room_in_use
 from pipefill.scheduler.scheduler import check_prompt
 from pipefill.scheduler.plan import SamplingParams
 from pipefill.server.async_engine import AsyncEngine, EngineDown
@@ -358,9 +359,10 @@ async def _handle(served: Served, request: Request, body, chat: bool):
     job = make_job(served, body, chat)
     mode = served.args.disaggregation_mode
     try:
-        pd = pd_info(body.model_extra, mode)
-    except ValueError as e:
-        raise ApiError(400, str(e)) from None
+        pd = pd_info(body.model_extra, mode, served.args.disaggregation_prefill_bootstrap)
+    except FieldError as e:
+        raise ApiError(e.status, str(e), param="bootstrap_host" if e.status == 403 else None
+                       ) from None
     if pd is not None and job.params.return_prompt_logprobs:
         raise ApiError(400, "echo with logprobs (prompt logprobs) is not served by a PD pair: "
                             "the decode server never sees the prompt's logits", param="echo")
@@ -383,3 +385,5 @@ async def _handle(served: Served, request: Request, body, chat: bool):
         return task.result()
     except (EngineDown, RequestFailed, ValueError) as e:
         raise error_of(e) from None
+    if is_room_in_use(error.message):
+        return  # the room's decodes serve the request that holds it: not this one's refusal

@@ -49,6 +49,8 @@ def error_of(e: Exception) -> ApiError:
     if isinstance(e, RequestFailed) and e.status is not None and 400 <= e.status < 500:
         return ApiError(e.status, str(e))  # not retried by the router, not a fault
     if isinstance(e, RequestFailed):
+    if isinstance(e, RequestFailed) and e.status in (502, 504):  # a PD decode's prefill peer
+        return ApiError(e.status, str(e), kind="server_error")  # answered badly or too slowly
         # Every parameter known to be bad is refused at the door, so a failure while
         # generating is the server's: 500, which the client may report or retry.
         return ApiError(500, f"the request failed while generating: {e}", kind="server_error")

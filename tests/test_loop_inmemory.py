@@ -76,6 +76,9 @@ class FakeExecutor:
     def close_tiers(self):
         pass
 
+    def take_failed_fetches(self):
+        return []  # no storage tier here
+
     def finish_page_ops(self, ops):
         self.owners.to_cache(ops.cached)
 

@@ -90,8 +90,25 @@ def test_batched_fetch_loads_exactly_the_stored_pages(tmp_path, layout, monkeypa
         assert store.flush(30)
         tier = StorageTier(store, cache, 0, FP)
         pages = [9, 2, 7, 0, 4]
-        tier.fetch([CacheOp("fetch", p, -1, k.hex()) for p, k in zip(pages, keys)],
-                   PageOwners(12))
+        assert tier.fetch([CacheOp("fetch", p, -1, k.hex()) for p, k in zip(pages, keys)],
+                          PageOwners(12)) == []
         got = cache.read_pages(pages)
         for i in range(5):
             assert torch.equal(got[:, :, i], page(i, shape))
+
+
+def test_fetch_reports_pages_it_cannot_read_and_goes_on(tmp_path):
+    cache = KVCache(2, 12, PS, H, D, torch.float32)
+    shape = (2, 2, PS, H, D)
+    keys = chain_page_keys(list(range(4 * PS)), PS)
+    suffix = stage_key_suffix(FP, torch.float32, PS, range(0, 2))
+    with open_page_store("file", storage_dir=str(tmp_path), key_suffix=suffix) as store:
+        for i, k in enumerate(keys[:3]):  # the last page was never stored
+            store.put(k, page(i, shape))
+        assert store.flush(30)
+        os.remove(store.backend.path(store.full_key(keys[1])))  # and the second is gone
+        owners = PageOwners(12)
+        ops = [CacheOp("fetch", p, -1, k.hex()) for p, k in zip([5, 6, 7, 8], keys)]
+        assert StorageTier(store, cache, 0, FP).fetch(ops, owners) == [6, 8]
+        assert torch.equal(cache.read_pages([5, 7])[:, :, 1], page(2, shape))
+        owners.free([5, 6, 7, 8])  # stage 0 frees the failed ones: no page is left dangling

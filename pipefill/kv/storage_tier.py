@@ -13,15 +13,24 @@ stores and loads only its layers. Stage 0 decides every write and every read:
   that a missing, corrupt or truncated page on any stage is a miss for all, never a different
   answer; the lookup stops at the first miss or when --hicache-prefetch-timeout runs out (the
   rest is recomputed). The plan then carries one fetch per page and every stage loads its own.
+* a page can still go between stage 0's verification and a stage's fetch (another server's
+  eviction, damage). So a fetch is a round trip before use: the request waits while the plan
+  with the fetches goes through every stage, each stage reports the pages it could not read
+  in the plan's result, and only then does stage 0 put the pages every stage read into the
+  tree (up to the first failed one) and admit the request, which recomputes the rest. No
+  forward ever reads a fetched page before every stage has it, so the stages cannot disagree.
 """
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
 
-from pipefill.kv.pool import CACHE_OWNER, PageIntegrityError
+from pipefill.kv.pool import CACHE_OWNER
 from pipefill.scheduler.plan import CacheOp
+
+log = logging.getLogger(__name__)
 
 _FETCH_BATCH = 64  # pages packed per write_pages call: ~100 MB of buffer for a 1.5 MB page
 
@@ -42,25 +51,33 @@ class StorageTier:
             for i, op in enumerate(ops):
                 self.store.put(bytes.fromhex(op.key), pages[:, :, i])
 
-    def fetch(self, ops: list[CacheOp], owners) -> None:
-        """Storage -> pool pages the prefix cache owns from now on. Stage 0 verified every
-        stage's copy; one that fails here changed in between: stop rather than compute wrong.
-        Pages are read into one buffer and packed with one write_pages per _FETCH_BATCH
-        pages (per-page packing was most of an L3 hit's load time)."""
+    def fetch(self, ops: list[CacheOp], owners) -> list[int]:
+        """Storage -> pool pages; returns the pages that could not be read or failed their
+        checksum. Stage 0 verified every stage's copy, but a page can still go in between
+        (evicted by another server sharing the folder, damaged): such a page is reported back
+        to stage 0 with the plan's result and freed unused, on every stage. Pages are read
+        into one buffer and packed with one write_pages per _FETCH_BATCH pages (per-page
+        packing was most of an L3 hit's load time)."""
         if not ops:
-            return
+            return []
         owners.allocate(CACHE_OWNER, [op.page for op in ops])
         L, ps, H, D = self.cache.k.shape[0], self.cache.page_size, *self.page_dims()
+        failed = []
         for start in range(0, len(ops), _FETCH_BATCH):
             batch = ops[start:start + _FETCH_BATCH]
             # [n, 2, L, ps, H, D]: each page is a contiguous block the store reads straight in.
             buf = torch.empty((len(batch), 2, L, ps, H, D), dtype=self.cache.k.dtype)
             for i, op in enumerate(batch):
                 if not self.store.get(bytes.fromhex(op.key), buf[i]):
-                    raise PageIntegrityError(f"stage {self.rank}: stored page {op.key[:16]}... "
-                                             "could not be read after stage 0 verified it")
+                    failed.append(op.page)
+                    buf[i].zero_()  # never read (freed unused), but no stale bytes either
             self.cache.write_pages([op.page for op in batch], buf.permute(1, 2, 0, 3, 4, 5))
         owners.mark_written([op.page for op in ops])
+        if failed:
+            log.warning("stage %d: %d stored page(s) could not be read after stage 0 verified "
+                        "them (removed or damaged since); their tokens are recomputed",
+                        self.rank, len(failed))
+        return failed
 
     def page_dims(self) -> tuple[int, int]:
         """(num_kv_heads, head_dim) of this stage's cache, whichever layout it has (the packed

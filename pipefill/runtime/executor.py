@@ -88,6 +88,7 @@ class StageExecutor:
         self.cache = cache
         self.host = host  # this stage's host tier (L2 copies), or None
         self.storage = None  # this stage's storage tier (L3), or None
+        self.failed_fetches: list[int] = []  # since the last take_failed_fetches()
         self.num_forwards = 0
         # Every stage replays stage 0's page decisions and checks each micro-batch against them.
         self.owners = PageOwners(cache.num_pages)
@@ -114,8 +115,13 @@ class StageExecutor:
         if self.host is not None:
             self.host.load(by_kind.get("load", []), self.owners)
         if self.storage is not None:
-            self.storage.fetch(by_kind.get("fetch", []), self.owners)
+            self.failed_fetches += self.storage.fetch(by_kind.get("fetch", []), self.owners)
         self.owners.replay([], seqs, self.cache.page_size)
+
+    def take_failed_fetches(self) -> list[int]:
+        """Pages whose storage fetch failed here since the last call (for the plan's result)."""
+        failed, self.failed_fetches = self.failed_fetches, []
+        return failed
 
     def close_tiers(self) -> None:
         """At stop: pending storage writes reach the storage before the process ends."""
@@ -128,9 +134,15 @@ class StageExecutor:
             self.storage.save([op for op in ops.cache_ops if op.kind == "save"])
         self.owners.to_cache(ops.cached)
 
-    def forward(self, plan: StepPlan, acts: Activations | None) -> tuple[Activations, float]:
-        """Runs this stage's layers; returns the output activations and the forward seconds."""
+    def forward(self, plan: StepPlan, acts: Activations | None
+                ) -> tuple[Activations | None, float]:
+        """Runs this stage's layers; returns the output activations (None for a plan without
+        sequences) and the forward seconds."""
         t0 = time.perf_counter()
+        if not plan.seqs:  # cache copies only (a storage fetch for a request that waits)
+            self.apply_page_ops(plan.page_ops)
+            self.finish_page_ops(plan.page_ops)
+            return None, time.perf_counter() - t0
         if plan.step_id >= 0:  # scratch plans (warm-up, profile) run before anyone owns pages
             self.apply_page_ops(plan.page_ops, plan.seqs)
             if self.host is not None:  # wait only for copies that touch this plan's pages

@@ -8,9 +8,10 @@ prompt admitted is a prompt whose prefill never runs out of pages.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from pipefill.kv.pool import PagePool
+from pipefill.kv.storage import chain_page_keys
 from pipefill.scheduler.plan import PageOps
 from pipefill.scheduler.radix import Node, RadixCache
 
@@ -21,6 +22,19 @@ class CacheCounters:
     hit_tokens_host: int = 0  # ... of which loaded from the host tier
     hit_tokens_storage: int = 0  # ... of which fetched from the storage tier
     preemptions: int = 0
+
+
+@dataclass(eq=False)
+class StorageFetch:
+    """Stored pages on their way into pool pages for a request that waits: every stage loads
+    them with the next plan, and they join the tree only once the plan's result says which
+    ones every stage read."""
+    tokens: list[int]  # the request's tokens up to the end of the fetched pages
+    node: Node  # deepest memory-tier node the fetched pages extend (locked by the fetch)
+    cached: list[int]  # pool pages of the path to `node`
+    pages: list[int] = field(default_factory=list)  # pool pages being filled (held by us)
+    request: object = None  # the scheduler's Request that waits for them
+    cancelled: bool = False  # the request was aborted meanwhile
 
 
 class KVManager:
@@ -36,6 +50,8 @@ class KVManager:
         self.promised = 0  # pages promised to admitted requests, not yet allocated
         self.counters = CacheCounters()
         self._cached: list[int] = []  # pages the tree adopted since the last plan
+        self._new_fetches: list[StorageFetch] = []  # started since the last plan
+        self._fetches: dict[int, list[StorageFetch]] = {}  # by the step that carries them
 
     def pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -56,7 +72,11 @@ class KVManager:
 
     def admit(self, r, tokens: list[int], headroom: int) -> bool:
         """Locks the cached prefix of `tokens` (the part r may reuse) and promises the pages of
-        the rest of r plus `headroom`; False (and nothing held) when they do not fit."""
+        the rest of r plus `headroom`; False (and nothing held) when they do not fit. Also
+        False while r's prefix is being fetched from storage (r.storage_fetch set: the fetch
+        holds its pages and lock until finish_fetches)."""
+        if r.storage_fetch is not None:
+            return False
         m = self.cache.match(tokens) if self.cache is not None and tokens else None
         node = m.node if m is not None else None
         cached = list(m.pages) if m is not None else []
@@ -73,11 +93,12 @@ class KVManager:
             self.counters.hit_tokens_host += len(loaded) * self.page_size
             cached += loaded
             need -= len(loaded)
-        if self.storage is not None and node is not None:
-            node, fetched = self._fetch_from_storage(tokens, node, cached)
-            self.counters.hit_tokens_storage += len(fetched) * self.page_size
-            cached += fetched
-            need -= len(fetched)
+        if self.storage is not None and node is not None and not r.storage_tried:
+            fetch = self._fetch_from_storage(tokens, node, cached)
+            if fetch is not None:
+                fetch.request, r.storage_fetch = r, fetch
+                return False  # admitted once every stage has the pages (or said it has not)
+        r.storage_tried = False  # a later admission (after a preemption) may look again
         self.pool.retain(cached)
         r.pages, r.lock_node, r.num_inserted = cached, node, len(cached)
         r.pages_reserved = need
@@ -104,30 +125,74 @@ class KVManager:
             self.cache.unlock(locked)
         return node
 
-    def _fetch_from_storage(self, tokens: list[int], locked: Node, cached: list[int]):
-        """Pages past the memory tiers that every stage has in storage (verified), loaded
-        into new pool pages the tree owns; -> (new deepest locked node, those pages)."""
-        from pipefill.kv.storage import chain_page_keys
+    def _fetch_from_storage(self, tokens: list[int], locked: Node, cached: list[int]
+                            ) -> StorageFetch | None:
+        """Starts fetching the pages past the memory tiers that every stage has in storage
+        (verified by stage 0) into new pool pages; None when there are none. The fetch takes
+        over the lock on `locked`."""
         ps, num_cached = self.page_size, len(cached)
         full = len(tokens) // ps
         if full <= num_cached:
-            return locked, []
+            return None
         keys = chain_page_keys(tokens[num_cached * ps:full * ps], ps,
                                self.cache.last_key(locked))
         n = self.storage.verified_prefix(keys)
         if n == 0:
-            return locked, []
+            return None
         if self.pool.num_free < n:
             self.cache.evict(n - self.pool.num_free)
-        pages = self.pool.allocate(n)
-        node = self.cache.insert(tokens[:(num_cached + n) * ps], cached + pages,
-                                 from_storage=True)
-        self.pool.release(pages)  # the tree holds them now
-        self.storage.fetch(pages, keys[:n])
-        assert node is not locked, "fetched pages did not extend the cached path"
-        self.cache.lock(node)
-        self.cache.unlock(locked)
-        return node, pages
+        if self.pool.num_free < n:
+            return None  # the lock on this path keeps what would make room
+        fetch = StorageFetch(list(tokens[:(num_cached + n) * ps]), locked, list(cached),
+                             self.pool.allocate(n))
+        self.storage.fetch(fetch.pages, keys[:n])
+        self._new_fetches.append(fetch)
+        return fetch
+
+    def plan_sent(self, step_id: int) -> None:
+        """The fetches started since the previous plan travel with plan `step_id`."""
+        if self._new_fetches:
+            self._fetches[step_id], self._new_fetches = self._new_fetches, []
+
+    @property
+    def has_new_fetches(self) -> bool:
+        return bool(self._new_fetches)
+
+    def finish_fetches(self, step_id: int, failed: list[int]) -> None:
+        """The plan that carried fetches is back: the pages every stage read, up to the first
+        one some stage could not, join the tree (then the request admits them as cached);
+        the rest go back to the pool unused on every stage and their tokens are recomputed."""
+        bad = set(failed)
+        for fetch in self._fetches.pop(step_id, []):
+            if not fetch.cancelled:
+                self._finish_fetch(fetch, bad)
+
+    def _finish_fetch(self, fetch: StorageFetch, bad: set[int]) -> None:
+        good = next((i for i, p in enumerate(fetch.pages) if p in bad), len(fetch.pages))
+        if good:
+            ps = self.page_size
+            self.cache.insert(fetch.tokens[:(len(fetch.cached) + good) * ps],
+                              fetch.cached + fetch.pages[:good], from_storage=True)
+            self._cached += self.cache.adopted
+            self.cache.adopted = []
+            self.counters.hit_tokens_storage += good * ps
+        self._drop_fetch(fetch)
+        # The next admission takes what the tree now holds and does not look at storage
+        # again: a page that failed now would likely fail again.
+        fetch.request.storage_fetch, fetch.request.storage_tried = None, True
+
+    def cancel_fetch(self, r) -> None:
+        """r left the queue while its pages were being fetched: nobody will use them."""
+        if r.storage_fetch is not None:
+            r.storage_fetch.cancelled = True
+            self._drop_fetch(r.storage_fetch)
+            r.storage_fetch = None
+
+    def _drop_fetch(self, fetch: StorageFetch) -> None:
+        """Our references go (the tree keeps what it adopted) and so does the lock. Freed pages
+        reach the stages with the next plan, after the one that filled them."""
+        self.pool.release(fetch.pages)
+        self.cache.unlock(fetch.node)
 
     # ---- growth ------------------------------------------------------------------------------
 

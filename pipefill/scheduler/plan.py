@@ -93,7 +93,8 @@ class CacheOp:
     """A copy between tiers that every stage performs on its own layers, in plan order."""
     kind: str  # "store": pool page -> host slot (L1 -> L2); "load": host slot -> pool page;
     # "save" / "save_evicted": pool page -> storage (L3) after / before the forward;
-    # "fetch": storage -> pool page
+    # "fetch": storage -> pool page (a page any stage fails to fetch is reported back and
+    # never used)
     page: int
     slot: int
     key: str = ""  # storage ops: the page's chained key (hex), without the stage's suffix
@@ -131,6 +132,9 @@ class PipeMessage:
     stage_seconds: list[float] = field(default_factory=list)  # forward time of stages passed
     control: tuple | None = None  # ("stop",) or ("trace",): every stage handles it in order
     page_ops: PageOps | None = None  # with a control message: page frees since the last plan
+    # Pool pages whose storage fetch failed on a stage passed (unreadable or damaged since
+    # stage 0 verified them): stage 0 recomputes those tokens instead of using the pages.
+    failed_fetches: list[int] = field(default_factory=list)
 
 
 @dataclass
@@ -149,6 +153,7 @@ class StepResult:
     step_id: int
     seqs: list[SeqResult] = field(default_factory=list)
     stage_seconds: list[float] = field(default_factory=list)  # forward time per stage
+    failed_fetches: list[int] = field(default_factory=list)  # on any stage (PipeMessage's)
 
 
 @dataclass

@@ -6,6 +6,7 @@ import asyncio
 import dataclasses
 import logging
 import time
+from concurrent.futures import ThreadPoolExecutor
 from contextlib import asynccontextmanager
 from dataclasses import dataclass, field
 
@@ -13,11 +14,13 @@ from fastapi import FastAPI, Request
 from fastapi.openapi.utils import get_openapi
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
+from starlette.requests import ClientDisconnect
 
 from pipefill.disagg.http_fields import ROUTER_MODEL, FieldError, pd_info
 from pipefill.disagg.validate import is_room_in_use
 from pipefill.scheduler.scheduler import check_prompt
 from pipefill.scheduler.plan import SamplingParams
+from pipefill.server.admission import Admission
 from pipefill.server.async_engine import AsyncEngine, EngineDown
 from pipefill.server.metrics import ServerMetrics
 from pipefill.server.protocol import (MAX_STOP_CHARS, MAX_STOP_STRINGS, ChatCompletionRequest,
@@ -26,6 +29,12 @@ from pipefill.server.responses import ApiError, RequestFailed, Run, error_of
 from pipefill.server.text import longest_token_bytes
 
 log = logging.getLogger("pipefill.server")
+
+# Below this many characters a prompt is tokenized on the event loop: handing it to the
+# tokenizer thread costs more (SmolLM2's tokenizer: 100 characters 0.07 ms inline, 0.25 ms
+# through the thread; even at 1,000; a 0.9 MB prompt takes 0.7 s, which would stop every
+# other request and /health for as long).
+INLINE_TOKENIZE_CHARS = 1000
 
 
 @dataclass
@@ -38,9 +47,15 @@ class Served:
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     token_bytes: int = 0  # the most prompt bytes one token stands for
     rejects: object = None  # a PD prefill's disagg.rejects.RejectNotifier
+    # One thread: the tokenizer object is shared, and big prompts need not run side by side.
+    tokenizer_thread: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        1, thread_name_prefix="pipefill-tokenizer"))
+    admission: Admission | None = None
 
     def __post_init__(self):
         self.token_bytes = self.token_bytes or longest_token_bytes(self.tokenizer)
+        self.admission = self.admission or Admission(
+            self.args.max_running_requests, self.args.max_queued_requests, self.metrics)
 
     @property
     def max_body_bytes(self) -> int:
@@ -66,6 +81,7 @@ def build_app(served: Served, on_startup_failure=None, shutting_down=None) -> Fa
         yield
         watcher.cancel()
         served.engine.shutdown()
+        served.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
     app = FastAPI(title="pipefill", lifespan=lifespan)
 
@@ -76,10 +92,12 @@ def build_app(served: Served, on_startup_failure=None, shutting_down=None) -> Fa
     @app.get("/health")
     async def health():
         e = served.engine
+        insecure = served.args.pd_insecure_warning
+        note = {"warning": insecure} if insecure else {}
         if e.healthy:
-            return {"status": "ok"}
+            return {"status": "ok", **note}
         status = "down" if e.failure else "loading"
-        return JSONResponse({"status": status, "error": e.failure}, status_code=503)
+        return JSONResponse({"status": status, "error": e.failure, **note}, status_code=503)
 
     @app.get("/metrics")
     async def metrics():
@@ -97,13 +115,13 @@ def build_app(served: Served, on_startup_failure=None, shutting_down=None) -> Fa
     @app.post("/v1/completions", **_documented(CompletionRequest, "text_completion"))
     async def completions(request: Request):
         authorize(served, request)
-        body = await parse(request, CompletionRequest, served.max_body_bytes)
+        body = await parse(request, CompletionRequest, served)
         return await handle(served, request, body, chat=False)
 
     @app.post("/v1/chat/completions", **_documented(ChatCompletionRequest, "chat.completion"))
     async def chat_completions(request: Request):
         authorize(served, request)
-        body = await parse(request, ChatCompletionRequest, served.max_body_bytes)
+        body = await parse(request, ChatCompletionRequest, served)
         return await handle(served, request, body, chat=True)
 
     vocab_size = served.engine.source.config.vocab_size
@@ -125,10 +143,12 @@ def _documented(model, obj: str) -> dict:
     errors = {status: {"model": ErrorResponse, "description": why} for status, why in (
         (400, "Invalid request: a sentence says what to change"),
         (401, "Missing or wrong API key"),
+        (408, "The body did not arrive within --body-read-timeout"),
         (413, "Request body too large for --max-model-len"),
         (415, "Content-Type is not application/json"),
+        (429, "Running and queued requests are at their limit: retry after Retry-After"),
         (500, "The request failed while generating"),
-        (503, "The model is loading or a stage is down"))}
+        (503, "The model is loading, a stage is down, or --max-connections are open"))}
     body = {"required": True, "content": {"application/json": {
         "schema": {"$ref": _REF.format(model=model.__name__)}}}}
     return {"openapi_extra": {"requestBody": body}, "responses": {200: ok, **errors}}
@@ -173,12 +193,12 @@ def authorize(served: Served, request: Request) -> None:
                        kind="authentication_error")
 
 
-async def parse(request: Request, model, max_bytes: int):
+async def parse(request: Request, model, served: Served):
     kind = request.headers.get("content-type")
     media = (kind or "").split(";")[0].strip().lower()
     if kind is not None and media != "application/json" and not media.endswith("+json"):
         raise ApiError(415, f"Content-Type must be application/json, got {kind[:100]!r}")
-    raw = await read_body(request, max_bytes)
+    raw = await read_body(request, served.max_body_bytes, served.args.body_read_timeout)
     try:
         data = loads_body(raw)
     except ValueError as e:
@@ -193,19 +213,37 @@ async def parse(request: Request, model, max_bytes: int):
         raise ApiError(400, f"{where}: {first['msg']}", param=where) from None
 
 
-async def read_body(request: Request, limit: int) -> bytes:
+async def read_body(request: Request, limit: int, timeout_s: float) -> bytes:
+    """The whole body within timeout_s of the request's headers (uvicorn has no body
+    timeout: a client that stops half-way would hold its buffered bytes for as long as it
+    keeps the connection). A 408 closes the connection; a client that left is one log line."""
     too_large = ApiError(413, f"the request body is larger than {limit} bytes, more than a "
                               f"prompt of --max-model-len tokens needs")
     declared = request.headers.get("content-length", "")
     if declared.isdigit() and int(declared) > limit:
         raise too_large
     chunks, size = [], 0
-    async for chunk in request.stream():
-        size += len(chunk)
-        if size > limit:
-            raise too_large
-        chunks.append(chunk)
+    try:
+        async with asyncio.timeout(timeout_s):
+            async for chunk in request.stream():
+                size += len(chunk)
+                if size > limit:
+                    raise too_large
+                chunks.append(chunk)
+    except TimeoutError:
+        raise ApiError(408, f"the request body did not arrive within {timeout_s:g} s "
+                            f"(--body-read-timeout); {size} bytes came", headers={
+                                "Connection": "close"}) from None
+    except ClientDisconnect:
+        log.info("a client (%s) disconnected after %d bytes of its request body to %s; "
+                 "nothing was run", _peer(request), size, request.url.path)
+        raise ApiError(499, "the client disconnected before its request body was complete",
+                       headers={"Connection": "close"}) from None
     return b"".join(chunks)
+
+
+def _peer(request: Request) -> str:
+    return f"{request.client.host}:{request.client.port}" if request.client else "unknown"
 
 
 def _bound_prompt(prompt: dict, vocab_size: int) -> None:
@@ -232,7 +270,7 @@ class Job:
     created: int = field(default_factory=lambda: int(time.time()))
 
 
-def make_job(served: Served, body, chat: bool) -> Job:
+async def make_job(served: Served, body, chat: bool) -> Job:
     if body.n != 1:
         raise ApiError(400, f"n = {body.n} is not supported: pipefill returns one choice "
                             "(n = 1)", param="n")
@@ -240,14 +278,11 @@ def make_job(served: Served, body, chat: bool) -> Job:
             chat and body.model == ROUTER_MODEL and served.args.disaggregation_mode != "null"):
         raise ApiError(400, f"model {body.model!r} is not served here; this server serves "
                             f"{served.model_name!r}", param="model")
-    prompt_text, ids = prompt_of(served, body, chat)
-    max_tokens = body.max_completion_tokens or body.max_tokens if chat else body.max_tokens
-    if max_tokens is None:
-        max_tokens = served.args.max_model_len - len(ids)
-    if max_tokens <= 0:
-        raise ApiError(400, f"max_tokens must be at least 1, got {max_tokens}",
-                       param="max_tokens")
+    max_tokens = requested_max_tokens(body, chat)
     check_limits(body)
+    prompt_text, ids = await tokenized_prompt(served, body, chat)
+    if max_tokens is None:  # as many as fit; a prompt too long for one is check_prompt's 400
+        max_tokens = max(1, served.args.max_model_len - len(ids))
     logprobs = (body.top_logprobs or 0) if chat and body.logprobs else (
         None if chat else body.logprobs)
     echo = not chat and body.echo
@@ -263,6 +298,18 @@ def make_job(served: Served, body, chat: bool) -> Job:
         raise ApiError(400, str(e)) from None
     rid = served.engine.new_rid("chatcmpl" if chat else "cmpl")
     return Job(rid, ids, prompt_text, params, body.stop_strings(), chat, echo, logprobs)
+
+
+def requested_max_tokens(body, chat: bool) -> int | None:
+    """max_completion_tokens (chat) or max_tokens; None when neither is given. Zero is a 400,
+    as OpenAI answers it, not "no limit"."""
+    name = "max_completion_tokens" if chat and body.max_completion_tokens is not None else \
+        "max_tokens"
+    value = getattr(body, name)
+    if value is not None and value < 1:
+        raise ApiError(400, f"{name} must be at least 1, got {value}: ask for one token or "
+                            "more", param=name)
+    return value
 
 
 def check_limits(body) -> None:
@@ -294,6 +341,28 @@ def check_text(served: Served, text: str, param: str) -> None:
         raise ApiError(400, f"{param} is {size} bytes; no prompt of --max-model-len "
                             f"({served.args.max_model_len}) tokens is longer than {limit} "
                             "bytes with this tokenizer", param=param)
+
+
+async def tokenized_prompt(served: Served, body, chat: bool) -> tuple[str | None, list[int]]:
+    """prompt_of, in the tokenizer thread unless the text is short: tokenizing a long prompt
+    on the event loop would stall every other request, /health included, meanwhile."""
+    if prompt_chars(body, chat) < INLINE_TOKENIZE_CHARS:
+        return prompt_of(served, body, chat)
+    served.metrics.tokenizing.inc()
+    try:
+        return await asyncio.get_running_loop().run_in_executor(
+            served.tokenizer_thread, prompt_of, served, body, chat)
+    finally:
+        served.metrics.tokenizing.dec()
+
+
+def prompt_chars(body, chat: bool) -> int:
+    if chat:
+        return sum(len(m.text()) for m in body.messages)
+    prompt = body.prompt
+    if isinstance(prompt, list) and len(prompt) == 1 and isinstance(prompt[0], str):
+        prompt = prompt[0]
+    return len(prompt) if isinstance(prompt, str) else 0
 
 
 def prompt_of(served: Served, body, chat: bool) -> tuple[str | None, list[int]]:
@@ -349,6 +418,8 @@ def tell_decodes(served: Served, body, error: ApiError) -> None:
         pd = pd_info(body.model_extra, "prefill")
     except ValueError:
         return  # no usable room: no decode can be waiting for it
+    if is_room_in_use(error.message):
+        return  # the room's decodes serve the request that holds it: not this one's refusal
     served.rejects.tell(pd.room, error.status, error.message)
 
 
@@ -356,7 +427,33 @@ async def _handle(served: Served, request: Request, body, chat: bool):
     if not served.engine.healthy:
         raise ApiError(503, served.engine.failure or "the model is still loading",
                        kind="server_error")
-    job = make_job(served, body, chat)
+    release = served.admission.hold()
+    response = None
+    try:
+        response = await _answer(served, request, body, chat, release)
+        return response
+    finally:
+        if not isinstance(response, HeldStream):  # a stream gives its place back at its end
+            release()
+
+
+class HeldStream(StreamingResponse):
+    """A streamed answer that gives its request's place back when the stream ends, however it
+    ends (finished, failed, or the client went away)."""
+
+    def __init__(self, content, release, **kwargs):
+        super().__init__(content, **kwargs)
+        self.release = release
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.release()
+
+
+async def _answer(served: Served, request: Request, body, chat: bool, release):
+    job = await make_job(served, body, chat)
     mode = served.args.disaggregation_mode
     try:
         pd = pd_info(body.model_extra, mode, served.args.disaggregation_prefill_bootstrap)
@@ -374,7 +471,7 @@ async def _handle(served: Served, request: Request, body, chat: bool):
     run = Run(served, job)
     if body.stream:
         include_usage = bool(body.stream_options and body.stream_options.include_usage)
-        return StreamingResponse(run.sse(include_usage), media_type="text/event-stream")
+        return HeldStream(run.sse(include_usage), release, media_type="text/event-stream")
     task = asyncio.create_task(run.collect())
     while not task.done():
         await asyncio.wait({task}, timeout=0.5)
@@ -385,5 +482,3 @@ async def _handle(served: Served, request: Request, body, chat: bool):
         return task.result()
     except (EngineDown, RequestFailed, ValueError) as e:
         raise error_of(e) from None
-    if is_room_in_use(error.message):
-        return  # the room's decodes serve the request that holds it: not this one's refusal

@@ -85,6 +85,7 @@ def run(ns: argparse.Namespace) -> int:
     from pipefill.model.tokenizer import load_tokenizer
     from pipefill.server.app import Served, build_app
     from pipefill.server.async_engine import AsyncEngine
+    from pipefill.server.connections import guarded_protocol
     from pipefill.server.metrics import ServerMetrics
 
     args = server_args_from_namespace(ns)
@@ -92,6 +93,8 @@ def run(ns: argparse.Namespace) -> int:
         from pipefill.runtime.launch import run_other_node
         return run_other_node(args)
     args, source = prepare(args)
+    if args.pd_insecure_warning:
+        log.warning("%s", args.pd_insecure_warning)
     bootstrap = start_bootstrap(args)
     rejects = start_rejects(args, bootstrap)
     metrics = ServerMetrics()
@@ -106,8 +109,12 @@ def run(ns: argparse.Namespace) -> int:
 
     app = RestartGate(build_app(served, on_startup_failure,
                                 shutting_down=lambda: server.should_exit), engine)
+    # Our h11 protocol (header deadline, connection cap) rather than uvicorn's choice between
+    # h11 and httptools; no WebSocket upgrades (no route takes one).
     config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                            timeout_graceful_shutdown=args.shutdown_timeout)
+                            timeout_graceful_shutdown=args.shutdown_timeout, ws="none",
+                            http=guarded_protocol(args.header_read_timeout,
+                                                  args.max_connections))
     server = uvicorn.Server(config)
     # uvicorn re-raises the signal it caught after its graceful shutdown; a no-op handler makes
     # that a normal return, so a SIGTERM'd server exits 0 after stopping its stages.

@@ -49,6 +49,15 @@ class ServerMetrics:
         self.stage_restarts = Counter(p + "stage_restarts",
                                       "Automatic restarts of the stage group after a stage died",
                                       registry=r)
+        self.held = Gauge(p + "requests_held", "Requests the server holds: tokenizing, "
+                          "waiting or running (at most --max-running-requests + "
+                          "--max-queued-requests)", registry=r)
+        self.tokenizing = Gauge(p + "requests_tokenizing",
+                                "Requests whose long prompt is in the tokenizer thread",
+                                registry=r)
+        self.queue_full = Counter(p + "requests_queue_full",
+                                  "Requests answered 429: running and queued at their limit",
+                                  registry=r)
 
     def observe_load(self, load: dict) -> None:
         self.running.set(load.get("running", 0))

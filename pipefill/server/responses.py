@@ -18,9 +18,10 @@ if TYPE_CHECKING:
 
 class ApiError(Exception):
     def __init__(self, status: int, message: str, param: str | None = None,
-                 kind: str = "invalid_request_error"):
+                 kind: str = "invalid_request_error", headers: dict[str, str] | None = None):
         super().__init__(message)
         self.status, self.message, self.param, self.kind = status, message, param, kind
+        self.headers = headers or {}  # e.g. Retry-After, or Connection: close
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.kind, "param": self.param,
@@ -30,7 +31,7 @@ class ApiError(Exception):
         # ASCII-escaped: a message that quotes the client's text (a lone surrogate) still
         # encodes.
         return Response(json.dumps(self.body()), status_code=self.status,
-                        media_type="application/json")
+                        media_type="application/json", headers=self.headers)
 
 
 class RequestFailed(RuntimeError):
@@ -48,9 +49,9 @@ def error_of(e: Exception) -> ApiError:
         return ApiError(400, str(e))
     if isinstance(e, RequestFailed) and e.status is not None and 400 <= e.status < 500:
         return ApiError(e.status, str(e))  # not retried by the router, not a fault
-    if isinstance(e, RequestFailed):
     if isinstance(e, RequestFailed) and e.status in (502, 504):  # a PD decode's prefill peer
         return ApiError(e.status, str(e), kind="server_error")  # answered badly or too slowly
+    if isinstance(e, RequestFailed):
         # Every parameter known to be bad is refused at the door, so a failure while
         # generating is the server's: 500, which the client may report or retry.
         return ApiError(500, f"the request failed while generating: {e}", kind="server_error")

@@ -13,6 +13,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from pipefill.config import ServerArgs
+from pipefill.runtime.heartbeat import Board, StallWatch, board_path
 from pipefill.runtime.ipc import Addresses, FrontChannel
 from pipefill.runtime.worker import encode_stage_start
 
@@ -53,6 +54,9 @@ class StageGroup:
         addrs = Addresses.fresh(args)
         self.channel = FrontChannel(addrs)
         self.channel.out.setsockopt(zmq.SNDTIMEO, 200)  # blocking sends wake up to check
+        # Made before the stages start: each maps it when it starts (ipc.py's private folder).
+        self.board = Board.create(board_path(addrs.folder), args.pp_size)
+        self.watch: StallWatch | None = None  # set once the stages are ready
         self.procs = spawn_local_stages(args, model_file, addrs)
         self.info: dict = {}
 
@@ -69,6 +73,7 @@ class StageGroup:
                 kind, payload = msg
                 if kind == "ready":
                     self.info = payload
+                    self._start_watch()
                     return payload
                 if kind == "fatal":
                     self._fail([payload])
@@ -80,6 +85,29 @@ class StageGroup:
     def check_alive(self) -> None:
         if any(p.poll() is not None for p in self.procs):
             self._fail([])
+
+    def _start_watch(self) -> None:
+        timeout_s = self.args.stage_stall_timeout
+        if timeout_s > 0:
+            self.watch = StallWatch(self.board, self.args.local_ranks, self.args.pp_size,
+                                    timeout_s, time.monotonic())
+
+    def check_progress(self, requests_in_flight: bool) -> None:
+        """The stall watchdog (runtime/heartbeat.py): a stage that has work but made no
+        progress for --stage-stall-timeout seconds is stopped with the rest of the group, and
+        StageFailure says which."""
+        if self.watch is None or not self.procs:
+            return
+        stall = self.watch.check(requests_in_flight, time.monotonic())
+        if stall is None:
+            return
+        wedged = self.procs[stall.rank] if stall.watched else None
+        message = stall.sentence(wedged.pid if wedged else None)
+        log.error("%s; stopping the stages", message)
+        if wedged is not None:  # it would not answer "stop"; the others see it die and exit
+            wedged.kill()
+        self.close(grace_s=1.0)
+        raise StageFailure(message)
 
     def _fail(self, reports: list[str]) -> None:
         """Stops everything and raises one error that leads with the root cause: a stage
@@ -150,6 +178,9 @@ class StageGroup:
                 p.kill()
                 p.wait(2)
         self.procs = []
+        # The board stays mapped until this group is collected: the server's reader thread
+        # may be reading it right now.
+        self.watch = None
         self.channel.close()
 
 

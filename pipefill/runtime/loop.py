@@ -14,6 +14,7 @@ import logging
 import time
 from collections import deque
 
+from pipefill.runtime.heartbeat import NoHeartbeat
 from pipefill.runtime.trace import StageTracer, plan_label
 from pipefill.scheduler.plan import PipeMessage, RequestOutput, StepPlan, StepResult
 from pipefill.scheduler.scheduler import Scheduler
@@ -31,7 +32,7 @@ LOAD_REPORT_S = 0.2  # the server's /metrics reads these pushed snapshots
 class FirstStageLoop:
     def __init__(self, executor, scheduler: Scheduler, channel, pipe=None,
                  max_inflight: int = 1, tracer: StageTracer | None = None, on_result=None,
-                 pd=None, chunk_policy=None):
+                 pd=None, chunk_policy=None, heartbeat=None):
         self.executor = executor
         self.scheduler = scheduler
         self.channel = channel  # front end: poll() requests, report() events
@@ -42,6 +43,8 @@ class FirstStageLoop:
         self.pd = pd  # PD disaggregation role (pipefill.disagg.roles), or None
         # runtime.chunk_policy.ChunkPolicy: its idle_step runs a background profile's prefills
         self.chunk_policy = chunk_policy
+        # runtime.heartbeat: the front end's stall watchdog reads these counters
+        self.heartbeat = heartbeat or NoHeartbeat()
         self.inflight: deque[StepPlan] = deque()
         self.stopping = False
         self._load_changed = False
@@ -49,6 +52,7 @@ class FirstStageLoop:
 
     def run(self) -> None:
         while not (self.stopping and not self.inflight):
+            self.heartbeat.beat()
             idle = not self.inflight and not self.scheduler.has_work
             wait = KV_WAIT_POLL_MS if self.scheduler.awaits_kv else IDLE_POLL_MS
             arrived = self._ingest(wait if idle else 0)
@@ -173,6 +177,7 @@ class FirstStageLoop:
                 with self.tracer.span("send", "send", step=plan.step_id):
                     self.pipe.send_forward(PipeMessage(plan, [seconds], failed_fetches=failed),
                                            acts)
+                self.heartbeat.passed_on()
                 self.inflight.append(plan)
         return True
 
@@ -184,12 +189,15 @@ class FirstStageLoop:
         if must_wait and not self.pipe.result_ready():
             with self.tracer.span("wait", "wait"):
                 while not self.pipe.result_ready():
+                    # Alive while a later stage works: the watchdog must not blame stage 0.
+                    self.heartbeat.beat()
                     if self._ingest(1) and len(self.inflight) < self.max_inflight:
                         return  # a new request may use a free slot now
         while self.inflight and self.pipe.result_ready():
             result = self.pipe.recv_result()
             plan = self.inflight.popleft()
             assert result.step_id == plan.step_id, "results came back out of order"
+            self.heartbeat.retired()
             self._update(plan, result)
 
     def _update(self, plan: StepPlan, result: StepResult) -> None:
@@ -227,9 +235,12 @@ def later_stage_stats(rank: int, executor) -> dict:
 
 
 def run_later_stage(executor, pipe, channel, tracer: StageTracer | None = None,
-                    pd=None) -> None:
-    """Stages 1..P-1: execute each micro-batch as it comes, pass it on (or return results)."""
+                    pd=None, heartbeat=None) -> None:
+    """Stages 1..P-1: execute each micro-batch as it comes, pass it on (or return results).
+    heartbeat (runtime.heartbeat) counts the micro-batches finished, for the front end's stall
+    watchdog."""
     tracer = tracer or StageTracer(pipe.rank, False)
+    heartbeat = heartbeat or NoHeartbeat()
     last = pipe.rank == pipe.size - 1
     while True:
         with tracer.span("recv", "recv"):
@@ -261,6 +272,7 @@ def run_later_stage(executor, pipe, channel, tracer: StageTracer | None = None,
                 pipe.send_result(result)
             else:
                 pipe.send_forward(PipeMessage(plan, stage_seconds, failed_fetches=failed), acts)
+        heartbeat.passed_on()
     pipe.flush()
 
 

@@ -10,6 +10,7 @@ import signal
 from dataclasses import dataclass
 
 from pipefill.config import ServerArgs
+from pipefill.runtime.heartbeat import stage_heartbeat
 from pipefill.runtime.ipc import Addresses, StageChannel
 from pipefill.runtime.wire import BodyCodec
 
@@ -124,6 +125,7 @@ def _run_stage(args: ServerArgs, model_file: str, rank: int, channel: StageChann
         channel.report("fatal", f"stage {rank} could not start: {e}")
         return 1
     tracer = StageTracer(rank, args.trace_dir is not None)
+    heartbeat = stage_heartbeat(addrs.folder if addrs is not None else None, rank)
     pipe = None
     if args.pp_size > 1:
         import torch.distributed as dist
@@ -139,13 +141,14 @@ def _run_stage(args: ServerArgs, model_file: str, rank: int, channel: StageChann
                                                          args.pp_layer_partition)]
         policy = build_chunk_policy(args, executor, model_file, info.layers, layer_counts)
         loop = make_first_stage_loop(args, cfg, executor, channel, pipe, tracer,
-                                     policy, pd)
+                                     policy, pd, heartbeat)
         channel.report("ready", {"rank": rank, "num_pages": loop.scheduler.pool.num_pages,
                                  "page_size": args.page_size, "chunking": policy.info})
         return run_guarded(f"stage {rank}", channel, loop.run)
     from pipefill.runtime.loop import run_later_stage
     return run_guarded(f"stage {rank}", channel,
-                       lambda: run_later_stage(executor, pipe, channel, tracer, pd))
+                       lambda: run_later_stage(executor, pipe, channel, tracer, pd,
+                                               heartbeat))
 
 
 def release_freed_memory() -> None:
@@ -176,7 +179,8 @@ def make_pd_role(args: ServerArgs, executor, info, cfg, addrs: Addresses | None)
     return PrefillStagePD(args, executor, info.rank, info.layers.start, cfg, report)
 
 
-def make_first_stage_loop(args, cfg, executor, channel, pipe, tracer, policy, pd=None):
+def make_first_stage_loop(args, cfg, executor, channel, pipe, tracer, policy, pd=None,
+                          heartbeat=None):
     from pipefill.kv.pool import PagePool
     from pipefill.runtime.loop import FirstStageLoop
     from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -201,4 +205,5 @@ def make_first_stage_loop(args, cfg, executor, channel, pipe, tracer, policy, pd
     if pd is not None:
         scheduler.pd_role, scheduler.pd_stages = args.disaggregation_mode, args.pp_size
     return FirstStageLoop(executor, scheduler, channel, pipe, args.max_inflight, tracer,
-                          on_result=policy.observe, pd=pd, chunk_policy=policy)
+                          on_result=policy.observe, pd=pd, chunk_policy=policy,
+                          heartbeat=heartbeat)

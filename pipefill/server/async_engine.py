@@ -1,10 +1,12 @@
 """The server's side of the stages: start them, stream each request's outputs to its asyncio
-task, watch the stages, fail every request fast when one dies, then restart them.
+task, watch the stages, fail every request fast when one dies or stalls, then restart them.
 
 A reader thread owns the receiving socket, the stage watch and the restarts (the supervisor);
-the event loop only sends. After a stage dies, requests in flight get an error at once, the
-whole stage group is started again with the same arguments (fresh addresses and ports; the
-failed group has killed its leftovers), and requests that arrive meanwhile wait up to
+the event loop only sends. A stage that has work but makes no progress for
+--stage-stall-timeout seconds (runtime/heartbeat.py) is stopped and counts as dead. After a
+stage dies, requests in flight get an error at once, the whole stage group is started again
+with the same arguments (fresh addresses and ports; the failed group has killed its
+leftovers), and requests that arrive meanwhile wait up to
 --stage-restart-timeout. More than --max-stage-restarts within --stage-restart-window seconds
 is a crash loop: the server stays down and says why on /health (it keeps running so that an
 operator or orchestrator can read the reason; restarting again would only repeat the loop).
@@ -152,6 +154,8 @@ class AsyncEngine:
         while not self._stopping.is_set():
             try:
                 msg = self._stages.recv(100)
+                # A stage that hangs instead of dying: --stage-stall-timeout.
+                self._stages.check_progress(requests_in_flight=bool(self._queues))
             except StageFailure as e:
                 log.error("a stage failed: %s", e)
                 # Set before the requests are failed: a request that comes in after this

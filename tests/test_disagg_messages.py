@@ -5,6 +5,7 @@ from __future__ import annotations
 import pickle
 import socket
 import struct
+from concurrent.futures import ThreadPoolExecutor
 
 import msgspec
 import pytest
@@ -56,9 +57,16 @@ def test_model_fingerprint_follows_the_architecture():
     assert m.model_fingerprint(a) != m.model_fingerprint({**a, "num_layers": 31})
 
 
-def _pair(secret_a=None, secret_b=None):
+def _pair(secret=None):
+    """Two ends of a socket pair; with a secret, after the handshake (the accepting end's
+    half on a thread)."""
     a, b = socket.socketpair()
-    return ch.Channel(a, secret_a, "a"), ch.Channel(b, secret_b, "b")
+    if secret is None:
+        return ch.Channel(a, None, "a"), ch.Channel(b, None, "b")
+    with ThreadPoolExecutor(1) as pool:
+        accepted = pool.submit(ch.server_handshake, b, secret, "b")
+        session = ch.client_handshake(a, secret, "a")
+        return ch.Channel(a, session, "a"), ch.Channel(b, accepted.result(), "b")
 
 
 def test_channel_drops_garbage_frames_and_keeps_reading():
@@ -77,10 +85,11 @@ def test_channel_closes_on_an_absurd_frame_length():
 
 
 def test_sealed_channel_accepts_the_secret_and_drops_the_rest():
-    a, b = _pair(b"s3cret", b"s3cret")
+    a, b = _pair(b"s3cret")
     a.send(m.DropRoom(1, 2, "x"))
     assert b.recv() == m.DropRoom(1, 2, "x")
-    intruder = ch.Channel(a.sock, b"wrong", "intruder")
+    # Keys of its own: it cannot know the ones the handshake derived.
+    intruder = ch.Channel(a.sock, ch.Session(b"k" * 32, b"k" * 32), "intruder")
     intruder.send(m.DropRoom(3, 4, "forged"))
     plain = ch.Channel(a.sock, None, "plain")
     plain.send(m.DropRoom(5, 6, "unsealed"))
@@ -90,7 +99,7 @@ def test_sealed_channel_accepts_the_secret_and_drops_the_rest():
 
 
 def test_sealed_channel_refuses_a_replayed_frame():
-    a, b = _pair(b"k", b"k")
+    a, b = _pair(b"k")
     frames = []
     real = a.sock
 

@@ -7,7 +7,9 @@ pre-allocated pages of a decode (KVReceiver, this process, pinned to the second 
 shuffled on both sides (free-list order) and/or consecutive (--layout); mooncake into shuffled
 pages through the decode's staging region and/or one write per page per layer
 (--mooncake-staging). Time: from telling the sender to start until the decode's room is ready.
-Every page is checked.
+Every page is checked. With --auth on, both ends share a cluster secret: the connection is
+authenticated and every frame, and with tcp every chunk's page bytes, carries an HMAC-SHA256
+(Mooncake's one-sided writes are not covered); --auth off,on measures both.
 
 Baselines, measured in the same run: `raw tcp`, the same number of bytes streamed between the
 same two pinned processes over one loopback socket in 4 MiB sends into one reused buffer (the
@@ -32,6 +34,7 @@ import torch
 from pipefill.runtime.platform import cpu_name
 
 PATTERN_LAYER = 1000  # page p of layer l holds p + 1000 * l (K) and its negative (V)
+SECRET_ENV = "PIPEFILL_BENCH_KV_SECRET"  # the cluster secret, hex, handed to the sender process
 
 
 def add_parser(sub) -> None:
@@ -54,8 +57,12 @@ def add_parser(sub) -> None:
                    help="mooncake into shuffled pages: through the decode's staging region "
                         "(on), one write per page per layer (off: the previous data path), or "
                         "both in one run")
+    p.add_argument("--auth", default="off,on",
+                   help="off (no cluster secret), on (a cluster secret: authenticated "
+                        "connections, HMAC over frames and tcp page bytes), or off,on")
     p.add_argument("--json", metavar="FILE", help="write every number to this JSON file")
     p.set_defaults(run=run)
+
 
 
 
@@ -88,11 +95,12 @@ def sender_main(a: argparse.Namespace) -> None:
     pages = -(-a.input_len // a.page_size)
     kv = pattern_kv(a.layers, pages, a.page_size, a.kv_heads, a.head_dim,
                     getattr(torch, a.dtype), fill=True)
-    sender = KVSender(kv, 0, release=lambda room, p: None, backend=a.backend)
-    service = BootstrapServer(port=0)
+    secret = _secret()
+    sender = KVSender(kv, 0, release=lambda room, p: None, backend=a.backend, secret=secret)
+    service = BootstrapServer(port=0, secret=secret)
     register_stage(service.endpoint, sender.registration(
         pp_size=1, num_layers=a.layers, num_kv_heads=a.kv_heads, head_dim=a.head_dim,
-        model_fingerprint="bench"))
+        model_fingerprint="bench"), secret=secret)
     print(service.endpoint.port, flush=True)
     per_chunk = max(1, a.chunk_size // a.page_size)
     for line in sys.stdin:
@@ -112,6 +120,12 @@ def sender_main(a: argparse.Namespace) -> None:
             sender.send_pages(room, first, src[first:first + per_chunk],
                               is_last=first + per_chunk >= pages)
         sender.send_final(room, m.FinalMeta(room, 0, a.input_len, 0))
+
+
+def _secret() -> bytes | None:
+    """The sender's cluster secret, from the bench process (None: --auth off)."""
+    secret = os.environ.get(SECRET_ENV)
+    return bytes.fromhex(secret) if secret else None
 
 
 def _raw_send(port: int, nbytes: int) -> None:
@@ -194,7 +208,7 @@ def check_pages(kv, src, dst) -> None:
 
 
 def bench_case(a, backend: str, dtype: str, cores: list[int], contiguous: bool,
-               staging: bool = True) -> dict:
+               staging: bool = True, auth: bool = False) -> dict:
     from pipefill.disagg import messages as m
     from pipefill.disagg.bootstrap import lookup_prefill
     from pipefill.disagg.transfer_receiver import KVReceiver
@@ -204,8 +218,12 @@ def bench_case(a, backend: str, dtype: str, cores: list[int], contiguous: bool,
            *[f"--{k}={getattr(a, k.replace('-', '_'))}" for k in
              ("input-len", "chunk-size", "layers", "kv-heads", "head-dim", "page-size")],
            *(["--contiguous"] if contiguous else [])]
+    secret = os.urandom(32) if auth else None
+    env = {k: v for k, v in os.environ.items() if k != SECRET_ENV}
+    if secret:
+        env[SECRET_ENV] = secret.hex()
     child = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
-                             env={**os.environ, "GLOG_minloglevel": "2"})
+                             env={**env, "GLOG_minloglevel": "2"})
     try:
         port = int(child.stdout.readline())
         kv = pattern_kv(a.layers, pages, a.page_size, a.kv_heads, a.head_dim,
@@ -214,8 +232,9 @@ def bench_case(a, backend: str, dtype: str, cores: list[int], contiguous: bool,
         # one room, so the arena is sized for it (0: staging off, per-page writes).
         room_bytes = 2 * kv.k.numel() * kv.k.element_size()
         receiver = KVReceiver(kv, release=lambda room, p: None, backend=backend,
-                              staging_bytes=room_bytes if staging else 0)
-        receiver.connect("bench", lookup_prefill(m.Endpoint("127.0.0.1", port), 120))
+                              staging_bytes=room_bytes if staging else 0, secret=secret)
+        receiver.connect("bench", lookup_prefill(m.Endpoint("127.0.0.1", port), 120,
+                                                 secret=secret))
         times = []
         for rep in range(a.reps):
             room = 1000 + rep
@@ -238,7 +257,8 @@ def bench_case(a, backend: str, dtype: str, cores: list[int], contiguous: bool,
         raw = raw_tcp_gbs(child, nbytes, a.reps)
         base = local_copy_gbs(kv, src, dst, a.reps)
         return {"backend": backend, "dtype": dtype, "layout": "consecutive" if contiguous
-                else "shuffled", "staged": staged, "bytes": nbytes, "best_s": min(times),
+                else "shuffled", "staged": staged, "auth": auth, "bytes": nbytes,
+                "best_s": min(times),
                 "times_s": times, "gbs": nbytes / min(times) / 1e9, "raw_tcp_gbs": raw,
                 "raw_mooncake_gbs": raw_mc,
                 "local_copy_gbs": base}
@@ -247,9 +267,18 @@ def bench_case(a, backend: str, dtype: str, cores: list[int], contiguous: bool,
         child.wait()
 
 
-def cases(a) -> list[tuple[str, str, bool, bool]]:
-    """(backend, dtype, consecutive, staging) in run order: per dtype and layout, every
-    backend; mooncake into shuffled pages with and/or without staging (--mooncake-staging)."""
+def auth_modes(text: str) -> list[bool]:
+    modes = {"off": False, "on": True}
+    out = [modes.get(x.strip()) for x in text.split(",")]
+    if None in out or not out:
+        raise ValueError(f"--auth {text!r}: off, on, or off,on")
+    return out
+
+
+def cases(a) -> list[tuple[str, str, bool, bool, bool]]:
+    """(backend, dtype, consecutive, staging, auth) in run order: per dtype and layout, every
+    backend; mooncake into shuffled pages with and/or without staging (--mooncake-staging);
+    each without and/or with the cluster secret (--auth)."""
     layouts = {"shuffled": [False], "consecutive": [True], "both": [False, True]}[a.layout]
     stagings = {"on": [True], "off": [False], "both": [True, False]}[a.mooncake_staging]
     out = []
@@ -258,24 +287,32 @@ def cases(a) -> list[tuple[str, str, bool, bool]]:
             for backend in a.backends.split(","):
                 for staging in (stagings if backend == "mooncake" and not consecutive
                                 else [True]):
-                    out.append((backend, dtype, consecutive, staging))
+                    out += [(backend, dtype, consecutive, staging, auth)
+                            for auth in auth_modes(a.auth)]
     return out
 
 
 def label(r: dict) -> str:
-    if r["backend"] != "mooncake" or r["layout"] == "consecutive":
-        return r["backend"]
-    return "mooncake staged" if r["staged"] else "mooncake per-page"
+    name = r["backend"]
+    if r["backend"] == "mooncake" and r["layout"] != "consecutive":
+        name = "mooncake staged" if r["staged"] else "mooncake per-page"
+    return name + " +auth" if r.get("auth") else name
 
 
 def summary(rows: list[dict]) -> list[str]:
-    """Ratios inside this run: shuffled against consecutive pages, staged against per-page."""
+    """Ratios inside this run: shuffled against consecutive pages, staged against per-page,
+    with against without the cluster secret."""
     by = {(label(r), r["dtype"], r["layout"]): r["gbs"] for r in rows}
     lines = []
     for (name, dtype, layout), gbs in by.items():
+        plain = by.get((name.removesuffix(" +auth"), dtype, layout))
+        if name.endswith(" +auth") and plain:
+            lines.append(f"{name:17s} {dtype:9s} {layout:11s} = {gbs / plain:.2f} x without "
+                         f"the secret ({gbs:.2f} vs {plain:.2f} GB/s)")
         if layout != "shuffled":
             continue
-        base = by.get((name.split()[0], dtype, "consecutive"))
+        auth = " +auth" if name.endswith(" +auth") else ""
+        base = by.get((name.split()[0] + auth, dtype, "consecutive"))
         if base:
             lines.append(f"{name:17s} {dtype:9s} shuffled = {gbs / base:.2f} x consecutive")
         per_page = by.get(("mooncake per-page", dtype, "shuffled"))
@@ -296,8 +333,8 @@ def run(a: argparse.Namespace) -> int:
           f"{a.layers} layers x {a.kv_heads} KV heads x {a.head_dim}, "
           f"{a.page_size}-token pages, {a.chunk_size}-token chunks, best of {a.reps}")
     rows = []
-    for backend, dtype, consecutive, staging in cases(a):
-        r = bench_case(a, backend, dtype, cores, consecutive, staging)
+    for backend, dtype, consecutive, staging, auth in cases(a):
+        r = bench_case(a, backend, dtype, cores, consecutive, staging, auth)
         rows.append(r)
         print(f"{label(r):17s} {dtype:9s} {r['layout']:11s} {r['bytes'] / 2**20:7.1f} MiB  "
               f"{r['best_s']:.3f} s  "

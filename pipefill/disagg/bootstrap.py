@@ -3,11 +3,22 @@ stage registers (rank, layers, transfer endpoint, page size, KV dtype, model fin
 decode looks the stages up and refuses to pair on any mismatch, with a sentence naming the flag.
 
 One request per connection, framed and typed like the rest of the control plane (channel.py).
+With a cluster secret every connection is authenticated first (channel's handshake): a peer
+without the secret can neither register nor look up.
+
+Who may replace a registered stage: the first registration of a rank is taken as is; a later
+one for the same rank (a restarted stage) replaces it only when
+  - it names the same transfer endpoint (the same listener: nothing changes for the decodes), or
+  - the registered endpoint no longer answers: the connection is refused, or (with a secret)
+    its handshake does not complete within PROBE_TIMEOUT_S, so that stage is dead or hung.
+While the old endpoint still answers, the registration is refused with `retry` set, and
+register_stage tries again until its timeout (a restarted stage's old process may still be
+exiting). So a peer, even one with the secret, cannot divert the decodes away from a live
+stage; without a secret (insecure mode) a plain TCP connect is the only proof of life.
 """
 from __future__ import annotations
 
 import logging
-import socket
 import threading
 import time
 
@@ -17,64 +28,79 @@ from pipefill.disagg import messages as m
 log = logging.getLogger(__name__)
 
 REQUEST_TIMEOUT_S = 5.0
+PROBE_TIMEOUT_S = 2.0  # a registered endpoint that answers no faster is taken for gone
+MAX_CONNECTIONS = 64  # one request each: a few stages and decodes at a time
 
 
 class BootstrapServer:
-    """Runs in a daemon thread of the prefill front end; `close()` stops it."""
+    """Serves on a listener's threads; `close()` stops it."""
 
-    def __init__(self, host: str = "127.0.0.1", port: int = 8998, secret: bytes | None = None):
-        self._listener = ch.listen(host, port)
-        self.endpoint = m.Endpoint(host, self._listener.getsockname()[1])
+    def __init__(self, host: str = "127.0.0.1", port: int = 8998, secret: bytes | None = None,
+                 max_connections: int = MAX_CONNECTIONS):
         self._secret = secret
         self._lock = threading.Lock()
         self.stages: dict[int, m.RegisterStage] = {}
-        self._thread = threading.Thread(target=self._serve, name="pd-bootstrap", daemon=True)
-        self._thread.start()
+        self._listener = ch.Listener(host, port, self._answer, secret=secret,
+                                     name="the PD bootstrap service",
+                                     send_timeout_s=REQUEST_TIMEOUT_S,
+                                     max_connections=max_connections,
+                                     max_handshakes=max_connections,
+                                     handshake_timeout_s=REQUEST_TIMEOUT_S)
+        self.endpoint = m.Endpoint(host, self._listener.port)
 
     def close(self) -> None:
-        try:
-            self._listener.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass
         self._listener.close()
-        self._thread.join(timeout=5)
-
-    def _serve(self) -> None:
-        while True:
-            conn = ch.accept(self._listener, self._secret)
-            if conn is None:
-                return
-            threading.Thread(target=self._answer, args=(conn,), daemon=True).start()
 
     def _answer(self, conn: ch.Channel) -> None:
         conn.sock.settimeout(REQUEST_TIMEOUT_S)  # a silent client cannot hold a thread
-        try:
-            msg = conn.recv()
-            if isinstance(msg, m.RegisterStage):
-                conn.send(self.register(msg))
-            elif isinstance(msg, m.Lookup):
-                conn.send(self.lookup())
-            else:
-                conn.drops.drop(f"{type(msg).__name__} is not a bootstrap request")
-        except (ch.ConnectionClosed, OSError):
-            pass
-        finally:
-            conn.close()
+        msg = conn.recv()
+        if isinstance(msg, m.RegisterStage):
+            conn.send(self.register(msg))
+        elif isinstance(msg, m.Lookup):
+            conn.send(self.lookup())
+        else:
+            conn.drops.drop(f"{type(msg).__name__} is not a bootstrap request")
 
     def register(self, msg: m.RegisterStage) -> m.Ack:
         with self._lock:
-            others = [s for r, s in self.stages.items() if r != msg.rank]
-            for s in others:
-                if (s.pp_size, s.model_fingerprint, s.page_size, s.kv_dtype) != \
-                        (msg.pp_size, msg.model_fingerprint, msg.page_size, msg.kv_dtype):
-                    return m.Ack(False, f"stage {msg.rank} does not match stage {s.rank} "
-                                 "(pp size, model, page size or KV dtype differ)")
-            if not 0 <= msg.rank < msg.pp_size:
-                return m.Ack(False, f"rank {msg.rank} is outside [0, {msg.pp_size})")
-            self.stages[msg.rank] = msg  # a restarted stage replaces its old entry
+            error = self._mismatch(msg)
+            old = self.stages.get(msg.rank)
+        if error:
+            return m.Ack(False, error)
+        if old is not None and old.endpoint != msg.endpoint and self._answers(old.endpoint):
+            log.warning("refused a registration of prefill stage %d at %s: the stage is "
+                        "registered at %s, which still answers", msg.rank, msg.endpoint,
+                        old.endpoint)
+            return m.Ack(False, f"stage {msg.rank} is registered at {old.endpoint}, which still "
+                         "answers: a stage is replaced only once its old endpoint is gone",
+                         retry=True)
+        with self._lock:
+            if self.stages.get(msg.rank) is not old:
+                return m.Ack(False, f"stage {msg.rank} registered again meanwhile", retry=True)
+            self.stages[msg.rank] = msg
         log.info("prefill stage %d registered: layers [%d, %d), transfer endpoint %s",
                  msg.rank, msg.layer_start, msg.layer_end, msg.endpoint)
         return m.Ack(True)
+
+    def _mismatch(self, msg: m.RegisterStage) -> str:
+        """Why msg cannot join the stages registered so far ("" when it can); under the lock."""
+        for s in (s for r, s in self.stages.items() if r != msg.rank):
+            if (s.pp_size, s.model_fingerprint, s.page_size, s.kv_dtype) != \
+                    (msg.pp_size, msg.model_fingerprint, msg.page_size, msg.kv_dtype):
+                return (f"stage {msg.rank} does not match stage {s.rank} "
+                        "(pp size, model, page size or KV dtype differ)")
+        if not 0 <= msg.rank < msg.pp_size:
+            return f"rank {msg.rank} is outside [0, {msg.pp_size})"
+        return ""
+
+    def _answers(self, endpoint: m.Endpoint) -> bool:
+        """Whether a stage still listens at endpoint (and, with a secret, proves it)."""
+        try:
+            ch.connect(endpoint, PROBE_TIMEOUT_S, self._secret,
+                       name=f"registered stage {endpoint}").close()
+            return True
+        except OSError:  # refused, unreachable, or no (authentic) handshake in time
+            return False
 
     def endpoints(self) -> list[m.Endpoint]:
         """The registered stages' transfer endpoints (a restarted stage's current one)."""
@@ -91,7 +117,8 @@ class BootstrapServer:
 
 
 def _request(endpoint: m.Endpoint, msg: m.Message, secret: bytes | None) -> m.Message:
-    conn = ch.connect(endpoint, REQUEST_TIMEOUT_S, secret, name=f"bootstrap {endpoint}")
+    conn = ch.connect(endpoint, REQUEST_TIMEOUT_S, secret, name=f"bootstrap {endpoint}",
+                      send_timeout_s=REQUEST_TIMEOUT_S)
     try:
         conn.sock.settimeout(REQUEST_TIMEOUT_S)
         conn.send(msg)
@@ -102,18 +129,24 @@ def _request(endpoint: m.Endpoint, msg: m.Message, secret: bytes | None) -> m.Me
 
 def register_stage(endpoint: m.Endpoint, msg: m.RegisterStage, timeout_s: float = 60.0,
                    secret: bytes | None = None) -> None:
-    """Registers a prefill stage, retrying while the service is not up yet."""
+    """Registers a prefill stage, retrying while the service is not up yet (or while the
+    stage's previous process still answers at its old endpoint)."""
     deadline, delay = time.monotonic() + timeout_s, 0.1
     while True:
         try:
             ack = _request(endpoint, msg, secret)
-            break
+            if not isinstance(ack, m.Ack) or not ack.retry:
+                break
+            last = ack.error
+        except ch.AuthenticationFailed as e:
+            raise RuntimeError(f"the bootstrap service at {endpoint}: {e}") from None
         except (OSError, ch.ConnectionClosed) as e:
-            if time.monotonic() + delay > deadline:
-                raise RuntimeError(f"the bootstrap service at {endpoint} did not answer within "
-                                   f"{timeout_s:g} s: {e}") from None
-            time.sleep(delay)
-            delay = min(2 * delay, 2.0)
+            last = str(e)
+        if time.monotonic() + delay > deadline:
+            raise RuntimeError(f"the bootstrap service at {endpoint} did not take stage "
+                               f"{msg.rank} within {timeout_s:g} s: {last}") from None
+        time.sleep(delay)
+        delay = min(2 * delay, 2.0)
     if not isinstance(ack, m.Ack) or not ack.ok:
         raise RuntimeError(f"the bootstrap service at {endpoint} refused stage {msg.rank}: "
                            f"{getattr(ack, 'error', ack)}")
@@ -129,6 +162,8 @@ def lookup_prefill(endpoint: m.Endpoint, timeout_s: float = 60.0,
             if isinstance(reply, m.PrefillInfo):
                 return reply
             last = getattr(reply, "reason", repr(reply))
+        except ch.AuthenticationFailed as e:
+            raise RuntimeError(f"the prefill at bootstrap {endpoint}: {e}") from None
         except (OSError, ch.ConnectionClosed) as e:
             last = str(e)
         if time.monotonic() > deadline:

@@ -61,6 +61,7 @@ class RegisterStage(_Msg):
 class Ack(_Msg):
     ok: bool
     error: str = ""
+    retry: bool = False  # a refusal that may pass later (a restarted stage's old self lingers)
 
 
 class Lookup(_Msg):

@@ -6,11 +6,14 @@ carries every message of both directions (messages.py) and, with the `tcp` data 
 bytes after each KVChunk header. The sender's work runs on background threads: `send_pages`
 only queues. The receiver writes straight into pre-allocated pages of its KV tensors, tracks
 each room (rooms.py), and `wait_room` returns when the room is ready or failed. A dead peer is
-found by a socket error at once, or by missing heartbeats within interval * max_misses.
+found by a socket error at once, or by missing heartbeats within interval * max_misses. Control
+messages are posted to each connection's writer thread (channel.py), so a peer that stops
+reading delays nothing but itself, and is dropped after the send timeout.
 """
 from __future__ import annotations
 
 import threading
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -100,6 +103,7 @@ class Timing:
     waiting_timeout_s: float = 300.0
     heartbeat_interval_s: float = 2.0
     heartbeat_max_misses: int = 3
+    send_timeout_s: float = ch.SEND_TIMEOUT_S  # a peer that takes no byte for this is dropped
 
     @staticmethod
     def from_args(args) -> "Timing":
@@ -120,15 +124,19 @@ class Peers:
         self.liveness = Liveness(timing.heartbeat_interval_s, timing.heartbeat_max_misses)
         self.stopped = threading.Event()
 
-    def send(self, notices, on_dead: Callable[[str], None]) -> None:
+    def send(self, notices) -> None:
+        """Posts each (peer, message): never blocks, on the network or on another sender. A
+        send that fails closes the peer's connection, and its reader thread declares it dead."""
         for peer, msg in notices:
             conn = self.conns.get(peer)
-            if conn is None:
-                continue
-            try:
-                conn.send(msg)
-            except ch.ConnectionClosed:
-                on_dead(peer)
+            if conn is not None:
+                conn.post(msg)
+
+    def flush(self, timeout_s: float) -> None:
+        """Waits, up to timeout_s in all, until every connection sent what was posted."""
+        deadline = time.monotonic() + timeout_s
+        for conn in list(self.conns.values()):
+            conn.flush(max(0.0, deadline - time.monotonic()))
 
     def run_ticker(self, tick: Callable[[float], None]) -> None:
         period = min(0.5, self.timing.heartbeat_interval_s / 2)

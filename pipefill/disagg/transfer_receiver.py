@@ -1,8 +1,10 @@
 """KVReceiver: the decode stage's side of the KV transfer (see transfer.py).
 
-One reader thread per prefill stage connection writes page bytes straight into the KV tensors
-(tcp) or takes the notices of one-sided writes (mooncake); a ticker thread runs the waiting
-timeouts and heartbeats."""
+One reader thread per prefill stage connection (at most channel.MAX_CONNECTIONS) writes page
+bytes straight into the KV tensors (tcp; with a cluster secret, a chunk counts only once its
+bytes passed their MAC) or takes the notices of one-sided writes (mooncake); a writer thread
+per connection sends the control messages; a ticker thread runs the waiting timeouts and
+heartbeats."""
 from __future__ import annotations
 
 import logging
@@ -17,6 +19,8 @@ from pipefill.disagg.rooms import DecodeRooms, RoomResult
 from pipefill.disagg.transfer import KVTensors, Peers, Timing, make_data_path
 
 log = logging.getLogger(__name__)
+
+CLOSE_FLUSH_S = 2.0  # on close, how long the prefill stages' connections may take to hear why
 
 
 class KVReceiver:
@@ -65,7 +69,11 @@ class KVReceiver:
                                   min(b, s.layer_end))
             if stage in self._p.conns:
                 continue
-            conn = ch.connect(s.endpoint, timeout_s, self.secret, name=f"prefill {stage}")
+            if len(self._p.conns) >= ch.MAX_CONNECTIONS:
+                raise RuntimeError(f"this decode stage already has {len(self._p.conns)} prefill "
+                                   "connections, the most it keeps")
+            conn = ch.connect(s.endpoint, timeout_s, self.secret, name=f"prefill {stage}",
+                              send_timeout_s=self._p.timing.send_timeout_s)
             conn.send(hello)
             with self._p.lock:
                 self._p.conns[stage] = conn
@@ -88,6 +96,7 @@ class KVReceiver:
                                "first (again after a stage was lost)")
         nonce = int.from_bytes(os.urandom(8), "little") >> 1
         with self._p.lock:
+            stages, expected = self.prefills[key], self._expected[key]
             self.rooms.expect(room, nonce, dst_pages, stages, self._p.clock(), want_final,
                               num_prompt_tokens)
             # One-sided writes into fragmented pages go through a staging region per stage.
@@ -95,8 +104,7 @@ class KVReceiver:
                 if self.data.one_sided else {}
         notices = [(st, m.RoomBootstrap(room, nonce, list(dst_pages), expected[st],
                                         staging.get(st, 0))) for st in stages]
-        self._p.send(notices, self._stage_dead)
-            stages, expected = self.prefills[key], self._expected[key]
+        self._p.send(notices)
         return nonce
 
     def wait_room(self, room: int, timeout_s: float | None = None) -> RoomResult | None:
@@ -129,7 +137,7 @@ class KVReceiver:
         with self._p.lock:
             notices = self.rooms.abort(room, reason, self._p.clock())
             self._p.changed.notify_all()
-        self._p.send(notices, self._stage_dead)
+        self._p.send(notices)
 
     def close(self) -> None:
         """Aborts every waiting room (the prefill stages are told to drop them), then stops."""
@@ -138,7 +146,8 @@ class KVReceiver:
             notices = [n for room in list(self.rooms.live)
                        for n in self.rooms.abort(room, "the decode is shutting down", now)]
             self._p.changed.notify_all()
-        self._p.send(notices, lambda stage: None)
+        self._p.send(notices)
+        self._p.flush(CLOSE_FLUSH_S)
         self._p.stopped.set()
         with self._p.lock:
             for conn in self._p.conns.values():
@@ -170,19 +179,24 @@ class KVReceiver:
                 self.rooms.end_chunk(stage, msg, self._p.clock(), ok=False)
             raise ch.ConnectionClosed(f"{stage}: a chunk announced {msg.nbytes} bytes, its "
                                       f"pages are {expected}")
-        ok = False
+        ok, notices = False, []
         try:
             if dst is None:
                 _skip(conn, msg.nbytes)
             else:
                 self.data.receive(conn, msg, dst)
                 ok = True
+        except ch.PayloadTampered as e:
+            with self._p.lock:  # the room hears why; the closed connection fails the rest
+                notices = self.rooms.abort(msg.room, str(e), self._p.clock())
+            raise
         finally:
             if dst is not None:
                 with self._p.lock:
                     self.rooms.end_chunk(stage, msg, self._p.clock(), ok=ok)
                     self._free_staging(msg.room)
                     self._p.changed.notify_all()
+            self._p.send(notices)
 
     def _on_control(self, stage: str, msg) -> None:
         now, notices = self._p.clock(), []
@@ -199,7 +213,7 @@ class KVReceiver:
             else:
                 self._p.conns[stage].drops.drop(f"{type(msg).__name__} is not for a decode")
             self._p.changed.notify_all()
-        self._p.send(notices, self._stage_dead)
+        self._p.send(notices)
 
     def _free_staging(self, room: int) -> None:
         """Frees a room's staging regions once it left `live` (ready, or failed and released);
@@ -217,7 +231,7 @@ class KVReceiver:
             self._p.changed.notify_all()
         if conn is not None:
             conn.close()
-        self._p.send(notices, lambda s: None)
+        self._p.send(notices)
 
     def _tick(self, now: float) -> None:
         with self._p.lock:
@@ -230,14 +244,17 @@ class KVReceiver:
         for stage in dead:
             log.warning("prefill stage %s missed its heartbeats: failing its rooms", stage)
             self._stage_dead(stage)
-        self._p.send(notices, self._stage_dead)
+        self._p.send(notices)
 
 
 def _skip(conn: ch.Channel, nbytes: int) -> None:
-    """Reads and discards the page bytes of a dropped chunk, keeping the stream in step."""
-    scratch = memoryview(bytearray(min(nbytes, 1 << 20) or 1))
-    left = nbytes
-    while left:
-        k = min(left, len(scratch))
-        conn.recv_into(scratch[:k])
-        left -= k
+    """Reads and discards the page bytes of a dropped chunk (checking their MAC), keeping the
+    stream in step."""
+    if nbytes:
+        conn.recv_payload(_scratch_views(nbytes))
+
+
+def _scratch_views(nbytes: int):
+    scratch = memoryview(bytearray(min(nbytes, 1 << 20)))
+    for at in range(0, nbytes, len(scratch)):
+        yield scratch[:min(len(scratch), nbytes - at)]

@@ -1,9 +1,11 @@
 """KVSender: the prefill stage's side of the KV transfer (see transfer.py).
 
-Threads: one accepts decode connections, one reads each of them (bootstraps, drops,
-heartbeats; on the prefill HTTP server's own connection, the rooms it refused), one dispatches
-the caller's queued items to the rooms, one sends per decode (a stalled decode delays only
-itself), and one ticks timeouts and heartbeats."""
+Threads: one accepts decode connections (channel.Listener: at most MAX_CONNECTIONS, each
+authenticated with the cluster secret), one reads each of them (bootstraps, drops, heartbeats;
+on the prefill HTTP server's own connection, the rooms it refused), one dispatches the caller's
+queued items to the rooms, one sends the chunks per decode and one writes the control messages
+per decode (a stalled decode delays only itself, and is dropped after the send timeout), and one
+ticks timeouts and heartbeats."""
 from __future__ import annotations
 
 import logging
@@ -22,6 +24,8 @@ from pipefill.disagg.transfer import KVTensors, Peers, Timing, make_data_path
 
 log = logging.getLogger(__name__)
 
+CLOSE_FLUSH_S = 2.0  # on close, how long the decodes' connections may take to hear why
+
 
 class KVSender:
     """Prefill stage side. `release(room, pages)` gets back every page given to send_pages."""
@@ -37,13 +41,15 @@ class KVSender:
         self.hellos: dict[str, m.DecodeHello] = {}
         self._queue: queue.Queue = queue.Queue()  # Items from the caller
         self._outboxes: dict[str, queue.Queue] = {}  # per decode: (item, dest) to send, in order
-        self._listener = ch.listen(host, port)
-        self.endpoint = m.Endpoint(host, self._listener.getsockname()[1])
         self.bytes_sent = 0
         self._last_heartbeat = -float("inf")
-        for target, name in ((self._accept, "accept"), (self._dispatch, "dispatch"),
+        for target, name in ((self._dispatch, "dispatch"),
                              (lambda: self._p.run_ticker(self._tick), "tick")):
             threading.Thread(target=target, name=f"pd-{name}-{rank}", daemon=True).start()
+        self._listener = ch.Listener(host, port, self._read, secret=secret,
+                                     name=f"prefill stage {rank}",
+                                     send_timeout_s=timing.send_timeout_s)
+        self.endpoint = m.Endpoint(host, self._listener.port)
 
     def registration(self, *, pp_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
                      model_fingerprint: str) -> m.RegisterStage:
@@ -70,20 +76,21 @@ class KVSender:
     def fail_room(self, room: int, reason: str) -> None:
         with self._p.lock:
             notices = self.rooms.fail(room, reason)
-        self._p.send(notices, self._peer_dead)
+        self._p.send(notices)
 
     def reject_room(self, room: int, status: int, reason: str) -> None:
         """The HTTP server refused the room's request: its decodes answer status at once."""
         with self._p.lock:
             notices = self.rooms.reject(room, status, reason, self._p.clock())
-        self._p.send(notices, self._peer_dead)
+        self._p.send(notices)
 
     def close(self) -> None:
         """Fails every live room (its decodes hear why, its pages are released), then stops."""
         with self._p.lock:
             notices = [n for room in list(self.rooms.live)
                        for n in self.rooms.fail(room, "the prefill stage is shutting down")]
-        self._p.send(notices, lambda peer: None)
+        self._p.send(notices)
+        self._p.flush(CLOSE_FLUSH_S)
         self._p.stopped.set()
         self._queue.put(None)
         self._listener.close()
@@ -94,14 +101,8 @@ class KVSender:
                 box.put(None)
 
     # ---- threads
-    def _accept(self) -> None:
-        while not self._p.stopped.is_set():
-            conn = ch.accept(self._listener, self.secret)
-            if conn is None:
-                return
-            threading.Thread(target=self._read, args=(conn,), daemon=True).start()
-
     def _read(self, conn: ch.Channel) -> None:
+        """A decode's connection, on the listener's thread for it."""
         peer = None
         try:
             hello = conn.recv()
@@ -156,7 +157,7 @@ class KVSender:
             else:
                 self._p.conns[peer].drops.drop(f"{type(msg).__name__} is not for a prefill stage")
                 return
-        self._p.send(notices, self._peer_dead)
+        self._p.send(notices)
 
     def _dispatch(self) -> None:
         while True:
@@ -205,7 +206,7 @@ class KVSender:
             notices = self.rooms.end_send(item, dest.peer, ok)
         if dead:
             self._peer_dead(dest.peer)
-        self._p.send(notices, self._peer_dead)
+        self._p.send(notices)
 
     def _send_chunk(self, conn, item: Item, dest, hello: m.DecodeHello) -> None:
         ls = max(self.kv.layer_start, hello.layer_start)
@@ -235,7 +236,7 @@ class KVSender:
             notices = self.rooms.on_peer_dead(peer)
         if conn is not None:
             conn.close()
-        self._p.send(notices, lambda p: None)
+        self._p.send(notices)
 
     def _tick(self, now: float) -> None:
         with self._p.lock:
@@ -249,4 +250,4 @@ class KVSender:
         for peer in dead:
             log.warning("decode %s missed its heartbeats: dropping its rooms", peer)
             self._peer_dead(peer)
-        self._p.send(notices, self._peer_dead)
+        self._p.send(notices)

@@ -2,7 +2,9 @@
 pages into a staging buffer and writes frames of FRAME_BYTES or more; the receiver reads each
 run of consecutive destination pages straight into the KV tensors (recv_into, no copy).
 
-Payload order: for each layer, K then V, the chunk's pages in request order."""
+Payload order: for each layer, K then V, the chunk's pages in request order. With a cluster
+secret the channel follows the payload with its MAC, and the receiver checks it before the
+chunk counts (channel.py)."""
 from __future__ import annotations
 
 import threading
@@ -53,21 +55,28 @@ class TcpDataPath:
             staging = self._local.staging = torch.empty(per_frame * block_bytes,
                                                         dtype=torch.uint8)
 
-        def payload(sock) -> None:
+        def payload(write) -> None:
             for first in range(0, len(blocks), per_frame):
                 group = blocks[first:first + per_frame]
                 for i, (t, layer) in enumerate(group):
                     out = staging[i * block_bytes:(i + 1) * block_bytes]
                     out = out.view(kv.dtype).view(n, kv.page_elems)
                     torch.index_select(kv.pages(t, layer), 0, idx, out=out)
-                sock.sendall(memoryview(staging[:len(group) * block_bytes].numpy()))
+                write(memoryview(staging[:len(group) * block_bytes].numpy()))
 
-        conn.send(header, payload if n else None)
+        conn.send(header, payload if header.nbytes else None)
 
     def receive(self, conn: Channel, header: m.KVChunk, dst_pages: list[int]) -> None:
+        """Reads the chunk's page bytes into its destination pages; raises (and the chunk does
+        not count) when they fail their MAC."""
+        if header.nbytes:
+            conn.recv_payload(self._destinations(header, dst_pages))
+
+    def _destinations(self, header: m.KVChunk, dst_pages: list[int]):
+        """The byte views of the destination pages, in payload order."""
         kv, pb = self.kv, self.kv.page_bytes
         for layer in range(header.layer_start, header.layer_end):
             for t in (kv.k, kv.v):
                 view = kv.byte_view(t, layer)
                 for _, first, count in runs(dst_pages):
-                    conn.recv_into(view[first * pb:(first + count) * pb])
+                    yield view[first * pb:(first + count) * pb]

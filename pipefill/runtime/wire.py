@@ -175,24 +175,52 @@ class Seal:
         return h.digest()
 
 
-class DropLog:
-    """Logs dropped messages: the first at once, then at most one line per interval with the
-    count, so a flood of garbage cannot flood the log."""
+class LogThrottle:
+    """At most one warning line per interval_s, however many threads or connections report:
+    the first at once, later ones counted into the next line. One instance shared by every
+    connection of a listener (or a process) bounds what a flood from many connections logs."""
 
-    def __init__(self, where: str, interval_s: float = DROP_LOG_INTERVAL_S):
-        self.where, self.interval_s = where, interval_s
-        self.num_dropped = 0
+    def __init__(self, interval_s: float = DROP_LOG_INTERVAL_S, logger: logging.Logger = log):
+        self.interval_s, self.logger = interval_s, logger
+        self._lock = threading.Lock()
+        self.num_reports = 0  # logged or not
         self._unlogged = 0
         self._logged_at = -float("inf")
 
+    def warn(self, fmt: str, *args) -> None:
+        with self._lock:
+            self.num_reports += 1
+            self._unlogged += 1
+            now = time.monotonic()
+            if now - self._logged_at < self.interval_s:
+                return
+            more, self._logged_at, self._unlogged = self._unlogged - 1, now, 0
+        if more:
+            fmt, args = fmt + " (%d more since the last line)", (*args, more)
+        self.logger.warning(fmt, *args)
+
+
+class DropLog:
+    """Counts the messages dropped on one socket end and logs them through a LogThrottle (its
+    own, or one shared with other sockets), so a flood of garbage cannot flood the log."""
+
+    def __init__(self, where: str, interval_s: float = DROP_LOG_INTERVAL_S,
+                 throttle: LogThrottle | None = None):
+        self.where = where
+        self.throttle = throttle or LogThrottle(interval_s)
+        self.num_dropped = 0
+
+    @property
+    def interval_s(self) -> float:
+        return self.throttle.interval_s
+
+    @interval_s.setter
+    def interval_s(self, value: float) -> None:
+        self.throttle.interval_s = value
+
     def drop(self, reason: str) -> None:
         self.num_dropped += 1
-        self._unlogged += 1
-        now = time.monotonic()
-        if now - self._logged_at >= self.interval_s:
-            more = f" ({self._unlogged} dropped since the last line)" if self._unlogged > 1 else ""
-            log.warning("dropped a message on %s: %s%s", self.where, reason, more)
-            self._logged_at, self._unlogged = now, 0
+        self.throttle.warn("dropped a message on %s: %s", self.where, reason)
 
 
 def read_cluster_secret(secret: str | None, secret_file: str | None) -> bytes | None:

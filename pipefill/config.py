@@ -122,7 +122,8 @@ class ServerArgs:
         "HOST:PORT of the mooncake_master of the mooncake storage tier.", default=None)
     hicache_write_policy: str = _flag(
         "When pages go to the storage tier: write_through (as soon as the cache takes them) or "
-        "write_back (when they are evicted from the KV pool).", default="write_through",
+        "write_back (when they are evicted from the KV pool, and at a clean stop).",
+        default="write_through",
         choices=["write_through", "write_back"])
     hicache_prefetch_timeout: float = _flag(
         "Seconds a request's admission may spend reading its prefix from the storage tier; "

@@ -216,6 +216,21 @@ def test_file_storage_survives_a_restart_and_bad_files_are_misses(model, tmp_pat
     assert stats["cache_hit_tokens_storage"] < 192
 
 
+def test_write_back_pages_survive_a_clean_stop(model, tmp_path):
+    """write_back saves a page only when it leaves the pool, or at a clean stop: a pool large
+    enough to evict nothing still leaves every page on disk for the next engine."""
+    prompts = workload()[:2]
+    ref = [run_engine_outputs(model, p).output_ids for p in prompts]
+    out, cached, stats = storage_run(model, tmp_path, prompts, hicache_write_policy="write_back")
+    assert out == ref and cached == [0, 0]
+    assert stats["cache_evicted_pages"] == 0  # nothing was saved by an eviction
+    files = [p for p in tmp_path.rglob("*") if p.is_file() and ".tmp." not in p.name]
+    assert len(files) == 2 * 2 * (103 // 16)  # written at the stop: 2 prompts x 2 stages x 6
+    out, cached, stats = storage_run(model, tmp_path, prompts, hicache_write_policy="write_back")
+    assert out == ref and cached == [96, 96]
+    assert stats["cache_hit_tokens_storage"] == 192
+
+
 def run_engine_outputs(path, prompt):
     with track(Engine(path, dtype="float32", page_size=16, threads_per_stage=1,
                       disable_radix_cache=True)) as e:

@@ -7,7 +7,7 @@ stores and loads only its layers. Stage 0 decides every write and every read:
 
 * writes: `write_through` saves a page when the tree takes it (after the forward that writes
   it); `write_back` saves it when it is evicted from the pool (L1), whether or not the host
-  tier keeps a copy (the pool page is read before it is freed).
+  tier keeps a copy (the pool page is read before it is freed), and at a clean stop.
 * reads: at admission, the pages past the L1/L2 match are looked up. A page is used only when
   stage 0 has read and verified it for EVERY stage (each stage's file/object, checksummed), so
   that a missing, corrupt or truncated page on any stage is a miss for all, never a different
@@ -115,6 +115,16 @@ class StorageDirector:
         """A node leaves the pool (write_back saves it now, before its pages are freed)."""
         if not self.write_through and node.keys:
             self._save("save_evicted", node.pages, node.keys)
+
+    def on_stop(self, nodes) -> None:
+        """write_back at a clean stop: every page still in the pool is saved now, as if it were
+        evicted, so that a restart on the same storage finds it (pages stored before are
+        skipped by the store)."""
+        if self.write_through:
+            return
+        for node in nodes:
+            if node.pages is not None:
+                self.on_evict(node)
 
     def _save(self, kind: str, pages: list[int], keys: list[bytes]) -> None:
         self.ops += [CacheOp(kind, p, -1, k.hex()) for p, k in zip(pages, keys)]

@@ -66,8 +66,14 @@ class FirstStageLoop:
             self._retire_ready(must_wait=nothing_to_launch or self.stopping
                                or len(self.inflight) >= self.max_inflight)
             self._report_load()
+        # The last page decisions go with the stop, and with them (write_back) the saves of
+        # the pages still in the pool: each stage writes them before it closes its store.
+        self.scheduler.kv.on_stop()
+        ops = self.scheduler.kv.drain_ops()
+        self.executor.apply_page_ops(ops)
+        self.executor.finish_page_ops(ops)
         if self.pipe is not None:
-            self.pipe.send_forward(PipeMessage(None, control=("stop",)), None)
+            self.pipe.send_forward(PipeMessage(None, control=("stop",), page_ops=ops), None)
             self.pipe.flush()
         self.executor.close_tiers()
 

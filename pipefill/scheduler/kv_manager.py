@@ -241,6 +241,11 @@ class KVManager:
         self.promised -= r.pages_reserved
         r.pages, r.pages_reserved, r.lock_node, r.num_inserted = [], 0, None, 0
 
+    def on_stop(self) -> None:
+        """A clean stop: under write_back the cache's pages in the pool were never saved."""
+        if self.storage is not None:
+            self.storage.on_stop(self.cache.nodes())
+
     # ---- what the next plan carries ----------------------------------------------------------
 
     def drain_ops(self) -> PageOps:

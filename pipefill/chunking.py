@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections import deque
 from dataclasses import dataclass
 
 log = logging.getLogger(__name__)
@@ -169,23 +170,27 @@ class ChunkTiming:
 
 class OnlineCalibrator:
     """vLLM-Ascend-style calibration: T* re-anchored on measured C0-chunks at H = 0, and
-    t(C, H) = a*C*(C+H) + b*(C+H) + c fitted from real chunk timings (from MIN_SAMPLES on,
-    refitting up to MAX_SAMPLES); the next chunk solves t(x, L) = T*."""
+    t(C, H) = a*C*(C+H) + b*(C+H) + c fitted from real chunk timings. The fit uses a sliding
+    window of the WINDOW most recent timings, refitted with every new one from MIN_SAMPLES on,
+    so it follows a machine whose speed changes (other load, thermal limits) instead of
+    freezing on the first timings; the next chunk solves t(x, L) = T*."""
 
-    MIN_SAMPLES, MAX_SAMPLES = 5, 30
+    MIN_SAMPLES, WINDOW = 5, 30
 
-    def __init__(self, predictor: ChunkSizePredictor):
+    def __init__(self, predictor: ChunkSizePredictor, window: int = WINDOW):
         self.predictor = predictor
-        self.samples: list[ChunkTiming] = []
-        self.first_chunk_times: list[float] = []
+        self.samples: deque[ChunkTiming] = deque(maxlen=window)
         self.model: tuple[float, float, float] | None = None
+        self.num_fits = 0
+
+    @property
+    def first_chunk_times(self) -> list[float]:
+        """Timings of C0-chunks at H = 0 in the window: T* follows the machine as well."""
+        return [s.seconds for s in self.samples
+                if s.history == 0 and s.size == self.predictor.base]
 
     def observe(self, size: int, history: int, seconds: float) -> None:
-        if history == 0 and size == self.predictor.base:
-            self.first_chunk_times.append(seconds)
-        if len(self.samples) >= self.MAX_SAMPLES:
-            return
-        self.samples.append(ChunkTiming(size, history, seconds))
+        self.samples.append(ChunkTiming(size, history, seconds))  # the oldest drops out
         if len(self.samples) >= self.MIN_SAMPLES:
             self._refit()
 
@@ -201,13 +206,16 @@ class OnlineCalibrator:
         if a <= 0:
             return
         self.model = (a, max(b, 0.0), c)
-        log.info("dynamic chunking: refit from %d chunk timings: t(C, H) = %.3g*C*(C+H) + "
-                 "%.3g*(C+H) + %.3g s; T* = %.3f s", len(self.samples), *self.model,
-                 self.target())
+        self.num_fits += 1
+        # The first fit at INFO; the refits that follow every chunk at DEBUG.
+        (log.info if self.num_fits == 1 else log.debug)(
+            "dynamic chunking: refit from the last %d chunk timings: t(C, H) = %.3g*C*(C+H) + "
+            "%.3g*(C+H) + %.3g s; T* = %.3f s", len(self.samples), *self.model, self.target())
 
     def target(self) -> float:
-        if self.first_chunk_times:
-            return sum(self.first_chunk_times) / len(self.first_chunk_times)
+        times = self.first_chunk_times
+        if times:
+            return sum(times) / len(times)
         a, b, c = self.model
         c0 = self.predictor.base
         return a * c0 * c0 + b * c0 + c

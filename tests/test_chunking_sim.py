@@ -147,6 +147,61 @@ def test_online_calibration_refits_from_timings():
     assert cal.next_chunk_size(1024) == 512
 
 
+def timing(truth, size, hist):
+    a, b, c = truth
+    return a * size * (size + hist) + b * (size + hist) + c
+
+
+CHUNKS = [(1024, 0), (768, 1024), (640, 1792), (512, 2432), (512, 2944), (1024, 0),
+          (896, 1024), (576, 1920)]
+
+
+def test_online_calibration_follows_the_recent_window():
+    """The machine gets twice as slow after 40 chunks: once the window holds only new timings
+    the fit is the new machine's, exactly (it kept refitting past the first 30)."""
+    cal = OnlineCalibrator(predictor(1024, 1.0, 64))
+    fast, slow = (1e-6, 5e-4, 0.01), (2e-6, 1e-3, 0.02)
+    for i in range(40):
+        cal.observe(*CHUNKS[i % len(CHUNKS)], timing(fast, *CHUNKS[i % len(CHUNKS)]))
+    assert cal.model == pytest.approx(fast, rel=1e-6)
+    for i in range(OnlineCalibrator.WINDOW):
+        cal.observe(*CHUNKS[i % len(CHUNKS)], timing(slow, *CHUNKS[i % len(CHUNKS)]))
+    assert len(cal.samples) == OnlineCalibrator.WINDOW
+    assert cal.model == pytest.approx(slow, rel=1e-6)
+    assert cal.target() == pytest.approx(timing(slow, 1024, 0))  # T* from recent C0 chunks
+    assert cal.num_fits == 40 + OnlineCalibrator.WINDOW - OnlineCalibrator.MIN_SAMPLES + 1
+
+
+def test_online_calibration_window_mixes_old_and_new_while_it_turns_over():
+    cal = OnlineCalibrator(predictor(1024, 1.0, 64), window=8)
+    fast, slow = (1e-6, 5e-4, 0.01), (2e-6, 1e-3, 0.02)
+    for size, hist in CHUNKS:
+        cal.observe(size, hist, timing(fast, size, hist))
+    for size, hist in CHUNKS[:4]:
+        cal.observe(size, hist, timing(slow, size, hist))
+    assert [s.seconds for s in cal.samples] == (
+        [timing(fast, *c) for c in CHUNKS[4:]] + [timing(slow, *c) for c in CHUNKS[:4]])
+    assert fast[0] < cal.model[0] < slow[0]  # between the two machines, not either one
+
+
+def test_online_calibration_says_when_it_has_no_effect(caplog):
+    from pipefill.config import ServerArgs
+    from pipefill.runtime.chunk_policy import build_chunk_policy, calibration_without_effect
+    on = dict(dynamic_chunking_online_calibration=True)
+    assert calibration_without_effect(ServerArgs()) is None
+    assert calibration_without_effect(ServerArgs(enable_dynamic_chunking=True, pp_size=2,
+                                                 **on)) is None
+    assert "--enable-dynamic-chunking is off" in calibration_without_effect(ServerArgs(**on))
+    assert "--pp-size is 1" in calibration_without_effect(
+        ServerArgs(enable_dynamic_chunking=True, **on))
+    with caplog.at_level("WARNING", logger="pipefill.runtime.chunk_policy"):
+        policy = build_chunk_policy(ServerArgs(**on), None, "", range(2), [2])
+    assert policy.info["mode"] == "fixed"
+    assert [r.getMessage() for r in caplog.records] == [
+        "--dynamic-chunking-online-calibration has no effect: --enable-dynamic-chunking is "
+        "off, so chunks are fixed and no cost model is fitted"]
+
+
 def test_simulator_hand_worked_three_stages():
     costs = [[1, 2, 3, 4], [2, 2, 2, 2], [1, 3, 1, 1]]
     r = simulate_costs(costs, [0.5] * 4, max_inflight=3)

@@ -144,6 +144,9 @@ def build_chunk_policy(args: ServerArgs, executor, model_file: str, layers: rang
                        layer_counts: list[int]) -> ChunkPolicy:
     c0 = args.chunked_prefill_size
     dynamic = args.enable_dynamic_chunking and args.pp_size > 1
+    idle_flag = calibration_without_effect(args)
+    if idle_flag is not None:
+        log.warning("--dynamic-chunking-online-calibration has no effect: %s", idle_flag)
     if c0 != "auto" and not dynamic:
         return ChunkPolicy(c0, info={"mode": "fixed", "c0": c0})
     from pipefill.runtime.profile import load_cached, measure, save
@@ -163,10 +166,26 @@ def build_chunk_policy(args: ServerArgs, executor, model_file: str, layers: rang
         return _fallback(args, e)
 
 
+def calibration_without_effect(args: ServerArgs) -> str | None:
+    """Why --dynamic-chunking-online-calibration cannot change any chunk, or None. It refits
+    dynamic chunking's cost model, and dynamic chunking runs only with pipeline stages."""
+    if not args.dynamic_chunking_online_calibration:
+        return None
+    if not args.enable_dynamic_chunking:
+        return "--enable-dynamic-chunking is off, so chunks are fixed and no cost model is fitted"
+    if args.pp_size == 1:
+        return ("--pp-size is 1, where dynamic chunking is off (equal-time chunks only matter "
+                "between pipeline stages)")
+    return None
+
+
 def _fallback(args: ServerArgs, e: Exception) -> ChunkPolicy:
     c0 = args.chunked_prefill_size
     fixed = c0 if c0 != "auto" else FALLBACK_C0
-    log.warning("dynamic chunking disabled (%s); using fixed chunks of %d tokens", e, fixed)
+    log.warning("dynamic chunking disabled (%s); using fixed chunks of %d tokens%s", e, fixed,
+                " (--dynamic-chunking-online-calibration has no effect either)"
+                if calibration_without_effect(args) is None and
+                args.dynamic_chunking_online_calibration else "")
     return ChunkPolicy(fixed, info={"mode": "fixed", "c0": fixed, "fallback": str(e)})
 
 

@@ -235,3 +235,34 @@ def test_an_idle_server_is_not_declared_stalled(chat_model):
         assert metric(url, "pipefill_stage_restarts_total") == 0
     finally:
         assert stop_server(proc) == 0
+
+
+@pytest.fixture(scope="module")
+def wider_model(tmp_path_factory):
+    """Tiny in every way but width and depth: a 128-token chunk takes a few tenths of a second
+    per stage on one core, so a long prompt takes many seconds in many steps."""
+    return save_tiny_model("llama", tmp_path_factory.mktemp("wide"), hidden_size=512,
+                           intermediate_size=2048, num_hidden_layers=8, num_attention_heads=8,
+                           num_key_value_heads=4, max_position_embeddings=8192)
+
+
+@pytest.mark.slow
+def test_a_long_prefill_that_keeps_progressing_is_not_declared_stalled(wider_model):
+    timeout_s = 3
+    proc, url = start_server(wider_model, None, "--stage-stall-timeout", str(timeout_s),
+                             "--chunked-prefill-size", "128", "--max-model-len", "8192")
+    try:
+        prompt = [(7 * i) % 500 + 1 for i in range(6144)]  # 48 chunks
+        t0 = time.monotonic()
+        r = httpx.post(url + "/v1/completions", timeout=300,
+                       json={"prompt": prompt, "max_tokens": 1, "temperature": 0})
+        took = time.monotonic() - t0
+        print(f"\nprefill of {len(prompt)} tokens in 48 chunks: {took:.1f} s "
+              f"(--stage-stall-timeout {timeout_s})")
+        assert r.status_code == 200, r.text
+        # Only meaningful if the request outlived the timeout several times over.
+        assert took > 3 * timeout_s, took
+        assert httpx.get(url + "/health", timeout=5).status_code == 200
+        assert metric(url, "pipefill_stage_restarts_total") == 0
+    finally:
+        assert stop_server(proc) == 0

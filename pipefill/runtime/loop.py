@@ -171,6 +171,7 @@ class FirstStageLoop:
             with self.tracer.span("forward", "forward", step=plan.step_id,
                                   label=plan_label(plan)):
                 acts, seconds = self.executor.forward(plan, None)
+            self.heartbeat.beat()  # one per step: up to max_inflight steps run back to back
             if self.pd is not None:
                 self.pd.after_forward(plan)
             failed = self.executor.take_failed_fetches()

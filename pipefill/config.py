@@ -64,8 +64,11 @@ class ServerArgs:
     chunked_prefill_size: int | str = _flag(
         "Tokens per prefill chunk (C0): long prompts are cut into chunks of this size. 'auto': "
         "profile stage 0 and pick C0 (and the smooth factor with dynamic chunking) with the "
-        "pipeline simulator for --tune-input-len tokens. On CPU the prefill GEMMs see row "
-        "counts padded to a multiple of 64, so other sizes compute up to 63 rows in vain.",
+        "pipeline simulator for --tune-input-len tokens. A multiple of 64 wastes nothing: on "
+        "CPU, the prefill GEMMs that run on oneDNN (--prefill-gemm onednn, which auto takes "
+        "for float32 on AMD CPUs, and torch's bfloat16 F.linear) pad row counts to a multiple "
+        "of 64, so other sizes compute up to 63 rows in vain there; float32 and float16 on "
+        "the torch path (MKL) and CUDA are not padded.",
         default=2048, type=lambda x: x)
     enable_dynamic_chunking: bool = _flag(
         "Shrink later chunks so every chunk costs the same time (needs --pp-size > 1; a "
@@ -158,8 +161,10 @@ class ServerArgs:
         "File holding the cluster secret (its content, surrounding whitespace stripped); "
         "keeps the secret out of the process list. Alternative to --cluster-secret.",
         default=None)
-    device: str = _flag("cpu, or cuda (NCCL between stages; one GPU per stage).",
-                        default="cpu", choices=["cpu", "cuda"])
+    device: str = _flag(
+        "cpu, or cuda (NCCL between stages; one GPU per stage). The cuda path is written but "
+        "has never run on a GPU: expect it to fail, and a warning says so at start.",
+        default="cpu", choices=["cpu", "cuda"])
     trace_dir: str | None = _flag(
         "Write a Chrome-trace/Perfetto JSON and a PNG timeline of the stages here.",
         default=None)
@@ -211,8 +216,9 @@ class ServerArgs:
         "stages of node 0 are watched. 0 = off.", default=60.0, type=float)
     disaggregation_mode: str = _flag(
         "Prefill/decode disaggregation role: null (prefill and decode in one server), prefill "
-        "or decode (behind sglang-router in PD mode, see `pipefill serve-pd`; decode with "
-        "--pp-size 1).", default="null",
+        "or decode (behind sglang-router in PD mode, see `pipefill serve-pd`). Either role "
+        "may run a pipeline (--pp-size): each decode stage receives its layers' KV from the "
+        "prefill stages that hold them.", default="null",
         choices=["null", "prefill", "decode"])
     disaggregation_bootstrap_port: int = _flag(
         "Prefill server: port of the bootstrap service where its stages register and decode "

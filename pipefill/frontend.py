@@ -2,6 +2,8 @@
 resolve the arguments against the model and reject impossible settings with a sentence."""
 from __future__ import annotations
 
+import logging
+
 import torch
 
 from pipefill.config import ServerArgs, resolve
@@ -11,9 +13,17 @@ from pipefill.model.loader import WeightSource, resolve_model_path, resolve_weig
 from pipefill.model.partition import partition_layers
 from pipefill.runtime.platform import cpu_vendor, resolve_dtype, usable_cpu_flags
 
+log = logging.getLogger(__name__)
+
+CUDA_NEVER_RUN = ("--device cuda: this code path (NCCL between stages, one GPU per stage) is "
+                  "written but has never run on a GPU; expect failures, and use --device cpu "
+                  "for a tested server")
+
 
 def prepare(args: ServerArgs) -> tuple[ServerArgs, WeightSource]:
     """Resolves model-dependent defaults and rejects impossible settings up front."""
+    if args.device == "cuda":
+        log.warning(CUDA_NEVER_RUN)
     if args.disaggregation_mode != "null" and args.nnodes > 1:
         raise ValueError(f"--disaggregation-mode {args.disaggregation_mode} runs on one node "
                          "(--nnodes 1) for now")

@@ -31,6 +31,7 @@ PAGE, HEADS, DIM = 16, 8, 64
 FAST = Timing(bootstrap_timeout_s=20, waiting_timeout_s=20, heartbeat_interval_s=0.2,
               heartbeat_max_misses=3, send_timeout_s=1.0)
 MODES = pytest.mark.parametrize("secret", [SECRET, None], ids=["secret", "insecure"])
+pytestmark = pytest.mark.timeout(120)  # a regression that blocks fails instead of hanging
 
 
 def kv_tensors(layers: int, pages: int, seed: int | None = None) -> KVTensors:
@@ -280,7 +281,6 @@ sys.stdin.read()
 """
 
 
-@pytest.mark.timeout(120)
 def test_an_accept_loop_survives_running_out_of_file_descriptors():
     """The bootstrap service as its own process with 4 file descriptors to spare: 12 silent
     connections run it out (accept fails with EMFILE); once they are gone it must serve again."""

@@ -233,7 +233,6 @@ class Channel:
         self.sock = sock
         self.name = name
         self.session = session
-        self.send_timeout_s = send_timeout_s
         _set_send_timeout(sock, send_timeout_s)
         self._send_lock = threading.Lock()
         self._post_lock = threading.Lock()
@@ -462,15 +461,13 @@ class Listener:
                  max_handshakes: int = MAX_HANDSHAKES,
                  handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S):
         self._sock = listen(host, port)
-        self.host, self.port = host, self._sock.getsockname()[1]
+        self.port = self._sock.getsockname()[1]
         self.name, self._handle, self._secret = name, handle, secret
         self.send_timeout_s, self.handshake_timeout_s = send_timeout_s, handshake_timeout_s
         self.max_connections, self.max_handshakes = max_connections, max_handshakes
         self._lock = threading.Lock()
         self.num_open = 0  # connections being served (handshaking ones included)
         self.num_handshaking = 0
-        self.num_refused = 0
-        self.num_accept_errors = 0
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._accept_loop, daemon=True,
                                         name=f"pd-accept {name}")
@@ -494,7 +491,6 @@ class Listener:
             except OSError as e:
                 if self._closed.is_set():
                     return
-                self.num_accept_errors += 1
                 ACCEPT_ERRORS.warn("%s: accept failed (%s); retrying in %.2f s", self.name,
                                    e.strerror or e, pause)
                 self._closed.wait(pause)
@@ -514,7 +510,6 @@ class Listener:
             except RuntimeError as e:  # no thread to be had: as full as it gets
                 self._release_slot(self._secret is not None)
                 full = str(e)
-        self.num_refused += 1
         sock.close()
         CONNECTION_REFUSALS.warn("%s: refused a connection from %s (%s)", self.name, name, full)
 

@@ -200,6 +200,37 @@ def test_a_registration_recorded_on_one_connection_is_refused_on_another(caplog)
         service.close()
 
 
+def test_frames_delivered_out_of_order_are_refused():
+    """Two frames of one authenticated connection, recorded and delivered second first: the
+    second is refused (its counter is not the next one), the first is taken."""
+    listener_side: list[ch.Channel] = []
+    taken = threading.Event()
+
+    def hold(conn: ch.Channel) -> None:
+        listener_side.append(conn)
+        taken.set()
+        time.sleep(5)  # the test reads it meanwhile; the listener closes it after
+    listener = ch.Listener("127.0.0.1", 0, hold, secret=SECRET)
+    client = ch.connect(m.Endpoint("127.0.0.1", listener.port), 5, SECRET)
+    try:
+        real, recorded = client.sock, []
+
+        class Recorder:
+            def sendall(self, data):
+                recorded.append(bytes(data))
+        client.sock = Recorder()
+        client.send(m.Heartbeat("first"))
+        client.send(m.Heartbeat("second"))
+        real.sendall(recorded[1] + recorded[0])
+        assert taken.wait(5)
+        server = listener_side[0]
+        assert server.recv() == m.Heartbeat("first")
+        assert server.drops.num_dropped == 1
+    finally:
+        real.close()
+        listener.close()
+
+
 def test_a_changed_kv_payload_byte_fails_the_room_and_closes_the_connection():
     """A relay between the decode and the prefill stage flips one byte 1 MiB into what the
     stage sends (inside the first chunk's 6 MiB of page bytes): the chunk does not count, the

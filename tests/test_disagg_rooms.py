@@ -136,6 +136,132 @@ def test_prefill_dead_decode_fails_its_rooms_only():
     assert p.clean()
 
 
+# ------------------------------------------------------------ prefill: ownership and budgets
+
+def owned_room(rooms, p, peer="d", layers=(0, 4), expected=1):
+    """An opened room with a chunk held, bootstrapped by peer."""
+    rooms.open(ROOM, 0.0)
+    rooms.add(chunk(p), 0.0)
+    work, notices = rooms.on_bootstrap(peer, boot(expected=expected), 0.1, layers)
+    assert notices == [] and len(work) == (1 if expected == 1 else 0)
+    return work
+
+
+def test_prefill_refuses_another_peers_bootstrap_of_a_claimed_room():
+    rooms, p = prefill()
+    owned_room(rooms, p)
+    work, [(peer, failed)] = rooms.on_bootstrap("x", boot(nonce=5), 0.2, (0, 4))
+    assert work == [] and peer == "x" and failed.status == 409 and failed.nonce == 5
+    assert "already bootstrapped by another decode" in failed.reason
+    assert list(rooms.live[ROOM].dests) == ["d"]  # the stranger is no destination
+    later = rooms.add(chunk(p, offset=2, last=True), 0.3)
+    assert [d.peer for _, d in later] == ["d"]
+
+
+def test_prefill_takes_the_other_decode_stages_of_a_pipeline_only():
+    """Two decode stages with their own layers share a room; a third peer, or one whose
+    layers a destination already takes, or one expecting another count, is refused."""
+    rooms, p = prefill()
+    owned_room(rooms, p, "d0", (0, 2), expected=2)
+    for peer, layers, expected in (("x", (1, 3), 2), ("x", (2, 4), 3)):
+        _, [(_, failed)] = rooms.on_bootstrap(peer, boot(nonce=5, expected=expected), 0.2,
+                                              layers)
+        assert failed.status == 409
+    work, notices = rooms.on_bootstrap("d1", boot(nonce=7, expected=2), 0.3, (2, 4))
+    assert notices == [] and sorted(d.peer for _, d in work) == ["d0", "d1"]
+    _, [(_, failed)] = rooms.on_bootstrap("x", boot(nonce=5, expected=2), 0.4, (4, 6))
+    assert failed.status == 409  # every decode stage it expects is there
+
+
+def test_prefill_drop_from_a_non_owner_is_acked_and_changes_nothing():
+    rooms, p = prefill()
+    owned_room(rooms, p)
+    for nonce in (NONCE, NONCE + 1):  # even with the owner's nonce
+        assert rooms.on_drop("x", m.DropRoom(ROOM, nonce, "mine")) == \
+            [("x", m.DropAck(ROOM, nonce, 0))]
+    assert ROOM in rooms.live and not p.released
+    assert rooms.on_drop("d", m.DropRoom(ROOM, NONCE + 1, "old")) == []  # the owner's old try
+    assert ROOM in rooms.live
+    rooms.on_drop("d", m.DropRoom(ROOM, NONCE, "abort"))
+    assert ROOM not in rooms.live and p.clean()
+
+
+def test_prefill_heartbeats_name_each_peers_own_rooms():
+    rooms, p = prefill()
+    for room, peer in ((1, "a"), (2, "b")):
+        rooms.open(room, 0.0)
+        rooms.on_bootstrap(peer, boot(room=room), 0.0, (0, 4))
+    rooms.on_bootstrap("b", boot(room=3), 0.0, (0, 4))  # not opened here: in no heartbeat
+    assert rooms.heartbeats() == {"a": [1], "b": [2]}
+    assert rooms.heartbeat_rooms("a") == [1] and rooms.heartbeat_rooms("x") == []
+
+
+def test_prefill_room_no_decode_claims_frees_its_pages_at_the_claim_timeout():
+    p = Pool()
+    rooms = PrefillRooms(0, bootstrap_timeout_s=120.0, release=p.release, claim_timeout_s=2.0)
+    rooms.open(ROOM, 0.0)
+    rooms.add(chunk(p, last=True), 0.5)
+    assert rooms.tick(1.9) == [] and not p.released
+    rooms.tick(2.1)
+    assert ROOM not in rooms.live and p.clean()
+    _, [(_, failed)] = rooms.on_bootstrap("d", boot(), 2.5)  # a decode that comes too late
+    assert "--disaggregation-room-claim-timeout (2 s)" in failed.reason
+
+
+def test_prefill_claim_timeout_is_at_most_the_bootstrap_timeout():
+    rooms = PrefillRooms(0, bootstrap_timeout_s=4.0, release=Pool().release,
+                         claim_timeout_s=30.0)
+    assert rooms.claim_timeout_s == 4.0
+
+
+@pytest.mark.parametrize("pages,expected,needle", [
+    ([], 1, "at least one destination page"), (list(range(300)), 1, "at most 256"),
+    ([5, -1], 1, "outside [0, 2^32)"), ([5, 1 << 32], 1, "outside [0, 2^32)"),
+    ([5], 0, "at least one decode stage")])
+def test_prefill_refuses_malformed_bootstraps_with_a_400(pages, expected, needle):
+    rooms = PrefillRooms(0, 10.0, Pool().release, max_room_pages=256)
+    _, [(_, failed)] = rooms.on_bootstrap("x", boot(pages=pages, expected=expected), 0.0)
+    assert failed.status == 400 and needle in failed.reason and not rooms.live
+
+
+def test_prefill_pending_rooms_are_bounded_per_peer_and_stored_compactly():
+    from pipefill.disagg.rooms import PENDING_ROOMS_PER_PEER
+    rooms = PrefillRooms(0, 10.0, Pool().release, max_room_pages=100)
+    # Pages: at most 2 rooms' worth per peer (200 page ids).
+    for room, ok in ((1, True), (2, True), (3, False)):
+        _, notices = rooms.on_bootstrap("x", boot(room=room, pages=range(1000, 1100)), 0.0)
+        assert (notices == []) == ok
+    assert notices[0][1].status == 503 and "at most 200" in notices[0][1].reason
+    assert rooms.live[1].dests["x"].dst_pages.itemsize == 4  # 4 bytes a page id
+    # Rooms: at most PENDING_ROOMS_PER_PEER per peer, however small.
+    counted = PrefillRooms(0, 10.0, Pool().release)
+    for room in range(10, 10 + PENDING_ROOMS_PER_PEER + 5):
+        counted.on_bootstrap("y", boot(room=room, pages=[1]), 0.0)
+    assert len(counted.pending.rooms["y"]) == len(counted.live) == PENDING_ROOMS_PER_PEER
+    # Opening a room takes it out of the budget; ending one does too.
+    rooms.open(1, 0.1)
+    assert rooms.pending.pages["x"] == 100
+    rooms.fail(2, "gone")
+    assert "x" not in rooms.pending.pages
+    rooms.tick(10.5)  # never opened: gone after the bootstrap timeout
+    assert rooms.pending.num_rooms == 0 and list(rooms.live) == [1]
+
+
+def test_prefill_full_pending_budget_evicts_the_biggest_holder_first():
+    from pipefill.disagg import rooms as rooms_mod
+    rooms = PrefillRooms(0, 10.0, Pool().release, max_room_pages=10)
+    total = rooms_mod.PENDING_PAGES_TOTAL_ROOMS * 10  # 80 page ids in all
+    per_peer = rooms_mod.PENDING_PAGES_PER_PEER_ROOMS * 10  # 20 per peer
+    for i in range(total // per_peer):  # four peers fill it
+        for j in range(2):
+            rooms.on_bootstrap(f"flood{i}", boot(room=100 * i + j, pages=range(10)), 0.0)
+    assert rooms.pending.num_pages == total
+    _, notices = rooms.on_bootstrap("d", boot(room=7, pages=range(5)), 0.1)
+    (peer, evicted), = notices  # the oldest room of a peer holding the most
+    assert peer == "flood0" and evicted.room == 0 and evicted.status == 503
+    assert 7 in rooms.live and rooms.pending.num_pages == total - 5
+
+
 # ------------------------------------------------------------------- decode
 
 STAGES = {"p/0": (0, 2), "p/1": (2, 4)}

@@ -3,7 +3,10 @@ or the CUDA wheel on GPUs), TCP protocol, peer-to-peer handshake (metadata serve
 "P2PHANDSHAKE": no etcd). The decode registers its K and V tensors and publishes their addresses
 in its DecodeHello; the prefill stage writes its pages one-sidedly into them, then sends the
 KVChunk notice (nbytes 0) over the control connection: the notice arrives after the synchronous
-writes completed.
+writes completed. The hello also declares how many pages stand behind each pointer and where its
+staging region lies: the prefill checks every room's pages and staging address against them,
+and every write against them again, so a decode's messages cannot aim its writes anywhere
+else.
 
 Every write has a fixed cost (measured: a 48 KiB write reaches about half the GB/s of a 1 MiB
 one), and real page ids are shuffled (free-list order), so a page-by-page copy is one write per
@@ -21,6 +24,7 @@ page per layer for K and for V. Two remedies:
 """
 from __future__ import annotations
 
+import bisect
 import logging
 import threading
 
@@ -67,6 +71,78 @@ def pair_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
         else:
             out.append((s, d, 1))
     return out
+
+
+ADDRESS_LIMIT = 1 << 64
+
+
+def declared_ranges(hello: m.DecodeHello, page_bytes: int) -> list[tuple[int, int]]:
+    """[start, end) of every buffer the decode declared for one-sided writes: each layer's K
+    and V (kv_pages pages each) and its staging region."""
+    layer_bytes = hello.kv_pages * page_bytes
+    out = [(p, p + layer_bytes) for p in (*hello.k_ptrs, *hello.v_ptrs)]
+    if hello.staging_bytes:
+        out.append((hello.staging_base, hello.staging_base + hello.staging_bytes))
+    return sorted(out)
+
+
+def check_hello(hello: m.DecodeHello, page_bytes: int) -> str | None:
+    """Why a decode's Mooncake buffers cannot be written (a sentence), or None."""
+    if not hello.mooncake_session:
+        return ("the decode did not publish a Mooncake session (is it running "
+                "--disaggregation-transfer-backend mooncake?)")
+    n = hello.layer_end - hello.layer_start
+    if n < 1 or len(hello.k_ptrs) != n or len(hello.v_ptrs) != n:
+        return (f"the decode declared {len(hello.k_ptrs)} K and {len(hello.v_ptrs)} V buffers "
+                f"for its {n} layers")
+    if hello.kv_pages < 1 or hello.staging_bytes < 0:
+        return "the decode declared no KV pages (or a negative staging region)"
+    ranges = declared_ranges(hello, page_bytes)
+    if any(start <= 0 or end > ADDRESS_LIMIT for start, end in ranges):
+        return "the decode declared a buffer outside the address space"
+    if any(a[1] > b[0] for a, b in zip(ranges, ranges[1:])):
+        return "the decode declared overlapping buffers"
+    return None
+
+
+def check_bootstrap(hello: m.DecodeHello, msg: m.RoomBootstrap, layers: tuple[int, int],
+                    page_bytes: int) -> str | None:
+    """Why a room's destination cannot be written (a sentence), or None: its pages must be
+    among the decode's declared pages, its staging region inside the declared one, sized for
+    the room's pages of this stage's `layers` (the layers the two stages share)."""
+    if msg.dst_pages and max(msg.dst_pages) >= hello.kv_pages:
+        return (f"room {msg.room} names page {max(msg.dst_pages)}; the decode declared "
+                f"{hello.kv_pages} pages")
+    if msg.staging_addr:
+        size = len(msg.dst_pages) * 2 * (layers[1] - layers[0]) * page_bytes
+        base = hello.staging_base
+        if not base <= msg.staging_addr <= msg.staging_addr + size <= base + hello.staging_bytes:
+            return (f"room {msg.room}'s staging region ({size} bytes at {msg.staging_addr:#x}) "
+                    "is not inside the one the decode declared")
+    return None
+
+
+class Bounds:
+    """Sorted, disjoint byte ranges: where one-sided writes may land."""
+
+    def __init__(self, ranges: list[tuple[int, int]]):
+        self.starts = [a for a, _ in ranges]
+        self.ends = [b for _, b in ranges]
+
+    def contains(self, addr: int, nbytes: int) -> bool:
+        i = bisect.bisect_right(self.starts, addr) - 1
+        return i >= 0 and nbytes >= 0 and addr + nbytes <= self.ends[i]
+
+
+def check_writes(hello: m.DecodeHello, page_bytes: int,
+                 writes: list[tuple[int, int, int]]) -> None:
+    """Raises TransferFailed unless every (src, dst, nbytes) lands inside a buffer the decode
+    declared: the last guard before bytes leave for another machine's memory."""
+    bounds = Bounds(declared_ranges(hello, page_bytes))
+    for _, dst, nbytes in writes:
+        if not bounds.contains(dst, nbytes):
+            raise TransferFailed(f"a {nbytes}-byte write at {dst:#x} falls outside the buffers "
+                                 f"the decode at {hello.mooncake_session} declared")
 
 
 def _sync(t: torch.Tensor) -> None:
@@ -135,13 +211,34 @@ class MooncakeDataPath:
             raise RuntimeError("Mooncake could not register the KV cache memory")
 
     def hello_fields(self) -> dict:
+        """Decode side: every buffer a prefill may write, with its size."""
         kv = self.kv
+        staging = self._staging_buffer()
         return {"mooncake_session": self.session,
                 "k_ptrs": [kv.k[i].data_ptr() for i in range(kv.num_layers)],
-                "v_ptrs": [kv.v[i].data_ptr() for i in range(kv.num_layers)]}
+                "v_ptrs": [kv.v[i].data_ptr() for i in range(kv.num_layers)],
+                "kv_pages": kv.num_pages,
+                "staging_base": staging.data_ptr() if staging is not None else 0,
+                "staging_bytes": self.staging_bytes if staging is not None else 0}
 
     def payload_bytes(self, num_pages: int, num_layers: int) -> int:
         return 0
+
+    def check_hello(self, hello: m.DecodeHello) -> str | None:
+        return check_hello(hello, self.kv.page_bytes)
+
+    def check_bootstrap(self, hello: m.DecodeHello, msg: m.RoomBootstrap,
+                        layers: tuple[int, int]) -> str | None:
+        return check_bootstrap(hello, msg, layers, self.kv.page_bytes)
+
+    def _staging_buffer(self) -> torch.Tensor | None:
+        """The decode's staging region, allocated and registered once (None: staging off)."""
+        with self._lock:
+            if self._staging is None and self.staging_bytes > 0:
+                self._staging = torch.empty(self.staging_bytes, dtype=torch.uint8,
+                                            device=self.kv.k.device)
+                self._register(self._staging)
+            return self._staging
 
     # ---- decode side: staging regions
     def plan_room(self, room: int, nonce: int, stages: dict[str, tuple[int, int]],
@@ -151,18 +248,15 @@ class MooncakeDataPath:
         if not fragmented(dst_pages):
             return {}
         pb, out = self.kv.page_bytes, {}
+        staging = self._staging_buffer()
         with self._lock:
-            if self._staging is None and self.staging_bytes > 0:
-                self._staging = torch.empty(self.staging_bytes, dtype=torch.uint8,
-                                            device=self.kv.k.device)
-                self._register(self._staging)
             for stage, (ls, le) in stages.items():
                 off = self._arena.alloc(len(dst_pages) * 2 * (le - ls) * pb)
                 if off is None:  # rare: fall back to direct writes for this stage
                     log.debug("room %d: staging arena full, direct writes", room)
                     continue
                 self._regions[(room, ls)] = (nonce, off)
-                out[stage] = self._staging.data_ptr() + off
+                out[stage] = staging.data_ptr() + off
         return out
 
     def end_room(self, room: int) -> None:
@@ -255,6 +349,7 @@ class MooncakeDataPath:
         return buf
 
     def _write(self, hello: m.DecodeHello, writes: list[tuple[int, int, int]]) -> None:
+        check_writes(hello, self.kv.page_bytes, writes)
         for i in range(0, len(writes), MAX_BATCH):
             part = writes[i:i + MAX_BATCH]
             ret = self.engine.batch_transfer_sync_write(

@@ -32,7 +32,8 @@ def test_serve_refuses_a_multi_node_decode_with_a_sentence(capsys):
     previous = signal.getsignal(signal.SIGTERM)
     try:
         assert main(["serve", "--disaggregation-mode", "decode", "--pp-size", "2", "--nnodes",
-                     "2", "--node-rank", "0", "--dist-init-addr", "127.0.0.1:5000"]) == 2
+                     "2", "--node-rank", "0", "--dist-init-addr", "127.0.0.1:5000",
+                     "--disaggregation-insecure"]) == 2
     finally:
         signal.signal(signal.SIGTERM, previous)
     err = capsys.readouterr().err

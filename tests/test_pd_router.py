@@ -4,13 +4,18 @@ router, and a colocated server as the reference; the official openai client. Fau
 test_pd_faults.py and test_pd_decode_pp.py (slow)."""
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
 
 import httpx
+
+from pipefill.disagg.launch import gives_secret, write_secret_file
 
 COMMON = ["--dtype", "float32", "--chunked-prefill-size", "64", "--threads-per-stage", "1",
           "--served-model-name", "m"]
@@ -21,13 +26,34 @@ def free_port() -> int:
     return fp()
 
 
+_SECRET_FILE: list[str] = []
+
+
+def pd_secret_file() -> str:
+    """One cluster secret file for every PD server these tests start (as serve-pd makes it:
+    0600 in a private folder), removed when the test process exits."""
+    if not _SECRET_FILE:
+        folder = tempfile.mkdtemp(prefix="pipefill-test-pd-")
+        atexit.register(shutil.rmtree, folder, True)
+        _SECRET_FILE.append(write_secret_file(folder))
+    return _SECRET_FILE[0]
+
+
+def secret_flags(extra) -> list[str]:
+    """A PD server's --cluster-secret-file, unless its flags settle authentication."""
+    if "--disaggregation-mode" not in extra or gives_secret(list(extra)):
+        return []
+    return ["--cluster-secret-file", pd_secret_file()]
+
+
 def spawn_server(model: str, *extra: str, page_size: int = 16, log=None,
                  port: int | None = None) -> tuple[subprocess.Popen, str]:
-    """Starts `pipefill serve` (not waiting for it); (process, URL)."""
+    """Starts `pipefill serve` (not waiting for it); (process, URL). PD servers share one
+    cluster secret."""
     port = port or free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "pipefill.cli.main", "serve", "--model-path", model, "--port",
-         str(port), "--page-size", str(page_size), *COMMON, *extra],
+         str(port), "--page-size", str(page_size), *COMMON, *extra, *secret_flags(extra)],
         stdout=log or subprocess.DEVNULL, stderr=subprocess.STDOUT, start_new_session=True)
     return proc, f"http://127.0.0.1:{port}"
 

@@ -1,10 +1,13 @@
-"""`pipefill serve-pd` (slow): the three child processes come up, the printed router URL
-answers with the openai client, SIGTERM stops all of them (no orphans), and a flag that
-serve-pd sets itself is refused with a sentence."""
+"""`pipefill serve-pd` (slow): the three child processes come up with one cluster secret (a
+0600 file, removed at exit), the printed router URL answers with the openai client, SIGTERM
+stops all of them (no orphans), and a flag that serve-pd sets itself is refused with a
+sentence."""
 from __future__ import annotations
 
 import os
+import shlex
 import signal
+import stat
 import subprocess
 import sys
 import time
@@ -40,14 +43,19 @@ def test_serve_pd_serves_and_stops_everything(chat_model):
          "--model-path", chat_model, "--page-size", "16", *COMMON],
         stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True, start_new_session=True)
     try:
-        url = None
+        url, secrets = None, []
         deadline = time.monotonic() + 240
         while url is None:
             assert time.monotonic() < deadline and proc.poll() is None, "serve-pd never ready"
             line = proc.stdout.readline()
+            if line.startswith(("serve-pd: prefill: ", "serve-pd: decode: ")):
+                cmd = shlex.split(line.split(": ", 2)[2])
+                secrets.append(cmd[cmd.index("--cluster-secret-file") + 1])
             if line.startswith("serve-pd: ready: "):
                 url = line.split("ready: ", 1)[1].strip()
         assert url == f"http://127.0.0.1:{port}"
+        assert len(secrets) == 2 and secrets[0] == secrets[1]
+        assert stat.S_IMODE(os.stat(secrets[0]).st_mode) == 0o600
         out = client(url).completions.create(model="m", prompt="Hello", max_tokens=5,
                                              temperature=0)
         assert out.usage.completion_tokens == 5
@@ -55,6 +63,7 @@ def test_serve_pd_serves_and_stops_everything(chat_model):
         assert len(family) >= 3 + 3  # prefill (+2 stages), decode (+1 stage), router
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(60) == 0
+        assert not os.path.exists(secrets[0])
         deadline = time.monotonic() + 30
         while any(_alive(p) for p in family):
             assert time.monotonic() < deadline, [p for p in family if _alive(p)]

@@ -283,11 +283,15 @@ def timeline(a, url: str, model: str, logs: dict, tokenizer) -> dict:
             "first_token_s_after_last_forward": first - last, "ttft_s": first - sent}
 
 
-def prefill_shape(bport: int):
-    """The prefill's first stage as registered with its bootstrap service (shape, dtype)."""
+def prefill_shape(bport: int, flags: list[str]):
+    """The prefill's first stage as registered with its bootstrap service (shape, dtype);
+    flags: the prefill's, for its cluster secret."""
     from pipefill.disagg import messages as m
     from pipefill.disagg.bootstrap import lookup_prefill
-    return lookup_prefill(m.Endpoint("127.0.0.1", bport), 30).stages[0]
+    from pipefill.runtime.wire import read_cluster_secret
+    secret = read_cluster_secret(_flag_value(flags, "--cluster-secret"),
+                                 _flag_value(flags, "--cluster-secret-file"))
+    return lookup_prefill(m.Endpoint("127.0.0.1", bport), 30, secret=secret).stages[0]
 
 
 def chunk_transfer(a, st, cores: list[int], chunk: int) -> dict:
@@ -328,8 +332,14 @@ def print_timeline(t: dict, xfer: dict) -> None:
 # ---------------------------------------------------------------- the sitting
 
 def run(a: argparse.Namespace) -> int:
-    from pipefill.disagg.launch import stop
+    from pipefill.disagg.launch import deployment_secret
     configs, cores, extra, outs = check_args(a)
+    with deployment_secret(extra) as secret_flags:  # the PD servers' cluster secret
+        return run_configs(a, configs, cores, extra, outs, secret_flags)
+
+
+def run_configs(a, configs, cores, extra, outs, secret_flags) -> int:
+    from pipefill.disagg.launch import stop
     if _flag_value(extra, "--max-model-len") is None:
         extra += ["--max-model-len", str(a.max_model_len or max_model_len(a, outs))]
     tokenizer = _flag_value(extra, "--model-path")
@@ -340,12 +350,13 @@ def run(a: argparse.Namespace) -> int:
     rows, tl = [], None
     for config in configs:
         flags = extra + (["--log-level", "debug"] if config == "pd" and a.timeline_len else [])
+        flags += secret_flags if config == "pd" else []
         procs, logs, url, bport, model = start(config, cores, flags, log_dir,
                                                a.startup_timeout)
         try:
             rows += run_workloads(a, config, url, model, outs, tokenizer)
             if config == "pd" and a.timeline_len:
-                tl, shape = timeline(a, url, model, logs, tokenizer), prefill_shape(bport)
+                tl, shape = timeline(a, url, model, logs, tokenizer), prefill_shape(bport, flags)
         finally:
             stop(procs)
         if tl is not None and "chunk_transfer" not in tl:  # measured with the servers gone

@@ -1,6 +1,8 @@
 """`pipefill serve-pd`: a prefill server, a decode server and the SGLang router (PD mode) as
-child processes on this machine, the quick way to try PD disaggregation. For several machines
-run the three commands it prints yourself."""
+child processes on this machine, the quick way to try PD disaggregation. Both servers get a
+cluster secret made for this run (a 0600 file, removed at exit) unless the flags after `--`
+give one. For several machines run the three commands it prints yourself, with a secret file
+of your own on each."""
 from __future__ import annotations
 
 import argparse
@@ -8,7 +10,8 @@ import shlex
 import subprocess
 import time
 
-from pipefill.disagg.launch import check_alive, die_with_parent, pd_commands, stop, wait_ready
+from pipefill.disagg.launch import (check_alive, deployment_secret, die_with_parent, pd_commands,
+                                    stop, wait_ready)
 
 
 def add_parser(sub) -> None:
@@ -18,7 +21,10 @@ def add_parser(sub) -> None:
                     "--disaggregation-mode decode` and `python -m sglang_router.launch_router "
                     "--pd-disaggregation` as child processes, waits until all are healthy, "
                     "prints the router URL, and stops all three on Ctrl-C / SIGTERM. Flags "
-                    "after `--` go to both servers (e.g. -- --model-path DIR --page-size 16).")
+                    "after `--` go to both servers (e.g. -- --model-path DIR --page-size 16). "
+                    "Both servers share a cluster secret made for this run (a 0600 file in a "
+                    "private temporary folder, removed at exit), unless those flags give "
+                    "--cluster-secret, --cluster-secret-file or --disaggregation-insecure.")
     p.add_argument("--host", default="127.0.0.1", help="Host of all three servers.")
     p.add_argument("--port", type=int, default=8000, help="The router's port (the URL to use).")
     p.add_argument("--prefill-port", type=int, default=0, help="Prefill server port (0: free).")
@@ -40,9 +46,13 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def commands(ns) -> tuple[list[str], list[str], list[str], str]:
-    """(prefill, decode, router) command lines and the router URL."""
-    extra = [a for a in ns.server_args if a != "--"]
+def server_flags(ns) -> list[str]:
+    return [a for a in ns.server_args if a != "--"]
+
+
+def check_flags(ns) -> None:
+    """A ValueError naming the flag for what serve-pd cannot run."""
+    extra = server_flags(ns)
     for flag, size in (("--prefill-pp-size", ns.prefill_pp_size),
                        ("--decode-pp-size", ns.decode_pp_size)):
         if size < 1:
@@ -52,13 +62,26 @@ def commands(ns) -> tuple[list[str], list[str], list[str], str]:
         if any(a == bad or a.startswith(bad + "=") for a in extra):
             raise ValueError(f"{bad} is set by serve-pd itself: use its own flags "
                              "(--prefill-pp-size, --port, --prefill-port, ...)")
+
+
+def commands(ns, secret_flags: list[str] = ()) -> tuple[list[str], list[str], list[str], str]:
+    """(prefill, decode, router) command lines and the router URL; secret_flags go to both
+    servers."""
+    check_flags(ns)
+    extra = server_flags(ns)
     return pd_commands(ns.host, ns.port, ns.prefill_port, ns.decode_port, ns.prefill_pp_size,
-                       ns.disaggregation_bootstrap_port, extra, ns.router_args,
-                       decode_pp_size=ns.decode_pp_size)
+                       ns.disaggregation_bootstrap_port, extra + list(secret_flags),
+                       ns.router_args, decode_pp_size=ns.decode_pp_size)
 
 
 def run(ns) -> int:
-    prefill, decode, router, url = commands(ns)
+    check_flags(ns)  # before a secret file exists
+    with deployment_secret(server_flags(ns)) as secret_flags:
+        return serve(ns, *commands(ns, secret_flags))
+
+
+def serve(ns, prefill: list[str], decode: list[str], router: list[str], url: str) -> int:
+    """Runs the three children until Ctrl-C / SIGTERM or one of them exits."""
     names = ("prefill", "decode", "router")
     procs: dict[str, subprocess.Popen] = {}
     try:

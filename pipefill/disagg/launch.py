@@ -1,18 +1,53 @@
 """A PD trio on one machine (prefill server, decode server, the SGLang router in PD mode): its
-command lines, and the child processes of whoever starts it (`pipefill serve-pd`, `pipefill
-bench pd-serving`): they die with their parent, are waited for until healthy, and are stopped
-router first."""
+command lines, its cluster secret, and the child processes of whoever starts it (`pipefill
+serve-pd`, `pipefill bench pd-serving`): they die with their parent, are waited for until
+healthy, and are stopped router first."""
 from __future__ import annotations
 
+import contextlib
 import ctypes
+import os
+import secrets
 import shlex
+import shutil
 import signal
 import subprocess
 import sys
+import tempfile
 import time
+from typing import Iterator
 
 _PR_SET_PDEATHSIG = 1
 STOP_TIMEOUT_S = 30
+SECRET_FLAGS = ("--cluster-secret", "--cluster-secret-file", "--disaggregation-insecure")
+
+
+def write_secret_file(folder: str) -> str:
+    """A fresh random cluster secret in folder/cluster-secret, readable by this user only."""
+    path = os.path.join(folder, "cluster-secret")
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_EXCL, 0o600)
+    with os.fdopen(fd, "w") as f:
+        f.write(secrets.token_hex(32))
+    return path
+
+
+def gives_secret(extra: list[str]) -> bool:
+    """True if the servers' flags already settle authentication (a secret, or insecure)."""
+    return any(a == flag or a.startswith(flag + "=") for a in extra for flag in SECRET_FLAGS)
+
+
+@contextlib.contextmanager
+def deployment_secret(extra: list[str]) -> Iterator[list[str]]:
+    """The flags that give both PD servers one secret made for this deployment: a 0600 file in
+    a private (0700) temporary folder, removed on exit. [] when `extra` settles it already."""
+    if gives_secret(extra):
+        yield []
+        return
+    folder = tempfile.mkdtemp(prefix="pipefill-pd-")
+    try:
+        yield ["--cluster-secret-file", write_secret_file(folder)]
+    finally:
+        shutil.rmtree(folder, ignore_errors=True)
 
 
 def pd_commands(host: str, port: int, prefill_port: int, decode_port: int,

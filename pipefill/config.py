@@ -372,6 +372,14 @@ class ServerArgs:
         return self.disaggregation_mode != "null" and not self.has_cluster_secret
 
     @property
+    def pd_insecure_warning(self) -> str | None:
+        """What the log at start and /health say about a PD role without a secret."""
+        if not self.pd_insecure:
+            return None
+        return (f"--disaggregation-insecure: this {self.disaggregation_mode} server's bootstrap "
+                "and KV transfer ports accept anyone who reaches them (no cluster secret)")
+
+    @property
     def stages_per_node(self) -> int:
         return self.pp_size // self.nnodes
 

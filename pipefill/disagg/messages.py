@@ -85,6 +85,11 @@ class DecodeHello(_Msg):
     mooncake_session: str = ""  # "host:rpc_port" of the decode's Mooncake engine
     k_ptrs: list[int] = []  # per decode layer: base address of its registered K (mooncake)
     v_ptrs: list[int] = []
+    # mooncake: pages per layer behind each pointer, and the registered staging region: the
+    # prefill writes nowhere else.
+    kv_pages: int = 0
+    staging_base: int = 0
+    staging_bytes: int = 0
 
 
 class RoomBootstrap(_Msg):

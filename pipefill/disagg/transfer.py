@@ -104,13 +104,15 @@ class Timing:
     heartbeat_interval_s: float = 2.0
     heartbeat_max_misses: int = 3
     send_timeout_s: float = ch.SEND_TIMEOUT_S  # a peer that takes no byte for this is dropped
+    claim_timeout_s: float = 30.0  # prefill: a running request's room waits this for a decode
 
     @staticmethod
     def from_args(args) -> "Timing":
         """From ServerArgs' --disaggregation-* flags."""
         return Timing(args.disaggregation_bootstrap_timeout, args.disaggregation_waiting_timeout,
                       args.disaggregation_heartbeat_interval,
-                      args.disaggregation_heartbeat_max_misses)
+                      args.disaggregation_heartbeat_max_misses,
+                      claim_timeout_s=args.disaggregation_room_claim_timeout)
 
 
 class Peers:

@@ -8,6 +8,7 @@ per decode (a stalled decode delays only itself, and is dropped after the send t
 ticks timeouts and heartbeats."""
 from __future__ import annotations
 
+import itertools
 import logging
 import os
 import queue
@@ -26,9 +27,16 @@ log = logging.getLogger(__name__)
 
 CLOSE_FLUSH_S = 2.0  # on close, how long the decodes' connections may take to hear why
 
+# A RoomBootstrap may name at most this many times the stage's own pool of pages (a request
+# here holds its whole prompt in the pool; the decode adds a page or so of headroom).
+ROOM_PAGES_PER_POOL = 2
+
 
 class KVSender:
-    """Prefill stage side. `release(room, pages)` gets back every page given to send_pages."""
+    """Prefill stage side. `release(room, pages)` gets back every page given to send_pages.
+
+    A decode is known by its connection (its DecodeHello's id plus a number per connection):
+    another connection cannot take over its name, its rooms, or where its KV goes."""
 
     def __init__(self, kv: KVTensors, rank: int, *, release: Callable[[int, list[int]], None],
                  backend: str = "tcp", host: str = "127.0.0.1", port: int = 0,
@@ -37,7 +45,10 @@ class KVSender:
         self.name = f"prefill-{rank}-{os.getpid()}"
         self.data = make_data_path(backend, kv, host)
         self._p = Peers(timing, clock)
-        self.rooms = PrefillRooms(rank, timing.bootstrap_timeout_s, release)
+        self.rooms = PrefillRooms(rank, timing.bootstrap_timeout_s, release,
+                                  claim_timeout_s=timing.claim_timeout_s,
+                                  max_room_pages=ROOM_PAGES_PER_POOL * kv.num_pages)
+        self._conn_ids = itertools.count(1)
         self.hellos: dict[str, m.DecodeHello] = {}
         self._queue: queue.Queue = queue.Queue()  # Items from the caller
         self._outboxes: dict[str, queue.Queue] = {}  # per decode: (item, dest) to send, in order
@@ -116,7 +127,11 @@ class KVSender:
                 log.error("decode %s has %d-byte pages, this stage %d: refused", hello.decode_id,
                           hello.page_bytes, self.kv.page_bytes)
                 return
-            peer = hello.decode_id
+            why = self.data.check_hello(hello)
+            if why is not None:
+                log.error("decode %s refused: %s", hello.decode_id, why)
+                return
+            peer = f"{hello.decode_id}#{next(self._conn_ids)}"
             with self._p.lock:
                 self._p.conns[peer], self.hellos[peer] = conn, hello
                 self._p.liveness.seen(peer, self._p.clock())
@@ -148,7 +163,7 @@ class KVSender:
         with self._p.lock:
             self._p.liveness.seen(peer, now)
             if isinstance(msg, m.RoomBootstrap):
-                work, notices = self.rooms.on_bootstrap(peer, msg, now)
+                work, notices = self._on_bootstrap(peer, msg, now)
                 self._route(work)
             elif isinstance(msg, m.DropRoom):
                 notices = self.rooms.on_drop(peer, msg)
@@ -158,6 +173,20 @@ class KVSender:
                 self._p.conns[peer].drops.drop(f"{type(msg).__name__} is not for a prefill stage")
                 return
         self._p.send(notices)
+
+    def _on_bootstrap(self, peer: str, msg: m.RoomBootstrap, now: float):
+        """(work, notices) of a decode's RoomBootstrap (under the lock): one whose pages or
+        staging region this data path cannot write is answered with a 400."""
+        hello = self.hellos.get(peer)
+        if hello is None:  # declared dead meanwhile: its rooms are failing
+            return [], []
+        shared = (max(self.kv.layer_start, hello.layer_start),
+                  min(self.kv.layer_end, hello.layer_end))
+        why = self.data.check_bootstrap(hello, msg, shared)
+        if why is not None:
+            self.rooms.refusals.drop(f"RoomBootstrap of room {msg.room} from {peer}: {why}")
+            return [], [(peer, m.RoomFailed(msg.room, msg.nonce, self.rank, why, 400))]
+        return self.rooms.on_bootstrap(peer, msg, now, (hello.layer_start, hello.layer_end))
 
     def _dispatch(self) -> None:
         while True:
@@ -243,10 +272,11 @@ class KVSender:
             notices = self.rooms.tick(now)
             dead = self._p.liveness.dead(now)
             beat = now - self._last_heartbeat >= self._p.timing.heartbeat_interval_s
-            if beat:
+            if beat:  # each decode hears of its own rooms only
                 self._last_heartbeat = now
-                hb = m.Heartbeat(self.name, self.rooms.heartbeat_rooms())
-                notices += [(peer, hb) for peer in self._p.conns]
+                rooms = self.rooms.heartbeats()
+                notices += [(peer, m.Heartbeat(self.name, rooms.get(peer, [])))
+                            for peer in self._p.conns]
         for peer in dead:
             log.warning("decode %s missed its heartbeats: dropping its rooms", peer)
             self._peer_dead(peer)

@@ -42,6 +42,15 @@ class TcpDataPath:
     def payload_bytes(self, num_pages: int, num_layers: int) -> int:
         return 2 * num_layers * num_pages * self.kv.page_bytes
 
+    def check_hello(self, hello: m.DecodeHello) -> str | None:
+        return None  # the decode reads the bytes into its own pages itself
+
+    def check_bootstrap(self, hello: m.DecodeHello, msg: m.RoomBootstrap,
+                        layers: tuple[int, int]) -> str | None:
+        if msg.staging_addr:
+            return "a tcp decode has no staging region (staging_addr must be 0)"
+        return None
+
     def send(self, conn: Channel, header: m.KVChunk, src_pages: list[int], dst_pages: list[int],
              hello: m.DecodeHello) -> None:
         idx = torch.tensor(src_pages, dtype=torch.long)

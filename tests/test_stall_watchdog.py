@@ -21,6 +21,7 @@ try:
 except ImportError:
     from test_server import start_server, stop_server
 
+from pipefill.config import ServerArgs
 from pipefill.runtime.heartbeat import Board, StageHeartbeat, StallWatch
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
@@ -133,6 +134,11 @@ def test_work_that_stops_on_another_node_names_the_first_stage_there(tmp_path):
     stall = watch.check(True, 4.1)
     assert (stall.rank, stall.watched) == (2, False)
     assert stall.sentence(None).startswith("stage 2 (on another node) stalled")
+
+
+def test_a_negative_stall_timeout_is_refused_with_a_sentence():
+    with pytest.raises(ValueError, match=r"--stage-stall-timeout must be >= 0 \(0 = off\)"):
+        ServerArgs(stage_stall_timeout=-1)
 
 
 # ---- a real server -------------------------------------------------------------------------

@@ -8,7 +8,8 @@ front end only reads, so a stage stopped by SIGSTOP, stuck in a C call or spinni
 leaves its counters frozen without having to say anything.
 
 Per stage, three int64 counters:
-  beats    stage 0 only: every loop iteration, every spin while it waits for a result
+  beats    stage 0 only: every loop iteration, every forward, every spin while it waits for
+           a result
   passed   micro-batches this stage's loop finished and handed to its pipe (stage 0: launched
            down the pipe; the last stage: results for stage 0); control messages not counted
   retired  stage 0 only: results taken back from the last stage
@@ -23,10 +24,12 @@ it (it never finished it), or the last stage if all passed it on (its result nev
 stage 0 that is still beating). So a stage blocked on a wedged neighbour is not blamed: the
 upstream one keeps beating or has passed its work on, the downstream one simply waits.
 
-What cannot be told apart: a stage frozen in the milliseconds between handing a micro-batch
-to its sender thread and the send is blamed on the next stage (the counters look the same as
-a next stage frozen before it took the micro-batch). Stages on other nodes cannot map the file:
-a micro-batch that stops at one of them names the first stage there, as "on another node".
+What cannot be told apart: a middle stage (not the first, not the last) frozen in the
+milliseconds between handing a micro-batch to its sender thread and the send is blamed on the
+next stage (the counters look the same as a next stage frozen before it took the micro-batch);
+nor a wedged stage from one whose single forward outlasts the timeout, hence the advice in the
+flag's help. Stages on other nodes cannot map the file: a micro-batch that stops at one of them
+names the first stage there, as "on another node".
 """
 from __future__ import annotations
 

@@ -266,8 +266,8 @@ def test_a_long_prefill_that_keeps_progressing_is_not_declared_stalled(wider_mod
         print(f"\nprefill of {len(prompt)} tokens in 48 chunks: {took:.1f} s "
               f"(--stage-stall-timeout {timeout_s})")
         assert r.status_code == 200, r.text
-        # Only meaningful if the request outlived the timeout several times over.
-        assert took > 3 * timeout_s, took
+        # Only meaningful if the request outlived the timeout (about 10x on 2 busy cores).
+        assert took > 2 * timeout_s, f"the prefill took only {took:.1f} s: use a longer prompt"
         assert httpx.get(url + "/health", timeout=5).status_code == 200
         assert metric(url, "pipefill_stage_restarts_total") == 0
     finally:

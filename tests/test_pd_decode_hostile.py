@@ -34,7 +34,8 @@ from pipefill.scheduler.plan import NewRequest, PDInfo, SamplingParams
 from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig
 
 from conftest import save_tiny_model
-from test_pd_router import free_port, metric, spawn_server, stop, wait_healthy
+from test_pd_router import (free_port, metric, spawn_server, stop, wait_healthy,
+                            wait_pages_free)
 
 LAYERS = 4
 VOCAB = 512
@@ -330,15 +331,15 @@ def pair(tmp_path_factory):
     try:
         for name in procs:
             wait_healthy(procs[name], urls[name])
-        yield procs, urls, bport
+        yield procs, urls, bport, model
     finally:
         stop(*procs.values())
 
 
-def post(url: str, port: int, room: int, timeout: float = 60) -> httpx.Response:
+def post(url: str, port, room: int, timeout: float = 60, host="127.0.0.1") -> httpx.Response:
     return httpx.post(url + "/v1/completions", timeout=timeout, json={
         "model": "m", "prompt": PROMPT, "max_tokens": 4, "temperature": 0,
-        "bootstrap_room": room, "bootstrap_host": "127.0.0.1", "bootstrap_port": port})
+        "bootstrap_room": room, "bootstrap_host": host, "bootstrap_port": port})
 
 
 def stage_pids(proc) -> set[int]:
@@ -357,7 +358,7 @@ def served_normally(urls: dict, bport: int, room: int) -> httpx.Response:
 @pytest.mark.slow
 @pytest.mark.filterwarnings("ignore::DeprecationWarning")
 def test_fake_bootstraps_fail_their_requests_and_the_decode_serves_on(pair):
-    procs, urls, bport = pair
+    procs, urls, bport, _ = pair
     first = served_normally(urls, bport, room=100)
     assert first.status_code == 200, first.text
     pids = stage_pids(procs["decode"])
@@ -384,8 +385,13 @@ def test_fake_bootstraps_fail_their_requests_and_the_decode_serves_on(pair):
             assert r.status_code == status, (name, r.text)
             assert f"bootstrap 127.0.0.1:{peer.port}" in r.text and needle in r.text, r.text
             assert took < CONNECT_TIMEOUT_S + 2, f"{name}: the request took {took:.1f} s"
+        # Fields the decode cannot use are refused at the door.
+        for port, host in ((70000, "127.0.0.1"), ("8998", "127.0.0.1"), (bport, "a b")):
+            r = post(urls["decode"], port, 250, host=host)
+            assert r.status_code == 400 and "bootstrap_" in r.text, r.text
         # The same stages serve on: nothing restarted, nothing was held.
-        assert httpx.get(urls["decode"] + "/health", timeout=5).json() == {"status": "ok"}
+        wait_pages_free(urls["decode"], 10)
+        assert httpx.get(urls["decode"] + "/health", timeout=5).json()["status"] == "ok"
         assert metric(urls["decode"], "pipefill_stage_restarts_total") == 0
         assert stage_pids(procs["decode"]) == pids
         again = served_normally(urls, bport, room=300)
@@ -403,7 +409,7 @@ def test_a_repeated_room_is_refused_on_both_sides_and_the_first_is_served(pair):
     """The prefill holds room 400's pages for its decode; a second request with room 400 gets
     a 400 there and at the decode (where the first waits for its KV from a silent bootstrap),
     and neither first request is touched."""
-    procs, urls, bport = pair
+    procs, urls, bport, _ = pair
     held = post(urls["prefill"], bport, room=400)  # the prefill's side alone: it waits
     assert held.status_code == 200, held.text
     again = post(urls["prefill"], bport, room=400)
@@ -422,3 +428,27 @@ def test_a_repeated_room_is_refused_on_both_sides_and_the_first_is_served(pair):
     finally:
         silent.close()
     assert metric(urls["decode"], "pipefill_stage_restarts_total") == 0
+
+
+@pytest.mark.slow
+@pytest.mark.filterwarnings("ignore::DeprecationWarning")
+def test_the_prefill_bootstrap_flag_refuses_other_bootstraps(pair):
+    """A decode started with --disaggregation-prefill-bootstrap pairs with that prefill and
+    takes no request naming another bootstrap (a 403 before anything is looked up)."""
+    _, urls, bport, model = pair
+    decode, url = spawn_server(model, "--disaggregation-mode", "decode",
+                               "--disaggregation-insecure", "--disaggregation-prefill-bootstrap",
+                               f"127.0.0.1:{bport}")
+    other = FakePeer(close_at_once)
+    try:
+        wait_healthy(decode, url)
+        r = post(url, other.port, 500)
+        assert r.status_code == 403, r.text
+        assert f"bootstrap 127.0.0.1:{other.port} is not a prefill this decode pairs with " \
+               f"(--disaggregation-prefill-bootstrap 127.0.0.1:{bport})" in r.text
+        assert not other.conns, "the decode looked the refused bootstrap up"
+        served = served_normally({"prefill": urls["prefill"], "decode": url}, bport, room=501)
+        assert served.status_code == 200, served.text
+    finally:
+        other.close()
+        stop(decode)

@@ -231,6 +231,24 @@ def test_write_back_pages_survive_a_clean_stop(model, tmp_path):
     assert stats["cache_hit_tokens_storage"] == 192
 
 
+@pytest.mark.slow
+def test_storage_cap_holds_for_the_stages_of_an_engine(model, tmp_path):
+    """Both stages write one folder under --hicache-storage-max-gb: it stays under the cap,
+    evicts, and the answers are the same as without storage."""
+    prompts = workload()
+    with track(Engine(model, dtype="float32", page_size=16, threads_per_stage=1,
+                      disable_radix_cache=True)) as e:
+        ref = [e.generate([p], max_new_tokens=6, ignore_eos=True)[0].output_ids
+               for p in prompts]
+    cap_gb = 60_000 / 2**30  # about 8 of the 36 pages the six prompts leave
+    out, _, stats = storage_run(model, tmp_path, prompts, hicache_storage_max_gb=cap_gb)
+    assert out == ref
+    stored = sum(p.stat().st_size for p in tmp_path.rglob("*")
+                 if p.is_file() and not p.name.startswith("."))
+    assert 0 < stored <= cap_gb * 2**30
+    assert sum(stage.get("storage_evicted_pages", 0) for stage in stats["stages"]) > 0
+
+
 def run_engine_outputs(path, prompt):
     with track(Engine(path, dtype="float32", page_size=16, threads_per_stage=1,
                       disable_radix_cache=True)) as e:

@@ -31,6 +31,7 @@ import hashlib
 import logging
 import os
 import secrets
+import stat
 import threading
 import time
 import zlib
@@ -371,10 +372,12 @@ def _touch(path: str) -> None:
 
 
 def _size(path: str) -> int:
+    """Bytes of a regular file (0 for anything else: a planted link never counted)."""
     try:
-        return os.lstat(path).st_size
+        st = os.lstat(path)
     except OSError:
         return 0
+    return st.st_size if stat.S_ISREG(st.st_mode) else 0
 
 
 def _remove(path: str, dir_fd: int | None = None) -> bool:

@@ -228,6 +228,20 @@ def test_a_wedged_stage_is_detected_its_requests_fail_and_the_stages_restart(cha
         assert stop_server(proc) == 0
 
 
+@pytest.mark.slow
+def test_in_three_stages_the_wedged_middle_stage_is_named_not_its_neighbours(chat_model):
+    """Stage 1 of 3 stopped: stage 0 keeps beating while it waits for results, stage 2 waits
+    for input with nothing owed; the micro-batch that stopped is at stage 1."""
+    proc, url = start_server(chat_model, None, "--pp-size", "3", "--stage-stall-timeout", "3")
+    try:
+        assert len(children(proc.pid)) == 3
+        wedge_under_load(proc, url, 1, 3)
+        wait_health(url, 200, 90)
+        assert generate(url).status_code == 200
+    finally:
+        assert stop_server(proc) == 0
+
+
 def test_an_idle_server_is_not_declared_stalled(chat_model):
     timeout_s = 1
     proc, url = start_server(chat_model, None, "--stage-stall-timeout", str(timeout_s))

@@ -5,7 +5,8 @@ every answer is checked, and a bad one costs that request a 502 (bad answer) or 
 with a sentence naming the bootstrap.
 
 Fast: the checks of the answers and of the request fields, the deadline against a trickling
-peer, the scheduler's refusal of a room id already live; over real sockets in this process.
+peer and a connect stuck past it, the scheduler's refusal of a room id already live; over real
+sockets and threads in this process.
 Slow: a real decode server (and a real prefill for the normal request) against fake
 bootstraps on real sockets: an empty stage list, a port above 65535, a 64 MiB frame trickled
 a byte a second, a connection closed at once, and a prefill stage that sends a first token
@@ -25,7 +26,8 @@ import pytest
 
 from pipefill.disagg import messages as m
 from pipefill.disagg.bootstrap import lookup_prefill
-from pipefill.disagg.connector import TOO_SLOW, Deadline, PeerError, as_peer_error, lookup
+from pipefill.disagg.connector import (TOO_SLOW, Deadline, PeerError, PrefillConnector,
+                                       as_peer_error, lookup)
 from pipefill.disagg.http_fields import FieldError, pd_info
 from pipefill.disagg.validate import (check_final_meta, check_prefill_info, is_room_in_use,
                                       parse_bootstraps)
@@ -291,6 +293,26 @@ def test_a_bootstrap_that_closes_at_once_is_a_bad_answer_not_a_wait():
         peer.close()
 
 
+def test_a_connect_stuck_past_its_deadline_is_overdue_for_its_requests():
+    """A worker stuck where no socket of the deadline's can be closed (a name lookup, a
+    handshake): the loop need not wait for it to fail the requests with a 504."""
+    release, done = threading.Event(), []
+    connector = PrefillConnector(lambda key, endpoint, deadline: release.wait(10), 0.3,
+                                 lambda key, error: done.append((key, error)))
+    connector.start("stuck:1", m.Endpoint("stuck", 1))
+    connector.start("stuck:1", m.Endpoint("stuck", 1))  # one connect per bootstrap at a time
+    assert connector.overdue() == []
+    time.sleep(0.5)
+    [(key, error)] = connector.overdue()
+    assert key == "stuck:1" and error.status == TOO_SLOW
+    assert "bootstrap stuck:1 did not finish answering within 0.3 s" in str(error)
+    release.set()
+    deadline = time.monotonic() + 5
+    while not done and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert [k for k, _ in done] == ["stuck:1"] and connector.overdue() == []
+
+
 # ------------------------------------------------------------------ a real decode server
 
 PROMPT = [11, 12, 13, 14, 15]
@@ -452,3 +474,4 @@ def test_the_prefill_bootstrap_flag_refuses_other_bootstraps(pair):
     finally:
         other.close()
         stop(decode)
+

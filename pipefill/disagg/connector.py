@@ -150,17 +150,25 @@ class PrefillConnector:
         self._connect, self._timeout_s, self._on_done = connect, timeout_s, on_done
         self._slots = threading.BoundedSemaphore(CONNECT_WORKERS)
         self._lock = threading.Lock()
-        self._busy: set[str] = set()
+        self._busy: dict[str, Deadline] = {}  # key -> the deadline of its connect under way
 
     def start(self, key: str, endpoint: m.Endpoint) -> None:
         """Connects to the prefill at `key` unless a connect to it is under way already."""
         with self._lock:
             if key in self._busy:
                 return
-            self._busy.add(key)
-        # The deadline starts now: a connect that waits for a slot spends its time too.
-        threading.Thread(target=self._run, args=(key, endpoint, Deadline(self._timeout_s)),
-                         name="pd-connect", daemon=True).start()
+            # The deadline starts now: a connect that waits for a slot spends its time too.
+            deadline = self._busy[key] = Deadline(self._timeout_s)
+        threading.Thread(target=self._run, args=(key, endpoint, deadline), name="pd-connect",
+                         daemon=True).start()
+
+    def overdue(self) -> list[tuple[str, PeerError]]:
+        """Connects still under way past their deadline, with the 504 of their requests. A
+        worker may be stuck where closing sockets does not reach (a name lookup, a connect's
+        handshake): its requests need not wait for it."""
+        with self._lock:
+            late = [(key, d) for key, d in self._busy.items() if d.expired]
+        return [(key, as_peer_error(socket.timeout(), key, d)) for key, d in late]
 
     def _run(self, key: str, endpoint: m.Endpoint, deadline: Deadline) -> None:
         error, slot = None, False
@@ -177,5 +185,5 @@ class PrefillConnector:
                 self._slots.release()
             deadline.cancel()
             with self._lock:
-                self._busy.discard(key)
+                self._busy.pop(key, None)
         self._on_done(key, error)

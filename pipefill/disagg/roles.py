@@ -264,6 +264,8 @@ class DecodeStagePD:
                 self._fail_unasked(scheduler, r.pd.room, error, outputs)
         while not self._connects.empty():
             self._connect_ended(scheduler, *self._connects.get(), outputs)
+        for key, error in self.connector.overdue():
+            self._connect_ended(scheduler, key, error, outputs)
         for room in scheduler.dropped_rooms:  # their requests are over: no output
             self._act(scheduler, room, self.pipeline.fail(room), outputs, "the client went away")
         scheduler.dropped_rooms.clear()
@@ -291,10 +293,9 @@ class DecodeStagePD:
                        outputs: list) -> None:
         """Stage 0: asks for the rooms that waited on the connect to `key`, or fails them."""
         for asked in self._take_waiting(key):
-            if error is None:
-                error = self._ask(key, None, asked)
-            if error is not None:
-                self._fail_unasked(scheduler, asked.room, error, outputs)
+            failed = error if error is not None else self._ask(key, None, asked)
+            if failed is not None:
+                self._fail_unasked(scheduler, asked.room, failed, outputs)
 
     def _fail_unasked(self, scheduler, room: int, error: PeerError, outputs: list) -> None:
         """Stage 0: a room this stage never asked for: its receiver has nothing to let go."""

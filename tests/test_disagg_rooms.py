@@ -233,6 +233,10 @@ def test_prefill_pending_rooms_are_bounded_per_peer_and_stored_compactly():
         assert (notices == []) == ok
     assert notices[0][1].status == 503 and "at most 200" in notices[0][1].reason
     assert rooms.live[1].dests["x"].dst_pages.itemsize == 4  # 4 bytes a page id
+    # Its own room again replaces its entry: no growth, still counted once.
+    assert rooms.on_bootstrap("x", boot(room=1, nonce=3, pages=range(1000, 1100)), 0.0) == \
+        ([], [])
+    assert rooms.pending.pages["x"] == 200 and rooms.pending.num_rooms == 2
     # Rooms: at most PENDING_ROOMS_PER_PEER per peer, however small.
     counted = PrefillRooms(0, 10.0, Pool().release)
     for room in range(10, 10 + PENDING_ROOMS_PER_PEER + 5):

@@ -182,18 +182,22 @@ class PendingBudget:
         self.peer_pages = room_pages and PENDING_PAGES_PER_PEER_ROOMS * room_pages
         self.total_pages = room_pages and PENDING_PAGES_TOTAL_ROOMS * room_pages
 
-    def refusal(self, peer: str, pages: int) -> str | None:
-        """Why one more pending room of this peer does not fit its own share, or None."""
-        if len(self.rooms.get(peer, ())) >= PENDING_ROOMS_PER_PEER:
+    def refusal(self, peer: str, room: int, pages: int) -> str | None:
+        """Why this peer's pending room (new, or replacing its entry) does not fit the
+        peer's own share, or None."""
+        mine = self.rooms.get(peer, {})
+        if room not in mine and len(mine) >= PENDING_ROOMS_PER_PEER:
             return (f"this decode already has {PENDING_ROOMS_PER_PEER} rooms waiting for their "
                     "requests on this prefill stage")
-        if self.peer_pages and self.pages.get(peer, 0) + pages > self.peer_pages:
+        growth = pages - mine.get(room, 0)
+        if self.peer_pages and self.pages.get(peer, 0) + growth > self.peer_pages:
             return (f"this decode's rooms waiting for their requests already name "
                     f"{self.pages.get(peer, 0)} pages on this prefill stage (at most "
                     f"{self.peer_pages})")
         return None
 
     def add(self, peer: str, room: int, pages: int) -> None:
+        self.remove(peer, room)
         self.rooms.setdefault(peer, OrderedDict())[room] = pages
         self.pages[peer] = self.pages.get(peer, 0) + pages
         self.num_rooms += 1
@@ -295,8 +299,7 @@ class PrefillRooms:
             return [], [self._failed(peer, msg, e.reason, e.status)]
         r = self.live.get(msg.room)
         if r is None or not r.opened:  # pending: only its page list, within the budget
-            self.pending.remove(peer, msg.room)
-            why = self.pending.refusal(peer, len(pages))
+            why = self.pending.refusal(peer, msg.room, len(pages))
             if why is not None:
                 self.refusals.drop(f"RoomBootstrap of room {msg.room} from {peer}: {why}")
                 return [], [self._failed(peer, msg, why, 503)]

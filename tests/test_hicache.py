@@ -220,7 +220,7 @@ def test_write_back_pages_survive_a_clean_stop(model, tmp_path):
     """write_back saves a page only when it leaves the pool, or at a clean stop: a pool large
     enough to evict nothing still leaves every page on disk for the next engine."""
     prompts = workload()[:2]
-    ref = [run_engine_outputs(model, p).output_ids for p in prompts]
+    ref = no_cache_outputs(model, prompts)
     out, cached, stats = storage_run(model, tmp_path, prompts, hicache_write_policy="write_back")
     assert out == ref and cached == [0, 0]
     assert stats["cache_evicted_pages"] == 0  # nothing was saved by an eviction
@@ -236,10 +236,7 @@ def test_storage_cap_holds_for_the_stages_of_an_engine(model, tmp_path):
     """Both stages write one folder under --hicache-storage-max-gb: it stays under the cap,
     evicts, and the answers are the same as without storage."""
     prompts = workload()
-    with track(Engine(model, dtype="float32", page_size=16, threads_per_stage=1,
-                      disable_radix_cache=True)) as e:
-        ref = [e.generate([p], max_new_tokens=6, ignore_eos=True)[0].output_ids
-               for p in prompts]
+    ref = no_cache_outputs(model, prompts)
     cap_gb = 60_000 / 2**30  # about 8 of the 36 pages the six prompts leave
     out, _, stats = storage_run(model, tmp_path, prompts, hicache_storage_max_gb=cap_gb)
     assert out == ref
@@ -247,6 +244,14 @@ def test_storage_cap_holds_for_the_stages_of_an_engine(model, tmp_path):
                  if p.is_file() and not p.name.startswith("."))
     assert 0 < stored <= cap_gb * 2**30
     assert sum(stage.get("storage_evicted_pages", 0) for stage in stats["stages"]) > 0
+
+
+def no_cache_outputs(path, prompts) -> list[list[int]]:
+    """Each prompt's tokens from one engine without the prefix cache."""
+    with track(Engine(path, dtype="float32", page_size=16, threads_per_stage=1,
+                      disable_radix_cache=True)) as e:
+        return [e.generate([p], max_new_tokens=6, ignore_eos=True)[0].output_ids
+                for p in prompts]
 
 
 def run_engine_outputs(path, prompt):

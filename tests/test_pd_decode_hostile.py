@@ -337,6 +337,19 @@ def lying_stage(real: m.RegisterStage):
     return answer
 
 
+def failing_stage(real: m.RegisterStage):
+    """A prefill stage that fails the room with an odd status and a 100,000-character reason."""
+    def answer(sock):
+        read_msg(sock)  # the hello
+        while not isinstance(msg := read_msg(sock), m.RoomBootstrap):
+            if msg is None:
+                return
+        sock.sendall(frame(m.RoomFailed(msg.room, msg.nonce, real.rank, "x" * 100_000, 200)))
+        while read_msg(sock) is not None:
+            pass
+    return answer
+
+
 @pytest.fixture(scope="module")
 def pair(tmp_path_factory):
     """A real prefill (PP 1) and a real PD decode (PP 1) on the tiny model, both insecure."""
@@ -386,6 +399,9 @@ def test_fake_bootstraps_fail_their_requests_and_the_decode_serves_on(pair):
     pids = stage_pids(procs["decode"])
     real = lookup_prefill(m.Endpoint("127.0.0.1", bport), 10)
     liar = FakePeer(lying_stage(real.stages[0]))
+    failer = FakePeer(failing_stage(real.stages[0]))
+    failing = msgspec.structs.replace(real.stages[0],
+                                      endpoint=m.Endpoint("127.0.0.1", failer.port))
     wide = msgspec.structs.replace(real.stages[0], endpoint=m.Endpoint("127.0.0.1", 70000))
     lying = msgspec.structs.replace(real.stages[0],
                                     endpoint=m.Endpoint("127.0.0.1", liar.port))
@@ -397,7 +413,9 @@ def test_fake_bootstraps_fail_their_requests_and_the_decode_serves_on(pair):
              "closes at once": (FakePeer(close_at_once), 502, "cannot reach"),
              "token outside the vocabulary": (FakePeer(answers(m.PrefillInfo([lying]))), 502,
                                               f"first token {VOCAB + 7} is outside the "
-                                              "vocabulary")}
+                                              "vocabulary"),
+             "a 100,000-character failure": (FakePeer(answers(m.PrefillInfo([failing]))), 500,
+                                             "failed: prefill stage 0 failed: xxx")}
     try:
         for room, (name, (peer, status, needle)) in enumerate(fakes.items(), start=200):
             t0 = time.monotonic()
@@ -406,6 +424,7 @@ def test_fake_bootstraps_fail_their_requests_and_the_decode_serves_on(pair):
             print(f"fake bootstrap '{name}': HTTP {r.status_code} after {took:.2f} s")
             assert r.status_code == status, (name, r.text)
             assert f"bootstrap 127.0.0.1:{peer.port}" in r.text and needle in r.text, r.text
+            assert len(r.text) < 5000, f"{name}: a {len(r.text)}-character answer"
             assert took < CONNECT_TIMEOUT_S + 2, f"{name}: the request took {took:.1f} s"
         # Fields the decode cannot use are refused at the door.
         for port, host in ((70000, "127.0.0.1"), ("8998", "127.0.0.1"), (bport, "a b")):
@@ -423,6 +442,7 @@ def test_fake_bootstraps_fail_their_requests_and_the_decode_serves_on(pair):
         for peer, _, _ in fakes.values():
             peer.close()
         liar.close()
+        failer.close()
 
 
 @pytest.mark.slow

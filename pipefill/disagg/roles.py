@@ -46,6 +46,7 @@ log = logging.getLogger(__name__)
 TIMELINE = "pd-timeline room %d %s %.6f"
 
 REMEMBERED_ROOMS = 4096
+MAX_REASON = 2000  # characters of a prefill's failure reason passed on: a sentence, not a dump
 STARTUP_LOOKUP_TIMEOUT_S = 120.0  # --disaggregation-prefill-bootstrap: the prefill may load
 
 
@@ -304,10 +305,13 @@ class DecodeStagePD:
 
     def _finished(self, scheduler, res, outputs: list) -> None:
         if not res.ok:
+            r = scheduler.rooms.get(res.room)
+            prefill = "the prefill server" + \
+                (f" at bootstrap {r.pd.host}:{r.pd.port}" if r is not None else "")
             if 400 <= res.status < 500:  # the prefill refused the request: the client's fault
-                why = f"the prefill server refused this request: {res.reason}"
+                why = f"{prefill} refused this request: {res.reason[:MAX_REASON]}"
             else:
-                why = f"the KV transfer from the prefill server failed: {res.reason}"
+                why = f"the KV transfer from {prefill} failed: {res.reason[:MAX_REASON]}"
             self._act(scheduler, res.room, self.pipeline.fail(res.room), outputs, why,
                       res.status)
             return

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pipefill.disagg import messages as m
+from pipefill.disagg import rooms as rooms_mod
 from pipefill.disagg.rooms import DecodeRooms, Item, Liveness, PrefillRooms
 from pipefill.kv.pool import PagePool
 
@@ -225,7 +226,6 @@ def test_prefill_refuses_malformed_bootstraps_with_a_400(pages, expected, needle
 
 
 def test_prefill_pending_rooms_are_bounded_per_peer_and_stored_compactly():
-    from pipefill.disagg.rooms import PENDING_ROOMS_PER_PEER
     rooms = PrefillRooms(0, 10.0, Pool().release, max_room_pages=100)
     # Pages: at most 2 rooms' worth per peer (200 page ids).
     for room, ok in ((1, True), (2, True), (3, False)):
@@ -239,9 +239,10 @@ def test_prefill_pending_rooms_are_bounded_per_peer_and_stored_compactly():
     assert rooms.pending.pages["x"] == 200 and rooms.pending.num_rooms == 2
     # Rooms: at most PENDING_ROOMS_PER_PEER per peer, however small.
     counted = PrefillRooms(0, 10.0, Pool().release)
-    for room in range(10, 10 + PENDING_ROOMS_PER_PEER + 5):
+    per_peer = rooms_mod.PENDING_ROOMS_PER_PEER
+    for room in range(10, 10 + per_peer + 5):
         counted.on_bootstrap("y", boot(room=room, pages=[1]), 0.0)
-    assert len(counted.pending.rooms["y"]) == len(counted.live) == PENDING_ROOMS_PER_PEER
+    assert len(counted.pending.rooms["y"]) == len(counted.live) == per_peer
     # Opening a room takes it out of the budget; ending one does too.
     rooms.open(1, 0.1)
     assert rooms.pending.pages["x"] == 100
@@ -252,7 +253,6 @@ def test_prefill_pending_rooms_are_bounded_per_peer_and_stored_compactly():
 
 
 def test_prefill_full_pending_budget_evicts_the_biggest_holder_first():
-    from pipefill.disagg import rooms as rooms_mod
     rooms = PrefillRooms(0, 10.0, Pool().release, max_room_pages=10)
     total = rooms_mod.PENDING_PAGES_TOTAL_ROOMS * 10  # 80 page ids in all
     per_peer = rooms_mod.PENDING_PAGES_PER_PEER_ROOMS * 10  # 20 per peer

@@ -23,9 +23,12 @@ import httpx
 import pytest
 import torch
 
+from pipefill.cli.main import build_parser
+from pipefill.cli.serve_pd import commands
 from pipefill.disagg import channel as ch
 from pipefill.disagg import messages as m
 from pipefill.disagg.bootstrap import lookup_prefill
+from pipefill.disagg.launch import deployment_secret
 from pipefill.disagg.transfer import KVTensors, Timing
 from pipefill.disagg.transfer_mooncake import (TransferFailed, check_bootstrap, check_hello,
                                                check_writes)
@@ -34,7 +37,8 @@ from pipefill.disagg.transfer_sender import KVSender
 
 from test_disagg_transfer import (FAST, LAYERS, PAGE, ROOM, Pool, assert_pages_equal,
                                   random_kv, send_request, start_prefill, wait_until)
-from test_pd_router import chat_model, free_port, spawn_server, stop, wait_healthy  # noqa: F401
+from test_pd_router import (chat_model, free_port, metric, spawn_server, stop,  # noqa: F401
+                            wait_healthy, wait_pages_free)
 
 
 class RawDecode:
@@ -320,9 +324,6 @@ def test_a_pd_server_without_a_secret_does_not_start():
 
 
 def test_serve_pd_makes_a_private_secret_file_for_both_servers():
-    from pipefill.cli.main import build_parser
-    from pipefill.cli.serve_pd import commands
-    from pipefill.disagg.launch import deployment_secret
     ns = build_parser().parse_args(["serve-pd"])
     with deployment_secret([]) as flags:
         path = flags[1]
@@ -348,7 +349,6 @@ def test_an_insecure_prefill_says_so_and_frees_unclaimed_rooms_at_the_claim_time
     (--max-running-requests 1) and requests whose rooms no decode ever claims: each frees its
     pages and the slot at the 2 s claim timeout, so three in a row take seconds, not the
     bootstrap timeout (120 s) each."""
-    from test_pd_router import metric, wait_pages_free
     bport = free_port()
     log = tmp_path / "prefill.log"
     with open(log, "w") as f:

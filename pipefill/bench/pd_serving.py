@@ -36,7 +36,9 @@ import sys
 import tempfile
 import time
 
+from pipefill.disagg.launch import deployment_secret, stop
 from pipefill.runtime.platform import cpu_name
+from pipefill.runtime.wire import read_cluster_secret
 
 CONFIGS = ("pd", "pp1", "pp2")
 SET_HERE = ("--pp-size", "--port", "--host", "--threads-per-stage", "--disaggregation-mode",
@@ -288,7 +290,6 @@ def prefill_shape(bport: int, flags: list[str]):
     flags: the prefill's, for its cluster secret."""
     from pipefill.disagg import messages as m
     from pipefill.disagg.bootstrap import lookup_prefill
-    from pipefill.runtime.wire import read_cluster_secret
     secret = read_cluster_secret(_flag_value(flags, "--cluster-secret"),
                                  _flag_value(flags, "--cluster-secret-file"))
     return lookup_prefill(m.Endpoint("127.0.0.1", bport), 30, secret=secret).stages[0]
@@ -332,14 +333,12 @@ def print_timeline(t: dict, xfer: dict) -> None:
 # ---------------------------------------------------------------- the sitting
 
 def run(a: argparse.Namespace) -> int:
-    from pipefill.disagg.launch import deployment_secret
     configs, cores, extra, outs = check_args(a)
     with deployment_secret(extra) as secret_flags:  # the PD servers' cluster secret
         return run_configs(a, configs, cores, extra, outs, secret_flags)
 
 
 def run_configs(a, configs, cores, extra, outs, secret_flags) -> int:
-    from pipefill.disagg.launch import stop
     if _flag_value(extra, "--max-model-len") is None:
         extra += ["--max-model-len", str(a.max_model_len or max_model_len(a, outs))]
     tokenizer = _flag_value(extra, "--model-path")

@@ -313,6 +313,9 @@ class ServerArgs:
                              "--hicache-mooncake-master HOST:PORT")
         if self.hicache_storage_max_gb is not None and self.hicache_storage_max_gb <= 0:
             raise ValueError("--hicache-storage-max-gb must be positive")
+        if self.hicache_storage_max_gb is not None and self.hicache_storage_backend != "file":
+            raise ValueError("--hicache-storage-max-gb caps the file storage tier: it needs "
+                             "--hicache-storage-backend file (Mooncake sizes its own store)")
         if self.hicache_prefetch_timeout < 0:
             raise ValueError("--hicache-prefetch-timeout must be >= 0")
         if self.hicache_ratio <= 0 or (self.hicache_size is not None and self.hicache_size <= 0):

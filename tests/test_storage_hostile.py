@@ -338,3 +338,16 @@ def test_abort_while_fetching_frees_the_pages(tmp_path):
         freed = scheduler.kv.drain_ops().freed
         assert sorted(freed) == sorted(op.page for op in fetch.page_ops.cache_ops)
         assert scheduler.pool.num_free == 32 and scheduler.kv.cache.num_pages == 0
+
+
+def test_storage_cap_flag_needs_the_file_backend(tmp_path):
+    with pytest.raises(ValueError, match="must be positive"):
+        ServerArgs(hicache_storage_backend="file", hicache_storage_dir=str(tmp_path),
+                   hicache_storage_max_gb=0)
+    with pytest.raises(ValueError, match="needs --hicache-storage-backend file"):
+        ServerArgs(hicache_storage_backend="mooncake", hicache_mooncake_master="h:1",
+                   hicache_storage_max_gb=1)
+    with pytest.raises(ValueError, match="needs --hicache-storage-backend file"):
+        ServerArgs(hicache_storage_max_gb=1)
+    ServerArgs(hicache_storage_backend="file", hicache_storage_dir=str(tmp_path),
+               hicache_storage_max_gb=0.5)

@@ -41,3 +41,21 @@ def test_glue_folder_per_version(tmp_path, header):
     assert build.glue_dir(tmp_path, [src, header], ["/x/k-bbbb.o"]) != one  # a new object
     src.write_text("int pf_test_value() { return 4; }\n")
     assert build.glue_dir(tmp_path, [src, header], ["/x/k-aaaa.o"]) != one  # a new glue source
+
+
+@pytest.mark.timeout(300)
+def test_a_lock_file_left_by_a_killed_builder_does_not_hang_the_next_build(tmp_path, header):
+    """cpp_extension's own `lock` file outlives a builder killed mid-build; the next build must
+    take it for stale (it holds the folder's flock) instead of waiting on it forever."""
+    out = tmp_path / "out"
+    out.mkdir()
+    obj = build.compile_object(_source(tmp_path, "k.cpp", 7), header, ["-O1", "-fPIC"], out, "k")
+    glue = tmp_path / "glue.cpp"
+    glue.write_text("extern int pf_test_value(); int pf_glue_value() { return pf_test_value(); }\n")
+    first = build.link_glue("pf_test_glue", glue, [header], [str(obj)], out,
+                            is_python_module=False)
+    folder = build.glue_dir(out, [glue, header], [str(obj)])
+    (folder / "lock").touch()  # what a builder killed inside cpp_extension leaves
+    again = build.link_glue("pf_test_glue", glue, [header], [str(obj)], out,
+                            is_python_module=False)
+    assert again == first and not (folder / "lock").exists()

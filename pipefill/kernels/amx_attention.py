@@ -50,7 +50,7 @@ import torch
 
 from pipefill.kernels.build import LazyExtension
 from pipefill.kernels.build import build_dir as kernel_build_dir
-from pipefill.kernels.build import compile_object, glue_dir, require_ninja
+from pipefill.kernels.build import compile_object, link_glue, require_ninja
 from pipefill.runtime.platform import cpu_flags
 
 log = logging.getLogger("pipefill.kernels")
@@ -72,8 +72,6 @@ _status: tuple[bool, str] | None = None
 
 
 def _build():
-    import torch.utils.cpp_extension as cpp_ext
-
     require_ninja("the AMX attention kernel")
     build_dir = kernel_build_dir("amx_attention")
     name = "pipefill_amx_attention"
@@ -84,10 +82,8 @@ def _build():
         print(msg, file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     obj = compile_object(_KERNEL_SRC, _HEADER, AMX_FLAGS, build_dir, "amx_kernel")
-    mod = cpp_ext.load(name=name, sources=[str(_GLUE_SRC)], extra_cflags=GLUE_FLAGS,
-                       extra_ldflags=[str(obj), "-fopenmp"], extra_include_paths=[str(_CSRC)],
-                       build_directory=str(glue_dir(build_dir, [_GLUE_SRC, _HEADER], [str(obj)])),
-                       verbose=False)
+    mod = link_glue(name, _GLUE_SRC, [_HEADER], [str(obj)], build_dir,
+                    extra_cflags=GLUE_FLAGS, extra_include_paths=[str(_CSRC)])
     dt = time.perf_counter() - t0
     if dt > 2:
         log.info("pipefill AMX attention kernel ready after %.0f s", dt)

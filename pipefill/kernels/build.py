@@ -3,6 +3,7 @@ with their flags (and nothing else is), then torch.utils.cpp_extension links the
 compiled for the baseline CPU. Everything is cached under ~/.cache/pipefill/kernels."""
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import subprocess
@@ -12,6 +13,7 @@ import time
 from pathlib import Path
 
 import torch
+import torch.utils.cpp_extension as cpp_ext
 
 
 def build_dir(name: str) -> Path:
@@ -24,7 +26,6 @@ def build_dir(name: str) -> Path:
 def require_ninja(what: str) -> None:
     """cpp_extension looks ninja up on PATH; a venv's python run by absolute path does not put
     the venv's bin (where `pip install ninja` puts it) there."""
-    import torch.utils.cpp_extension as cpp_ext
     bindir = str(Path(sys.executable).parent)
     path = os.environ.get("PATH", "")
     if bindir not in path.split(os.pathsep):
@@ -93,6 +94,26 @@ def glue_dir(out_dir: Path, sources: list[Path], objects: list[str]) -> Path:
     path.mkdir(exist_ok=True)
     os.utime(path)
     return path
+
+
+def link_glue(name: str, glue_src: Path, hashed: list[Path], objects: list[str], out_dir: Path,
+              **load_kwargs):
+    """cpp_extension.load of one glue source linked with `objects`, in its glue_dir.
+
+    cpp_extension serialises builders with a `lock` file it creates and deletes itself, so a
+    builder killed mid-build (Ctrl-C, a test's timeout) leaves it behind and every later build
+    waits on it forever. Builders of this folder hold an flock first, which the kernel drops
+    when its holder dies: whoever holds it knows that any `lock` file left there is stale."""
+    folder = glue_dir(out_dir, [glue_src, *hashed], objects)
+    fd = os.open(folder / "build.flock", os.O_CREAT | os.O_RDWR, 0o600)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        (folder / "lock").unlink(missing_ok=True)
+        return cpp_ext.load(name=name, sources=[str(glue_src)],
+                            extra_ldflags=[*objects, "-fopenmp"], build_directory=str(folder),
+                            verbose=False, **load_kwargs)
+    finally:
+        os.close(fd)
 
 
 class LazyExtension:

@@ -39,7 +39,7 @@ import torch
 
 from pipefill.kernels.build import LazyExtension
 from pipefill.kernels.build import build_dir as kernel_build_dir
-from pipefill.kernels.build import compile_object, glue_dir, require_ninja
+from pipefill.kernels.build import compile_object, link_glue, require_ninja
 from pipefill.runtime.platform import cpu_flags
 
 log = logging.getLogger("pipefill.kernels")
@@ -67,19 +67,14 @@ GLUE_FLAGS = ["-O3", "-std=c++17", "-fopenmp"]
 
 
 def _build():
-    import torch.utils.cpp_extension as cpp_ext
-
     require_ninja("the CPU attention kernels")
     build_dir = kernel_build_dir("cpu_attention")
     t0 = time.perf_counter()
     objs = [str(compile_object(_KERNEL_SRC, _HEADER, flags + [f"-DPF_ATTN_NS={isa}"], build_dir,
                                f"cpu_attn_{isa}"))
             for isa, flags in ISA_FLAGS.items()]
-    mod = cpp_ext.load(name="pipefill_cpu_attention", sources=[str(_GLUE_SRC)],
-                       extra_cflags=GLUE_FLAGS, extra_ldflags=[*objs, "-fopenmp"],
-                       extra_include_paths=[str(_CSRC)],
-                       build_directory=str(glue_dir(build_dir, [_GLUE_SRC, _HEADER], objs)),
-                       verbose=False)
+    mod = link_glue("pipefill_cpu_attention", _GLUE_SRC, [_HEADER], objs, build_dir,
+                    extra_cflags=GLUE_FLAGS, extra_include_paths=[str(_CSRC)])
     if time.perf_counter() - t0 > 2:
         log.info("pipefill CPU attention kernels ready after %.0f s", time.perf_counter() - t0)
     return mod

@@ -43,7 +43,7 @@ from pathlib import Path
 
 import torch
 
-from pipefill.kernels.build import build_dir, compile_object, glue_dir, require_ninja
+from pipefill.kernels.build import build_dir, compile_object, link_glue, require_ninja
 
 log = logging.getLogger("pipefill.kernels")
 
@@ -73,18 +73,14 @@ _status: dict[str, tuple[bool, str]] | None = None
 
 
 def _build() -> str:
-    import torch.utils.cpp_extension as cpp_ext
     require_ninja("the decode GEMM")
     out = build_dir("decode_gemm")
     t0 = time.perf_counter()
     objs = [str(compile_object(_CSRC / f"decode_gemm_{isa}.cpp", (_HEADER, _STORE512), flags,
                                out, f"decode_gemm_{isa}")) for isa, flags in ISA_FLAGS.items()]
-    path = cpp_ext.load(name="pipefill_decode_gemm", sources=[str(_CSRC / "decode_gemm.cpp")],
-                        extra_cflags=["-O3", "-std=c++17", "-fopenmp"],
-                        extra_ldflags=[*objs, "-fopenmp"], extra_include_paths=[str(_CSRC)],
-                        build_directory=str(glue_dir(out, [_CSRC / "decode_gemm.cpp", _HEADER],
-                                                     objs)),
-                        is_python_module=False, verbose=False)
+    path = link_glue("pipefill_decode_gemm", _CSRC / "decode_gemm.cpp", [_HEADER], objs, out,
+                     extra_cflags=["-O3", "-std=c++17", "-fopenmp"],
+                     extra_include_paths=[str(_CSRC)], is_python_module=False)
     if time.perf_counter() - t0 > 1:
         log.info("pipefill decode GEMM built in %.1f s (%s)", time.perf_counter() - t0, out)
     return path

@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 
 from pipefill.kernels.build import build_dir as kernel_build_dir
-from pipefill.kernels.build import compile_object, glue_dir, require_ninja
+from pipefill.kernels.build import compile_object, link_glue, require_ninja
 from pipefill.runtime.platform import cpu_flags
 
 log = logging.getLogger("pipefill.kernels")
@@ -87,8 +87,6 @@ _status: tuple[bool, str] | None = None
 # ----------------------------------------------------------------------------- build / check
 
 def _build() -> str:
-    import torch.utils.cpp_extension as cpp_ext
-
     require_ninja("the fused ops")
     build_dir = kernel_build_dir("fused_ops")
     t0 = time.perf_counter()
@@ -108,11 +106,9 @@ def _build() -> str:
                                            fallback + [f"-DPF_FUSED_NS={variant}"], build_dir,
                                            f"fused_{variant}-fallback")))
     objs.append(str(compile_object(_AVX2_SRC, _HEADER, AVX2_FLAGS, build_dir, "fused_avx2")))
-    path = cpp_ext.load(name="pipefill_fused_ops", sources=[str(_GLUE_SRC)],
-                        extra_cflags=GLUE_FLAGS, extra_ldflags=[*objs, "-fopenmp"],
-                        extra_include_paths=[str(_CSRC)],
-                        build_directory=str(glue_dir(build_dir, [_GLUE_SRC, _HEADER], objs)),
-                        is_python_module=False, verbose=False)
+    path = link_glue("pipefill_fused_ops", _GLUE_SRC, [_HEADER], objs, build_dir,
+                     extra_cflags=GLUE_FLAGS, extra_include_paths=[str(_CSRC)],
+                     is_python_module=False)
     dt = time.perf_counter() - t0
     if dt > 1:
         log.info("pipefill fused ops built in %.1f s (%s)", dt, build_dir)

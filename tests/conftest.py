@@ -3,6 +3,7 @@ and a page-integrity check after every test on every engine a test module starte
 from __future__ import annotations
 
 import gc
+import time
 
 import pytest
 import torch
@@ -131,6 +132,16 @@ def assert_pages_free(engine) -> None:
         assert stage["integrity"] == "ok", stats
         assert stage["pages_total"] == stats["pages_total"], stats
         assert stage["owned_pages"] == stats["pages_used"], stats
+
+
+def wait_until(cond, timeout_s=10.0) -> bool:
+    """True once cond() holds (polled every 20 ms); False if it still fails after timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        if cond():
+            return True
+        time.sleep(0.02)
+    return cond()
 
 
 @pytest.fixture(autouse=True)

@@ -17,6 +17,7 @@ import time
 import pytest
 import torch
 
+from conftest import wait_until
 from pipefill.disagg import messages as m
 from pipefill.disagg.bootstrap import BootstrapServer, lookup_prefill, register_stage
 from pipefill.disagg.transfer import KVTensors, Timing
@@ -61,15 +62,6 @@ class Pool:
         with self.lock:
             self.pool.check_integrity()
             return self.pool.num_free == PAGES
-
-
-def wait_until(cond, timeout_s=10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 def assert_pages_equal(src: KVTensors, src_pages, dst: KVTensors, dst_pages):

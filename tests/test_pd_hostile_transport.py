@@ -18,6 +18,7 @@ import msgspec
 import pytest
 import torch
 
+from conftest import wait_until
 from pipefill.bench.memory import proc_status_bytes
 from pipefill.disagg import channel as ch
 from pipefill.disagg import messages as m
@@ -66,15 +67,6 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
-
-
-def wait_until(cond, timeout_s=10.0) -> bool:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        if cond():
-            return True
-        time.sleep(0.02)
-    return cond()
 
 
 def read_to_eof(sock: socket.socket, timeout_s: float = 10.0) -> bytes:

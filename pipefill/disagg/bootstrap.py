@@ -24,6 +24,7 @@ import time
 
 from pipefill.disagg import channel as ch
 from pipefill.disagg import messages as m
+from pipefill.disagg.validate import check_tiling
 
 log = logging.getLogger(__name__)
 
@@ -194,12 +195,4 @@ def check_compatible(info: m.PrefillInfo, *, page_size: int, kv_dtype: str,
     if s.backend != backend:
         raise ValueError(f"the prefill server uses --disaggregation-transfer-backend "
                          f"{s.backend}, this decode {backend}: use the same on both")
-    edge = 0
-    for st in info.stages:
-        if st.layer_start != edge or st.layer_end <= st.layer_start:
-            raise ValueError(f"the prefill stages' layers do not tile the model: stage "
-                             f"{st.rank} has [{st.layer_start}, {st.layer_end}), expected to "
-                             f"start at {edge}")
-        edge = st.layer_end
-    if edge != num_layers:
-        raise ValueError(f"the prefill stages cover {edge} of {num_layers} layers")
+    check_tiling(info.stages, num_layers)

@@ -98,7 +98,7 @@ def check_prefill_info(info: m.PrefillInfo, num_layers: int) -> list[m.RegisterS
     for s in stages:
         _check_stage(s, len(stages))
         _check_agrees(s, stages[0])
-    _check_tiling(stages, num_layers)
+    check_tiling(stages, num_layers)
     return stages
 
 
@@ -123,7 +123,8 @@ def _check_agrees(s: m.RegisterStage, first: m.RegisterStage) -> None:
                              f"stage 0's {getattr(first, name)!r:.40}")
 
 
-def _check_tiling(stages: list[m.RegisterStage], num_layers: int) -> None:
+def check_tiling(stages: list[m.RegisterStage], num_layers: int) -> None:
+    """The stages' layer ranges, in rank order, cover [0, num_layers) without gap or overlap."""
     edge = 0
     for s in stages:
         if s.layer_start != edge or s.layer_end <= s.layer_start:

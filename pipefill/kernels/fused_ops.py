@@ -33,9 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
-import os
 import platform
-import sys
 import threading
 import time
 from pathlib import Path

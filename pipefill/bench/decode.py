@@ -11,11 +11,11 @@ sampling, as on a last stage). Timed, interleaved per repetition:
 * general  — the packed GEMM, but every layer through StageModel._layer instead of the lean
              decode path (model/decode_step.py): what the per-call overhead costs;
 * engine   — pipefill's whole `Engine.generate` loop (front end, scheduler, stage process,
-             sampling, detokenization), timed exactly as HF's is: per step
-             (time of 1 + S new tokens - time of 1 new token) / S, batch of equal prompts,
-             the prefix cache off so both recompute the prompt;
-* HF       — transformers `generate` on the same weights and dtype in this process, timed the
-             same way, alternating with `engine` in every repetition.
+             sampling, detokenization) for 1 + S new tokens, timed as HF's is: per step
+             (last token - first token) / S, a batch of equal prompts, the prefix cache off;
+* HF       — transformers `generate` on the same weights and dtype in this process, the same
+             way (a streamer notes each step's tokens), alternating with `engine` in every
+             repetition.
 
 Every repetition visits all (batch, context) cases in turn, so the ratios between batch sizes
 come from steps timed side by side (this machine's speed drifts by tens of percent within
@@ -225,31 +225,51 @@ def equal_prompts(batch: int, context: int, vocab: int) -> torch.Tensor:
     return torch.randint(100, vocab, (1, context), generator=g).repeat(batch, 1)
 
 
-def hf_generate_seconds(model, ids: torch.Tensor, n: int) -> float:
+class _TokenClock:
+    """A transformers streamer that only notes when each step's tokens arrive (the first put is
+    the prompt)."""
+
+    def __init__(self):
+        self.stamps: list[float] = []
+
+    def put(self, value) -> None:
+        self.stamps.append(time.perf_counter())
+
+    def end(self) -> None:
+        pass
+
+
+def hf_decode_ms(model, ids: torch.Tensor, steps: int) -> float:
+    """ms per step of HF generate after its first token: (last token - first token) / steps."""
+    clock = _TokenClock()
     with torch.inference_mode():
-        return _timed(lambda: model.generate(
-            ids, attention_mask=torch.ones_like(ids), max_new_tokens=n, min_new_tokens=n,
-            do_sample=False, pad_token_id=0))
+        model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=1 + steps,
+                       min_new_tokens=1 + steps, do_sample=False, pad_token_id=0,
+                       streamer=clock)
+    first, last = clock.stamps[1], clock.stamps[-1]  # stamps[0]: the prompt
+    return 1e3 * (last - first) / steps
 
 
-def engine_generate_seconds(engine, ids: torch.Tensor, n: int) -> float:
-    prompts = ids.tolist()
-    return _timed(lambda: engine.generate(prompts, max_new_tokens=n, ignore_eos=True))
+def engine_decode_ms(engine, ids: torch.Tensor, steps: int) -> float:
+    """ms per step of Engine.generate after the batch's first tokens, from the engine's own
+    per-request clock: (last request done - last first token) / steps."""
+    outs = engine.generate(ids.tolist(), max_new_tokens=1 + steps, ignore_eos=True)
+    first = max(o.metrics["ttft_s"] for o in outs)
+    last = max(o.metrics["e2e_s"] for o in outs)
+    return 1e3 * (last - first) / steps
 
 
 def generate_vs_hf(engine, hf, batch: int, context: int, steps: int, reps: int,
                    vocab: int) -> dict:
-    """Per-step decode time of pipefill's Engine.generate and of HF generate, measured the same
-    way ((time of 1 + S tokens - time of 1 token) / S) and alternated in every repetition."""
+    """Per-step decode time of pipefill's whole Engine.generate loop and of HF generate, both
+    from the first token to the last (the prompt's prefill left out: its run-to-run noise is
+    larger than a few decode steps), alternated in every repetition."""
     ids = equal_prompts(batch, context, vocab)
-    per_step = {"engine": engine_generate_seconds, "hf": hf_generate_seconds}
-    for fn, model in ((engine_generate_seconds, engine), (hf_generate_seconds, hf)):
-        fn(model, ids, 2)  # warm-up
-    ms = {name: [] for name in per_step}
+    engine_decode_ms(engine, ids, 1), hf_decode_ms(hf, ids, 1)  # warm-up
+    ms = {"engine": [], "hf": []}
     for _ in range(reps):
-        for name, model in (("engine", engine), ("hf", hf)):
-            fn = per_step[name]
-            ms[name].append(1e3 * max(0.0, fn(model, ids, 1 + steps) - fn(model, ids, 1)) / steps)
+        ms["engine"].append(engine_decode_ms(engine, ids, steps))
+        ms["hf"].append(hf_decode_ms(hf, ids, steps))
     ratios = [e / h for e, h in zip(ms["engine"], ms["hf"]) if h > 0]
     return {"engine_ms": statistics.median(ms["engine"]), "engine_ms_all": ms["engine"],
             "hf_ms": statistics.median(ms["hf"]), "hf_ms_all": ms["hf"],

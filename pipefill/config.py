@@ -458,7 +458,7 @@ def resolve(args: ServerArgs, model_cfg) -> ServerArgs:
     """Fills the model-dependent defaults (dtype='auto', max_model_len) once."""
     import logging
 
-    from pipefill.runtime.platform import dtype_name, resolve_dtype, usable_cpu_flags
+    from pipefill.base.platform import dtype_name, resolve_dtype, usable_cpu_flags
     log = logging.getLogger("pipefill")
     trained = model_cfg.max_position_embeddings
     max_len = args.max_model_len or trained

@@ -10,7 +10,7 @@ from pipefill.config import ServerArgs, make_server_args
 from pipefill.frontend import prepare
 from pipefill.model.tokenizer import Tokenizer, load_tokenizer
 from pipefill.runtime.launch import StageFailure, StageGroup
-from pipefill.scheduler.plan import NewRequest, RequestOutput, SamplingParams
+from pipefill.base.plan import NewRequest, RequestOutput, SamplingParams
 from pipefill.scheduler.scheduler import check_prompt
 
 log = logging.getLogger("pipefill")

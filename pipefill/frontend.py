@@ -10,8 +10,8 @@ from pipefill.config import ServerArgs, resolve
 from pipefill.kernels.prefill_gemm import choose_prefill_gemm
 from pipefill.model.attention import choose_backend, resolve_kv_dtype
 from pipefill.model.loader import WeightSource, resolve_model_path, resolve_weight_dtype
-from pipefill.model.partition import partition_layers
-from pipefill.runtime.platform import cpu_vendor, resolve_dtype, usable_cpu_flags
+from pipefill.base.partition import partition_layers
+from pipefill.base.platform import cpu_vendor, resolve_dtype, usable_cpu_flags
 
 log = logging.getLogger(__name__)
 

@@ -158,8 +158,32 @@ def default_c0_grid(prompt_len: int, page_size: int, max_prefill_tokens: int,
     return grid or [max(page_size, top // page_size * page_size)]
 
 
+def draw_timeline(bars: list[tuple[int, float, float, int]], num_stages: int, path: str,
+                  title: str, xlabel: str = "seconds") -> str:
+    """A textbook pipeline diagram: bars (stage, start s, duration s, micro-batch index) as
+    one row per stage, colored and numbered by micro-batch."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    colors = plt.get_cmap("tab20")
+    span = max((x + w for _, x, w, _ in bars), default=1.0) or 1.0
+    fig, ax = plt.subplots(figsize=(12, 0.7 * num_stages + 1.5))
+    for stage, x, w, k in bars:
+        ax.barh(stage, w, left=x, height=0.8, color=colors(k % 20), edgecolor="black",
+                linewidth=0.4)
+        if w > 0.02 * span:
+            ax.text(x + w / 2, stage, str(k), ha="center", va="center", fontsize=7)
+    ax.set_yticks(range(num_stages), [f"stage {r}" for r in range(num_stages)])
+    ax.invert_yaxis()
+    ax.set_xlabel(xlabel)
+    ax.set_title(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
 def plot_timeline(result: SimResult, path: str, title: str = "") -> str:
-    from pipefill.runtime.trace import draw_timeline
     bars = [(s, a, b - a, k) for s in range(result.pp_size)
             for k, (a, b) in enumerate(zip(result.start[s], result.end[s]))]
     return draw_timeline(bars, result.pp_size, path,

@@ -199,7 +199,7 @@ def test_loop_profiles_only_at_request_boundaries():
     from test_loop_inmemory import FakeExecutor, MemoryChannel
 
     from pipefill.runtime.loop import FirstStageLoop
-    from pipefill.scheduler.plan import NewRequest, SamplingParams
+    from pipefill.base.plan import NewRequest, SamplingParams
 
     class RecordingPolicy:  # the loop's side of ChunkPolicy: idle_step and info
         info = {"mode": "profiling"}

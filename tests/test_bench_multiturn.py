@@ -72,7 +72,7 @@ def test_multiturn_bad_flags_and_dead_server(tmp_path):
     (tmp_path / "junk.json").write_text("{}")
     r = bench("http://127.0.0.1:9", "--replay", str(tmp_path / "junk.json"))
     assert r.returncode == 2 and "not a multiturn --json file" in r.stderr, r.stderr
-    from pipefill.runtime.launch import free_port
+    from pipefill.base.platform import free_port
     r = bench(f"http://127.0.0.1:{free_port()}", "--model", "m", "--turns", "2",
               "--timeout", "10", timeout=120)
     assert r.returncode == 1 and "failed: ConnectError" in r.stdout, r.stdout + r.stderr

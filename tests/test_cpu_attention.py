@@ -185,7 +185,7 @@ from conftest import assert_greedy_agrees, hf_reference, save_tiny_model, track 
 
 from pipefill import Engine  # noqa: E402
 from pipefill.model import attention  # noqa: E402
-from pipefill.runtime.platform import usable_cpu_flags  # noqa: E402
+from pipefill.base.platform import usable_cpu_flags  # noqa: E402
 
 _rng = random.Random(3)
 PROMPT = [_rng.randrange(512) for _ in range(300)]

@@ -19,7 +19,7 @@ from conftest import save_tiny_model, single_stage, track
 from pipefill import Engine
 from pipefill.config import ServerArgs
 from pipefill.kernels import decode_gemm
-from pipefill.scheduler.plan import SampleSpec, SeqWork, StepPlan
+from pipefill.base.plan import SampleSpec, SeqWork, StepPlan
 
 pytestmark = pytest.mark.skipif(not decode_gemm.available(),
                                 reason="no decode GEMM path runs on this machine")
@@ -255,7 +255,7 @@ def test_hidden_cpu_flags_force_the_fallback_paths(tiny_models):
         pytest.skip("AVX2 path cannot run here: " + decode_gemm.isa_status()["avx2"][1])
     from pipefill.kernels import fused_ops
     from pipefill.model.llama import FusedOps, TorchOps
-    from pipefill.runtime.platform import usable_cpu_flags
+    from pipefill.base.platform import usable_cpu_flags
     try:
         ex = _stage(tiny_models["llama"], "float32", hide_cpu_flags="avx512f")
         assert ex.model.w.lm_head_packed.isa == "avx2"

@@ -24,7 +24,7 @@ from pipefill.kernels.fused_ops import fused_available
 from pipefill.model.loader import WeightSource
 from pipefill.runtime.executor import Activations
 from pipefill.runtime.stage import StageInfo, build_stage
-from pipefill.scheduler.plan import SampleSpec, SeqWork, StepPlan
+from pipefill.base.plan import SampleSpec, SeqWork, StepPlan
 from test_decode import LENGTHS, NEW, PROMPTS, assert_agrees, hf_greedy
 
 PAGE = 32

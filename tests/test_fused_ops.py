@@ -310,7 +310,7 @@ def test_build_failure_reports_unavailable(tmp_path):
 def test_hidden_flags_select_a_smaller_build(hide):
     """flags = usable_cpu_flags(--hide-cpu-flags) picks the best build those flags allow (a CPU
     without a flag never runs a build that needs it), or none: then the engine keeps torch ops."""
-    from pipefill.runtime.platform import usable_cpu_flags
+    from pipefill.base.platform import usable_cpu_flags
     flags = usable_cpu_flags(hide)
     runnable = _variants()  # the builds cpuid allows here
     want = next((v for v, need in fo.VARIANT_CPU_FLAGS.items()

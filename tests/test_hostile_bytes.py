@@ -152,7 +152,7 @@ def complete(url: str) -> str:
 
 @pytest.mark.slow
 def test_hostile_bytes_to_every_listening_port(chat_model, tmp_path):
-    from pipefill.runtime.launch import free_port
+    from pipefill.base.platform import free_port
     http, rendezvous = free_port(), free_port()
     common = ["--dist-init-addr", f"127.0.0.1:{rendezvous}", "--cluster-secret", "s3cret"]
     node1 = serve(chat_model, *common, "--node-rank", "1")
@@ -201,7 +201,7 @@ def test_a_node_with_the_wrong_secret_is_not_accepted(tmp_path):
     """Two-node generate where node 1 has another secret: its stage's join fails the HMAC
     check, so node 0 refuses to start with a sentence instead of serving with a stage whose
     reports it cannot trust."""
-    from pipefill.runtime.launch import free_port
+    from pipefill.base.platform import free_port
     model = save_tiny_model("llama", tmp_path / "m")
     common = ["generate", "--model-path", model, "--dtype", "float32", "--pp-size", "2",
               "--nnodes", "2", "--dist-init-addr", f"127.0.0.1:{free_port()}",

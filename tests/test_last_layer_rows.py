@@ -7,7 +7,7 @@ import torch
 from conftest import save_tiny_model, single_stage
 from pipefill.model.attention import KERNEL_BACKENDS, choose_backend
 from pipefill.runtime.executor import build_meta, last_rows
-from pipefill.scheduler.plan import SampleSpec, SeqWork, StepPlan
+from pipefill.base.plan import SampleSpec, SeqWork, StepPlan
 
 PAGE = 32
 GREEDY = SampleSpec(0.0, 1.0, -1, 0, 0, None)

@@ -9,7 +9,7 @@ import pytest
 
 from pipefill.kv.pool import PageOwners, PagePool
 from pipefill.runtime.loop import FirstStageLoop, run_later_stage
-from pipefill.scheduler.plan import NewRequest, SamplingParams, SeqResult, StepResult
+from pipefill.base.plan import NewRequest, SamplingParams, SeqResult, StepResult
 from pipefill.scheduler.radix import RadixCache
 from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig
 

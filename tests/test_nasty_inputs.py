@@ -10,7 +10,7 @@ import httpx
 import pytest
 
 from pipefill.kv.pool import PagePool
-from pipefill.scheduler.plan import NewRequest, SamplingParams, SeqResult, StepResult
+from pipefill.base.plan import NewRequest, SamplingParams, SeqResult, StepResult
 from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig, check_prompt
 from pipefill.server.protocol import MAX_JSON_DEPTH, json_depth, loads_body
 from test_server import chat_model  # noqa: F401 - a fixture
@@ -300,7 +300,7 @@ def test_a_failed_request_is_a_500_or_an_error_event():
     import asyncio
     from types import SimpleNamespace
 
-    from pipefill.scheduler.plan import RequestOutput
+    from pipefill.base.plan import RequestOutput
     from pipefill.server.metrics import ServerMetrics
     from pipefill.server.responses import RequestFailed, Run, error_of
 

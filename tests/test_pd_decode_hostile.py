@@ -29,10 +29,10 @@ from pipefill.disagg.bootstrap import lookup_prefill
 from pipefill.disagg.connector import (TOO_SLOW, Deadline, PeerError, PrefillConnector,
                                        as_peer_error, lookup)
 from pipefill.disagg.http_fields import FieldError, pd_info
-from pipefill.disagg.validate import (check_final_meta, check_prefill_info, is_room_in_use,
+from pipefill.disagg.validate import (check_final_meta, check_prefill_info,
                                       parse_bootstraps)
 from pipefill.kv.pool import PagePool
-from pipefill.scheduler.plan import NewRequest, PDInfo, SamplingParams
+from pipefill.base.plan import NewRequest, PDInfo, SamplingParams, is_room_in_use
 from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig
 
 from conftest import save_tiny_model

@@ -22,7 +22,7 @@ COMMON = ["--dtype", "float32", "--chunked-prefill-size", "64", "--threads-per-s
 
 
 def free_port() -> int:
-    from pipefill.runtime.launch import free_port as fp
+    from pipefill.base.platform import free_port as fp
     return fp()
 
 

@@ -4,8 +4,8 @@ with the final chunk, prefix-cache hits from page 0); a decode request waits in 
 pages for its KV, continues from the prefill's first token, and gives its pages back on every
 ending, whatever the order of the room's result and the receiver's release."""
 from pipefill.kv.pool import PagePool
-from pipefill.scheduler.plan import (NewRequest, PDInfo, SamplingParams, SeqResult,
-                                     StepResult)
+from pipefill.base.plan import (NewRequest, PDInfo, SamplingParams, SeqResult,
+                                StepResult)
 from pipefill.scheduler.radix import RadixCache
 from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig, kv_send_end
 

@@ -95,7 +95,7 @@ def cli(*argv, **kw):
 
 
 def test_two_nodes_on_localhost(model7, tmp_path):
-    from pipefill.runtime.launch import free_port
+    from pipefill.base.platform import free_port
     port = free_port()
     common = ["generate", "--model-path", model7, "--dtype", "float32", "--page-size", "16",
               "--chunked-prefill-size", "32", "--pp-size", "2", "--nnodes", "2",

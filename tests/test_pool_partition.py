@@ -2,7 +2,7 @@ import pytest
 
 from pipefill.kv.cache import token_slots
 from pipefill.kv.pool import OutOfPages, PagePool
-from pipefill.model.partition import partition_layers
+from pipefill.base.partition import partition_layers
 
 
 def test_pool_refcounts_and_integrity():

@@ -8,7 +8,7 @@ import torch
 from conftest import assert_pages_free, save_tiny_model, track
 from pipefill import Engine
 from pipefill.kv.pool import PageOwners, PagePool
-from pipefill.scheduler.plan import NewRequest, SamplingParams, SeqResult, StepResult
+from pipefill.base.plan import NewRequest, SamplingParams, SeqResult, StepResult
 from pipefill.scheduler.radix import RadixCache
 from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig
 

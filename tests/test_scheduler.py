@@ -2,7 +2,7 @@
 import pytest
 
 from pipefill.kv.pool import PagePool
-from pipefill.scheduler.plan import NewRequest, SamplingParams, SeqResult, StepResult
+from pipefill.base.plan import NewRequest, SamplingParams, SeqResult, StepResult
 from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig
 
 

@@ -29,7 +29,7 @@ def chat_model(tmp_path_factory):
 
 
 def start_server(model, port, *extra):
-    from pipefill.runtime.launch import free_port
+    from pipefill.base.platform import free_port
     port = port or free_port()
     proc = subprocess.Popen(
         [sys.executable, "-m", "pipefill.cli.main", "serve", "--model-path", model,

@@ -284,7 +284,7 @@ def test_open_page_store_bad_settings(tmp_path):
 # ---- mooncake backend ------------------------------------------------------------------------
 
 def _start_master():
-    from pipefill.runtime.launch import free_port
+    from pipefill.base.platform import free_port
     binary = shutil.which("mooncake_master", path=os.path.dirname(sys.executable))
     if binary is None:
         pytest.skip("mooncake_master is not installed (pip install 'pipefill[mooncake]')")
@@ -362,7 +362,7 @@ def test_mooncake_two_processes_share_pages(mooncake_master):
 
 def test_mooncake_master_unreachable_is_a_sentence():
     pytest.importorskip("mooncake.store", reason="mooncake-transfer-engine-non-cuda missing")
-    from pipefill.runtime.launch import free_port
+    from pipefill.base.platform import free_port
     addr = f"127.0.0.1:{free_port()}"                      # nothing listens there
     result = {}
 

@@ -31,7 +31,7 @@ from pipefill.runtime.loop import run_later_stage
 from pipefill.runtime.stage import build_stage, stage_info
 from pipefill.runtime.trace import StageTracer
 from pipefill.runtime.worker import make_first_stage_loop
-from pipefill.scheduler.plan import NewRequest, SamplingParams, StepResult
+from pipefill.base.plan import NewRequest, SamplingParams, StepResult
 from pipefill.scheduler.radix import RadixCache
 from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig
 

@@ -14,7 +14,7 @@ from pipefill.kv.cache import KVCache
 from pipefill.kv.pool import PageOwners
 from pipefill.kv.storage import chain_page_keys, open_page_store, stage_key_suffix
 from pipefill.kv.storage_tier import StorageDirector, StorageTier
-from pipefill.scheduler.plan import CacheOp
+from pipefill.base.plan import CacheOp
 
 FP = "e" * 32
 PS, H, D = 4, 2, 8

@@ -1,4 +1,4 @@
-"""Typed wire messages (pipefill/runtime/wire.py) and the ZMQ channels built on them: every
+"""Typed wire messages (pipefill/base/wire.py) and the ZMQ channels built on them: every
 message kind round-trips; garbage, pickles, truncated or mistyped messages and bad HMACs are
 dropped with a log line and never executed; stage reports never block on a slow front end;
 the IPC folder is private and removed on close."""
@@ -19,11 +19,11 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from pipefill.config import ServerArgs
-from pipefill.runtime import wire
+from pipefill.base import wire
 from pipefill.runtime.ipc import Addresses, FrontChannel, StageChannel
 from pipefill.runtime.worker import StageStart, decode_stage_start, encode_stage_start
-from pipefill.scheduler.plan import (NewRequest, PipeMessage, RequestOutput, SamplingParams,
-                                     StepResult)
+from pipefill.base.plan import (NewRequest, PipeMessage, RequestOutput, SamplingParams,
+                                StepResult)
 
 HYPOTHESIS = settings(max_examples=40, deadline=None,
                       suppress_health_check=[HealthCheck.too_slow])
@@ -90,7 +90,7 @@ def test_p2p_bodies_round_trip(msg, result):
 
 
 def test_a_real_plan_round_trips():
-    from pipefill.scheduler.plan import SampleSpec, SeqWork, StepPlan
+    from pipefill.base.plan import SampleSpec, SeqWork, StepPlan
     plan = StepPlan(7, [SeqWork("a", 0, 3, [1, 2, 3], [0], SampleSpec(0.7, 0.9, 5, 1, 0, 2)),
                         SeqWork("b", 5, 6, [9], [1, 2], None, [4])])
     msg = PipeMessage(plan, [0.25], None)
@@ -328,7 +328,7 @@ def test_ipc_folder_is_private_and_removed(channels):
 
 
 def test_multi_node_events_bind_the_rendezvous_interface(caplog):
-    from pipefill.runtime.launch import free_port
+    from pipefill.base.platform import free_port
     port = free_port()
     args = ServerArgs(pp_size=2, nnodes=2, dist_init_addr=f"localhost:{port - 1}")
     addrs = Addresses.fresh(args)
@@ -380,7 +380,7 @@ def test_p2p_rejects_a_foreign_body_with_a_clear_error(tmp_path, mode):
     import subprocess
     import sys
 
-    from pipefill.runtime.launch import free_port
+    from pipefill.base.platform import free_port
     port, marker = str(free_port()), str(tmp_path / "pwned")
     procs = [subprocess.Popen([sys.executable, "-c", P2P_PEER, str(r), port, mode, marker],
                               stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)

@@ -32,7 +32,7 @@ import torch.nn.functional as F
 
 from pipefill.bench.prefill import parse_ints
 from pipefill.model.attention import heads_first, split_attention
-from pipefill.runtime.platform import cpu_name
+from pipefill.base.platform import cpu_name
 
 
 def add_parser(sub) -> None:
@@ -203,7 +203,7 @@ def _print_row(row: dict, kernels: tuple[str, ...]) -> None:
 
 
 def run(ns: argparse.Namespace) -> int:
-    from pipefill.runtime.platform import cpu_flags
+    from pipefill.base.platform import cpu_flags
 
     prefixes = parse_ints(ns.prefix_lens, "--prefix-lens", minimum=0)
     threads = parse_ints(ns.threads, "--threads")

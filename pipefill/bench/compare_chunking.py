@@ -24,7 +24,7 @@ def configs(args, c0_grid: list[int], with_auto: bool) -> list[tuple[str, object
 def run_compare(args, cfg, prompt: list[int], c0_grid: list[int], reps: int,
                 with_auto: bool, sim_pp_sizes=(4, 8)) -> dict:
     from pipefill.engine import Engine
-    from pipefill.model.partition import partition_layers
+    from pipefill.base.partition import partition_layers
     engines = {}
     try:
         for name, a in configs(args.replace(tune_input_len=len(prompt)), c0_grid, with_auto):

@@ -43,9 +43,9 @@ from pipefill.config import resolve, server_args_from_namespace, server_args_par
 from pipefill.engine import Engine
 from pipefill.kv.cache import KVCache
 from pipefill.model.loader import WeightSource, resolve_model_path
-from pipefill.runtime.platform import cpu_name, dtype_name, resolve_dtype
+from pipefill.base.platform import cpu_name, dtype_name, resolve_dtype
 from pipefill.runtime.stage import StageInfo, build_stage
-from pipefill.scheduler.plan import SampleSpec, SeqWork, StepPlan
+from pipefill.base.plan import SampleSpec, SeqWork, StepPlan
 
 log = logging.getLogger("pipefill.bench")
 

@@ -22,7 +22,7 @@ import time
 import torch
 
 from pipefill.kernels import decode_gemm as dg
-from pipefill.runtime.platform import cpu_name
+from pipefill.base.platform import cpu_name
 
 # (name, K, N) of SmolLM2-135M (hidden 576, intermediate 1536, 9 query / 3 KV heads of 64).
 SHAPES = [("qkv", 576, 960), ("o_proj", 576, 576), ("gate_up", 576, 3072),

@@ -31,7 +31,7 @@ import time
 
 import torch
 
-from pipefill.runtime.platform import cpu_name
+from pipefill.base.platform import cpu_name
 
 PATTERN_LAYER = 1000  # page p of layer l holds p + 1000 * l (K) and its negative (V)
 SECRET_ENV = "PIPEFILL_BENCH_KV_SECRET"  # the cluster secret, hex, handed to the sender process

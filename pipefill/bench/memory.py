@@ -70,7 +70,7 @@ def packs_decode_weights(args: ServerArgs) -> bool:
     """Whether the stages keep packed decode copies (the same choice build_stage makes)."""
     from pipefill.kernels import decode_gemm
     from pipefill.model.loader import resolve_weight_dtype
-    from pipefill.runtime.platform import resolve_dtype, usable_cpu_flags
+    from pipefill.base.platform import resolve_dtype, usable_cpu_flags
     if args.decode_gemm_max_rows <= 0 or args.device != "cpu":
         return False
     dtype = resolve_dtype(args.dtype, usable_cpu_flags(args.hide_cpu_flags))
@@ -85,8 +85,8 @@ def stage_needs(args: ServerArgs, cfg: ModelConfig, prompt_tokens: int,
     from pipefill.kv.cache import KVCache
     from pipefill.model.attention import resolve_kv_dtype
     from pipefill.model.loader import resolve_weight_dtype
-    from pipefill.model.partition import partition_layers
-    from pipefill.runtime.platform import resolve_dtype, usable_cpu_flags
+    from pipefill.base.partition import partition_layers
+    from pipefill.base.platform import resolve_dtype, usable_cpu_flags
     dtype = resolve_dtype(args.dtype, usable_cpu_flags(args.hide_cpu_flags))
     kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, dtype)
     weight_dtype = resolve_weight_dtype(args.weight_dtype, dtype)

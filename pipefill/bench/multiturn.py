@@ -22,7 +22,7 @@ import random
 import time
 from dataclasses import asdict, dataclass
 
-from pipefill.runtime.platform import cpu_name
+from pipefill.base.platform import cpu_name
 
 # Measured with the default model's tokenizer (SmolLM2) on text from make_text(): 1.24 tokens
 # per word (seeds 0-4, 2,000 and 8,000 words, 1.226-1.256). Other tokenizers differ by some

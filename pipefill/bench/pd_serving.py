@@ -37,8 +37,8 @@ import tempfile
 import time
 
 from pipefill.disagg.launch import deployment_secret, stop
-from pipefill.runtime.platform import cpu_name
-from pipefill.runtime.wire import read_cluster_secret
+from pipefill.base.platform import cpu_name, free_port
+from pipefill.base.wire import read_cluster_secret
 
 CONFIGS = ("pd", "pp1", "pp2")
 SET_HERE = ("--pp-size", "--port", "--host", "--threads-per-stage", "--disaggregation-mode",
@@ -128,7 +128,6 @@ def commands(config: str, cores: list[int], extra: list[str]) -> tuple[dict, lis
                                                                        int | None]:
     """({name: command}, health URLs, the URL to benchmark, the bootstrap port or None)."""
     from pipefill.disagg.launch import pd_commands
-    from pipefill.runtime.launch import free_port
     if config == "pd":
         bport = free_port()
         prefill, decode, router, url = pd_commands("127.0.0.1", free_port(), 0, 0, 1, bport,

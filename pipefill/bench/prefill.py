@@ -119,7 +119,7 @@ def gemm_variants(configs: list[Config], values: str) -> list[Config]:
 def run(ns: argparse.Namespace) -> int:
     from pipefill.config import resolve
     from pipefill.model.loader import WeightSource, resolve_model_path
-    from pipefill.runtime.platform import resolve_dtype
+    from pipefill.base.platform import resolve_dtype
 
     lengths = parse_ints(ns.input_len, "--input-len")
     pp_sizes = parse_ints(ns.pp_sizes, "--pp-size")

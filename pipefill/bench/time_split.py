@@ -13,7 +13,7 @@ from pipefill.config import ServerArgs
 from pipefill.kv.pool import PagePool
 from pipefill.model.loader import WeightSource
 from pipefill.runtime.stage import StageInfo, build_stage
-from pipefill.scheduler.plan import NewRequest, SamplingParams
+from pipefill.base.plan import NewRequest, SamplingParams
 from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig
 
 LINEAR_OPS = ("aten::mm", "aten::addmm", "aten::bmm", "aten::linear", "aten::matmul",

@@ -46,7 +46,7 @@ import threading
 from typing import Callable, Iterable
 
 from pipefill.disagg import messages as m
-from pipefill.runtime.wire import DropLog, LogThrottle
+from pipefill.base.wire import DropLog, LogThrottle
 
 log = logging.getLogger(__name__)
 

@@ -4,7 +4,7 @@ bootstrap_room (lists for a batch, which pipefill does not take: one prompt per 
 from __future__ import annotations
 
 from pipefill.disagg.validate import check_allowed, check_host, check_port, parse_bootstraps
-from pipefill.scheduler.plan import PDInfo
+from pipefill.base.plan import PDInfo
 
 ROUTER_MODEL = "unknown"  # what the router puts in a chat request that named no model
 

@@ -17,6 +17,8 @@ import tempfile
 import time
 from typing import Iterator
 
+from pipefill.base.platform import free_port
+
 _PR_SET_PDEATHSIG = 1
 STOP_TIMEOUT_S = 30
 SECRET_FLAGS = ("--cluster-secret", "--cluster-secret-file", "--disaggregation-insecure")
@@ -56,7 +58,6 @@ def pd_commands(host: str, port: int, prefill_port: int, decode_port: int,
                 ) -> tuple[list[str], list[str], list[str], str]:
     """(prefill, decode, router) command lines and the router URL (port 0: a free one);
     `extra` goes to both servers."""
-    from pipefill.runtime.launch import free_port
     pport, dport = prefill_port or free_port(), decode_port or free_port()
     base = [sys.executable, "-m", "pipefill.cli.main", "serve", "--host", host]
     prefill = base + ["--port", str(pport), "--pp-size", str(prefill_pp_size),

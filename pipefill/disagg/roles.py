@@ -33,9 +33,9 @@ from pipefill.disagg.transfer import KVTensors, Timing
 from pipefill.disagg.transfer_receiver import KVReceiver
 from pipefill.disagg.transfer_sender import KVSender
 from pipefill.disagg.validate import check_final_meta, check_prefill_info, parse_bootstraps
-from pipefill.model.partition import partition_layers
-from pipefill.runtime.platform import dtype_name
-from pipefill.runtime.wire import read_cluster_secret
+from pipefill.base.partition import partition_layers
+from pipefill.base.platform import dtype_name
+from pipefill.base.wire import read_cluster_secret
 from pipefill.scheduler.scheduler import kv_send_end
 
 log = logging.getLogger(__name__)

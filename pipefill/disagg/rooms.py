@@ -35,7 +35,7 @@ from dataclasses import dataclass, field
 from typing import Callable, Sequence
 
 from pipefill.disagg import messages as m
-from pipefill.runtime.wire import DropLog
+from pipefill.base.wire import DropLog
 
 log = logging.getLogger(__name__)
 

@@ -64,7 +64,7 @@ class KVSender:
 
     def registration(self, *, pp_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
                      model_fingerprint: str) -> m.RegisterStage:
-        from pipefill.runtime.platform import dtype_name
+        from pipefill.base.platform import dtype_name
         return m.RegisterStage(self.rank, pp_size, self.kv.layer_start, self.kv.layer_end,
                                num_layers, self.endpoint, self.kv.page_size,
                                dtype_name(self.kv.dtype), num_kv_heads, head_dim,

@@ -18,7 +18,6 @@ MAX_HOST_CHARS = 253  # the longest DNS name
 _HOST = re.compile(r"^\[?[A-Za-z0-9._:-]+\]?$")
 MAX_PREFILL_STAGES = 1024  # a decode opens one connection per prefill stage it overlaps
 MAX_SAMPLING_STATE_BYTES = 4  # the prefill sends the request's 4-byte seed (roles.py)
-ROOM_IN_USE = "is already in use on this server"
 
 
 # ---- the request body ----------------------------------------------------------------------
@@ -65,18 +64,6 @@ def check_allowed(host: str, port: int, allowed: frozenset[tuple[str, int]] | No
         names = ", ".join(f"{h}:{p}" for h, p in sorted(allowed))
         raise ValueError(f"bootstrap {host}:{port} is not a prefill this decode pairs with "
                          f"(--disaggregation-prefill-bootstrap {names})")
-
-
-def room_in_use(room: int) -> str:
-    """The sentence for a request whose bootstrap_room is live on this server already."""
-    return (f"bootstrap_room {room} {ROOM_IN_USE} (another request holds it): every request "
-            "needs a room id of its own")
-
-
-def is_room_in_use(message: str) -> bool:
-    """Whether a refusal's sentence is room_in_use's: that refusal must not reach the room's
-    decodes, which serve the request that holds the room."""
-    return ROOM_IN_USE in message
 
 
 # ---- PrefillInfo ------------------------------------------------------------------------------

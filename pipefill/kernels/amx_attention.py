@@ -50,7 +50,7 @@ import torch
 from pipefill.kernels.build import LazyExtension
 from pipefill.kernels.build import build_dir as kernel_build_dir
 from pipefill.kernels.build import compile_object, link_glue, require_ninja
-from pipefill.runtime.platform import cpu_flags
+from pipefill.base.platform import cpu_flags
 
 log = logging.getLogger("pipefill.kernels")
 
@@ -169,8 +169,8 @@ class AmxKVCache:
         """[2, num_layers, len(pages), page_size, num_kv_heads, head_dim] in the plain
         token-major layout (unpacked; for storage and tests)."""
         from pipefill.kernels.cpu_attention import read_kv as read_any  # bf16 or float32
-        from pipefill.kv.cache import read_page_blocks
-        k, v = read_page_blocks(self, pages)  # [L, n, H, ps, D] each, in tile order
+        index = torch.tensor(pages, dtype=torch.long)
+        k, v = (t.index_select(1, index) for t in self.page_blocks())  # [L, n, H, ps, D], tiles
         L, n, H, ps, D = k.shape
         table = torch.arange(L * n, dtype=torch.int32)  # all pages as one "sequence"
         k, v = read_any(k.reshape(L * n, H, ps, D), v.reshape(L * n, H, ps, D), table,

@@ -40,7 +40,7 @@ import torch
 from pipefill.kernels.build import LazyExtension
 from pipefill.kernels.build import build_dir as kernel_build_dir
 from pipefill.kernels.build import compile_object, link_glue, require_ninja
-from pipefill.runtime.platform import cpu_flags
+from pipefill.base.platform import cpu_flags
 
 log = logging.getLogger("pipefill.kernels")
 

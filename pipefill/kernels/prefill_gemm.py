@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipefill.runtime.platform import dtype_name
+from pipefill.base.platform import dtype_name
 
 CHOICES = ("auto", "torch", "onednn")
 # oneDNN builds (JIT) and keeps a primitive per row count, ~0.7 MiB each that stays resident:

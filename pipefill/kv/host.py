@@ -19,7 +19,7 @@ import threading
 import torch
 
 from pipefill.kv.pool import CACHE_OWNER, PageIntegrityError, PageOwners
-from pipefill.scheduler.plan import CacheOp
+from pipefill.base.plan import CacheOp
 
 log = logging.getLogger(__name__)
 
@@ -39,7 +39,7 @@ def host_slots(enabled: bool, size_gb: float | None, ratio: float, num_pages: in
 
 def stage_host_slots(args, model_cfg, cache) -> int:
     """host_slots() from the arguments and the partition (identical on every stage)."""
-    from pipefill.model.partition import partition_layers
+    from pipefill.base.partition import partition_layers
     if args.disable_radix_cache:
         return 0
     ranges = partition_layers(model_cfg.num_layers, args.pp_size, args.pp_layer_partition)

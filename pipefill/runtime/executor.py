@@ -12,7 +12,7 @@ from pipefill.kv.pool import PageOwners
 from pipefill.model.attention import SeqMeta
 from pipefill.model.llama import ForwardMeta, StageModel
 from pipefill.runtime.sampler import sample
-from pipefill.scheduler.plan import PageOps, SeqResult, SeqWork, StepPlan, StepResult
+from pipefill.base.plan import PageOps, SeqResult, SeqWork, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 

@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from pipefill.config import ServerArgs
-from pipefill.runtime.wire import Framer, front_to_stage, read_cluster_secret, stage_to_front
+from pipefill.base.wire import Framer, front_to_stage, read_cluster_secret, stage_to_front
 
 log = logging.getLogger(__name__)
 

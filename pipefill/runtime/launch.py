@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import zmq
 
+from pipefill.base.platform import free_port
 from pipefill.config import ServerArgs
 from pipefill.runtime.heartbeat import Board, StallWatch, board_path
 from pipefill.runtime.ipc import Addresses, FrontChannel
@@ -216,13 +217,6 @@ def run_other_node(args: ServerArgs) -> int:
     model_file = resolve_model_path(args.model_path)
     args = resolve(args, WeightSource(model_file).config)
     return run_node_stages(args, model_file)
-
-
-def free_port() -> int:
-    import socket
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def _spawn(args: ServerArgs, model_file: str, rank: int, addrs: Addresses) -> subprocess.Popen:

@@ -16,7 +16,7 @@ from collections import deque
 
 from pipefill.runtime.heartbeat import NoHeartbeat
 from pipefill.runtime.trace import StageTracer, plan_label
-from pipefill.scheduler.plan import PipeMessage, RequestOutput, StepPlan, StepResult
+from pipefill.base.plan import PipeMessage, RequestOutput, StepPlan, StepResult
 from pipefill.scheduler.scheduler import Scheduler
 
 log = logging.getLogger(__name__)

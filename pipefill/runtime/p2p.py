@@ -28,8 +28,8 @@ import torch
 import torch.distributed as dist
 
 from pipefill.runtime.executor import Activations
-from pipefill.runtime.wire import BodyCodec, WireError
-from pipefill.scheduler.plan import PipeMessage, StepResult
+from pipefill.base.wire import BodyCodec, WireError
+from pipefill.base.plan import PipeMessage, StepResult
 
 _FORWARD_TAG, _RESULT_TAG = 100, 200  # + 0 header, + 1 body, + 2.. tensors
 MAX_BODY_BYTES = 1 << 30

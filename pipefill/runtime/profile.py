@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from pipefill.chunking import fit_quadratic
-from pipefill.scheduler.plan import SeqWork, StepPlan
+from pipefill.base.plan import SeqWork, StepPlan
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import torch
 
-from pipefill.scheduler.plan import SampleSpec
+from pipefill.base.plan import SampleSpec
 
 # Below this temperature sampling is greedy: logits divided by a tinier one (5e-324 is a valid
 # JSON number) overflow to inf and softmax turns them into NaN.

@@ -14,9 +14,9 @@ from pipefill.model.attention import (KERNEL_BACKENDS, backend_attention, choose
 from pipefill.model.llama import FusedOps, StageModel, elementwise_ops
 from pipefill.model.loader import (WeightSource, load_stage_weights, pack_stage_weights,
                                    reorder_prefill_weights, resolve_weight_dtype)
-from pipefill.model.partition import partition_layers
+from pipefill.base.partition import partition_layers
 from pipefill.runtime.executor import StageExecutor
-from pipefill.runtime.platform import cpu_vendor, dtype_name, resolve_dtype, usable_cpu_flags
+from pipefill.base.platform import cpu_vendor, dtype_name, resolve_dtype, usable_cpu_flags
 
 log = logging.getLogger(__name__)
 

@@ -8,6 +8,8 @@ import time
 from collections import deque
 from contextlib import contextmanager
 
+from pipefill.sim import draw_timeline
+
 
 # Spans kept per stage: the newest ones. A long-running server with --trace-dir would otherwise
 # grow without bound; 16K spans (about 8 MB) cover thousands of steps, more than a timeline
@@ -83,31 +85,6 @@ def write_trace(trace_dir: str, name: str, events: list[dict], num_stages: int) 
     except ImportError:
         pass
     return stats
-
-
-def draw_timeline(bars: list[tuple[int, float, float, int]], num_stages: int, path: str,
-                  title: str, xlabel: str = "seconds") -> str:
-    """A textbook pipeline diagram: bars (stage, start s, duration s, micro-batch index) as
-    one row per stage, colored and numbered by micro-batch."""
-    import matplotlib
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-    colors = plt.get_cmap("tab20")
-    span = max((x + w for _, x, w, _ in bars), default=1.0) or 1.0
-    fig, ax = plt.subplots(figsize=(12, 0.7 * num_stages + 1.5))
-    for stage, x, w, k in bars:
-        ax.barh(stage, w, left=x, height=0.8, color=colors(k % 20), edgecolor="black",
-                linewidth=0.4)
-        if w > 0.02 * span:
-            ax.text(x + w / 2, stage, str(k), ha="center", va="center", fontsize=7)
-    ax.set_yticks(range(num_stages), [f"stage {r}" for r in range(num_stages)])
-    ax.invert_yaxis()
-    ax.set_xlabel(xlabel)
-    ax.set_title(title)
-    fig.tight_layout()
-    fig.savefig(path, dpi=110)
-    plt.close(fig)
-    return path
 
 
 def plot_timeline(events: list[dict], num_stages: int, path: str, stats: dict) -> str:

@@ -12,7 +12,7 @@ from dataclasses import dataclass
 from pipefill.config import ServerArgs
 from pipefill.runtime.heartbeat import stage_heartbeat
 from pipefill.runtime.ipc import Addresses, StageChannel
-from pipefill.runtime.wire import BodyCodec
+from pipefill.base.wire import BodyCodec
 
 log = logging.getLogger(__name__)
 
@@ -97,7 +97,7 @@ def _run_stage(args: ServerArgs, model_file: str, rank: int, channel: StageChann
 
     from pipefill.model.loader import WeightSource
     from pipefill.runtime.loop import run_guarded
-    from pipefill.runtime.platform import place_stage, resolve_dtype
+    from pipefill.base.platform import place_stage, resolve_dtype
     from pipefill.runtime.stage import build_stage, stage_info
     from pipefill.runtime.trace import StageTracer
 
@@ -135,7 +135,7 @@ def _run_stage(args: ServerArgs, model_file: str, rank: int, channel: StageChann
                     device, *groups)
         dist.barrier(group=groups[0])  # every stage loaded before stage 0 says ready
     if rank == 0:
-        from pipefill.model.partition import partition_layers
+        from pipefill.base.partition import partition_layers
         from pipefill.runtime.chunk_policy import build_chunk_policy
         layer_counts = [len(r) for r in partition_layers(cfg.num_layers, args.pp_size,
                                                          args.pp_layer_partition)]

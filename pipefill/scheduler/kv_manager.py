@@ -12,7 +12,7 @@ from dataclasses import dataclass, field
 
 from pipefill.kv.pool import PagePool
 from pipefill.kv.storage import chain_page_keys
-from pipefill.scheduler.plan import PageOps
+from pipefill.base.plan import PageOps
 from pipefill.scheduler.radix import Node, RadixCache
 
 

@@ -22,11 +22,10 @@ from collections import deque
 from dataclasses import dataclass, field
 from typing import Callable
 
-from pipefill.disagg.validate import room_in_use
 from pipefill.kv.pool import PagePool
 from pipefill.scheduler.kv_manager import KVManager
-from pipefill.scheduler.plan import (NewRequest, PDInfo, RequestOutput, SampleSpec,
-                                     SamplingParams, SeqWork, StepPlan, StepResult)
+from pipefill.base.plan import (NewRequest, PDInfo, RequestOutput, SampleSpec, room_in_use,
+                                SamplingParams, SeqWork, StepPlan, StepResult)
 from pipefill.scheduler.radix import Node, RadixCache
 
 # Pages an admission keeps free beyond the uncached prompt, for the first decode tokens.

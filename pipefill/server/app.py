@@ -17,9 +17,8 @@ from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
 from pipefill.disagg.http_fields import ROUTER_MODEL, FieldError, pd_info
-from pipefill.disagg.validate import is_room_in_use
 from pipefill.scheduler.scheduler import check_prompt
-from pipefill.scheduler.plan import SamplingParams
+from pipefill.base.plan import SamplingParams, is_room_in_use
 from pipefill.server.admission import Admission
 from pipefill.server.async_engine import AsyncEngine, EngineDown
 from pipefill.server.metrics import ServerMetrics

@@ -23,7 +23,7 @@ from collections.abc import AsyncIterator
 from pipefill.config import ServerArgs
 from pipefill.model.loader import WeightSource
 from pipefill.runtime.launch import RestartBudget, StageFailure, StageGroup
-from pipefill.scheduler.plan import NewRequest, PDInfo, RequestOutput, SamplingParams
+from pipefill.base.plan import NewRequest, PDInfo, RequestOutput, SamplingParams
 
 log = logging.getLogger("pipefill.server")
 

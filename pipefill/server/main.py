@@ -57,7 +57,7 @@ def start_bootstrap(args):
     if args.disaggregation_mode != "prefill":
         return None
     from pipefill.disagg.bootstrap import BootstrapServer
-    from pipefill.runtime.wire import read_cluster_secret
+    from pipefill.base.wire import read_cluster_secret
     try:
         return BootstrapServer(args.host, args.disaggregation_bootstrap_port,
                                read_cluster_secret(args.cluster_secret, args.cluster_secret_file))
@@ -73,7 +73,7 @@ def start_rejects(args, bootstrap):
     if bootstrap is None:
         return None
     from pipefill.disagg.rejects import RejectNotifier
-    from pipefill.runtime.wire import read_cluster_secret
+    from pipefill.base.wire import read_cluster_secret
     return RejectNotifier(bootstrap.endpoints,
                           read_cluster_secret(args.cluster_secret, args.cluster_secret_file))
 

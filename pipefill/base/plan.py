@@ -40,6 +40,21 @@ class PDInfo:
     port: int
 
 
+ROOM_IN_USE = "is already in use on this server"
+
+
+def room_in_use(room: int) -> str:
+    """The sentence for a request whose bootstrap_room is live on this server already."""
+    return (f"bootstrap_room {room} {ROOM_IN_USE} (another request holds it): every request "
+            "needs a room id of its own")
+
+
+def is_room_in_use(message: str) -> bool:
+    """Whether a refusal's sentence is room_in_use's: that refusal must not reach the room's
+    decodes, which serve the request that holds the room."""
+    return ROOM_IN_USE in message
+
+
 @dataclass(frozen=True)
 class NewRequest:
     """Engine/server -> stage 0."""

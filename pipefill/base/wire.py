@@ -5,7 +5,7 @@ Front end <-> stage 0 (ZMQ): a message is one small struct per kind, encoded as 
 array [kind, payload]. The kinds and their payload types are the tables below; the decoder is
 a tagged union of them, so a foreign message (random bytes, a pickle, an unknown kind, a known
 kind with a payload of the wrong type) fails to decode. The payload types are the dataclasses
-of scheduler/plan.py themselves, so the schema follows their fields as they change.
+of base/plan.py themselves, so the schema follows their fields as they change.
 
   front end -> stage 0 : ("add", [NewRequest]), ("abort", rid), ("stats", None),
                          ("trace", None), ("stop", None)
@@ -35,7 +35,7 @@ from typing import Any, Union
 
 import msgspec
 
-from pipefill.scheduler.plan import NewRequest, RequestOutput
+from pipefill.base.plan import NewRequest, RequestOutput
 
 log = logging.getLogger(__name__)
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 import functools
 import logging
 import os
+import socket
 from collections.abc import Iterable
 
 import torch
@@ -79,3 +80,10 @@ def place_stage(local_rank: int, num_local_stages: int, num_threads: int) -> lis
         mine = cores
     torch.set_num_threads(num_threads)
     return mine
+
+
+def free_port() -> int:
+    """A loopback TCP port free right now (bound, then released)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

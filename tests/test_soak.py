@@ -30,7 +30,7 @@ try:
 except ImportError:
     from test_server import start_server
 
-SOAK_S = float(os.environ.get("PIPEFILL_SOAK_S", 600))  # the 10 minutes by default
+SOAK_S = float(os.environ.get("PIPEFILL_SOAK_S", 600))  # 10 minutes by default
 MIN_TREND_S = 300  # shorter runs do not reach the end of the warm-up
 WARMUP_S = min(240, SOAK_S * 0.4)  # the tracer ring (--trace-dir) fills during the first minutes
 WINDOW_S = min(60, SOAK_S / 4)  # the first and last minute compared for p99

@@ -1,15 +1,26 @@
 """Shared fixtures: tiny random models of each family saved to temp folders, HF references,
-and a page-integrity check after every test on every engine a test module started."""
+and a page-integrity check after every test on every engine a test module started.
+
+The tests live in folders that mirror the package's rooms (tests/kv for pipefill/kv, ...), with
+the suites that cross every room (faults, fuzz, soak, hostile bytes, multi-node, floors) in
+tests/cross. Suites reuse each other's helpers and fixtures by module name (`from test_server
+import start_server`), so every folder is on the import path."""
 from __future__ import annotations
 
 import gc
+import sys
 import time
+from pathlib import Path
 
 import pytest
 import torch
 
 TINY = dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=4,
             num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=1024)
+
+for _folder in sorted(p for p in Path(__file__).parent.iterdir() if p.is_dir()):
+    if not _folder.name.startswith((".", "_")) and str(_folder) not in sys.path:
+        sys.path.append(str(_folder))
 
 FAMILIES = ("llama", "mistral", "qwen2", "qwen3")
 

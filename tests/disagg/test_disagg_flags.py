@@ -27,7 +27,7 @@ def test_bad_values_name_the_flag(field, value):
 
 
 def test_serve_refuses_a_multi_node_decode_with_a_sentence(capsys):
-    """A decode pipeline on one node is served (tests/test_pd_decode_pp.py); across nodes not."""
+    """A decode pipeline on one node is served (tests/disagg/test_pd_decode_pp.py); across nodes not."""
     from pipefill.cli.main import main
     previous = signal.getsignal(signal.SIGTERM)
     try:

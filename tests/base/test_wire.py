@@ -57,7 +57,7 @@ def strategy(t) -> st.SearchStrategy:
         hints = typing.get_type_hints(t)
         return st.builds(t, **{f.name: strategy(hints[f.name]) for f in dataclasses.fields(t)
                                if f.init})
-    raise TypeError(f"no strategy for {t!r}: extend tests/test_wire.py::strategy")
+    raise TypeError(f"no strategy for {t!r}: extend tests/base/test_wire.py::strategy")
 
 
 def kinds_and_payloads(table):

@@ -13,7 +13,7 @@ the node namespaces with `ip link set ... netns`: a TUN device keeps its open de
 across the move, so the forwarder needs no setns. The devices live as long as the forwarder:
 stopping it takes the link down.
 
-Run alone: `python tests/netdelay.py TUN_A TUN_B --delay-ms 1 --rate-gbit 10` prints
+Run alone: `python tests/cross/netdelay.py TUN_A TUN_B --delay-ms 1 --rate-gbit 10` prints
 "ready" once both devices exist, then forwards until killed."""
 from __future__ import annotations
 

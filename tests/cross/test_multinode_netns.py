@@ -1,7 +1,7 @@
 """Real multi-node (slow): two Linux network namespaces, one `pipefill generate` per namespace,
 PP2 across them: the same tokens as PP1, and the TTFT of each printed, over two links:
 - a veth pair at 10 Gbit/s (`tc tbf`), no added delay;
-- a 1 ms one-way delay link (tests/netdelay.py: TUN devices and a user-space forwarder,
+- a 1 ms one-way delay link (tests/cross/netdelay.py: TUN devices and a user-space forwarder,
   because `tc netem` is missing on some kernels), whose measured round trip and goodput are
   printed beside the TTFT.
 A node that never joins fails with a sentence within --dist-init-timeout, on either side.

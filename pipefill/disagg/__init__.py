@@ -1,8 +1,10 @@
 """Prefill/decode disaggregation: the KV transfer plane (DESIGN.md section 7).
 
 messages.py   typed control messages (msgspec, msgpack, decoded against a schema, optional HMAC)
-channel.py    length-prefixed frames over one TCP socket
-rooms.py      pure state machines of rooms on both sides (timeouts, heartbeats, releases)
+channel.py    length-prefixed frames over one TCP socket, listeners; handshake.py: the
+              secret handshake, session keys and MACs
+rooms.py      pure state machines of rooms: prefill_rooms.py and decode_rooms.py (timeouts,
+              heartbeats, releases), with the liveness and expiry pieces both share in rooms.py
 bootstrap.py  the bootstrap service on the prefill node, stage registration, decode look-up
 transfer.py   KVTensors, Timing, the data-path choice; transfer_sender.py: KVSender (prefill
               stage), transfer_receiver.py: KVReceiver (decode stage); data paths:

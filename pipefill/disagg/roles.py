@@ -28,7 +28,7 @@ from pipefill.disagg import messages as m
 from pipefill.disagg.bootstrap import check_compatible, register_stage
 from pipefill.disagg.connector import (BAD_ANSWER, Deadline, PeerError, PrefillConnector,
                                        as_peer_error, lookup)
-from pipefill.disagg.rooms import DecodePipelineRooms
+from pipefill.disagg.decode_rooms import DecodePipelineRooms
 from pipefill.disagg.transfer import KVTensors, Timing
 from pipefill.disagg.transfer_receiver import KVReceiver
 from pipefill.disagg.transfer_sender import KVSender
@@ -169,7 +169,7 @@ class DecodeStagePD:
     the front end the way prefill stages report kv_done: ("kv_done", (room, rank)) when it has
     all its layers, (room, -rank) once its room failed and its receiver let the pages go.
     Stage 0 declares a room ready only when every stage has all of its layers
-    (rooms.DecodePipelineRooms), and frees its pages only when no stage can write them.
+    (decode_rooms.DecodePipelineRooms), and frees its pages only when no stage can write them.
 
     Looking a prefill up and connecting to its stages happens on a PrefillConnector's worker
     threads, never on the loop thread: a room for a prefill this stage is not connected to

@@ -15,7 +15,7 @@ from typing import Callable
 
 from pipefill.disagg import channel as ch
 from pipefill.disagg import messages as m
-from pipefill.disagg.rooms import DecodeRooms, RoomResult
+from pipefill.disagg.decode_rooms import DecodeRooms, RoomResult
 from pipefill.disagg.transfer import KVTensors, Peers, Timing, make_data_path
 
 log = logging.getLogger(__name__)

@@ -20,7 +20,7 @@ import msgspec
 
 from pipefill.disagg import channel as ch
 from pipefill.disagg import messages as m
-from pipefill.disagg.rooms import Item, PrefillRooms
+from pipefill.disagg.prefill_rooms import Item, PrefillRooms
 from pipefill.disagg.transfer import KVTensors, Peers, Timing, make_data_path
 
 log = logging.getLogger(__name__)

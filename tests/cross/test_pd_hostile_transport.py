@@ -21,6 +21,7 @@ import torch
 from conftest import wait_until
 from pipefill.bench.memory import proc_status_bytes
 from pipefill.disagg import channel as ch
+from pipefill.disagg import handshake as hs
 from pipefill.disagg import messages as m
 from pipefill.disagg.bootstrap import BootstrapServer, lookup_prefill, register_stage
 from pipefill.disagg.transfer import KVTensors, Timing
@@ -186,7 +187,7 @@ def test_a_registration_recorded_on_one_connection_is_refused_on_another(caplog)
             answer = read_to_eof(s)
         info = lookup_prefill(service.endpoint, 5, SECRET)
         assert info.stages[0].endpoint == restarted.endpoint
-        assert len(answer) <= ch.REPLY_BYTES  # the handshake's reply at most, never an Ack
+        assert len(answer) <= hs.REPLY_BYTES  # the handshake's reply at most, never an Ack
     finally:
         relay.close()
         service.close()
@@ -391,7 +392,7 @@ def test_bad_frames_from_many_connections_log_a_few_lines(secret, caplog):
     service, sender = sender_with_service(kv_tensors(2, 8, seed=0), secret)
     target = (sender.endpoint.host, sender.endpoint.port)
     # 48 bytes: a whole frame, and as long as the handshake's first frame.
-    body = b"\xc1 is no msgpack, and no handshake either".ljust(ch.HELLO_BYTES - 4, b".")
+    body = b"\xc1 is no msgpack, and no handshake either".ljust(hs.HELLO_BYTES - 4, b".")
     garbage = struct.pack("!I", len(body)) + body
     throttles = (ch.MESSAGE_DROPS, ch.CONNECTION_REFUSALS)
     reports = sum(t.num_reports for t in throttles)

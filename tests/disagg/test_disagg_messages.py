@@ -11,6 +11,7 @@ import msgspec
 import pytest
 
 from pipefill.disagg import channel as ch
+from pipefill.disagg import handshake as hs
 from pipefill.disagg import messages as m
 
 EP = m.Endpoint("127.0.0.1", 4242)
@@ -64,8 +65,8 @@ def _pair(secret=None):
     if secret is None:
         return ch.Channel(a, None, "a"), ch.Channel(b, None, "b")
     with ThreadPoolExecutor(1) as pool:
-        accepted = pool.submit(ch.server_handshake, b, secret, "b")
-        session = ch.client_handshake(a, secret, "a")
+        accepted = pool.submit(hs.server_handshake, b, secret, "b")
+        session = hs.client_handshake(a, secret, "a")
         return ch.Channel(a, session, "a"), ch.Channel(b, accepted.result(), "b")
 
 
@@ -89,7 +90,7 @@ def test_sealed_channel_accepts_the_secret_and_drops_the_rest():
     a.send(m.DropRoom(1, 2, "x"))
     assert b.recv() == m.DropRoom(1, 2, "x")
     # Keys of its own: it cannot know the ones the handshake derived.
-    intruder = ch.Channel(a.sock, ch.Session(b"k" * 32, b"k" * 32), "intruder")
+    intruder = ch.Channel(a.sock, hs.Session(b"k" * 32, b"k" * 32), "intruder")
     intruder.send(m.DropRoom(3, 4, "forged"))
     plain = ch.Channel(a.sock, None, "plain")
     plain.send(m.DropRoom(5, 6, "unsealed"))

@@ -5,8 +5,10 @@ from __future__ import annotations
 import pytest
 
 from pipefill.disagg import messages as m
-from pipefill.disagg import rooms as rooms_mod
-from pipefill.disagg.rooms import DecodeRooms, Item, Liveness, PrefillRooms
+from pipefill.disagg import prefill_rooms as rooms_mod
+from pipefill.disagg.decode_rooms import DecodeRooms
+from pipefill.disagg.prefill_rooms import Item, PrefillRooms
+from pipefill.disagg.rooms import Liveness
 from pipefill.kv.pool import PagePool
 
 ROOM, NONCE = 1234, 99

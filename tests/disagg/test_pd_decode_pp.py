@@ -53,7 +53,7 @@ def assert_same(got, want) -> None:
 
 
 def test_pipeline_room_is_ready_only_when_every_stage_has_its_layers():
-    from pipefill.disagg.rooms import DecodePipelineRooms
+    from pipefill.disagg.decode_rooms import DecodePipelineRooms
     rooms = DecodePipelineRooms(3)
     rooms.open(7)
     assert rooms.ready(7, 2) == set() and rooms.ready(7, 0) == set()
@@ -62,7 +62,7 @@ def test_pipeline_room_is_ready_only_when_every_stage_has_its_layers():
 
 
 def test_pipeline_room_fails_once_and_releases_when_no_stage_can_write():
-    from pipefill.disagg.rooms import DecodePipelineRooms
+    from pipefill.disagg.decode_rooms import DecodePipelineRooms
     rooms = DecodePipelineRooms(3)
     rooms.open(7)
     assert rooms.ready(7, 1) == set()  # stage 1 is done: its pages are no longer written
@@ -74,7 +74,7 @@ def test_pipeline_room_fails_once_and_releases_when_no_stage_can_write():
 
 
 def test_pipeline_room_aborted_before_any_stage_answered():
-    from pipefill.disagg.rooms import DecodePipelineRooms
+    from pipefill.disagg.decode_rooms import DecodePipelineRooms
     rooms = DecodePipelineRooms(2)
     rooms.open(9)
     assert rooms.fail(9) == {"fail"}

@@ -48,7 +48,7 @@ def add_parser(sub) -> None:
     p.add_argument("--page-size", type=int, default=64)
     p.add_argument("--dtypes", default="float32,bfloat16")
     p.add_argument("--backends", default="tcp,mooncake")
-    p.add_argument("--reps", type=int, default=3, help="timed transfers per case (best kept)")
+    p.add_argument("--reps", type=int, default=3, help="repetitions; each runs every case once, in turn (the median and the spread are reported)")
     p.add_argument("--cores", default="0,1", help="sender core,receiver core")
     p.add_argument("--layout", choices=("shuffled", "consecutive", "both"), default="both",
                    help="page ids on both sides: shuffled (free-list order, the worst case: "
@@ -147,55 +147,46 @@ def _raw_mooncake(engine, src: int, session: str, dst: int, nbytes: int) -> None
             raise RuntimeError(f"raw Mooncake write failed ({ret})")
 
 
-def raw_mooncake_gbs(child, receiver, nbytes: int, reps: int) -> float:
+def raw_mooncake_gbs(child, receiver, nbytes: int) -> float:
     """One-sided Mooncake writes of the same bytes in 1 MiB blocks, no transfer plane."""
     nbytes = min(nbytes, receiver.kv.k.numel() * receiver.kv.k.element_size()) >> 20 << 20
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        child.stdin.write(f"mooncake {receiver.data.session} {receiver.kv.k.data_ptr()} "
-                          f"{nbytes}\n")
-        child.stdin.flush()
-        if child.stdout.readline().strip() != "done":
-            raise RuntimeError("the raw Mooncake sender failed")
-        best = min(best, time.perf_counter() - t0)
-    return nbytes / best / 1e9
+    t0 = time.perf_counter()
+    child.stdin.write(f"mooncake {receiver.data.session} {receiver.kv.k.data_ptr()} "
+                      f"{nbytes}\n")
+    child.stdin.flush()
+    if child.stdout.readline().strip() != "done":
+        raise RuntimeError("the raw Mooncake sender failed")
+    return nbytes / (time.perf_counter() - t0) / 1e9
 
 
-def raw_tcp_gbs(child, nbytes: int, reps: int) -> float:
+def raw_tcp_gbs(child, nbytes: int) -> float:
     """Plain socket throughput between the same two processes: one recv_into buffer."""
-    best = float("inf")
     block = memoryview(bytearray(4 << 20))
     with socket.create_server(("127.0.0.1", 0)) as server:
-        for _ in range(reps):
-            child.stdin.write(f"raw {server.getsockname()[1]} {nbytes}\n")
-            child.stdin.flush()
-            conn, _ = server.accept()
-            with conn:
-                t0, got = time.perf_counter(), 0
-                while got < nbytes:
-                    k = conn.recv_into(block)
-                    if k == 0:
-                        raise RuntimeError("the raw-tcp sender closed early")
-                    got += k
-                best = min(best, time.perf_counter() - t0)
-    return nbytes / best / 1e9
+        child.stdin.write(f"raw {server.getsockname()[1]} {nbytes}\n")
+        child.stdin.flush()
+        conn, _ = server.accept()
+        with conn:
+            t0, got = time.perf_counter(), 0
+            while got < nbytes:
+                k = conn.recv_into(block)
+                if k == 0:
+                    raise RuntimeError("the raw-tcp sender closed early")
+                got += k
+            return nbytes / (time.perf_counter() - t0) / 1e9
 
 
-def local_copy_gbs(kv, src, dst, reps: int) -> float:
+def local_copy_gbs(kv, src, dst) -> float:
     """Gather + scatter of the same pages inside one process: the copy floor."""
     out = pattern_kv(kv.num_layers, kv.num_pages, kv.page_size, kv.k.shape[2], kv.k.shape[3],
                      kv.dtype, fill=False)
     si, di = torch.tensor(src), torch.tensor(dst)
-    best = float("inf")
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        for layer in range(kv.num_layers):
-            for a, b in ((kv.k, out.k), (kv.v, out.v)):
-                staged = kv.pages(a, layer).index_select(0, si)
-                out.pages(b, layer).index_copy_(0, di, staged)
-        best = min(best, time.perf_counter() - t0)
-    return 2 * kv.num_layers * len(src) * kv.page_bytes / best / 1e9
+    t0 = time.perf_counter()
+    for layer in range(kv.num_layers):
+        for a, b in ((kv.k, out.k), (kv.v, out.v)):
+            staged = kv.pages(a, layer).index_select(0, si)
+            out.pages(b, layer).index_copy_(0, di, staged)
+    return 2 * kv.num_layers * len(src) * kv.page_bytes / (time.perf_counter() - t0) / 1e9
 
 
 def check_pages(kv, src, dst) -> None:
@@ -208,7 +199,9 @@ def check_pages(kv, src, dst) -> None:
 
 
 def bench_case(a, backend: str, dtype: str, cores: list[int], contiguous: bool,
-               staging: bool = True, auth: bool = False) -> dict:
+               staging: bool = True, auth: bool = False, rep: int = 0) -> dict:
+    """One timed transfer of the whole prompt's KV (and once each, the raw socket, raw
+    Mooncake and local copy floors), in a fresh sender process."""
     from pipefill.disagg import messages as m
     from pipefill.disagg.bootstrap import lookup_prefill
     from pipefill.disagg.transfer_receiver import KVReceiver
@@ -235,33 +228,27 @@ def bench_case(a, backend: str, dtype: str, cores: list[int], contiguous: bool,
                               staging_bytes=room_bytes if staging else 0, secret=secret)
         receiver.connect("bench", lookup_prefill(m.Endpoint("127.0.0.1", port), 120,
                                                  secret=secret))
-        times = []
-        for rep in range(a.reps):
-            room = 1000 + rep
-            dst = page_order(pages, -room, contiguous)
-            receiver.expect_room(room, "bench", dst, num_prompt_tokens=a.input_len)
-            t0 = time.perf_counter()
-            child.stdin.write(f"{room}\n")
-            child.stdin.flush()
-            res = receiver.wait_room(room, 600)
-            times.append(time.perf_counter() - t0)
-            if res is None or not res.ok:
-                raise RuntimeError(f"{backend}: room failed: {res}")
-            src = page_order(pages, room, contiguous)
-            check_pages(kv, src, dst)
+        room = 1000 + rep
+        dst = page_order(pages, -room, contiguous)
+        receiver.expect_room(room, "bench", dst, num_prompt_tokens=a.input_len)
+        t0 = time.perf_counter()
+        child.stdin.write(f"{room}\n")
+        child.stdin.flush()
+        res = receiver.wait_room(room, 600)
+        seconds = time.perf_counter() - t0
+        if res is None or not res.ok:
+            raise RuntimeError(f"{backend}: room failed: {res}")
+        src = page_order(pages, room, contiguous)
+        check_pages(kv, src, dst)
         staged = backend == "mooncake" and receiver.data.staging_bytes > 0 and not contiguous
         nbytes = 2 * a.layers * pages * kv.page_bytes
-        raw_mc = raw_mooncake_gbs(child, receiver, nbytes, a.reps) if backend == "mooncake" \
-            else None
+        raw_mc = raw_mooncake_gbs(child, receiver, nbytes) if backend == "mooncake" else None
         receiver.close()
-        raw = raw_tcp_gbs(child, nbytes, a.reps)
-        base = local_copy_gbs(kv, src, dst, a.reps)
         return {"backend": backend, "dtype": dtype, "layout": "consecutive" if contiguous
                 else "shuffled", "staged": staged, "auth": auth, "bytes": nbytes,
-                "best_s": min(times),
-                "times_s": times, "gbs": nbytes / min(times) / 1e9, "raw_tcp_gbs": raw,
-                "raw_mooncake_gbs": raw_mc,
-                "local_copy_gbs": base}
+                "seconds": seconds, "gbs": nbytes / seconds / 1e9,
+                "raw_tcp_gbs": raw_tcp_gbs(child, nbytes), "raw_mooncake_gbs": raw_mc,
+                "local_copy_gbs": local_copy_gbs(kv, src, dst)}
     finally:
         child.kill()
         child.wait()
@@ -299,58 +286,96 @@ def label(r: dict) -> str:
     return name + " +auth" if r.get("auth") else name
 
 
-def summary(rows: list[dict]) -> list[str]:
-    """Ratios inside this run: shuffled against consecutive pages, staged against per-page,
-    with against without the cluster secret."""
-    by = {(label(r), r["dtype"], r["layout"]): r["gbs"] for r in rows}
+def median(xs: list[float]) -> float:
+    xs = sorted(xs)
+    mid = len(xs) // 2
+    return xs[mid] if len(xs) % 2 else (xs[mid - 1] + xs[mid]) / 2
+
+
+def spread(xs: list[float]) -> str:
+    return f"{median(xs):.2f} [{min(xs):.2f}-{max(xs):.2f}]"
+
+
+def case_key(r: dict) -> tuple[str, str, str]:
+    return label(r), r["dtype"], r["layout"]
+
+
+def paired_ratios(runs: dict, name: str, other: str, dtype: str, layout: str,
+                  other_layout: str | None = None) -> list[float] | None:
+    """Per repetition, this case's GB/s over the other's (both ran in that repetition)."""
+    mine, theirs = runs.get((name, dtype, layout)), runs.get((other, dtype, other_layout or layout))
+    if not mine or not theirs:
+        return None
+    return [x["gbs"] / y["gbs"] for x, y in zip(mine, theirs)]
+
+
+def summary(runs: dict) -> list[str]:
+    """Ratios inside this run, each the median of per-repetition ratios [min-max]: with
+    against without the cluster secret, shuffled against consecutive pages, staged against
+    per-page writes."""
     lines = []
-    for (name, dtype, layout), gbs in by.items():
-        plain = by.get((name.removesuffix(" +auth"), dtype, layout))
-        if name.endswith(" +auth") and plain:
-            lines.append(f"{name:17s} {dtype:9s} {layout:11s} = {gbs / plain:.2f} x without "
-                         f"the secret ({gbs:.2f} vs {plain:.2f} GB/s)")
+    for name, dtype, layout in runs:
+        plain = name.removesuffix(" +auth")
+        ratios = paired_ratios(runs, name, plain, dtype, layout) if plain != name else None
+        if ratios:
+            lines.append(f"{name:17s} {dtype:9s} {layout:11s} = {spread(ratios)} x without "
+                         f"the secret")
         if layout != "shuffled":
             continue
         auth = " +auth" if name.endswith(" +auth") else ""
-        base = by.get((name.split()[0] + auth, dtype, "consecutive"))
-        if base:
-            lines.append(f"{name:17s} {dtype:9s} shuffled = {gbs / base:.2f} x consecutive")
-        per_page = by.get(("mooncake per-page", dtype, "shuffled"))
-        if name == "mooncake staged" and per_page:
-            lines.append(f"{name:17s} {dtype:9s} shuffled = {gbs / per_page:.2f} x the per-page "
+        ratios = paired_ratios(runs, name, name.split()[0] + auth, dtype, layout,
+                               "consecutive")
+        if ratios:
+            lines.append(f"{name:17s} {dtype:9s} shuffled = {spread(ratios)} x consecutive")
+        ratios = paired_ratios(runs, name, "mooncake per-page", dtype, "shuffled")
+        if name == "mooncake staged" and ratios:
+            lines.append(f"{name:17s} {dtype:9s} shuffled = {spread(ratios)} x the per-page "
                          f"writes (before staging)")
     return lines
+
+
+def report(a, key: tuple[str, str, str], rows: list[dict]) -> str:
+    name, dtype, layout = key
+    gbs = [r["gbs"] for r in rows]
+    line = (f"{name:17s} {dtype:9s} {layout:11s} {rows[0]['bytes'] / 2**20:7.1f} MiB  "
+            f"{spread(gbs)} GB/s; raw tcp {spread([r['raw_tcp_gbs'] for r in rows])}, "
+            f"local copy {spread([r['local_copy_gbs'] for r in rows])}; one "
+            f"{a.chunk_size}-token chunk "
+            f"{median([r['seconds'] for r in rows]) * a.chunk_size / a.input_len * 1e3:.0f} ms")
+    if rows[0]["raw_mooncake_gbs"]:
+        line += (f"\n  (raw Mooncake writes, 1 MiB blocks: "
+                 f"{spread([r['raw_mooncake_gbs'] for r in rows])} GB/s)")
+    return line
 
 
 def run(a: argparse.Namespace) -> int:
     cores = [int(c) for c in a.cores.split(",")]
     if len(cores) != 2:
         raise ValueError("--cores needs two core ids: sender,receiver")
+    if a.reps < 1:
+        raise ValueError("--reps must be at least 1")
     os.sched_setaffinity(0, {cores[1]})
     torch.set_num_threads(1)
     print(f"{cpu_name()}; sender on core {cores[0]}, receiver on core {cores[1]}; "
           f"{a.layout} page layout; {a.input_len} tokens x "
           f"{a.layers} layers x {a.kv_heads} KV heads x {a.head_dim}, "
-          f"{a.page_size}-token pages, {a.chunk_size}-token chunks, best of {a.reps}")
-    rows = []
-    for backend, dtype, consecutive, staging, auth in cases(a):
-        r = bench_case(a, backend, dtype, cores, consecutive, staging, auth)
-        rows.append(r)
-        print(f"{label(r):17s} {dtype:9s} {r['layout']:11s} {r['bytes'] / 2**20:7.1f} MiB  "
-              f"{r['best_s']:.3f} s  "
-              f"{r['gbs']:.2f} GB/s = {r['gbs'] / r['raw_tcp_gbs']:.2f} x raw tcp "
-              f"({r['raw_tcp_gbs']:.2f} GB/s), {r['gbs'] / r['local_copy_gbs']:.2f} x "
-              f"local copy ({r['local_copy_gbs']:.2f} GB/s); one {a.chunk_size}-token chunk "
-              f"{r['best_s'] * a.chunk_size / a.input_len * 1e3:.0f} ms", flush=True)
-        if r["raw_mooncake_gbs"]:
-            print(f"  (raw Mooncake writes, 1 MiB blocks: {r['raw_mooncake_gbs']:.2f} GB/s; "
-                  f"the transfer plane reaches {r['gbs'] / r['raw_mooncake_gbs']:.2f} x)")
-    for line in summary(rows):
+          f"{a.page_size}-token pages, {a.chunk_size}-token chunks; {a.reps} repetitions, "
+          "each running every case once in turn; median [min-max]")
+    runs: dict[tuple[str, str, str], list[dict]] = {}
+    for rep in range(a.reps):
+        for backend, dtype, consecutive, staging, auth in cases(a):
+            r = bench_case(a, backend, dtype, cores, consecutive, staging, auth, rep)
+            runs.setdefault(case_key(r), []).append(r)
+            print(f"  repetition {rep + 1}: {case_key(r)[0]} {dtype} {r['layout']} "
+                  f"{r['gbs']:.2f} GB/s", flush=True)
+    for key, rows in runs.items():
+        print(report(a, key, rows))
+    for line in summary(runs):
         print(line)
     if a.json:
         with open(a.json, "w") as f:
-            json.dump({"cpu": cpu_name(), "args": vars(a) | {"run": None}, "rows": rows}, f,
-                      indent=1)
+            json.dump({"cpu": cpu_name(), "args": vars(a) | {"run": None},
+                       "rows": [r for rows in runs.values() for r in rows]}, f, indent=1)
     return 0
 
 

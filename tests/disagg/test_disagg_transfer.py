@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import random
 import signal
 import subprocess
@@ -417,10 +418,14 @@ def test_sender_process(backend, fault):
 def test_bench_kv_transfer_runs_and_checks_pages():
     out = subprocess.run([sys.executable, "-m", "pipefill.cli.main", "bench", "kv-transfer",
                           "--input-len", "300", "--chunk-size", "128", "--layers", "2",
-                          "--backends", "tcp", "--dtypes", "bfloat16", "--reps", "1"],
-                         capture_output=True, text=True, timeout=300)
+                          "--backends", "tcp", "--dtypes", "bfloat16", "--reps", "2",
+                          "--auth", "off,on"], capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr
-    assert "GB/s" in out.stdout and "x local copy" in out.stdout
+    assert "GB/s" in out.stdout and "local copy" in out.stdout
+    # Repetitions alternate the cases; the secret's cost is a paired median with its spread.
+    assert out.stdout.count("repetition 2:") == out.stdout.count("repetition 1:") >= 2
+    assert re.search(r"tcp \+auth .* = [\d.]+ \[[\d.]+-[\d.]+\] x without the secret",
+                     out.stdout), out.stdout
 
 
 DECODER = r"""

@@ -20,6 +20,7 @@ class UsageError(Exception):
 def build_parser() -> argparse.ArgumentParser:
     from pipefill.bench import attention as bench_attention
     from pipefill.bench import kv_transfer as bench_kv_transfer
+    from pipefill.bench import make_model as bench_make_model
     from pipefill.bench import multiturn as bench_multiturn
     from pipefill.bench import pd_serving as bench_pd_serving
     from pipefill.bench import decode as bench_decode
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_multiturn.add_parser(bench)
     bench_decode.add_parser(bench)
     bench_decode_gemm.add_parser(bench)
+    bench_make_model.add_parser(bench)
     sim.add_parser(sub)
     return parser
 

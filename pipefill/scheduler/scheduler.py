@@ -24,9 +24,10 @@ from typing import Callable
 
 from pipefill.kv.pool import PagePool
 from pipefill.scheduler.kv_manager import KVManager
-from pipefill.base.plan import (NewRequest, PDInfo, RequestOutput, SampleSpec, room_in_use,
-                                SamplingParams, SeqWork, StepPlan, StepResult)
+from pipefill.base.plan import (NewRequest, RequestOutput, SampleSpec, SamplingParams, SeqWork,
+                                StepPlan, StepResult)
 from pipefill.scheduler.radix import Node, RadixCache
+from pipefill.scheduler.role import NullRole
 
 # Pages an admission keeps free beyond the uncached prompt, for the first decode tokens.
 DECODE_HEADROOM_PAGES = 1
@@ -67,14 +68,6 @@ class Request:
     done: bool = False  # finished or aborted: schedule nothing more, free pages when idle
     chunk_sizes: list[int] = field(default_factory=list)
     prompt_logprobs: list[float] = field(default_factory=list)
-    # PD disaggregation (see Scheduler.pd_role): prefill: stages whose KV sender still reads
-    # this request's pages, and the pages sent so far; decode: the KV is still arriving, and
-    # the transfer may still write into these pages (the receiver has not let them go).
-    pd: PDInfo | None = None
-    pd_hold: int = 0
-    pd_sent_pages: int = 0
-    kv_waiting: bool = False
-    kv_held: bool = False
 
     @property
     def num_tokens(self) -> int:
@@ -95,7 +88,7 @@ class Request:
     @property
     def ready(self) -> bool:
         return not self.done and not self.awaiting_token and not self.preempt_pending and \
-            not self.kv_waiting and self.num_scheduled < self.num_tokens
+            self.num_scheduled < self.num_tokens
 
 
 def check_prompt(ids: list[int], params: SamplingParams, vocab_size: int | None,
@@ -120,7 +113,7 @@ def check_prompt(ids: list[int], params: SamplingParams, vocab_size: int | None,
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, pool: PagePool,
                  next_chunk_size: Callable[[int], int] | None = None,
-                 cache: RadixCache | None = None, host=None, storage=None):
+                 cache: RadixCache | None = None, host=None, storage=None, role=None):
         self.cfg = cfg
         self.pool = pool
         self.kv = KVManager(pool, cfg.page_size, cache, host, storage)
@@ -130,14 +123,9 @@ class Scheduler:
         self.running: dict[str, Request] = {}
         self._step_ids = itertools.count()
         self._admissions = itertools.count()
-        # PD disaggregation: "prefill" holds a request's pages until every one of pd_stages
-        # stages' senders is done with its room; "decode" admits a request into pages that
-        # the prefill's KV fills (waiting_kv until admitted, kv_waiting until it arrived).
-        self.pd_role = "null"
-        self.pd_stages = 1
-        self.rooms: dict[int, Request] = {}
-        self.waiting_kv: deque[Request] = deque()
-        self.dropped_rooms: list[int] = []  # decode: aborted while their KV was arriving
+        # PD disaggregation (pipefill.scheduler.role): where a request waits, whether it may
+        # be scheduled, and whether its pages may go back are the role's to say.
+        self.role = role or NullRole()
 
     # ---- requests in -------------------------------------------------------------------------
 
@@ -148,48 +136,36 @@ class Scheduler:
 
     def add(self, req: NewRequest) -> None:
         self.check_request(req)
-        if req.pd is not None and self.room_live(req.pd.room):
-            # Taking it would hand the first request's pages and transfer to this one.
-            raise ValueError(room_in_use(req.pd.room))
         seed = req.params.seed
         if seed is None:  # stable across processes, unlike hash()
             seed = zlib.crc32(f"{self.cfg.seed}:{req.rid}".encode())
-        r = Request(req.rid, list(req.prompt_ids), req.params, seed & 0x7FFFFFFF, pd=req.pd)
-        if r.pd is not None and self.pd_role == "decode":
-            self.waiting_kv.append(r)
-            return
-        if r.pd is not None and self.pd_role == "prefill":
-            r.pd_hold = self.pd_stages
-            self.rooms[r.pd.room] = r
-        self.waiting.append(r)
+        r = Request(req.rid, list(req.prompt_ids), req.params, seed & 0x7FFFFFFF)
+        if self.role.add(r, req.pd):  # False: the role keeps it (its KV comes from elsewhere)
+            self.waiting.append(r)
 
     def abort(self, rid: str) -> RequestOutput | None:
-        if self.pd_role == "prefill" and any(r.rid == rid and r.pd is not None for r in
-                                             list(self.waiting) + list(self.running.values())):
-            return None  # its decode waits for this KV: the prefill (one token) runs to its end
-        for queue in (self.waiting, self.waiting_kv):
-            for r in queue:
-                if r.rid == rid:
-                    queue.remove(r)
-                    self.kv.cancel_fetch(r)
-                    return RequestOutput(rid, [], True, "abort")
+        if self.role.refuses_abort(rid):
+            return None
+        r = next((r for r in self.waiting if r.rid == rid), None)
+        if r is not None:
+            self.waiting.remove(r)
+            self.kv.cancel_fetch(r)
+        if r is not None or self.role.take_waiting(rid) is not None:
+            return RequestOutput(rid, [], True, "abort")
         r = self.running.get(rid)
         if r is None:
             return None
-        if r.kv_waiting:
-            self.dropped_rooms.append(r.pd.room)  # the loop tells the receiver
+        self.role.aborted(r)
         r.done = True
         self._maybe_release(r)
         return RequestOutput(rid, [], True, "abort")
 
     @property
     def has_work(self) -> bool:
-        return bool(self.waiting) or any(r.ready for r in self.running.values())
+        return bool(self.waiting) or any(self._ready(r) for r in self.running.values())
 
-    @property
-    def awaits_kv(self) -> bool:
-        """Decode: some admitted request waits for its KV from a prefill server."""
-        return self.pd_role == "decode" and any(r.kv_waiting for r in self.rooms.values())
+    def _ready(self, r: Request) -> bool:
+        return r.ready and not self.role.waits_for_kv(r)
 
     @property
     def num_inflight_requests(self) -> int:
@@ -205,12 +181,12 @@ class Scheduler:
         budget = self.cfg.max_prefill_tokens
         seqs: list[SeqWork] = []
         for r in list(self.running.values()):
-            if r.ready and not r.in_prefill and budget > 0 and self._make_room(r):
+            if self._ready(r) and not r.in_prefill and budget > 0 and self._make_room(r):
                 seqs.append(self._work(r, r.num_scheduled + 1))
                 budget -= 1
         partial = next((r for r in self.running.values()
-                        if r.in_prefill and not r.done and not r.kv_waiting), None)
-        if partial is not None and partial.ready and budget > 0:
+                        if r.in_prefill and not r.done and not self.role.waits_for_kv(r)), None)
+        if partial is not None and self._ready(partial) and budget > 0:
             seqs.append(self._prefill_chunk(partial, budget))
             budget -= seqs[-1].num_tokens
         for r in list(self.waiting):
@@ -262,10 +238,7 @@ class Scheduler:
         r.num_inflight += 1
         work = SeqWork(r.rid, start, end, [r.token_at(i) for i in range(start, end)],
                        list(r.pages), sample, targets, new_pages)
-        if r.pd is not None and self.pd_role == "prefill" and start < len(r.prompt_ids):
-            # Whole pages only; the partial last page goes with the chunk that ends the prompt.
-            work.room, work.kv_send_from = r.pd.room, r.pd_sent_pages * self.cfg.page_size
-            r.pd_sent_pages = kv_send_end(work, self.cfg.page_size)
+        self.role.on_chunk(r, work, self.cfg.page_size)
         return work
 
     # ---- pages -------------------------------------------------------------------------------
@@ -284,11 +257,7 @@ class Scheduler:
         nobody uses count as free: they are evicted when the pages are needed)."""
         if len(self.running) >= self.cfg.max_running_requests:
             return False
-        # Headroom only where decoding can still need a page (a resumed request near its end
-        # must not wait for one it will never use).
-        final = self.kv.pages_for(len(r.prompt_ids) + r.params.max_new_tokens)
-        headroom = min(DECODE_HEADROOM_PAGES, final - self.kv.pages_for(r.num_tokens))
-        if not self.kv.admit(r, self._match_tokens(r), headroom):
+        if not self.kv.admit(r, self._match_tokens(r), self._headroom(r)):
             return False
         if r.params.return_prompt_logprobs:  # a resumed request recomputes past its cache
             del r.prompt_logprobs[r.num_scheduled:]
@@ -297,6 +266,12 @@ class Scheduler:
             self.kv.counters.hit_tokens += r.num_scheduled
         r.admitted_at = next(self._admissions)
         return True
+
+    def _headroom(self, r: Request) -> int:
+        """Decode pages an admission keeps free for r: only where decoding can still need a
+        page (a resumed request near its end must not wait for one it will never use)."""
+        final = self.kv.pages_for(len(r.prompt_ids) + r.params.max_new_tokens)
+        return min(DECODE_HEADROOM_PAGES, final - self.kv.pages_for(r.num_tokens))
 
     def _make_room(self, r: Request) -> bool:
         """Makes sure r's next decode token has a page: preempts the most recently admitted
@@ -323,56 +298,36 @@ class Scheduler:
         self.kv.counters.preemptions += 1
 
     def _maybe_release(self, r: Request) -> None:
-        if r.num_inflight or r.pd_hold or r.kv_held:
+        if r.num_inflight or self.role.holds_pages(r):
             return  # stages may still write these pages, or a KV transfer read/write them
         self.kv.release(r)
         self.running.pop(r.rid, None)
-        if r.pd is not None:
-            self.rooms.pop(r.pd.room, None)
+        self.role.forget(r)
 
-    # ---- PD disaggregation -------------------------------------------------------------------
+    # ---- requests whose prompt is computed elsewhere (the role calls these) ------------------
 
-    def room_live(self, room: int) -> bool:
-        """PD: a request of this server holds the room (admitted, or waiting for pages)."""
-        return room in self.rooms or any(r.pd.room == room for r in self.waiting_kv)
-
-    def pd_stage_done(self, room: int) -> None:
-        """Prefill: one stage's sender let the room's pages go (sent, or the room failed)."""
-        r = self.rooms.get(room)
-        if r is None or r.pd_hold <= 0:
-            return
-        r.pd_hold -= 1
+    def release_if_done(self, r: Request) -> None:
+        """Frees a finished request's pages once nothing reads or writes them any more."""
         if r.done:
             self._maybe_release(r)
 
-    def admit_kv(self) -> list[Request]:
-        """Decode: admits waiting requests into pages for their whole prompt (plus a decode
-        headroom), in arrival order; the caller asks the prefill for their KV."""
-        admitted = []
-        while self.waiting_kv and len(self.running) < self.cfg.max_running_requests:
-            r = self.waiting_kv[0]
-            final = self.kv.pages_for(len(r.prompt_ids) + r.params.max_new_tokens)
-            headroom = min(DECODE_HEADROOM_PAGES, final - self.kv.pages_for(r.num_tokens))
-            if not self.kv.admit(r, [], headroom):
-                break
-            self.waiting_kv.popleft()
-            self.kv.grow(r, len(r.prompt_ids))
-            r.kv_waiting = r.kv_held = True
-            r.admitted_at = next(self._admissions)
-            self.running[r.rid] = r
-            self.rooms[r.pd.room] = r
-            admitted.append(r)
-        return admitted
+    def admit_for_kv(self, r: Request) -> bool:
+        """Admits r into pages for its whole prompt (plus a decode headroom) that a KV transfer
+        fills instead of a forward (PD decode); False while they do not fit."""
+        if len(self.running) >= self.cfg.max_running_requests:
+            return False
+        if not self.kv.admit(r, [], self._headroom(r)):
+            return False
+        self.kv.grow(r, len(r.prompt_ids))
+        r.admitted_at = next(self._admissions)
+        self.running[r.rid] = r
+        return True
 
-    def kv_arrived(self, room: int, token: int, logprob: float | None, top, seed: int | None
-                   ) -> RequestOutput | None:
-        """Decode: the prompt's KV and first token are here; the request decodes from now on
-        exactly as if it had computed its prompt."""
-        r = self.rooms.get(room)
-        if r is None or not r.kv_waiting:
-            return None
-        r.kv_waiting = r.kv_held = False
-        if r.done:  # aborted meanwhile
+    def continue_after_prompt(self, r: Request, token: int, logprob: float | None, top,
+                              seed: int | None) -> RequestOutput | None:
+        """r's prompt KV and first token came from elsewhere: from now on r decodes exactly
+        as if it had computed its prompt. None when r was aborted meanwhile."""
+        if r.done:
             self._maybe_release(r)
             return None
         if seed is not None:
@@ -389,23 +344,12 @@ class Scheduler:
             self._maybe_release(r)
         return out
 
-    def kv_failed(self, room: int, reason: str) -> RequestOutput | None:
-        """Decode: the room failed; its pages go back once the receiver released them."""
-        r = self.rooms.get(room)
-        if r is None or r.done:
-            return None
-        r.done, r.kv_waiting = True, False
+    def fail(self, r: Request, reason: str) -> RequestOutput:
+        """Ends r with an error; its pages go back once nothing reads or writes them."""
+        r.done = True
         self._maybe_release(r)
         return RequestOutput(r.rid, [], True, "error", error=reason,
                              num_prompt_tokens=len(r.prompt_ids))
-
-    def kv_released(self, room: int) -> None:
-        """Decode: the receiver will not write into the room's pages any more."""
-        r = self.rooms.get(room)
-        if r is not None:
-            r.kv_held = False
-            if r.done:
-                self._maybe_release(r)
 
     # ---- results in --------------------------------------------------------------------------
 
@@ -471,10 +415,3 @@ class Scheduler:
             return "length"
         return None
 
-
-def kv_send_end(work: SeqWork, page_size: int) -> int:
-    """PD prefill: pages of the request complete after this chunk (all of them, the partial
-    last one included, once the chunk ends the prompt)."""
-    if work.sample is not None:
-        return -(-work.end // page_size)
-    return work.end // page_size

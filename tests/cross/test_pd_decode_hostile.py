@@ -33,6 +33,7 @@ from pipefill.disagg.validate import (check_final_meta, check_prefill_info,
                                       parse_bootstraps)
 from pipefill.kv.pool import PagePool
 from pipefill.base.plan import NewRequest, PDInfo, SamplingParams, is_room_in_use
+from pipefill.scheduler.role import DecodeRole, PrefillRole
 from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig
 
 from conftest import save_tiny_model
@@ -155,9 +156,8 @@ def test_the_prefill_bootstrap_flag_is_an_allow_list():
 # ------------------------------------------------------------------ a room id already live
 
 def scheduler(role: str) -> Scheduler:
-    s = Scheduler(SchedulerConfig(16, 32, 64, 8, 1024, (2,), vocab_size=VOCAB), PagePool(64))
-    s.pd_role, s.pd_stages = role, 1
-    return s
+    return Scheduler(SchedulerConfig(16, 32, 64, 8, 1024, (2,), vocab_size=VOCAB), PagePool(64),
+                     role=PrefillRole(1) if role == "prefill" else DecodeRole())
 
 
 def pd_request(rid: str, room: int) -> NewRequest:
@@ -170,14 +170,14 @@ def test_a_room_in_use_is_refused_and_the_first_request_keeps_it(role):
     s = scheduler(role)
     s.add(pd_request("first", 7))
     if role == "decode":
-        assert [r.rid for r in s.admit_kv()] == ["first"]
+        assert [a.request.rid for a in s.role.admit(s)] == ["first"]
         s.add(pd_request("waiting", 8))  # not admitted yet: its room is live all the same
         with pytest.raises(ValueError, match="bootstrap_room 8 is already in use"):
             s.add(pd_request("again", 8))
     with pytest.raises(ValueError, match="bootstrap_room 7 is already in use") as e:
         s.add(pd_request("second", 7))
     assert is_room_in_use(str(e.value))
-    assert s.rooms[7].rid == "first"
+    assert s.role.rooms[7].request.rid == "first"
     s.add(pd_request("other", 9))  # another room is taken as usual
 
 

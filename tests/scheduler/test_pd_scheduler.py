@@ -7,17 +7,17 @@ from pipefill.kv.pool import PagePool
 from pipefill.base.plan import (NewRequest, PDInfo, SamplingParams, SeqResult,
                                 StepResult)
 from pipefill.scheduler.radix import RadixCache
-from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig, kv_send_end
+from pipefill.scheduler.role import DecodeRole, PrefillRole, kv_send_end
+from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig
 
 PAGE = 16
 
 
 def make(role: str, stages: int = 2, cache: bool = False, num_pages: int = 64):
     pool = PagePool(num_pages)
-    s = Scheduler(SchedulerConfig(PAGE, 32, 64, 8, 1024, (2,)), pool,
-                  cache=RadixCache(PAGE, pool) if cache else None)
-    s.pd_role, s.pd_stages = role, stages
-    return s
+    return Scheduler(SchedulerConfig(PAGE, 32, 64, 8, 1024, (2,)), pool,
+                     cache=RadixCache(PAGE, pool) if cache else None,
+                     role=PrefillRole(stages) if role == "prefill" else DecodeRole())
 
 
 def req(rid: str, n: int, room: int, max_new: int = 1):
@@ -47,11 +47,11 @@ def test_prefill_sends_whole_pages_and_holds_them_until_every_stage_is_done():
     assert sent_ranges(works) == [(0, 2), (2, 4), (4, 6), (6, 7)]
     assert outs[-1].finished and outs[-1].new_token_ids == [5]
     assert s.pool.num_free == 64 - 7  # the senders still read them
-    s.pd_stage_done(7)
+    s.role.stage_done(s, 7)
     assert s.pool.num_free == 64 - 7
-    s.pd_stage_done(7)
+    s.role.stage_done(s, 7)
     assert s.pool.num_free == 64 and not s.running
-    s.pd_stage_done(7)  # a late duplicate changes nothing
+    s.role.stage_done(s, 7)  # a late duplicate changes nothing
     assert s.pool.num_free == 64
 
 
@@ -59,7 +59,7 @@ def test_prefill_sends_cached_pages_from_page_zero_and_ignores_aborts():
     s = make("prefill", stages=1, cache=True)
     s.add(req("a", 100, room=1))
     run(s)
-    s.pd_stage_done(1)
+    s.role.stage_done(s, 1)
     s.add(req("b", 100, room=2))  # 6 whole pages come from the prefix cache
     assert s.abort("b") is None  # its decode waits for this KV: it runs to its end
     works, outs = run(s)
@@ -71,11 +71,11 @@ def test_decode_waits_in_preallocated_pages_then_continues_from_the_first_token(
     s = make("decode")
     s.add(req("a", 40, room=3, max_new=3))
     assert s.schedule() is None  # not admitted into a plan before its KV
-    (r,) = s.admit_kv()
+    (r,) = [a.request for a in s.role.admit(s)]
     assert len(r.pages) == 3 and s.schedule() is None
-    assert s.awaits_kv and not s.has_work  # the loop polls for the room often, yet is idle
-    out = s.kv_arrived(3, token=9, logprob=-0.5, top=[(9, -0.5)], seed=1234)
-    assert not s.awaits_kv
+    assert s.role.awaits_kv and not s.has_work  # the loop polls for the room often, yet is idle
+    out = s.role.kv_arrived(s, 3, token=9, logprob=-0.5, top=[(9, -0.5)], seed=1234)
+    assert not s.role.awaits_kv
     assert out.new_token_ids == [9] and out.token_logprobs == [-0.5] and not out.finished
     assert r.seed == 1234
     plan = s.schedule()
@@ -90,20 +90,20 @@ def test_decode_frees_pages_on_failure_in_either_order_and_on_abort():
     s = make("decode")
     for rid, room in (("a", 1), ("b", 2), ("c", 3)):
         s.add(req(rid, 40, room))
-    assert len(s.admit_kv()) == 3 and s.pool.num_free == 64 - 9
+    assert len(s.role.admit(s)) == 3 and s.pool.num_free == 64 - 9
     # a: the result first, then the receiver lets the pages go.
-    out = s.kv_failed(1, "the prefill died")
+    out = s.role.kv_failed(s, 1, "the prefill died")
     assert out.finish_reason == "error" and "prefill died" in out.error
     assert s.pool.num_free == 64 - 9
-    s.kv_released(1)
+    s.role.kv_released(s, 1)
     assert s.pool.num_free == 64 - 6
     # b: the release first.
-    s.kv_released(2)
+    s.role.kv_released(s, 2)
     assert s.pool.num_free == 64 - 6
-    s.kv_failed(2, "timeout")
+    s.role.kv_failed(s, 2, "timeout")
     assert s.pool.num_free == 64 - 3
     # c: the client went away: the room is dropped, the pages wait for the receiver.
-    assert s.abort("c").finish_reason == "abort" and s.dropped_rooms == [3]
+    assert s.abort("c").finish_reason == "abort" and s.role.dropped == [3]
     assert s.pool.num_free == 64 - 3
-    assert s.kv_arrived(3, 9, None, None, None) is None  # too late: nothing is returned
+    assert s.role.kv_arrived(s, 3, 9, None, None, None) is None  # too late: nothing is returned
     assert s.pool.num_free == 64 and not s.running

@@ -145,7 +145,11 @@ class PipeMessage:
     """Stage s -> s+1, sent with the micro-batch's activations (none for a control message)."""
     plan: StepPlan | None
     stage_seconds: list[float] = field(default_factory=list)  # forward time of stages passed
-    control: tuple | None = None  # ("stop",) or ("trace",): every stage handles it in order
+    # ("stop",), ("trace",), ("stats",): every stage handles it in order; ("pd", ops): PD
+    # decode room operations from stage 0; ("kv_done", [(room, rank), ...]): a later stage's
+    # KV transfer reports on their way to stage 0 (the last stage sends them back as a
+    # StepResult of REPORT_STEP)
+    control: tuple | None = None
     page_ops: PageOps | None = None  # with a control message: page frees since the last plan
     # Pool pages whose storage fetch failed on a stage passed (unreadable or damaged since
     # stage 0 verified them): stage 0 recomputes those tokens instead of using the pages.
@@ -162,13 +166,20 @@ class SeqResult:
     error: str | None = None  # sampling/logprobs failed for this sequence: fail it, not the stage
 
 
+REPORT_STEP = -1  # the step_id of a StepResult that answers no plan: it carries kv_done only
+
+
 @dataclass
 class StepResult:
-    """Last stage -> stage 0 for one micro-batch."""
+    """Last stage -> stage 0 for one micro-batch (or, with REPORT_STEP, for none)."""
     step_id: int
     seqs: list[SeqResult] = field(default_factory=list)
     stage_seconds: list[float] = field(default_factory=list)  # forward time per stage
     failed_fetches: list[int] = field(default_factory=list)  # on any stage (PipeMessage's)
+    # PD: (room, rank) reports of later stages' KV transfers for stage 0's role: a prefill
+    # stage's sender let the room's pages go; a decode stage has all its layers (rank) or its
+    # receiver let a failed room's pages go (-rank)
+    kv_done: list[tuple[int, int]] = field(default_factory=list)
 
 
 @dataclass

@@ -47,7 +47,6 @@ FRONT_TO_STAGE: dict[str, Any] = {
     "stats": None,
     "trace": None,
     "stop": None,
-    "kv_done": tuple[int, int],  # PD prefill: (room, rank) a stage's sender is done with
 }
 STAGE_TO_FRONT: dict[str, Any] = {
     "join": tuple[int, int],  # (stage rank, node rank): a stage's first message
@@ -58,7 +57,6 @@ STAGE_TO_FRONT: dict[str, Any] = {
     "load": Stats,
     "trace": tuple[int, list[Stats]],  # (rank, Chrome-trace events)
     "fatal": str,
-    "kv_done": tuple[int, int],  # PD prefill: (room, rank), forwarded to stage 0
 }
 
 MAX_CLOCK_SKEW_S = 300.0

@@ -1,10 +1,12 @@
 """The transfer plane wired into the stages (DESIGN.md section 7): what a prefill stage and a
-decode stage do around their micro-batch loops.
+decode stage do around their micro-batch loops. Each is the stage's PD role
+(pipefill.scheduler.role): the scheduler's half (admission, release) comes from PrefillRole or
+DecodeRole, the loop's hooks are here.
 
 Prefill, every stage: a KVSender registered with the bootstrap service; after each forward it
 queues the whole pages the plan completed for each PD request (never blocking the loop); its
-release callback reports ("kv_done", (room, rank)) on a socket of its own (ZMQ sockets are not
-thread-safe), the front end forwards it to stage 0, and the scheduler keeps the request's pages
+release callback reports (room, rank) to stage 0 (a later stage through the pipeline, see
+runtime.loop.report_to_first; stage 0 to itself), and the scheduler keeps the request's pages
 until every stage reported. Stage 0 also sends the final metadata (first token, logprobs, seed).
 
 Decode, every stage: a KVReceiver writing its own layers into its own KV pool. Stage 0's loop
@@ -36,7 +38,7 @@ from pipefill.disagg.validate import check_final_meta, check_prefill_info, parse
 from pipefill.base.partition import partition_layers
 from pipefill.base.platform import dtype_name
 from pipefill.base.wire import read_cluster_secret
-from pipefill.scheduler.scheduler import kv_send_end
+from pipefill.scheduler.role import DecodeRole, PrefillRole, kv_send_end
 
 log = logging.getLogger(__name__)
 # "pd-timeline" debug lines carry wall-clock stamps of a room's last moments (last chunk's
@@ -81,9 +83,15 @@ class _Seen:
         return True
 
 
-class PrefillStagePD:
-    def __init__(self, args, executor, rank: int, layer_start: int, cfg, report):
-        self.rank, self.page_size, self._report = rank, args.page_size, report
+class PrefillStagePD(PrefillRole):
+    """A prefill stage's role. to_first: how a later stage reports to stage 0 (stage 0 reports
+    to its own queue, taken at the next poll)."""
+
+    def __init__(self, args, executor, rank: int, layer_start: int, cfg, to_first=None):
+        super().__init__(num_stages=args.pp_size)
+        self.rank, self.page_size = rank, args.page_size
+        self._own_reports: queue.SimpleQueue = queue.SimpleQueue()  # stage 0
+        self._to_first = to_first or self._own_reports.put
         self._lock = threading.Lock()
         self._opened, self._done = _Seen(), _Seen()
         secret = _secret(args)
@@ -111,28 +119,29 @@ class PrefillStagePD:
                 self.sender.send_pages(w.room, p0, w.page_table[p0:p1], is_last)
 
     def poll(self, scheduler) -> list:
+        """Stage 0: its own sender's reports."""
+        while not self._own_reports.empty():
+            self.on_kv_done(scheduler, self._own_reports.get())
         return []
 
-    def on_kv_done(self, scheduler, payload) -> None:
+    def on_kv_done(self, scheduler, event) -> None:
         """Stage 0: one stage's sender is done with a room; its pages may go when all are."""
-        scheduler.pd_stage_done(payload[0])
-
-    def take_down(self):
-        return None
+        self.stage_done(scheduler, event[0])
 
     def after_update(self, scheduler, outputs) -> None:
         """Stage 0: the first token of a PD request is the room's final metadata."""
         for out in outputs:
-            r = scheduler.running.get(out.rid)
-            if r is None or r.pd is None:
+            held = self.held(out.rid)
+            if held is None:
                 continue
+            r, room = held.request, held.room
             if out.finish_reason == "error" or not out.new_token_ids:
-                self.sender.fail_room(r.pd.room, out.error or "the prefill failed")
+                self.sender.fail_room(room, out.error or "the prefill failed")
                 continue
             top = out.top_logprobs[0] if out.top_logprobs else None
             logprob = out.token_logprobs[0] if out.token_logprobs else None
-            self.sender.send_final(r.pd.room, m.FinalMeta(
-                r.pd.room, 0, len(r.prompt_ids), out.new_token_ids[0], logprob,
+            self.sender.send_final(room, m.FinalMeta(
+                room, 0, len(r.prompt_ids), out.new_token_ids[0], logprob,
                 [tuple(t) for t in top] if top is not None else None,
                 r.seed.to_bytes(4, "little")))
 
@@ -140,7 +149,7 @@ class PrefillStagePD:
         log.debug(TIMELINE, room, f"stage{self.rank}-released", time.time())
         with self._lock:  # called from the sender's threads
             if self._done.add(room):
-                self._report("kv_done", (room, self.rank))
+                self._to_first((room, self.rank))
 
 
 def _passed_on(status: int) -> bool:
@@ -158,7 +167,7 @@ class _Asked:
     num_prompt_tokens: int
 
 
-class DecodeStagePD:
+class DecodeStagePD(DecodeRole):
     """Decode, every stage of the pipeline. Each stage receives its own layers' KV from the
     prefill stages that hold them, into the pages stage 0 chose. Stage 0 admits and tells the
     later stages through "pd" control messages down the pipe (in order with the plans, and
@@ -166,17 +175,18 @@ class DecodeStagePD:
     ...) allocates the room's pages on that stage and asks its prefill stages for their KV,
     ("ready", pages) marks them written just before the first plan that reads them, ("drop",
     room) ends a room that failed elsewhere or was aborted. A later stage reports back through
-    the front end the way prefill stages report kv_done: ("kv_done", (room, rank)) when it has
+    the pipeline the way prefill stages report kv_done (to_first): (room, rank) when it has
     all its layers, (room, -rank) once its room failed and its receiver let the pages go.
     Stage 0 declares a room ready only when every stage has all of its layers
     (decode_rooms.DecodePipelineRooms), and frees its pages only when no stage can write them.
 
     Looking a prefill up and connecting to its stages happens on a PrefillConnector's worker
     threads, never on the loop thread: a room for a prefill this stage is not connected to
-    waits in `_waiting` until the connect ends, then is asked for or failed with the
+    waits in `_awaiting_connect` until the connect ends, then is asked for or failed with the
     connect's status (502/504) and sentence."""
 
-    def __init__(self, args, executor, cfg, info=None, report=None):
+    def __init__(self, args, executor, cfg, info=None, to_first=None):
+        super().__init__()
         self.args, self.cfg, self.executor = args, cfg, executor
         self.rank = info.rank if info is not None else 0
         self.secret = _secret(args)
@@ -196,10 +206,11 @@ class DecodeStagePD:
         self._reports: queue.SimpleQueue = queue.SimpleQueue()  # stage 0: later stages' kv_done
         self._down: list = []  # stage 0: "pd" ops for the later stages, sent before any plan
         self._down_page_ops = None
-        self._report = report
-        # _waiting: a later stage takes rooms out of it on connect workers and its loop thread
+        self._to_first = to_first  # a later stage: reports to stage 0
+        # prefill key -> rooms waiting on its connect; a later stage takes rooms out of it on
+        # connect workers and its loop thread, under the lock
         self._lock = threading.RLock()
-        self._waiting: dict[str, list[_Asked]] = {}  # prefill key -> rooms waiting on its connect
+        self._awaiting_connect: dict[str, list[_Asked]] = {}
         self._connects: queue.SimpleQueue = queue.SimpleQueue()  # stage 0: (key, error) ended
         self.connector = PrefillConnector(
             self.connect, args.disaggregation_connect_timeout,
@@ -223,15 +234,9 @@ class DecodeStagePD:
         finally:
             deadline.cancel()
 
-    def after_forward(self, plan) -> None:
-        pass
-
-    def after_update(self, scheduler, outputs) -> None:
-        pass
-
-    def on_kv_done(self, scheduler, payload) -> None:
-        """Stage 0, from the front end: a later stage's (room, rank) or (room, -rank)."""
-        self._reports.put(tuple(payload))
+    def on_kv_done(self, scheduler, event) -> None:
+        """Stage 0, through the pipe: a later stage's (room, rank) or (room, -rank)."""
+        self._reports.put(tuple(event))
 
     def take_down(self):
         """Stage 0: (ops, page_ops) for the later stages, or None."""
@@ -247,29 +252,28 @@ class DecodeStagePD:
         """On the loop thread: the outputs of rooms that ended, after new ones were asked
         for and aborted ones dropped."""
         outputs = []
-        admitted = scheduler.admit_kv()
+        admitted = self.admit(scheduler)
         if admitted:  # replay the frees first: the new pages may be ones freed since the plan
             ops = scheduler.kv.drain_ops()
             self.executor.apply_page_ops(ops)
             self.executor.finish_page_ops(ops)
             self._down_page_ops = ops  # the later stages replay them before the allocations
-        for r in admitted:
+        for a in admitted:
+            r, pd = a.request, a.pd
             self.executor.owners.allocate(r.rid, r.pages)
-            self._send_down(["expect", r.pd.room, r.rid, list(r.pages), r.pd.host, r.pd.port,
+            self._send_down(["expect", pd.room, r.rid, list(r.pages), pd.host, pd.port,
                              len(r.prompt_ids)])
-            self.pipeline.open(r.pd.room)
-            asked = _Asked(r.pd.room, list(r.pages), len(r.prompt_ids))
-            error = self._ask(f"{r.pd.host}:{r.pd.port}", m.Endpoint(r.pd.host, r.pd.port),
-                              asked)
+            self.pipeline.open(pd.room)
+            asked = _Asked(pd.room, list(r.pages), len(r.prompt_ids))
+            error = self._ask(f"{pd.host}:{pd.port}", m.Endpoint(pd.host, pd.port), asked)
             if error is not None:
-                self._fail_unasked(scheduler, r.pd.room, error, outputs)
+                self._fail_unasked(scheduler, pd.room, error, outputs)
         while not self._connects.empty():
             self._connect_ended(scheduler, *self._connects.get(), outputs)
         for key, error in self.connector.overdue():
             self._connect_ended(scheduler, key, error, outputs)
-        for room in scheduler.dropped_rooms:  # their requests are over: no output
+        for room in self.take_dropped():  # their requests are over: no output
             self._act(scheduler, room, self.pipeline.fail(room), outputs, "the client went away")
-        scheduler.dropped_rooms.clear()
         for res in self.receiver.take_finished():
             self._finished(scheduler, res, outputs)
         while not self._released_rooms.empty():
@@ -293,7 +297,7 @@ class DecodeStagePD:
     def _connect_ended(self, scheduler, key: str, error: PeerError | None,
                        outputs: list) -> None:
         """Stage 0: asks for the rooms that waited on the connect to `key`, or fails them."""
-        for asked in self._take_waiting(key):
+        for asked in self._take_connect_waiters(key):
             failed = error if error is not None else self._ask(key, None, asked)
             if failed is not None:
                 self._fail_unasked(scheduler, asked.room, failed, outputs)
@@ -305,9 +309,9 @@ class DecodeStagePD:
 
     def _finished(self, scheduler, res, outputs: list) -> None:
         if not res.ok:
-            r = scheduler.rooms.get(res.room)
+            a = self.rooms.get(res.room)
             prefill = "the prefill server" + \
-                (f" at bootstrap {r.pd.host}:{r.pd.port}" if r is not None else "")
+                (f" at bootstrap {a.pd.host}:{a.pd.port}" if a is not None else "")
             if 400 <= res.status < 500:  # the prefill refused the request: the client's fault
                 why = f"{prefill} refused this request: {res.reason[:MAX_REASON]}"
             else:
@@ -315,8 +319,7 @@ class DecodeStagePD:
             self._act(scheduler, res.room, self.pipeline.fail(res.room), outputs, why,
                       res.status)
             return
-        r = scheduler.rooms.get(res.room)
-        why = self._final_problem(r, res.final)
+        why = self._final_problem(self.rooms.get(res.room), res.final)
         if why is not None:
             # The pages are ours again (a success hands them over): nothing writes them.
             self._act(scheduler, res.room, self.pipeline.fail(res.room), outputs, why,
@@ -326,15 +329,17 @@ class DecodeStagePD:
         self._own[res.room] = res
         self._act(scheduler, res.room, self.pipeline.ready(res.room, 0), outputs)
 
-    def _final_problem(self, r, final) -> str | None:
-        """Why the request r cannot continue from the prefill's final metadata, or None."""
-        if r is None or final is None:
+    def _final_problem(self, a, final) -> str | None:
+        """Why the room a's request cannot continue from the prefill's final metadata, or
+        None."""
+        if a is None or final is None:
             return "the prefill's final metadata does not match this request"
         try:
             check_final_meta(final, vocab_size=self.cfg.vocab_size,
-                             num_prompt_tokens=len(r.prompt_ids), logprobs=r.params.logprobs)
+                             num_prompt_tokens=len(a.request.prompt_ids),
+                             logprobs=a.request.params.logprobs)
         except ValueError as e:
-            return (f"the prefill server at bootstrap {r.pd.host}:{r.pd.port} sent a first "
+            return (f"the prefill server at bootstrap {a.pd.host}:{a.pd.port} sent a first "
                     f"token this request cannot continue from: {e}")
         return None
 
@@ -342,27 +347,27 @@ class DecodeStagePD:
              why: str = "", status: int = 500) -> None:
         if "fail" in actions:
             self._own.pop(room, None)
-            unasked = self._forget_waiting(room)
+            unasked = self._forget_connect_waiter(room)
             self._drop(room, why or "the request ended")
-            out = scheduler.kv_failed(room, why or "the request ended")
+            out = self.kv_failed(scheduler, room, why or "the request ended")
             if out is not None and _passed_on(status):
                 out.error_status = status
             outputs.append(out)
             if unasked:  # the room waited on a connect: this stage's receiver never had it
                 self._act(scheduler, room, self.pipeline.released(room, 0), outputs)
         if "release" in actions:
-            scheduler.kv_released(room)
+            self.kv_released(scheduler, room)
         if "ready" in actions:
-            res, r = self._own.pop(room), scheduler.rooms.get(room)
-            if r is None:
+            res, a = self._own.pop(room), self.rooms.get(room)
+            if a is None:
                 return
             log.debug(TIMELINE, room, "decode-ready", time.time())
-            self.executor.owners.mark_written(r.pages)
-            self._send_down(["ready", list(r.pages)])
+            self.executor.owners.mark_written(a.request.pages)
+            self._send_down(["ready", list(a.request.pages)])
             f = res.final
             seed = int.from_bytes(f.sampling_state, "little") if f.sampling_state else None
-            outputs.append(scheduler.kv_arrived(room, f.first_token, f.logprob,
-                                                f.top_logprobs, seed))
+            outputs.append(self.kv_arrived(scheduler, room, f.first_token, f.logprob,
+                                           f.top_logprobs, seed))
 
     def _drop(self, room: int, reason: str) -> None:
         """Every stage stops waiting for the room (a room already over is left alone)."""
@@ -384,7 +389,7 @@ class DecodeStagePD:
                 return PeerError(BAD_ANSWER, f"lost the connection to the prefill server at "
                                              f"bootstrap {key} while connecting to it")
             with self._lock:
-                self._waiting.setdefault(key, []).append(asked)
+                self._awaiting_connect.setdefault(key, []).append(asked)
             self.connector.start(key, endpoint)
             return None
         try:
@@ -398,14 +403,14 @@ class DecodeStagePD:
                                          f"bootstrap {key}: {e}")
         return None
 
-    def _take_waiting(self, key: str) -> list[_Asked]:
+    def _take_connect_waiters(self, key: str) -> list[_Asked]:
         with self._lock:
-            return self._waiting.pop(key, [])
+            return self._awaiting_connect.pop(key, [])
 
-    def _forget_waiting(self, room: int) -> bool:
+    def _forget_connect_waiter(self, room: int) -> bool:
         """Takes the room out of the rooms waiting on a connect; whether it was there."""
         with self._lock:
-            for key, rooms in self._waiting.items():
+            for key, rooms in self._awaiting_connect.items():
                 for asked in rooms:
                     if asked.room == room:
                         rooms.remove(asked)
@@ -442,8 +447,8 @@ class DecodeStagePD:
                 self.executor.owners.mark_written(op[1])
             elif op[0] == "drop":
                 with self._lock:  # not while a connect worker asks for the room
-                    if self._forget_waiting(op[1]):
-                        self._report("kv_done", (op[1], -self.rank))  # nothing was asked
+                    if self._forget_connect_waiter(op[1]):
+                        self._to_first((op[1], -self.rank))  # nothing was asked
                     else:
                         self.receiver.drop_room(op[1], op[2])
 
@@ -451,14 +456,14 @@ class DecodeStagePD:
         """A later stage, on a connect worker: asks for the rooms that waited, or reports
         them failed."""
         with self._lock:  # a "drop" for one of the rooms waits until it was asked for
-            for asked in self._take_waiting(key):
+            for asked in self._take_connect_waiters(key):
                 failed = error if error is not None else self._ask(key, None, asked)
                 if failed is not None:
                     self._unasked_later(asked.room, failed)
 
     def _unasked_later(self, room: int, error: PeerError) -> None:
         log.warning("decode stage %d, room %d: %s", self.rank, room, error)
-        self._report("kv_done", (room, -self.rank))  # nothing was asked: nothing writes
+        self._to_first((room, -self.rank))  # nothing was asked: nothing writes
 
     def _watch(self) -> None:
         """A later stage's reports to stage 0: a room whose layers all arrived, and a failed
@@ -467,9 +472,9 @@ class DecodeStagePD:
             for res in self.receiver.wait_finished(
                     0.5, wake=lambda: not self._released_rooms.empty()):
                 if res.ok:
-                    self._report("kv_done", (res.room, self.rank))
+                    self._to_first((res.room, self.rank))
                 else:
                     log.info("decode stage %d, room %d failed: %s", self.rank, res.room,
                              res.reason)
             while not self._released_rooms.empty():
-                self._report("kv_done", (self._released_rooms.get(), -self.rank))
+                self._to_first((self._released_rooms.get(), -self.rank))

@@ -7,6 +7,12 @@ travels down the pipe with its activations, its results come back from the last 
 to `max_inflight` plans are in flight, retired oldest first. Consecutive chunks of one request
 go into consecutive micro-batches: every stage runs micro-batches in arrival order, so chunk k's
 KV is in place when chunk k+1 reaches any stage.
+
+Every loop is given the stage's PD role (pipefill.scheduler.role; NullRole without
+disaggregation) and calls its hooks around the micro-batches. A later stage's KV transfer
+reports reach stage 0 inside the pipeline: the stage's threads post them into its own inbound
+queue (report_to_first), its loop passes them down, and the last stage sends them back on the
+results' way (a StepResult of REPORT_STEP).
 """
 from __future__ import annotations
 
@@ -16,15 +22,17 @@ from collections import deque
 
 from pipefill.runtime.heartbeat import NoHeartbeat
 from pipefill.runtime.trace import StageTracer, plan_label
-from pipefill.base.plan import PipeMessage, RequestOutput, StepPlan, StepResult
+from pipefill.base.plan import REPORT_STEP, PipeMessage, RequestOutput, StepPlan, StepResult
+from pipefill.scheduler.role import NullRole
 from pipefill.scheduler.scheduler import Scheduler
 
 log = logging.getLogger(__name__)
 
 IDLE_POLL_MS = 50
-# A PD decode whose rooms wait for their KV: the receiver's threads cannot wake the front-end
-# poll, so a room that became ready waited up to a whole idle poll (measured: a mean 27 ms of
-# the 45 ms from the prefill's last forward to the first token).
+# A PD role that awaits its transfer plane's reports (a decode's rooms waiting for their KV, a
+# prefill's pages still read by its senders): their threads cannot wake the front-end poll, so
+# a room that became ready waited up to a whole idle poll (measured: a mean 27 ms of the 45 ms
+# from the prefill's last forward to the first token).
 KV_WAIT_POLL_MS = 1
 LOAD_REPORT_S = 0.2  # the server's /metrics reads these pushed snapshots
 
@@ -32,7 +40,7 @@ LOAD_REPORT_S = 0.2  # the server's /metrics reads these pushed snapshots
 class FirstStageLoop:
     def __init__(self, executor, scheduler: Scheduler, channel, pipe=None,
                  max_inflight: int = 1, tracer: StageTracer | None = None, on_result=None,
-                 pd=None, chunk_policy=None, heartbeat=None):
+                 chunk_policy=None, heartbeat=None):
         self.executor = executor
         self.scheduler = scheduler
         self.channel = channel  # front end: poll() requests, report() events
@@ -40,7 +48,8 @@ class FirstStageLoop:
         self.max_inflight = max_inflight if pipe is not None else 1
         self.tracer = tracer or StageTracer(0, False)
         self.on_result = on_result  # (plan, result) -> None: online chunk-cost calibration
-        self.pd = pd  # PD disaggregation role (pipefill.disagg.roles), or None
+        # PD disaggregation (pipefill.scheduler.role): the scheduler's role, with its hooks
+        self.role = scheduler.role
         # runtime.chunk_policy.ChunkPolicy: its idle_step runs a background profile's prefills
         self.chunk_policy = chunk_policy
         # runtime.heartbeat: the front end's stall watchdog reads these counters
@@ -54,10 +63,9 @@ class FirstStageLoop:
         while not (self.stopping and not self.inflight):
             self.heartbeat.beat()
             idle = not self.inflight and not self.scheduler.has_work
-            wait = KV_WAIT_POLL_MS if self.scheduler.awaits_kv else IDLE_POLL_MS
+            wait = KV_WAIT_POLL_MS if self.role.awaits_kv else IDLE_POLL_MS
             arrived = self._ingest(wait if idle else 0)
-            if self.pd is not None:
-                self._pd_poll()
+            self._poll_role()
             if idle and not arrived and self.chunk_policy is not None and \
                     not self.stopping and not self.scheduler.has_work:
                 # Nothing came during an idle poll: one prefill of a background profile.
@@ -100,17 +108,18 @@ class FirstStageLoop:
                 self._control(kind)
             elif kind == "stop":
                 self._stop()
-            elif kind == "kv_done" and self.pd is not None:
-                self.pd.on_kv_done(self.scheduler, payload)
         return len(messages)
 
-    def _pd_poll(self) -> None:
+    def _poll_role(self) -> None:
         free = self.scheduler.pool.num_free
-        outputs = self.pd.poll(self.scheduler)
+        if self.pipe is not None and not self.inflight:
+            stray = self._recv_result()  # later stages' reports: no plan is in flight
+            assert stray is None, "a result came back for no micro-batch in flight"
+        outputs = self.role.poll(self.scheduler)
         # Pages a transfer let go change the load without an output (PD decode frees a failed
         # room's pages once every stage's receiver let go, maybe a poll after its error).
         self._load_changed |= self.scheduler.pool.num_free != free
-        down = self.pd.take_down() if self.pipe is not None else None
+        down = self.role.take_down() if self.pipe is not None else None
         if down is not None:  # PD decode: room ops for the later stages, ahead of any plan
             ops, page_ops = down
             self.pipe.send_forward(PipeMessage(None, control=("pd", ops), page_ops=page_ops),
@@ -172,8 +181,7 @@ class FirstStageLoop:
                                   label=plan_label(plan)):
                 acts, seconds = self.executor.forward(plan, None)
             self.heartbeat.beat()  # one per step: up to max_inflight steps run back to back
-            if self.pd is not None:
-                self.pd.after_forward(plan)
+            self.role.after_forward(plan)
             failed = self.executor.take_failed_fetches()
             if self.pipe is None:
                 result = self.executor.results(plan, acts)
@@ -193,27 +201,38 @@ class FirstStageLoop:
         be launched, and keeps reading the front end while it waits."""
         if not self.inflight:
             return
-        if must_wait and not self.pipe.result_ready():
+        result = self._recv_result()
+        if must_wait and result is None:
             with self.tracer.span("wait", "wait"):
-                while not self.pipe.result_ready():
+                while (result := self._recv_result()) is None:
                     # Alive while a later stage works: the watchdog must not blame stage 0.
                     self.heartbeat.beat()
                     if self._ingest(1) and len(self.inflight) < self.max_inflight:
                         return  # a new request may use a free slot now
-        while self.inflight and self.pipe.result_ready():
-            result = self.pipe.recv_result()
+        while result is not None:
             plan = self.inflight.popleft()
             assert result.step_id == plan.step_id, "results came back out of order"
             self.heartbeat.retired()
             self._update(plan, result)
+            result = self._recv_result()
+
+    def _recv_result(self) -> StepResult | None:
+        """The next plan's result if it is back; the later stages' KV transfer reports that
+        came back before it (alone or with results) go to the role on the way."""
+        while self.pipe.result_ready():
+            result = self.pipe.recv_result()
+            for room, rank in result.kv_done:
+                self.role.on_kv_done(self.scheduler, (room, rank))
+            if result.step_id != REPORT_STEP:
+                return result
+        return None
 
     def _update(self, plan: StepPlan, result: StepResult) -> None:
         self._load_changed = True
         if self.on_result is not None:
             self.on_result(plan, result)
         outputs: list[RequestOutput] = self.scheduler.update(plan, result)
-        if self.pd is not None:
-            self.pd.after_update(self.scheduler, outputs)
+        self.role.after_update(self.scheduler, outputs)
         if outputs:
             self.channel.report("outputs", outputs)
 
@@ -241,12 +260,21 @@ def later_stage_stats(rank: int, executor) -> dict:
     return stats
 
 
+def report_to_first(pipe):
+    """A later stage's PD role reports (room, rank) to stage 0 with this, from any thread:
+    the report wakes this stage's loop, which passes it on down the pipe (run_later_stage)."""
+    def report(event: tuple[int, int]) -> None:
+        pipe.post_local(PipeMessage(None, control=("kv_done", [list(event)])))
+    return report
+
+
 def run_later_stage(executor, pipe, channel, tracer: StageTracer | None = None,
-                    pd=None, heartbeat=None) -> None:
+                    role=None, heartbeat=None) -> None:
     """Stages 1..P-1: execute each micro-batch as it comes, pass it on (or return results).
-    heartbeat (runtime.heartbeat) counts the micro-batches finished, for the front end's stall
-    watchdog."""
+    role: the stage's PD role (pipefill.scheduler.role). heartbeat (runtime.heartbeat) counts
+    the micro-batches finished, for the front end's stall watchdog."""
     tracer = tracer or StageTracer(pipe.rank, False)
+    role = role or NullRole()
     heartbeat = heartbeat or NoHeartbeat()
     last = pipe.rank == pipe.size - 1
     while True:
@@ -256,10 +284,13 @@ def run_later_stage(executor, pipe, channel, tracer: StageTracer | None = None,
             if msg.page_ops is not None:
                 executor.apply_page_ops(msg.page_ops)
                 executor.finish_page_ops(msg.page_ops)
-            if msg.control[0] == "pd" and pd is not None:  # PD decode: room ops from stage 0
-                pd.on_control(msg.control[1])
+            if msg.control[0] == "pd":  # PD decode: room ops from stage 0
+                role.on_control(msg.control[1])
             report_control(msg.control[0], pipe.rank, channel, tracer, executor)
-            if not last:
+            if msg.control[0] == "kv_done" and last:
+                pipe.send_result(StepResult(REPORT_STEP, kv_done=[
+                    (room, rank) for room, rank in msg.control[1]]))
+            elif not last:
                 pipe.send_forward(msg, None)
             if msg.control[0] == "stop":
                 executor.close_tiers()
@@ -268,8 +299,7 @@ def run_later_stage(executor, pipe, channel, tracer: StageTracer | None = None,
         plan = msg.plan
         with tracer.span("forward", "forward", step=plan.step_id, label=plan_label(plan)):
             acts, seconds = executor.forward(plan, acts)
-            if pd is not None:  # PD prefill: queue this stage's pages of the plan
-                pd.after_forward(plan)
+            role.after_forward(plan)  # PD prefill: queue this stage's pages of the plan
             result = executor.results(plan, acts) if last else None
         stage_seconds = msg.stage_seconds + [seconds]
         failed = msg.failed_fetches + executor.take_failed_fetches()

@@ -170,6 +170,12 @@ class Pipe:
         msg, tensors = self.from_prev.recv()
         return msg, (Activations(*tensors) if tensors else None)
 
+    def post_local(self, msg: PipeMessage) -> None:
+        """Puts a control message into this stage's own inbound queue, behind what has
+        arrived: any thread of this stage wakes the stage's loop with it this way (a later
+        stage's KV transfer reports, which its loop passes on towards stage 0)."""
+        self.from_prev.queue.put((msg, []))
+
     def send_result(self, result: StepResult) -> SendHandle:
         return self.results_out.send(result, [])
 

@@ -12,6 +12,9 @@ from dataclasses import dataclass
 from pipefill.config import ServerArgs
 from pipefill.runtime.heartbeat import stage_heartbeat
 from pipefill.runtime.ipc import Addresses, StageChannel
+from pipefill.runtime.loop import (FirstStageLoop, report_to_first, run_guarded,
+                                   run_later_stage)
+from pipefill.scheduler.role import NullRole
 from pipefill.base.wire import BodyCodec
 
 log = logging.getLogger(__name__)
@@ -96,7 +99,6 @@ def _run_stage(args: ServerArgs, model_file: str, rank: int, channel: StageChann
     import torch
 
     from pipefill.model.loader import WeightSource
-    from pipefill.runtime.loop import run_guarded
     from pipefill.base.platform import place_stage, resolve_dtype
     from pipefill.runtime.stage import build_stage, stage_info
     from pipefill.runtime.trace import StageTracer
@@ -114,8 +116,13 @@ def _run_stage(args: ServerArgs, model_file: str, rank: int, channel: StageChann
         executor = build_stage(args, source, info, device)
         from pipefill.kv.host import attach_cache_tiers
         attach_cache_tiers(executor, args, source, info)
-        pd = make_pd_role(args, executor, info, source.config, addrs)
         cfg = source.config
+        pipe = None
+        if args.pp_size > 1:
+            from pipefill.runtime.p2p import Pipe
+            pipe = Pipe(rank, args.pp_size, cfg.hidden_size, resolve_dtype(args.dtype),
+                        device, *groups)
+        role = make_pd_role(args, executor, info, cfg, pipe)
         del source  # the file reader (GGUF metadata: ~220 MB RSS for the default model)
         release_freed_memory()
     except Exception as e:  # noqa: BLE001 - start-up errors become one sentence
@@ -126,13 +133,8 @@ def _run_stage(args: ServerArgs, model_file: str, rank: int, channel: StageChann
         return 1
     tracer = StageTracer(rank, args.trace_dir is not None)
     heartbeat = stage_heartbeat(addrs.folder if addrs is not None else None, rank)
-    pipe = None
-    if args.pp_size > 1:
+    if pipe is not None:
         import torch.distributed as dist
-
-        from pipefill.runtime.p2p import Pipe
-        pipe = Pipe(rank, args.pp_size, cfg.hidden_size, resolve_dtype(args.dtype),
-                    device, *groups)
         dist.barrier(group=groups[0])  # every stage loaded before stage 0 says ready
     if rank == 0:
         from pipefill.base.partition import partition_layers
@@ -141,13 +143,12 @@ def _run_stage(args: ServerArgs, model_file: str, rank: int, channel: StageChann
                                                          args.pp_layer_partition)]
         policy = build_chunk_policy(args, executor, model_file, info.layers, layer_counts)
         loop = make_first_stage_loop(args, cfg, executor, channel, pipe, tracer,
-                                     policy, pd, heartbeat)
+                                     policy, role, heartbeat)
         channel.report("ready", {"rank": rank, "num_pages": loop.scheduler.pool.num_pages,
                                  "page_size": args.page_size, "chunking": policy.info})
         return run_guarded(f"stage {rank}", channel, loop.run)
-    from pipefill.runtime.loop import run_later_stage
     return run_guarded(f"stage {rank}", channel,
-                       lambda: run_later_stage(executor, pipe, channel, tracer, pd,
+                       lambda: run_later_stage(executor, pipe, channel, tracer, role,
                                                heartbeat))
 
 
@@ -160,29 +161,22 @@ def release_freed_memory() -> None:
         trim(0)
 
 
-def make_pd_role(args: ServerArgs, executor, info, cfg, addrs: Addresses | None):
-    """The stage's PD disaggregation role (pipefill.disagg.roles), or None."""
+def make_pd_role(args: ServerArgs, executor, info, cfg, pipe):
+    """The stage's PD disaggregation role (pipefill.scheduler.role): NullRole, or one of
+    pipefill.disagg.roles. A later stage's role reports to stage 0 through the pipe."""
     if args.disaggregation_mode not in ("prefill", "decode"):
-        return None
-    import threading
-
+        return NullRole()
+    # Imported here: the transfer plane costs every stage's start-up, and most serve no PD.
     from pipefill.disagg.roles import DecodeStagePD, PrefillStagePD
-    # Transfer threads report on a socket of their own: ZMQ sockets are not thread-safe.
-    side = StageChannel(addrs, read_requests=False)
-    lock = threading.Lock()
-
-    def report(kind, payload):
-        with lock:
-            side.report(kind, payload)
+    to_first = report_to_first(pipe) if info.rank > 0 else None
     if args.disaggregation_mode == "decode":
-        return DecodeStagePD(args, executor, cfg, info, report)
-    return PrefillStagePD(args, executor, info.rank, info.layers.start, cfg, report)
+        return DecodeStagePD(args, executor, cfg, info, to_first)
+    return PrefillStagePD(args, executor, info.rank, info.layers.start, cfg, to_first)
 
 
-def make_first_stage_loop(args, cfg, executor, channel, pipe, tracer, policy, pd=None,
+def make_first_stage_loop(args, cfg, executor, channel, pipe, tracer, policy, role=None,
                           heartbeat=None):
     from pipefill.kv.pool import PagePool
-    from pipefill.runtime.loop import FirstStageLoop
     from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig
     from pipefill.kv.host import HostDirector, stage_host_slots
     from pipefill.scheduler.radix import RadixCache
@@ -201,9 +195,6 @@ def make_first_stage_loop(args, cfg, executor, channel, pipe, tracer, policy, pd
         max_prefill_tokens=max(args.max_prefill_tokens, policy.c0),
         max_running_requests=args.max_running_requests, max_model_len=args.max_model_len,
         eos_token_ids=cfg.eos_token_ids, seed=args.seed, vocab_size=cfg.vocab_size), pool,
-        policy.next_chunk_size, cache, host, storage)
-    if pd is not None:
-        scheduler.pd_role, scheduler.pd_stages = args.disaggregation_mode, args.pp_size
+        policy.next_chunk_size, cache, host, storage, role)
     return FirstStageLoop(executor, scheduler, channel, pipe, args.max_inflight, tracer,
-                          on_result=policy.observe, pd=pd, chunk_policy=policy,
-                          heartbeat=heartbeat)
+                          on_result=policy.observe, chunk_policy=policy, heartbeat=heartbeat)

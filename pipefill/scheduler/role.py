@@ -132,6 +132,10 @@ class PrefillRole(NullRole):
         work.room, work.kv_send_from = held.room, held.num_sent_pages * page_size
         held.num_sent_pages = kv_send_end(work, page_size)
 
+    def held(self, rid: str) -> HeldRoom | None:
+        """The room of a PD request, from its admission until its pages went back."""
+        return self._by_rid.get(rid)
+
     def holds_pages(self, r: Request) -> bool:
         held = self._by_rid.get(r.rid)
         return held is not None and held.num_holding > 0

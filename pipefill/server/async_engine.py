@@ -238,11 +238,6 @@ class AsyncEngine:
                 queue.put_nowait(ValueError(message))
         elif kind == "load":
             self.load = payload
-        elif kind == "kv_done" and self._stages is not None:
-            try:  # a prefill stage's sender is done with a room: stage 0 frees its pages
-                self._stages.send("kv_done", payload, block=False)
-            except StageFailure:
-                pass
 
     def fail_all(self, message: str) -> None:
         """Ends every request in flight with an error (their pages are freed by the aborts

@@ -1,7 +1,7 @@
-"""The transfer plane wired into the stages (DESIGN.md section 7): what a prefill stage and a
-decode stage do around their micro-batch loops. Each is the stage's PD role
-(pipefill.scheduler.role): the scheduler's half (admission, release) comes from PrefillRole or
-DecodeRole, the loop's hooks are here.
+"""The transfer plane wired into the stages (ARCHITECTURE.md, 'Prefill/decode
+disaggregation'): what a prefill stage and a decode stage do around their micro-batch loops.
+Each is the stage's PD role (pipefill.scheduler.role): the scheduler's half (admission,
+release) comes from PrefillRole or DecodeRole, the loop's hooks are here.
 
 Prefill, every stage: a KVSender registered with the bootstrap service; after each forward it
 queues the whole pages the plan completed for each PD request (never blocking the loop); its

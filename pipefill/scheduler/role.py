@@ -1,7 +1,8 @@
-"""The role a server plays in PD disaggregation, one object given to stage 0's scheduler and to
-every stage's loop. NullRole is the protocol and the default (no disaggregation); PrefillRole
-and DecodeRole are what the scheduler asks of a PD server, pure Python and tested without
-processes; pipefill.disagg.roles adds the KV transfer plane to them (the loop's hooks).
+"""The role a server plays in PD disaggregation (ARCHITECTURE.md, 'Prefill/decode
+disaggregation'), one object given to stage 0's scheduler and to every stage's loop. NullRole is
+the protocol and the default (no disaggregation); PrefillRole and DecodeRole are what the
+scheduler asks of a PD server, pure Python and tested without processes; pipefill.disagg.roles
+adds the KV transfer plane to them (the loop's hooks).
 
 The scheduler asks the role (stage 0):
   add(r, pd)               a new request: True when it joins the compute queue

@@ -1,16 +1,19 @@
 """The micro-batch loops with an in-memory transport, no processes and no torch.distributed:
 no deadlock for P in 1..8 and async depth 0..2, micro-batches executed in order on every stage,
-every request finished, every page back."""
+every request finished, every page back; a PD role's reports from later stages reach stage 0
+inside the pipeline."""
 import queue
 import threading
+import time
 from types import SimpleNamespace
 
 import pytest
 
 from pipefill.kv.pool import PageOwners, PagePool
-from pipefill.runtime.loop import FirstStageLoop, run_later_stage
-from pipefill.base.plan import NewRequest, SamplingParams, SeqResult, StepResult
+from pipefill.runtime.loop import FirstStageLoop, report_to_first, run_later_stage
+from pipefill.base.plan import NewRequest, PDInfo, SamplingParams, SeqResult, StepResult
 from pipefill.scheduler.radix import RadixCache
+from pipefill.scheduler.role import PrefillRole
 from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig
 
 
@@ -41,6 +44,9 @@ class MemoryPipe:
 
     def recv_forward(self):
         return self.links[self.rank].get(timeout=10)
+
+    def post_local(self, msg):
+        self.links[self.rank].put((msg, None))
 
     def send_result(self, result):
         self.results.put(result)
@@ -219,3 +225,70 @@ def test_prefix_cache_pages_agree_on_every_stage(pp_size):
     pool.check_integrity()
     for ex in executors:
         assert ex.owners.num_used == pool.num_used > 0
+
+
+class ReportingPrefill(PrefillRole):
+    """A PD prefill stage whose "sender" lets a room go on a thread of its own once the
+    prompt's last chunk ran here, and only after `let_go` is set on later stages."""
+
+    def __init__(self, num_stages, rank, pipe, let_go):
+        super().__init__(num_stages)
+        self.rank, self.let_go = rank, let_go
+        self.own = queue.SimpleQueue()
+        self.to_first = report_to_first(pipe) if rank > 0 else self.own.put
+
+    def after_forward(self, plan):
+        for w in plan.seqs:
+            if w.room is not None and w.sample is not None:
+                threading.Thread(target=self._release, args=(w.room,), daemon=True).start()
+
+    def _release(self, room):
+        if self.rank > 0:
+            self.let_go.wait(10)
+        self.to_first((room, self.rank))
+
+    def poll(self, scheduler):
+        while not self.own.empty():
+            self.on_kv_done(scheduler, self.own.get())
+        return []
+
+    def on_kv_done(self, scheduler, event):
+        self.stage_done(scheduler, event[0])
+
+
+@pytest.mark.parametrize("pp_size", [2, 4])
+def test_later_stages_kv_done_reaches_stage_0_inside_the_pipeline(pp_size):
+    """PD prefill: a request's pages stay until every stage's sender let its room go; the later
+    stages' reports ride the pipe to the last stage and back with the results, with no front
+    end in between (the channel never carries them)."""
+    links = [queue.Queue() for _ in range(pp_size)]
+    results = queue.Queue()
+    pipes = [MemoryPipe(r, pp_size, links, results) for r in range(pp_size)]
+    let_go = threading.Event()
+    roles = [ReportingPrefill(pp_size, r, pipes[r], let_go) for r in range(pp_size)]
+    channel, pool = MemoryChannel(), PagePool(256)
+    scheduler = Scheduler(SchedulerConfig(16, 32, 64, 8, 4096), pool, role=roles[0])
+    first = FirstStageLoop(FakeExecutor(0), scheduler, channel, pipes[0], pp_size)
+    threads = [threading.Thread(target=first.run, daemon=True)]
+    threads += [threading.Thread(target=run_later_stage, daemon=True,
+                                 args=(FakeExecutor(r), pipes[r], channel, None, roles[r]))
+                for r in range(1, pp_size)]
+    for t in threads:
+        t.start()
+    channel.inbox.put(("add", [NewRequest(f"r{i}", list(range(20 + 40 * i)),
+                                          SamplingParams(max_new_tokens=1),
+                                          PDInfo(i, "127.0.0.1", 8998)) for i in range(3)]))
+    finished = set()
+    while len(finished) < 3:
+        kind, payload = channel.reports.get(timeout=20)
+        finished |= {o.rid for o in payload if o.finished} if kind == "outputs" else set()
+    assert pool.num_free < pool.num_pages  # the later stages' senders still hold the rooms
+    let_go.set()
+    deadline = time.monotonic() + 10
+    while (pool.num_free < pool.num_pages or roles[0].rooms) and time.monotonic() < deadline:
+        time.sleep(0.01)
+    assert pool.num_free == pool.num_pages and not roles[0].rooms
+    channel.inbox.put(("stop", None))
+    for t in threads:
+        t.join(10)
+        assert not t.is_alive(), "a stage did not stop"

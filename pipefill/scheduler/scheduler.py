@@ -13,6 +13,10 @@ chunked. Admission promises the uncached pages plus a small decode headroom, not
 case; when decode runs out of pages, the most recently admitted request is preempted: its
 pages stay in the tree as a cached prefix and it resumes from there, with the same output
 (greedy is deterministic; sampling draws per (seed, step)).
+
+Under PD disaggregation the scheduler asks its role (pipefill.scheduler.role) where a new request
+waits, whether an admitted one may be scheduled, and whether its pages may go back; a request
+whose prompt KV comes from another server enters through admit_for_kv and continue_after_prompt.
 """
 from __future__ import annotations
 
@@ -145,7 +149,7 @@ class Scheduler:
 
     def abort(self, rid: str) -> RequestOutput | None:
         if self.role.refuses_abort(rid):
-            return None
+            return None  # PD prefill: its decode waits for this KV, the prefill runs to its end
         r = next((r for r in self.waiting if r.rid == rid), None)
         if r is not None:
             self.waiting.remove(r)

@@ -33,6 +33,18 @@ class KVCache:
         write_page_blocks(self, pages, data)
 
 
+def stacked_kv_shape(specs) -> tuple[int, int, torch.dtype]:
+    """(num_kv_heads, head_dim, dtype) of a stage's layers from their KV specs
+    (model.family.KVSpec, one per layer). The caches stack a stage's layers in one tensor, so
+    every layer must keep the same K/V per token; a window changes what attention reads, not
+    what is stored."""
+    shapes = sorted({(s.num_kv_heads, s.head_dim, str(s.dtype)) for s in specs})
+    if len(shapes) != 1:
+        raise ValueError(f"this stage's layers keep K/V of {len(shapes)} shapes ((kv heads, "
+                         f"head dim, dtype): {shapes}); the KV cache holds one shape per stage")
+    return specs[0].num_kv_heads, specs[0].head_dim, specs[0].dtype
+
+
 def read_page_blocks(cache, pages: list[int]) -> torch.Tensor:
     """A copy of `pages` of every layer: [2, num_layers, len(pages), *page block]."""
     index = torch.tensor(pages, dtype=torch.long, device=cache.k.device)

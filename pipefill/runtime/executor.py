@@ -10,7 +10,7 @@ import torch
 from pipefill.kv.cache import KVCache
 from pipefill.kv.pool import PageOwners
 from pipefill.model.attention import SeqMeta
-from pipefill.model.llama import ForwardMeta, StageModel
+from pipefill.model.stage_model import ForwardMeta, StageModel
 from pipefill.runtime.sampler import sample
 from pipefill.base.plan import PageOps, SeqResult, SeqWork, StepPlan, StepResult
 

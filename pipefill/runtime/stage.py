@@ -8,12 +8,13 @@ import torch
 
 from pipefill.config import ServerArgs
 from pipefill.kernels.prefill_gemm import choose_prefill_gemm
-from pipefill.kv.cache import KVCache
+from pipefill.kv.cache import KVCache, stacked_kv_shape
 from pipefill.model.attention import (KERNEL_BACKENDS, backend_attention, choose_backend,
                                        resolve_kv_dtype)
-from pipefill.model.llama import FusedOps, StageModel, elementwise_ops
+from pipefill.model.layers import FusedOps, elementwise_ops
 from pipefill.model.loader import (WeightSource, load_stage_weights, pack_stage_weights,
                                    reorder_prefill_weights, resolve_weight_dtype)
+from pipefill.model.stage_model import StageModel
 from pipefill.base.partition import partition_layers
 from pipefill.runtime.executor import StageExecutor
 from pipefill.base.platform import cpu_vendor, dtype_name, resolve_dtype, usable_cpu_flags
@@ -60,8 +61,8 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
     dtype = resolve_dtype(args.dtype, flags)
     kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, dtype)
     num_pages = args.kv_capacity_tokens // args.page_size
-    kv_bytes = num_pages * args.page_size * KVCache.bytes_per_token(
-        len(info.layers), cfg.num_kv_heads, cfg.head_dim, kv_dtype)
+    kv_specs = source.family.kv_specs(cfg, info.layers, kv_dtype)
+    kv_bytes = num_pages * args.page_size * sum(s.bytes_per_token for s in kv_specs)
     avail = available_memory_bytes() if device.type == "cpu" else None
     if avail is not None and kv_bytes > avail:
         raise ValueError(f"stage {info.rank}: the KV pool needs {kv_bytes / 2**30:.1f} GiB for "
@@ -78,17 +79,19 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
                                   device, kv_dtype, flags)
     if backend in KERNEL_BACKENDS:  # the kernels' packed layout (bf16 or float32)
         from pipefill.kernels.amx_attention import AmxKVCache
-        cache = AmxKVCache(len(info.layers), num_pages, args.page_size, cfg.num_kv_heads,
-                           cfg.head_dim, kv_dtype)
+        cache = AmxKVCache(len(info.layers), num_pages, args.page_size,
+                           *stacked_kv_shape(kv_specs))
     else:
-        cache = KVCache(len(info.layers), num_pages, args.page_size, cfg.num_kv_heads,
-                        cfg.head_dim, kv_dtype, device)
+        cache = KVCache(len(info.layers), num_pages, args.page_size,
+                        *stacked_kv_shape(kv_specs), device)
     attention = backend_attention(backend, flags)
     ops = elementwise_ops(cfg, device, dtype, flags)
     from pipefill.kernels.decode_gemm import hidden_isas
-    packed_bytes = pack_stage_weights(weights, dtype, weight_dtype, args.decode_gemm_max_rows,
+    packed_bytes = pack_stage_weights(weights, source.family, dtype, weight_dtype,
+                                      args.decode_gemm_max_rows,
                                       disable=hidden_isas(args.hide_cpu_flags))
-    head = weights.lm_head_packed or (weights.layers[0].packed or {}).get("qkv")
+    head = weights.lm_head_packed or next(iter((weights.layers[0].packed or {}).values()),
+                                          None)
     log.info("stage %d: decode GEMM %s", info.rank,
              f"{head.isa}, packed copies {packed_bytes / 2**20:.0f} MiB "
              f"({dtype_name(weight_dtype)})" if packed_bytes and head else "off (torch)")
@@ -97,7 +100,8 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
     reordered = ""
     if gemm == "onednn":
         c0 = args.chunked_prefill_size  # the layout's row hint ('auto': not yet known)
-        nbytes = reorder_prefill_weights(weights, c0 if isinstance(c0, int) else 2048)
+        nbytes = reorder_prefill_weights(weights, source.family,
+                                         c0 if isinstance(c0, int) else 2048)
         reordered = f", matrices in its layout {nbytes / 2**20:.0f} MiB"
     log.info("stage %d: prefill GEMM %s (%s)%s", info.rank, gemm, gemm_why, reordered)
     model = StageModel(cfg, info.layers.start, weights, dtype, attention, ops)

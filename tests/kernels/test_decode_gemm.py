@@ -13,7 +13,7 @@ import torch
 import torch.nn.functional as F
 
 from pipefill.kernels import decode_gemm as dg
-from pipefill.model.llama import linear
+from pipefill.model.layers import linear
 
 SHAPES = [(1, 576, 960), (1, 33, 37), (2, 64, 16), (3, 17, 31), (5, 1536, 576), (12, 96, 48),
           (13, 100, 100), (25, 7, 200), (32, 576, 130),

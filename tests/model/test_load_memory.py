@@ -23,7 +23,7 @@ from conftest import FAMILIES, save_tiny_model
 from pipefill.kernels.decode_gemm import BLOCK, pack_weight
 from pipefill.model import loader
 from pipefill.model.attention import SeqMeta
-from pipefill.model.llama import ForwardMeta, StageModel
+from pipefill.model.stage_model import ForwardMeta, StageModel
 from pipefill.model.loader import WeightSource, load_stage_weights, resolve_model_path
 
 DTYPES = [(torch.float32, None), (torch.bfloat16, None), (torch.float32, torch.bfloat16)]
@@ -146,7 +146,8 @@ def prefill_logits(cfg, weights, dtype, tokens):
 
 @pytest.mark.parametrize("family", ["llama", "qwen2"])
 def test_logits_equal_on_reference_weights(tmp_path, family):
-    from pipefill.model.llama import LayerWeights, StageWeights
+    from pipefill.model.families.llama import LayerWeights
+    from pipefill.model.stage_model import StageWeights
     source = WeightSource(save_tiny_model(family, tmp_path))
     cfg, layers = source.config, range(4)
     ref = reference_weights(source, layers, True, True, torch.bfloat16, None)

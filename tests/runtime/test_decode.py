@@ -254,7 +254,7 @@ def test_hidden_cpu_flags_force_the_fallback_paths(tiny_models):
     if not decode_gemm.isa_status()["avx2"][0]:
         pytest.skip("AVX2 path cannot run here: " + decode_gemm.isa_status()["avx2"][1])
     from pipefill.kernels import fused_ops
-    from pipefill.model.llama import FusedOps, TorchOps
+    from pipefill.model.layers import FusedOps, TorchOps
     from pipefill.base.platform import usable_cpu_flags
     try:
         ex = _stage(tiny_models["llama"], "float32", hide_cpu_flags="avx512f")

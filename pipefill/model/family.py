@@ -1,0 +1,102 @@
+"""A model family: what one architecture brings to a stage (ARCHITECTURE.md, 'Model families').
+
+Everything else (the stage's embedding and head, loading, packing, the KV pool, the pipeline)
+is the same for every family. A family brings three things:
+
+* the weights layout: which checkpoint tensors (Hugging Face names; GGUF names through
+  `gguf_name`) a stage's layers read, and how they become the family's layer weights;
+* a layer's forward: attention and MLP for prefill chunks and decode steps, over the paged
+  KV cache;
+* the KV spec of each layer (heads, head size, dtype, window), from which the cache is sized.
+
+The registry (pipefill.model.families) finds the family of a config.json or a GGUF file.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from pipefill.model.config import ModelConfig
+
+
+@dataclass(frozen=True)
+class KVSpec:
+    """What one layer keeps in the KV cache for each token."""
+    num_kv_heads: int
+    head_dim: int
+    dtype: torch.dtype
+    window: int | None = None  # a sliding window of this many tokens; None: the whole prefix
+
+    @property
+    def bytes_per_token(self) -> int:
+        return 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+
+
+class WeightReader(Protocol):
+    """What a family's load_layer reads tensors through (by Hugging Face name)."""
+
+    def mat(self, *names: str) -> torch.Tensor:
+        """The rows of the named matrices stacked into one, in the stage's compute dtype."""
+
+    def vec(self, name: str) -> torch.Tensor:
+        """A vector (a norm's weight) as float32."""
+
+
+class ModelFamily(ABC):
+    """One family of architectures; an instance per family is listed in the registry."""
+    name: str  # the family's name in messages
+    hf_model_types: tuple[str, ...]  # config.json model_type values it runs
+    hf_architectures: tuple[str, ...] = ()  # config.json architectures, when model_type is absent
+    gguf_architectures: dict[str, str] = {}  # GGUF general.architecture -> model_type
+    # The layer weights' linear layers (field name -> its bias field or None): the fields that
+    # get decode copies (kernels.decode_gemm) and prefill copies (kernels.prefill_gemm).
+    matrices: dict[str, str | None] = {}
+    # Stage-level tensors (Hugging Face names): the first stage's embedding, the last stage's
+    # final norm and head (the head falls back to the embedding when the file ties them).
+    embed_name = "model.embed_tokens.weight"
+    final_norm_name = "model.norm.weight"
+    lm_head_name = "lm_head.weight"
+
+    @abstractmethod
+    def config_from_hf(self, hf: dict) -> ModelConfig:
+        """The ModelConfig of a config.json of this family."""
+
+    @abstractmethod
+    def config_from_gguf(self, gguf) -> ModelConfig:
+        """The ModelConfig of a GGUF file (model.gguf_file.GGUFFile) of this family."""
+
+    @abstractmethod
+    def layer_tensor_names(self, cfg: ModelConfig, layer: int) -> list[str]:
+        """Every tensor layer `layer` reads, by Hugging Face name."""
+
+    @abstractmethod
+    def gguf_name(self, hf_name: str) -> str:
+        """The GGUF tensor name of a Hugging Face tensor name (layers and stage tensors)."""
+
+    def gguf_rotary_heads(self, cfg: ModelConfig, arch: str, hf_name: str) -> int | None:
+        """For a GGUF matrix whose rows llama.cpp interleaved for its rotary layout: the number
+        of heads to undo that over (model.gguf_file.unpermute_rotary); None for the others."""
+        return None
+
+    @abstractmethod
+    def load_layer(self, cfg: ModelConfig, layer: int, read: WeightReader):
+        """Layer `layer`'s weights (the family's own dataclass) read through `read`."""
+
+    @abstractmethod
+    def kv_specs(self, cfg: ModelConfig, layers: range, kv_dtype: torch.dtype) -> list[KVSpec]:
+        """The KV spec of each of `layers`, in order."""
+
+    @abstractmethod
+    def layer_forward(self, model, w, hidden, residual, meta, cos, sin, k_cache, v_cache,
+                      trim: bool = False):
+        """One layer of `model` (a StageModel) with weights w -> (hidden, residual). k_cache,
+        v_cache: this layer's cache; trim: compute only the rows meta.last_rows keeps
+        (StageModel.trims) after writing every row's K/V."""
+
+    def decode_runner(self, model):
+        """A lean decode path for `model` (a runner with fits(hidden, meta) and forward(...)
+        as StageModel.forward's), or None: decode steps run layer_forward."""
+        return None

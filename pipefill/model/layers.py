@@ -1,0 +1,83 @@
+"""The building blocks every family's layer is made of: linear layers on the GEMM a row count
+picks, RMSNorm, and the elementwise steps (torch or the fused kernels)."""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pipefill.kernels.prefill_gemm import torch_linear
+from pipefill.model.config import ModelConfig
+from pipefill.model.rope import apply_rope_
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor | None, bias=None, packed=None,
+           large=None) -> torch.Tensor:
+    """Decode-sized x (at most packed.max_rows rows) runs the packed small-M GEMM, which reads
+    every weight once for all rows (torch's matmul slows down at M = 4..16); larger x runs
+    `large` (a oneDNN-layout copy, which holds the bias too) where there is one, else
+    F.linear (oneDNN for bfloat16 on CPU: rows padded as for `large`, see prefill_gemm)."""
+    if packed is not None and x.shape[0] <= packed.max_rows:
+        return packed(x)
+    if large is not None:
+        return large(x)
+    return torch_linear(x, weight, bias)
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype):
+    """Normalises in float32 (as HF does) and returns the compute dtype."""
+    return F.rms_norm(x.float(), (x.shape[-1],), weight, eps).to(dtype)
+
+
+class TorchOps:
+    """The elementwise steps of a layer in plain torch (any CPU, any device)."""
+
+    @staticmethod
+    def add_rms_norm(residual, hidden, weight, eps, dtype):
+        """residual += hidden (in place; None: residual is hidden.float()); -> normed."""
+        residual = hidden.float() if residual is None else residual.add_(hidden)
+        return rms_norm(residual, weight, eps, dtype), residual
+
+    @staticmethod
+    def rope_(x, cos, sin):
+        apply_rope_(x, cos.to(x.dtype), sin.to(x.dtype))
+
+    @staticmethod
+    def silu_mul(gate_up):
+        inter = gate_up.shape[-1] // 2
+        return F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
+
+
+class FusedOps:
+    """The same steps as one pass each (pipefill.kernels.fused_ops, AVX-512)."""
+
+    def __init__(self):
+        # Imported on use: the module brings the kernel build (torch.utils.cpp_extension).
+        from pipefill.kernels import fused_ops
+        self.k = fused_ops
+
+    def add_rms_norm(self, residual, hidden, weight, eps, dtype):
+        if residual is None:
+            residual = hidden.float()
+            return self.k.add_rms_norm(residual, None, weight, eps, dtype=dtype), residual
+        return self.k.add_rms_norm(residual, hidden, weight, eps), residual
+
+    def rope_(self, x, cos, sin):
+        self.k.rope_(x, cos, sin)
+
+    def silu_mul(self, gate_up):
+        return self.k.silu_mul(gate_up)
+
+
+def elementwise_ops(cfg: ModelConfig, device: torch.device,
+                    dtype: torch.dtype = torch.float32, flags: frozenset[str] | None = None):
+    """Fused kernels where the CPU, the dtype and the shapes allow, else torch. The kernels
+    take float32 and bfloat16 only: float16 stays on torch. `flags`: the CPU flags to trust
+    (--hide-cpu-flags removed), so a hidden capability is never executed."""
+    widths = (cfg.hidden_size, cfg.intermediate_size, cfg.head_dim)
+    fits = dtype in (torch.float32, torch.bfloat16) and all(w % 16 == 0 for w in widths)
+    if device.type == "cpu" and fits:
+        # Imported on use, as in FusedOps.
+        from pipefill.kernels.fused_ops import fused_available
+        if fused_available(flags=flags)[0]:
+            return FusedOps()
+    return TorchOps()

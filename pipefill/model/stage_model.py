@@ -1,0 +1,107 @@
+"""A decoder over a contiguous slice of layers: one pipeline stage, of any family.
+
+Stage 0 has the embedding, the last stage the final norm and lm_head; missing parts are None.
+Activations between layers (and between stages) are `hidden` in the compute dtype and `residual`
+in float32, so the residual stream keeps full precision across layers and stage borders. The
+layers themselves are the family's (model/family.py): its layer weights and its layer_forward.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+from pipefill.kernels.prefill_gemm import torch_linear
+from pipefill.model.attention import SeqMeta, kv_writer, paged_attention
+from pipefill.model.config import ModelConfig
+from pipefill.model.families import family_of
+from pipefill.model.layers import TorchOps, rms_norm
+from pipefill.model.rope import cos_sin, inverse_frequencies
+
+
+@dataclass
+class ForwardMeta:
+    """Per-forward metadata, built per stage from the micro-batch's plan."""
+    positions: torch.Tensor  # [num_tokens] long
+    seqs: list[SeqMeta]
+    # Last stage: per sequence, whether its last row's output is used (logits); None = every
+    # row of every sequence is. With a list, forward returns only those rows, in order: the
+    # last layer then computes K/V for all rows but attention and MLP for those rows only.
+    last_rows: list[bool] | None = None
+
+
+@dataclass
+class StageWeights:
+    layers: list  # the family's layer weights, one per local layer
+    embed: torch.Tensor | None  # [vocab, hidden], first stage only
+    final_norm: torch.Tensor | None  # last stage only
+    lm_head: torch.Tensor | None  # [vocab, hidden], last stage only
+    lm_head_packed: object | None = None  # kernels.decode_gemm.PackedLinear
+
+
+class StageModel:
+    def __init__(self, cfg: ModelConfig, layer_start: int, weights: StageWeights,
+                 dtype: torch.dtype, attention=paged_attention, ops=None):
+        self.cfg = cfg
+        self.family = family_of(cfg)
+        self.attention = attention  # (q, k, v, k_cache, v_cache, seqs, scale) -> out
+        self.kv_writer = kv_writer(attention)  # K/V into the cache without attention, or None
+        self.ops = ops or TorchOps()
+        self.layer_start = layer_start
+        self.w = weights
+        self.dtype = dtype
+        self.inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.scale = cfg.head_dim ** -0.5
+        # Decode steps the family's lean path fits (model.decode_step for Llama: same kernels,
+        # same bits, no per-call overhead) take it; tests and benchmarks set fast_decode = False
+        # to run the family's layer_forward instead.
+        self.fast_decode = True
+        self._decode = self.family.decode_runner(self)
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.w.layers)
+
+    @property
+    def is_first(self) -> bool:
+        return self.w.embed is not None
+
+    @property
+    def is_last(self) -> bool:
+        return self.w.lm_head is not None
+
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return F.embedding(input_ids, self.w.embed)
+
+    @torch.inference_mode()
+    def forward(self, hidden, residual, meta: ForwardMeta, k_cache, v_cache):
+        """Runs this stage's layers. k_cache/v_cache: per local layer, indexed [i]."""
+        cos, sin = cos_sin(meta.positions, self.inv_freq)
+        # A step of one-token rows where some row feeds no logit (a one-token prompt chunk)
+        # trims on the general path: the lean decode path returns every row.
+        trim = self.trims(meta)
+        if (not trim and self.fast_decode and self._decode is not None
+                and self._decode.fits(hidden, meta)):
+            return self._decode.forward(hidden, residual, meta, cos, sin, k_cache, v_cache)
+        last = len(self.w.layers) - 1
+        for i, layer in enumerate(self.w.layers):
+            hidden, residual = self.family.layer_forward(self, layer, hidden, residual, meta,
+                                                         cos, sin, k_cache[i], v_cache[i],
+                                                         trim and i == last)
+        return hidden, residual
+
+    def trims(self, meta: ForwardMeta) -> bool:
+        """Whether the last layer computes only the rows meta.last_rows asks for (the last
+        stage's final layer feeds nothing but the logits; its K/V are still written for all)."""
+        return meta.last_rows is not None and self.is_last and self.kv_writer is not None
+
+    @torch.inference_mode()
+    def logits(self, hidden, residual, rows: torch.Tensor) -> torch.Tensor:
+        """Final norm + lm_head on the selected rows only -> float32 [len(rows), vocab]."""
+        final = residual[rows].add_(hidden[rows])
+        x = rms_norm(final, self.w.final_norm, self.cfg.rms_norm_eps, self.dtype)
+        head = self.w.lm_head_packed
+        if head is not None and x.shape[0] <= head.max_rows:  # float32 logits straight away
+            return head(x, out=torch.empty(x.shape[0], head.out_features))
+        return torch_linear(x, self.w.lm_head).float()

@@ -8,8 +8,8 @@ sampling, as on a last stage). Timed, interleaved per repetition:
 
 * pipefill — the packed small-M decode GEMM (--decode-gemm-max-rows) for every linear layer;
 * torch    — the same stage with the packed copies switched off (F.linear everywhere);
-* general  — the packed GEMM, but every layer through StageModel._layer instead of the lean
-             decode path (model/decode_step.py): what the per-call overhead costs;
+* general  — the packed GEMM, but every layer through the family's layer_forward instead of
+             the lean decode path (model/decode_step.py): what the per-call overhead costs;
 * engine   — pipefill's whole `Engine.generate` loop (front end, scheduler, stage process,
              sampling, detokenization) for 1 + S new tokens, timed as HF's is: per step
              (last token - first token) / S, a batch of equal prompts, the prefix cache off;

@@ -6,6 +6,17 @@ from dataclasses import dataclass, field
 
 
 @dataclass(frozen=True)
+class MoEConfig:
+    """The sparse MLP of a mixture-of-experts family (model/moe.py)."""
+    num_experts: int
+    top_k: int
+    expert_width: int  # each routed expert's intermediate size
+    normalize: bool  # the top-k router weights renormalised to sum to one
+    sparse_layers: tuple[bool, ...]  # per layer: a sparse MLP (else a dense one)
+    shared_width: int = 0  # a shared expert every token passes (Qwen2-MoE); 0: none
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     model_type: str  # config.json's model_type; names the family (families.family_of)
     vocab_size: int
@@ -25,6 +36,10 @@ class ModelConfig:
     sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
+    moe: MoEConfig | None = None  # mixture-of-experts families only
+
+    def is_sparse(self, layer: int) -> bool:
+        return self.moe is not None and self.moe.sparse_layers[layer]
 
     @property
     def q_size(self) -> int:

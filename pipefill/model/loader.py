@@ -240,7 +240,7 @@ def pack_stage_weights(weights: StageWeights, family: ModelFamily, dtype: torch.
     total = 0
     for layer in weights.layers:
         layer.packed = {name: pack(getattr(layer, name), _bias(layer, bias))
-                        for name, bias in family.matrices.items()}
+                        for name, bias in _present(layer, family)}
         total += sum(p.nbytes for p in layer.packed.values())
     if weights.lm_head is not None:
         weights.lm_head_packed = pack(weights.lm_head)
@@ -258,11 +258,18 @@ def reorder_prefill_weights(weights: StageWeights, family: ModelFamily, rows_hin
     for layer in weights.layers:
         layer.prefill = {name: OneDnnLinear.reorder(getattr(layer, name), _bias(layer, bias),
                                                     rows_hint)
-                         for name, bias in family.matrices.items()}
-        for name in family.matrices:
+                         for name, bias in _present(layer, family)}
+        for name in layer.prefill:
             setattr(layer, name, None)
         total += sum(p.nbytes for p in layer.prefill.values())
     return total
+
+
+def _present(layer, family: ModelFamily):
+    """(matrix field, bias field) of the family's linear layers this layer has (a sparse
+    layer of a mixture-of-experts family has no dense MLP matrices)."""
+    return [(name, bias) for name, bias in family.matrices.items()
+            if getattr(layer, name) is not None]
 
 
 def _bias(layer, field: str | None):

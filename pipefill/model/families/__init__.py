@@ -7,8 +7,9 @@ from __future__ import annotations
 from pipefill.model.config import ModelConfig
 from pipefill.model.family import ModelFamily
 from pipefill.model.families.llama import LLAMA
+from pipefill.model.families.moe import MOE
 
-FAMILIES: tuple[ModelFamily, ...] = (LLAMA,)
+FAMILIES: tuple[ModelFamily, ...] = (LLAMA, MOE)
 
 
 def supported_names() -> str:

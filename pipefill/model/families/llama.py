@@ -36,6 +36,8 @@ class LayerWeights:
     # oneDNN copies of the same four for larger M (kernels.prefill_gemm), by field name;
     # None: F.linear on the plain matrices.
     prefill: dict | None = None
+    # A sparse MLP (mixture-of-experts families) in place of gate_up/down (then None).
+    moe: object | None = None
 
 
 # Hugging Face layer tensor names (after model.layers.{i}.) -> GGUF names (after blk.{i}.).
@@ -124,14 +126,17 @@ class LlamaFamily(ModelFamily):
         p = f"model.layers.{layer}."
         names = [p + n for n in ("input_layernorm.weight", "self_attn.q_proj.weight",
                                  "self_attn.k_proj.weight", "self_attn.v_proj.weight",
-                                 "self_attn.o_proj.weight", "post_attention_layernorm.weight",
-                                 "mlp.gate_proj.weight", "mlp.up_proj.weight",
-                                 "mlp.down_proj.weight")]
+                                 "self_attn.o_proj.weight", "post_attention_layernorm.weight")]
+        names += self.mlp_tensor_names(cfg, layer)
         if cfg.attention_bias:
             names += [p + f"self_attn.{x}_proj.bias" for x in "qkv"]
         if cfg.qk_norm:
             names += [p + "self_attn.q_norm.weight", p + "self_attn.k_norm.weight"]
         return names
+
+    def mlp_tensor_names(self, cfg: ModelConfig, layer: int) -> list[str]:
+        p = f"model.layers.{layer}.mlp."
+        return [p + "gate_proj.weight", p + "up_proj.weight", p + "down_proj.weight"]
 
     def gguf_name(self, hf_name: str) -> str:
         return gguf_layer_name(hf_name, GGUF_LAYER_NAMES)
@@ -154,11 +159,16 @@ class LlamaFamily(ModelFamily):
                       if cfg.attention_bias else None),
             o_proj=read.mat(a + "o_proj.weight"),
             post_norm=read.vec(p + "post_attention_layernorm.weight"),
-            gate_up=read.mat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-            down=read.mat(p + "mlp.down_proj.weight"),
             q_norm=read.vec(a + "q_norm.weight") if cfg.qk_norm else None,
             k_norm=read.vec(a + "k_norm.weight") if cfg.qk_norm else None,
+            **self.load_mlp(cfg, layer, read),
         )
+
+    def load_mlp(self, cfg: ModelConfig, layer: int, read: WeightReader) -> dict:
+        """The MLP's fields of LayerWeights (a family with another MLP overrides this)."""
+        p = f"model.layers.{layer}.mlp."
+        return dict(gate_up=read.mat(p + "gate_proj.weight", p + "up_proj.weight"),
+                    down=read.mat(p + "down_proj.weight"))
 
     def kv_specs(self, cfg: ModelConfig, layers: range, kv_dtype: torch.dtype) -> list[KVSpec]:
         # Every layer alike; the attention sees the whole prefix (a config's sliding_window is
@@ -185,9 +195,17 @@ class LlamaFamily(ModelFamily):
                         packed.get("o_proj"), large.get("o_proj"))
         x, residual = ops.add_rms_norm(residual, hidden, w.post_norm, cfg.rms_norm_eps,
                                        model.dtype)
+        return self.mlp(model, w, x), residual
+
+    @staticmethod
+    def mlp(model, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:
+        """The layer's MLP on the normed rows x: SwiGLU, or the sparse MLP in its place."""
+        if w.moe is not None:
+            return w.moe(x)
+        packed, large = w.packed or {}, w.prefill or {}
         gate_up = linear(x, w.gate_up, None, packed.get("gate_up"), large.get("gate_up"))
-        return linear(ops.silu_mul(gate_up), w.down, None, packed.get("down"),
-                      large.get("down")), residual
+        return linear(model.ops.silu_mul(gate_up), w.down, None, packed.get("down"),
+                      large.get("down"))
 
     @staticmethod
     def _rotated_heads(model, w: LayerWeights, qkv, cos, sin):

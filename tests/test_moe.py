@@ -1,0 +1,101 @@
+"""The sparse MLP against HF transformers' own blocks on the same random weights (float32):
+Qwen3-MoE (normalised and not), Qwen2-MoE with its gated shared expert, Mixtral; expert counts
+that are not powers of two, top-k 1 to 3, a decode-sized batch and a prefill-sized one, and a
+routing tie. Grouping reads each chosen expert once and no other."""
+import pytest
+import torch
+
+from pipefill.model.moe import (Experts, MoEBlock, RouterSpec, SharedExpert, group_by_expert,
+                                route)
+
+H, WIDTH = 48, 24
+
+
+def hf_block(kind: str, experts: int, top_k: int, normalize: bool = True):
+    import transformers
+    common = dict(hidden_size=H, num_experts_per_tok=top_k, num_attention_heads=4,
+                  num_key_value_heads=2, vocab_size=64, num_hidden_layers=1)
+    if kind == "qwen3_moe":
+        from transformers.models.qwen3_moe.modeling_qwen3_moe import Qwen3MoeSparseMoeBlock
+        cfg = transformers.Qwen3MoeConfig(**common, num_experts=experts, norm_topk_prob=normalize,
+                                          moe_intermediate_size=WIDTH)
+        return Qwen3MoeSparseMoeBlock(cfg)
+    if kind == "qwen2_moe":
+        from transformers.models.qwen2_moe.modeling_qwen2_moe import Qwen2MoeSparseMoeBlock
+        cfg = transformers.Qwen2MoeConfig(**common, num_experts=experts, norm_topk_prob=normalize,
+                                          moe_intermediate_size=WIDTH,
+                                          shared_expert_intermediate_size=2 * WIDTH)
+        return Qwen2MoeSparseMoeBlock(cfg)
+    from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+    cfg = transformers.MixtralConfig(**common, num_local_experts=experts, intermediate_size=WIDTH)
+    return MixtralSparseMoeBlock(cfg)
+
+
+def randomize(module, seed: int):
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in module.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.2)
+
+
+def ours_from(block, kind: str, experts: int, top_k: int, normalize: bool) -> MoEBlock:
+    # HF 5 keeps the experts fused as (E, 2W, H) gate-then-up and (E, H, W): our packing.
+    packed = Experts(block.experts.gate_up_proj.detach().clone(),
+                     block.experts.down_proj.detach().clone())
+    shared = None
+    if kind == "qwen2_moe":
+        s = block.shared_expert
+        shared = SharedExpert(torch.cat([s.gate_proj.weight, s.up_proj.weight]).detach(),
+                              s.down_proj.weight.detach(),
+                              block.shared_expert_gate.weight.detach())
+    return MoEBlock(block.gate.weight.detach().clone(),
+                    RouterSpec(experts, top_k, normalize or kind == "mixtral"), packed, shared)
+
+
+CASES = [("qwen3_moe", 5, 2, True), ("qwen3_moe", 7, 3, False), ("qwen3_moe", 6, 1, True),
+         ("qwen2_moe", 5, 2, False), ("qwen2_moe", 3, 3, True), ("mixtral", 5, 2, True),
+         ("mixtral", 3, 1, True)]
+
+
+@pytest.mark.parametrize("kind,experts,top_k,normalize", CASES)
+@pytest.mark.parametrize("tokens", [1, 4, 67])
+def test_equals_transformers(kind, experts, top_k, normalize, tokens):
+    block = hf_block(kind, experts, top_k, normalize)
+    randomize(block, seed=experts * 10 + top_k)
+    ours = ours_from(block, kind, experts, top_k, normalize)
+    x = torch.randn(1, tokens, H, generator=torch.Generator().manual_seed(tokens))
+    with torch.no_grad():
+        want = block(x)
+        want = want[0] if isinstance(want, tuple) else want
+        got = ours(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_routing_tie_picks_what_transformers_picks():
+    block = hf_block("qwen3_moe", 4, 2)
+    randomize(block, seed=1)
+    with torch.no_grad():
+        block.gate.weight[2] = block.gate.weight[1]  # experts 1 and 2 always tie
+    ours = ours_from(block, "qwen3_moe", 4, 2, True)
+    x = torch.randn(1, 9, H, generator=torch.Generator().manual_seed(5))
+    with torch.no_grad():
+        torch.testing.assert_close(ours(x), block(x), rtol=1e-5, atol=1e-5)
+
+
+def test_grouping_reads_each_chosen_expert_once():
+    ids = torch.tensor([[3, 0], [3, 1], [0, 3], [3, 4]])
+    order, counts = group_by_expert(ids, num_experts=6)
+    assert counts == [2, 1, 0, 4, 1, 0]  # expert 3 serves four slots with one pair of GEMMs
+    experts_in_order = ids.reshape(-1)[order].tolist()
+    assert experts_in_order == sorted(experts_in_order)
+    assert (order // 2)[:2].tolist() == [0, 2]  # stable: an expert's rows in token order
+    block = MoEBlock(torch.zeros(6, H), RouterSpec(6, 2, True),
+                     Experts(torch.zeros(6, 2 * WIDTH, H), torch.zeros(6, H, WIDTH)))
+    assert block.expert_bytes_read(ids) == 4 * 3 * WIDTH * H * 4  # experts 0, 1, 3, 4
+
+
+def test_route_weights_and_bad_top_k():
+    w, ids = route(torch.randn(5, H), torch.randn(7, H), RouterSpec(7, 3, True))
+    assert ids.shape == (5, 3) and torch.allclose(w.sum(-1), torch.ones(5))
+    with pytest.raises(ValueError, match="top-k must be between 1"):
+        RouterSpec(4, 5, True)

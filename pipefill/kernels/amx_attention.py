@@ -43,11 +43,10 @@ import math
 import platform
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-from pipefill.kernels.build import LazyExtension
+from pipefill.kernels.build import CSRC, GLUE_HEADER, LazyExtension
 from pipefill.kernels.build import build_dir as kernel_build_dir
 from pipefill.kernels.build import compile_object, link_glue, require_ninja
 from pipefill.base.platform import cpu_flags
@@ -56,13 +55,11 @@ log = logging.getLogger("pipefill.kernels")
 
 FORCE_DISABLE = False  # module-level kill switch (tests, debugging)
 
-_CSRC = Path(__file__).resolve().parent / "csrc"
-_KERNEL_SRC = _CSRC / "amx_kernel.cpp"
-_GLUE_SRC = _CSRC / "amx_ext.cpp"
-_HEADER = _CSRC / "amx_kernel.h"
+_KERNEL_SRC = CSRC / "amx_kernel.cpp"
+_GLUE_SRC = CSRC / "amx_ext.cpp"
+_HEADER = CSRC / "amx_kernel.h"
 AMX_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-mamx-tile", "-mamx-bf16", "-mavx512f", "-mavx512bw",
              "-mavx512vl", "-mavx512dq", "-mavx512bf16", "-mfma", "-fno-exceptions"]
-GLUE_FLAGS = ["-O3", "-std=c++17", "-fopenmp"]
 REQUIRED_CPU_FLAGS = ("amx_tile", "amx_bf16", "avx512f", "avx512bw", "avx512vl", "avx512dq",
                       "avx512_bf16", "fma")
 EXPECTED_BUILD_S = 30
@@ -81,8 +78,7 @@ def _build():
         print(msg, file=sys.stderr, flush=True)
     t0 = time.perf_counter()
     obj = compile_object(_KERNEL_SRC, _HEADER, AMX_FLAGS, build_dir, "amx_kernel")
-    mod = link_glue(name, _GLUE_SRC, [_HEADER], [str(obj)], build_dir,
-                    extra_cflags=GLUE_FLAGS, extra_include_paths=[str(_CSRC)])
+    mod = link_glue(name, _GLUE_SRC, [GLUE_HEADER, _HEADER], [str(obj)], build_dir)
     dt = time.perf_counter() - t0
     if dt > 2:
         log.info("pipefill AMX attention kernel ready after %.0f s", dt)

@@ -1,6 +1,15 @@
 """Building the C++ kernels at first use: ISA-specific sources become object files compiled
 with their flags (and nothing else is), then torch.utils.cpp_extension links them with glue
-compiled for the baseline CPU. Everything is cached under ~/.cache/pipefill/kernels."""
+compiled for the baseline CPU. Everything is cached under ~/.cache/pipefill/kernels.
+
+One binding style for every kernel: each glue file (csrc/*_ext.cpp, fused_ops.cpp,
+decode_gemm.cpp) is a pybind11 module built by cpp_extension.load and imported as a Python
+module, and includes csrc/glue.h (CPU checks, scratch, work split, argument checks). pybind11
+calls are the cheapest way in from Python here: a 13-integer call costs ~0.45 us against ~1 us
+through ctypes with prebuilt arguments and ~2.4 us with argtypes, and the attention glue takes
+torch tensors (shape checks in C++, no pointer juggling in Python). Glue that needs no tensor
+includes pybind11 and <ATen/Parallel.h> only and takes addresses (tensor.data_ptr()): ~10 s to
+compile instead of the ~35 s of <torch/extension.h> (ctypes glue took ~1 s, once per version)."""
 from __future__ import annotations
 
 import fcntl
@@ -96,9 +105,18 @@ def glue_dir(out_dir: Path, sources: list[Path], objects: list[str]) -> Path:
     return path
 
 
+CSRC = Path(__file__).resolve().parent / "csrc"
+GLUE_HEADER = CSRC / "glue.h"  # included by every glue file
+# -fopenmp: at::parallel_for then runs on torch's own OpenMP pool (same libgomp, by soname).
+GLUE_FLAGS = ["-O3", "-std=c++17", "-fopenmp"]
+
+
 def link_glue(name: str, glue_src: Path, hashed: list[Path], objects: list[str], out_dir: Path,
               **load_kwargs):
-    """cpp_extension.load of one glue source linked with `objects`, in its glue_dir.
+    """cpp_extension.load of one glue source (compiled with GLUE_FLAGS, csrc/ on its include
+    path) linked with `objects`, in its glue_dir; `hashed`: the headers it includes (GLUE_HEADER
+    and its kernels' interface). Returns the imported module (is_python_module=False: the
+    library's path).
 
     cpp_extension serialises builders with a `lock` file it creates and deletes itself, so a
     builder killed mid-build (Ctrl-C, a test's timeout) leaves it behind and every later build
@@ -109,7 +127,8 @@ def link_glue(name: str, glue_src: Path, hashed: list[Path], objects: list[str],
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         (folder / "lock").unlink(missing_ok=True)
-        return cpp_ext.load(name=name, sources=[str(glue_src)],
+        return cpp_ext.load(name=name, sources=[str(glue_src)], extra_cflags=GLUE_FLAGS,
+                            extra_include_paths=[str(CSRC)],
                             extra_ldflags=[*objects, "-fopenmp"], build_directory=str(folder),
                             verbose=False, **load_kwargs)
     finally:

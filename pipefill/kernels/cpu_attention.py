@@ -33,21 +33,19 @@ import math
 import platform
 import sys
 import time
-from pathlib import Path
 
 import torch
 
-from pipefill.kernels.build import LazyExtension
+from pipefill.kernels.build import CSRC, GLUE_HEADER, LazyExtension
 from pipefill.kernels.build import build_dir as kernel_build_dir
 from pipefill.kernels.build import compile_object, link_glue, require_ninja
 from pipefill.base.platform import cpu_flags
 
 log = logging.getLogger("pipefill.kernels")
 
-_CSRC = Path(__file__).resolve().parent / "csrc"
-_KERNEL_SRC = _CSRC / "cpu_attn_kernel.cpp"
-_GLUE_SRC = _CSRC / "cpu_attn_ext.cpp"
-_HEADER = _CSRC / "cpu_attn_kernel.h"
+_KERNEL_SRC = CSRC / "cpu_attn_kernel.cpp"
+_GLUE_SRC = CSRC / "cpu_attn_ext.cpp"
+_HEADER = CSRC / "cpu_attn_kernel.h"
 _BASE = ["-O3", "-std=c++17", "-fPIC", "-ffp-contract=fast", "-fno-exceptions", "-Wno-psabi"]
 _AVX512 = ["-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512dq", "-mfma"]
 ISA_FLAGS = {
@@ -63,7 +61,6 @@ REQUIRED_CPU_FLAGS = {
     "avx512": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "fma"),
     "avx2": ("avx2", "fma"),
 }
-GLUE_FLAGS = ["-O3", "-std=c++17", "-fopenmp"]
 
 
 def _build():
@@ -73,8 +70,8 @@ def _build():
     objs = [str(compile_object(_KERNEL_SRC, _HEADER, flags + [f"-DPF_ATTN_NS={isa}"], build_dir,
                                f"cpu_attn_{isa}"))
             for isa, flags in ISA_FLAGS.items()]
-    mod = link_glue("pipefill_cpu_attention", _GLUE_SRC, [_HEADER], objs, build_dir,
-                    extra_cflags=GLUE_FLAGS, extra_include_paths=[str(_CSRC)])
+    mod = link_glue("pipefill_cpu_attention", _GLUE_SRC, [GLUE_HEADER, _HEADER], objs,
+                    build_dir)
     if time.perf_counter() - t0 > 2:
         log.info("pipefill CPU attention kernels ready after %.0f s", time.perf_counter() - t0)
     return mod

@@ -32,18 +32,17 @@ PackedLinear | None`` and ``PackedLinear(x) -> y``; ``PackedLinear.bind(x, out) 
 """
 from __future__ import annotations
 
-import ctypes
 import functools
 import logging
 import platform
 import threading
 import time
 from dataclasses import dataclass
-from pathlib import Path
 
 import torch
 
-from pipefill.kernels.build import build_dir, compile_object, link_glue, require_ninja
+from pipefill.kernels.build import (CSRC, GLUE_HEADER, build_dir, compile_object, link_glue,
+                                    require_ninja)
 
 log = logging.getLogger("pipefill.kernels")
 
@@ -58,41 +57,27 @@ ISA_FLAGS = {"avx2": _BASE + ["-mavx2", "-mfma"],
              "avx512": _BASE + _AVX512,
              "avx512bf16": _BASE + _AVX512 + ["-mavx512bf16"],
              "amx": _BASE + _AVX512 + ["-mavx512bf16", "-mamx-tile", "-mamx-bf16"]}
-_CSRC = Path(__file__).resolve().parent / "csrc"
-_HEADER = _CSRC / "decode_gemm_kernel.h"
-_STORE512 = _CSRC / "decode_gemm_store512.h"  # the AVX-512 and AMX paths' row store
+_HEADER = CSRC / "decode_gemm_kernel.h"
+_STORE512 = CSRC / "decode_gemm_store512.h"  # the AVX-512 and AMX paths' row store
 _F32, _BF16 = 0, 1
 _CODE = {torch.float32: _F32, torch.bfloat16: _BF16}
-_P, _I64, _I32 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int
-# pf_dg_gemm(isa, x, x_dtype, ldx, wp, w_dtype, bias, y, y_dtype, ldy, M, N, K)
-_GEMM_ARGTYPES = (_I32, _P, _I32, _I64, _P, _I32, _P, _P, _I32, _I64, _I64, _I64, _I64)
 
 _lock = threading.Lock()
 _lib = None
 _status: dict[str, tuple[bool, str]] | None = None
 
 
-def _build() -> str:
+def _build():
     require_ninja("the decode GEMM")
     out = build_dir("decode_gemm")
     t0 = time.perf_counter()
-    objs = [str(compile_object(_CSRC / f"decode_gemm_{isa}.cpp", (_HEADER, _STORE512), flags,
+    objs = [str(compile_object(CSRC / f"decode_gemm_{isa}.cpp", (_HEADER, _STORE512), flags,
                                out, f"decode_gemm_{isa}")) for isa, flags in ISA_FLAGS.items()]
-    path = link_glue("pipefill_decode_gemm", _CSRC / "decode_gemm.cpp", [_HEADER], objs, out,
-                     extra_cflags=["-O3", "-std=c++17", "-fopenmp"],
-                     extra_include_paths=[str(_CSRC)], is_python_module=False)
+    module = link_glue("pipefill_decode_gemm", CSRC / "decode_gemm.cpp", [GLUE_HEADER, _HEADER],
+                       objs, out)
     if time.perf_counter() - t0 > 1:
         log.info("pipefill decode GEMM built in %.1f s (%s)", time.perf_counter() - t0, out)
-    return path
-
-
-def _bind(path: str):
-    lib = ctypes.CDLL(path)
-    lib.pf_dg_isa_supported.argtypes = [_I32, ctypes.c_char_p, _I32]
-    lib.pf_dg_isa_supported.restype = _I32
-    lib.pf_dg_gemm.argtypes = list(_GEMM_ARGTYPES)
-    lib.pf_dg_gemm.restype = _I32
-    return lib
+    return module
 
 
 def _check() -> dict[str, tuple[bool, str]]:
@@ -101,15 +86,14 @@ def _check() -> dict[str, tuple[bool, str]]:
         why = f"needs Linux x86-64, this is {platform.system()} {platform.machine()}"
         return {isa: (False, why) for isa in ISAS}
     try:
-        lib = _bind(_build())
+        lib = _build()
     except Exception as e:  # noqa: BLE001 - no compiler, no ninja...: the torch path runs
         why = f"decode GEMM extension unavailable: {type(e).__name__}: {e}"
         return {isa: (False, why) for isa in ISAS}
     status = {}
     for isa in ISAS:
-        buf = ctypes.create_string_buffer(128)
-        ok = bool(lib.pf_dg_isa_supported(_ISA_CODE[isa], buf, len(buf)))
-        status[isa] = (ok, "ok" if ok else "cpuid: " + buf.value.decode(errors="replace"))
+        ok, why = lib.pf_dg_isa_supported(_ISA_CODE[isa])
+        status[isa] = (ok, "ok" if ok else "cpuid: " + why)
     _lib = lib
     return status
 
@@ -241,11 +225,8 @@ class PackedLinear:
         used; it holds references to both, so they stay allocated as long as it exists.
         ValueError for a shape, dtype, layout or device the kernel cannot take."""
         _check_bind(self, x, out)
-        gemm = _lib["pf_dg_gemm"]  # a fresh function object: no argtypes, so ctypes passes
-        gemm.restype = _I32        # the prebuilt instances below without converting them
-        args = [None if a is None else t(a)
-                for t, a in zip(_GEMM_ARGTYPES, self._gemm_args(x, out))]
-        return BoundLinear(self, x, out, functools.partial(gemm, *args))
+        return BoundLinear(self, x, out, functools.partial(_lib.pf_dg_gemm,
+                                                           *self._gemm_args(x, out)))
 
 
 def _rows_span(t: torch.Tensor) -> tuple[int, int]:

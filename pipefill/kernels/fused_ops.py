@@ -19,27 +19,26 @@ even, like ``.to(torch.bfloat16)``). Widths (H, D, I) must be multiples of 16. N
 Build: ``csrc/fused_ops_avx512.cpp`` (the only code compiled with -mavx512*, entered only after
 the runtime cpuid check) is compiled to object files with the C++ compiler directly;
 ``csrc/fused_ops.cpp`` (the check and the row split over torch's OpenMP pool via
-``at::parallel_for``; includes only <ATen/Parallel.h>) is built without ISA flags by
-``torch.utils.cpp_extension.load(is_python_module=False)`` and linked with those objects. The
-kernel source is compiled twice: ``avx512`` (F/BW/VL) and ``avx512bf16`` (+AVX512-BF16 rounding
-instruction, chosen at run time when cpuid has it; see ``kernel_variant()``);
-``csrc/fused_ops_avx2.cpp`` (-mavx2 -mfma, 8 lanes, same numerics) serves CPUs without AVX-512.
-The entry points are plain ``extern "C"`` functions called through ctypes (the GIL is released
-during a call). First build ~3 s on two cores, cached in ``~/.cache/pipefill/kernels``.
+``at::parallel_for``) is built without ISA flags by ``link_glue`` (kernels/build.py) and linked
+with those objects. The kernel source is compiled twice: ``avx512`` (F/BW/VL) and ``avx512bf16``
+(+AVX512-BF16 rounding instruction, chosen at run time when cpuid has it; see
+``kernel_variant()``); ``csrc/fused_ops_avx2.cpp`` (-mavx2 -mfma, 8 lanes, same numerics) serves
+CPUs without AVX-512. The entry points are module functions taking addresses and sizes (the GIL
+is released during a call); the wrappers below check the tensors first. First build ~10 s on
+two cores, cached in ``~/.cache/pipefill/kernels``.
 
 Benchmark: ``python -m pipefill.bench.fused_ops`` (SmolLM2-135M shapes, T = 2048).
 """
 from __future__ import annotations
 
-import ctypes
 import logging
 import platform
 import threading
 import time
-from pathlib import Path
 
 import torch
 
+from pipefill.kernels.build import CSRC, GLUE_HEADER
 from pipefill.kernels.build import build_dir as kernel_build_dir
 from pipefill.kernels.build import compile_object, link_glue, require_ninja
 from pipefill.base.platform import cpu_flags
@@ -48,10 +47,9 @@ log = logging.getLogger("pipefill.kernels")
 
 FORCE_DISABLE = False  # module-level kill switch (tests, debugging)
 
-_CSRC = Path(__file__).resolve().parent / "csrc"
-_KERNEL_SRC = _CSRC / "fused_ops_avx512.cpp"
-_GLUE_SRC = _CSRC / "fused_ops.cpp"
-_HEADER = _CSRC / "fused_ops_kernel.h"
+_KERNEL_SRC = CSRC / "fused_ops_avx512.cpp"
+_GLUE_SRC = CSRC / "fused_ops.cpp"
+_HEADER = CSRC / "fused_ops_kernel.h"
 # -ffp-contract=off: no implicit FMA contraction, so products/sums round as in torch eager.
 KERNEL_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-mavx512f", "-mavx512bw", "-mavx512vl",
                 "-ffp-contract=off", "-fno-exceptions"]
@@ -62,10 +60,9 @@ KERNEL_VARIANTS = {
     "avx512bf16": KERNEL_FLAGS + ["-mavx512bf16", "-DPF_FUSED_NS=avx512bf16", "-DPF_HW_BF16=1"],
 }
 # CPUs without AVX-512 get the AVX2 + FMA build (its own source, 8 lanes).
-_AVX2_SRC = _CSRC / "fused_ops_avx2.cpp"
+_AVX2_SRC = CSRC / "fused_ops_avx2.cpp"
 AVX2_FLAGS = ["-O3", "-std=c++17", "-fPIC", "-mavx2", "-mfma", "-ffp-contract=off",
               "-fno-exceptions"]
-GLUE_FLAGS = ["-O3", "-std=c++17", "-fopenmp"]
 REQUIRED_CPU_FLAGS = ("avx2", "fma")  # the least any build needs; cpuid picks the best build
 # The CPU flags (as in /proc/cpuinfo) each build needs, best build first.
 VARIANT_CPU_FLAGS = {
@@ -78,13 +75,13 @@ _F32, _BF16 = 0, 1
 _DTYPE_CODE = {torch.float32: _F32, torch.bfloat16: _BF16}
 
 _lock = threading.Lock()
-_lib = None  # the ctypes library, set only once fused_available() succeeded
+_lib = None  # the extension module, set only once fused_available() succeeded
 _status: tuple[bool, str] | None = None
 
 
 # ----------------------------------------------------------------------------- build / check
 
-def _build() -> str:
+def _build():
     require_ninja("the fused ops")
     build_dir = kernel_build_dir("fused_ops")
     t0 = time.perf_counter()
@@ -104,29 +101,11 @@ def _build() -> str:
                                            fallback + [f"-DPF_FUSED_NS={variant}"], build_dir,
                                            f"fused_{variant}-fallback")))
     objs.append(str(compile_object(_AVX2_SRC, _HEADER, AVX2_FLAGS, build_dir, "fused_avx2")))
-    path = link_glue("pipefill_fused_ops", _GLUE_SRC, [_HEADER], objs, build_dir,
-                     extra_cflags=GLUE_FLAGS, extra_include_paths=[str(_CSRC)],
-                     is_python_module=False)
+    module = link_glue("pipefill_fused_ops", _GLUE_SRC, [GLUE_HEADER, _HEADER], objs, build_dir)
     dt = time.perf_counter() - t0
     if dt > 1:
         log.info("pipefill fused ops built in %.1f s (%s)", dt, build_dir)
-    return path
-
-
-def _bind(path: str):
-    lib = ctypes.CDLL(path)
-    p, i64, i32, f64 = ctypes.c_void_p, ctypes.c_int64, ctypes.c_int, ctypes.c_double
-    lib.pf_fused_cpu_supported.argtypes = [ctypes.c_char_p, i32]
-    lib.pf_fused_select.argtypes = [ctypes.c_char_p]
-    lib.pf_fused_select.restype = i32
-    lib.pf_fused_kernel_name.argtypes = []
-    lib.pf_fused_kernel_name.restype = ctypes.c_char_p
-    lib.pf_add_rms_norm.argtypes = [p, i64, p, i32, i64, p, p, i32, i64, i64, i64, f64]
-    lib.pf_rope.argtypes = [p, i32, i64, i64, i64, i64, i64, p, p]
-    lib.pf_silu_mul.argtypes = [p, i32, i64, p, i64, i64, i64]
-    for fn in (lib.pf_fused_cpu_supported, lib.pf_add_rms_norm, lib.pf_rope, lib.pf_silu_mul):
-        fn.restype = i32
-    return lib
+    return module
 
 
 def _check() -> tuple[bool, str]:
@@ -138,12 +117,12 @@ def _check() -> tuple[bool, str]:
     if missing:
         return False, "CPU lacks " + ", ".join(missing)
     try:
-        lib = _bind(_build())
+        lib = _build()
     except Exception as e:  # noqa: BLE001 - any build/load problem means "not available"
         return False, f"fused ops extension unavailable: {type(e).__name__}: {e}"
-    buf = ctypes.create_string_buffer(256)
-    if not lib.pf_fused_cpu_supported(buf, len(buf)):
-        return False, "cpuid: " + buf.value.decode(errors="replace")
+    ok, why = lib.pf_fused_cpu_supported()
+    if not ok:
+        return False, "cpuid: " + why
     _lib = lib
     return True, "ok"
 
@@ -177,7 +156,7 @@ def _select_for_flags(flags: frozenset[str]) -> tuple[bool, str]:
         missing = [f for f in need if f not in flags]
         if missing:
             reasons.append(f"{variant}: CPU lacks {', '.join(missing)}")
-        elif _lib.pf_fused_select(variant.encode()):
+        elif _lib.pf_fused_select(variant):
             return True, "ok"
         else:
             reasons.append(f"{variant}: cpuid says no")
@@ -190,14 +169,14 @@ def kernel_variant() -> str:
     unavailable."""
     if not fused_available()[0]:
         return ""
-    return _lib.pf_fused_kernel_name().decode()
+    return _lib.pf_fused_kernel_name()
 
 
 def _select_variant(name: str) -> bool:
     """Tests/benchmarks: switch the kernel build (not safe while ops run on other threads)."""
     if not fused_available()[0]:
         return False
-    return bool(_lib.pf_fused_select(name.encode()))
+    return _lib.pf_fused_select(name)
 
 
 def _require():

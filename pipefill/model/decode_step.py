@@ -13,7 +13,7 @@ streaming the weights. Here the same kernels run in the same order on the same i
 * the fused elementwise ops are called straight through their C entry points with pointers taken
   once, since the buffers guarantee the shapes their wrappers check;
 * each GEMM whose input and output are such buffers is bound to them once per M
-  (`PackedLinear.bind`: checked once, then one C call with prebuilt ctypes arguments);
+  (`PackedLinear.bind`: checked once, then one C call with prebuilt arguments);
 * the attention's profiler range is opened only while a profiler records.
 
 Tensors that leave the stage (the residual stream, the last layer's output) are fresh each step:

@@ -1,17 +1,11 @@
-// Generic glue for the vector attention kernels (cpu_attn_kernel.cpp): cpuid checks per ISA,
-// argument validation, cache packing (write_kv, bf16 or float32) and the work split over torch's
-// thread pool. Built WITHOUT ISA flags: an ISA's kernel is entered only after its cpuid/XCR0
-// check passed in this process, so a CPU never executes an instruction it lacks.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
+// Glue of the vector attention kernels (cpu_attn_kernel.cpp): cpuid checks per ISA, argument
+// validation, cache packing (write_kv, bf16 or float32) and the work split over torch's thread
+// pool. An ISA's kernel is entered only after its cpuid/XCR0 check passed in this process, so a
+// CPU never executes an instruction it lacks.
+#define PF_GLUE_TENSORS 1
+#include "glue.h"
 
-#include <cpuid.h>
-
-#include <algorithm>
-#include <atomic>
 #include <cmath>
-#include <cstdlib>
-#include <cstring>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -21,87 +15,28 @@
 namespace {
 
 namespace pa = pipefill_cpu_attn;
-
-uint64_t xgetbv0() {
-  uint32_t eax, edx;
-  __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
-  return ((uint64_t)edx << 32) | eax;
-}
+namespace pg = pipefill_glue;
+using pg::check_pages;
+using pg::check_tokens;
 
 // ISA ids: 0 = avx512bf16, 1 = avx512, 2 = avx2.
+const char* isa_check(int64_t isa) {
+  switch (isa) {
+    case 0: return pg::need_avx512_bf16(/*dq=*/true);
+    case 1: return pg::need_avx512(/*dq=*/true);
+    case 2: return pg::need_avx2_fma();
+    default: return "unknown ISA id";
+  }
+}
+
 std::tuple<bool, std::string> cpu_supported(int64_t isa) {
-  unsigned a, b, c, d;
-  if (isa < 0 || isa > 2) return {false, "unknown ISA id"};
-  if (!__get_cpuid(1, &a, &b, &c, &d)) return {false, "cpuid leaf 1 unavailable"};
-  if (!(c & (1u << 27))) return {false, "OSXSAVE not enabled"};
-  if (!(c & (1u << 28))) return {false, "no AVX"};
-  if (!(c & (1u << 12))) return {false, "no FMA"};
-  const uint64_t xcr0 = xgetbv0();
-  if ((xcr0 & 0x6) != 0x6) return {false, "OS does not enable AVX state (XCR0)"};
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return {false, "cpuid leaf 7 unavailable"};
-  if (!(b & (1u << 5))) return {false, "no AVX2"};
-  if (isa == 2) return {true, "ok"};
-  if ((xcr0 & 0xe6) != 0xe6) return {false, "OS does not enable AVX-512 state (XCR0)"};
-  const bool f = b & (1u << 16), dq = b & (1u << 17), bw = b & (1u << 30), vl = b & (1u << 31);
-  if (!(f && dq && bw && vl)) return {false, "no AVX-512 F/DQ/BW/VL"};
-  if (isa == 1) return {true, "ok"};
-  unsigned a1, b1, c1, d1;
-  if (!__get_cpuid_count(7, 1, &a1, &b1, &c1, &d1) || !(a1 & (1u << 5))) return {false, "no AVX512-BF16"};
-  return {true, "ok"};
+  const char* why = isa_check(isa);
+  return {why == nullptr, why ? why : "ok"};
 }
 
-// cpuid once per ISA per process.
-bool isa_ok(int64_t isa) {
-  static std::atomic<int> state[3] = {0, 0, 0};  // 0 unknown, 1 ok, 2 no
-  int st = state[isa].load();
-  if (st == 0) {
-    st = std::get<0>(cpu_supported(isa)) ? 1 : 2;
-    state[isa].store(st);
-  }
-  return st == 1;
-}
+bool isa_ok(int64_t isa) { return isa_check(isa) == nullptr; }
 
-struct ThreadScratch {
-  void* buf = nullptr;
-  size_t cap = 0;
-  ~ThreadScratch() { std::free(buf); }
-  void* get(size_t bytes) {
-    if (bytes > cap) {
-      std::free(buf);
-      cap = (bytes + 4095) / 4096 * 4096;
-      buf = std::aligned_alloc(64, cap);
-      TORCH_CHECK(buf, "pipefill CPU attention: out of memory for scratch");
-    }
-    return buf;
-  }
-};
-
-size_t align64(size_t x) { return (x + 63) / 64 * 64; }
-
-void check_cache(const torch::Tensor& c, const char* what) {
-  TORCH_CHECK(c.dim() == 4, what, ": expected [num_pages, kv_heads, page_size, head_dim], got ", c.sizes());
-  TORCH_CHECK(c.scalar_type() == torch::kBFloat16 || c.scalar_type() == torch::kFloat, what,
-              ": expected bfloat16 or float32, got ", c.scalar_type());
-  TORCH_CHECK(c.is_contiguous(), what, ": must be contiguous");
-  TORCH_CHECK(c.size(2) % 32 == 0, what, ": page_size must be a multiple of 32, got ", c.size(2));
-  TORCH_CHECK(c.size(3) == 64 || c.size(3) == 128, what, ": head_dim must be 64 or 128, got ", c.size(3));
-}
-
-void check_pages(const torch::Tensor& pt, int64_t needed, int64_t num_pages) {
-  TORCH_CHECK(pt.scalar_type() == torch::kInt32 && pt.dim() == 1 && pt.is_contiguous(),
-              "page_table: expected a contiguous 1-D int32 tensor");
-  TORCH_CHECK(pt.size(0) >= needed, "page_table: ", pt.size(0), " pages, need ", needed);
-  const int32_t* p = pt.data_ptr<int32_t>();
-  for (int64_t i = 0; i < needed; ++i)
-    TORCH_CHECK(p[i] >= 0 && p[i] < num_pages, "page_table[", i, "] = ", p[i], " out of range [0, ", num_pages, ")");
-}
-
-void check_tokens(const torch::Tensor& x, const char* what, int64_t heads, int64_t d, torch::ScalarType dt) {
-  TORCH_CHECK(x.dim() == 3 && x.size(1) == heads && x.size(2) == d, what, ": expected [C, ", heads, ", ", d,
-              "], got ", x.sizes());
-  TORCH_CHECK(x.scalar_type() == dt, what, ": expected ", dt, ", got ", x.scalar_type());
-  TORCH_CHECK(x.stride(2) == 1, what, ": last dim must be contiguous");
-}
+void check_cache(const torch::Tensor& c, const char* what) { pg::check_cache(c, what, /*float32_too=*/true); }
 
 // Element index of (token offset in page `off`, dim d) inside one (page, head) block of ps * D.
 // bf16: the AMX layout; float32: same 32-value rows, pair axis first within a row.
@@ -119,40 +54,24 @@ template <typename T>
 void pack(T* kd, T* vd, const T* ks, const T* vs, int64_t kst, int64_t ksh, int64_t vst, int64_t vsh,
           const int32_t* table, int64_t H, int64_t ps, int64_t D, int64_t start, int64_t end) {
   const bool bf16 = sizeof(T) == 2;
-  const int64_t tail = (end + 31) / 32 * 32;  // zero tokens [end, tail): same page as end - 1
-  at::parallel_for(start, tail, 64, [&](int64_t b, int64_t e) {
-    for (int64_t pos = b; pos < e; ++pos) {
-      const bool real = pos < end;
-      const int64_t off = pos % ps;
-      for (int64_t h = 0; h < H; ++h) {
-        const int64_t base = ((int64_t)table[(real ? pos : end - 1) / ps] * H + h) * ps * D;
-        const T* k = ks + (pos - start) * kst + h * ksh;
-        const T* v = vs + (pos - start) * vst + h * vsh;
-        for (int64_t d = 0; d < D; ++d) {
-          kd[base + k_index(off, d, D, bf16)] = real ? k[d] : T(0);
-          vd[base + v_index(off, d, D, bf16)] = real ? v[d] : T(0);
-        }
-      }
+  pg::for_each_kv_slot(table, H, ps, D, start, end, [&](int64_t pos, int64_t h, int64_t off, int64_t base, bool real) {
+    const T* k = ks + (pos - start) * kst + h * ksh;
+    const T* v = vs + (pos - start) * vst + h * vsh;
+    for (int64_t d = 0; d < D; ++d) {
+      kd[base + k_index(off, d, D, bf16)] = real ? k[d] : T(0);
+      vd[base + v_index(off, d, D, bf16)] = real ? v[d] : T(0);
     }
   });
 }
 
 // Packs k/v [C, H, D] (the cache's dtype) for positions [start, start + C) and zeroes the rest
-// of the last 32-token group, so zero probabilities never meet uninitialised (NaN) values.
+// of the last 32-token group (pg::for_each_kv_slot).
 void write_kv(torch::Tensor kc, torch::Tensor vc, torch::Tensor k, torch::Tensor v, torch::Tensor pt,
               int64_t start) {
-  check_cache(kc, "k_cache");
-  check_cache(vc, "v_cache");
-  TORCH_CHECK(kc.sizes() == vc.sizes() && kc.scalar_type() == vc.scalar_type(), "k_cache and v_cache differ");
-  const int64_t P = kc.size(0), H = kc.size(1), ps = kc.size(2), D = kc.size(3);
-  check_tokens(k, "k_new", H, D, kc.scalar_type());
-  check_tokens(v, "v_new", H, D, kc.scalar_type());
-  TORCH_CHECK(k.size(0) == v.size(0), "k_new and v_new lengths differ");
-  TORCH_CHECK(start >= 0, "start must be >= 0");
-  const int64_t C = k.size(0), end = start + C;
-  if (C == 0) return;
-  check_pages(pt, (end + ps - 1) / ps, P);
+  const pg::KvWrite w = pg::check_kv_write(kc, vc, k, v, pt, start, /*float32_too=*/true);
+  if (w.end == start) return;
   const int32_t* table = pt.data_ptr<int32_t>();
+  const int64_t H = w.heads, ps = w.page_size, D = w.head_dim, end = w.end;
   if (kc.scalar_type() == torch::kBFloat16) {
     pack(reinterpret_cast<uint16_t*>(kc.data_ptr()), reinterpret_cast<uint16_t*>(vc.data_ptr()),
          reinterpret_cast<const uint16_t*>(k.data_ptr()), reinterpret_cast<const uint16_t*>(v.data_ptr()),
@@ -176,12 +95,6 @@ int64_t choose_kv_part(int64_t kv_split, int64_t C, int64_t qtile, int64_t keys)
     return kv_split < keys ? kv_split : 0;
   }
   return keys > 2 * kAutoKvPart ? kAutoKvPart : 0;
-}
-
-uint16_t bf16_rne(float x) {  // as the kernels' to_bf16 (no NaN here)
-  uint32_t u;
-  std::memcpy(&u, &x, 4);
-  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
 }
 
 // Row i (kv head g, row r) of p's output = the parts' (O, m, l) merged in part order:
@@ -209,7 +122,7 @@ void merge_row(const pa::Params& p, int64_t i) {
   for (int64_t d = 0; d < D; ++d) {
     const float x = acc[d] * inv;
     if (p.q_bf16) {
-      const uint16_t hb = bf16_rne(x);
+      const uint16_t hb = pg::bf16_rne(x);
       std::memcpy(dst + 2 * d, &hb, 2);
     } else {
       std::memcpy(dst + 4 * d, &x, 4);
@@ -228,14 +141,14 @@ struct ScratchLayout {
   size_t q_bytes, o_bytes, m_bytes, l_bytes, s_bytes, total;
   ScratchLayout(int64_t qtile, int64_t G, int64_t D) {
     const int64_t rows = pa::rows_pad(qtile, G);
-    q_bytes = o_bytes = align64(rows * D * 4);
-    m_bytes = align64(rows * 4);
-    l_bytes = align64(rows * pa::kLanes * 4);
-    s_bytes = align64(pa::kMaxRows * pa::kStep * 4);
-    total = q_bytes + o_bytes + m_bytes + l_bytes + s_bytes + align64(pa::kMaxRows * pa::kStep * 2);
+    q_bytes = o_bytes = pg::align64(rows * D * 4);
+    m_bytes = pg::align64(rows * 4);
+    l_bytes = pg::align64(rows * pa::kLanes * 4);
+    s_bytes = pg::align64(pa::kMaxRows * pa::kStep * 4);
+    total = q_bytes + o_bytes + m_bytes + l_bytes + s_bytes + pg::align64(pa::kMaxRows * pa::kStep * 2);
   }
   pa::Scratch thread_scratch() const {  // the calling thread's buffer, grown when needed
-    thread_local ThreadScratch scratch;
+    thread_local pg::ThreadScratch scratch;
     char* base = static_cast<char*>(scratch.get(total));
     pa::Scratch s;
     s.q = base;
@@ -263,7 +176,7 @@ Shapes check_inputs(int64_t isa, const torch::Tensor& q, const torch::Tensor& kc
                     const char* rows) {
   TORCH_CHECK(isa >= 0 && isa <= 2, "unknown ISA id ", isa);
   TORCH_CHECK(isa_ok(isa), "pipefill CPU attention: this CPU cannot run the ", kNames[isa], " kernel: ",
-              std::get<1>(cpu_supported(isa)));
+              isa_check(isa));
   check_cache(kc, "k_cache");
   check_cache(vc, "v_cache");
   TORCH_CHECK(kc.sizes() == vc.sizes() && kc.scalar_type() == vc.scalar_type(), "k_cache and v_cache differ");
@@ -331,25 +244,14 @@ torch::Tensor chunk_attention(int64_t isa, torch::Tensor q, torch::Tensor kc, to
   const int64_t n = pa::num_items(p);
   const ScratchLayout layout(qtile, G, D);
   const RunItem run = kKernels[isa];
-  std::atomic<int64_t> next{0};
-  // One task per thread; each pulls items (longest first) from the shared counter. An item is
-  // computed the same way whichever thread runs it: results do not depend on the thread count.
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
-    const pa::Scratch s = layout.thread_scratch();
-    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) run(p, i, s);
-  });
+  pg::pull_items(n, [&] { return layout.thread_scratch(); }, [&](int64_t i, const pa::Scratch& s) { run(p, i, s); });
   if (p.nparts > 1) merge_parts(p);
   return out;
 }
 
 // One new token's K or V row (dtype S) converted to the cache's dtype T.
-inline uint16_t to_cache(float x, uint16_t*) { return x != x ? (uint16_t)0x7fc0 : bf16_rne(x); }
-inline float to_cache(uint16_t x, float*) {
-  const uint32_t u = (uint32_t)x << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
+inline uint16_t to_cache(float x, uint16_t*) { return x != x ? (uint16_t)0x7fc0 : pg::bf16_rne(x); }
+inline float to_cache(uint16_t x, float*) { return pg::bf16_to_f32(x); }
 template <typename T>
 inline T to_cache(T x, T*) { return x; }
 
@@ -494,19 +396,15 @@ void decode_attention(int64_t isa, torch::Tensor q, torch::Tensor k, torch::Tens
   const int64_t n = first[B];
   const ScratchLayout layout(1, G, D);
   const RunItem run = kKernels[isa];
-  std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
-    const pa::Scratch s = layout.thread_scratch();
-    for (int64_t i; (i = next.fetch_add(1, std::memory_order_relaxed)) < n;) {
-      const int64_t j = std::upper_bound(first.begin(), first.end(), i) - first.begin() - 1;
-      const int64_t b = order[j], item = i - first[j];
-      const pa::Params& p = seqs[b];
-      // The item of the part holding the new token (the last) writes its head's K/V first:
-      // no other item reads that page, and the writer is the reader (the lines stay in this
-      // core's cache instead of crossing from the thread that used to write every token).
-      if (item % p.nparts == p.nparts - 1) tokens.put(b, (item / p.nparts) % Hkv, p.page_table, L[b]);
-      run(p, item, s);
-    }
+  pg::pull_items(n, [&] { return layout.thread_scratch(); }, [&](int64_t i, const pa::Scratch& s) {
+    const int64_t j = std::upper_bound(first.begin(), first.end(), i) - first.begin() - 1;
+    const int64_t b = order[j], item = i - first[j];
+    const pa::Params& p = seqs[b];
+    // The item of the part holding the new token (the last) writes its head's K/V first:
+    // no other item reads that page, and the writer is the reader (the lines stay in this
+    // core's cache instead of crossing from the thread that used to write every token).
+    if (item % p.nparts == p.nparts - 1) tokens.put(b, (item / p.nparts) % Hkv, p.page_table, L[b]);
+    run(p, item, s);
   });
   // Merge the split sequences' parts: Hkv * G rows each, one pool for all of them.
   std::vector<int64_t> split;

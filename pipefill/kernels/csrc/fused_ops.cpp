@@ -1,60 +1,19 @@
-// Generic glue for pipefill's fused elementwise CPU ops (add+RMSNorm, RoPE, SiLU*mul): the
-// cpuid/XCR0 check, the choice of kernel build (avx512 or avx512bf16) and the split of rows over
-// torch's thread pool (at::parallel_for, built with -fopenmp so it runs on torch's own OpenMP
-// pool). Built WITHOUT ISA flags; the AVX-512 code in fused_ops_avx512.cpp is only entered after
-// pf_fused_cpu_supported() succeeded (the entry points return -2 before that). Plain extern "C"
-// entry points called through ctypes (which releases the GIL): only <ATen/Parallel.h> is
-// included, so the build takes ~2 s.
-// Argument validation lives in pipefill/kernels/fused_ops.py.
-#include <ATen/Parallel.h>
+// Glue of pipefill's fused elementwise CPU ops (add+RMSNorm, RoPE, SiLU*mul): the choice of
+// kernel build (avx512bf16, avx512 or avx2) from cpuid and the split of rows over torch's thread
+// pool. The entry points take addresses and sizes (argument validation lives in
+// pipefill/kernels/fused_ops.py; the decode path calls them directly with addresses it took
+// once) and return 0, -2 before pf_fused_cpu_supported() succeeded, or -1 on an exception.
+#include "glue.h"
 
-#include <cpuid.h>
-
-#include <algorithm>
-#include <atomic>
-#include <cstdint>
-#include <cstdio>
-#include <cstring>
-#include <exception>
+#include <string>
+#include <tuple>
 
 #include "fused_ops_kernel.h"
 
 namespace {
 
-uint64_t xgetbv0() {
-  uint32_t eax, edx;
-  __asm__ volatile("xgetbv" : "=a"(eax), "=d"(edx) : "c"(0));
-  return ((uint64_t)edx << 32) | eax;
-}
-
-// AVX2 + FMA with the OS saving YMM state: enough for the avx2 build.
-const char* avx2_check() {
-  unsigned a, b, c, d;
-  if (!__get_cpuid(1, &a, &b, &c, &d)) return "cpuid leaf 1 unavailable";
-  if (!(c & (1u << 27))) return "OSXSAVE not enabled";
-  if (!(c & (1u << 28)) || !(c & (1u << 12))) return "no AVX/FMA";
-  if ((xgetbv0() & 0x6) != 0x6) return "OS does not enable AVX state (XCR0)";
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return "cpuid leaf 7 unavailable";
-  if (!(b & (1u << 5))) return "no AVX2";
-  return nullptr;
-}
-
-const char* cpu_check() {
-  unsigned a, b, c, d;
-  if (!__get_cpuid(1, &a, &b, &c, &d)) return "cpuid leaf 1 unavailable";
-  if (!(c & (1u << 27))) return "OSXSAVE not enabled";
-  if ((xgetbv0() & 0xe6) != 0xe6) return "OS does not enable AVX-512 state (XCR0)";
-  if (!__get_cpuid_count(7, 0, &a, &b, &c, &d)) return "cpuid leaf 7 unavailable";
-  if (!(b & (1u << 16))) return "no AVX512F";
-  if (!(b & (1u << 30))) return "no AVX512BW";
-  if (!(b & (1u << 31))) return "no AVX512VL";
-  return nullptr;
-}
-
-bool has_avx512_bf16() {
-  unsigned a, b, c, d;
-  return __get_cpuid_count(7, 1, &a, &b, &c, &d) && (a & (1u << 5));
-}
+namespace pg = pipefill_glue;
+using pg::Addr;
 
 struct Kernels {
   decltype(&pipefill_fused::avx512::add_rms_norm_rows) add_rms_norm_rows;
@@ -82,83 +41,75 @@ template <typename F>
 int run_rows(const Kernels* k, int64_t T, int64_t elems_per_row, const F& f) {
   if (!k) return -2;
   if (T <= 0) return 0;
-  try {
-    at::parallel_for(0, T, grain_for(elems_per_row), f);
-  } catch (const std::exception& e) {
-    std::fprintf(stderr, "pipefill fused ops: %s\n", e.what());
-    return -1;
-  } catch (...) {
-    return -1;
-  }
-  return 0;
+  return pg::guarded("pipefill fused ops", [&] { at::parallel_for(0, T, grain_for(elems_per_row), f); });
 }
 
-}  // namespace
-
-extern "C" {
-
-// 1 when a kernel build can run (and selects the best: avx512bf16, avx512, avx2); otherwise 0
-// and the reasons in buf.
-int pf_fused_cpu_supported(char* buf, int n) {
-  const char* why = cpu_check();
+// (True, "ok") when a kernel build can run (and selects the best: avx512bf16, avx512, avx2);
+// otherwise (False, the reasons).
+std::tuple<bool, std::string> pf_fused_cpu_supported() {
+  const char* why = pg::need_avx512();
   if (!why) {
-    g_k.store(has_avx512_bf16() ? &kAvx512Bf16 : &kAvx512, std::memory_order_release);
-    return 1;
+    g_k.store(pg::cpu().avx512_bf16 ? &kAvx512Bf16 : &kAvx512, std::memory_order_release);
+    return {true, "ok"};
   }
-  const char* why2 = avx2_check();
+  const char* why2 = pg::need_avx2_fma();
   if (!why2) {
     g_k.store(&kAvx2, std::memory_order_release);
-    return 1;
+    return {true, "ok"};
   }
-  if (buf && n > 0) std::snprintf(buf, (size_t)n, "%s; %s", why, why2);
-  return 0;
+  return {false, std::string(why) + "; " + why2};
 }
 
-// Selects a kernel build by name ("avx512", "avx512bf16", "avx2"); 0 if unknown or unsupported here.
-// Not thread-safe against concurrent calls of the ops (tests and benchmarks only).
-int pf_fused_select(const char* name) {
-  if (!g_k || !name) return 0;
-  if (std::strcmp(name, kAvx2.name) == 0 && !avx2_check()) {
-    g_k.store(&kAvx2, std::memory_order_release);
-    return 1;
-  }
-  if (std::strcmp(name, kAvx512.name) == 0 && !cpu_check()) {
-    g_k.store(&kAvx512, std::memory_order_release);
-    return 1;
-  }
-  if (std::strcmp(name, kAvx512Bf16.name) == 0 && !cpu_check() && has_avx512_bf16()) {
-    g_k.store(&kAvx512Bf16, std::memory_order_release);
-    return 1;
-  }
-  return 0;
+// Selects a kernel build by name ("avx512", "avx512bf16", "avx2"); false if unknown or unsupported
+// here. Not thread-safe against concurrent calls of the ops (tests and benchmarks only).
+bool pf_fused_select(const std::string& name) {
+  if (!g_k) return false;
+  const Kernels* pick = nullptr;
+  if (name == kAvx2.name && !pg::need_avx2_fma()) pick = &kAvx2;
+  if (name == kAvx512.name && !pg::need_avx512()) pick = &kAvx512;
+  if (name == kAvx512Bf16.name && !pg::need_avx512_bf16()) pick = &kAvx512Bf16;
+  if (pick) g_k.store(pick, std::memory_order_release);
+  return pick != nullptr;
 }
 
-const char* pf_fused_kernel_name() {
+std::string pf_fused_kernel_name() {
   const Kernels* k = g_k.load(std::memory_order_acquire);
   return k ? k->name : "";
 }
 
-int pf_add_rms_norm(float* res, int64_t res_st, const void* hid, int hid_dtype, int64_t hid_st, const float* w,
-                    void* out, int out_dtype, int64_t out_st, int64_t T, int64_t H, double eps) {
+// res, out: float32 / out_dtype rows; hid: rows of hid_dtype, or None (no residual add).
+int pf_add_rms_norm(Addr res, int64_t res_st, Addr hid, int hid_dtype, int64_t hid_st, Addr w, Addr out,
+                    int out_dtype, int64_t out_st, int64_t T, int64_t H, double eps) {
   const Kernels* k = g_k.load(std::memory_order_acquire);
   return run_rows(k, T, 2 * H, [&](int64_t r0, int64_t r1) {
-    k->add_rms_norm_rows(res, res_st, hid, hid_dtype, hid_st, w, out, out_dtype, out_st, H, (float)eps, r0, r1);
+    k->add_rms_norm_rows(res.as<float>(), res_st, hid.as<const void>(), hid_dtype, hid_st, w.as<const float>(),
+                         out.as<void>(), out_dtype, out_st, H, (float)eps, r0, r1);
   });
 }
 
-int pf_rope(void* x, int dtype, int64_t st, int64_t sh, int64_t T, int64_t N, int64_t D, const float* cos,
-            const float* sin) {
+int pf_rope(Addr x, int dtype, int64_t st, int64_t sh, int64_t T, int64_t N, int64_t D, Addr cos, Addr sin) {
   const Kernels* k = g_k.load(std::memory_order_acquire);
   return run_rows(k, T, N * D, [&](int64_t r0, int64_t r1) {
-    k->rope_rows(x, dtype, st, sh, N, D, cos, sin, r0, r1);
+    k->rope_rows(x.as<void>(), dtype, st, sh, N, D, cos.as<const float>(), sin.as<const float>(), r0, r1);
   });
 }
 
-int pf_silu_mul(const void* gu, int dtype, int64_t gu_st, void* out, int64_t out_st, int64_t T, int64_t I) {
+int pf_silu_mul(Addr gu, int dtype, int64_t gu_st, Addr out, int64_t out_st, int64_t T, int64_t I) {
   const Kernels* k = g_k.load(std::memory_order_acquire);
   return run_rows(k, T, 4 * I, [&](int64_t r0, int64_t r1) {
-    k->silu_mul_rows(gu, dtype, gu_st, out, out_st, I, r0, r1);
+    k->silu_mul_rows(gu.as<const void>(), dtype, gu_st, out.as<void>(), out_st, I, r0, r1);
   });
 }
 
-}  // extern "C"
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  const auto nogil = py::call_guard<py::gil_scoped_release>();
+  m.def("pf_fused_cpu_supported", &pf_fused_cpu_supported);
+  m.def("pf_fused_select", &pf_fused_select);
+  m.def("pf_fused_kernel_name", &pf_fused_kernel_name);
+  m.def("pf_add_rms_norm", &pf_add_rms_norm, nogil);
+  m.def("pf_rope", &pf_rope, nogil);
+  m.def("pf_silu_mul", &pf_silu_mul, nogil);
+}

@@ -10,7 +10,6 @@ from pipefill.config import ServerArgs, resolve
 from pipefill.kernels.prefill_gemm import choose_prefill_gemm
 from pipefill.model.attention import choose_backend, resolve_kv_dtype
 from pipefill.model.loader import WeightSource, resolve_model_path, resolve_weight_dtype
-from pipefill.base.partition import partition_layers
 from pipefill.base.platform import cpu_vendor, resolve_dtype, usable_cpu_flags
 
 log = logging.getLogger(__name__)
@@ -28,8 +27,7 @@ def prepare(args: ServerArgs) -> tuple[ServerArgs, WeightSource]:
         raise ValueError(f"--disaggregation-mode {args.disaggregation_mode} runs on one node "
                          "(--nnodes 1) for now")
     source = WeightSource(resolve_model_path(args.model_path))
-    args = resolve(args, source.config)
-    partition_layers(source.config.num_layers, args.pp_size, args.pp_layer_partition)
+    args = resolve(args, source.config)  # also checks the layer partition against the model
     if args.attention_backend not in ("auto", "sdpa"):  # a named kernel must fit, or a sentence
         dtype = resolve_dtype(args.dtype)
         choose_backend(args.attention_backend, dtype, source.config.head_dim, args.page_size,

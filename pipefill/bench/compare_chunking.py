@@ -24,17 +24,15 @@ def configs(args, c0_grid: list[int], with_auto: bool) -> list[tuple[str, object
 def run_compare(args, cfg, prompt: list[int], c0_grid: list[int], reps: int,
                 with_auto: bool, sim_pp_sizes=(4, 8)) -> dict:
     from pipefill.engine import Engine
-    from pipefill.base.partition import partition_layers
     engines = {}
     try:
         for name, a in configs(args.replace(tune_input_len=len(prompt)), c0_grid, with_auto):
-            engines[name] = Engine(**vars(a))
+            engines[name] = Engine(**a.flags())
         coef = engines["dynamic"].chunking.get("coefficients")
         if coef is None:
             raise ValueError("the dynamic engine has no fitted profile: "
                              f"{engines['dynamic'].chunking.get('fallback')}")
-        layers = [len(r) for r in partition_layers(cfg.num_layers, args.pp_size,
-                                                   args.pp_layer_partition)]
+        layers = args.layout.layer_counts
         model = CostModel(coef[0], max(coef[1], 0.0), coef[2]).with_stages(args.pp_size, layers)
         transfer = Transfer(bytes_per_token=cfg.hidden_size * 6)
         times = {n: [] for n in engines}
@@ -50,7 +48,7 @@ def run_compare(args, cfg, prompt: list[int], c0_grid: list[int], reps: int,
                     bubbles[name] = e.write_trace(f"chunking-{name}-len{len(prompt)}")
         rows = []
         for name, e in engines.items():
-            predicted = simulate(model, chunks[name], transfer, e.args.max_inflight)
+            predicted = simulate(model, chunks[name], transfer, e.args.layout.max_inflight)
             measured = statistics.median(times[name])
             rows.append({"config": name, "c0": e.chunking["c0"],
                          "smooth_factor": e.chunking.get("smooth_factor", 0.0),

@@ -99,13 +99,13 @@ def run(ns: argparse.Namespace) -> int:
     # oneDNN prefill copy would replace (decode itself runs the packed copies either way).
     args = args.replace(max_total_tokens=max(batches) * pages_per_seq * args.page_size, pp_size=1,
                         prefill_gemm="torch")
-    torch.set_num_threads(args.num_threads)
+    torch.set_num_threads(args.layout.num_threads)
     executor = _build(args, source)
     dtype = resolve_dtype(args.dtype)
     bw = copy_bandwidth()
     hf = None if ns.no_hf else load_hf_model(source, dtype)
-    print(f"{cpu_name()}, {args.num_threads} threads, {dtype_name(dtype)} compute, weights "
-          f"{args.weight_dtype}; copy bandwidth {bw / 1e9:.1f} GB/s (read + write)")
+    print(f"{cpu_name()}, {args.layout.num_threads} threads, {dtype_name(dtype)} compute, "
+          f"weights {args.weight_dtype}; copy bandwidth {bw / 1e9:.1f} GB/s (read + write)")
     cases = [(batch, context) for context in contexts for batch in batches]
     rows = bench_cases(executor, cases, pages_per_seq, ns.steps, ns.reps, bw)
     single = {r["context"]: r["ms"] for r in rows if r["batch"] == 1}
@@ -114,7 +114,7 @@ def run(ns: argparse.Namespace) -> int:
             row["x_batch_1"] = row["ms"] / single[row["context"]]
     if hf is not None:
         del executor  # the engine's stage process holds its own copy of the weights
-        with Engine(**vars(engine_args)) as engine:
+        with Engine(**engine_args.flags()) as engine:
             for row in rows:
                 if row["batch"] * row["context"] <= ns.hf_max_tokens:
                     row.update(generate_vs_hf(engine, hf, row["batch"], row["context"],
@@ -123,8 +123,8 @@ def run(ns: argparse.Namespace) -> int:
         print_row(row)
     if ns.json:
         with open(ns.json, "w") as f:
-            json.dump({"cpu": cpu_name(), "threads": args.num_threads, "args": vars(args),
-                       "copy_bytes_per_s": bw, "rows": rows}, f, indent=2)
+            json.dump({"cpu": cpu_name(), "threads": args.layout.num_threads,
+                       "args": args.flags(), "copy_bytes_per_s": bw, "rows": rows}, f, indent=2)
         print(f"wrote {ns.json}")
     return 0
 

@@ -17,8 +17,13 @@ from __future__ import annotations
 
 import torch
 
-from pipefill.config import ServerArgs
+from pipefill.base.platform import resolve_dtype, usable_cpu_flags
+from pipefill.config import Kernels, Layout, ServerArgs
+from pipefill.kernels import decode_gemm
+from pipefill.kv.cache import KVCache
+from pipefill.model.attention import resolve_kv_dtype
 from pipefill.model.config import ModelConfig
+from pipefill.model.loader import resolve_weight_dtype
 
 
 def proc_status_bytes(pid: int, field: str) -> int:
@@ -66,43 +71,36 @@ def stage_packed_bytes(cfg: ModelConfig, num_layers: int, last: bool,
     return (num_layers * matrices + head) * weight_dtype.itemsize
 
 
-def packs_decode_weights(args: ServerArgs) -> bool:
+def packs_decode_weights(layout: Layout, kernels: Kernels) -> bool:
     """Whether the stages keep packed decode copies (the same choice build_stage makes)."""
-    from pipefill.kernels import decode_gemm
-    from pipefill.model.loader import resolve_weight_dtype
-    from pipefill.base.platform import resolve_dtype, usable_cpu_flags
-    if args.decode_gemm_max_rows <= 0 or args.device != "cpu":
+    if kernels.decode_gemm_max_rows <= 0 or layout.device != "cpu":
         return False
-    dtype = resolve_dtype(args.dtype, usable_cpu_flags(args.hide_cpu_flags))
-    weight_dtype = resolve_weight_dtype(args.weight_dtype, dtype)
-    disable = decode_gemm.hidden_isas(args.hide_cpu_flags)
+    dtype = resolve_dtype(layout.dtype, usable_cpu_flags(kernels.hide_cpu_flags))
+    weight_dtype = resolve_weight_dtype(kernels.weight_dtype, dtype)
+    disable = decode_gemm.hidden_isas(kernels.hide_cpu_flags)
     return decode_gemm.choose_isa(dtype, weight_dtype, disable)[0] is not None
 
 
 def stage_needs(args: ServerArgs, cfg: ModelConfig, prompt_tokens: int,
                 pool_tokens: int) -> list[dict]:
-    """Per stage: weights, packed copies, KV of the prompt and of the allocated pool, bytes."""
-    from pipefill.kv.cache import KVCache
-    from pipefill.model.attention import resolve_kv_dtype
-    from pipefill.model.loader import resolve_weight_dtype
-    from pipefill.base.partition import partition_layers
-    from pipefill.base.platform import resolve_dtype, usable_cpu_flags
-    dtype = resolve_dtype(args.dtype, usable_cpu_flags(args.hide_cpu_flags))
-    kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, dtype)
-    weight_dtype = resolve_weight_dtype(args.weight_dtype, dtype)
-    packed = packs_decode_weights(args)
-    pages = -(-prompt_tokens // args.page_size)
-    ranges = partition_layers(cfg.num_layers, args.pp_size, args.pp_layer_partition)
+    """Per stage of resolved args: weights, packed copies, KV of the prompt and of the
+    allocated pool, bytes."""
+    layout, kernels, page_size = args.layout, args.kernels, args.cache.page_size
+    dtype = resolve_dtype(layout.dtype, usable_cpu_flags(kernels.hide_cpu_flags))
+    kv_dtype = resolve_kv_dtype(args.cache.kv_cache_dtype, dtype)
+    weight_dtype = resolve_weight_dtype(kernels.weight_dtype, dtype)
+    packed = packs_decode_weights(layout, kernels)
+    pages = -(-prompt_tokens // page_size)
     rows = []
-    for rank, layers in enumerate(ranges):
-        first, last = rank == 0, rank == len(ranges) - 1
+    for rank, layers in enumerate(layout.ranges):
+        first, last = rank == 0, rank == layout.pp_size - 1
         per_token = KVCache.bytes_per_token(len(layers), cfg.num_kv_heads, cfg.head_dim,
                                             kv_dtype)
         rows.append({
             "rank": rank,
             "weights": stage_weight_bytes(cfg, len(layers), first, last, dtype),
             "packed": stage_packed_bytes(cfg, len(layers), last, weight_dtype) if packed else 0,
-            "kv_prompt": pages * args.page_size * per_token,
+            "kv_prompt": pages * page_size * per_token,
             "kv_pool": pool_tokens * per_token})
     return rows
 

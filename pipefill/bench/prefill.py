@@ -89,7 +89,7 @@ def make_configs(args: ServerArgs, pp_sizes: list[int], with_auto: bool = False
     auto (and dynamic chunking where pp > 1), named "<name>-auto"."""
     cores = len(os.sched_getaffinity(0))
     if pp_sizes == [1]:
-        configs = [Config(f"pp1-t{args.num_threads}", args)]
+        configs = [Config(f"pp1-t{args.layout.num_threads}", args)]
     else:
         threads = args.threads_per_stage or max(1, cores // max(pp_sizes))
         configs = [Config(f"pp{p}-t{threads}",
@@ -140,7 +140,8 @@ def run(ns: argparse.Namespace) -> int:
     configs = make_configs(args, pp_sizes, ns.with_auto)
     configs += gemm_variants(configs, ns.compare_prefill_gemm)
     dtype = resolve_dtype(args.dtype)
-    threads = len(os.sched_getaffinity(0)) if len(configs) > 1 else args.num_threads
+    threads = len(os.sched_getaffinity(0)) if len(configs) > 1 else \
+        args.layout.num_threads
     torch.set_num_threads(threads)
     peak = matmul_peak_flops(dtype)
     print(f"matmul peak ({args.dtype}, {threads} threads): {peak / 1e12:.2f} TFLOP/s")
@@ -155,7 +156,7 @@ def run(ns: argparse.Namespace) -> int:
     if not ns.no_split:
         from pipefill.bench.time_split import prefill_time_split
         split_cfg = max((c for c in configs if c.args.pp_size == 1),
-                        key=lambda c: c.args.num_threads)
+                        key=lambda c: c.args.layout.num_threads)
         for row in rows:
             if row["config"] == split_cfg.name:
                 args = split_cfg.args
@@ -165,7 +166,8 @@ def run(ns: argparse.Namespace) -> int:
                 print_split(row)
     if ns.json:
         with open(ns.json, "w") as f:
-            json.dump({"args": vars(args), "matmul_peak_flops": peak, "bench_threads": threads,
+            json.dump({"args": args.flags(), "matmul_peak_flops": peak,
+                       "bench_threads": threads,
                        "torch": torch.__version__, "rows": rows}, f, indent=2)
         print(f"wrote {ns.json}")
     return 0
@@ -181,13 +183,14 @@ def run_compare_chunking(ns, args, source, lengths, pp_sizes) -> int:
     results = []
     for n in lengths:
         prompt = [rng.randrange(100, source.config.vocab_size) for _ in range(n)]
-        print(f"--- {n} tokens, PP{args.pp_size}, {args.num_threads} thread(s) per stage")
+        print(f"--- {n} tokens, PP{args.pp_size}, {args.layout.num_threads} thread(s) per "
+              "stage")
         results.append({"len": n, **run_compare(args, source.config, prompt,
                                                 parse_ints(ns.chunk_grid, "--chunk-grid"),
                                                 ns.reps, ns.with_auto)})
     if ns.json:
         with open(ns.json, "w") as f:
-            json.dump({"args": vars(args), "results": results}, f, indent=2)
+            json.dump({"args": args.flags(), "results": results}, f, indent=2)
         print(f"wrote {ns.json}")
     return 0
 
@@ -198,7 +201,7 @@ def run_configs(configs: list[Config], hf, cfg, prompts: dict, reps: int, peak: 
     try:
         load_peaks = {}  # each stage's peak RSS while it started (loading the weights)
         for c in configs:
-            engines[c.name] = Engine(**vars(c.args))
+            engines[c.name] = Engine(**c.args.flags())
             load_peaks[c.name] = [proc_status_bytes(pid, "VmHWM")
                                   for pid in engines[c.name].stage_pids()]
         rows = []
@@ -230,7 +233,7 @@ def run_configs(configs: list[Config], hf, cfg, prompts: dict, reps: int, peak: 
             engine_peak = proc_status_bytes(os.getpid(), "VmHWM")
             for c in configs:
                 row = {"len": n, "config": c.name, "pp_size": c.args.pp_size,
-                       "threads_per_stage": c.args.num_threads,
+                       "threads_per_stage": c.args.layout.num_threads,
                        "chunk_sizes": chunks[c.name],
                        "pipefill": summary(times[c.name], flops, peak, n),
                        "memory": stage_memory(engines[c.name], c.args, cfg, n, engine_peak,

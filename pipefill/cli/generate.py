@@ -39,7 +39,7 @@ def run(ns: argparse.Namespace) -> int:
         raise ValueError("give --prompt TEXT or --input-len N")
     if ns.input_len is not None and ns.input_len < 1:
         raise ValueError("--input-len must be at least 1")
-    with Engine(**vars(args)) as engine:
+    with Engine(**args.flags()) as engine:
         if ns.prompt is not None:
             prompt = ns.prompt
             if ns.chat:

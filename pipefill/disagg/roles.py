@@ -35,7 +35,6 @@ from pipefill.disagg.transfer import KVTensors, Timing
 from pipefill.disagg.transfer_receiver import KVReceiver
 from pipefill.disagg.transfer_sender import KVSender
 from pipefill.disagg.validate import check_final_meta, check_prefill_info, parse_bootstraps
-from pipefill.base.partition import partition_layers
 from pipefill.base.platform import dtype_name
 from pipefill.base.wire import read_cluster_secret
 from pipefill.scheduler.role import DecodeRole, PrefillRole, kv_send_end
@@ -193,8 +192,7 @@ class DecodeStagePD(DecodeRole):
         self.kv = KVTensors.from_cache(executor.cache, info.layers.start if info else 0)
         # The whole decode pipeline's layers: a prefill stage learns how many decode stages
         # will bootstrap each room from it.
-        self.layer_ranges = [(r.start, r.stop) for r in partition_layers(
-            cfg.num_layers, args.pp_size, args.pp_layer_partition)]
+        self.layer_ranges = [(r.start, r.stop) for r in args.layout.ranges]
         self._released_rooms: queue.SimpleQueue = queue.SimpleQueue()
         self.receiver = KVReceiver(self.kv, release=lambda room, pages:
                                    self._released_rooms.put(room),

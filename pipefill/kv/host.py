@@ -39,10 +39,9 @@ def host_slots(enabled: bool, size_gb: float | None, ratio: float, num_pages: in
 
 def stage_host_slots(args, model_cfg, cache) -> int:
     """host_slots() from the arguments and the partition (identical on every stage)."""
-    from pipefill.base.partition import partition_layers
     if args.disable_radix_cache:
         return 0
-    ranges = partition_layers(model_cfg.num_layers, args.pp_size, args.pp_layer_partition)
+    ranges = args.layout.ranges
     return host_slots(args.enable_hierarchical_cache, args.hicache_size, args.hicache_ratio,
                       cache.num_pages, args.page_size, max(len(r) for r in ranges),
                       model_cfg.num_kv_heads, model_cfg.head_dim, cache.k.dtype.itemsize)

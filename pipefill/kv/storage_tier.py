@@ -184,8 +184,7 @@ def storage_director(args, model_cfg, tier: StorageTier) -> StorageDirector:
     """Stage 0's director, with every stage's key suffix and page shape (from the partition:
     all stages' keys are known without asking them)."""
     from pipefill.kv.storage import stage_key_suffix
-    from pipefill.base.partition import partition_layers
-    ranges = partition_layers(model_cfg.num_layers, args.pp_size, args.pp_layer_partition)
+    ranges = args.layout.ranges
     dtype = tier.cache.k.dtype
     suffixes = [stage_key_suffix(tier.fingerprint, dtype, args.page_size, r) for r in ranges]
     shapes = [(2, len(r), args.page_size, model_cfg.num_kv_heads, model_cfg.head_dim)

@@ -208,7 +208,7 @@ def _profile_setup(args, executor, model_file, layers, dynamic) -> ProfileSetup:
     profile_c0 = max(grid) if auto else args.chunked_prefill_size
     lengths = profile_lengths(profile_c0, PROFILE_SAMPLES)
     backend = type(executor.cache).__name__
-    key = profile_key(model_file, args.dtype, layers, args.num_threads, profile_c0,
+    key = profile_key(model_file, args.dtype, layers, args.layout.num_threads, profile_c0,
                       args.page_size, backend, lengths)
     return ProfileSetup(auto, dynamic, tune_len, grid, lengths, key)
 
@@ -228,7 +228,7 @@ def _policy_from_profile(args, setup: ProfileSetup, lengths, seconds, where, hit
         model = CostModel(a, max(b, 0.0), c).with_stages(args.pp_size, layer_counts)
         transfer = Transfer(bytes_per_token=executor.model.cfg.hidden_size * 6)
         ranked = tune(model, tune_len, grid, list(SMOOTH_GRID) if dynamic else [0.0],
-                      transfer, args.max_inflight, args.page_size, args.max_prefill_tokens)
+                      transfer, args.layout.max_inflight, args.page_size, args.max_prefill_tokens)
         best, second = pick(ranked)
         c0, sigma = best.c0, best.smooth
         why = ("runner-up" if second.ttft_s >= best.ttft_s else

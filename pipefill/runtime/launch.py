@@ -13,7 +13,8 @@ from dataclasses import dataclass, field
 import zmq
 
 from pipefill.base.platform import free_port
-from pipefill.config import ServerArgs
+from pipefill.config import ServerArgs, resolve
+from pipefill.model.loader import WeightSource, resolve_model_path
 from pipefill.runtime.heartbeat import Board, StallWatch, board_path
 from pipefill.runtime.ipc import Addresses, FrontChannel
 from pipefill.runtime.worker import encode_stage_start
@@ -51,12 +52,13 @@ class StageGroup:
     def __init__(self, args: ServerArgs, model_file: str):
         if args.pp_size > 1 and args.dist_init_addr is None:
             args = args.replace(dist_init_addr=f"127.0.0.1:{free_port()}")
-        self.args = args
+        self.layout = args.layout
+        self.stall_timeout_s = args.serving.stage_stall_timeout
         addrs = Addresses.fresh(args)
         self.channel = FrontChannel(addrs)
         self.channel.out.setsockopt(zmq.SNDTIMEO, 200)  # blocking sends wake up to check
         # Made before the stages start: each maps it when it starts (ipc.py's private folder).
-        self.board = Board.create(board_path(addrs.folder), args.pp_size)
+        self.board = Board.create(board_path(addrs.folder), self.layout.pp_size)
         self.watch: StallWatch | None = None  # set once the stages are ready
         self.procs = spawn_local_stages(args, model_file, addrs)
         self.info: dict = {}
@@ -88,10 +90,9 @@ class StageGroup:
             self._fail([])
 
     def _start_watch(self) -> None:
-        timeout_s = self.args.stage_stall_timeout
-        if timeout_s > 0:
-            self.watch = StallWatch(self.board, self.args.local_ranks, self.args.pp_size,
-                                    timeout_s, time.monotonic())
+        if self.stall_timeout_s > 0:
+            self.watch = StallWatch(self.board, self.layout.local_ranks, self.layout.pp_size,
+                                    self.stall_timeout_s, time.monotonic())
 
     def check_progress(self, requests_in_flight: bool) -> None:
         """The stall watchdog (runtime/heartbeat.py): a stage that has work but made no
@@ -119,7 +120,7 @@ class StageGroup:
             if msg is not None and msg[0] == "fatal":
                 reports.append(msg[1])
         died = [f"stage {rank} (pid {p.pid}) exited: {_exit_cause(p.returncode)}"
-                for rank, p in zip(self.args.local_ranks, self.procs)
+                for rank, p in zip(self.layout.local_ranks, self.procs)
                 if p.poll() is not None and p.returncode != 0 and not any(
                     r.startswith(f"stage {rank} ") for r in reports)]
         self.close(grace_s=1.0)
@@ -135,7 +136,7 @@ class StageGroup:
                 return
             except zmq.Again:  # SNDTIMEO passed: still worth waiting for?
                 dead = [f"stage {rank} (pid {p.pid}) exited: {_exit_cause(p.returncode)}"
-                        for rank, p in zip(self.args.local_ranks, self.procs)
+                        for rank, p in zip(self.layout.local_ranks, self.procs)
                         if p.poll() is not None]
                 if self.channel.closed or dead:
                     raise StageFailure(f"could not send {kind!r}: "
@@ -158,7 +159,7 @@ class StageGroup:
         self.send(kind)
         replies: dict[int, object] = {}
         deadline = time.monotonic() + timeout_s
-        while len(replies) < self.args.pp_size:
+        while len(replies) < self.layout.pp_size:
             if time.monotonic() > deadline:
                 raise TimeoutError(f"stages did not answer {kind!r} within {timeout_s} s")
             msg = self.recv(100)
@@ -188,22 +189,23 @@ class StageGroup:
 def spawn_local_stages(args: ServerArgs, model_file: str, addrs: Addresses):
     # A fresh interpreter per stage (not multiprocessing): the user's main module is never
     # re-imported, and no thread-pool state is inherited through fork.
-    return [_spawn(args, model_file, rank, addrs) for rank in args.local_ranks]
+    return [_spawn(args, model_file, rank, addrs) for rank in args.layout.local_ranks]
 
 
 def run_node_stages(args: ServerArgs, model_file: str) -> int:
     """Nodes other than 0: run this node's stages until they exit; their reports go to node 0."""
     addrs = Addresses.fresh(args)
     procs = spawn_local_stages(args, model_file, addrs)
+    local = args.layout.local_ranks
     log.info("node %d: running stages %d-%d; waiting for them to finish", args.node_rank,
-             args.local_ranks.start, args.local_ranks.stop - 1)
+             local.start, local.stop - 1)
     try:
         codes = [p.wait() for p in procs]
     except KeyboardInterrupt:
         for p in procs:
             p.terminate()
         codes = [p.wait() for p in procs]
-    for rank, code in zip(args.local_ranks, codes):
+    for rank, code in zip(local, codes):
         if code:
             log.error("stage %d %s", rank, _exit_cause(code))
     return 0 if not any(codes) else 1
@@ -212,8 +214,6 @@ def run_node_stages(args: ServerArgs, model_file: str) -> int:
 def run_other_node(args: ServerArgs) -> int:
     """--node-rank > 0 (`pipefill generate|serve`): host this node's stages; node 0 runs the
     front end."""
-    from pipefill.config import resolve
-    from pipefill.model.loader import WeightSource, resolve_model_path
     model_file = resolve_model_path(args.model_path)
     args = resolve(args, WeightSource(model_file).config)
     return run_node_stages(args, model_file)

@@ -2,11 +2,10 @@
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
 
 import torch
 
-from pipefill.config import ServerArgs
+from pipefill.config import ServerArgs, StageInfo
 from pipefill.kernels.prefill_gemm import choose_prefill_gemm
 from pipefill.kv.cache import KVCache, stacked_kv_shape
 from pipefill.model.attention import (KERNEL_BACKENDS, backend_attention, choose_backend,
@@ -15,32 +14,10 @@ from pipefill.model.layers import FusedOps, elementwise_ops
 from pipefill.model.loader import (WeightSource, load_stage_weights, pack_stage_weights,
                                    reorder_prefill_weights, resolve_weight_dtype)
 from pipefill.model.stage_model import StageModel
-from pipefill.base.partition import partition_layers
 from pipefill.runtime.executor import StageExecutor
 from pipefill.base.platform import cpu_vendor, dtype_name, resolve_dtype, usable_cpu_flags
 
 log = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True)
-class StageInfo:
-    """Distributed identity of one stage, passed in (layers never ask torch.distributed)."""
-    rank: int
-    size: int
-    layers: range
-
-    @property
-    def is_first(self) -> bool:
-        return self.rank == 0
-
-    @property
-    def is_last(self) -> bool:
-        return self.rank == self.size - 1
-
-
-def stage_info(args: ServerArgs, num_layers: int, rank: int) -> StageInfo:
-    ranges = partition_layers(num_layers, args.pp_size, args.pp_layer_partition)
-    return StageInfo(rank, args.pp_size, ranges[rank])
 
 
 def available_memory_bytes() -> int | None:
@@ -60,7 +37,7 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
     flags = usable_cpu_flags(args.hide_cpu_flags)
     dtype = resolve_dtype(args.dtype, flags)
     kv_dtype = resolve_kv_dtype(args.kv_cache_dtype, dtype)
-    num_pages = args.kv_capacity_tokens // args.page_size
+    num_pages = args.cache.capacity_tokens // args.page_size
     kv_specs = source.family.kv_specs(cfg, info.layers, kv_dtype)
     kv_bytes = num_pages * args.page_size * sum(s.bytes_per_token for s in kv_specs)
     avail = available_memory_bytes() if device.type == "cpu" else None

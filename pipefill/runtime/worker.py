@@ -100,14 +100,15 @@ def _run_stage(args: ServerArgs, model_file: str, rank: int, channel: StageChann
 
     from pipefill.model.loader import WeightSource
     from pipefill.base.platform import place_stage, resolve_dtype
-    from pipefill.runtime.stage import build_stage, stage_info
+    from pipefill.runtime.stage import build_stage
     from pipefill.runtime.trace import StageTracer
 
     try:
-        local = rank - args.local_ranks.start
-        place_stage(local, args.stages_per_node, args.num_threads)
+        layout = args.layout
+        local = rank - layout.local_ranks.start
+        place_stage(local, layout.stages_per_node, layout.num_threads)
         source = WeightSource(model_file)
-        info = stage_info(args, source.config.num_layers, rank)
+        info = layout.stage(rank)
         device = torch.device("cpu")
         if args.device == "cuda":
             device = torch.device("cuda", local)
@@ -137,11 +138,9 @@ def _run_stage(args: ServerArgs, model_file: str, rank: int, channel: StageChann
         import torch.distributed as dist
         dist.barrier(group=groups[0])  # every stage loaded before stage 0 says ready
     if rank == 0:
-        from pipefill.base.partition import partition_layers
         from pipefill.runtime.chunk_policy import build_chunk_policy
-        layer_counts = [len(r) for r in partition_layers(cfg.num_layers, args.pp_size,
-                                                         args.pp_layer_partition)]
-        policy = build_chunk_policy(args, executor, model_file, info.layers, layer_counts)
+        policy = build_chunk_policy(args, executor, model_file, info.layers,
+                                    args.layout.layer_counts)
         loop = make_first_stage_loop(args, cfg, executor, channel, pipe, tracer,
                                      policy, role, heartbeat)
         channel.report("ready", {"rank": rank, "num_pages": loop.scheduler.pool.num_pages,
@@ -196,5 +195,5 @@ def make_first_stage_loop(args, cfg, executor, channel, pipe, tracer, policy, ro
         max_running_requests=args.max_running_requests, max_model_len=args.max_model_len,
         eos_token_ids=cfg.eos_token_ids, seed=args.seed, vocab_size=cfg.vocab_size), pool,
         policy.next_chunk_size, cache, host, storage, role)
-    return FirstStageLoop(executor, scheduler, channel, pipe, args.max_inflight, tracer,
+    return FirstStageLoop(executor, scheduler, channel, pipe, args.layout.max_inflight, tracer,
                           on_result=policy.observe, chunk_policy=policy, heartbeat=heartbeat)

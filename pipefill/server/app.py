@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
+from pipefill.config import DisaggMode, Disaggregation, Serving
 from pipefill.disagg.http_fields import ROUTER_MODEL, FieldError, pd_info
 from pipefill.scheduler.scheduler import check_prompt
 from pipefill.base.plan import SamplingParams, is_room_in_use
@@ -54,7 +55,7 @@ class Served:
     def __post_init__(self):
         self.token_bytes = self.token_bytes or longest_token_bytes(self.tokenizer)
         self.admission = self.admission or Admission(
-            self.args.max_running_requests, self.args.max_queued_requests, self.metrics)
+            self.args.max_running_requests, self.serving.max_queued_requests, self.metrics)
 
     @property
     def max_body_bytes(self) -> int:
@@ -65,6 +66,14 @@ class Served:
     @property
     def args(self):
         return self.engine.args
+
+    @property
+    def serving(self) -> Serving:
+        return self.engine.args.serving
+
+    @property
+    def disagg(self) -> Disaggregation:
+        return self.engine.args.disagg
 
 
 def build_app(served: Served, on_startup_failure=None, shutting_down=None) -> FastAPI:
@@ -91,7 +100,7 @@ def build_app(served: Served, on_startup_failure=None, shutting_down=None) -> Fa
     @app.get("/health")
     async def health():
         e = served.engine
-        insecure = served.args.pd_insecure_warning
+        insecure = served.disagg.insecure_warning
         note = {"warning": insecure} if insecure else {}
         if e.healthy:
             return {"status": "ok", **note}
@@ -175,7 +184,7 @@ async def _fail_late_requests(served: Served, shutting_down) -> None:
         return
     while not shutting_down():
         await asyncio.sleep(0.1)
-    await asyncio.sleep(max(0.0, served.args.shutdown_timeout - 1.0))
+    await asyncio.sleep(max(0.0, served.serving.shutdown_timeout - 1.0))
     served.engine.fail_all("the server is shutting down")
 
 
@@ -197,7 +206,7 @@ async def parse(request: Request, model, served: Served):
     media = (kind or "").split(";")[0].strip().lower()
     if kind is not None and media != "application/json" and not media.endswith("+json"):
         raise ApiError(415, f"Content-Type must be application/json, got {kind[:100]!r}")
-    raw = await read_body(request, served.max_body_bytes, served.args.body_read_timeout)
+    raw = await read_body(request, served.max_body_bytes, served.serving.body_read_timeout)
     try:
         data = loads_body(raw)
     except ValueError as e:
@@ -274,7 +283,7 @@ async def make_job(served: Served, body, chat: bool) -> Job:
         raise ApiError(400, f"n = {body.n} is not supported: pipefill returns one choice "
                             "(n = 1)", param="n")
     if body.model is not None and body.model != served.model_name and not (
-            chat and body.model == ROUTER_MODEL and served.args.disaggregation_mode != "null"):
+            chat and body.model == ROUTER_MODEL and served.disagg.enabled):
         raise ApiError(400, f"model {body.model!r} is not served here; this server serves "
                             f"{served.model_name!r}", param="model")
     max_tokens = requested_max_tokens(body, chat)
@@ -453,9 +462,9 @@ class HeldStream(StreamingResponse):
 
 async def _answer(served: Served, request: Request, body, chat: bool, release):
     job = await make_job(served, body, chat)
-    mode = served.args.disaggregation_mode
+    disagg = served.disagg
     try:
-        pd = pd_info(body.model_extra, mode, served.args.disaggregation_prefill_bootstrap)
+        pd = pd_info(body.model_extra, disagg.mode.value, disagg.prefill_bootstrap)
     except FieldError as e:
         raise ApiError(e.status, str(e), param="bootstrap_host" if e.status == 403 else None
                        ) from None
@@ -464,7 +473,7 @@ async def _answer(served: Served, request: Request, body, chat: bool, release):
                             "the decode server never sees the prompt's logits", param="echo")
     if pd is not None:
         served.engine.attach_pd(job.rid, pd)
-    if mode == "prefill":  # prefill only: the first token goes to the decode with the KV
+    if disagg.mode is DisaggMode.PREFILL:  # the first token goes to the decode with the KV
         job.params = dataclasses.replace(job.params, max_new_tokens=1)
         body.stream = False
     run = Run(served, job)

@@ -6,7 +6,8 @@ import logging
 import os
 import signal
 
-from pipefill.config import server_args_from_namespace, server_args_parser_group
+from pipefill.config import (DisaggMode, Disaggregation, Serving, server_args_from_namespace,
+                             server_args_parser_group)
 
 log = logging.getLogger("pipefill.server")
 
@@ -20,10 +21,10 @@ def add_parser(sub) -> None:
     p.set_defaults(run=run)
 
 
-def model_name(args, source) -> str:
-    if args.served_model_name:
-        return args.served_model_name
-    if args.model_path in (None, "", "default"):
+def model_name(serving: Serving, model_path: str | None, source) -> str:
+    if serving.served_model_name:
+        return serving.served_model_name
+    if model_path in (None, "", "default"):
         return "SmolLM2-135M-Instruct"
     return os.path.basename(os.path.normpath(source.path)).removesuffix(".gguf")
 
@@ -52,30 +53,26 @@ class RestartGate:
         await self.app(scope, receive, send)
 
 
-def start_bootstrap(args):
+def start_bootstrap(host: str, disagg: Disaggregation):
     """A prefill server's bootstrap service, up before its stages register with it."""
-    if args.disaggregation_mode != "prefill":
+    if disagg.mode is not DisaggMode.PREFILL:
         return None
     from pipefill.disagg.bootstrap import BootstrapServer
-    from pipefill.base.wire import read_cluster_secret
     try:
-        return BootstrapServer(args.host, args.disaggregation_bootstrap_port,
-                               read_cluster_secret(args.cluster_secret, args.cluster_secret_file))
+        return BootstrapServer(host, disagg.bootstrap_port, disagg.secret())
     except OSError as e:
-        raise RuntimeError(f"the bootstrap service cannot listen on {args.host}:"
-                           f"{args.disaggregation_bootstrap_port} ({e}): choose another "
+        raise RuntimeError(f"the bootstrap service cannot listen on {host}:"
+                           f"{disagg.bootstrap_port} ({e}): choose another "
                            "--disaggregation-bootstrap-port") from None
 
 
-def start_rejects(args, bootstrap):
+def start_rejects(disagg: Disaggregation, bootstrap):
     """A prefill server tells its stages which rooms it refused (their decodes answer at
     once); None elsewhere."""
     if bootstrap is None:
         return None
     from pipefill.disagg.rejects import RejectNotifier
-    from pipefill.base.wire import read_cluster_secret
-    return RejectNotifier(bootstrap.endpoints,
-                          read_cluster_secret(args.cluster_secret, args.cluster_secret_file))
+    return RejectNotifier(bootstrap.endpoints, disagg.secret())
 
 
 def run(ns: argparse.Namespace) -> int:
@@ -93,14 +90,15 @@ def run(ns: argparse.Namespace) -> int:
         from pipefill.runtime.launch import run_other_node
         return run_other_node(args)
     args, source = prepare(args)
-    if args.pd_insecure_warning:
-        log.warning("%s", args.pd_insecure_warning)
-    bootstrap = start_bootstrap(args)
-    rejects = start_rejects(args, bootstrap)
+    serving, disagg = args.serving, args.disagg
+    if disagg.insecure_warning:
+        log.warning("%s", disagg.insecure_warning)
+    bootstrap = start_bootstrap(serving.host, disagg)
+    rejects = start_rejects(disagg, bootstrap)
     metrics = ServerMetrics()
     engine = AsyncEngine(args, source, on_restart=metrics.stage_restarts.inc)
-    served = Served(engine, load_tokenizer(source), model_name(args, source), args.api_key,
-                    metrics, rejects=rejects)
+    served = Served(engine, load_tokenizer(source), model_name(serving, args.model_path, source),
+                    serving.api_key, metrics, rejects=rejects)
     failed = []
 
     def on_startup_failure(exc):
@@ -111,16 +109,16 @@ def run(ns: argparse.Namespace) -> int:
                                 shutting_down=lambda: server.should_exit), engine)
     # Our h11 protocol (header deadline, connection cap) rather than uvicorn's choice between
     # h11 and httptools; no WebSocket upgrades (no route takes one).
-    config = uvicorn.Config(app, host=args.host, port=args.port, log_level="warning",
-                            timeout_graceful_shutdown=args.shutdown_timeout, ws="none",
-                            http=guarded_protocol(args.header_read_timeout,
-                                                  args.max_connections))
+    config = uvicorn.Config(app, host=serving.host, port=serving.port, log_level="warning",
+                            timeout_graceful_shutdown=serving.shutdown_timeout, ws="none",
+                            http=guarded_protocol(serving.header_read_timeout,
+                                                  serving.max_connections))
     server = uvicorn.Server(config)
     # uvicorn re-raises the signal it caught after its graceful shutdown; a no-op handler makes
     # that a normal return, so a SIGTERM'd server exits 0 after stopping its stages.
     signal.signal(signal.SIGTERM, lambda *_: None)
     log.info("serving %s on http://%s:%d (stages loading; /health says when ready)",
-             served.model_name, args.host, args.port)
+             served.model_name, serving.host, serving.port)
     try:
         server.run()
     finally:

@@ -16,7 +16,7 @@ from pipefill.frontend import prepare
 from pipefill.kv.pool import PagePool
 from pipefill.runtime.chunk_policy import build_chunk_policy
 from pipefill.runtime.profile import slow_outliers
-from pipefill.runtime.stage import build_stage, stage_info
+from pipefill.runtime.stage import build_stage
 from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig
 
 # C0 is large enough that the profile's longest prefills (1.25 * C0) cost clearly more than
@@ -118,7 +118,7 @@ def stage0(model7, tmp_path_factory):
     args, source = prepare(make_server_args(
         model7, dtype="float32", page_size=PAGE, threads_per_stage=1, pp_size=2,
         chunked_prefill_size=64, enable_dynamic_chunking=True, max_total_tokens=2048))
-    info = stage_info(args, source.config.num_layers, 0)
+    info = args.layout.stage(0)
     return args, source, info, build_stage(args, source, info)
 
 

@@ -107,11 +107,11 @@ def real_stages(path, pp_size):
     """The real stage executors of a tiny model (weights, KV pool, sampler), in process."""
     from pipefill.config import make_server_args
     from pipefill.frontend import prepare
-    from pipefill.runtime.stage import build_stage, stage_info
+    from pipefill.runtime.stage import build_stage
     args, source = prepare(make_server_args(path, pp_size=pp_size, dtype="float32",
                                             page_size=16, max_total_tokens=4096,
                                             attention_backend="sdpa"))
-    return [build_stage(args, source, stage_info(args, source.config.num_layers, r))
+    return [build_stage(args, source, args.layout.stage(r))
             for r in range(pp_size)]
 
 

@@ -28,7 +28,7 @@ from pipefill.kv.storage_tier import StorageDirector, StorageTier
 from pipefill.model.loader import WeightSource
 from pipefill.runtime.chunk_policy import ChunkPolicy
 from pipefill.runtime.loop import run_later_stage
-from pipefill.runtime.stage import build_stage, stage_info
+from pipefill.runtime.stage import build_stage
 from pipefill.runtime.trace import StageTracer
 from pipefill.runtime.worker import make_first_stage_loop
 from pipefill.base.plan import NewRequest, SamplingParams, StepResult
@@ -194,7 +194,7 @@ class InProcessPipeline:
             hicache_storage_backend="file", hicache_storage_dir=str(storage_dir)),
             source.config)
         cfg = source.config
-        infos = [stage_info(self.args, cfg.num_layers, rank) for rank in range(pp_size)]
+        infos = [self.args.layout.stage(rank) for rank in range(pp_size)]
         self.executors = []
         for info in infos:
             executor = build_stage(self.args, source, info)

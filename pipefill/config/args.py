@@ -1,16 +1,26 @@
 """ServerArgs: the one config object, parsed once at the entry point and passed down.
 
-Every field is a command-line flag (`--field-name`), with its help text next to it. Values that
-depend on the model (max_model_len, dtype="auto") are resolved by `resolve()` once the model
-config is known; per-stage copies are made with `dataclasses.replace`.
+Every field but `num_layers` is a command-line flag (`--field-name`), with its help text next to
+it. Values that depend on the model (max_model_len, dtype="auto", num_layers) are resolved by
+`resolve()` once the model config is known; per-stage copies are made with `replace()`. The
+flags are read through the frozen sections derived from them (config/sections.py):
+`args.layout`, `args.kernels`, `args.cache`, `args.chunking`, `args.disagg`, `args.serving`.
 """
 from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
 import os
 from dataclasses import dataclass, field, fields
+from functools import cached_property
 from typing import Any
+
+from pipefill.base.platform import dtype_name, resolve_dtype, usable_cpu_flags
+from pipefill.config.sections import (Cache, Chunking, Disaggregation, Kernels, Layout,
+                                      Serving)
+
+log = logging.getLogger("pipefill")
 
 
 def _flag(help_text: str, **kwargs) -> Any:
@@ -267,6 +277,8 @@ class ServerArgs:
                       default=0)
     log_level: str = _flag("Logging level.", default="info",
                            choices=["debug", "info", "warning", "error"])
+    # Not a flag: the model's layer count, filled by resolve(); the layout's partition needs it.
+    num_layers: int | None = field(default=None, metadata={"flag": False})
 
     def __post_init__(self) -> None:
         c0 = self.chunked_prefill_size
@@ -274,152 +286,55 @@ class ServerArgs:
             if c0 != "auto" and not c0.isdigit():
                 raise ValueError(f"--chunked-prefill-size {c0!r}: a number of tokens or 'auto'")
             object.__setattr__(self, "chunked_prefill_size", c0 if c0 == "auto" else int(c0))
-        for name in ("page_size", "max_prefill_tokens", "max_running_requests", "pp_size"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{_dash(name)} must be at least 1, got {getattr(self, name)}")
-        if self.chunked_prefill_size != "auto" and self.chunked_prefill_size < 1:
-            raise ValueError("--chunked-prefill-size must be at least 1 (or 'auto')")
-        sigma = self.dynamic_chunking_smooth_factor
-        if sigma is not None and not 0 <= sigma <= 1:
-            raise ValueError(f"--dynamic-chunking-smooth-factor must be in [0, 1], got {sigma}")
-        if self.dynamic_chunking_profile not in ("background", "blocking"):
-            raise ValueError("--dynamic-chunking-profile must be background or blocking, got "
-                             f"{self.dynamic_chunking_profile!r}")
-        if self.chunked_prefill_size != "auto" and \
-                self.max_prefill_tokens < self.chunked_prefill_size:
-            raise ValueError(
-                f"--max-prefill-tokens ({self.max_prefill_tokens}) must be at least "
-                f"--chunked-prefill-size ({self.chunked_prefill_size})")
-        if self.decode_gemm_max_rows < 0:
-            raise ValueError("--decode-gemm-max-rows must be >= 0")
-        for name in ("header_read_timeout", "body_read_timeout"):
-            if not getattr(self, name) > 0:
-                raise ValueError(f"--{_dash(name)} must be > 0 seconds, got "
-                                 f"{getattr(self, name)}")
-        if self.max_connections < 1 or self.max_queued_requests < 0:
-            raise ValueError("--max-connections must be at least 1 and --max-queued-requests "
-                             f"at least 0, got {self.max_connections} and "
-                             f"{self.max_queued_requests}")
-        if self.enable_hierarchical_cache and self.disable_radix_cache:
-            raise ValueError("--enable-hierarchical-cache needs the radix cache: drop "
-                             "--disable-radix-cache")
-        if self.hicache_storage_backend and self.disable_radix_cache:
-            raise ValueError("--hicache-storage-backend needs the radix cache: drop "
-                             "--disable-radix-cache")
-        if self.hicache_storage_backend == "file" and not self.hicache_storage_dir:
-            raise ValueError("--hicache-storage-backend file needs --hicache-storage-dir")
-        if self.hicache_storage_backend == "mooncake" and not self.hicache_mooncake_master:
-            raise ValueError("--hicache-storage-backend mooncake needs "
-                             "--hicache-mooncake-master HOST:PORT")
-        if self.hicache_storage_max_gb is not None and self.hicache_storage_max_gb <= 0:
-            raise ValueError("--hicache-storage-max-gb must be positive")
-        if self.hicache_storage_max_gb is not None and self.hicache_storage_backend != "file":
-            raise ValueError("--hicache-storage-max-gb caps the file storage tier: it needs "
-                             "--hicache-storage-backend file (Mooncake sizes its own store)")
-        if self.hicache_prefetch_timeout < 0:
-            raise ValueError("--hicache-prefetch-timeout must be >= 0")
-        if self.hicache_ratio <= 0 or (self.hicache_size is not None and self.hicache_size <= 0):
-            raise ValueError("--hicache-ratio and --hicache-size must be positive")
-        if self.threads_per_stage is not None and self.threads_per_stage < 1:
-            raise ValueError("--threads-per-stage must be at least 1")
-        for name in ("dist_init_timeout", "stage_restart_timeout", "stage_restart_window"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"--{_dash(name)} must be at least 1 second, got "
-                                 f"{getattr(self, name)}")
-        if self.stage_stall_timeout < 0:
-            raise ValueError("--stage-stall-timeout must be >= 0 (0 = off), got "
-                             f"{self.stage_stall_timeout}")
-        if self.max_stage_restarts < 0:
-            raise ValueError("--max-stage-restarts must be >= 0 (0 = never restart)")
-        if self.pp_async_batch_depth < 0:
-            raise ValueError("--pp-async-batch-depth must be >= 0")
-        if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
-            raise ValueError(f"--node-rank must be in [0, --nnodes) = [0, {self.nnodes})")
-        if self.pp_size % self.nnodes:
-            raise ValueError(f"--pp-size {self.pp_size} must be a multiple of --nnodes "
-                             f"{self.nnodes}: every node runs the same number of stages")
-        if self.nnodes > 1 and not self.dist_init_addr:
-            raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT of node 0")
-        if self.dist_init_addr is not None:
-            host, _, port = self.dist_init_addr.rpartition(":")
-            if not host or not port.isdigit():
-                raise ValueError(f"--dist-init-addr {self.dist_init_addr!r}: expected HOST:PORT")
-        for name in ("disaggregation_waiting_timeout", "disaggregation_bootstrap_timeout",
-                     "disaggregation_room_claim_timeout", "disaggregation_heartbeat_interval",
-                     "disaggregation_heartbeat_max_misses", "disaggregation_connect_timeout"):
-            if getattr(self, name) <= 0:
-                raise ValueError(f"--{_dash(name)} must be > 0, got {getattr(self, name)}")
-        if not 0 < self.disaggregation_bootstrap_port < 65536:
-            raise ValueError("--disaggregation-bootstrap-port must be a TCP port (1-65535)")
-        bootstraps = self.disaggregation_prefill_bootstrap
-        for item in bootstraps.split(",") if bootstraps is not None else ():
-            host, _, port = item.strip().rpartition(":")
-            if not host or not port.isdigit() or not 0 < int(port) < 65536:
-                raise ValueError(f"--disaggregation-prefill-bootstrap {bootstraps!r}: expected "
-                                 "HOST:PORT[,HOST:PORT...] with ports 1-65535")
-        if self.disaggregation_mode != "null" and not self.has_cluster_secret and \
-                not self.disaggregation_insecure:
-            raise ValueError(
-                f"--disaggregation-mode {self.disaggregation_mode} needs the deployment's shared "
-                "secret: give both PD servers the same --cluster-secret-file (or "
-                "--cluster-secret), or --disaggregation-insecure to run unauthenticated; "
-                "`pipefill serve-pd` makes one itself")
+        if self.max_running_requests < 1:
+            raise ValueError("--max-running-requests must be at least 1, got "
+                             f"{self.max_running_requests}")
+        for section in SECTIONS:  # each section checks its own flags now, not at first use
+            getattr(self, section)
 
-    @property
-    def has_cluster_secret(self) -> bool:
-        return self.cluster_secret is not None or self.cluster_secret_file is not None
+    # The sections, derived once per ServerArgs (config/sections.py).
+    @cached_property
+    def layout(self) -> Layout:
+        return Layout.of(self)
 
-    @property
-    def pd_insecure(self) -> bool:
-        """A PD role whose bootstrap and KV ports authenticate nobody."""
-        return self.disaggregation_mode != "null" and not self.has_cluster_secret
+    @cached_property
+    def kernels(self) -> Kernels:
+        return Kernels.of(self)
 
-    @property
-    def pd_insecure_warning(self) -> str | None:
-        """What the log at start and /health say about a PD role without a secret."""
-        if not self.pd_insecure:
-            return None
-        return (f"--disaggregation-insecure: this {self.disaggregation_mode} server's bootstrap "
-                "and KV transfer ports accept anyone who reaches them (no cluster secret)")
+    @cached_property
+    def cache(self) -> Cache:
+        return Cache.of(self)
 
-    @property
-    def stages_per_node(self) -> int:
-        return self.pp_size // self.nnodes
+    @cached_property
+    def chunking(self) -> Chunking:
+        return Chunking.of(self)
 
-    @property
-    def local_ranks(self) -> range:
-        """Global stage ranks that run on this node."""
-        n = self.stages_per_node
-        return range(self.node_rank * n, (self.node_rank + 1) * n)
+    @cached_property
+    def disagg(self) -> Disaggregation:
+        return Disaggregation.of(self)
 
-    @property
-    def max_inflight(self) -> int:
-        return self.pp_size + self.pp_async_batch_depth
+    @cached_property
+    def serving(self) -> Serving:
+        return Serving.of(self)
 
-    @property
-    def num_threads(self) -> int:
-        if self.threads_per_stage is not None:
-            return self.threads_per_stage
-        return max(1, len(os.sched_getaffinity(0)) // self.stages_per_node)
-
-    @property
-    def kv_capacity_tokens(self) -> int:
-        assert self.max_model_len is not None, "resolve() first"
-        if self.max_total_tokens is not None:
-            return self.max_total_tokens
-        return max(4 * self.max_model_len, 65536)
+    def flags(self) -> dict[str, Any]:
+        """The flags' values by field name (what make_server_args and Engine take)."""
+        return {f.name: getattr(self, f.name) for f in flag_fields()}
 
     def replace(self, **changes) -> "ServerArgs":
         return dataclasses.replace(self, **changes)
 
 
-def _dash(name: str) -> str:
-    return name.replace("_", "-")
+SECTIONS = ("layout", "kernels", "cache", "chunking", "disagg", "serving")
+
+
+def flag_fields() -> list[dataclasses.Field]:
+    return [f for f in fields(ServerArgs) if f.metadata.get("flag", True)]
 
 
 def add_server_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ()) -> None:
     """Adds one flag per ServerArgs field, typed from the field's default."""
-    for f in fields(ServerArgs):
+    for f in flag_fields():
         if f.name in skip:
             continue
         kwargs: dict[str, Any] = {"help": f.metadata["help"], "default": f.default,
@@ -432,7 +347,7 @@ def add_server_args(parser: argparse.ArgumentParser, skip: tuple[str, ...] = ())
             kwargs["type"] = f.metadata["type"]
         elif f.type in ("int | None", "int"):
             kwargs["type"] = int
-        parser.add_argument(f"--{_dash(f.name)}", **kwargs)
+        parser.add_argument(f"--{f.name.replace('_', '-')}", **kwargs)
 
 
 def server_args_parser_group(parser: argparse.ArgumentParser,
@@ -442,12 +357,12 @@ def server_args_parser_group(parser: argparse.ArgumentParser,
 
 
 def server_args_from_namespace(ns: argparse.Namespace) -> ServerArgs:
-    known = {f.name for f in fields(ServerArgs)}
+    known = {f.name for f in flag_fields()}
     return ServerArgs(**{k: v for k, v in vars(ns).items() if k in known})
 
 
 def make_server_args(model_path: str | None = None, **kwargs) -> ServerArgs:
-    known = {f.name for f in fields(ServerArgs)}
+    known = {f.name for f in flag_fields()}
     unknown = sorted(set(kwargs) - known)
     if unknown:
         raise ValueError(f"unknown engine argument(s): {', '.join(unknown)}")
@@ -455,11 +370,8 @@ def make_server_args(model_path: str | None = None, **kwargs) -> ServerArgs:
 
 
 def resolve(args: ServerArgs, model_cfg) -> ServerArgs:
-    """Fills the model-dependent defaults (dtype='auto', max_model_len) once."""
-    import logging
-
-    from pipefill.base.platform import dtype_name, resolve_dtype, usable_cpu_flags
-    log = logging.getLogger("pipefill")
+    """Fills the model-dependent values (dtype='auto', max_model_len, num_layers) once; the
+    layout's partition is computed (and checked against the model) as the result is built."""
     trained = model_cfg.max_position_embeddings
     max_len = args.max_model_len or trained
     if max_len < 2:
@@ -481,4 +393,4 @@ def resolve(args: ServerArgs, model_cfg) -> ServerArgs:
                  "chunks stay fixed")
     dtype = resolve_dtype(args.dtype, usable_cpu_flags(args.hide_cpu_flags))
     return args.replace(dtype=dtype_name(dtype), max_model_len=max_len,
-                        dynamic_chunking_smooth_factor=sigma)
+                        dynamic_chunking_smooth_factor=sigma, num_layers=model_cfg.num_layers)

@@ -1,5 +1,6 @@
 """The configuration room: ServerArgs, every flag parsed once at the entry point (args.py), and
-the frozen sections derived from it, each passed only where it is needed (sections.py)."""
+the frozen sections derived from it, each passed only where it is needed (sections.py;
+ARCHITECTURE.md, 'Configuration')."""
 from pipefill.config.args import (ServerArgs, add_server_args, flag_fields, make_server_args,
                                   resolve, server_args_from_namespace, server_args_parser_group)
 from pipefill.config.sections import (Cache, Chunking, Disaggregation, DisaggMode, Kernels,

@@ -61,7 +61,8 @@ class Layout:
 
     @staticmethod
     def of(args) -> "Layout":
-        # The partition is computed here, once per ServerArgs, and nowhere else.
+        # The partition is computed here, once per ServerArgs, and nowhere else
+        # (ARCHITECTURE.md, 'Layer partition').
         ranges = () if args.num_layers is None else tuple(
             partition_layers(args.num_layers, args.pp_size, args.pp_layer_partition))
         return Layout(args.pp_size, args.nnodes, args.node_rank, args.device, args.dtype,

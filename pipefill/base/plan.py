@@ -62,6 +62,7 @@ class NewRequest:
     prompt_ids: list[int]
     params: SamplingParams
     pd: PDInfo | None = None  # set on a prefill or decode server behind the PD router
+    priority: int = 0  # the request's `priority` (--schedule-policy priority: larger first)
 
 
 @dataclass(frozen=True)

@@ -103,6 +103,14 @@ class ServerArgs:
         "Token budget of one step (prefill chunks plus decode tokens of running requests).",
         default=16384)
     max_running_requests: int = _flag("Most requests admitted at once.", default=64)
+    schedule_policy: str = _flag(
+        "Which prompts in prefill take the next chunks (decode tokens always go first, and a "
+        "prompt that fits in one chunk always starts at once): fcfs = one long prompt at a "
+        "time, in arrival order; fair = long prompts take chunks in turn, so a prompt waits for "
+        "its own chunks plus a share of the others' rather than for a longer one ahead of it; "
+        "priority = the request's `priority` field, larger first (a running chunk finishes, "
+        "the paused prompt resumes later). Tokens are the same under every policy.",
+        default="fcfs", choices=["fcfs", "fair", "priority"])
     max_total_tokens: int | None = _flag(
         "KV-cache capacity in tokens per stage. Default: 4 x max_model_len (at least 65,536); "
         "memory is touched only as pages are used.", default=None)

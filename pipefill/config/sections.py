@@ -208,8 +208,9 @@ class Cache:
 
 @dataclass(frozen=True)
 class Chunking:
-    """How long prompts are cut: the first chunk size C0, the step budget, and dynamic
-    chunking (the cost model's smooth factor, its profile and online calibration)."""
+    """How long prompts are cut: the first chunk size C0, the step budget, dynamic chunking
+    (the cost model's smooth factor, its profile and online calibration), and in which order
+    the prompts in prefill take their chunks (the schedule policy)."""
     chunked_prefill_size: int | str   # C0, or "auto"
     max_prefill_tokens: int
     dynamic: bool                     # --enable-dynamic-chunking
@@ -218,6 +219,7 @@ class Chunking:
     profile_cache: str | None
     profile: str                      # background or blocking
     tune_input_len: int | None
+    schedule_policy: str = "fcfs"     # fcfs, fair or priority (scheduler/prefill_order.py)
 
     @staticmethod
     def of(args) -> "Chunking":
@@ -225,7 +227,7 @@ class Chunking:
                         args.enable_dynamic_chunking, args.dynamic_chunking_smooth_factor,
                         args.dynamic_chunking_online_calibration,
                         args.dynamic_chunking_profile_cache, args.dynamic_chunking_profile,
-                        args.tune_input_len)
+                        args.tune_input_len, args.schedule_policy)
 
     def __post_init__(self) -> None:
         _at_least(self.max_prefill_tokens, 1, "--max-prefill-tokens")
@@ -238,6 +240,9 @@ class Chunking:
         if self.profile not in ("background", "blocking"):
             raise ValueError("--dynamic-chunking-profile must be background or blocking, got "
                              f"{self.profile!r}")
+        if self.schedule_policy not in ("fcfs", "fair", "priority"):
+            raise ValueError(f"--schedule-policy must be fcfs, fair or priority, got "
+                             f"{self.schedule_policy!r}")
         if c0 != "auto" and self.max_prefill_tokens < c0:
             raise ValueError(f"--max-prefill-tokens ({self.max_prefill_tokens}) must be at "
                              f"least --chunked-prefill-size ({c0})")

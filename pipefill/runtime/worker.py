@@ -14,6 +14,7 @@ from pipefill.runtime.heartbeat import stage_heartbeat
 from pipefill.runtime.ipc import Addresses, StageChannel
 from pipefill.runtime.loop import (FirstStageLoop, report_to_first, run_guarded,
                                    run_later_stage)
+from pipefill.scheduler.prefill_order import make_prefill_order
 from pipefill.scheduler.role import NullRole
 from pipefill.base.wire import BodyCodec
 
@@ -194,6 +195,7 @@ def make_first_stage_loop(args, cfg, executor, channel, pipe, tracer, policy, ro
         max_prefill_tokens=max(args.max_prefill_tokens, policy.c0),
         max_running_requests=args.max_running_requests, max_model_len=args.max_model_len,
         eos_token_ids=cfg.eos_token_ids, seed=args.seed, vocab_size=cfg.vocab_size), pool,
-        policy.next_chunk_size, cache, host, storage, role)
+        policy.next_chunk_size, cache, host, storage, role,
+        make_prefill_order(args.chunking.schedule_policy))
     return FirstStageLoop(executor, scheduler, channel, pipe, args.layout.max_inflight, tracer,
                           on_result=policy.observe, chunk_policy=policy, heartbeat=heartbeat)

@@ -31,6 +31,7 @@ from pipefill.scheduler.kv_manager import KVManager
 from pipefill.base.plan import (NewRequest, RequestOutput, SampleSpec, SamplingParams, SeqWork,
                                 StepPlan, StepResult)
 from pipefill.scheduler.radix import Node, RadixCache
+from pipefill.scheduler.prefill_order import PrefillOrder
 from pipefill.scheduler.role import NullRole
 
 # Pages an admission keeps free beyond the uncached prompt, for the first decode tokens.
@@ -63,6 +64,7 @@ class Request:
     num_inserted: int = 0  # whole pages of this request already in the prefix cache
     cached_tokens: int = 0  # prompt tokens reused from the cache at first admission
     admitted_at: int = 0  # admission order: preemption takes the newest
+    priority: int = 0  # --schedule-policy priority: larger goes first
     # Its prefix on its way from the storage tier (kv_manager.StorageFetch): admitted after.
     storage_fetch: object = None
     storage_tried: bool = False  # the last admission attempt fetched: the next one does not
@@ -117,7 +119,8 @@ def check_prompt(ids: list[int], params: SamplingParams, vocab_size: int | None,
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, pool: PagePool,
                  next_chunk_size: Callable[[int], int] | None = None,
-                 cache: RadixCache | None = None, host=None, storage=None, role=None):
+                 cache: RadixCache | None = None, host=None, storage=None, role=None,
+                 order: PrefillOrder | None = None):
         self.cfg = cfg
         self.pool = pool
         self.kv = KVManager(pool, cfg.page_size, cache, host, storage)
@@ -130,6 +133,8 @@ class Scheduler:
         # PD disaggregation (pipefill.scheduler.role): where a request waits, whether it may
         # be scheduled, and whether its pages may go back are the role's to say.
         self.role = role or NullRole()
+        # --schedule-policy: which prompts in prefill take the next chunks (prefill_order.py).
+        self.order = order or PrefillOrder()
 
     # ---- requests in -------------------------------------------------------------------------
 
@@ -143,7 +148,8 @@ class Scheduler:
         seed = req.params.seed
         if seed is None:  # stable across processes, unlike hash()
             seed = zlib.crc32(f"{self.cfg.seed}:{req.rid}".encode())
-        r = Request(req.rid, list(req.prompt_ids), req.params, seed & 0x7FFFFFFF)
+        r = Request(req.rid, list(req.prompt_ids), req.params, seed & 0x7FFFFFFF,
+                    priority=req.priority)
         if self.role.add(r, req.pd):  # False: the role keeps it (its KV comes from elsewhere)
             self.waiting.append(r)
 
@@ -179,34 +185,48 @@ class Scheduler:
 
     def schedule(self) -> StepPlan | None:
         """Decode tokens first (running requests keep streaming behind long prefills), then
-        the next chunk of the one long prompt in progress (first come, first served: prompts
-        finish one after the other instead of all late), then whole short prompts that fit,
-        which may pass long ones waiting."""
+        chunks of the prompts in prefill in the order the schedule policy gives (fcfs: the
+        one long prompt in progress, so prompts finish one after the other instead of all
+        late), then waiting prompts: whole short ones that fit always, which may pass long
+        ones waiting, and long ones when the policy lets them start beside those in prefill."""
         budget = self.cfg.max_prefill_tokens
         seqs: list[SeqWork] = []
         for r in list(self.running.values()):
             if self._ready(r) and not r.in_prefill and budget > 0 and self._make_room(r):
                 seqs.append(self._work(r, r.num_scheduled + 1))
                 budget -= 1
-        partial = next((r for r in self.running.values()
-                        if r.in_prefill and not r.done and not self.role.waits_for_kv(r)), None)
-        if partial is not None and self._ready(partial) and budget > 0:
-            seqs.append(self._prefill_chunk(partial, budget))
-            budget -= seqs[-1].num_tokens
-        for r in list(self.waiting):
+        num_decodes = len(seqs)
+        partial = [r for r in self.running.values()
+                   if r.in_prefill and not r.done and not self.role.waits_for_kv(r)]
+        pages_short = False  # a waiting prompt did not fit: later ones wait too (arrival order)
+        for r in self.order.prefill_order(partial, list(self.waiting)):
             if budget <= 0:
                 break
+            # A chunk beside another prompt's waits for a step with room for all of it: cut
+            # short to fit, it would change that prompt's sequence of chunk sizes.
+            shared = len(seqs) > num_decodes
+            if r.rid in self.running:
+                if self._ready(r) and not (shared and self._chunk_tokens(r) > budget):
+                    seqs.append(self._prefill_chunk(r, budget))
+                    budget -= seqs[-1].num_tokens
+                continue
+            if pages_short:
+                continue
             uncached = r.num_tokens - self.kv.cached_prefix_tokens(self._match_tokens(r))
             whole = uncached <= min(budget, self.cfg.chunked_prefill_size)
-            if partial is not None and not whole:
-                continue  # a second long prompt waits for the first; short ones go past it
+            if not whole and not self.order.may_start_long(r, partial):
+                continue  # a long prompt waits for its turn; short ones go past it
+            if not whole and shared and budget < self.cfg.chunked_prefill_size:
+                continue
             if not self._admit(r):
-                break
+                pages_short = True
+                continue
             self.waiting.remove(r)
             self.running[r.rid] = r
             seqs.append(self._prefill_chunk(r, budget))
             budget -= seqs[-1].num_tokens
-            partial = partial or (r if r.in_prefill else None)
+            if r.in_prefill:
+                partial.append(r)
         if not seqs and not self.kv.has_new_fetches:
             return None
         # A plan without sequences still goes when it carries storage fetches: their result
@@ -215,12 +235,17 @@ class Scheduler:
         self.kv.plan_sent(plan.step_id)
         return plan
 
-    def _prefill_chunk(self, r: Request, budget: int) -> SeqWork:
-        # The first chunk from scratch is C0; after a cached prefix of L tokens (or earlier
-        # chunks) it is the size predicted for L (DESIGN.md §5 step 6).
+    def _chunk_tokens(self, r: Request) -> int:
+        """The size of r's next chunk. The first chunk from scratch is C0; after a cached
+        prefix of L tokens (or earlier chunks) it is the size predicted for L (ARCHITECTURE.md,
+        'The chunking room')."""
         first = r.num_scheduled == 0
         size = self.cfg.chunked_prefill_size if first else self.next_chunk_size(r.num_scheduled)
-        end = min(r.num_tokens, r.num_scheduled + min(size, budget))
+        return min(size, r.num_tokens - r.num_scheduled)
+
+    def _prefill_chunk(self, r: Request, budget: int) -> SeqWork:
+        end = r.num_scheduled + min(self._chunk_tokens(r), budget)
+        self.order.served(r)
         return self._work(r, end)
 
     def _work(self, r: Request, end: int) -> SeqWork:
@@ -307,6 +332,7 @@ class Scheduler:
         self.kv.release(r)
         self.running.pop(r.rid, None)
         self.role.forget(r)
+        self.order.forget(r.rid)
 
     # ---- requests whose prompt is computed elsewhere (the role calls these) ------------------
 

@@ -1,17 +1,16 @@
-"""pipefill.Engine: the Python API (DESIGN.md §9). Starts the stages, submits, collects."""
+"""pipefill.Engine: the Python API. Starts the stages, submits, collects; the stage handling
+itself is the front-end core's (frontend.FrontEnd), which the HTTP server shares."""
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 from dataclasses import dataclass, field
 
+from pipefill.base.plan import NewRequest, RequestOutput, SamplingParams
 from pipefill.config import ServerArgs, make_server_args
-from pipefill.frontend import prepare
+from pipefill.frontend import FrontEnd, prepare
 from pipefill.model.tokenizer import Tokenizer, load_tokenizer
 from pipefill.runtime.launch import StageFailure, StageGroup
-from pipefill.base.plan import NewRequest, RequestOutput, SamplingParams
-from pipefill.scheduler.scheduler import check_prompt
 
 log = logging.getLogger("pipefill")
 
@@ -28,6 +27,7 @@ class GenerateOutput:
 
 @dataclass
 class _Pending:
+    """One prompt of a generate() call; take() is its sink (FrontEnd.submit)."""
     index: int
     num_prompt_tokens: int
     submitted: float
@@ -39,6 +39,25 @@ class _Pending:
     chunk_sizes: list[int] | None = None
     cached_tokens: int = 0
 
+    def take(self, out: RequestOutput | Exception) -> None:
+        """Raises what ends the whole call: stage 0 rejected this prompt (ValueError) or it
+        failed while generating (RuntimeError); generate() then aborts the others."""
+        if isinstance(out, Exception):
+            raise out
+        now = time.perf_counter()
+        if out.new_token_ids and self.first_token_at is None:
+            self.first_token_at = now
+        self.output_ids += out.new_token_ids
+        self.prompt_logprobs = out.prompt_logprobs or self.prompt_logprobs
+        self.chunk_sizes = out.chunk_sizes or self.chunk_sizes
+        self.cached_tokens = out.cached_tokens or self.cached_tokens
+        if out.finished:
+            if out.finish_reason == "error":
+                raise RuntimeError(out.error)
+            self.done = out
+            self.first_token_at = self.first_token_at or now
+            self.done_at = now
+
 
 class Engine:
     def __init__(self, model_path: str | None = None, **server_args):
@@ -49,14 +68,19 @@ class Engine:
         self.args: ServerArgs = args
         self.model_file = source.path
         self.model_config = source.config
-        self._rids = itertools.count()
         self._failure: str | None = None  # why the stages died, once they have
-        self._stages = StageGroup(self.args, self.model_file)
+        self.core = FrontEnd(args, source)
+        self.core.launch()
         # The tokenizer loads here while the stages load their weights.
         self.tokenizer: Tokenizer | None = load_tokenizer(source)
-        info = self._stages.wait_ready()
-        self.kv_capacity_tokens = info["num_pages"] * self.args.page_size
-        self.chunking: dict = info["chunking"]  # C0, mode, fitted cost model when profiled
+        self.core.wait_ready()
+        self.kv_capacity_tokens = self.core.kv_capacity_tokens
+        self.chunking: dict = self.core.chunking  # C0, mode, fitted cost model when profiled
+
+    @property
+    def _stages(self) -> StageGroup | None:
+        """The stage processes (None once shut down)."""
+        return self.core.stages
 
     # ---- lifecycle ---------------------------------------------------------------------------
 
@@ -67,9 +91,9 @@ class Engine:
         self.shutdown()
 
     def shutdown(self) -> None:
-        if self._stages is not None:
-            self._stages.close()
-            self._stages = None
+        core = getattr(self, "core", None)  # None when __init__ failed before making it
+        if core is not None:
+            core.close()
 
     def __del__(self):
         try:
@@ -89,8 +113,7 @@ class Engine:
         return list(prompt)
 
     def check_prompt(self, ids: list[int], params: SamplingParams) -> None:
-        check_prompt(ids, params, self.model_config.vocab_size, self.args.max_model_len,
-                     self.kv_capacity_tokens)
+        self.core.check_prompt(ids, params)
 
     def generate(self, prompts, max_new_tokens: int = 16, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = -1, seed: int | None = None,
@@ -106,68 +129,42 @@ class Engine:
         for ids in encoded:
             self.check_prompt(ids, params)
         now = time.perf_counter()
-        pending = {f"req-{next(self._rids)}": _Pending(i, len(ids), now)
+        pending = {self.core.new_rid("req"): _Pending(i, len(ids), now)
                    for i, ids in enumerate(encoded)}
         try:
-            self._stages.send("add", [NewRequest(rid, ids, params)
-                                      for rid, ids in zip(pending, encoded)])
+            self.core.submit([NewRequest(rid, ids, params) for rid, ids in zip(pending, encoded)],
+                             [p.take for p in pending.values()])
             self._collect(pending)
         except StageFailure as e:
             # A stage is gone: stop the rest (if that has not happened yet); this engine is
             # finished.
             self._failure = str(e)
-            self._stages.close(grace_s=1.0)
-            self._stages = None
+            self.core.close(grace_s=1.0)
             raise
         except BaseException:
             # A rejected or failed request, or Ctrl-C: the others of this call must not keep
             # running (and holding pages at stage 0) with nobody to collect them.
             self._abort_unfinished(pending)
             raise
+        finally:
+            for rid in pending:
+                self.core.release(rid)
         return [self._finish(p) for p in sorted(pending.values(), key=lambda p: p.index)]
 
     def _collect(self, pending: dict[str, _Pending]) -> None:
-        remaining = len(pending)
-        while remaining:
-            msg = self._stages.recv(100)
-            if msg is None:
-                continue
-            kind, payload = msg
-            if kind == "rejected":
-                rid, message = payload
-                if rid in pending:
-                    raise ValueError(message)
-                continue
-            if kind != "outputs":
-                continue
-            now = time.perf_counter()
-            for out in payload:
-                p = pending.get(out.rid)
-                if p is None or p.done is not None:
-                    continue
-                if out.new_token_ids and p.first_token_at is None:
-                    p.first_token_at = now
-                p.output_ids += out.new_token_ids
-                p.prompt_logprobs = out.prompt_logprobs or p.prompt_logprobs
-                p.chunk_sizes = out.chunk_sizes or p.chunk_sizes
-                p.cached_tokens = out.cached_tokens or p.cached_tokens
-                if out.finished:
-                    if out.finish_reason == "error":
-                        raise RuntimeError(out.error)
-                    p.done = out
-                    p.first_token_at = p.first_token_at or now
-                    p.done_at = now
-                    remaining -= 1
+        """Reads and routes the stages' reports until every request of the call finished."""
+        while any(p.done is None for p in pending.values()):
+            msg = self.core.recv(100)
+            if msg is not None:
+                self.core.route(msg)
 
     def _abort_unfinished(self, pending: dict[str, _Pending]) -> None:
-        if self._stages is None:
-            return
         for rid, p in pending.items():
             if p.done is None:
-                self._stages.send("abort", rid, block=False)
+                self.core.abort(rid)
 
     def _require_stages(self) -> None:
-        if self._stages is None:
+        if self.core.stages is None:
             if self._failure is not None:
                 raise RuntimeError(f"this engine is shut down: its stages failed earlier "
                                    f"({self._failure}); start a new Engine")
@@ -188,25 +185,22 @@ class Engine:
     def stage_pids(self) -> list[int]:
         """Process ids of this node's stage processes, by rank (memory reports read /proc)."""
         self._require_stages()
-        return [proc.pid for proc in self._stages.procs]
+        return [proc.pid for proc in self.core.stages.procs]
 
     def collect_trace(self) -> list[dict]:
         """Every stage's spans since the last call (Chrome-trace events). Needs --trace-dir."""
         if not self.args.trace_dir:
             raise ValueError("tracing is off: pass --trace-dir DIR")
         self._require_stages()
-        replies = self._stages.gather("trace", "trace")
-        return [e for rank in sorted(replies) for e in replies[rank]]
+        return self.core.collect_trace()
 
     def write_trace(self, name: str) -> dict:
         """Writes <trace_dir>/<name>.json and .png from the spans since the last collection
         and returns the bubble statistics."""
-        from pipefill.runtime.trace import write_trace
-        return write_trace(self.args.trace_dir, name, self.collect_trace(), self.args.pp_size)
+        return self.core.write_trace(name, self.collect_trace())
 
     def stats(self) -> dict:
         """Stage 0's page pool with its integrity check (free + used == total), and under
         "stages" every stage's own report."""
         self._require_stages()
-        reports = self._stages.gather("stats", "stage_stats")
-        return {**reports[0], "stages": [reports[r] for r in sorted(reports)]}
+        return self.core.stats()

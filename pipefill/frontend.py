@@ -1,8 +1,12 @@
-"""What every front end (the Python Engine, the HTTP server) does before it starts the stages:
-resolve the arguments against the model and reject impossible settings with a sentence."""
+"""What every front end (the Python Engine, the HTTP server) shares: prepare() resolves the
+arguments against the model and rejects impossible settings with a sentence before the stages
+start; FrontEnd then starts the stages, checks each prompt once, sends the requests and routes
+the stages' reports back to each request."""
 from __future__ import annotations
 
+import itertools
 import logging
+from collections.abc import Callable
 
 import torch
 
@@ -10,7 +14,11 @@ from pipefill.config import ServerArgs, resolve
 from pipefill.kernels.prefill_gemm import choose_prefill_gemm
 from pipefill.model.attention import choose_backend, resolve_kv_dtype
 from pipefill.model.loader import WeightSource, resolve_model_path, resolve_weight_dtype
+from pipefill.base.plan import NewRequest, RequestOutput, SamplingParams
 from pipefill.base.platform import cpu_vendor, resolve_dtype, usable_cpu_flags
+from pipefill.runtime.launch import StageGroup
+from pipefill.runtime.trace import write_trace
+from pipefill.scheduler.scheduler import check_prompt
 
 log = logging.getLogger(__name__)
 
@@ -38,3 +46,126 @@ def prepare(args: ServerArgs) -> tuple[ServerArgs, WeightSource]:
         choose_prefill_gemm("onednn", dtype, resolve_weight_dtype(args.weight_dtype, dtype),
                             torch.device(args.device), cpu_vendor())
     return args, source
+
+
+# A request's sink: takes each of its outputs in order, or the exception that ends it (stage 0
+# rejected it, or the stages failed). Engine's sinks are plain callbacks that may raise into
+# its collecting loop; the server's put into the asyncio queue its request's task reads.
+Sink = Callable[[RequestOutput | Exception], None]
+
+
+class FrontEnd:
+    """The front end's one handle on the stages, shared by the Python Engine and the HTTP
+    server's AsyncEngine: it starts the stage group, checks each prompt at the front door,
+    numbers requests, sends them, and routes what the stages report to each request's sink.
+
+    It runs no thread of its own: Engine calls recv() and route() from its calling thread;
+    the server reads in its supervisor thread and routes on its event loop, so that the sinks
+    are only ever touched from one thread."""
+
+    def __init__(self, args: ServerArgs, source: WeightSource):
+        self.args = args
+        self.source = source
+        self.stages: StageGroup | None = None  # None before start and after close
+        self.kv_capacity_tokens = 0
+        self.chunking: dict = {}  # C0, mode, fitted cost model when profiled
+        self.load: dict = {}  # stage 0's latest load report
+        self._sinks: dict[str, Sink] = {}
+        self._ids = itertools.count()
+
+    # ---- the stage group ---------------------------------------------------------------------
+
+    def launch(self) -> StageGroup:
+        """Starts the stage processes (they load in the background); wait_ready() follows.
+        A group started again after a failure gets fresh addresses and ports."""
+        self.stages = StageGroup(self.args, self.source.path)
+        return self.stages
+
+    def wait_ready(self, cancelled=lambda: False) -> dict:
+        """Blocks until the stages serve; StageFailure if they fail or cancelled() turns true."""
+        info = self.stages.wait_ready(cancelled=cancelled)
+        self.kv_capacity_tokens = info["num_pages"] * self.args.page_size
+        self.chunking = info["chunking"]
+        return info
+
+    def close(self, grace_s: float = 5.0) -> None:
+        if self.stages is not None:
+            self.stages.close(grace_s=grace_s)
+            self.stages = None
+
+    def recv(self, timeout_ms: int = 100) -> tuple | None:
+        """The stages' next report, or None; StageFailure once a stage is dead."""
+        return self.stages.recv(timeout_ms)
+
+    def check_progress(self) -> None:
+        """The stall watchdog: StageFailure for a stage that has work but makes no progress
+        for --stage-stall-timeout seconds (runtime/heartbeat.py)."""
+        self.stages.check_progress(requests_in_flight=bool(self._sinks))
+
+    # ---- requests ----------------------------------------------------------------------------
+
+    def new_rid(self, prefix: str) -> str:
+        return f"{prefix}-{next(self._ids)}"
+
+    def check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        """The front door: ValueError with a sentence for a request the stages can never run
+        (stage 0 checks again, for its own sake, and answers "rejected")."""
+        check_prompt(ids, params, self.source.config.vocab_size, self.args.max_model_len,
+                     self.kv_capacity_tokens)
+
+    def submit(self, requests: list[NewRequest], sinks: list[Sink]) -> None:
+        """Sends the requests to stage 0 in one message; each one's reports go to its sink
+        until it finishes or is released. StageFailure if the stages are gone."""
+        for req, sink in zip(requests, sinks, strict=True):
+            self._sinks[req.rid] = sink
+        self.stages.send("add", requests)
+
+    def release(self, rid: str) -> None:
+        """Nothing more of this request goes to its sink (its caller went away)."""
+        self._sinks.pop(rid, None)
+
+    def abort(self, rid: str) -> None:
+        """Releases the request and tells stage 0 to drop it (and free its pages); the
+        message is dropped if stage 0 cannot take it at once (a stage that is gone)."""
+        self.release(rid)
+        if self.stages is not None:
+            self.stages.send("abort", rid, block=False)
+
+    def route(self, msg: tuple) -> None:
+        """Delivers one report of the stages: outputs and rejections to their requests' sinks
+        (a request that finished leaves the table), stage 0's load to self.load."""
+        kind, payload = msg
+        if kind == "outputs":
+            for out in payload:
+                sink = self._sinks.pop(out.rid) if out.finished else self._sinks.get(out.rid)
+                if sink is not None:
+                    sink(out)
+        elif kind == "rejected":
+            rid, message = payload
+            sink = self._sinks.pop(rid, None)
+            if sink is not None:
+                sink(ValueError(message))
+        elif kind == "load":
+            self.load = payload
+
+    def fail_all(self, error: Exception) -> None:
+        """Ends every request in flight with error (their callers abort them on the way out)."""
+        for sink in list(self._sinks.values()):
+            sink(error)
+
+    # ---- control messages --------------------------------------------------------------------
+
+    def stats(self) -> dict:
+        """Stage 0's page pool with its integrity check (free + used == total), and under
+        "stages" every stage's own report."""
+        reports = self.stages.gather("stats", "stage_stats")
+        return {**reports[0], "stages": [reports[r] for r in sorted(reports)]}
+
+    def collect_trace(self, timeout_s: float = 600.0) -> list[dict]:
+        """Every stage's spans since the last call (Chrome-trace events), by rank."""
+        replies = self.stages.gather("trace", "trace", timeout_s=timeout_s)
+        return [e for rank in sorted(replies) for e in replies[rank]]
+
+    def write_trace(self, name: str, events: list[dict]) -> dict:
+        """<trace_dir>/<name>.json and .png from events; returns the bubble statistics."""
+        return write_trace(self.args.trace_dir, name, events, self.args.pp_size)

@@ -18,7 +18,6 @@ from starlette.requests import ClientDisconnect
 
 from pipefill.config import DisaggMode, Disaggregation, Serving
 from pipefill.disagg.http_fields import ROUTER_MODEL, FieldError, pd_info
-from pipefill.scheduler.scheduler import check_prompt
 from pipefill.base.plan import SamplingParams, is_room_in_use
 from pipefill.server.admission import Admission
 from pipefill.server.async_engine import AsyncEngine, EngineDown
@@ -300,8 +299,7 @@ async def make_job(served: Served, body, chat: bool) -> Job:
                             return_prompt_logprobs=echo and logprobs is not None,
                             logprobs=logprobs)
     try:
-        check_prompt(ids, params, served.engine.source.config.vocab_size,
-                     served.args.max_model_len, served.engine.kv_capacity_tokens)
+        served.engine.check_prompt(ids, params)
     except ValueError as e:
         raise ApiError(400, str(e)) from None
     rid = served.engine.new_rid("chatcmpl" if chat else "cmpl")

@@ -1,5 +1,7 @@
 """The server's side of the stages: start them, stream each request's outputs to its asyncio
 task, watch the stages, fail every request fast when one dies or stalls, then restart them.
+Starting, sending and routing are the front-end core's (frontend.FrontEnd, shared with the
+Python Engine); this module adds the asyncio side and the healing.
 
 A reader thread owns the receiving socket, the stage watch and the restarts (the supervisor);
 the event loop only sends. A stage that has work but makes no progress for
@@ -14,16 +16,16 @@ operator or orchestrator can read the reason; restarting again would only repeat
 from __future__ import annotations
 
 import asyncio
-import itertools
 import logging
 import threading
 import time
 from collections.abc import AsyncIterator
 
+from pipefill.base.plan import NewRequest, PDInfo, RequestOutput, SamplingParams
 from pipefill.config import ServerArgs
+from pipefill.frontend import FrontEnd
 from pipefill.model.loader import WeightSource
 from pipefill.runtime.launch import RestartBudget, StageFailure, StageGroup
-from pipefill.base.plan import NewRequest, PDInfo, RequestOutput, SamplingParams
 
 log = logging.getLogger("pipefill.server")
 
@@ -34,35 +36,45 @@ class EngineDown(RuntimeError):
 
 class AsyncEngine:
     def __init__(self, args: ServerArgs, source: WeightSource, on_restart=None):
-        self.args = args
-        self.source = source
+        self.core = FrontEnd(args, source)
         self.ready = False
         self.failure: str | None = None
         self.restarting = False  # a stage died and the supervisor is starting a fresh group
         self.num_restarts = 0
         self._on_restart = on_restart or (lambda: None)  # e.g. a metrics counter
         self._budget = RestartBudget(args.max_stage_restarts, args.stage_restart_window)
-        self.load: dict = {}
-        self.kv_capacity_tokens = 0
-        self._stages: StageGroup | None = None
-        self._queues: dict[str, asyncio.Queue] = {}
         self._loop: asyncio.AbstractEventLoop | None = None
         self._reader: threading.Thread | None = None
         self._stopping = threading.Event()
-        self._ids = itertools.count()
         self._pd: dict[str, PDInfo] = {}  # rid -> its PD room, until generate() sends it
+
+    @property
+    def args(self) -> ServerArgs:
+        return self.core.args
+
+    @property
+    def source(self) -> WeightSource:
+        return self.core.source
+
+    @property
+    def kv_capacity_tokens(self) -> int:
+        return self.core.kv_capacity_tokens
+
+    @property
+    def load(self) -> dict:
+        """Stage 0's latest load report ({} while the stages are down)."""
+        return self.core.load
 
     # ---- lifecycle (start() runs in a thread: loading takes a while) ---------------------------
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
         self._loop = loop
         try:
-            self._stages = StageGroup(self.args, self.source.path)
-            info = self._stages.wait_ready()
+            self.core.launch()
+            self.core.wait_ready()
         except StageFailure as e:
             self.failure = str(e)
             raise
-        self.kv_capacity_tokens = info["num_pages"] * self.args.page_size
         self._reader = threading.Thread(target=self._supervise, name="pipefill-reader",
                                         daemon=True)
         self._reader.start()
@@ -74,19 +86,15 @@ class AsyncEngine:
         self._stopping.set()
         if self._reader is not None:
             self._reader.join(5)
-        if self._stages is not None and self.args.trace_dir and self.failure is None:
+        if self.core.stages is not None and self.args.trace_dir and self.failure is None:
             self._write_trace()
-        if self._stages is not None:
-            self._stages.close()
-            self._stages = None
+        self.core.close()
         self.ready = False
 
     def _write_trace(self) -> None:
-        from pipefill.runtime.trace import write_trace
-        replies = self._stages.gather("trace", "trace", timeout_s=10)
-        events = [e for rank in sorted(replies) for e in replies[rank]]
+        events = self.core.collect_trace(timeout_s=10)
         if events:
-            stats = write_trace(self.args.trace_dir, "serve", events, self.args.pp_size)
+            stats = self.core.write_trace("serve", events)
             log.info("trace written to %s", stats["json"])
 
     @property
@@ -96,7 +104,11 @@ class AsyncEngine:
     # ---- requests ----------------------------------------------------------------------------
 
     def new_rid(self, prefix: str) -> str:
-        return f"{prefix}-{next(self._ids)}"
+        return self.core.new_rid(prefix)
+
+    def check_prompt(self, ids: list[int], params: SamplingParams) -> None:
+        """The front door's check (make_job answers its ValueError with a 400)."""
+        self.core.check_prompt(ids, params)
 
     def attach_pd(self, rid: str, pd: PDInfo) -> None:
         """The PD room of request rid (the router's bootstrap fields), sent with it."""
@@ -104,19 +116,18 @@ class AsyncEngine:
 
     async def generate(self, rid: str, prompt_ids: list[int], params: SamplingParams,
                        pd: PDInfo | None = None) -> AsyncIterator[RequestOutput]:
-        pd = self._pd.pop(rid, pd)
         """Yields the request's outputs until it finishes; aborts it if the caller goes away
         (a client disconnect cancels the task that iterates here)."""
+        pd = self._pd.pop(rid, pd)
         if self.restarting:
             await self.wait_until_up()
         if not self.healthy:
             raise EngineDown(self.failure or "the model is still loading")
         queue: asyncio.Queue = asyncio.Queue()
-        self._queues[rid] = queue
         finished = False
         try:
             try:
-                self._stages.send("add", [NewRequest(rid, prompt_ids, params, pd)])
+                self.core.submit([NewRequest(rid, prompt_ids, params, pd)], [queue.put_nowait])
             except StageFailure as e:  # the reader thread handles the failure itself
                 raise EngineDown(str(e)) from None
             while not finished:
@@ -126,9 +137,10 @@ class AsyncEngine:
                 finished = out.finished
                 yield out
         finally:
-            self._queues.pop(rid, None)
-            if not finished and self._stages is not None and self.failure is None:
-                self._stages.send("abort", rid, block=False)
+            if finished or self.failure is not None:
+                self.core.release(rid)
+            else:
+                self.core.abort(rid)
 
     async def wait_until_up(self) -> None:
         """Waits while the stages restart; EngineDown after --stage-restart-timeout."""
@@ -153,20 +165,20 @@ class AsyncEngine:
         stops (returns None)."""
         while not self._stopping.is_set():
             try:
-                msg = self._stages.recv(100)
+                msg = self.core.recv(100)
                 # A stage that hangs instead of dying: --stage-stall-timeout.
-                self._stages.check_progress(requests_in_flight=bool(self._queues))
+                self.core.check_progress()
             except StageFailure as e:
                 log.error("a stage failed: %s", e)
                 # Set before the requests are failed: a request that comes in after this
                 # waits for the restart instead of being sent to the dead group.
                 self.restarting = self._restartable
                 self.failure = str(e)
-                self.load = {}
+                self.core.load = {}
                 self._loop.call_soon_threadsafe(self.fail_all, str(e))
                 return str(e)
             if msg is not None:
-                self._loop.call_soon_threadsafe(self._dispatch, msg)
+                self._loop.call_soon_threadsafe(self.core.route, msg)
         return None
 
     def _restart(self, cause: str) -> bool:
@@ -179,8 +191,8 @@ class AsyncEngine:
             self.failure = f"a stage failed ({cause}); restarting the stages"
             log.warning("restarting the stages after: %s", cause)
             try:
-                self._stages = self._spawn_on_loop()
-                self._stages.wait_ready(cancelled=self._stopping.is_set)
+                self._launch_on_loop()
+                self.core.wait_ready(cancelled=self._stopping.is_set)
             except StageFailure as e:
                 log.error("the restarted stages failed: %s", e)
                 cause = str(e)
@@ -195,13 +207,13 @@ class AsyncEngine:
         self.restarting = False
         return False
 
-    def _spawn_on_loop(self) -> StageGroup:
+    def _launch_on_loop(self) -> StageGroup:
         """Starts the stage processes from the event loop's thread: a stage dies with the
         thread that started it (PR_SET_PDEATHSIG), and this reader thread ends before the
         stages are stopped at shutdown."""
-        async def spawn() -> StageGroup:
-            return StageGroup(self.args, self.source.path)
-        return asyncio.run_coroutine_threadsafe(spawn(), self._loop).result()
+        async def launch() -> StageGroup:
+            return self.core.launch()
+        return asyncio.run_coroutine_threadsafe(launch(), self._loop).result()
 
     @property
     def _restartable(self) -> bool:
@@ -224,23 +236,7 @@ class AsyncEngine:
             log.error("%s", self.failure)
         self.restarting = False
 
-    def _dispatch(self, msg: tuple) -> None:
-        kind, payload = msg
-        if kind == "outputs":
-            for out in payload:
-                queue = self._queues.get(out.rid)
-                if queue is not None:
-                    queue.put_nowait(out)
-        elif kind == "rejected":
-            rid, message = payload
-            queue = self._queues.get(rid)
-            if queue is not None:
-                queue.put_nowait(ValueError(message))
-        elif kind == "load":
-            self.load = payload
-
     def fail_all(self, message: str) -> None:
         """Ends every request in flight with an error (their pages are freed by the aborts
         that their generators send on the way out)."""
-        for queue in self._queues.values():
-            queue.put_nowait(EngineDown(message))
+        self.core.fail_all(EngineDown(message))

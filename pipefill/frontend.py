@@ -137,7 +137,9 @@ class FrontEnd:
         kind, payload = msg
         if kind == "outputs":
             for out in payload:
-                sink = self._sinks.pop(out.rid) if out.finished else self._sinks.get(out.rid)
+                sink = self._sinks.get(out.rid)
+                if out.finished:
+                    self._sinks.pop(out.rid, None)
                 if sink is not None:
                     sink(out)
         elif kind == "rejected":

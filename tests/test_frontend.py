@@ -1,0 +1,83 @@
+"""The front-end core (frontend.FrontEnd) without processes: a fake stage group records what
+is sent, and reports are routed by hand, as Engine and the server's event loop do."""
+from types import SimpleNamespace
+
+import pytest
+
+from pipefill.base.plan import NewRequest, RequestOutput, SamplingParams
+from pipefill.frontend import FrontEnd
+
+
+class FakeStages:
+    def __init__(self):
+        self.sent = []
+
+    def send(self, kind, payload=None, block=True):
+        self.sent.append((kind, payload, block))
+
+
+def make_core(capacity: int = 64) -> FrontEnd:
+    args = SimpleNamespace(max_model_len=32, page_size=16)
+    core = FrontEnd(args, SimpleNamespace(config=SimpleNamespace(vocab_size=100)))
+    core.stages, core.kv_capacity_tokens = FakeStages(), capacity
+    return core
+
+
+def submit(core, *rids):
+    got = {rid: [] for rid in rids}
+    core.submit([NewRequest(rid, [1, 2], SamplingParams()) for rid in rids],
+                [got[rid].append for rid in rids])
+    return got
+
+
+def test_outputs_reach_their_request_in_order_and_a_finished_one_leaves():
+    core = make_core()
+    got = submit(core, "a", "b")
+    assert core.stages.sent[0][0] == "add" and [r.rid for r in core.stages.sent[0][1]] == ["a", "b"]
+    a1, b1 = RequestOutput("a", [5], False), RequestOutput("b", [6], True, "length")
+    a2 = RequestOutput("a", [7], True, "stop")
+    core.route(("outputs", [a1, b1]))
+    core.route(("outputs", [a2, RequestOutput("b", [], True, "abort")]))  # b already finished
+    core.route(("outputs", [RequestOutput("nobody", [1], True, "abort")]))
+    assert got == {"a": [a1, a2], "b": [b1]}
+    assert not core._sinks
+
+
+def test_a_rejection_is_a_value_error_for_its_request_only():
+    core = make_core()
+    got = submit(core, "a", "b")
+    core.route(("rejected", ("a", "the prompt is empty")))
+    core.route(("rejected", ("gone", "whatever")))
+    [error] = got["a"]
+    assert isinstance(error, ValueError) and str(error) == "the prompt is empty"
+    assert got["b"] == [] and list(core._sinks) == ["b"]
+
+
+def test_load_abort_release_and_fail_all():
+    core = make_core()
+    got = submit(core, "a", "b", "c")
+    core.route(("load", {"num_running": 2}))
+    assert core.load == {"num_running": 2}
+    core.abort("a")
+    assert core.stages.sent[-1] == ("abort", "a", False)
+    core.release("b")
+    core.route(("outputs", [RequestOutput("a", [1], False), RequestOutput("b", [1], False)]))
+    failure = RuntimeError("stage 1 exited")
+    core.fail_all(failure)
+    assert got == {"a": [], "b": [], "c": [failure]}
+
+
+def test_request_ids_count_up_per_front_end():
+    core = make_core()
+    assert [core.new_rid("cmpl"), core.new_rid("chatcmpl")] == ["cmpl-0", "chatcmpl-1"]
+
+
+def test_the_front_door_check_says_what_to_change():
+    core = make_core(capacity=16)
+    core.check_prompt([1, 2], SamplingParams(max_new_tokens=4))
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        core.check_prompt([100], SamplingParams())
+    with pytest.raises(ValueError, match="exceeds --max-model-len"):
+        core.check_prompt([1] * 30, SamplingParams(max_new_tokens=4))
+    with pytest.raises(ValueError, match="raise --max-total-tokens"):
+        core.check_prompt([1] * 10, SamplingParams(max_new_tokens=10))

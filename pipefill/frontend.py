@@ -61,7 +61,7 @@ class FrontEnd:
 
     It runs no thread of its own: Engine calls recv() and route() from its calling thread;
     the server reads in its supervisor thread and routes on its event loop, so that the sinks
-    are only ever touched from one thread."""
+    are only ever touched from one thread (ARCHITECTURE.md, 'A request's path')."""
 
     def __init__(self, args: ServerArgs, source: WeightSource):
         self.args = args

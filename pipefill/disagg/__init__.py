@@ -1,4 +1,5 @@
-"""Prefill/decode disaggregation: the KV transfer plane (ARCHITECTURE.md, 'Prefill/decode disaggregation').
+"""Prefill/decode disaggregation: the KV transfer plane (ARCHITECTURE.md, 'Prefill/decode
+disaggregation').
 
 messages.py   typed control messages (msgspec, msgpack, decoded against a schema, optional HMAC)
 channel.py    length-prefixed frames over one TCP socket, listeners; handshake.py: the

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import statistics
 
-from pipefill.sim import CostModel, Transfer, chunk_plan, default_c0_grid, simulate, tune
+from pipefill.chunking.sim import CostModel, Transfer, chunk_plan, default_c0_grid, simulate, tune
 
 
 def configs(args, c0_grid: list[int], with_auto: bool) -> list[tuple[str, object]]:

@@ -9,6 +9,8 @@ import time
 
 import torch
 
+from pipefill.chunking.policy import ChunkPolicy
+from pipefill.chunking.startup import first_chunk_size
 from pipefill.config import ServerArgs
 from pipefill.kv.pool import PagePool
 from pipefill.model.loader import WeightSource
@@ -27,8 +29,9 @@ def prefill_time_split(args: ServerArgs, source: WeightSource, prompt: list[int]
     info = StageInfo(0, 1, range(cfg.num_layers))
     executor = build_stage(args.replace(pp_size=1), source, info)
     pool = PagePool(executor.cache.num_pages)
-    sched = Scheduler(SchedulerConfig(args.page_size, args.chunked_prefill_size,
-                                      args.max_prefill_tokens, 1, args.max_model_len), pool)
+    sched = Scheduler(SchedulerConfig(args.page_size, args.max_prefill_tokens, 1,
+                                      args.max_model_len), pool,
+                      ChunkPolicy(first_chunk_size(args)))
     sched.add(NewRequest("split", prompt, SamplingParams(max_new_tokens=1)))
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -1,21 +1,17 @@
-"""Chunk sizes for chunked prefill (DESIGN.md §5): fixed C0, or dynamic chunks that cost the same
-time at every prefix length, so that equal-time micro-batches keep the pipeline's stages busy.
+"""The chunk-cost model and the predictor (ARCHITECTURE.md, 'The chunking room'): dynamic chunks
+cost the same time at every prefix length, so that equal-time micro-batches keep the pipeline's
+stages busy.
 
-Pure Python and no torch: the start-up profile supplies (length, seconds) pairs, this module
-fits and predicts. Online calibration refits a position-aware model from real chunk timings.
+Pure Python: the profile supplies (length, seconds) pairs, this module fits f(l) = a*l^2 + b*l
++ c and predicts the size x of the chunk after L tokens from f(L + x) - f(L) = T*.
 """
 from __future__ import annotations
 
-import logging
 import math
-from collections import deque
-from dataclasses import dataclass
-
-log = logging.getLogger(__name__)
 
 MIN_PROFILE_SAMPLES = 8
 # 12 prefills: the fit has three coefficients, and each sample is a whole prefill of up to
-# 1.25 x C0 tokens on a CPU that may take seconds per prefill (issue 12: 128 of them took 430 s).
+# 1.25 x C0 tokens on a CPU that may take seconds per prefill (128 of them once took 430 s).
 PROFILE_SAMPLES = 12
 PROFILE_SPACING = 2.5  # l_i grows like i^2.5: dense where prefills are cheap
 
@@ -43,7 +39,7 @@ def fit_relative_error(lengths: list[int], latencies: list[float],
     return math.sqrt(sum(e * e for e in errs) / max(1, len(errs)))
 
 
-def _solve_least_squares(rows: list[list[float]], ys: list[float]) -> list[float]:
+def solve_least_squares(rows: list[list[float]], ys: list[float]) -> list[float]:
     """Ordinary least squares through the normal equations (small, well-scaled systems)."""
     n = len(rows[0])
     ata = [[sum(r[i] * r[j] for r in rows) for j in range(n)] for i in range(n)]
@@ -66,12 +62,12 @@ def fit_quadratic(lengths: list[int], latencies: list[float]) -> tuple[float, fl
     """f(l) = a*l^2 + b*l + c by least squares (lengths scaled to keep the system tame)."""
     scale = max(lengths)
     rows = [[(x / scale) ** 2, x / scale, 1.0] for x in lengths]
-    a, b, c = _solve_least_squares(rows, latencies)
+    a, b, c = solve_least_squares(rows, latencies)
     return a / scale**2, b / scale, c
 
 
 class ChunkSizePredictor:
-    """Predicts continuation chunk sizes whose cost matches the first chunk's (DESIGN.md §5)."""
+    """Predicts continuation chunk sizes whose cost matches the first chunk's."""
 
     def __init__(self, base_chunk_size: int, page_size: int = 64, smooth_factor: float = 0.75,
                  max_model_len: int = 1 << 30, max_prefill_tokens: int = 1 << 30):
@@ -159,73 +155,3 @@ class ChunkSizePredictor:
             sizes.append(min(size, prompt_len - at))
             at += sizes[-1]
         return sizes
-
-
-@dataclass
-class ChunkTiming:
-    size: int  # C
-    history: int  # H: tokens already computed
-    seconds: float
-
-
-class OnlineCalibrator:
-    """vLLM-Ascend-style calibration: T* re-anchored on measured C0-chunks at H = 0, and
-    t(C, H) = a*C*(C+H) + b*(C+H) + c fitted from real chunk timings. The fit uses a sliding
-    window of the WINDOW most recent timings, refitted with every new one from MIN_SAMPLES on,
-    so it follows a machine whose speed changes (other load, thermal limits) instead of
-    freezing on the first timings; the next chunk solves t(x, L) = T*."""
-
-    MIN_SAMPLES, WINDOW = 5, 30
-
-    def __init__(self, predictor: ChunkSizePredictor, window: int = WINDOW):
-        self.predictor = predictor
-        self.samples: deque[ChunkTiming] = deque(maxlen=window)
-        self.model: tuple[float, float, float] | None = None
-        self.num_fits = 0
-
-    @property
-    def first_chunk_times(self) -> list[float]:
-        """Timings of C0-chunks at H = 0 in the window: T* follows the machine as well."""
-        return [s.seconds for s in self.samples
-                if s.history == 0 and s.size == self.predictor.base]
-
-    def observe(self, size: int, history: int, seconds: float) -> None:
-        self.samples.append(ChunkTiming(size, history, seconds))  # the oldest drops out
-        if len(self.samples) >= self.MIN_SAMPLES:
-            self._refit()
-
-    def _refit(self) -> None:
-        rows = [[s.size * (s.size + s.history), s.size + s.history, 1.0] for s in self.samples]
-        scale = [max(abs(r[i]) for r in rows) or 1.0 for i in range(3)]
-        try:
-            coef = _solve_least_squares([[r[i] / scale[i] for i in range(3)] for r in rows],
-                                        [s.seconds for s in self.samples])
-        except ValueError:
-            return
-        a, b, c = (coef[i] / scale[i] for i in range(3))
-        if a <= 0:
-            return
-        self.model = (a, max(b, 0.0), c)
-        self.num_fits += 1
-        # The first fit at INFO; the refits that follow every chunk at DEBUG.
-        (log.info if self.num_fits == 1 else log.debug)(
-            "dynamic chunking: refit from the last %d chunk timings: t(C, H) = %.3g*C*(C+H) + "
-            "%.3g*(C+H) + %.3g s; T* = %.3f s", len(self.samples), *self.model, self.target())
-
-    def target(self) -> float:
-        times = self.first_chunk_times
-        if times:
-            return sum(times) / len(times)
-        a, b, c = self.model
-        c0 = self.predictor.base
-        return a * c0 * c0 + b * c0 + c
-
-    def next_chunk_size(self, history_len: int) -> int:
-        if self.model is None:
-            return self.predictor.next_chunk_size(history_len)
-        a, b, c = self.model
-        # a x^2 + (a L + b) x + (b L + c - T*) = 0
-        lin, const = a * history_len + b, b * history_len + c - self.target()
-        disc = lin * lin - 4 * a * const
-        x = None if disc < 0 else (-lin + math.sqrt(disc)) / (2 * a)
-        return self.predictor.post_process(x, history_len)

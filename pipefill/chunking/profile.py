@@ -1,8 +1,10 @@
 """The start-up profile behind dynamic chunking and `--chunked-prefill-size auto`: single
-from-scratch prefills on stage 0's layer slice, timed, cached on disk so a restart skips them.
+from-scratch prefills on stage 0's layer slice, timed, cached on disk so a restart skips them
+(ARCHITECTURE.md, 'The chunking room').
 
 A ProfileRun measures one prefill per step, so that stage 0's loop can run it in slices while
-it is idle (the background profile) or all at once before it serves (blocking)."""
+it is idle (the background profile) or all at once before it serves (blocking). The prefill
+itself is the runtime's: it comes in as ProfileBench.prefill."""
 from __future__ import annotations
 
 import hashlib
@@ -12,11 +14,12 @@ import os
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Callable
 
 import torch
+from tqdm import tqdm
 
-from pipefill.chunking import fit_quadratic
-from pipefill.base.plan import SeqWork, StepPlan
+from pipefill.chunking.cost import fit_quadratic
 
 log = logging.getLogger(__name__)
 
@@ -26,6 +29,19 @@ DEFAULT_CACHE = Path.home() / ".cache" / "pipefill" / "profiles"
 # full-length warm-up.
 WARMUP_FRACTION = 8
 RETIME_RATIO, MAX_RETIMED = 1.3, 4
+
+# Seconds of one from-scratch prefill of n dummy tokens into these pages on stage 0's layers.
+ScratchPrefill = Callable[[int, list[int]], float]
+
+
+@dataclass(frozen=True)
+class ProfileBench:
+    """What the profile needs of stage 0, handed in by the runtime (StageExecutor.profile_bench)
+    so that this room never imports it."""
+    prefill: ScratchPrefill
+    page_size: int
+    cache_kind: str  # the KV cache class's name: part of the profile's cache key
+    hidden_size: int  # the simulator's bytes per token crossing a stage border
 
 
 def profile_key(model_file: str, dtype: str, layers: range, threads: int, c0: int,
@@ -70,23 +86,6 @@ def save(key: dict, lengths: list[int], seconds: list[float], cache_dir: str | N
     return str(path)
 
 
-def profile_forward(executor, num_tokens: int, pages: list[int]) -> float:
-    """Seconds of one from-scratch prefill of num_tokens dummy tokens into `pages` on this
-    stage's layers (zero activations in on later stages). A scratch plan (step id -1): no
-    page bookkeeping, the caller owns the pages."""
-    plan = StepPlan(-1, [SeqWork("profile", 0, num_tokens, [1] * num_tokens, pages)])
-    host = getattr(executor, "host", None)
-    if host is not None:  # a host-tier copy out of a freed page must finish before we write
-        host.wait_for(set(pages))
-    acts = None
-    if not executor.model.is_first:
-        from pipefill.runtime.executor import Activations
-        shape, device = (num_tokens, executor.model.cfg.hidden_size), executor.cache.k.device
-        acts = Activations(torch.zeros(shape, dtype=executor.model.dtype, device=device),
-                           torch.zeros(shape, dtype=torch.float32, device=device))
-    return executor.forward(plan, acts)[1]
-
-
 @dataclass
 class ProfileRun:
     """The profile's prefills, one per step: an untimed warm-up, then every length, then a
@@ -111,18 +110,16 @@ class ProfileRun:
     def pages_needed(self, page_size: int) -> int:
         return -(-max(self.lengths) // page_size)
 
-    def step(self, executor, pages: list[int]) -> None:
+    def step(self, prefill: ScratchPrefill, pages: list[int]) -> None:
         t0 = time.perf_counter()
         if not self.warmed:
-            profile_forward(executor, max(1, max(self.lengths) // WARMUP_FRACTION), pages)
+            prefill(max(1, max(self.lengths) // WARMUP_FRACTION), pages)
             self.warmed = True
         elif len(self.seconds) < len(self.lengths):
-            self.seconds.append(profile_forward(executor, self.lengths[len(self.seconds)],
-                                                pages))
+            self.seconds.append(prefill(self.lengths[len(self.seconds)], pages))
         elif self.retry:
             i = self.retry.pop()
-            self.seconds[i] = min(self.seconds[i],
-                                  profile_forward(executor, self.lengths[i], pages))
+            self.seconds[i] = min(self.seconds[i], prefill(self.lengths[i], pages))
             self.retimed += 1
         if self.retry is None and len(self.seconds) == len(self.lengths):
             self.retry = slow_outliers(self.lengths, self.seconds)
@@ -141,28 +138,17 @@ def slow_outliers(lengths: list[int], seconds: list[float]) -> list[int]:
     return sorted(excess, key=excess.get)[-MAX_RETIMED:]
 
 
-def measure(executor, lengths: list[int]) -> list[float]:
+def measure(bench: ProfileBench, lengths: list[int]) -> list[float]:
     """Blocking: every prefill now, into pages 0.., before the stage serves anything (no
     request owns a page yet)."""
-    from tqdm import tqdm
     run = ProfileRun(lengths)
-    pages = list(range(run.pages_needed(executor.cache.page_size)))
+    pages = list(range(run.pages_needed(bench.page_size)))
     with tqdm(total=run.steps_left, desc="dynamic chunking: profiling stage 0",
               unit="prefill", leave=False, disable=None) as bar:
         while not run.finished:
-            run.step(executor, pages)
+            run.step(bench.prefill, pages)
             bar.total = bar.n + 1 + run.steps_left
             bar.update()
     log.info("dynamic chunking: profiled %d lengths in %.1f s (%d timed twice)", len(lengths),
              run.busy_s, run.retimed)
     return run.seconds
-
-
-def load_or_measure(executor, lengths: list[int], key: dict, cache_dir: str | None
-                    ) -> tuple[list[int], list[float], str, bool]:
-    """(lengths, seconds, cache file, whether it was a cache hit); blocking."""
-    cached = load_cached(key, cache_dir)
-    if cached is not None:
-        return (*cached, True)
-    seconds = measure(executor, lengths)
-    return lengths, seconds, save(key, lengths, seconds, cache_dir), False

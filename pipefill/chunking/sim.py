@@ -1,6 +1,7 @@
-"""The pipeline simulator (DESIGN.md §8): replays a chunk schedule through P stages from a cost
-model and predicts TTFT, per-stage busy time and the bubble ratio, for pipeline sizes larger
-than the machine. Also the tuner behind `--chunked-prefill-size auto`.
+"""The pipeline simulator (ARCHITECTURE.md, 'The chunking room'): replays a chunk schedule
+through P stages from a cost model and predicts TTFT, per-stage busy time and the bubble ratio,
+for pipeline sizes larger than the machine. Also the tuner behind `--chunked-prefill-size auto`
+and the pipeline diagram that traces draw.
 
 Recurrence, with t_s(k) the time of chunk k on stage s and d_k its transfer delay:
     end[s][k] = max(end[s][k-1], end[s-1][k] + d_k) + t_s(k)
@@ -11,7 +12,10 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from pipefill.chunking import ChunkSizePredictor
+from pipefill.chunking.cost import ChunkSizePredictor
+
+# The smooth factors `--chunked-prefill-size auto` and `pipefill sim` try with dynamic chunks.
+SMOOTH_GRID = (0.0, 0.5, 0.65, 0.75, 0.85, 1.0)
 
 
 @dataclass(frozen=True)
@@ -162,6 +166,8 @@ def draw_timeline(bars: list[tuple[int, float, float, int]], num_stages: int, pa
                   title: str, xlabel: str = "seconds") -> str:
     """A textbook pipeline diagram: bars (stage, start s, duration s, micro-batch index) as
     one row per stage, colored and numbered by micro-batch."""
+    # Imported here: matplotlib costs a second at import, and only plots need it; the backend
+    # must be chosen before pyplot is imported.
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -1,11 +1,14 @@
-"""`pipefill sim`: the pipeline simulator on the command line (DESIGN.md §8)."""
+"""`pipefill sim`: the pipeline simulator on the command line (ARCHITECTURE.md, 'The chunking
+room')."""
 from __future__ import annotations
 
 import argparse
 import json
 
-from pipefill.sim import (CostModel, Transfer, chunk_plan, default_c0_grid, describe_chunks,
-                          pick, plot_timeline, simulate, tune)
+from pipefill.chunking.cost import fit_quadratic
+from pipefill.chunking.sim import (SMOOTH_GRID, CostModel, Transfer, chunk_plan, default_c0_grid,
+                                   describe_chunks, pick, plot_timeline, simulate, tune)
+from pipefill.config import chunk_size_flag
 
 
 def add_parser(sub) -> None:
@@ -22,7 +25,7 @@ def add_parser(sub) -> None:
     p.add_argument("--pp-size", type=int, default=2, help="pipeline stages")
     p.add_argument("--stage-scale", metavar="S0,S1,...",
                    help="per-stage cost multipliers (uneven partitions); default all 1")
-    p.add_argument("--chunked-prefill-size", default="2048",
+    p.add_argument("--chunked-prefill-size", default=2048, type=chunk_size_flag,
                    help="C0 in tokens, or auto (grid search)")
     p.add_argument("--dynamic", action="store_true", help="dynamic chunking")
     p.add_argument("--smooth-factor", type=float, default=0.75, help="sigma of dynamic chunks")
@@ -53,7 +56,6 @@ def cost_model(ns) -> CostModel:
     if ns.coefficients:
         a, b, c = parse_floats(ns.coefficients, "--coefficients", 3)
     else:
-        from pipefill.chunking import fit_quadratic
         with open(ns.profile) as f:
             data = json.load(f)
         a, b, c = fit_quadratic(data["lengths"], data["seconds"])
@@ -73,7 +75,7 @@ def run(ns: argparse.Namespace) -> int:
     inflight = ns.pp_size + ns.pp_async_batch_depth
     if ns.chunked_prefill_size == "auto":
         grid = default_c0_grid(ns.input_len, ns.page_size, 1 << 30)
-        sigmas = [0.0, 0.5, 0.65, 0.75, 0.85, 1.0] if ns.dynamic else [0.0]
+        sigmas = list(SMOOTH_GRID) if ns.dynamic else [0.0]
         ranked = tune(model, ns.input_len, grid, sigmas, transfer, inflight, ns.page_size)
         for cand in ranked[:5]:
             print(f"C0 {cand.c0:>6} smooth {cand.smooth:.2f}: TTFT {cand.ttft_s:8.3f} s, bubble "
@@ -83,7 +85,7 @@ def run(ns: argparse.Namespace) -> int:
               "those within 3% of the fastest)")
         c0, ns.smooth_factor = chosen.c0, chosen.smooth
     else:
-        c0 = int(ns.chunked_prefill_size)
+        c0 = ns.chunked_prefill_size
     policies = [("fixed", 0.0), ("dynamic", ns.smooth_factor)] if ns.compare else \
         [("dynamic" if ns.dynamic else "fixed", ns.smooth_factor if ns.dynamic else 0.0)]
     results = {}

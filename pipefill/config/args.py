@@ -28,6 +28,15 @@ def _flag(help_text: str, **kwargs) -> Any:
     return field(default=default, metadata={"help": help_text, **kwargs})
 
 
+def chunk_size_flag(text: str) -> int | str:
+    """--chunked-prefill-size as typed: a number of tokens (an int from here on) or 'auto'."""
+    if text == "auto":
+        return text
+    if not text.isdigit():
+        raise argparse.ArgumentTypeError(f"a number of tokens or 'auto', got {text!r}")
+    return int(text)
+
+
 @dataclass(frozen=True)
 class ServerArgs:
     model_path: str | None = _flag(
@@ -71,7 +80,7 @@ class ServerArgs:
         "are allowed with a warning (quality past the trained context is not guaranteed).",
         default=None)
     page_size: int = _flag("Tokens per KV-cache page.", default=64)
-    chunked_prefill_size: int | str = _flag(
+    chunked_prefill_size: int | str = _flag(  # an int, or "auto" (chunking.first_chunk_size)
         "Tokens per prefill chunk (C0): long prompts are cut into chunks of this size. 'auto': "
         "profile stage 0 and pick C0 (and the smooth factor with dynamic chunking) with the "
         "pipeline simulator for --tune-input-len tokens. A multiple of 64 wastes nothing: on "
@@ -79,7 +88,7 @@ class ServerArgs:
         "for float32 on AMD CPUs, and torch's bfloat16 F.linear) pad row counts to a multiple "
         "of 64, so other sizes compute up to 63 rows in vain there; float32 and float16 on "
         "the torch path (MKL) and CUDA are not padded.",
-        default=2048, type=lambda x: x)
+        default=2048, type=chunk_size_flag)
     enable_dynamic_chunking: bool = _flag(
         "Shrink later chunks so every chunk costs the same time (needs --pp-size > 1; a "
         "start-up profile of stage 0 fits the cost model).", default=False)
@@ -290,10 +299,8 @@ class ServerArgs:
 
     def __post_init__(self) -> None:
         c0 = self.chunked_prefill_size
-        if isinstance(c0, str):
-            if c0 != "auto" and not c0.isdigit():
-                raise ValueError(f"--chunked-prefill-size {c0!r}: a number of tokens or 'auto'")
-            object.__setattr__(self, "chunked_prefill_size", c0 if c0 == "auto" else int(c0))
+        if c0 != "auto" and (not isinstance(c0, int) or isinstance(c0, bool)):
+            raise ValueError(f"--chunked-prefill-size {c0!r}: a number of tokens or 'auto'")
         if self.max_running_requests < 1:
             raise ValueError("--max-running-requests must be at least 1, got "
                              f"{self.max_running_requests}")

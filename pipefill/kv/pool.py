@@ -47,6 +47,19 @@ class PagePool:
                 self._free.append(p)
                 self.freed.append(p)
 
+    def borrow(self, n: int) -> list[int]:
+        """n free pages for scratch work that no plan carries (the chunking room's background
+        profile); give_back returns them."""
+        return self.allocate(n)
+
+    def give_back(self, pages: list[int]) -> None:
+        """Borrowed pages, free again as if never lent: the free list as before the borrow,
+        and nothing in `freed`, since no stage ever heard of them."""
+        for p in reversed(pages):
+            assert self._refs[p] == 1, f"page {p} given back with {self._refs[p]} references"
+            self._refs[p] = 0
+            self._free.append(p)
+
     def drain_freed(self) -> list[int]:
         freed, self.freed = self.freed, []
         return freed

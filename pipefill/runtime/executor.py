@@ -7,6 +7,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pipefill.chunking.profile import ProfileBench
 from pipefill.kv.cache import KVCache
 from pipefill.kv.pool import PageOwners
 from pipefill.model.attention import SeqMeta
@@ -163,11 +164,15 @@ class StageExecutor:
             self.finish_page_ops(plan.page_ops)
         return Activations(hidden, residual, self.model.trims(meta)), time.perf_counter() - t0
 
-    def scratch_prefill(self, num_tokens: int) -> float:
+    def scratch_prefill(self, num_tokens: int, pages: list[int] | None = None) -> float:
         """Seconds of a from-scratch prefill of num_tokens dummy tokens on this stage's layers
-        (zero activations in on later stages). Only for before the stage serves: it writes
-        pages 0.. directly, which no request owns yet."""
-        pages = list(range(-(-num_tokens // self.cache.page_size)))
+        (zero activations in on later stages) into `pages`: a scratch plan (step id -1), no
+        page bookkeeping, the caller owns the pages (pages 0.. by default, which no request
+        owns before the stage serves)."""
+        if pages is None:
+            pages = list(range(-(-num_tokens // self.cache.page_size)))
+        elif self.host is not None:  # a host-tier copy out of a freed page must finish first
+            self.host.wait_for(set(pages))
         plan = StepPlan(-1, [SeqWork("scratch", 0, num_tokens, [1] * num_tokens, pages)])
         acts = None
         if not self.model.is_first:
@@ -175,6 +180,11 @@ class StageExecutor:
             acts = Activations(torch.zeros(shape, dtype=self.model.dtype, device=device),
                                torch.zeros(shape, dtype=torch.float32, device=device))
         return self.forward(plan, acts)[1]
+
+    def profile_bench(self) -> ProfileBench:
+        """What the chunking room's start-up profile times on this stage."""
+        return ProfileBench(self.scratch_prefill, self.cache.page_size,
+                            type(self.cache).__name__, self.model.cfg.hidden_size)
 
     def results(self, plan: StepPlan, acts: Activations) -> StepResult:
         """Last stage: logits on the needed rows, then sampling and logprobs."""

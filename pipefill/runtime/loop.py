@@ -50,7 +50,7 @@ class FirstStageLoop:
         self.on_result = on_result  # (plan, result) -> None: online chunk-cost calibration
         # PD disaggregation (pipefill.scheduler.role): the scheduler's role, with its hooks
         self.role = scheduler.role
-        # runtime.chunk_policy.ChunkPolicy: its idle_step runs a background profile's prefills
+        # chunking.ChunkPolicy: its idle_step runs a background profile's prefills
         self.chunk_policy = chunk_policy
         # runtime.heartbeat: the front end's stall watchdog reads these counters
         self.heartbeat = heartbeat or NoHeartbeat()
@@ -68,8 +68,9 @@ class FirstStageLoop:
             self._poll_role()
             if idle and not arrived and self.chunk_policy is not None and \
                     not self.stopping and not self.scheduler.has_work:
-                # Nothing came during an idle poll: one prefill of a background profile.
-                self.chunk_policy.idle_step(self.scheduler)
+                # Nothing came during an idle poll: one prefill of a background profile, on
+                # pages the KV manager lends it.
+                self.chunk_policy.idle_step(self.scheduler.kv)
             nothing_to_launch = not self._launch()
             self._retire_ready(must_wait=nothing_to_launch or self.stopping
                                or len(self.inflight) >= self.max_inflight)

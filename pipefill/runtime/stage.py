@@ -5,6 +5,7 @@ import logging
 
 import torch
 
+from pipefill.chunking.startup import first_chunk_size
 from pipefill.config import ServerArgs, StageInfo
 from pipefill.kernels.prefill_gemm import choose_prefill_gemm
 from pipefill.kv.cache import KVCache, stacked_kv_shape
@@ -76,9 +77,8 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
                                          cpu_vendor())
     reordered = ""
     if gemm == "onednn":
-        c0 = args.chunked_prefill_size  # the layout's row hint ('auto': not yet known)
-        nbytes = reorder_prefill_weights(weights, source.family,
-                                         c0 if isinstance(c0, int) else 2048)
+        # C0 is the layout's row hint ('auto' has not picked one yet: its fallback).
+        nbytes = reorder_prefill_weights(weights, source.family, first_chunk_size(args))
         reordered = f", matrices in its layout {nbytes / 2**20:.0f} MiB"
     log.info("stage %d: prefill GEMM %s (%s)%s", info.rank, gemm, gemm_why, reordered)
     model = StageModel(cfg, info.layers.start, weights, dtype, attention, ops)

@@ -8,7 +8,7 @@ import time
 from collections import deque
 from contextlib import contextmanager
 
-from pipefill.sim import draw_timeline
+from pipefill.chunking.sim import draw_timeline
 
 
 # Spans kept per stage: the newest ones. A long-running server with --trace-dir would otherwise

@@ -139,8 +139,8 @@ def _run_stage(args: ServerArgs, model_file: str, rank: int, channel: StageChann
         import torch.distributed as dist
         dist.barrier(group=groups[0])  # every stage loaded before stage 0 says ready
     if rank == 0:
-        from pipefill.runtime.chunk_policy import build_chunk_policy
-        policy = build_chunk_policy(args, executor, model_file, info.layers,
+        from pipefill.chunking.startup import build_chunk_policy
+        policy = build_chunk_policy(args, executor.profile_bench(), model_file, info.layers,
                                     args.layout.layer_counts)
         loop = make_first_stage_loop(args, cfg, executor, channel, pipe, tracer,
                                      policy, role, heartbeat)
@@ -191,11 +191,10 @@ def make_first_stage_loop(args, cfg, executor, channel, pipe, tracer, policy, ro
         from pipefill.kv.storage_tier import storage_director
         storage = storage_director(args, cfg, executor.storage)
     scheduler = Scheduler(SchedulerConfig(
-        page_size=args.page_size, chunked_prefill_size=policy.c0,
-        max_prefill_tokens=max(args.max_prefill_tokens, policy.c0),
+        page_size=args.page_size, max_prefill_tokens=args.max_prefill_tokens,
         max_running_requests=args.max_running_requests, max_model_len=args.max_model_len,
         eos_token_ids=cfg.eos_token_ids, seed=args.seed, vocab_size=cfg.vocab_size), pool,
-        policy.next_chunk_size, cache, host, storage, role,
+        policy, cache, host, storage, role,
         make_prefill_order(args.chunking.schedule_policy))
     return FirstStageLoop(executor, scheduler, channel, pipe, args.layout.max_inflight, tracer,
                           on_result=policy.observe, chunk_policy=policy, heartbeat=heartbeat)

@@ -241,6 +241,20 @@ class KVManager:
         self.promised -= r.pages_reserved
         r.pages, r.pages_reserved, r.lock_node, r.num_inserted = [], 0, None, 0
 
+    # ---- pages lent to scratch work outside any plan (chunking.policy.PageLender) -----------
+
+    def borrow(self, n: int) -> list[int] | None:
+        """n free pages that no admitted request was promised, or None. Also None while a copy
+        to the host or storage tier queued for the next plan may still read a free page
+        (evicted ones): the borrower writes its pages before that plan runs."""
+        tier_ops = any(t is not None and t.ops for t in (self.host, self.storage))
+        if tier_ops or self.pool.num_free - self.promised < n:
+            return None
+        return self.pool.borrow(n)
+
+    def give_back(self, pages: list[int]) -> None:
+        self.pool.give_back(pages)
+
     def on_stop(self) -> None:
         """A clean stop: under write_back the cache's pages in the pool were never saved."""
         if self.storage is not None:

@@ -24,8 +24,8 @@ import itertools
 import zlib
 from collections import deque
 from dataclasses import dataclass, field
-from typing import Callable
 
+from pipefill.chunking.policy import ChunkPolicy
 from pipefill.kv.pool import PagePool
 from pipefill.scheduler.kv_manager import KVManager
 from pipefill.base.plan import (NewRequest, RequestOutput, SampleSpec, SamplingParams, SeqWork,
@@ -41,7 +41,6 @@ DECODE_HEADROOM_PAGES = 1
 @dataclass(frozen=True)
 class SchedulerConfig:
     page_size: int
-    chunked_prefill_size: int
     max_prefill_tokens: int
     max_running_requests: int
     max_model_len: int
@@ -117,15 +116,14 @@ def check_prompt(ids: list[int], params: SamplingParams, vocab_size: int | None,
 
 
 class Scheduler:
-    def __init__(self, cfg: SchedulerConfig, pool: PagePool,
-                 next_chunk_size: Callable[[int], int] | None = None,
+    def __init__(self, cfg: SchedulerConfig, pool: PagePool, chunk_policy: ChunkPolicy,
                  cache: RadixCache | None = None, host=None, storage=None, role=None,
                  order: PrefillOrder | None = None):
         self.cfg = cfg
         self.pool = pool
         self.kv = KVManager(pool, cfg.page_size, cache, host, storage)
-        # Chunk policy: prefix length L -> size of the next continuation chunk.
-        self.next_chunk_size = next_chunk_size or (lambda _: cfg.chunked_prefill_size)
+        # The chunking room's policy: next_chunk(L) is the size of the chunk after L tokens.
+        self.chunk_policy = chunk_policy
         self.waiting: deque[Request] = deque()
         self.running: dict[str, Request] = {}
         self._step_ids = itertools.count()
@@ -189,7 +187,8 @@ class Scheduler:
         one long prompt in progress, so prompts finish one after the other instead of all
         late), then waiting prompts: whole short ones that fit always, which may pass long
         ones waiting, and long ones when the policy lets them start beside those in prefill."""
-        budget = self.cfg.max_prefill_tokens
+        first_chunk = self.chunk_policy.next_chunk(0)
+        budget = max(self.cfg.max_prefill_tokens, first_chunk)  # a first chunk always fits
         seqs: list[SeqWork] = []
         for r in list(self.running.values()):
             if self._ready(r) and not r.in_prefill and budget > 0 and self._make_room(r):
@@ -213,10 +212,10 @@ class Scheduler:
             if pages_short:
                 continue
             uncached = r.num_tokens - self.kv.cached_prefix_tokens(self._match_tokens(r))
-            whole = uncached <= min(budget, self.cfg.chunked_prefill_size)
+            whole = uncached <= min(budget, first_chunk)
             if not whole and not self.order.may_start_long(r, partial):
                 continue  # a long prompt waits for its turn; short ones go past it
-            if not whole and shared and budget < self.cfg.chunked_prefill_size:
+            if not whole and shared and budget < first_chunk:
                 continue
             if not self._admit(r):
                 pages_short = True
@@ -239,8 +238,7 @@ class Scheduler:
         """The size of r's next chunk. The first chunk from scratch is C0; after a cached
         prefix of L tokens (or earlier chunks) it is the size predicted for L (ARCHITECTURE.md,
         'The chunking room')."""
-        first = r.num_scheduled == 0
-        size = self.cfg.chunked_prefill_size if first else self.next_chunk_size(r.num_scheduled)
+        size = self.chunk_policy.next_chunk(r.num_scheduled)
         return min(size, r.num_tokens - r.num_scheduled)
 
     def _prefill_chunk(self, r: Request, budget: int) -> SeqWork:

@@ -2,6 +2,7 @@
 answers at once with fixed chunks, stage 0 profiles while idle on pages it borrows from the
 pool, then switches to the fitted chunks; outputs equal HF transformers before and after; a
 cached profile skips the background phase."""
+import dataclasses
 import time
 from types import SimpleNamespace
 
@@ -10,12 +11,13 @@ import torch
 
 from conftest import assert_pages_free, hf_reference, save_tiny_model, track
 from pipefill import Engine
-from pipefill.chunking import ChunkSizePredictor, profile_lengths
+from pipefill.chunking.cost import ChunkSizePredictor, profile_lengths
+from pipefill.chunking.policy import ChunkPolicy
+from pipefill.chunking.profile import slow_outliers
+from pipefill.chunking.startup import build_chunk_policy
 from pipefill.config import make_server_args
 from pipefill.frontend import prepare
 from pipefill.kv.pool import PagePool
-from pipefill.runtime.chunk_policy import build_chunk_policy
-from pipefill.runtime.profile import slow_outliers
 from pipefill.runtime.stage import build_stage
 from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig
 
@@ -122,43 +124,45 @@ def stage0(model7, tmp_path_factory):
     return args, source, info, build_stage(args, source, info)
 
 
-def scheduler_for(args, num_pages):
-    cfg = SchedulerConfig(page_size=PAGE, chunked_prefill_size=64, max_prefill_tokens=4096,
-                          max_running_requests=4, max_model_len=args.max_model_len)
-    return Scheduler(cfg, PagePool(num_pages))
+def scheduler_for(args, num_pages, policy):
+    cfg = SchedulerConfig(page_size=PAGE, max_prefill_tokens=4096, max_running_requests=4,
+                          max_model_len=args.max_model_len)
+    return Scheduler(cfg, PagePool(num_pages), policy)
 
 
 def test_idle_steps_borrow_pages_and_give_them_back(stage0, tmp_path):
     args, source, info, executor = stage0
     args = args.replace(dynamic_chunking_profile_cache=str(tmp_path))
-    policy = build_chunk_policy(args, executor, source.path, info.layers, [3, 4])
+    policy = build_chunk_policy(args, executor.profile_bench(), source.path, info.layers,
+                                [3, 4])
     assert policy.info["mode"] == "profiling" and policy.background is not None
     num_pages = executor.cache.num_pages
     run = policy.background.run
     total = len(run.lengths) + 1  # a warm-up, then one prefill per length (then retimings)
     # A pool with too few free pages: the profile waits, touching nothing.
-    tight = scheduler_for(args, num_pages)
+    tight = scheduler_for(args, num_pages, policy)
     held = tight.pool.allocate(num_pages - 2)
-    assert not policy.idle_step(tight) and policy.background.run.steps_left == total
+    assert not policy.idle_step(tight.kv) and policy.background.run.steps_left == total
     tight.pool.release(held)
     # A copy to the host tier queued for the next plan may read a free page: the profile waits.
     tight.kv.host = SimpleNamespace(ops=["copy out of a free page"])
-    assert not policy.idle_step(tight) and policy.background.run.steps_left == total
-    sched = scheduler_for(args, num_pages)
+    assert not policy.idle_step(tight.kv) and policy.background.run.steps_left == total
+    sched = scheduler_for(args, num_pages, policy)
     owned = sched.pool.allocate(3)  # a request's pages: the profile must not take them
     steps = 0
     while policy.background is not None:
-        assert policy.idle_step(sched)
+        assert policy.idle_step(sched.kv)
         steps += 1
         sched.pool.check_integrity()
         assert sched.pool.num_used == 3 and sched.pool.freed == []  # nothing to announce
         assert all(sched.pool.refcount(p) == 1 for p in owned)
     assert steps == total + run.retimed and run.retimed <= 4
     assert policy.info["mode"] in ("dynamic", "fixed")
+    assert sched.chunk_policy is policy  # the policy changed inside, the scheduler kept it
     if policy.info["mode"] == "dynamic":  # the fitted predictor is the scheduler's now
-        assert sched.next_chunk_size is policy.next_chunk_size
-    assert sched.cfg.chunked_prefill_size == policy.c0 == 64
-    assert not policy.idle_step(sched)  # nothing left to do
+        assert policy.sizer is not None
+    assert sched.chunk_policy.next_chunk(0) == policy.c0 == 64
+    assert not policy.idle_step(sched.kv)  # nothing left to do
 
 
 def test_a_preempted_sample_is_timed_again():
@@ -176,18 +180,18 @@ def test_a_preempted_sample_is_timed_again():
 def test_failed_background_profile_keeps_fixed_chunks(stage0, tmp_path):
     args, source, info, executor = stage0
     args = args.replace(dynamic_chunking_profile_cache=str(tmp_path))
-    policy = build_chunk_policy(args, executor, source.path, info.layers, [3, 4])
+    policy = build_chunk_policy(args, executor.profile_bench(), source.path, info.layers,
+                                [3, 4])
 
-    def broken(plan, acts):
+    def broken(num_tokens, pages):
         raise RuntimeError("out of memory")
-    policy.background.executor = SimpleNamespace(forward=broken, model=executor.model,
-                                                 cache=executor.cache)
-    sched = scheduler_for(args, executor.cache.num_pages)
-    assert policy.idle_step(sched)
-    assert policy.background is None and policy.next_chunk_size is None
+    policy.background.bench = dataclasses.replace(policy.background.bench, prefill=broken)
+    sched = scheduler_for(args, executor.cache.num_pages, policy)
+    assert policy.idle_step(sched.kv)
+    assert policy.background is None and policy.sizer is None
     assert policy.info["mode"] == "fixed" and "out of memory" in policy.info["fallback"]
     assert sched.pool.num_used == 0 and sched.pool.freed == []
-    assert sched.next_chunk_size(1000) == 64
+    assert sched.chunk_policy.next_chunk(1000) == 64
 
 
 def test_loop_profiles_only_at_request_boundaries():
@@ -207,12 +211,12 @@ def test_loop_profiles_only_at_request_boundaries():
         def __init__(self):
             self.seen_running = []
 
-        def idle_step(self, scheduler):
+        def idle_step(self, lender):
             self.seen_running.append(len(scheduler.running))
             return True
 
     channel, policy = MemoryChannel(), RecordingPolicy()
-    scheduler = Scheduler(SchedulerConfig(16, 32, 64, 8, 4096), PagePool(64))
+    scheduler = Scheduler(SchedulerConfig(16, 64, 8, 4096), PagePool(64), ChunkPolicy(32))
     loop = FirstStageLoop(FakeExecutor(0), scheduler, channel, chunk_policy=policy)
     thread = threading.Thread(target=loop.run, daemon=True)
     thread.start()

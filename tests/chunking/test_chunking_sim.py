@@ -1,11 +1,11 @@
-"""Chunk-size prediction (DESIGN.md §5) and the pipeline simulator (§8), without processes."""
+"""Chunk-size prediction and the pipeline simulator, without processes."""
 import math
 
 import pytest
 
-from pipefill.chunking import (PROFILE_SAMPLES, ChunkSizePredictor, OnlineCalibrator,
-                               profile_lengths)
-from pipefill.sim import CostModel, Transfer, simulate, simulate_costs
+from pipefill.chunking.calibration import OnlineCalibrator
+from pipefill.chunking.cost import PROFILE_SAMPLES, ChunkSizePredictor, profile_lengths
+from pipefill.chunking.sim import CostModel, Transfer, simulate, simulate_costs
 
 A, B, C = 1e-6, 1e-3, 0.05
 
@@ -186,7 +186,7 @@ def test_online_calibration_window_mixes_old_and_new_while_it_turns_over():
 
 def test_online_calibration_says_when_it_has_no_effect(caplog):
     from pipefill.config import ServerArgs
-    from pipefill.runtime.chunk_policy import build_chunk_policy, calibration_without_effect
+    from pipefill.chunking.startup import build_chunk_policy, calibration_without_effect
     on = dict(dynamic_chunking_online_calibration=True)
     assert calibration_without_effect(ServerArgs()) is None
     assert calibration_without_effect(ServerArgs(enable_dynamic_chunking=True, pp_size=2,
@@ -194,7 +194,7 @@ def test_online_calibration_says_when_it_has_no_effect(caplog):
     assert "--enable-dynamic-chunking is off" in calibration_without_effect(ServerArgs(**on))
     assert "--pp-size is 1" in calibration_without_effect(
         ServerArgs(enable_dynamic_chunking=True, **on))
-    with caplog.at_level("WARNING", logger="pipefill.runtime.chunk_policy"):
+    with caplog.at_level("WARNING", logger="pipefill.chunking.startup"):
         policy = build_chunk_policy(ServerArgs(**on), None, "", range(2), [2])
     assert policy.info["mode"] == "fixed"
     assert [r.getMessage() for r in caplog.records] == [
@@ -226,7 +226,7 @@ def test_simulator_cost_model_and_equal_chunks():
 
 
 def test_auto_pick_prefers_fewer_chunks_in_a_near_tie():
-    from pipefill.sim import Candidate, pick
+    from pipefill.chunking.sim import Candidate, pick
     ranked = [Candidate(512, 0.5, 10.0, 0.05, 60), Candidate(1024, 0.85, 10.02, 0.06, 30),
               Candidate(2048, 0.0, 11.0, 0.2, 8)]
     chosen, runner_up = pick(ranked)

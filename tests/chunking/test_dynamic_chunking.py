@@ -2,17 +2,16 @@
 falls back to fixed chunks, and the start-up profile is cached on disk. (The background
 profile has its own file, test_background_profile.py.)"""
 import json
-from types import SimpleNamespace
 
 import pytest
 import torch
 
 from conftest import assert_pages_free, save_tiny_model, track
 from pipefill import Engine
-from pipefill.chunking import ChunkSizePredictor, profile_lengths
+from pipefill.chunking.cost import ChunkSizePredictor, profile_lengths
+from pipefill.chunking.profile import ProfileBench, cache_path, profile_key
+from pipefill.chunking.startup import build_chunk_policy
 from pipefill.config import ServerArgs
-from pipefill.runtime.chunk_policy import build_chunk_policy
-from pipefill.runtime.profile import cache_path, profile_key
 
 A, B, C = 1e-5, 1e-4, 1e-3  # a made-up convex chunk cost, so chunks visibly shrink
 PROMPT = [(11 * i + 5) % 512 for i in range(600)]
@@ -86,19 +85,15 @@ def test_blocking_profile_cache_is_hit_on_the_second_start(model7, tmp_path):
 
 
 def test_failed_profile_never_stops_start_up(tmp_path):
-    class Broken:
-        model = SimpleNamespace(cfg=SimpleNamespace(hidden_size=64), is_first=True,
-                                dtype=torch.float32)
-        cache = SimpleNamespace(page_size=16)
-
-        def forward(self, plan, acts):
-            raise RuntimeError("out of memory")
+    def broken(num_tokens, pages):
+        raise RuntimeError("out of memory")
     args = ServerArgs(pp_size=2, enable_dynamic_chunking=True, max_model_len=4096,
                       dynamic_chunking_profile_cache=str(tmp_path), chunked_prefill_size=512,
                       dynamic_chunking_smooth_factor=0.75, dtype="float32",
                       dynamic_chunking_profile="blocking")
     model_file = tmp_path / "model.bin"
     model_file.write_bytes(b"x")
-    policy = build_chunk_policy(args, Broken(), str(model_file), range(0, 2), [2, 2])
-    assert policy.c0 == 512 and policy.next_chunk_size is None
+    bench = ProfileBench(broken, page_size=16, cache_kind="KVCache", hidden_size=64)
+    policy = build_chunk_policy(args, bench, str(model_file), range(0, 2), [2, 2])
+    assert policy.c0 == 512 and policy.sizer is None
     assert "out of memory" in policy.info["fallback"]

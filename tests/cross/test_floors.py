@@ -11,7 +11,7 @@ FLOORS = [
     {"config", "kernels"},
     {"model"},
     {"kv", "chunking"},
-    {"scheduler", "sim"},
+    {"scheduler"},
     {"disagg"},
     {"runtime"},
     {"frontend"},

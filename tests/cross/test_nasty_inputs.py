@@ -9,6 +9,7 @@ import threading
 import httpx
 import pytest
 
+from pipefill.chunking.policy import ChunkPolicy
 from pipefill.kv.pool import PagePool
 from pipefill.base.plan import NewRequest, SamplingParams, SeqResult, StepResult
 from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig, check_prompt
@@ -69,7 +70,7 @@ class Unchecked(SamplingParams):
 
 def test_scheduler_ends_a_failed_request_and_frees_its_pages():
     pool = PagePool(64)
-    s = Scheduler(SchedulerConfig(16, 32, 64, 8, 4096), pool)
+    s = Scheduler(SchedulerConfig(16, 64, 8, 4096), pool, ChunkPolicy(32))
     s.add(NewRequest("bad", list(range(100)), SamplingParams(max_new_tokens=4,
                                                              return_prompt_logprobs=True)))
     s.add(NewRequest("good", list(range(10)), SamplingParams(max_new_tokens=2)))
@@ -91,7 +92,8 @@ def test_scheduler_ends_a_failed_request_and_frees_its_pages():
 def test_stage_zero_refuses_ids_outside_the_vocabulary():
     """A request that skipped the front end's check (another client of stage 0's socket)
     is refused by the scheduler instead of reaching the embedding."""
-    s = Scheduler(SchedulerConfig(16, 32, 64, 8, 4096, vocab_size=100), PagePool(64))
+    s = Scheduler(SchedulerConfig(16, 64, 8, 4096, vocab_size=100), PagePool(64),
+                  ChunkPolicy(32))
     with pytest.raises(ValueError, match="token id 100 is outside the vocabulary"):
         s.add(NewRequest("r", [1, 2, 100], SamplingParams(max_new_tokens=2)))
     assert not s.waiting and not s.running
@@ -128,7 +130,7 @@ def test_sampling_failure_fails_one_request_and_the_stage_serves_on(tiny_llama, 
     links, results = [queue.Queue() for _ in range(pp_size)], queue.Queue()
     pipes = [MemoryPipe(r, pp_size, links, results) for r in range(pp_size)]
     channel, pool = MemoryChannel(), PagePool(executors[0].cache.num_pages)
-    scheduler = Scheduler(SchedulerConfig(16, 32, 64, 8, 1024), pool)
+    scheduler = Scheduler(SchedulerConfig(16, 64, 8, 1024), pool, ChunkPolicy(32))
     first = FirstStageLoop(executors[0], scheduler, channel,
                            pipes[0] if pp_size > 1 else None, pp_size)
     threads = [threading.Thread(target=first.run, daemon=True)] + [

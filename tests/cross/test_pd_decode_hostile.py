@@ -24,6 +24,7 @@ import msgspec
 import psutil
 import pytest
 
+from pipefill.chunking.policy import ChunkPolicy
 from pipefill.disagg import messages as m
 from pipefill.disagg.bootstrap import lookup_prefill
 from pipefill.disagg.connector import (TOO_SLOW, Deadline, PeerError, PrefillConnector,
@@ -156,8 +157,8 @@ def test_the_prefill_bootstrap_flag_is_an_allow_list():
 # ------------------------------------------------------------------ a room id already live
 
 def scheduler(role: str) -> Scheduler:
-    return Scheduler(SchedulerConfig(16, 32, 64, 8, 1024, (2,), vocab_size=VOCAB), PagePool(64),
-                     role=PrefillRole(1) if role == "prefill" else DecodeRole())
+    return Scheduler(SchedulerConfig(16, 64, 8, 1024, (2,), vocab_size=VOCAB), PagePool(64),
+                     ChunkPolicy(32), role=PrefillRole(1) if role == "prefill" else DecodeRole())
 
 
 def pd_request(rid: str, room: int) -> NewRequest:

@@ -26,7 +26,7 @@ from pipefill.kv.storage_file import LOCK_NAME, FileBackend
 from pipefill.kv.storage_format import byte_view, encode_header
 from pipefill.kv.storage_tier import StorageDirector, StorageTier
 from pipefill.model.loader import WeightSource
-from pipefill.runtime.chunk_policy import ChunkPolicy
+from pipefill.chunking.policy import ChunkPolicy
 from pipefill.runtime.loop import run_later_stage
 from pipefill.runtime.stage import build_stage
 from pipefill.runtime.trace import StageTracer
@@ -306,7 +306,7 @@ def storage_scheduler(root):
     director = StorageDirector(StorageTier(store, None, 0, "e" * 32), [suffix], [shape],
                                torch.float32, "write_through", 30.0)
     pool = PagePool(32)
-    scheduler = Scheduler(SchedulerConfig(16, 32, 64, 4, 512), pool,
+    scheduler = Scheduler(SchedulerConfig(16, 64, 4, 512), pool, ChunkPolicy(32),
                           cache=RadixCache(16, pool), storage=director)
     return scheduler, store
 

@@ -8,6 +8,7 @@ import torch
 
 from conftest import save_tiny_model, track
 from pipefill import Engine
+from pipefill.chunking.policy import ChunkPolicy
 from pipefill.kv.cache import KVCache
 from pipefill.kv.host import HostDirector, HostTier, host_slots
 from pipefill.kv.pool import PageOwners, PagePool
@@ -59,7 +60,7 @@ def run_workload(seed: int, num_pages: int, num_slots: int, inflight: int = 3):
     host = HostDirector(num_slots) if num_slots else None
     if host is not None:
         host.attach(cache)
-    s = Scheduler(SchedulerConfig(PAGE, 8, 16, 4, 4096, ()), pool, None, cache, host)
+    s = Scheduler(SchedulerConfig(PAGE, 16, 4, 4096, ()), pool, ChunkPolicy(8), cache, host)
     docs = [[rng.randrange(50) for _ in range(rng.randrange(8, 30))] for _ in range(3)]
     tokens, expect = {}, {}
     for i in range(12):

@@ -7,6 +7,7 @@ import torch
 
 from conftest import assert_pages_free, save_tiny_model, track
 from pipefill import Engine
+from pipefill.chunking.policy import ChunkPolicy
 from pipefill.kv.pool import PageOwners, PagePool
 from pipefill.base.plan import NewRequest, SamplingParams, SeqResult, StepResult
 from pipefill.scheduler.radix import RadixCache
@@ -17,8 +18,8 @@ PAGE = 16
 
 def make(num_pages=64, chunk=32, budget=64, next_chunk_size=None, max_running=8):
     pool = PagePool(num_pages)
-    cfg = SchedulerConfig(PAGE, chunk, budget, max_running, 4096, ())
-    return Scheduler(cfg, pool, next_chunk_size, RadixCache(PAGE, pool))
+    cfg = SchedulerConfig(PAGE, budget, max_running, 4096, ())
+    return Scheduler(cfg, pool, ChunkPolicy(chunk, next_chunk_size), RadixCache(PAGE, pool))
 
 
 class Stage:

@@ -9,6 +9,7 @@ from types import SimpleNamespace
 
 import pytest
 
+from pipefill.chunking.policy import ChunkPolicy
 from pipefill.kv.pool import PageOwners, PagePool
 from pipefill.runtime.loop import FirstStageLoop, report_to_first, run_later_stage
 from pipefill.base.plan import NewRequest, PDInfo, SamplingParams, SeqResult, StepResult
@@ -127,8 +128,8 @@ def run_pipeline(pp_size, depth, requests, prefix_cache=False):
     channel = MemoryChannel()
     pool = PagePool(256)
     cache = RadixCache(16, pool) if prefix_cache else None
-    scheduler = Scheduler(SchedulerConfig(16, 32, 64, 8, 4096, eos_token_ids=()), pool,
-                          cache=cache)
+    scheduler = Scheduler(SchedulerConfig(16, 64, 8, 4096, eos_token_ids=()), pool,
+                          ChunkPolicy(32), cache=cache)
     first = FirstStageLoop(executors[0], scheduler, channel,
                            pipes[0] if pp_size > 1 else None, pp_size + depth)
     threads = [threading.Thread(target=first.run, daemon=True)]
@@ -194,7 +195,7 @@ def test_new_requests_join_between_steps_of_one_stage():
                                                   SamplingParams(max_new_tokens=1))]))
         return forward(plan, acts)
     executor.forward = forward_and_record
-    scheduler = Scheduler(SchedulerConfig(16, 32, 64, 8, 4096), PagePool(64))
+    scheduler = Scheduler(SchedulerConfig(16, 64, 8, 4096), PagePool(64), ChunkPolicy(32))
     loop = FirstStageLoop(executor, scheduler, channel)
     thread = threading.Thread(target=loop.run, daemon=True)
     thread.start()
@@ -267,7 +268,7 @@ def test_later_stages_kv_done_reaches_stage_0_inside_the_pipeline(pp_size):
     let_go = threading.Event()
     roles = [ReportingPrefill(pp_size, r, pipes[r], let_go) for r in range(pp_size)]
     channel, pool = MemoryChannel(), PagePool(256)
-    scheduler = Scheduler(SchedulerConfig(16, 32, 64, 8, 4096), pool, role=roles[0])
+    scheduler = Scheduler(SchedulerConfig(16, 64, 8, 4096), pool, ChunkPolicy(32), role=roles[0])
     first = FirstStageLoop(FakeExecutor(0), scheduler, channel, pipes[0], pp_size)
     threads = [threading.Thread(target=first.run, daemon=True)]
     threads += [threading.Thread(target=run_later_stage, daemon=True,

@@ -3,6 +3,7 @@ stage's sender is done with its room, whole pages go out chunk by chunk (the par
 with the final chunk, prefix-cache hits from page 0); a decode request waits in pre-allocated
 pages for its KV, continues from the prefill's first token, and gives its pages back on every
 ending, whatever the order of the room's result and the receiver's release."""
+from pipefill.chunking.policy import ChunkPolicy
 from pipefill.kv.pool import PagePool
 from pipefill.base.plan import (NewRequest, PDInfo, SamplingParams, SeqResult,
                                 StepResult)
@@ -15,7 +16,7 @@ PAGE = 16
 
 def make(role: str, stages: int = 2, cache: bool = False, num_pages: int = 64):
     pool = PagePool(num_pages)
-    return Scheduler(SchedulerConfig(PAGE, 32, 64, 8, 1024, (2,)), pool,
+    return Scheduler(SchedulerConfig(PAGE, 64, 8, 1024, (2,)), pool, ChunkPolicy(32),
                      cache=RadixCache(PAGE, pool) if cache else None,
                      role=PrefillRole(stages) if role == "prefill" else DecodeRole())
 

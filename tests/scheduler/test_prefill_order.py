@@ -5,6 +5,7 @@ each prompt's own chunk sizes, and finishes every prompt (no starvation)."""
 import pytest
 
 from pipefill.base.plan import NewRequest, SamplingParams
+from pipefill.chunking.policy import ChunkPolicy
 from pipefill.kv.pool import PagePool
 from pipefill.scheduler.prefill_order import POLICIES, make_prefill_order
 from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig
@@ -14,8 +15,8 @@ CHUNK = 32
 
 
 def make(policy: str, budget: int = CHUNK) -> Scheduler:
-    cfg = SchedulerConfig(16, CHUNK, budget, 8, 4096, (2,))
-    return Scheduler(cfg, PagePool(256), order=make_prefill_order(policy))
+    cfg = SchedulerConfig(16, budget, 8, 4096, (2,))
+    return Scheduler(cfg, PagePool(256), ChunkPolicy(CHUNK), order=make_prefill_order(policy))
 
 
 def add(s: Scheduler, rid: str, tokens: int, priority: int = 0) -> None:

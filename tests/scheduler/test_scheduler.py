@@ -1,14 +1,15 @@
 """The scheduler without processes or torch: fabricated results in, plans out."""
 import pytest
 
+from pipefill.chunking.policy import ChunkPolicy
 from pipefill.kv.pool import PagePool
 from pipefill.base.plan import NewRequest, SamplingParams, SeqResult, StepResult
 from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig
 
 
 def make(num_pages=64, chunk=32, budget=64, page=16, max_running=8, max_len=1024, eos=(2,)):
-    cfg = SchedulerConfig(page, chunk, budget, max_running, max_len, eos)
-    return Scheduler(cfg, PagePool(num_pages))
+    cfg = SchedulerConfig(page, budget, max_running, max_len, eos)
+    return Scheduler(cfg, PagePool(num_pages), ChunkPolicy(chunk))
 
 
 def result_for(plan, token=5):

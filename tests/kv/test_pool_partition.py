@@ -21,6 +21,21 @@ def test_pool_refcounts_and_integrity():
         pool.release([0])
 
 
+def test_borrowed_pages_come_back_unannounced():
+    pool = PagePool(8)
+    owned = pool.allocate(2)
+    pool.release(owned[1:])
+    pool.drain_freed()
+    lent = pool.borrow(3)
+    assert lent == [1, 2, 3] and pool.num_free == 4
+    pool.give_back(lent)
+    pool.check_integrity()
+    assert pool.freed == [] and pool.num_free == 7  # no stage hears of a borrow
+    assert pool.allocate(3) == lent  # the free list is as it was before the borrow
+    with pytest.raises(AssertionError):
+        pool.give_back([owned[0], owned[0]])  # a page given back twice
+
+
 def test_token_slots_slice_when_consecutive():
     assert token_slots([4, 5, 6], 3, 40, 16) == slice(67, 104)
     slots = token_slots([4, 9], 14, 18, 16)

@@ -8,7 +8,7 @@ import json
 from pipefill.chunking.cost import fit_quadratic
 from pipefill.chunking.sim import (SMOOTH_GRID, CostModel, Transfer, chunk_plan, default_c0_grid,
                                    describe_chunks, pick, plot_timeline, simulate, tune)
-from pipefill.config import chunk_size_flag
+from pipefill.config.args import chunk_size_flag
 
 
 def add_parser(sub) -> None:

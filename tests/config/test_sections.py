@@ -50,7 +50,7 @@ def test_num_layers_is_no_flag():
 def test_each_section_takes_its_flags():
     args = resolve(ServerArgs(page_size=16, disable_radix_cache=True, max_total_tokens=None,
                               disaggregation_mode="prefill", disaggregation_insecure=True,
-                              header_read_timeout=3.0, chunked_prefill_size="128",
+                              header_read_timeout=3.0, chunked_prefill_size=128,
                               max_prefill_tokens=256, dtype="float32"), model_cfg())
     assert (args.cache.page_size, args.cache.radix) == (16, False)
     assert args.cache.capacity_tokens == 65536  # 4 x 4096 is below the floor

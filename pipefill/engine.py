@@ -117,8 +117,10 @@ class Engine:
 
     def generate(self, prompts, max_new_tokens: int = 16, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = -1, seed: int | None = None,
-                 return_prompt_logprobs: bool = False, ignore_eos: bool = False
-                 ) -> list[GenerateOutput]:
+                 return_prompt_logprobs: bool = False, ignore_eos: bool = False,
+                 priority: int | list[int] = 0) -> list[GenerateOutput]:
+        """priority: one for every prompt, or a list (--schedule-policy priority: larger
+        first)."""
         self._require_stages()
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             raise ValueError("prompts must be a list of strings or a list of token-id lists")
@@ -126,13 +128,17 @@ class Engine:
         params = SamplingParams(max_new_tokens, temperature, top_p, top_k, seed, ignore_eos,
                                 stops, return_prompt_logprobs)
         encoded = [self.encode(p) for p in prompts]
+        priorities = priority if isinstance(priority, list) else [priority] * len(encoded)
+        if len(priorities) != len(encoded):
+            raise ValueError(f"{len(priorities)} priorities for {len(encoded)} prompts")
         for ids in encoded:
             self.check_prompt(ids, params)
         now = time.perf_counter()
         pending = {self.core.new_rid("req"): _Pending(i, len(ids), now)
                    for i, ids in enumerate(encoded)}
         try:
-            self.core.submit([NewRequest(rid, ids, params) for rid, ids in zip(pending, encoded)],
+            self.core.submit([NewRequest(rid, ids, params, priority=p)
+                              for rid, ids, p in zip(pending, encoded, priorities)],
                              [p.take for p in pending.values()])
             self._collect(pending)
         except StageFailure as e:

@@ -274,6 +274,7 @@ class Job:
     chat: bool
     echo: bool = False
     logprobs: int | None = None
+    priority: int = 0  # --schedule-policy priority
     created: int = field(default_factory=lambda: int(time.time()))
 
 
@@ -303,7 +304,8 @@ async def make_job(served: Served, body, chat: bool) -> Job:
     except ValueError as e:
         raise ApiError(400, str(e)) from None
     rid = served.engine.new_rid("chatcmpl" if chat else "cmpl")
-    return Job(rid, ids, prompt_text, params, body.stop_strings(), chat, echo, logprobs)
+    return Job(rid, ids, prompt_text, params, body.stop_strings(), chat, echo, logprobs,
+               body.priority)
 
 
 def requested_max_tokens(body, chat: bool) -> int | None:
@@ -328,7 +330,7 @@ def check_limits(body) -> None:
     if any(len(s) > MAX_STOP_CHARS for s in stops):
         raise ApiError(400, f"stop: a stop string may have at most {MAX_STOP_CHARS} "
                             "characters", param="stop")
-    for name in ("seed", "top_k"):
+    for name in ("seed", "top_k", "priority"):
         value = getattr(body, name)
         if value is not None and not -2**63 <= value < 2**63:
             raise ApiError(400, f"{name} must fit in 64 bits, got {value}", param=name)

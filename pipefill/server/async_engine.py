@@ -115,7 +115,8 @@ class AsyncEngine:
         self._pd[rid] = pd
 
     async def generate(self, rid: str, prompt_ids: list[int], params: SamplingParams,
-                       pd: PDInfo | None = None) -> AsyncIterator[RequestOutput]:
+                       pd: PDInfo | None = None, priority: int = 0
+                       ) -> AsyncIterator[RequestOutput]:
         """Yields the request's outputs until it finishes; aborts it if the caller goes away
         (a client disconnect cancels the task that iterates here)."""
         pd = self._pd.pop(rid, pd)
@@ -127,7 +128,8 @@ class AsyncEngine:
         finished = False
         try:
             try:
-                self.core.submit([NewRequest(rid, prompt_ids, params, pd)], [queue.put_nowait])
+                self.core.submit([NewRequest(rid, prompt_ids, params, pd, priority)],
+                                 [queue.put_nowait])
             except StageFailure as e:  # the reader thread handles the failure itself
                 raise EngineDown(str(e)) from None
             while not finished:

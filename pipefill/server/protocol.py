@@ -92,6 +92,8 @@ class _Sampling(BaseModel):
     stream_options: StreamOptions | None = None
     n: int = Field(1, **_doc("Choices per request: only 1", minimum=1, maximum=1))
     ignore_eos: bool = False
+    priority: int = Field(0, **_doc("With --schedule-policy priority: larger is served first "
+                                    "(64-bit)"))
 
     def stop_strings(self) -> list[str]:
         if self.stop is None:

@@ -81,8 +81,8 @@ class Run:
         status = "aborted"  # unless it ends normally or the stages fail
         try:
             # aclosing: leaving early (a stop string, a disconnect) aborts at stage 0 at once.
-            async with aclosing(self.served.engine.generate(job.rid, job.prompt_ids,
-                                                            job.params)) as outputs:
+            async with aclosing(self.served.engine.generate(
+                    job.rid, job.prompt_ids, job.params, priority=job.priority)) as outputs:
                 async for out in outputs:
                     for delta in self._on_output(out):
                         yield delta

@@ -9,6 +9,7 @@ PageLender).
     sim.py          the pipeline simulator, the tuner behind `auto`, the pipeline diagram
     policy.py       ChunkPolicy: the one object the scheduler asks, next_chunk(L)
     startup.py      build_chunk_policy: stage 0's policy from the flags (and a profile)
+    progress.py     a long prefill's progress and its ETA from the cost model
 """
 from pipefill.chunking.cost import ChunkSizePredictor, fit_quadratic, profile_lengths
 from pipefill.chunking.policy import ChunkPolicy, PageLender

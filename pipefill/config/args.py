@@ -241,6 +241,10 @@ class ServerArgs:
         "2,048-token chunk of a 7-8B model split over few stages; time yours with `pipefill "
         "bench prefill` and give a few times that. Idle stages are never stalled. Only the "
         "stages of node 0 are watched. 0 = off.", default=60.0, type=float)
+    log_prefill_progress_interval: float = _flag(
+        "`pipefill serve`: seconds between the log lines of a prompt longer than one chunk in "
+        "prefill (request id, tokens done of all, ETA from the chunk cost model). 0 = off.",
+        default=30.0, type=float)
     disaggregation_mode: str = _flag(
         "Prefill/decode disaggregation role: null (prefill and decode in one server), prefill "
         "or decode (behind sglang-router in PD mode, see `pipefill serve-pd`). Either role "

@@ -350,6 +350,7 @@ class Serving:
     max_stage_restarts: int
     stage_restart_window: int
     stage_stall_timeout: float
+    log_prefill_progress_interval: float = 30.0
 
     @staticmethod
     def of(args) -> "Serving":
@@ -357,7 +358,8 @@ class Serving:
                        args.shutdown_timeout, args.header_read_timeout, args.body_read_timeout,
                        args.max_connections, args.max_queued_requests,
                        args.stage_restart_timeout, args.max_stage_restarts,
-                       args.stage_restart_window, args.stage_stall_timeout)
+                       args.stage_restart_window, args.stage_stall_timeout,
+                       args.log_prefill_progress_interval)
 
     def __post_init__(self) -> None:
         for flag, value in (("header-read-timeout", self.header_read_timeout),
@@ -375,3 +377,6 @@ class Serving:
                              f"{self.stage_stall_timeout}")
         if self.max_stage_restarts < 0:
             raise ValueError("--max-stage-restarts must be >= 0 (0 = never restart)")
+        if self.log_prefill_progress_interval < 0:
+            raise ValueError("--log-prefill-progress-interval must be >= 0 (0 = off), got "
+                             f"{self.log_prefill_progress_interval}")

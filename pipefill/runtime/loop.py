@@ -20,6 +20,7 @@ import logging
 import time
 from collections import deque
 
+from pipefill.chunking.progress import ProgressClock
 from pipefill.runtime.heartbeat import NoHeartbeat
 from pipefill.runtime.trace import StageTracer, plan_label
 from pipefill.base.plan import REPORT_STEP, PipeMessage, RequestOutput, StepPlan, StepResult
@@ -55,6 +56,7 @@ class FirstStageLoop:
         # runtime.heartbeat: the front end's stall watchdog reads these counters
         self.heartbeat = heartbeat or NoHeartbeat()
         self.inflight: deque[StepPlan] = deque()
+        self.progress = ProgressClock()  # long prefills' ages and ETAs, for the load reports
         self.stopping = False
         self._load_changed = False
         self._load_reported_at = 0.0
@@ -162,13 +164,16 @@ class FirstStageLoop:
         except AssertionError as e:
             integrity = str(e)
         owners = getattr(self.executor, "owners", None)
+        info = self.chunk_policy.info if self.chunk_policy is not None else None
+        prefill = self.progress.report(self.scheduler.long_prefills(),
+                                       (info or {}).get("coefficients"))
         return {"rank": 0, "pages_total": pool.num_pages, "pages_free": pool.num_free,
                 "pages_used": pool.num_used, "integrity": integrity,
                 "owned_pages": owners.num_used if owners is not None else None,
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "inflight_micro_batches": len(self.inflight),
                 "page_size": self.scheduler.cfg.page_size, **self.scheduler.kv.stats(),
-                "chunking": self.chunk_policy.info if self.chunk_policy is not None else None}
+                "chunking": info, "prefill": [p.as_list() for p in prefill]}
 
     # ---- schedule / run / update -------------------------------------------------------------
 

@@ -179,6 +179,14 @@ class Scheduler:
     def num_inflight_requests(self) -> int:
         return sum(1 for r in self.running.values() if r.num_inflight)
 
+    def long_prefills(self) -> list[tuple[str, int, int]]:
+        """(rid, prompt tokens computed or on their way, prompt tokens) of every admitted
+        prompt in prefill that is longer than one chunk: what progress is reported of."""
+        c0 = self.chunk_policy.next_chunk(0)
+        return [(r.rid, min(r.num_scheduled, len(r.prompt_ids)), len(r.prompt_ids))
+                for r in self.running.values()
+                if r.in_prefill and not r.done and len(r.prompt_ids) > c0]
+
     # ---- planning ----------------------------------------------------------------------------
 
     def schedule(self) -> StepPlan | None:

@@ -16,6 +16,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 from starlette.requests import ClientDisconnect
 
+from pipefill.chunking.progress import PrefillProgress
 from pipefill.config import DisaggMode, Disaggregation, Serving
 from pipefill.disagg.http_fields import ROUTER_MODEL, FieldError, pd_info
 from pipefill.base.plan import SamplingParams, is_room_in_use
@@ -85,8 +86,10 @@ def build_app(served: Served, on_startup_failure=None, shutting_down=None) -> Fa
         starting = loop.run_in_executor(None, served.engine.start, loop)
         starting.add_done_callback(lambda f: _startup_done(f, on_startup_failure))
         watcher = asyncio.create_task(_fail_late_requests(served, shutting_down))
+        progress = asyncio.create_task(_log_prefill_progress(served))
         yield
         watcher.cancel()
+        progress.cancel()
         served.engine.shutdown()
         served.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 
@@ -185,6 +188,20 @@ async def _fail_late_requests(served: Served, shutting_down) -> None:
         await asyncio.sleep(0.1)
     await asyncio.sleep(max(0.0, served.serving.shutdown_timeout - 1.0))
     served.engine.fail_all("the server is shutting down")
+
+
+async def _log_prefill_progress(served: Served) -> None:
+    """One line per long prompt in prefill every --log-prefill-progress-interval seconds, from
+    stage 0's latest load report (a prefill of 100K+ tokens on CPU takes many minutes)."""
+    interval = served.serving.log_prefill_progress_interval
+    if interval <= 0:
+        return
+    while True:
+        await asyncio.sleep(interval)
+        for item in (served.engine.load or {}).get("prefill") or []:
+            p = PrefillProgress.of(item)
+            log.info("request %s: %s (%.0f%%, %.0f s since it was admitted)", p.rid, p.line(),
+                     100 * p.done / max(p.total, 1), p.age_s)
 
 
 def _startup_done(future, on_failure) -> None:

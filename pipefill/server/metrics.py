@@ -32,6 +32,15 @@ class ServerMetrics:
         self.pages_used = Gauge(p + "kv_pages_used", "KV pages in use", registry=r)
         self.pages_free = Gauge(p + "kv_pages_free", "KV pages free", registry=r)
         self.healthy = Gauge(p + "stages_up", "1 when every stage is up", registry=r)
+        # Long prompts in prefill (longer than one chunk), from stage 0's load reports.
+        self.prefill_requests = Gauge(p + "prefill_long_requests",
+                                      "Prompts longer than one chunk in prefill", registry=r)
+        self.prefill_tokens_left = Gauge(p + "prefill_tokens_remaining",
+                                         "Prompt tokens of long prompts not yet computed",
+                                         registry=r)
+        self.prefill_oldest_age = Gauge(p + "prefill_oldest_age_seconds",
+                                        "Time since the oldest long prompt in prefill was "
+                                        "admitted", registry=r)
         # Prefix cache (stage 0's counters since the stages started, pushed with the load).
         self.cache_hit_tokens = Gauge(p + "cache_hit_tokens",
                                       "Prompt tokens served from the prefix cache, by tier",
@@ -60,6 +69,10 @@ class ServerMetrics:
                                   registry=r)
 
     def observe_load(self, load: dict) -> None:
+        prefill = load.get("prefill") or []  # [rid, done, total, age_s, eta_s] per long prompt
+        self.prefill_requests.set(len(prefill))
+        self.prefill_tokens_left.set(sum(total - done for _, done, total, _, _ in prefill))
+        self.prefill_oldest_age.set(max((age for _, _, _, age, _ in prefill), default=0))
         self.running.set(load.get("running", 0))
         self.waiting.set(load.get("waiting", 0))
         # Cache pages nobody uses are as good as free: they are evicted on demand.

@@ -47,7 +47,8 @@ class PrefillProgress:
 
     def line(self) -> str:
         """e.g. 'prefill 65536/131072 eta 812s' (the SSE comment and the log line's core)."""
-        eta = "?" if self.eta_s is None else f"{self.eta_s:.0f}s"
+        eta = "?" if self.eta_s is None else (f"{self.eta_s:.1f}s" if self.eta_s < 10
+                                               else f"{self.eta_s:.0f}s")
         return f"prefill {self.done}/{self.total} eta {eta}"
 
 

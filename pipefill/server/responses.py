@@ -2,6 +2,7 @@
 response, whole or streamed over SSE (text deltas, logprobs, usage)."""
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from contextlib import aclosing
@@ -9,6 +10,7 @@ from typing import TYPE_CHECKING
 
 from fastapi.responses import Response
 
+from pipefill.chunking.progress import PrefillProgress
 from pipefill.server.async_engine import EngineDown
 from pipefill.server.text import IncrementalDecoder, StopChecker, TokenLogprobs
 
@@ -150,6 +152,15 @@ class Run:
             if len(self.output_ids) > 1:
                 m.tpot.observe((end - self.first_token_at) / (len(self.output_ids) - 1))
 
+    def _progress_comment(self) -> str:
+        """An SSE comment line (OpenAI clients skip them) that keeps the connection alive
+        before the first token: the prefill's progress when stage 0 reports it (a prompt
+        longer than one chunk), else that the request waits."""
+        for item in (self.served.engine.load or {}).get("prefill") or []:
+            if item[0] == self.job.rid:
+                return f": {PrefillProgress.of(item).line()}\n\n"
+        return ": waiting\n\n"
+
     def usage(self) -> dict:
         n_in, n_out = len(self.job.prompt_ids), len(self.output_ids)
         return {"prompt_tokens": n_in, "completion_tokens": n_out, "total_tokens": n_in + n_out,
@@ -196,7 +207,12 @@ class Run:
         try:
             if job.chat:
                 yield chunk("", None, first=True)
-            async for delta in self.events():
+            interval = self.served.serving.log_prefill_progress_interval
+            async for delta in with_ticks(self.events(), interval):
+                if delta is TICK:
+                    if self.first_token_at is None:  # still in the queue or in prefill
+                        yield self._progress_comment()
+                    continue
                 yield chunk(delta, None)
             yield chunk(None, self.finish_reason)
             if include_usage:
@@ -206,6 +222,45 @@ class Run:
         except (EngineDown, RequestFailed, ValueError) as e:
             yield _sse(error_of(e).body())
         yield "data: [DONE]\n\n"
+
+
+TICK = object()  # with_ticks: the interval passed without an item
+
+
+async def with_ticks(items, interval_s: float):
+    """The items of an async generator, with TICK whenever interval_s passes without one (0:
+    never). Closing this closes the generator (a client that leaves aborts its request)."""
+    if interval_s <= 0:
+        async with aclosing(items):
+            async for item in items:
+                yield item
+        return
+    pending = asyncio.ensure_future(anext(items))
+    try:
+        while True:
+            done, _ = await asyncio.wait({pending}, timeout=interval_s)
+            if not done:
+                yield TICK
+                continue
+            try:
+                item = pending.result()
+            except StopAsyncIteration:
+                return
+            yield item
+            pending = asyncio.ensure_future(anext(items))
+    finally:
+        try:
+            if not pending.done():  # left early: stop the generator's step before closing it
+                pending.cancel()
+                try:
+                    await pending
+                except asyncio.CancelledError:
+                    if asyncio.current_task().cancelling():
+                        raise  # the caller itself is being cancelled: let it
+                except Exception:  # noqa: BLE001 - what the cancelled step ended in
+                    pass
+        finally:
+            await items.aclose()
 
 
 def _sse(obj: dict) -> str:

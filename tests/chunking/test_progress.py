@@ -26,7 +26,7 @@ def test_clock_ages_and_forgets():
     t[0] = 104.0
     (p,) = clock.report([("a", 40, 100)])
     assert p.age_s == 4.0 and p.eta_s == pytest.approx(6.0)
-    assert p.line() == "prefill 40/100 eta 6s"
+    assert p.line() == "prefill 40/100 eta 6.0s"
     assert PrefillProgress.of(p.as_list()) == p
     clock.report([])  # a finished
     t[0] = 110.0

@@ -6,7 +6,10 @@ import logging
 import time
 from dataclasses import dataclass, field
 
+from tqdm import tqdm
+
 from pipefill.base.plan import NewRequest, RequestOutput, SamplingParams
+from pipefill.chunking.progress import PrefillProgress
 from pipefill.config import ServerArgs, make_server_args
 from pipefill.frontend import FrontEnd, prepare
 from pipefill.model.tokenizer import Tokenizer, load_tokenizer
@@ -118,9 +121,12 @@ class Engine:
     def generate(self, prompts, max_new_tokens: int = 16, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = -1, seed: int | None = None,
                  return_prompt_logprobs: bool = False, ignore_eos: bool = False,
-                 priority: int | list[int] = 0) -> list[GenerateOutput]:
+                 priority: int | list[int] = 0, show_progress: bool | None = None
+                 ) -> list[GenerateOutput]:
         """priority: one for every prompt, or a list (--schedule-policy priority: larger
-        first)."""
+        first). show_progress: a bar per prompt longer than one chunk while it prefills
+        (tokens done, tokens/s, the ETA from the chunk cost model) on stderr; None = when
+        stderr is a terminal."""
         self._require_stages()
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             raise ValueError("prompts must be a list of strings or a list of token-id lists")
@@ -140,7 +146,8 @@ class Engine:
             self.core.submit([NewRequest(rid, ids, params, priority=p)
                               for rid, ids, p in zip(pending, encoded, priorities)],
                              [p.take for p in pending.values()])
-            self._collect(pending)
+            with PrefillBars(pending, show_progress) as bars:
+                self._collect(pending, bars)
         except StageFailure as e:
             # A stage is gone: stop the rest (if that has not happened yet); this engine is
             # finished.
@@ -157,12 +164,13 @@ class Engine:
                 self.core.release(rid)
         return [self._finish(p) for p in sorted(pending.values(), key=lambda p: p.index)]
 
-    def _collect(self, pending: dict[str, _Pending]) -> None:
+    def _collect(self, pending: dict[str, _Pending], bars: "PrefillBars") -> None:
         """Reads and routes the stages' reports until every request of the call finished."""
         while any(p.done is None for p in pending.values()):
             msg = self.core.recv(100)
             if msg is not None:
                 self.core.route(msg)
+                bars.update((self.core.load or {}).get("prefill") or [])
 
     def _abort_unfinished(self, pending: dict[str, _Pending]) -> None:
         for rid, p in pending.items():
@@ -210,3 +218,37 @@ class Engine:
         "stages" every stage's own report."""
         self._require_stages()
         return self.core.stats()
+
+
+class PrefillBars:
+    """A bar per prompt of one generate() call while stage 0 reports it in prefill (prompts
+    longer than one chunk), closed at its first token."""
+
+    def __init__(self, pending: dict[str, "_Pending"], show: bool | None):
+        self.pending, self.disable = pending, None if show is None else not show
+        self.bars: dict[str, tqdm] = {}
+
+    def update(self, prefill: list) -> None:
+        for item in prefill:
+            p = PrefillProgress.of(item)
+            if p.rid not in self.pending or self.pending[p.rid].first_token_at is not None:
+                continue
+            bar = self.bars.get(p.rid)
+            if bar is None:
+                bar = self.bars[p.rid] = tqdm(
+                    total=p.total, desc=f"prefill {p.rid}", unit="tok", unit_scale=True,
+                    leave=False, disable=self.disable, dynamic_ncols=True)
+            bar.update(p.done - bar.n)
+            if p.eta_s is not None:
+                bar.set_postfix_str(f"eta {p.eta_s:.0f}s", refresh=False)
+        for rid, bar in list(self.bars.items()):
+            if self.pending[rid].first_token_at is not None:
+                bar.close()
+                del self.bars[rid]
+
+    def __enter__(self) -> "PrefillBars":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        for bar in self.bars.values():
+            bar.close()

@@ -179,7 +179,7 @@ def make_first_stage_loop(args, cfg, executor, channel, pipe, tracer, policy, ro
     from pipefill.kv.pool import PagePool
     from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig
     from pipefill.kv.host import HostDirector, stage_host_slots
-    from pipefill.scheduler.radix import RadixCache
+    from pipefill.kv.radix import RadixCache
     pool = PagePool(executor.cache.num_pages)
     cache = None if args.disable_radix_cache else RadixCache(args.page_size, pool)
     slots = stage_host_slots(args, cfg, executor.cache)

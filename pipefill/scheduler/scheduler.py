@@ -27,10 +27,10 @@ from dataclasses import dataclass, field
 
 from pipefill.chunking.policy import ChunkPolicy
 from pipefill.kv.pool import PagePool
-from pipefill.scheduler.kv_manager import KVManager
+from pipefill.kv.manager import KVManager
 from pipefill.base.plan import (NewRequest, RequestOutput, SampleSpec, SamplingParams, SeqWork,
                                 StepPlan, StepResult)
-from pipefill.scheduler.radix import Node, RadixCache
+from pipefill.kv.radix import Node, RadixCache
 from pipefill.scheduler.prefill_order import PrefillOrder
 from pipefill.scheduler.role import NullRole
 
@@ -64,7 +64,7 @@ class Request:
     cached_tokens: int = 0  # prompt tokens reused from the cache at first admission
     admitted_at: int = 0  # admission order: preemption takes the newest
     priority: int = 0  # --schedule-policy priority: larger goes first
-    # Its prefix on its way from the storage tier (kv_manager.StorageFetch): admitted after.
+    # Its prefix on its way from the storage tier (kv.manager.StorageFetch): admitted after.
     storage_fetch: object = None
     storage_tried: bool = False  # the last admission attempt fetched: the next one does not
     preempt_pending: bool = False  # preempt once its micro-batches in flight are back

@@ -32,7 +32,7 @@ from pipefill.runtime.stage import build_stage
 from pipefill.runtime.trace import StageTracer
 from pipefill.runtime.worker import make_first_stage_loop
 from pipefill.base.plan import NewRequest, SamplingParams, StepResult
-from pipefill.scheduler.radix import RadixCache
+from pipefill.kv.radix import RadixCache
 from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig
 
 SUFFIX = "f" * 32 + ".float32.p4.l0-3"

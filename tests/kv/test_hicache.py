@@ -13,7 +13,7 @@ from pipefill.kv.cache import KVCache
 from pipefill.kv.host import HostDirector, HostTier, host_slots
 from pipefill.kv.pool import PageOwners, PagePool
 from pipefill.base.plan import CacheOp, NewRequest, SamplingParams, SeqResult, StepResult
-from pipefill.scheduler.radix import RadixCache
+from pipefill.kv.radix import RadixCache
 from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig
 
 PAGE = 4

@@ -10,7 +10,7 @@ from pipefill import Engine
 from pipefill.chunking.policy import ChunkPolicy
 from pipefill.kv.pool import PageOwners, PagePool
 from pipefill.base.plan import NewRequest, SamplingParams, SeqResult, StepResult
-from pipefill.scheduler.radix import RadixCache
+from pipefill.kv.radix import RadixCache
 from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig
 
 PAGE = 16

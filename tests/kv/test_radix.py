@@ -4,7 +4,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pipefill.kv.pool import PagePool
-from pipefill.scheduler.radix import RadixCache
+from pipefill.kv.radix import RadixCache
 
 PS = 2  # tokens per page: small, so random sequences share and split prefixes often
 

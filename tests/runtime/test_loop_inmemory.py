@@ -13,7 +13,7 @@ from pipefill.chunking.policy import ChunkPolicy
 from pipefill.kv.pool import PageOwners, PagePool
 from pipefill.runtime.loop import FirstStageLoop, report_to_first, run_later_stage
 from pipefill.base.plan import NewRequest, PDInfo, SamplingParams, SeqResult, StepResult
-from pipefill.scheduler.radix import RadixCache
+from pipefill.kv.radix import RadixCache
 from pipefill.scheduler.role import PrefillRole
 from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig
 

@@ -7,7 +7,7 @@ from pipefill.chunking.policy import ChunkPolicy
 from pipefill.kv.pool import PagePool
 from pipefill.base.plan import (NewRequest, PDInfo, SamplingParams, SeqResult,
                                 StepResult)
-from pipefill.scheduler.radix import RadixCache
+from pipefill.kv.radix import RadixCache
 from pipefill.scheduler.role import DecodeRole, PrefillRole, kv_send_end
 from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig
 

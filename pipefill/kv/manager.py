@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pipefill.kv.pool import PagePool
 from pipefill.kv.storage import chain_page_keys
 from pipefill.base.plan import PageOps
-from pipefill.scheduler.radix import Node, RadixCache
+from pipefill.kv.radix import Node, RadixCache
 
 
 @dataclass

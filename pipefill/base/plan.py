@@ -2,6 +2,7 @@
 and what comes back. Everything here is plain data (picklable, no tensors, no torch)."""
 from __future__ import annotations
 
+import enum
 import math
 from dataclasses import dataclass, field
 
@@ -104,16 +105,25 @@ class SeqWork:
         return self.end - self.start
 
 
-@dataclass
+class CopyKind(enum.Enum):
+    """Which copy between cache tiers a CacheOp is; the wire carries the value, and a value
+    that is not one of these fails to decode."""
+    STORE = "store"  # pool page -> host slot (L1 -> L2), before the plan's frees
+    LOAD = "load"  # host slot -> pool page, after the frees
+    SAVE = "save"  # pool page -> storage (L3) after the forward (write_through)
+    SAVE_EVICTED = "save_evicted"  # pool page -> storage before the frees (write_back)
+    # storage -> pool page, after the frees (a page any stage fails to fetch is reported back
+    # and never used)
+    FETCH = "fetch"
+
+
+@dataclass(frozen=True)
 class CacheOp:
     """A copy between tiers that every stage performs on its own layers, in plan order."""
-    kind: str  # "store": pool page -> host slot (L1 -> L2); "load": host slot -> pool page;
-    # "save" / "save_evicted": pool page -> storage (L3) after / before the forward;
-    # "fetch": storage -> pool page (a page any stage fails to fetch is reported back and
-    # never used)
+    kind: CopyKind
     page: int
-    slot: int
-    key: str = ""  # storage ops: the page's chained key (hex), without the stage's suffix
+    slot: int  # host slot (STORE, LOAD); -1 for storage copies
+    key: str = ""  # storage copies: the page's chained key (hex), without the stage's suffix
 
 
 @dataclass
@@ -122,7 +132,7 @@ class PageOps:
     each can check ownership on its own (pipefill.kv.pool.PageOwners)."""
     freed: list[int] = field(default_factory=list)  # back on the free list (before allocs)
     cached: list[int] = field(default_factory=list)  # now the prefix cache's (after the forward)
-    cache_ops: list[CacheOp] = field(default_factory=list)  # L1 <-> L2 copies (before the forward)
+    cache_ops: list[CacheOp] = field(default_factory=list)  # copies between tiers
 
 
 @dataclass

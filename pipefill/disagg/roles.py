@@ -253,12 +253,11 @@ class DecodeStagePD(DecodeRole):
         admitted = self.admit(scheduler)
         if admitted:  # replay the frees first: the new pages may be ones freed since the plan
             ops = scheduler.kv.drain_ops()
-            self.executor.apply_page_ops(ops)
-            self.executor.finish_page_ops(ops)
+            self.executor.kv.without_forward(ops)
             self._down_page_ops = ops  # the later stages replay them before the allocations
         for a in admitted:
             r, pd = a.request, a.pd
-            self.executor.owners.allocate(r.rid, r.pages)
+            self.executor.kv.owners.allocate(r.rid, r.pages)
             self._send_down(["expect", pd.room, r.rid, list(r.pages), pd.host, pd.port,
                              len(r.prompt_ids)])
             self.pipeline.open(pd.room)
@@ -360,7 +359,7 @@ class DecodeStagePD(DecodeRole):
             if a is None:
                 return
             log.debug(TIMELINE, room, "decode-ready", time.time())
-            self.executor.owners.mark_written(a.request.pages)
+            self.executor.kv.owners.mark_written(a.request.pages)
             self._send_down(["ready", list(a.request.pages)])
             f = res.final
             seed = int.from_bytes(f.sampling_state, "little") if f.sampling_state else None
@@ -436,13 +435,13 @@ class DecodeStagePD(DecodeRole):
         for op in ops:
             if op[0] == "expect":
                 _, room, rid, pages, host, port, num_prompt_tokens = op
-                self.executor.owners.allocate(rid, pages)
+                self.executor.kv.owners.allocate(rid, pages)
                 asked = _Asked(room, pages, num_prompt_tokens)
                 error = self._ask(f"{host}:{port}", m.Endpoint(host, port), asked)
                 if error is not None:
                     self._unasked_later(asked.room, error)
             elif op[0] == "ready":
-                self.executor.owners.mark_written(op[1])
+                self.executor.kv.owners.mark_written(op[1])
             elif op[0] == "drop":
                 with self._lock:  # not while a connect worker asks for the room
                     if self._forget_connect_waiter(op[1]):

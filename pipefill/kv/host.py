@@ -12,16 +12,13 @@ copies that touch its pages.
 """
 from __future__ import annotations
 
-import logging
 import queue
 import threading
 
 import torch
 
 from pipefill.kv.pool import CACHE_OWNER, PageIntegrityError, PageOwners
-from pipefill.base.plan import CacheOp
-
-log = logging.getLogger(__name__)
+from pipefill.base.plan import CacheOp, CopyKind
 
 
 def host_slots(enabled: bool, size_gb: float | None, ratio: float, num_pages: int,
@@ -37,77 +34,43 @@ def host_slots(enabled: bool, size_gb: float | None, ratio: float, num_pages: in
     return int(ratio * num_pages)
 
 
-def stage_host_slots(args, model_cfg, cache) -> int:
-    """host_slots() from the arguments and the partition (identical on every stage)."""
-    if args.disable_radix_cache:
-        return 0
-    ranges = args.layout.ranges
-    return host_slots(args.enable_hierarchical_cache, args.hicache_size, args.hicache_ratio,
-                      cache.num_pages, args.page_size, max(len(r) for r in ranges),
-                      model_cfg.num_kv_heads, model_cfg.head_dim, cache.k.dtype.itemsize)
-
-
-def attach_cache_tiers(executor, args, source, info) -> None:
-    """Gives a stage its host tier and storage tier (when on) and logs which cache tiers it
-    runs and their sizes."""
-    cache = executor.cache
-    slots = stage_host_slots(args, source.config, cache)
-    if slots:
-        executor.host = HostTier(cache, slots)
-    l3 = "off"
-    if args.hicache_storage_backend and not args.disable_radix_cache:
-        from pipefill.kv.storage_tier import open_stage_storage
-        executor.storage = open_stage_storage(args, source.path, cache, info)
-        l3 = (f"{args.hicache_storage_backend} ({args.hicache_write_policy}, "
-              f"{args.hicache_storage_dir or args.hicache_mooncake_master})")
-    k, _ = cache.page_blocks()
-    page_bytes = 2 * k[0, 0].numel() * k.shape[0] * k.dtype.itemsize
-    l1 = "off" if args.disable_radix_cache else f"on ({cache.num_pages} pool pages)"
-    l2 = f"{slots} host pages, {slots * page_bytes / 2**30:.2f} GiB" if slots else "off"
-    log.info("stage %d: prefix cache L1 %s, L2 %s, L3 %s", info.rank, l1, l2, l3)
-
-
 class HostDirector:
-    """Stage 0's side: the host slots' free list and the copies the next plan carries."""
+    """Stage 0's side: the host slots' free list and the copies the next plan carries. The
+    radix tree calls on_evict / on_drop and passes itself (it owns this director)."""
 
     def __init__(self, num_slots: int):
         self.num_slots = num_slots
         self._free = list(range(num_slots - 1, -1, -1))
         self.ops: list[CacheOp] = []
-        self.cache = None  # the RadixCache, set by attach()
         self.stored_pages = self.loaded_pages = self.dropped_pages = 0
-
-    def attach(self, cache) -> None:
-        self.cache = cache
-        cache.on_evict, cache.on_drop = self.on_evict, self.on_drop
 
     @property
     def num_used(self) -> int:
         return self.num_slots - len(self._free)
 
-    def on_evict(self, node) -> bool:
+    def on_evict(self, node, tree) -> bool:
         """An L1 node leaves the pool: keep it on the host (copying it unless a copy exists)."""
         if node.host is not None:
             return True
         n = len(node.pages)
         if len(self._free) < n:
-            self.cache.evict_host(n - len(self._free))
+            tree.evict_host(n - len(self._free))
         if len(self._free) < n:
-            self._drop_copies_of_pool_pages(n - len(self._free))
+            self._drop_copies_of_pool_pages(n - len(self._free), tree)
         if len(self._free) < n:
             return False
         slots = [self._free.pop() for _ in range(n)]
-        self.ops += [CacheOp("store", p, s) for p, s in zip(node.pages, slots)]
+        self.ops += [CacheOp(CopyKind.STORE, p, s) for p, s in zip(node.pages, slots)]
         self.stored_pages += n
         node.host = slots
         return True
 
-    def _drop_copies_of_pool_pages(self, num_slots: int) -> None:
+    def _drop_copies_of_pool_pages(self, num_slots: int, tree) -> None:
         """Frees host copies of nodes that are in the pool anyway (nothing is lost; they are
         stored again if evicted later), least recently used first. Not a copy that a load of
         this plan still reads: stages run a plan's stores before its loads."""
-        loading = {op.slot for op in self.ops if op.kind == "load"}
-        nodes = sorted((nd for nd in self.cache.nodes() if nd.pages is not None and nd.host
+        loading = {op.slot for op in self.ops if op.kind is CopyKind.LOAD}
+        nodes = sorted((nd for nd in tree.nodes() if nd.pages is not None and nd.host
                         and loading.isdisjoint(nd.host)), key=lambda nd: nd.last_used)
         for nd in nodes:
             if num_slots <= 0:
@@ -122,7 +85,7 @@ class HostDirector:
 
     def load(self, node, pages: list[int]) -> None:
         """Host-only `node` comes back into L1 pool `pages` (already allocated)."""
-        self.ops += [CacheOp("load", p, s) for p, s in zip(pages, node.host)]
+        self.ops += [CacheOp(CopyKind.LOAD, p, s) for p, s in zip(pages, node.host)]
         self.loaded_pages += len(pages)
 
     def drain_ops(self) -> list[CacheOp]:
@@ -157,15 +120,15 @@ class HostTier:
         for op in ops:
             if op.page not in owners.written:
                 raise PageIntegrityError(f"host store of page {op.page}, never written")
-        self._issue("store", ops)
+        self._issue(CopyKind.STORE, ops)
 
     def load(self, ops: list[CacheOp], owners: PageOwners) -> None:
         for op in ops:
             owners.allocate(CACHE_OWNER, [op.page])
         owners.mark_written([op.page for op in ops])
-        self._issue("load", ops)
+        self._issue(CopyKind.LOAD, ops)
 
-    def _issue(self, kind: str, ops: list[CacheOp]) -> None:
+    def _issue(self, kind: CopyKind, ops: list[CacheOp]) -> None:
         if not ops:
             return
         with self._cond:
@@ -181,7 +144,7 @@ class HostTier:
             kind, pages, slots = self._queue.get()
             try:
                 for pool_blocks, host in ((k, self.buf[0]), (v, self.buf[1])):
-                    if kind == "store":
+                    if kind is CopyKind.STORE:
                         host.index_copy_(1, slots, pool_blocks.index_select(1, pages))
                     else:
                         pool_blocks.index_copy_(1, pages, host.index_select(1, slots))

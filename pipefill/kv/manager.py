@@ -38,15 +38,13 @@ class StorageFetch:
 
 
 class KVManager:
-    def __init__(self, pool: PagePool, page_size: int, cache: RadixCache | None = None,
-                 host=None, storage=None):
+    def __init__(self, pool: PagePool, page_size: int, cache: RadixCache | None = None):
         self.pool = pool
         self.page_size = page_size
         self.cache = cache
-        self.host = host  # HostDirector (L2), or None
-        self.storage = storage  # StorageDirector (L3), or None
-        if storage is not None:
-            cache.storage = storage
+        # The tree's lower tiers (pipefill.kv.tiers.build_prefix_cache gives it them).
+        self.host = cache.host if cache is not None else None  # HostDirector (L2), or None
+        self.storage = cache.storage if cache is not None else None  # StorageDirector (L3)
         self.promised = 0  # pages promised to admitted requests, not yet allocated
         self.counters = CacheCounters()
         self._cached: list[int] = []  # pages the tree adopted since the last plan

@@ -18,9 +18,11 @@ from __future__ import annotations
 import heapq
 import itertools
 from dataclasses import dataclass, field
-from typing import Callable
 
+from pipefill.kv.host import HostDirector
 from pipefill.kv.pool import PagePool
+from pipefill.kv.storage import chain_page_keys
+from pipefill.kv.storage_tier import StorageDirector
 
 
 @dataclass(eq=False)
@@ -51,22 +53,22 @@ class Match:
 
 
 class RadixCache:
-    def __init__(self, page_size: int, pool: PagePool,
-                 on_evict: Callable[[Node], bool] | None = None,
-                 on_drop: Callable[[Node], None] | None = None):
+    def __init__(self, page_size: int, pool: PagePool, host: HostDirector | None = None,
+                 storage: StorageDirector | None = None):
         self.page_size = page_size
         self.pool = pool
-        # on_evict(node) -> True when the node keeps a host copy (L2) instead of being dropped;
-        # on_drop(node): a node with host slots leaves the tree (the host tier frees them).
-        self.on_evict = on_evict
-        self.on_drop = on_drop
+        # The lower tiers' directors, owned by the tree (ARCHITECTURE.md, 'The KV room'): the
+        # host tier (L2) keeps an evicted node's copy instead of dropping it and frees its
+        # slots when the node leaves the tree; the storage tier (L3) gives every node its
+        # chained keys and saves pages on adopt (write_through) or evict (write_back).
+        self.host = host
+        self.storage = storage
         self.root = Node((), [])
         self.root.lock = 1  # never evicted
         self.num_pages = 0  # L1 pages held by the tree
         self.num_locked_pages = 0  # L1 pages on locked paths
         self.num_evicted_pages = 0
         self.adopted: list[int] = []  # pages the tree took a reference on (drained by the owner)
-        self.storage = None  # StorageDirector (L3): keys on every node, saves on adopt / evict
         self._clock = itertools.count(1)
 
     @property
@@ -186,7 +188,6 @@ class RadixCache:
             self.storage.on_adopt(pages, keys)
 
     def _chain_keys(self, parent: Node, key: tuple[int, ...]) -> list[bytes]:
-        from pipefill.kv.storage import chain_page_keys
         return chain_page_keys(key, self.page_size, self.last_key(parent))
 
     def last_key(self, node: Node) -> bytes:
@@ -237,7 +238,7 @@ class RadixCache:
         n = len(node.pages)
         if self.storage is not None:
             self.storage.on_evict(node)
-        kept = self.on_evict is not None and self.on_evict(node)
+        kept = self.host is not None and self.host.on_evict(node, self)
         self.pool.release(node.pages)
         node.pages = None
         self.num_pages -= n
@@ -272,8 +273,8 @@ class RadixCache:
         while stack:
             n = stack.pop()
             assert n.pages is None and n.lock == 0, "dropping a node still in L1"
-            if n.host is not None and self.on_drop is not None:
-                self.on_drop(n)
+            if n.host is not None and self.host is not None:
+                self.host.on_drop(n)
             n.host = None
             stack.extend(n.children.values())
 

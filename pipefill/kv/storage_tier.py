@@ -24,11 +24,13 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Sequence
 
 import torch
 
 from pipefill.kv.pool import CACHE_OWNER
-from pipefill.base.plan import CacheOp
+from pipefill.base.plan import CacheOp, CopyKind
+from pipefill.kv.storage import model_fingerprint, open_page_store, stage_key_suffix
 
 log = logging.getLogger(__name__)
 
@@ -61,7 +63,7 @@ class StorageTier:
         if not ops:
             return []
         owners.allocate(CACHE_OWNER, [op.page for op in ops])
-        L, ps, H, D = self.cache.k.shape[0], self.cache.page_size, *self.page_dims()
+        L, ps, H, D = self.cache.k.shape[0], self.cache.page_size, *page_dims(self.cache)
         failed = []
         for start in range(0, len(ops), _FETCH_BATCH):
             batch = ops[start:start + _FETCH_BATCH]
@@ -78,13 +80,6 @@ class StorageTier:
                         "them (removed or damaged since); their tokens are recomputed",
                         self.rank, len(failed))
         return failed
-
-    def page_dims(self) -> tuple[int, int]:
-        """(num_kv_heads, head_dim) of this stage's cache, whichever layout it has (the packed
-        AmxKVCache names them; KVCache's k is [L, slots, H, D])."""
-        if hasattr(self.cache, "num_kv_heads"):
-            return self.cache.num_kv_heads, self.cache.head_dim
-        return self.cache.k.shape[2], self.cache.k.shape[3]
 
     def stats(self) -> dict:
         st = self.store.stats()
@@ -109,12 +104,12 @@ class StorageDirector:
 
     def on_adopt(self, pages: list[int], keys: list[bytes]) -> None:
         if self.write_through:
-            self._save("save", pages, keys)
+            self._save(CopyKind.SAVE, pages, keys)
 
     def on_evict(self, node) -> None:
         """A node leaves the pool (write_back saves it now, before its pages are freed)."""
         if not self.write_through and node.keys:
-            self._save("save_evicted", node.pages, node.keys)
+            self._save(CopyKind.SAVE_EVICTED, node.pages, node.keys)
 
     def on_stop(self, nodes) -> None:
         """write_back at a clean stop: every page still in the pool is saved now, as if it were
@@ -126,7 +121,7 @@ class StorageDirector:
             if node.pages is not None:
                 self.on_evict(node)
 
-    def _save(self, kind: str, pages: list[int], keys: list[bytes]) -> None:
+    def _save(self, kind: CopyKind, pages: list[int], keys: list[bytes]) -> None:
         self.ops += [CacheOp(kind, p, -1, k.hex()) for p, k in zip(pages, keys)]
         self.saved_pages += len(pages)
 
@@ -155,7 +150,7 @@ class StorageDirector:
         return n
 
     def fetch(self, pages: list[int], keys: list[bytes]) -> None:
-        self.ops += [CacheOp("fetch", p, -1, k.hex()) for p, k in zip(pages, keys)]
+        self.ops += [CacheOp(CopyKind.FETCH, p, -1, k.hex()) for p, k in zip(pages, keys)]
         self.fetched_pages += len(pages)
 
     def drain_ops(self) -> list[CacheOp]:
@@ -167,27 +162,31 @@ class StorageDirector:
                 "storage_fetched_pages": self.fetched_pages, **self.tier.stats()}
 
 
-def open_stage_storage(args, model_file: str, cache, info) -> StorageTier:
+def page_dims(cache) -> tuple[int, int]:
+    """(num_kv_heads, head_dim) of a stage's cache, whichever layout it has (the packed
+    AmxKVCache names them; KVCache's k is [L, slots, H, D])."""
+    if hasattr(cache, "num_kv_heads"):
+        return cache.num_kv_heads, cache.head_dim
+    return cache.k.shape[2], cache.k.shape[3]
+
+
+def open_stage_storage(args, model_file: str, cache, layers: range, rank: int) -> StorageTier:
     """This stage's PageStore, keyed by the model, KV dtype, page size and its layers."""
-    from pipefill.kv.storage import model_fingerprint, open_page_store, stage_key_suffix
     fingerprint = model_fingerprint(model_file)
-    suffix = stage_key_suffix(fingerprint, cache.k.dtype, args.page_size, info.layers)
+    suffix = stage_key_suffix(fingerprint, cache.k.dtype, args.page_size, layers)
     cap = args.hicache_storage_max_gb
     store = open_page_store(args.hicache_storage_backend, key_suffix=suffix,
                             storage_dir=args.hicache_storage_dir,
                             storage_max_bytes=None if cap is None else int(cap * 2**30),
                             mooncake_master=args.hicache_mooncake_master)
-    return StorageTier(store, cache, info.rank, fingerprint)
+    return StorageTier(store, cache, rank, fingerprint)
 
 
-def storage_director(args, model_cfg, tier: StorageTier) -> StorageDirector:
+def storage_director(args, tier: StorageTier, partition: Sequence[range]) -> StorageDirector:
     """Stage 0's director, with every stage's key suffix and page shape (from the partition:
-    all stages' keys are known without asking them)."""
-    from pipefill.kv.storage import stage_key_suffix
-    ranges = args.layout.ranges
+    all stages' keys are known without asking them; every stage has stage 0's heads)."""
     dtype = tier.cache.k.dtype
-    suffixes = [stage_key_suffix(tier.fingerprint, dtype, args.page_size, r) for r in ranges]
-    shapes = [(2, len(r), args.page_size, model_cfg.num_kv_heads, model_cfg.head_dim)
-              for r in ranges]
+    suffixes = [stage_key_suffix(tier.fingerprint, dtype, args.page_size, r) for r in partition]
+    shapes = [(2, len(r), args.page_size, *page_dims(tier.cache)) for r in partition]
     return StorageDirector(tier, suffixes, shapes, dtype, args.hicache_write_policy,
                            args.hicache_prefetch_timeout)

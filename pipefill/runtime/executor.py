@@ -8,12 +8,11 @@ from dataclasses import dataclass
 import torch
 
 from pipefill.chunking.profile import ProfileBench
-from pipefill.kv.cache import KVCache
-from pipefill.kv.pool import PageOwners
+from pipefill.kv.tiers import StageKV
 from pipefill.model.attention import SeqMeta
 from pipefill.model.stage_model import ForwardMeta, StageModel
 from pipefill.runtime.sampler import sample
-from pipefill.base.plan import PageOps, SeqResult, SeqWork, StepPlan, StepResult
+from pipefill.base.plan import SeqResult, SeqWork, StepPlan, StepResult
 
 log = logging.getLogger(__name__)
 
@@ -84,56 +83,11 @@ def logit_rows(work, row: int) -> list[int]:
 
 
 class StageExecutor:
-    def __init__(self, model: StageModel, cache: KVCache, host=None):
+    def __init__(self, model: StageModel, kv: StageKV):
         self.model = model
-        self.cache = cache
-        self.host = host  # this stage's host tier (L2 copies), or None
-        self.storage = None  # this stage's storage tier (L3), or None
-        self.failed_fetches: list[int] = []  # since the last take_failed_fetches()
+        self.kv = kv  # page owners and cache tiers: called before and after each forward
+        self.cache = kv.cache
         self.num_forwards = 0
-        # Every stage replays stage 0's page decisions and checks each micro-batch against them.
-        self.owners = PageOwners(cache.num_pages)
-
-    def apply_page_ops(self, ops: PageOps, seqs=()) -> None:
-        """Before a forward: tier copies, frees, allocations, then the ownership check of every
-        sequence (writes by the owner only, reads of written pages only). Copies that read a
-        page this plan may free and hand out again go first (saves of evicted pages, host
-        stores), copies that fill pages it allocates go after the frees (host loads, storage
-        fetches); the host copy thread keeps that order for the data."""
-        by_kind: dict[str, list] = {}
-        for op in ops.cache_ops:
-            by_kind.setdefault(op.kind, []).append(op)
-        host_ops = by_kind.keys() & {"store", "load"}
-        storage_ops = by_kind.keys() & {"save", "save_evicted", "fetch"}
-        if (host_ops and self.host is None) or (storage_ops and self.storage is None):
-            raise RuntimeError(f"a plan carries {sorted(by_kind)} copies but this stage has no "
-                               "such cache tier")
-        if self.storage is not None:
-            self.storage.save(by_kind.get("save_evicted", []))
-        if self.host is not None:
-            self.host.store(by_kind.get("store", []), self.owners)
-        self.owners.free(ops.freed)
-        if self.host is not None:
-            self.host.load(by_kind.get("load", []), self.owners)
-        if self.storage is not None:
-            self.failed_fetches += self.storage.fetch(by_kind.get("fetch", []), self.owners)
-        self.owners.replay([], seqs, self.cache.page_size)
-
-    def take_failed_fetches(self) -> list[int]:
-        """Pages whose storage fetch failed here since the last call (for the plan's result)."""
-        failed, self.failed_fetches = self.failed_fetches, []
-        return failed
-
-    def close_tiers(self) -> None:
-        """At stop: pending storage writes reach the storage before the process ends."""
-        if self.storage is not None:
-            self.storage.store.close()
-
-    def finish_page_ops(self, ops: PageOps) -> None:
-        """After a forward: pages the cache took over, and write-through saves of them."""
-        if self.storage is not None:
-            self.storage.save([op for op in ops.cache_ops if op.kind == "save"])
-        self.owners.to_cache(ops.cached)
 
     def forward(self, plan: StepPlan, acts: Activations | None
                 ) -> tuple[Activations | None, float]:
@@ -141,13 +95,10 @@ class StageExecutor:
         sequences) and the forward seconds."""
         t0 = time.perf_counter()
         if not plan.seqs:  # cache copies only (a storage fetch for a request that waits)
-            self.apply_page_ops(plan.page_ops)
-            self.finish_page_ops(plan.page_ops)
+            self.kv.without_forward(plan.page_ops)
             return None, time.perf_counter() - t0
         if plan.step_id >= 0:  # scratch plans (warm-up, profile) run before anyone owns pages
-            self.apply_page_ops(plan.page_ops, plan.seqs)
-            if self.host is not None:  # wait only for copies that touch this plan's pages
-                self.host.wait_for({p for w in plan.seqs for p in w.page_table})
+            self.kv.before_forward(plan.page_ops, plan.seqs)
         self.num_forwards += 1
         device = self.cache.k.device
         meta = build_meta(plan, self.cache.page_size, device)
@@ -161,7 +112,7 @@ class StageExecutor:
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # the forward time is for the chunk-cost model
         if plan.step_id >= 0:
-            self.finish_page_ops(plan.page_ops)
+            self.kv.after_forward(plan.page_ops)
         return Activations(hidden, residual, self.model.trims(meta)), time.perf_counter() - t0
 
     def scratch_prefill(self, num_tokens: int, pages: list[int] | None = None) -> float:
@@ -171,8 +122,8 @@ class StageExecutor:
         owns before the stage serves)."""
         if pages is None:
             pages = list(range(-(-num_tokens // self.cache.page_size)))
-        elif self.host is not None:  # a host-tier copy out of a freed page must finish first
-            self.host.wait_for(set(pages))
+        else:
+            self.kv.wait_for(pages)  # a host-tier copy out of a freed page finishes first
         plan = StepPlan(-1, [SeqWork("scratch", 0, num_tokens, [1] * num_tokens, pages)])
         acts = None
         if not self.model.is_first:

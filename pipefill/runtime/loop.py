@@ -81,12 +81,11 @@ class FirstStageLoop:
         # the pages still in the pool: each stage writes them before it closes its store.
         self.scheduler.kv.on_stop()
         ops = self.scheduler.kv.drain_ops()
-        self.executor.apply_page_ops(ops)
-        self.executor.finish_page_ops(ops)
+        self.executor.kv.without_forward(ops)
         if self.pipe is not None:
             self.pipe.send_forward(PipeMessage(None, control=("stop",), page_ops=ops), None)
             self.pipe.flush()
-        self.executor.close_tiers()
+        self.executor.kv.close()
 
     # ---- messages from the front end ---------------------------------------------------------
 
@@ -150,8 +149,7 @@ class FirstStageLoop:
         micro-batches in flight down the pipe, so each stage answers after them. It carries
         the page frees since the last plan, so every stage's page map is current."""
         ops = self.scheduler.kv.drain_ops()
-        self.executor.apply_page_ops(ops)
-        self.executor.finish_page_ops(ops)
+        self.executor.kv.without_forward(ops)
         report_control(kind, 0, self.channel, self.tracer, self.executor, self.stats)
         if self.pipe is not None:
             self.pipe.send_forward(PipeMessage(None, control=(kind,), page_ops=ops), None)
@@ -163,13 +161,12 @@ class FirstStageLoop:
             integrity = "ok"
         except AssertionError as e:
             integrity = str(e)
-        owners = getattr(self.executor, "owners", None)
         info = self.chunk_policy.info if self.chunk_policy is not None else None
         prefill = self.progress.report(self.scheduler.long_prefills(),
                                        (info or {}).get("coefficients"))
         return {"rank": 0, "pages_total": pool.num_pages, "pages_free": pool.num_free,
                 "pages_used": pool.num_used, "integrity": integrity,
-                "owned_pages": owners.num_used if owners is not None else None,
+                "owned_pages": self.executor.kv.owners.num_used,
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "inflight_micro_batches": len(self.inflight),
                 "page_size": self.scheduler.cfg.page_size, **self.scheduler.kv.stats(),
@@ -188,7 +185,7 @@ class FirstStageLoop:
                 acts, seconds = self.executor.forward(plan, None)
             self.heartbeat.beat()  # one per step: up to max_inflight steps run back to back
             self.role.after_forward(plan)
-            failed = self.executor.take_failed_fetches()
+            failed = self.executor.kv.take_failed_fetches()
             if self.pipe is None:
                 result = self.executor.results(plan, acts)
                 result.stage_seconds, result.failed_fetches = [seconds], failed
@@ -253,16 +250,14 @@ def report_control(kind: str, rank: int, channel, tracer, executor, stats=None) 
 
 def later_stage_stats(rank: int, executor) -> dict:
     """A later stage owns no allocator: it replays stage 0's page decisions from the plans
-    (executor.owners) and checks every micro-batch against them; a violation raises (and
+    (executor.kv.owners) and checks every micro-batch against them; a violation raises (and
     stops the stage with a sentence naming the request and the page), so a stage that answers
     is consistent. Its pages in use must equal stage 0's."""
     stats = {"rank": rank, "pages_total": executor.cache.num_pages,
-             "pages_used": executor.owners.num_used, "owned_pages": executor.owners.num_used,
+             "pages_used": executor.kv.owners.num_used,
+             "owned_pages": executor.kv.owners.num_used,
              "micro_batches": executor.num_forwards, "integrity": "ok"}
-    if executor.host is not None:
-        stats.update(executor.host.stats())
-    if executor.storage is not None:
-        stats.update(executor.storage.stats())
+    stats.update(executor.kv.stats())
     return stats
 
 
@@ -288,8 +283,7 @@ def run_later_stage(executor, pipe, channel, tracer: StageTracer | None = None,
             msg, acts = pipe.recv_forward()
         if msg.control is not None:
             if msg.page_ops is not None:
-                executor.apply_page_ops(msg.page_ops)
-                executor.finish_page_ops(msg.page_ops)
+                executor.kv.without_forward(msg.page_ops)
             if msg.control[0] == "pd":  # PD decode: room ops from stage 0
                 role.on_control(msg.control[1])
             report_control(msg.control[0], pipe.rank, channel, tracer, executor)
@@ -299,7 +293,7 @@ def run_later_stage(executor, pipe, channel, tracer: StageTracer | None = None,
             elif not last:
                 pipe.send_forward(msg, None)
             if msg.control[0] == "stop":
-                executor.close_tiers()
+                executor.kv.close()
                 break
             continue
         plan = msg.plan
@@ -308,7 +302,7 @@ def run_later_stage(executor, pipe, channel, tracer: StageTracer | None = None,
             role.after_forward(plan)  # PD prefill: queue this stage's pages of the plan
             result = executor.results(plan, acts) if last else None
         stage_seconds = msg.stage_seconds + [seconds]
-        failed = msg.failed_fetches + executor.take_failed_fetches()
+        failed = msg.failed_fetches + executor.kv.take_failed_fetches()
         with tracer.span("send", "send", step=plan.step_id):
             if last:
                 result.stage_seconds, result.failed_fetches = stage_seconds, failed

@@ -9,6 +9,7 @@ from pipefill.chunking.startup import first_chunk_size
 from pipefill.config import ServerArgs, StageInfo
 from pipefill.kernels.prefill_gemm import choose_prefill_gemm
 from pipefill.kv.cache import KVCache, stacked_kv_shape
+from pipefill.kv.tiers import build_stage_kv
 from pipefill.model.attention import (KERNEL_BACKENDS, backend_attention, choose_backend,
                                        resolve_kv_dtype)
 from pipefill.model.layers import FusedOps, elementwise_ops
@@ -82,7 +83,9 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
         reordered = f", matrices in its layout {nbytes / 2**20:.0f} MiB"
     log.info("stage %d: prefill GEMM %s (%s)%s", info.rank, gemm, gemm_why, reordered)
     model = StageModel(cfg, info.layers.start, weights, dtype, attention, ops)
-    executor = StageExecutor(model, cache)
+    kv = build_stage_kv(args, cache, source.path, info.rank, info.layers,
+                        max(args.layout.layer_counts))
+    executor = StageExecutor(model, kv)
     warm_up(executor)
     log.info("stage %d/%d ready: layers %d-%d, %s, attention %s (%s), %s KV cache, %s "
              "elementwise ops, %d KV pages of %d tokens, %d threads", info.rank, info.size,

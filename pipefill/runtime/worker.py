@@ -116,8 +116,6 @@ def _run_stage(args: ServerArgs, model_file: str, rank: int, channel: StageChann
             torch.cuda.set_device(device)
         groups = init_distributed(args, rank) if args.pp_size > 1 else (None, None)
         executor = build_stage(args, source, info, device)
-        from pipefill.kv.host import attach_cache_tiers
-        attach_cache_tiers(executor, args, source, info)
         cfg = source.config
         pipe = None
         if args.pp_size > 1:
@@ -178,23 +176,14 @@ def make_first_stage_loop(args, cfg, executor, channel, pipe, tracer, policy, ro
                           heartbeat=None):
     from pipefill.kv.pool import PagePool
     from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig
-    from pipefill.kv.host import HostDirector, stage_host_slots
-    from pipefill.kv.radix import RadixCache
+    from pipefill.kv.tiers import build_prefix_cache
     pool = PagePool(executor.cache.num_pages)
-    cache = None if args.disable_radix_cache else RadixCache(args.page_size, pool)
-    slots = stage_host_slots(args, cfg, executor.cache)
-    host = HostDirector(slots) if slots else None
-    if host is not None:
-        host.attach(cache)
-    storage = None
-    if executor.storage is not None:
-        from pipefill.kv.storage_tier import storage_director
-        storage = storage_director(args, cfg, executor.storage)
+    cache = build_prefix_cache(args, pool, executor.kv, args.layout.ranges)
     scheduler = Scheduler(SchedulerConfig(
         page_size=args.page_size, max_prefill_tokens=args.max_prefill_tokens,
         max_running_requests=args.max_running_requests, max_model_len=args.max_model_len,
         eos_token_ids=cfg.eos_token_ids, seed=args.seed, vocab_size=cfg.vocab_size), pool,
-        policy, cache, host, storage, role,
+        policy, cache, role,
         make_prefill_order(args.chunking.schedule_policy))
     return FirstStageLoop(executor, scheduler, channel, pipe, args.layout.max_inflight, tracer,
                           on_result=policy.observe, chunk_policy=policy, heartbeat=heartbeat)

@@ -117,11 +117,11 @@ def check_prompt(ids: list[int], params: SamplingParams, vocab_size: int | None,
 
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, pool: PagePool, chunk_policy: ChunkPolicy,
-                 cache: RadixCache | None = None, host=None, storage=None, role=None,
+                 cache: RadixCache | None = None, role=None,
                  order: PrefillOrder | None = None):
         self.cfg = cfg
         self.pool = pool
-        self.kv = KVManager(pool, cfg.page_size, cache, host, storage)
+        self.kv = KVManager(pool, cfg.page_size, cache)
         # The chunking room's policy: next_chunk(L) is the size of the chunk after L tokens.
         self.chunk_policy = chunk_policy
         self.waiting: deque[Request] = deque()

@@ -5,6 +5,7 @@ the IPC folder is private and removed on close."""
 from __future__ import annotations
 
 import dataclasses
+import enum
 import os
 import pickle
 import threading
@@ -40,6 +41,8 @@ def strategy(t) -> st.SearchStrategy:
         return scalars[t]
     if t is Any:
         return st.one_of(*(scalars[k] for k in (int, float, str, bool, None)))
+    if isinstance(t, type) and issubclass(t, enum.Enum):  # CacheOp.kind
+        return st.sampled_from(list(t))
     if t is tuple:  # PipeMessage.control: a bare tuple of words
         return st.lists(st.text(max_size=6), max_size=2).map(tuple)
     origin, args = typing.get_origin(t), typing.get_args(t)
@@ -99,6 +102,17 @@ def test_a_real_plan_round_trips():
     stop = wire.BodyCodec(PipeMessage).decode(wire.BodyCodec(PipeMessage).encode(
         PipeMessage(None, control=("stop",))))
     assert stop.control == ("stop",)
+
+
+def test_cache_ops_travel_as_their_kind_and_an_unknown_kind_is_refused():
+    from pipefill.base.plan import CacheOp, CopyKind, PageOps, StepPlan
+    codec = wire.BodyCodec(PipeMessage)
+    ops = PageOps([3], [4], [CacheOp(CopyKind.STORE, 1, 5), CacheOp(CopyKind.FETCH, 2, -1, "ab")])
+    data = codec.encode(PipeMessage(StepPlan(1, [], ops)))
+    out = codec.decode(data)
+    assert out.plan.page_ops == ops and out.plan.page_ops.cache_ops[0].kind is CopyKind.STORE
+    with pytest.raises(wire.WireError, match="Invalid enum value 'stash'"):
+        codec.decode(data.replace(b"store", b"stash"))
 
 
 def test_stage_start_round_trips_and_checks_the_args():

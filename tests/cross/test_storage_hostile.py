@@ -19,7 +19,6 @@ from conftest import save_tiny_model
 from test_loop_inmemory import MemoryChannel, MemoryPipe
 
 from pipefill.config import ServerArgs, resolve
-from pipefill.kv.host import attach_cache_tiers
 from pipefill.kv.pool import PagePool
 from pipefill.kv.storage import chain_page_keys, open_page_store, stage_key_suffix
 from pipefill.kv.storage_file import LOCK_NAME, FileBackend
@@ -31,7 +30,7 @@ from pipefill.runtime.loop import run_later_stage
 from pipefill.runtime.stage import build_stage
 from pipefill.runtime.trace import StageTracer
 from pipefill.runtime.worker import make_first_stage_loop
-from pipefill.base.plan import NewRequest, SamplingParams, StepResult
+from pipefill.base.plan import CopyKind, NewRequest, SamplingParams, StepResult
 from pipefill.kv.radix import RadixCache
 from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig
 
@@ -197,9 +196,7 @@ class InProcessPipeline:
         infos = [self.args.layout.stage(rank) for rank in range(pp_size)]
         self.executors = []
         for info in infos:
-            executor = build_stage(self.args, source, info)
-            attach_cache_tiers(executor, self.args, source, info)
-            self.executors.append(executor)
+            self.executors.append(build_stage(self.args, source, info))
         links = [queue.Queue() for _ in range(pp_size)]
         results = queue.Queue()
         pipes = [MemoryPipe(r, pp_size, links, results) for r in range(pp_size)]
@@ -241,7 +238,7 @@ class InProcessPipeline:
             assert kind != "fatal", payload
             answered += kind == "stage_stats"
         pool = self.loop.scheduler.pool
-        assert all(e.owners.num_used == pool.num_used for e in self.executors)
+        assert all(e.kv.owners.num_used == pool.num_used for e in self.executors)
 
     def close(self) -> None:
         self.channel.inbox.put(("stop", None))
@@ -307,7 +304,7 @@ def storage_scheduler(root):
                                torch.float32, "write_through", 30.0)
     pool = PagePool(32)
     scheduler = Scheduler(SchedulerConfig(16, 64, 4, 512), pool, ChunkPolicy(32),
-                          cache=RadixCache(16, pool), storage=director)
+                          cache=RadixCache(16, pool, storage=director))
     return scheduler, store
 
 
@@ -316,7 +313,7 @@ def test_fetch_plan_goes_first_and_the_request_waits_for_its_result(tmp_path):
     with store:
         scheduler.add(NewRequest("r", PROMPT, SamplingParams(max_new_tokens=2)))
         fetch = scheduler.schedule()
-        assert fetch.seqs == [] and [op.kind for op in fetch.page_ops.cache_ops] == ["fetch"] * 4
+        assert fetch.seqs == [] and [op.kind for op in fetch.page_ops.cache_ops] == [CopyKind.FETCH] * 4
         assert scheduler.schedule() is None  # nothing runs before the stages have answered
         pages = [op.page for op in fetch.page_ops.cache_ops]
         # One stage could not read the third page: it and the fourth are not used.

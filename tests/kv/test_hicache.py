@@ -12,7 +12,7 @@ from pipefill.chunking.policy import ChunkPolicy
 from pipefill.kv.cache import KVCache
 from pipefill.kv.host import HostDirector, HostTier, host_slots
 from pipefill.kv.pool import PageOwners, PagePool
-from pipefill.base.plan import CacheOp, NewRequest, SamplingParams, SeqResult, StepResult
+from pipefill.base.plan import CacheOp, CopyKind, NewRequest, SamplingParams, SeqResult, StepResult
 from pipefill.kv.radix import RadixCache
 from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig
 
@@ -33,12 +33,12 @@ class TokenStage:
     def run(self, plan) -> None:
         ops = plan.page_ops
         for op in ops.cache_ops:
-            if op.kind == "store":
+            if op.kind is CopyKind.STORE:
                 assert op.page in self.owners.written
                 self.host[op.slot] = list(self.pool[op.page])
         self.owners.free(ops.freed)
         for op in ops.cache_ops:
-            if op.kind == "load":
+            if op.kind is CopyKind.LOAD:
                 self.owners.allocate("<prefix cache>", [op.page])
                 self.owners.mark_written([op.page])
                 self.pool[op.page] = list(self.host[op.slot])
@@ -56,11 +56,9 @@ class TokenStage:
 def run_workload(seed: int, num_pages: int, num_slots: int, inflight: int = 3):
     rng = random.Random(seed)
     pool = PagePool(num_pages)
-    cache = RadixCache(PAGE, pool)
     host = HostDirector(num_slots) if num_slots else None
-    if host is not None:
-        host.attach(cache)
-    s = Scheduler(SchedulerConfig(PAGE, 16, 4, 4096, ()), pool, ChunkPolicy(8), cache, host)
+    cache = RadixCache(PAGE, pool, host)
+    s = Scheduler(SchedulerConfig(PAGE, 16, 4, 4096, ()), pool, ChunkPolicy(8), cache)
     docs = [[rng.randrange(50) for _ in range(rng.randrange(8, 30))] for _ in range(3)]
     tokens, expect = {}, {}
     for i in range(12):
@@ -122,9 +120,9 @@ def test_copy_thread_moves_pages_both_ways():
     owners.allocate("r", [1, 2, 3])
     owners.check("r", [], [1, 2, 3])
     cache.write_pages([1, 2, 3], data)
-    tier.store([CacheOp("store", p, s) for p, s in ((1, 5), (2, 0), (3, 2))], owners)
+    tier.store([CacheOp(CopyKind.STORE, p, s) for p, s in ((1, 5), (2, 0), (3, 2))], owners)
     owners.free([1, 2, 3])
-    tier.load([CacheOp("load", p, s) for p, s in ((6, 5), (7, 0), (0, 2))], owners)
+    tier.load([CacheOp(CopyKind.LOAD, p, s) for p, s in ((6, 5), (7, 0), (0, 2))], owners)
     tier.wait_for([6, 7, 0])
     assert torch.equal(cache.read_pages([6, 7, 0]), data)
 
@@ -288,8 +286,7 @@ def test_write_policy_decides_when_pages_are_saved(policy):
     from pipefill.kv.storage import chain_page_keys
     from pipefill.kv.storage_tier import StorageDirector
     pool = PagePool(8)
-    cache = RadixCache(2, pool)
-    cache.storage = StorageDirector(None, [], [], torch.float32, policy, 0.0)
+    cache = RadixCache(2, pool, storage=StorageDirector(None, [], [], torch.float32, policy, 0.0))
     pages = pool.allocate(2)
     cache.insert([1, 1, 2, 2], pages)
     pool.release(pages)
@@ -299,6 +296,6 @@ def test_write_policy_decides_when_pages_are_saved(policy):
     keys = [k.hex() for k in chain_page_keys([1, 1, 2, 2], 2)]
     saved = on_insert if policy == "write_through" else on_evict
     assert [(op.kind, op.page, op.key) for op in saved] == [
-        ("save" if policy == "write_through" else "save_evicted", p, k)
+        (CopyKind.SAVE if policy == "write_through" else CopyKind.SAVE_EVICTED, p, k)
         for p, k in zip(pages, keys)]
     assert (on_evict if policy == "write_through" else on_insert) == []

@@ -14,7 +14,7 @@ from pipefill.kv.cache import KVCache
 from pipefill.kv.pool import PageOwners
 from pipefill.kv.storage import chain_page_keys, open_page_store, stage_key_suffix
 from pipefill.kv.storage_tier import StorageDirector, StorageTier
-from pipefill.base.plan import CacheOp
+from pipefill.base.plan import CacheOp, CopyKind
 
 FP = "e" * 32
 PS, H, D = 4, 2, 8
@@ -90,7 +90,7 @@ def test_batched_fetch_loads_exactly_the_stored_pages(tmp_path, layout, monkeypa
         assert store.flush(30)
         tier = StorageTier(store, cache, 0, FP)
         pages = [9, 2, 7, 0, 4]
-        assert tier.fetch([CacheOp("fetch", p, -1, k.hex()) for p, k in zip(pages, keys)],
+        assert tier.fetch([CacheOp(CopyKind.FETCH, p, -1, k.hex()) for p, k in zip(pages, keys)],
                           PageOwners(12)) == []
         got = cache.read_pages(pages)
         for i in range(5):
@@ -108,7 +108,7 @@ def test_fetch_reports_pages_it_cannot_read_and_goes_on(tmp_path):
         assert store.flush(30)
         os.remove(store.backend.path(store.full_key(keys[1])))  # and the second is gone
         owners = PageOwners(12)
-        ops = [CacheOp("fetch", p, -1, k.hex()) for p, k in zip([5, 6, 7, 8], keys)]
+        ops = [CacheOp(CopyKind.FETCH, p, -1, k.hex()) for p, k in zip([5, 6, 7, 8], keys)]
         assert StorageTier(store, cache, 0, FP).fetch(ops, owners) == [6, 8]
         assert torch.equal(cache.read_pages([5, 7])[:, :, 1], page(2, shape))
         owners.free([5, 6, 7, 8])  # stage 0 frees the failed ones: no page is left dangling

@@ -10,7 +10,8 @@ from types import SimpleNamespace
 import pytest
 
 from pipefill.chunking.policy import ChunkPolicy
-from pipefill.kv.pool import PageOwners, PagePool
+from pipefill.kv.pool import PagePool
+from pipefill.kv.tiers import StageKV
 from pipefill.runtime.loop import FirstStageLoop, report_to_first, run_later_stage
 from pipefill.base.plan import NewRequest, PDInfo, SamplingParams, SeqResult, StepResult
 from pipefill.kv.radix import RadixCache
@@ -72,27 +73,14 @@ class FakeExecutor:
         self.rank = rank
         self.steps = []
         self.num_forwards = 0
-        self.owners = PageOwners(num_pages)
-        self.page_size = page_size
-        self.host = self.storage = None
-        self.cache = SimpleNamespace(num_pages=num_pages, page_size=page_size)
-
-    def apply_page_ops(self, ops, seqs=()):
-        self.owners.replay(ops.freed, seqs, self.page_size)
-
-    def close_tiers(self):
-        pass
-
-    def take_failed_fetches(self):
-        return []  # no storage tier here
-
-    def finish_page_ops(self, ops):
-        self.owners.to_cache(ops.cached)
+        # The real page-ops replay, over no tensors and no tiers.
+        self.kv = StageKV(SimpleNamespace(num_pages=num_pages, page_size=page_size))
+        self.cache = self.kv.cache
 
     def forward(self, plan, acts):
         self.steps.append(plan.step_id)
-        self.apply_page_ops(plan.page_ops, plan.seqs)
-        self.owners.to_cache(plan.page_ops.cached)
+        self.kv.before_forward(plan.page_ops, plan.seqs)
+        self.kv.after_forward(plan.page_ops)
         return ("acts", plan.step_id, self.rank), 0.0
 
     def results(self, plan, acts):
@@ -225,7 +213,7 @@ def test_prefix_cache_pages_agree_on_every_stage(pp_size):
                                                           "r4": 4}
     pool.check_integrity()
     for ex in executors:
-        assert ex.owners.num_used == pool.num_used > 0
+        assert ex.kv.owners.num_used == pool.num_used > 0
 
 
 class ReportingPrefill(PrefillRole):

@@ -313,7 +313,8 @@ def test_fetch_plan_goes_first_and_the_request_waits_for_its_result(tmp_path):
     with store:
         scheduler.add(NewRequest("r", PROMPT, SamplingParams(max_new_tokens=2)))
         fetch = scheduler.schedule()
-        assert fetch.seqs == [] and [op.kind for op in fetch.page_ops.cache_ops] == [CopyKind.FETCH] * 4
+        assert fetch.seqs == []
+        assert [op.kind for op in fetch.page_ops.cache_ops] == [CopyKind.FETCH] * 4
         assert scheduler.schedule() is None  # nothing runs before the stages have answered
         pages = [op.page for op in fetch.page_ops.cache_ops]
         # One stage could not read the third page: it and the fourth are not used.

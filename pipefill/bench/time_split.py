@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import time
 
-import torch
 
 from pipefill.chunking.policy import ChunkPolicy
 from pipefill.chunking.startup import first_chunk_size

@@ -23,6 +23,7 @@ import threading
 import time
 
 from pipefill.disagg import channel as ch
+from pipefill.disagg.handshake import AuthenticationFailed
 from pipefill.disagg import messages as m
 from pipefill.disagg.validate import check_tiling
 
@@ -139,7 +140,7 @@ def register_stage(endpoint: m.Endpoint, msg: m.RegisterStage, timeout_s: float 
             if not isinstance(ack, m.Ack) or not ack.retry:
                 break
             last = ack.error
-        except ch.AuthenticationFailed as e:
+        except AuthenticationFailed as e:
             raise RuntimeError(f"the bootstrap service at {endpoint}: {e}") from None
         except (OSError, ch.ConnectionClosed) as e:
             last = str(e)
@@ -163,7 +164,7 @@ def lookup_prefill(endpoint: m.Endpoint, timeout_s: float = 60.0,
             if isinstance(reply, m.PrefillInfo):
                 return reply
             last = getattr(reply, "reason", repr(reply))
-        except ch.AuthenticationFailed as e:
+        except AuthenticationFailed as e:
             raise RuntimeError(f"the prefill at bootstrap {endpoint}: {e}") from None
         except (OSError, ch.ConnectionClosed) as e:
             last = str(e)

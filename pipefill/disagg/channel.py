@@ -31,9 +31,8 @@ from typing import Callable, Iterable
 
 from pipefill.disagg import messages as m
 from pipefill.base.wire import DropLog, LogThrottle
-from pipefill.disagg.handshake import (MAC_BYTES, AuthenticationFailed, ConnectionClosed,
-                                       PayloadTampered, Session, client_handshake,
-                                       server_handshake)
+from pipefill.disagg.handshake import (MAC_BYTES, ConnectionClosed, PayloadTampered,
+                                       Session, client_handshake, server_handshake)
 
 log = logging.getLogger(__name__)
 

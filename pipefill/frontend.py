@@ -35,7 +35,8 @@ def prepare(args: ServerArgs) -> tuple[ServerArgs, WeightSource]:
         raise ValueError(f"--disaggregation-mode {args.disaggregation_mode} runs on one node "
                          "(--nnodes 1) for now")
     source = WeightSource(resolve_model_path(args.model_path))
-    args = resolve(args, source.config)  # also checks the layer partition against the model
+    # Also checks the layer partition against the model, balanced by the layers' costs.
+    args = resolve(args, source.config, source.family.layer_costs(source.config))
     if args.attention_backend not in ("auto", "sdpa"):  # a named kernel must fit, or a sentence
         dtype = resolve_dtype(args.dtype)
         choose_backend(args.attention_backend, dtype, source.config.head_dim, args.page_size,

@@ -131,7 +131,8 @@ def run(ns: argparse.Namespace) -> int:
         args = args.replace(max_model_len=max(need, source.config.max_position_embeddings))
     # Every repetition is a cold prefill: with the prefix cache on, repetitions 2.. would
     # reuse the first one's pages and time only the last partial page.
-    args = resolve(args, source.config).replace(disable_radix_cache=True)
+    args = resolve(args, source.config, source.family.layer_costs(source.config)).replace(
+        disable_radix_cache=True)
     if need > args.max_model_len:
         raise ValueError(f"--input-len {max(lengths)} does not fit --max-model-len "
                          f"{args.max_model_len}; pass --max-model-len {need} or more")

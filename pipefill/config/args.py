@@ -300,6 +300,9 @@ class ServerArgs:
                            choices=["debug", "info", "warning", "error"])
     # Not a flag: the model's layer count, filled by resolve(); the layout's partition needs it.
     num_layers: int | None = field(default=None, metadata={"flag": False})
+    # Not a flag: each layer's relative cost (the model family's), filled by resolve() where
+    # layers differ; the default partition balances the stages' summed costs with it.
+    layer_costs: tuple[float, ...] | None = field(default=None, metadata={"flag": False})
 
     def __post_init__(self) -> None:
         c0 = self.chunked_prefill_size
@@ -388,9 +391,10 @@ def make_server_args(model_path: str | None = None, **kwargs) -> ServerArgs:
     return ServerArgs(model_path=model_path, **kwargs)
 
 
-def resolve(args: ServerArgs, model_cfg) -> ServerArgs:
-    """Fills the model-dependent values (dtype='auto', max_model_len, num_layers) once; the
-    layout's partition is computed (and checked against the model) as the result is built."""
+def resolve(args: ServerArgs, model_cfg, layer_costs=None) -> ServerArgs:
+    """Fills the model-dependent values (dtype='auto', max_model_len, num_layers, the layers'
+    costs when they differ) once; the layout's partition is computed (and checked against the
+    model) as the result is built."""
     trained = model_cfg.max_position_embeddings
     max_len = args.max_model_len or trained
     if max_len < 2:
@@ -412,4 +416,5 @@ def resolve(args: ServerArgs, model_cfg) -> ServerArgs:
                  "chunks stay fixed")
     dtype = resolve_dtype(args.dtype, usable_cpu_flags(args.hide_cpu_flags))
     return args.replace(dtype=dtype_name(dtype), max_model_len=max_len,
-                        dynamic_chunking_smooth_factor=sigma, num_layers=model_cfg.num_layers)
+                        dynamic_chunking_smooth_factor=sigma, num_layers=model_cfg.num_layers,
+                        layer_costs=tuple(layer_costs) if layer_costs else None)

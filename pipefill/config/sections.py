@@ -64,7 +64,8 @@ class Layout:
         # The partition is computed here, once per ServerArgs, and nowhere else
         # (ARCHITECTURE.md, 'Layer partition').
         ranges = () if args.num_layers is None else tuple(
-            partition_layers(args.num_layers, args.pp_size, args.pp_layer_partition))
+            partition_layers(args.num_layers, args.pp_size, args.pp_layer_partition,
+                             args.layer_costs))
         return Layout(args.pp_size, args.nnodes, args.node_rank, args.device, args.dtype,
                       args.threads_per_stage, args.pp_async_batch_depth, args.dist_init_addr,
                       args.dist_init_timeout, ranges)

@@ -96,6 +96,11 @@ class ModelFamily(ABC):
         v_cache: this layer's cache; trim: compute only the rows meta.last_rows keeps
         (StageModel.trims) after writing every row's K/V."""
 
+    def layer_costs(self, cfg: ModelConfig) -> list[float]:
+        """Each layer's relative cost per token, to balance pipeline stages by (base/partition):
+        alike for every layer unless a family's layers differ."""
+        return [1.0] * cfg.num_layers
+
     def decode_runner(self, model):
         """A lean decode path for `model` (a runner with fits(hidden, meta) and forward(...)
         as StageModel.forward's), or None: decode steps run layer_forward."""

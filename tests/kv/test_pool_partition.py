@@ -59,3 +59,16 @@ def test_bad_partitions_say_what_to_change(text, match):
 def test_more_stages_than_layers():
     with pytest.raises(ValueError, match="at most 4 stages"):
         partition_layers(4, 5)
+
+
+def test_costs_balance_the_stages_and_equal_costs_keep_the_even_rule():
+    from pipefill.base.partition import balanced_counts
+    # Three dense layers (cost 3) ahead of eight sparse ones (cost 1), as DeepSeek-V3 starts.
+    costs = [3.0] * 3 + [1.0] * 8
+    ranges = partition_layers(11, 3, costs=costs)
+    assert [len(r) for r in ranges] == [2, 3, 6]  # by count it would be 3, 4, 4
+    assert [sum(costs[r.start:r.stop]) for r in ranges] == [6, 5, 6]  # 6 is the least maximum
+    assert [len(r) for r in partition_layers(10, 4, costs=[2.0] * 10)] == [2, 2, 3, 3]
+    assert [len(r) for r in partition_layers(10, 4, "1,2,3,4", costs=costs[:10])] == [1, 2, 3, 4]
+    # Ties go to later stages: 4 equal-cost layers after a heavy one, 2 stages.
+    assert balanced_counts([4.0, 1.0, 1.0, 1.0, 1.0], 2) == [1, 4]

@@ -107,3 +107,15 @@ def test_an_unknown_router_is_refused_with_a_sentence(moe_models):
         family.config_from_hf({**d, "scoring_func": "sigmoid"})
     cfg = family.config_from_hf(d)
     assert cfg.moe.sparse_layers == (True, False, True, True) and cfg.moe.top_k == 2
+
+
+def test_layer_costs_put_dense_and_sparse_layers_apart(moe_models):
+    from pipefill.model.loader import WeightSource
+    source = WeightSource(moe_models["qwen3_moe"][0])
+    costs = source.family.layer_costs(source.config)
+    # Layer 1 is dense (an MLP 96 wide) and costs more than the sparse ones (2 experts of 32).
+    assert costs[1] > costs[0] == costs[2] == costs[3]
+    from pipefill.base.partition import partition_layers
+    # The lightest heaviest stage: layers 0-1 (sparse + dense) against 2-3 (two sparse).
+    assert [len(r) for r in partition_layers(4, 2, costs=costs)] == [2, 2]
+    assert [len(r) for r in partition_layers(4, 3, costs=costs)] == [1, 1, 2]

@@ -81,6 +81,17 @@ class MoEFamily(LlamaFamily):
                          RouterSpec(moe.num_experts, moe.top_k, moe.normalize), experts, shared)
         return dict(gate_up=None, down=None, moe=block)
 
+    def layer_costs(self, cfg: ModelConfig) -> list[float]:
+        """Weights a token multiplies by in each layer: attention, then the dense MLP or the
+        router, its top-k experts and the shared expert (a dense layer among sparse ones costs
+        more or less than they do, so stages are balanced by this, not by layer count)."""
+        h, moe = cfg.hidden_size, cfg.moe
+        attention = h * (2 * cfg.q_size + 2 * cfg.kv_size)
+        sparse = h * (moe.num_experts + 3 * moe.top_k * moe.expert_width + 3 * moe.shared_width)
+        dense = 3 * h * cfg.intermediate_size
+        return [float(attention + (sparse if cfg.is_sparse(i) else dense))
+                for i in range(cfg.num_layers)]
+
     def gguf_name(self, hf_name: str) -> str:
         raise ValueError("GGUF mixture-of-experts files are not read yet")
 

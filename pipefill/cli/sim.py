@@ -8,7 +8,9 @@ import json
 from pipefill.chunking.cost import fit_quadratic
 from pipefill.chunking.sim import (SMOOTH_GRID, CostModel, Transfer, chunk_plan, default_c0_grid,
                                    describe_chunks, pick, plot_timeline, simulate, tune)
+from pipefill.base.partition import partition_layers
 from pipefill.config.args import chunk_size_flag
+from pipefill.model.families import family_for_hf_config
 
 
 def add_parser(sub) -> None:
@@ -21,6 +23,14 @@ def add_parser(sub) -> None:
     src.add_argument("--coefficients", metavar="A,B,C", help="cost model coefficients")
     src.add_argument("--profile", metavar="FILE",
                      help="a start-up profile JSON (from ~/.cache/pipefill/profiles) to fit")
+    src.add_argument("--model-config", metavar="FILE",
+                     help="a model's config.json (dense or mixture-of-experts): the cost model "
+                          "from its active weights and attention shape at --tflops, its layers "
+                          "split as pipefill would (balanced by their costs)")
+    p.add_argument("--tflops", type=float, default=100.0,
+                   help="with --model-config: the FLOP/s (in TFLOP/s) one stage achieves")
+    p.add_argument("--overhead-ms", type=float, default=1.0,
+                   help="with --model-config: fixed milliseconds per chunk and stage")
     p.add_argument("--input-len", type=int, required=True, help="prompt tokens")
     p.add_argument("--pp-size", type=int, default=2, help="pipeline stages")
     p.add_argument("--stage-scale", metavar="S0,S1,...",
@@ -52,7 +62,31 @@ def parse_floats(text: str, flag: str, count: int | None = None) -> list[float]:
     return values
 
 
+def model_cost(ns) -> CostModel:
+    """The cost model a config.json implies (see CostModel.from_shapes)."""
+    with open(ns.model_config) as f:
+        d = json.load(f)
+    family = family_for_hf_config(d)
+    cfg = family.config_from_hf(d)
+    params = family.layer_costs(cfg)
+    if len(set(params)) == 1:  # a dense family says "alike": count the weights themselves
+        params = [float(cfg.hidden_size * (2 * cfg.q_size + 2 * cfg.kv_size)
+                        + 3 * cfg.hidden_size * cfg.intermediate_size)] * cfg.num_layers
+    counts = [len(r) for r in partition_layers(cfg.num_layers, ns.pp_size, costs=params)]
+    if ns.tflops <= 0:
+        raise ValueError("--tflops must be positive")
+    model = CostModel.from_shapes(params, 2 * cfg.q_size, counts, ns.tflops * 1e12,
+                                  ns.overhead_ms * 1e-3)
+    active = sum(params) / 1e9
+    print(f"{cfg.model_type}: {cfg.num_layers} layers, {active:.1f}B weights a token "
+          f"multiplies by in its layers, stages of {counts} layers at {ns.tflops:g} TFLOP/s: "
+          f"f(l) = {model.a:.3g} l^2 + {model.b:.3g} l + {model.c:.3g} s on stage 0")
+    return model
+
+
 def cost_model(ns) -> CostModel:
+    if ns.model_config:
+        return model_cost(ns)
     if ns.coefficients:
         a, b, c = parse_floats(ns.coefficients, "--coefficients", 3)
     else:

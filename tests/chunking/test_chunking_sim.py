@@ -232,3 +232,26 @@ def test_auto_pick_prefers_fewer_chunks_in_a_near_tie():
     chosen, runner_up = pick(ranked)
     assert (chosen.c0, runner_up.c0) == (1024, 512)
     assert pick(ranked, tolerance=0.0)[0].c0 == 512
+
+
+def test_cost_model_from_shapes():
+    from pipefill.chunking.sim import CostModel
+    # Two stages of 2 and 1 layers; 1e6 weights per layer except the third (3e6).
+    m = CostModel.from_shapes([1e6, 1e6, 3e6], attention_width=1000, counts=[2, 1], flops=1e9,
+                              overhead_s=0.002)
+    assert m.b == pytest.approx(2 * 2e6 / 1e9) and m.a == pytest.approx(2 * 1000 / 1e9)
+    assert m.c == 0.002 and m.stage_scale == (1.0, 1.5)
+
+
+def test_sim_runs_from_a_model_config(tmp_path):
+    import subprocess
+    import sys
+    from pipefill.bench.make_model import make_config
+    path = tmp_path / "config.json"
+    path.write_text(make_config("qwen3-235b-a22b").to_json_string())
+    out = subprocess.run([sys.executable, "-m", "pipefill.cli.main", "sim", "--model-config",
+                          str(path), "--pp-size", "8", "--input-len", "65536", "--tflops", "400"],
+                         capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "qwen3_moe: 94 layers" in out.stdout and "TTFT" in out.stdout
+    assert "[11, 11, 12, 12, 12, 12, 12, 12] layers" in out.stdout

@@ -307,12 +307,14 @@ def test_a_failed_request_is_a_500_or_an_error_event():
     from pipefill.server.responses import RequestFailed, Run, error_of
 
     class Stages:  # the AsyncEngine's generate(), answering as stage 0 does after a failure
-        async def generate(self, rid, prompt_ids, params):
+        async def generate(self, rid, prompt_ids, params, priority=0):
             yield RequestOutput(rid, [], True, "error", error="sampling failed: RuntimeError: x")
     served = SimpleNamespace(engine=Stages(), tokenizer=None, metrics=ServerMetrics(),
-                             model_name="m")
+                             model_name="m",
+                             serving=SimpleNamespace(log_prefill_progress_interval=0.0))
     job = SimpleNamespace(rid="cmpl-1", prompt_ids=[1, 2], prompt_text=None, params=None,
-                          stops=[], chat=False, echo=False, logprobs=None, created=0)
+                          stops=[], chat=False, echo=False, logprobs=None, created=0,
+                          priority=0)
     with pytest.raises(RequestFailed) as failed:
         asyncio.run(Run(served, job).collect())
     err = error_of(failed.value)

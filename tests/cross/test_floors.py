@@ -59,3 +59,19 @@ def test_no_room_imports_its_own_floor_or_above():
             if dst != src and FLOOR.get(dst, len(FLOORS)) >= FLOOR[src]:
                 upward.append(f"{path.relative_to(ROOT.parent)}:{line} {src} -> {dst}")
     assert not upward, "imports that are not downward:\n" + "\n".join(upward)
+
+
+def room_graph() -> dict[str, set[str]]:
+    """room -> the rooms it imports (inside functions too)."""
+    graph: dict[str, set[str]] = {}
+    for path in ROOT.rglob("*.py"):
+        src = room_of(path)
+        targets = graph.setdefault(src, set())
+        targets |= {dst for _, dst in pipefill_imports(ast.parse(path.read_text())) if dst != src}
+    return graph
+
+
+if __name__ == "__main__":  # `python tests/cross/test_floors.py`: the room graph, by floor
+    graph = room_graph()
+    for room in sorted(graph, key=lambda r: (FLOOR.get(r, len(FLOORS)), r)):
+        print(f"{FLOOR.get(room, '?')!s:>2} {room:10s} -> {', '.join(sorted(graph[room])) or '-'}")

@@ -1,4 +1,4 @@
-"""Dynamic chunking with the start-up profile in the background (issue 12, step 5): the server
+"""Dynamic chunking with the start-up profile in the background: the server
 answers at once with fixed chunks, stage 0 profiles while idle on pages it borrows from the
 pool, then switches to the fitted chunks; outputs equal HF transformers before and after; a
 cached profile skips the background phase."""

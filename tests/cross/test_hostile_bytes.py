@@ -1,4 +1,4 @@
-"""Hostile bytes (issue 11): a real `pipefill serve` run as two nodes on 127.0.0.1 (PP2, so the
+"""Hostile bytes: a real `pipefill serve` run as two nodes on 127.0.0.1 (PP2, so the
 multi-node TCP control port exists), then a pickle whose unpickling would create a file, and
 random bytes, sent to every TCP port any of its processes listens on — as raw TCP and as a ZMQ
 message (what reached the unpickler before). Nothing may be created, every process must stay

@@ -335,7 +335,7 @@ def test_each_object_holds_only_its_own_isa():
     assert "vdpbf16ps" in asm(("cpu_attention", "cpu_attn_avx512bf16-*.o"))
 
 
-# --- one batched decode call per layer (issue 14): decode_attention == per-sequence calls ----
+# --- one batched decode call per layer: decode_attention == per-sequence calls ----
 
 # prefix lengths of one decode step: 0, page-unaligned, page-aligned, past the split threshold
 # (2048 keys: split into parts of 1024) and an unaligned split one.

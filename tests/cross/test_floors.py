@@ -9,6 +9,7 @@ import pipefill
 FLOORS = [
     {"base"},                   # platform facts and data contracts
     {"config", "kernels"},
+    {"comm"},                   # collectives inside a stage (tensor parallelism)
     {"model"},
     {"kv", "chunking"},
     {"scheduler"},

@@ -18,6 +18,7 @@ class UsageError(Exception):
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from pipefill.bench import allreduce as bench_allreduce
     from pipefill.bench import attention as bench_attention
     from pipefill.bench import kv_transfer as bench_kv_transfer
     from pipefill.bench import make_model as bench_make_model
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_decode.add_parser(bench)
     bench_decode_gemm.add_parser(bench)
     bench_make_model.add_parser(bench)
+    bench_allreduce.add_parser(bench)
     sim.add_parser(sub)
     return parser
 

@@ -14,7 +14,8 @@ mismatch raises on every rank). One thread per group at a time.
 
 A call that cannot finish — a peer exited, closed the group or failed, or did not arrive within
 `timeout_s` — raises ShmPeerError with a sentence; the group is unusable from then on, on every
-rank.
+rank. (A rank that finds everything it needed already there may still complete the call during
+which a peer gave up; its next call raises.)
 """
 from __future__ import annotations
 

@@ -110,6 +110,21 @@ def check_disagreement(rank: int, world: int) -> list[str]:
     return said
 
 
+def check_stuck_peer(rank: int, world: int) -> str:
+    """Rank 1 arrives 2 s late at a group that waits 0.5 s: rank 0 raises a timeout. Rank 1
+    finds rank 0's data there and completes that call, but its next call raises: rank 0 gave
+    up."""
+    with shm.ShmGroup(rank, world, "stuck", MAX_BYTES, timeout_s=0.5) as group:
+        if rank == 1:
+            time.sleep(2)
+        try:
+            for _ in range(2):
+                group.all_reduce_(torch.ones(5))
+        except shm.ShmPeerError as e:
+            return str(e)
+    return "no error"
+
+
 def check_dead_peer(rank: int, world: int) -> str:
     """The last rank dies (SIGKILL, from a thread) in the middle of a call of many pieces; the
     others must raise instead of waiting for it forever."""
@@ -136,7 +151,7 @@ def check_no_segment_left(rank: int, world: int, pid0: int) -> list[str]:
 
 
 CHECKS = {"sums": check_sums, "gloo": check_against_gloo, "gather": check_all_gather,
-          "disagree": check_disagreement}
+          "disagree": check_disagreement, "stuck": check_stuck_peer}
 
 
 def _rank_main(rank: int, world: int, port: int, out_dir: str, dead_peer: bool) -> None:
@@ -224,6 +239,13 @@ def test_ranks_that_disagree_all_raise_and_the_group_stays_broken(ranks):
         assert len(said) == 2
         assert "ranks disagree on the call" in said[0] and "10 float32 elements" in said[0]
         assert "unusable after an earlier error" in said[1]
+
+
+def test_a_stuck_peer_times_out_with_a_sentence(ranks):
+    said = list(_each_rank(ranks, "stuck"))
+    assert "rank 1 (pid" in said[0] and "did not reach barrier" in said[0]
+    assert "within 0.5 s" in said[0]
+    assert "rank 0" in said[1] and "left the group" in said[1]
 
 
 def test_no_segment_is_left_in_dev_shm(ranks):

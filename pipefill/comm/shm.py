@@ -59,11 +59,12 @@ class ShmGroup:
         self.rank, self.world, self.timeout_s = rank, world, float(timeout_s)
         self.slot_bytes = -(-max_bytes // 4096) * 4096
         self.isa, why = shm_comm.choose_isa(hide_cpu_flags, isa)
-        if self.isa is None:
-            raise RuntimeError(f"the shared-memory all-reduce is unavailable here: {why}")
-        lib = shm_comm.extension()
+        lib = shm_comm.extension() if self.isa else None
+        unavailable = None if lib else f"the shared-memory all-reduce is unavailable: {why}"
+        # Every rank takes part in the rendezvous, even one that cannot join: the others then
+        # raise its reason instead of waiting for it.
+        addr = _rendezvous(lib, rank, world, name, self.slot_bytes, group, unavailable)
         self.segment_bytes = lib.segment_bytes(world, self.slot_bytes)
-        addr = _rendezvous(lib, rank, world, name, self.slot_bytes, group)
         try:
             self._comm = lib.Comm(addr, rank, world, self.slot_bytes, shm_comm.ISA_CODE[self.isa],
                                   small_max_bytes, spin_us)
@@ -154,11 +155,13 @@ def _check_arguments(rank, world, name, max_bytes, group, timeout_s) -> None:
         raise ValueError(f"ShmGroup timeout_s must be positive, got {timeout_s}")
 
 
-def _rendezvous(lib, rank: int, world: int, name: str, slot_bytes: int, group) -> int:
+def _rendezvous(lib, rank: int, world: int, name: str, slot_bytes: int, group,
+                error: str | None) -> int:
     """The segment's address in this process, once every rank has mapped it; its name is
-    removed from /dev/shm before this returns (or raises) on any rank."""
-    segment, addr, error = None, 0, None
-    if rank == 0:
+    removed from /dev/shm before this returns (or raises) on any rank. `error`: why this rank
+    cannot join (every rank then raises it)."""
+    segment, addr = None, 0
+    if rank == 0 and error is None:
         remove_stale_segments()
         segment = f"/{SEGMENT_PREFIX}{name}-{os.getpid()}-{secrets.token_hex(6)}"
         try:
@@ -168,10 +171,9 @@ def _rendezvous(lib, rank: int, world: int, name: str, slot_bytes: int, group) -
     try:
         found = [segment, error]
         dist.broadcast_object_list(found, group_src=0, group=group)
-        segment, error = found
-        if error is None and rank != 0:
+        if rank != 0 and found[0] is not None and error is None:  # None: rank 0 failed
             try:
-                addr = lib.map_segment(segment, world, slot_bytes, False)
+                addr = lib.map_segment(found[0], world, slot_bytes, False)
             except (RuntimeError, ValueError) as e:
                 error = str(e)
         errors = [None] * world

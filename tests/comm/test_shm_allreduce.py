@@ -110,6 +110,16 @@ def check_disagreement(rank: int, world: int) -> list[str]:
     return said
 
 
+def check_unjoinable_rank(rank: int, world: int) -> str:
+    """The last rank asks for a sum build that does not exist: every rank raises its reason."""
+    try:
+        shm.ShmGroup(rank, world, "unjoinable", MAX_BYTES, isa="bogus" if rank == world - 1
+                     else None)
+    except RuntimeError as e:
+        return str(e)
+    return "no error"
+
+
 def check_stuck_peer(rank: int, world: int) -> str:
     """Rank 1 arrives 2 s late at a group that waits 0.5 s: rank 0 raises a timeout. Rank 1
     finds rank 0's data there and completes that call, but its next call raises: rank 0 gave
@@ -151,7 +161,8 @@ def check_no_segment_left(rank: int, world: int, pid0: int) -> list[str]:
 
 
 CHECKS = {"sums": check_sums, "gloo": check_against_gloo, "gather": check_all_gather,
-          "disagree": check_disagreement, "stuck": check_stuck_peer}
+          "disagree": check_disagreement, "stuck": check_stuck_peer,
+          "unjoinable": check_unjoinable_rank}
 
 
 def _rank_main(rank: int, world: int, port: int, out_dir: str, dead_peer: bool) -> None:
@@ -246,6 +257,12 @@ def test_a_stuck_peer_times_out_with_a_sentence(ranks):
     assert "rank 1 (pid" in said[0] and "did not reach barrier" in said[0]
     assert "within 0.5 s" in said[0]
     assert "rank 0" in said[1] and "left the group" in said[1]
+
+
+def test_a_rank_that_cannot_join_makes_every_rank_raise_its_reason(ranks):
+    for said in _each_rank(ranks, "unjoinable"):
+        assert "could not be set up" in said and f"rank {len(ranks) - 1}:" in said
+        assert "unknown ISA 'bogus'" in said
 
 
 def test_no_segment_is_left_in_dev_shm(ranks):

@@ -36,7 +36,6 @@
 #include <chrono>
 #include <string>
 #include <tuple>
-#include <vector>
 
 #include "shm_comm_kernel.h"
 
@@ -267,16 +266,15 @@ class Comm {
     copy_bytes(mine, d, m * es);
     std::string e = barrier(first);
     if (!e.empty()) return e;
-    std::vector<const void*> src(world_);
+    const void* src[kMaxWorld];
+    for (int k = 0; k < world_; ++k) src[k] = slot(set_, k);
     if (m * es <= small_max_bytes_) {  // latency first: one barrier, every rank sums everything
-      for (int k = 0; k < world_; ++k) src[k] = slot(set_, k);
       sum_parallel(src, d, dtype, es, 0, m);
       return "";
     }
     const int64_t align = kPartAlign / es;
     const int64_t part = ((m + world_ - 1) / world_ + align - 1) / align * align;
     const int64_t lo = std::min(m, rank_ * part), hi = std::min(m, lo + part);
-    for (int k = 0; k < world_; ++k) src[k] = slot(set_, k);
     sum_parallel(src, mine, dtype, es, lo, hi);
     e = barrier(false);
     if (!e.empty()) return e;
@@ -288,13 +286,13 @@ class Comm {
   }
 
   // dst[i] = sum over k of src[k][i] for i in [lo, hi), split over torch's pool when large.
-  void sum_parallel(const std::vector<const void*>& src, char* dst, int dtype, int64_t es, int64_t lo, int64_t hi) {
+  void sum_parallel(const void* const* src, char* dst, int dtype, int64_t es, int64_t lo, int64_t hi) {
     if (hi <= lo) return;
     const int64_t grain = kGrainBytes / es;
     at::parallel_for(lo, hi, hi - lo <= 2 * grain ? hi - lo : grain, [&](int64_t b, int64_t e) {
-      std::vector<const void*> at_b(world_);
+      const void* at_b[kMaxWorld];
       for (int k = 0; k < world_; ++k) at_b[k] = static_cast<const char*>(src[k]) + b * es;
-      sum_(at_b.data(), world_, dst + b * es, dtype, e - b);
+      sum_(at_b, world_, dst + b * es, dtype, e - b);
     });
   }
 

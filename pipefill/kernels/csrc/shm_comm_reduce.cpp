@@ -12,6 +12,8 @@ namespace {
 
 constexpr int64_t kBlock = 512;  // elements summed per pass over the sources (2 KiB of float32)
 
+// Its own bf16 conversions, not glue.h's: an inline function shared with the glue and compiled
+// here with ISA flags could be the copy the linker keeps, and run on a CPU without that ISA.
 inline float widen(uint16_t h) {
   const uint32_t u = (uint32_t)h << 16;
   float f;

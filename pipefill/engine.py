@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 from tqdm import tqdm
 
-from pipefill.base.plan import NewRequest, RequestOutput, SamplingParams
+from pipefill.base.plan import NewRequest, PDInfo, RequestOutput, SamplingParams
 from pipefill.chunking.progress import PrefillProgress
 from pipefill.config import ServerArgs, make_server_args
 from pipefill.frontend import FrontEnd, prepare
@@ -34,6 +34,8 @@ class _Pending:
     index: int
     num_prompt_tokens: int
     submitted: float
+    pd: PDInfo | None = None  # its PD room on a prefill or decode role
+    refused: str | None = None  # stage 0's sentence, when it refused the prompt
     output_ids: list[int] = field(default_factory=list)
     first_token_at: float | None = None
     done_at: float | None = None
@@ -44,7 +46,10 @@ class _Pending:
 
     def take(self, out: RequestOutput | Exception) -> None:
         """Raises what ends the whole call: stage 0 rejected this prompt (ValueError) or it
-        failed while generating (RuntimeError); generate() then aborts the others."""
+        failed while generating (RuntimeError; a ValueError where a PD decode's prefill
+        refused it); generate() then aborts the others."""
+        if isinstance(out, ValueError):
+            self.refused = str(out)
         if isinstance(out, Exception):
             raise out
         now = time.perf_counter()
@@ -56,7 +61,8 @@ class _Pending:
         self.cached_tokens = out.cached_tokens or self.cached_tokens
         if out.finished:
             if out.finish_reason == "error":
-                raise RuntimeError(out.error)
+                refused = out.error_status is not None and 400 <= out.error_status < 500
+                raise (ValueError if refused else RuntimeError)(out.error)
             self.done = out
             self.first_token_at = self.first_token_at or now
             self.done_at = now
@@ -72,11 +78,15 @@ class Engine:
         self.model_file = source.path
         self.model_config = source.config
         self._failure: str | None = None  # why the stages died, once they have
-        self.core = FrontEnd(args, source)
-        self.core.launch()
-        # The tokenizer loads here while the stages load their weights.
-        self.tokenizer: Tokenizer | None = load_tokenizer(source)
-        self.core.wait_ready()
+        self.core = FrontEnd(args, source)  # a PD prefill's bootstrap service starts here
+        try:
+            self.core.launch()
+            # The tokenizer loads here while the stages load their weights.
+            self.tokenizer: Tokenizer | None = load_tokenizer(source)
+            self.core.wait_ready()
+        except BaseException:
+            self.core.close(grace_s=1.0)
+            raise
         self.kv_capacity_tokens = self.core.kv_capacity_tokens
         self.chunking: dict = self.core.chunking  # C0, mode, fitted cost model when profiled
 
@@ -121,30 +131,35 @@ class Engine:
     def generate(self, prompts, max_new_tokens: int = 16, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = -1, seed: int | None = None,
                  return_prompt_logprobs: bool = False, ignore_eos: bool = False,
-                 priority: int | list[int] = 0, show_progress: bool | None = None
-                 ) -> list[GenerateOutput]:
+                 priority: int | list[int] = 0, show_progress: bool | None = None,
+                 pd: PDInfo | list[PDInfo] | None = None) -> list[GenerateOutput]:
         """priority: one for every prompt, or a list (--schedule-policy priority: larger
         first). show_progress: a bar per prompt longer than one chunk while it prefills
         (tokens done, tokens/s, the ETA from the chunk cost model) on stderr; None = when
-        stderr is a terminal."""
+        stderr is a terminal. pd: on a PD role (disaggregation_mode prefill or decode), each
+        prompt's room, the same on the prefill and the decode (a list, one per prompt): the
+        prefill computes the first token and hands it to the decode with the KV; the decode
+        continues from it (ARCHITECTURE.md, 'Prefill/decode disaggregation')."""
         self._require_stages()
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             raise ValueError("prompts must be a list of strings or a list of token-id lists")
-        stops = self.tokenizer.eos_token_ids if self.tokenizer else ()
+        rooms = self._rooms(pd, len(prompts))
         params = SamplingParams(max_new_tokens, temperature, top_p, top_k, seed, ignore_eos,
-                                stops, return_prompt_logprobs)
-        encoded = [self.encode(p) for p in prompts]
-        priorities = priority if isinstance(priority, list) else [priority] * len(encoded)
-        if len(priorities) != len(encoded):
-            raise ValueError(f"{len(priorities)} priorities for {len(encoded)} prompts")
-        for ids in encoded:
-            self.check_prompt(ids, params)
-        now = time.perf_counter()
-        pending = {self.core.new_rid("req"): _Pending(i, len(ids), now)
-                   for i, ids in enumerate(encoded)}
+                                self.tokenizer.eos_token_ids if self.tokenizer else (),
+                                return_prompt_logprobs)
         try:
-            self.core.submit([NewRequest(rid, ids, params, priority=p)
-                              for rid, ids, p in zip(pending, encoded, priorities)],
+            encoded, priorities, params = self._at_the_door(prompts, params, priority, rooms)
+        except ValueError as e:  # none of the call's prompts runs: their decodes hear it
+            for room in rooms:
+                self.core.refuse_room(room, 400, str(e))
+            raise
+        now = time.perf_counter()
+        pending = {self.core.new_rid("req"): _Pending(i, len(ids), now, room)
+                   for i, (ids, room) in enumerate(zip(encoded, rooms))}
+        try:
+            self.core.submit([NewRequest(rid, ids, params, p.pd, priority)
+                              for (rid, p), ids, priority in zip(pending.items(), encoded,
+                                                                 priorities)],
                              [p.take for p in pending.values()])
             with PrefillBars(pending, show_progress) as bars:
                 self._collect(pending, bars)
@@ -156,13 +171,48 @@ class Engine:
             raise
         except BaseException:
             # A rejected or failed request, or Ctrl-C: the others of this call must not keep
-            # running (and holding pages at stage 0) with nobody to collect them.
+            # running (and holding pages at stage 0) with nobody to collect them. (A PD
+            # prefill runs its rooms to their end anyway: their decodes wait for the KV.)
             self._abort_unfinished(pending)
+            for p in pending.values():
+                if p.refused is not None:
+                    self.core.refuse_room(p.pd, 400, p.refused)
             raise
         finally:
             for rid in pending:
                 self.core.release(rid)
         return [self._finish(p) for p in sorted(pending.values(), key=lambda p: p.index)]
+
+    def _at_the_door(self, prompts, params: SamplingParams, priority: int | list[int],
+                     rooms: list[PDInfo | None]
+                     ) -> tuple[list[list[int]], list[int], SamplingParams]:
+        """The call's token ids, priorities and sampling (a PD role's: pd_params), checked;
+        ValueError with a sentence."""
+        encoded = [self.encode(p) for p in prompts]
+        priorities = priority if isinstance(priority, list) else [priority] * len(encoded)
+        if len(priorities) != len(encoded):
+            raise ValueError(f"{len(priorities)} priorities for {len(encoded)} prompts")
+        for ids in encoded:
+            self.check_prompt(ids, params)
+        return encoded, priorities, self.core.pd_params(params, rooms[0] if rooms else None)
+
+    def _rooms(self, pd: PDInfo | list[PDInfo] | None, num_prompts: int
+               ) -> list[PDInfo | None]:
+        """Each prompt's PD room, checked as the server checks the router's fields."""
+        if pd is None or (isinstance(pd, PDInfo) and num_prompts == 1):
+            rooms = [pd] * num_prompts
+        elif isinstance(pd, list) and len(pd) == num_prompts:
+            rooms = pd
+        else:
+            raise ValueError(f"pd: one PDInfo per prompt, in a list ({num_prompts} prompts)")
+        if not all(isinstance(room, PDInfo) for room in rooms if room is not None):
+            raise ValueError("pd: rooms are pipefill.PDInfo(room, bootstrap_host, "
+                             "bootstrap_port)")
+        rooms = [self.core.check_room(room) for room in rooms]
+        if len({room.room for room in rooms if room is not None}) < \
+                sum(room is not None for room in rooms):
+            raise ValueError("pd: every prompt needs a bootstrap_room of its own")
+        return rooms
 
     def _collect(self, pending: dict[str, _Pending], bars: "PrefillBars") -> None:
         """Reads and routes the stages' reports until every request of the call finished."""

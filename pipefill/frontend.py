@@ -1,20 +1,25 @@
 """What every front end (the Python Engine, the HTTP server) shares: prepare() resolves the
 arguments against the model and rejects impossible settings with a sentence before the stages
 start; FrontEnd then starts the stages, checks each prompt once, sends the requests and routes
-the stages' reports back to each request."""
+the stages' reports back to each request. On a PD role it also runs the role's services: a
+prefill's bootstrap service and the notifier that tells decodes about refused rooms."""
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import logging
 from collections.abc import Callable
 
 import torch
 
-from pipefill.config import ServerArgs, resolve
+from pipefill.config import DisaggMode, Disaggregation, ServerArgs, resolve
+from pipefill.disagg.bootstrap import BootstrapServer
+from pipefill.disagg.http_fields import check_room
+from pipefill.disagg.rejects import RejectNotifier
 from pipefill.kernels.prefill_gemm import choose_prefill_gemm
 from pipefill.model.attention import choose_backend, resolve_kv_dtype
 from pipefill.model.loader import WeightSource, resolve_model_path, resolve_weight_dtype
-from pipefill.base.plan import NewRequest, RequestOutput, SamplingParams
+from pipefill.base.plan import NewRequest, PDInfo, RequestOutput, SamplingParams, is_room_in_use
 from pipefill.base.platform import cpu_vendor, resolve_dtype, usable_cpu_flags
 from pipefill.runtime.launch import StageGroup
 from pipefill.runtime.trace import write_trace
@@ -25,14 +30,17 @@ log = logging.getLogger(__name__)
 CUDA_NEVER_RUN = ("--device cuda: this code path (NCCL between stages, one GPU per stage) is "
                   "written but has never run on a GPU; expect failures, and use --device cpu "
                   "for a tested server")
+PROMPT_LOGPROBS_UNDER_PD = ("prompt logprobs (echo with logprobs, return_prompt_logprobs) are "
+                            "not served by a PD pair: the decode server never sees the prompt's "
+                            "logits")
 
 
 def prepare(args: ServerArgs) -> tuple[ServerArgs, WeightSource]:
     """Resolves model-dependent defaults and rejects impossible settings up front."""
     if args.device == "cuda":
         log.warning(CUDA_NEVER_RUN)
-    if args.disaggregation_mode != "null" and args.nnodes > 1:
-        raise ValueError(f"--disaggregation-mode {args.disaggregation_mode} runs on one node "
+    if args.disagg.enabled and args.nnodes > 1:
+        raise ValueError(f"--disaggregation-mode {args.disagg.mode.value} runs on one node "
                          "(--nnodes 1) for now")
     source = WeightSource(resolve_model_path(args.model_path))
     # Also checks the layer partition against the model, balanced by the layers' costs.
@@ -49,6 +57,16 @@ def prepare(args: ServerArgs) -> tuple[ServerArgs, WeightSource]:
     return args, source
 
 
+def start_bootstrap(host: str, disagg: Disaggregation) -> BootstrapServer:
+    """A prefill's bootstrap service, up before its stages register with it."""
+    try:
+        return BootstrapServer(host, disagg.bootstrap_port, disagg.secret())
+    except OSError as e:
+        raise RuntimeError(f"the bootstrap service cannot listen on {host}:"
+                           f"{disagg.bootstrap_port} ({e}): choose another "
+                           "--disaggregation-bootstrap-port") from None
+
+
 # A request's sink: takes each of its outputs in order, or the exception that ends it (stage 0
 # rejected it, or the stages failed). Engine's sinks are plain callbacks that may raise into
 # its collecting loop; the server's put into the asyncio queue its request's task reads.
@@ -60,9 +78,13 @@ class FrontEnd:
     server's AsyncEngine: it starts the stage group, checks each prompt at the front door,
     numbers requests, sends them, and routes what the stages report to each request's sink.
 
-    It runs no thread of its own: Engine calls recv() and route() from its calling thread;
-    the server reads in its supervisor thread and routes on its event loop, so that the sinks
-    are only ever touched from one thread (ARCHITECTURE.md, 'A request's path')."""
+    It runs no thread of its own for the stages: Engine calls recv() and route() from its
+    calling thread; the server reads in its supervisor thread and routes on its event loop, so
+    that the sinks are only ever touched from one thread (ARCHITECTURE.md, 'A request's path').
+
+    A PD prefill's bootstrap service and reject notifier start here, before any stage
+    registers, and stop in close(): a restarted stage group registers with the same service
+    (ARCHITECTURE.md, 'Prefill/decode disaggregation')."""
 
     def __init__(self, args: ServerArgs, source: WeightSource):
         self.args = args
@@ -73,6 +95,10 @@ class FrontEnd:
         self.load: dict = {}  # stage 0's latest load report
         self._sinks: dict[str, Sink] = {}
         self._ids = itertools.count()
+        self.bootstrap = start_bootstrap(args.serving.host, args.disagg) \
+            if args.disagg.mode is DisaggMode.PREFILL else None
+        self.rejects = RejectNotifier(self.bootstrap.endpoints, args.disagg.secret()) \
+            if self.bootstrap is not None else None
 
     # ---- the stage group ---------------------------------------------------------------------
 
@@ -90,9 +116,16 @@ class FrontEnd:
         return info
 
     def close(self, grace_s: float = 5.0) -> None:
+        """Stops the stages, then the PD services (for good: launch() cannot follow)."""
         if self.stages is not None:
             self.stages.close(grace_s=grace_s)
             self.stages = None
+        if self.rejects is not None:
+            self.rejects.close()
+            self.rejects = None
+        if self.bootstrap is not None:
+            self.bootstrap.close()
+            self.bootstrap = None
 
     def recv(self, timeout_ms: int = 100) -> tuple | None:
         """The stages' next report, or None; StageFailure once a stage is dead."""
@@ -113,6 +146,45 @@ class FrontEnd:
         (stage 0 checks again, for its own sake, and answers "rejected")."""
         check_prompt(ids, params, self.source.config.vocab_size, self.args.max_model_len,
                      self.kv_capacity_tokens)
+
+    # ---- PD rooms ----------------------------------------------------------------------------
+
+    def check_room(self, pd: PDInfo | None) -> PDInfo | None:
+        """A request's PD room, checked as the router's fields are (http_fields.check_room):
+        a PD role needs one per request, a colocated front end takes none. ValueError with a
+        sentence (a FieldError with status 403 for a decode's bootstrap outside
+        --disaggregation-prefill-bootstrap)."""
+        disagg = self.args.disagg
+        if not disagg.enabled:
+            if pd is not None:
+                raise ValueError("a PD room is for a prefill or decode role: start with "
+                                 "--disaggregation-mode prefill|decode")
+            return None
+        if pd is None:
+            raise ValueError(f"this is the {disagg.mode.value} of a PD pair: every request "
+                             "needs its room (PDInfo(bootstrap_room, bootstrap_host, "
+                             "bootstrap_port), the same on the prefill and the decode)")
+        return check_room(pd.room, pd.host, pd.port, disagg.mode.value,
+                          disagg.prefill_bootstrap)
+
+    def pd_params(self, params: SamplingParams, pd: PDInfo | None) -> SamplingParams:
+        """A PD request's sampling: no prompt logprobs (ValueError); a prefill computes one
+        token, which goes to the decode with the KV. Checked against the request's own
+        max_new_tokens first (check_prompt), as the decode will run it."""
+        if pd is not None and params.return_prompt_logprobs:
+            raise ValueError(PROMPT_LOGPROBS_UNDER_PD)
+        if self.args.disagg.mode is DisaggMode.PREFILL:
+            return dataclasses.replace(params, max_new_tokens=1)
+        return params
+
+    def refuse_room(self, pd: PDInfo | None, status: int, sentence: str) -> None:
+        """A prefill refused the request of room pd: its decodes answer the same status and
+        sentence at once, instead of waiting for the KV until --disaggregation-waiting-timeout
+        (and then answering 5xx, which a router retries). Nothing elsewhere, and nothing for
+        a room in use: that room's decodes serve the request that holds it."""
+        if self.rejects is None or pd is None or is_room_in_use(sentence):
+            return
+        self.rejects.tell(pd.room, status, sentence)
 
     def submit(self, requests: list[NewRequest], sinks: list[Sink]) -> None:
         """Sends the requests to stage 0 in one message; each one's reports go to its sink

@@ -34,6 +34,13 @@ def pd_info(extra: dict | None, mode: str, prefill_bootstrap: str | None = None
     if any(isinstance(v, list) for v in (room, host, port)):
         raise FieldError("batched PD requests (lists of bootstrap rooms) are not supported: "
                          "send one prompt per request")
+    return check_room(room, host, port, mode, prefill_bootstrap)
+
+
+def check_room(room, host, port, mode: str, prefill_bootstrap: str | None = None) -> PDInfo:
+    """One PD room (the router's fields, or the Python Engine's PDInfo) of a `mode` server:
+    FieldError with a sentence for a room id, host or port it cannot use, or (decode) a
+    bootstrap outside prefill_bootstrap."""
     if not isinstance(room, int) or isinstance(room, bool) or not 0 <= room < 2**63:
         raise FieldError("bootstrap_room must be an integer in [0, 2^63)")
     try:

@@ -36,7 +36,6 @@ from pipefill.disagg.transfer_receiver import KVReceiver
 from pipefill.disagg.transfer_sender import KVSender
 from pipefill.disagg.validate import check_final_meta, check_prefill_info, parse_bootstraps
 from pipefill.base.platform import dtype_name
-from pipefill.base.wire import read_cluster_secret
 from pipefill.scheduler.role import DecodeRole, PrefillRole, kv_send_end
 
 log = logging.getLogger(__name__)
@@ -60,10 +59,6 @@ def node_host(host: str) -> str:
         return socket.gethostbyname(socket.gethostname())
     except OSError:
         return "127.0.0.1"
-
-
-def _secret(args) -> bytes | None:
-    return read_cluster_secret(args.cluster_secret, args.cluster_secret_file)
 
 
 class _Seen:
@@ -93,16 +88,16 @@ class PrefillStagePD(PrefillRole):
         self._to_first = to_first or self._own_reports.put
         self._lock = threading.Lock()
         self._opened, self._done = _Seen(), _Seen()
-        secret = _secret(args)
+        disagg = args.disagg
+        secret = disagg.secret()
         host = node_host(args.host)
         self.sender = KVSender(KVTensors.from_cache(executor.cache, layer_start), rank,
-                               release=self._released, backend=args.disaggregation_transfer_backend,
-                               host=host, timing=Timing.from_args(args), secret=secret)
+                               release=self._released, backend=disagg.transfer_backend,
+                               host=host, timing=Timing.of(disagg), secret=secret)
         reg = self.sender.registration(pp_size=args.pp_size, num_layers=cfg.num_layers,
                                        num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
                                        model_fingerprint=m.model_fingerprint(cfg))
-        register_stage(m.Endpoint(host, args.disaggregation_bootstrap_port), reg,
-                       secret=secret)
+        register_stage(m.Endpoint(host, disagg.bootstrap_port), reg, secret=secret)
 
     def after_forward(self, plan) -> None:
         for w in plan.seqs:
@@ -187,8 +182,9 @@ class DecodeStagePD(DecodeRole):
     def __init__(self, args, executor, cfg, info=None, to_first=None):
         super().__init__()
         self.args, self.cfg, self.executor = args, cfg, executor
+        self.disagg = disagg = args.disagg
         self.rank = info.rank if info is not None else 0
-        self.secret = _secret(args)
+        self.secret = disagg.secret()
         self.kv = KVTensors.from_cache(executor.cache, info.layers.start if info else 0)
         # The whole decode pipeline's layers: a prefill stage learns how many decode stages
         # will bootstrap each room from it.
@@ -196,8 +192,8 @@ class DecodeStagePD(DecodeRole):
         self._released_rooms: queue.SimpleQueue = queue.SimpleQueue()
         self.receiver = KVReceiver(self.kv, release=lambda room, pages:
                                    self._released_rooms.put(room),
-                                   backend=args.disaggregation_transfer_backend,
-                                   host=node_host(args.host), timing=Timing.from_args(args),
+                                   backend=disagg.transfer_backend,
+                                   host=node_host(args.host), timing=Timing.of(disagg),
                                    secret=self.secret)
         self.pipeline = DecodePipelineRooms(args.pp_size)  # stage 0
         self._own: dict[int, object] = {}  # stage 0: room -> its own RoomResult, until ready
@@ -211,9 +207,9 @@ class DecodeStagePD(DecodeRole):
         self._awaiting_connect: dict[str, list[_Asked]] = {}
         self._connects: queue.SimpleQueue = queue.SimpleQueue()  # stage 0: (key, error) ended
         self.connector = PrefillConnector(
-            self.connect, args.disaggregation_connect_timeout,
+            self.connect, disagg.connect_timeout,
             self._connect_done if self.rank == 0 else self._connected_later)
-        for host, port in sorted(parse_bootstraps(args.disaggregation_prefill_bootstrap) or ()):
+        for host, port in sorted(parse_bootstraps(disagg.prefill_bootstrap) or ()):
             self._check_pairing(host, port)
         if self.rank > 0:
             threading.Thread(target=self._watch, name="pd-decode-watch", daemon=True).start()
@@ -423,7 +419,7 @@ class DecodeStagePD(DecodeRole):
         info = m.PrefillInfo(stages)
         check_compatible(info, page_size=self.kv.page_size, kv_dtype=dtype_name(self.kv.dtype),
                          model_fingerprint=m.model_fingerprint(self.cfg),
-                         backend=self.args.disaggregation_transfer_backend,
+                         backend=self.disagg.transfer_backend,
                          num_layers=self.cfg.num_layers, kv_layout=self.kv.layout)
         self.receiver.connect(key, info, timeout_s=deadline.remaining(),
                               decode_layer_ranges=self.layer_ranges)

@@ -107,12 +107,11 @@ class Timing:
     claim_timeout_s: float = 30.0  # prefill: a running request's room waits this for a decode
 
     @staticmethod
-    def from_args(args) -> "Timing":
-        """From ServerArgs' --disaggregation-* flags."""
-        return Timing(args.disaggregation_bootstrap_timeout, args.disaggregation_waiting_timeout,
-                      args.disaggregation_heartbeat_interval,
-                      args.disaggregation_heartbeat_max_misses,
-                      claim_timeout_s=args.disaggregation_room_claim_timeout)
+    def of(disagg) -> "Timing":
+        """From the --disaggregation-* timeouts (the config's Disaggregation section)."""
+        return Timing(disagg.bootstrap_timeout, disagg.waiting_timeout,
+                      disagg.heartbeat_interval, disagg.heartbeat_max_misses,
+                      claim_timeout_s=disagg.room_claim_timeout)
 
 
 class Peers:

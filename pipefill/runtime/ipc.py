@@ -24,7 +24,7 @@ from dataclasses import dataclass, field
 import zmq
 
 from pipefill.config import ServerArgs
-from pipefill.base.wire import Framer, front_to_stage, read_cluster_secret, stage_to_front
+from pipefill.base.wire import Framer, front_to_stage, stage_to_front
 
 log = logging.getLogger(__name__)
 
@@ -43,7 +43,7 @@ class Addresses:
 
     @staticmethod
     def fresh(args: ServerArgs) -> "Addresses":
-        secret = read_cluster_secret(args.cluster_secret, args.cluster_secret_file)
+        secret = args.disagg.secret()
         folder = tempfile.mkdtemp(prefix="pipefill-") if args.node_rank == 0 else None
         requests = f"ipc://{os.path.join(folder, 'requests')}" if folder else ""
         if args.nnodes == 1:

@@ -9,7 +9,7 @@ import os
 import signal
 from dataclasses import dataclass
 
-from pipefill.config import ServerArgs
+from pipefill.config import DisaggMode, ServerArgs
 from pipefill.runtime.heartbeat import stage_heartbeat
 from pipefill.runtime.ipc import Addresses, StageChannel
 from pipefill.runtime.loop import (FirstStageLoop, report_to_first, run_guarded,
@@ -162,12 +162,12 @@ def release_freed_memory() -> None:
 def make_pd_role(args: ServerArgs, executor, info, cfg, pipe):
     """The stage's PD disaggregation role (pipefill.scheduler.role): NullRole, or one of
     pipefill.disagg.roles. A later stage's role reports to stage 0 through the pipe."""
-    if args.disaggregation_mode not in ("prefill", "decode"):
+    if not args.disagg.enabled:
         return NullRole()
     # Imported here: the transfer plane costs every stage's start-up, and most serve no PD.
     from pipefill.disagg.roles import DecodeStagePD, PrefillStagePD
     to_first = report_to_first(pipe) if info.rank > 0 else None
-    if args.disaggregation_mode == "decode":
+    if args.disagg.mode is DisaggMode.DECODE:
         return DecodeStagePD(args, executor, cfg, info, to_first)
     return PrefillStagePD(args, executor, info.rank, info.layers.start, cfg, to_first)
 

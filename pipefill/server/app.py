@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-import dataclasses
 import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
@@ -19,7 +18,7 @@ from starlette.requests import ClientDisconnect
 from pipefill.chunking.progress import PrefillProgress
 from pipefill.config import DisaggMode, Disaggregation, Serving
 from pipefill.disagg.http_fields import ROUTER_MODEL, FieldError, pd_info
-from pipefill.base.plan import SamplingParams, is_room_in_use
+from pipefill.base.plan import SamplingParams
 from pipefill.server.admission import Admission
 from pipefill.server.async_engine import AsyncEngine, EngineDown
 from pipefill.server.metrics import ServerMetrics
@@ -46,7 +45,6 @@ class Served:
     api_key: str | None
     metrics: ServerMetrics = field(default_factory=ServerMetrics)
     token_bytes: int = 0  # the most prompt bytes one token stands for
-    rejects: object = None  # a PD prefill's disagg.rejects.RejectNotifier
     # One thread: the tokenizer object is shared, and big prompts need not run side by side.
     tokenizer_thread: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         1, thread_name_prefix="pipefill-tokenizer"))
@@ -430,22 +428,19 @@ async def handle(served: Served, request: Request, body, chat: bool):
     try:
         return await _handle(served, request, body, chat)
     except ApiError as e:
-        if served.rejects is not None:
+        if served.disagg.mode is DisaggMode.PREFILL:
             tell_decodes(served, body, e)
         raise
 
 
 def tell_decodes(served: Served, body, error: ApiError) -> None:
     """A PD prefill refused a request that names a room: the room's decodes answer the same
-    status and sentence at once, instead of waiting for the KV until their
-    --disaggregation-waiting-timeout and then answering 5xx (which the router retries)."""
+    status and sentence at once (FrontEnd.refuse_room)."""
     try:
         pd = pd_info(body.model_extra, "prefill")
     except ValueError:
         return  # no usable room: no decode can be waiting for it
-    if is_room_in_use(error.message):
-        return  # the room's decodes serve the request that holds it: not this one's refusal
-    served.rejects.tell(pd.room, error.status, error.message)
+    served.engine.core.refuse_room(pd, error.status, error.message)
 
 
 async def _handle(served: Served, request: Request, body, chat: bool):
@@ -485,13 +480,13 @@ async def _answer(served: Served, request: Request, body, chat: bool, release):
     except FieldError as e:
         raise ApiError(e.status, str(e), param="bootstrap_host" if e.status == 403 else None
                        ) from None
-    if pd is not None and job.params.return_prompt_logprobs:
-        raise ApiError(400, "echo with logprobs (prompt logprobs) is not served by a PD pair: "
-                            "the decode server never sees the prompt's logits", param="echo")
+    try:  # a prefill computes the first token only: it goes to the decode with the KV
+        job.params = served.engine.core.pd_params(job.params, pd)
+    except ValueError as e:
+        raise ApiError(400, str(e), param="echo") from None
     if pd is not None:
         served.engine.attach_pd(job.rid, pd)
-    if disagg.mode is DisaggMode.PREFILL:  # the first token goes to the decode with the KV
-        job.params = dataclasses.replace(job.params, max_new_tokens=1)
+    if disagg.mode is DisaggMode.PREFILL:
         body.stream = False
     run = Run(served, job)
     if body.stream:

@@ -6,8 +6,7 @@ import logging
 import os
 import signal
 
-from pipefill.config import (DisaggMode, Disaggregation, Serving, server_args_from_namespace,
-                             server_args_parser_group)
+from pipefill.config import Serving, server_args_from_namespace, server_args_parser_group
 
 log = logging.getLogger("pipefill.server")
 
@@ -53,28 +52,6 @@ class RestartGate:
         await self.app(scope, receive, send)
 
 
-def start_bootstrap(host: str, disagg: Disaggregation):
-    """A prefill server's bootstrap service, up before its stages register with it."""
-    if disagg.mode is not DisaggMode.PREFILL:
-        return None
-    from pipefill.disagg.bootstrap import BootstrapServer
-    try:
-        return BootstrapServer(host, disagg.bootstrap_port, disagg.secret())
-    except OSError as e:
-        raise RuntimeError(f"the bootstrap service cannot listen on {host}:"
-                           f"{disagg.bootstrap_port} ({e}): choose another "
-                           "--disaggregation-bootstrap-port") from None
-
-
-def start_rejects(disagg: Disaggregation, bootstrap):
-    """A prefill server tells its stages which rooms it refused (their decodes answer at
-    once); None elsewhere."""
-    if bootstrap is None:
-        return None
-    from pipefill.disagg.rejects import RejectNotifier
-    return RejectNotifier(bootstrap.endpoints, disagg.secret())
-
-
 def run(ns: argparse.Namespace) -> int:
     import uvicorn
 
@@ -93,12 +70,11 @@ def run(ns: argparse.Namespace) -> int:
     serving, disagg = args.serving, args.disagg
     if disagg.insecure_warning:
         log.warning("%s", disagg.insecure_warning)
-    bootstrap = start_bootstrap(serving.host, disagg)
-    rejects = start_rejects(disagg, bootstrap)
     metrics = ServerMetrics()
+    # A PD prefill's bootstrap service starts here (the front-end core's), before uvicorn.
     engine = AsyncEngine(args, source, on_restart=metrics.stage_restarts.inc)
     served = Served(engine, load_tokenizer(source), model_name(serving, args.model_path, source),
-                    serving.api_key, metrics, rejects=rejects)
+                    serving.api_key, metrics)
     failed = []
 
     def on_startup_failure(exc):
@@ -122,10 +98,7 @@ def run(ns: argparse.Namespace) -> int:
     try:
         server.run()
     finally:
-        if rejects is not None:
-            rejects.close()
-        if bootstrap is not None:
-            bootstrap.close()
+        engine.core.close()  # the stages are down already; this stops the PD services
     if failed:
         raise RuntimeError(str(failed[0]))
     log.info("stopped")

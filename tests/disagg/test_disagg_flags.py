@@ -14,7 +14,7 @@ def test_timing_from_the_flags():
     args = ServerArgs(disaggregation_waiting_timeout=7.5, disaggregation_bootstrap_timeout=3,
                       disaggregation_heartbeat_interval=0.5,
                       disaggregation_heartbeat_max_misses=4)
-    assert Timing.from_args(args) == Timing(3, 7.5, 0.5, 4)
+    assert Timing.of(args.disagg) == Timing(3, 7.5, 0.5, 4)
 
 
 @pytest.mark.parametrize("field,value", [

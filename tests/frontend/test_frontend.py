@@ -5,6 +5,7 @@ from types import SimpleNamespace
 import pytest
 
 from pipefill.base.plan import NewRequest, RequestOutput, SamplingParams
+from pipefill.config import ServerArgs
 from pipefill.frontend import FrontEnd
 
 
@@ -17,7 +18,7 @@ class FakeStages:
 
 
 def make_core(capacity: int = 64) -> FrontEnd:
-    args = SimpleNamespace(max_model_len=32, page_size=16)
+    args = ServerArgs(max_model_len=32, page_size=16)
     core = FrontEnd(args, SimpleNamespace(config=SimpleNamespace(vocab_size=100)))
     core.stages, core.kv_capacity_tokens = FakeStages(), capacity
     return core

@@ -1,0 +1,130 @@
+// Glue of the quantized decode GEMM (GGUF blocks kept as in the file): per-ISA cpuid/XCR0
+// checks, bf16 activations widened to float32, the bias and the bf16 output rounding, the split
+// of output columns over torch's thread pool (at::parallel_for, so --threads-per-stage applies),
+// and the dequantization of whole rows that prefill multiplies on torch. An ISA's code runs only
+// when the caller asked for that ISA and the check for it passed. The entry points take
+// addresses and sizes (pipefill/kernels/quant_gemm.py checks them).
+#include "glue.h"
+
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "quant_gemm_kernel.h"
+
+namespace {
+
+namespace pg = pipefill_glue;
+using namespace pipefill_quant;
+using pg::Addr;
+
+enum Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
+constexpr int kF32 = 0, kBF16 = 1;
+
+const char* isa_check(int isa) {
+  switch (isa) {
+    case kScalar: return nullptr;
+    case kAvx2: return pg::need_avx2_fma();
+    case kAvx512: return pg::need_avx512();
+    default: return "unknown ISA";
+  }
+}
+
+bool isa_ok(int isa) {
+  static const bool ok[3] = {isa_check(0) == nullptr, isa_check(1) == nullptr,
+                             isa_check(2) == nullptr};
+  return isa >= 0 && isa < 3 && ok[isa];
+}
+
+std::tuple<bool, std::string> pf_qg_isa_supported(int isa) {
+  const char* why = isa_check(isa);
+  return {why == nullptr, why ? why : "ok"};
+}
+
+// The arguments every entry point shares are sane: a known type, whole blocks, the row size.
+bool shape_ok(int qtype, int64_t row_bytes, int64_t K) {
+  const int bb = block_bytes(qtype);
+  return bb > 0 && K > 0 && K % kBlock == 0 && row_bytes == K / kBlock * bb;
+}
+
+// y[M, N] (row stride ldy, float32 or bf16) = x[M, K] (row stride ldx, float32 or bf16) @ W^T
+// (+ bias float32 [N] or None), W GGUF blocks of `qtype`, row n at w + n * row_bytes.
+// Returns 0, or -2 (ISA not usable here), -3 (bad arguments), -1 (exception).
+int pf_qg_gemm(int isa, Addr x_addr, int x_dtype, int64_t ldx, Addr w_addr, int qtype,
+               int64_t row_bytes, Addr bias_addr, Addr y_addr, int y_dtype, int64_t ldy,
+               int64_t M, int64_t N, int64_t K) {
+  if (!isa_ok(isa)) return -2;
+  if (M <= 0 || N <= 0) return 0;
+  if (!shape_ok(qtype, row_bytes, K)) return -3;
+  const uint8_t* w = w_addr.as<const uint8_t>();
+  const float* bias = bias_addr.as<const float>();
+  return pg::guarded("pipefill quantized gemm", [&] {
+    thread_local std::vector<float> xbuf, ybuf;
+    const float* xf = x_addr.as<const float>();
+    int64_t ldf = ldx;
+    if (x_dtype == kBF16) {
+      xbuf.resize((size_t)(M * K));
+      const uint16_t* xb = x_addr.as<const uint16_t>();
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t k = 0; k < K; ++k) xbuf[m * K + k] = pg::bf16_to_f32(xb[m * ldx + k]);
+      xf = xbuf.data();
+      ldf = K;
+    }
+    float* yf = y_addr.as<float>();
+    int64_t ldf_y = ldy;
+    if (y_dtype == kBF16) {
+      ybuf.resize((size_t)(M * N));
+      yf = ybuf.data();
+      ldf_y = N;
+    }
+    auto fn = isa == kAvx512 ? avx512::gemm_cols : isa == kAvx2 ? avx2::gemm_cols : scalar::gemm_cols;
+    // Columns per task: at least ~32 KB of blocks, so small matrices stay on one thread.
+    const int64_t grain = std::max<int64_t>(1, 32768 / row_bytes);
+    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+      fn(xf, ldf, w, qtype, row_bytes, M, K, yf, ldf_y, n0, n1);
+    });
+    for (int64_t m = 0; m < M; ++m) {
+      float* yr = yf + m * ldf_y;
+      if (bias)
+        for (int64_t n = 0; n < N; ++n) yr[n] += bias[n];
+      if (y_dtype == kBF16) {
+        uint16_t* out = y_addr.as<uint16_t>() + m * ldy;
+        for (int64_t n = 0; n < N; ++n) out[n] = yr[n] != yr[n] ? 0x7fc0 : pg::bf16_rne(yr[n]);
+      }
+    }
+  });
+}
+
+// out[N, K] (row stride ldo, float32 or bf16 rounded to nearest even) = W dequantized, each
+// weight as dequant_block computes it (the decode paths' float32 values).
+int pf_qg_dequant(Addr w_addr, int qtype, int64_t row_bytes, int64_t N, int64_t K, Addr out_addr,
+                  int out_dtype, int64_t ldo) {
+  if (N <= 0) return 0;
+  if (!shape_ok(qtype, row_bytes, K)) return -3;
+  const uint8_t* w = w_addr.as<const uint8_t>();
+  const int bb = block_bytes(qtype);
+  return pg::guarded("pipefill dequantize", [&] {
+    at::parallel_for(0, N, std::max<int64_t>(1, 65536 / row_bytes), [&](int64_t n0, int64_t n1) {
+      float v[kBlock];
+      for (int64_t n = n0; n < n1; ++n)
+        for (int64_t b = 0; b < K / kBlock; ++b) {
+          dequant_block(qtype, w + n * row_bytes + b * bb, v);
+          if (out_dtype == kF32) {
+            std::memcpy(out_addr.as<float>() + n * ldo + b * kBlock, v, sizeof v);
+          } else {
+            uint16_t* o = out_addr.as<uint16_t>() + n * ldo + b * kBlock;
+            for (int j = 0; j < kBlock; ++j) o[j] = pg::bf16_rne(v[j]);
+          }
+        }
+    });
+  });
+}
+
+}  // namespace
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  namespace py = pybind11;
+  m.def("pf_qg_isa_supported", &pf_qg_isa_supported);
+  m.def("pf_qg_gemm", &pf_qg_gemm, py::call_guard<py::gil_scoped_release>());
+  m.def("pf_qg_dequant", &pf_qg_dequant, py::call_guard<py::gil_scoped_release>());
+}

@@ -1,0 +1,265 @@
+"""Linear layers whose weights stay GGUF blocks (kernels.gguf_blocks): the decode GEMM reads the
+blocks and dequantizes them in registers; prefill dequantizes the matrix per call into the
+compute dtype and runs torch's GEMM on it.
+
+A decode step reads every weight once, so its time follows the bytes of the weights: a Q4_1
+matrix is 5 bits a weight against bf16's 16. Each call splits the output columns over torch's
+thread pool; a column's blocks are dequantized once per tile of rows (8 on AVX-512, 4 on AVX2)
+into float32 registers, with the bits of ggml's own dequantization, and multiplied by the
+float32 activations (bf16 activations are widened first), one float32 sum per output.
+
+Paths, one C++ translation unit each, built with their own -m flags and chosen at run time from
+cpuid (``disable=`` forces paths off for tests, as --hide-cpu-flags does): ``avx512``,
+``avx2`` (AVX2 + FMA) and ``scalar`` (any x86-64); where the extension cannot build, ``torch``
+dequantizes with the gguf package and multiplies with F.linear.
+
+Prefill (more rows than ``max_rows``) dequantizes the whole matrix into the compute dtype for
+each call, then F.linear: about N·K element operations against the GEMM's 2·M·N·K, under 1% of
+a chunk of 256 rows, and one matrix's dequantized copy alive at a time (freed after the call),
+so the stage never holds a dequantized copy of its weights.
+
+API: ``QuantLinear.from_parts([(raw uint8 [n, row_bytes], ggml type), ...], in_features,
+bias, max_rows, disable)``; ``lin(x, out=None)`` (decode), ``lin.bind(x, out)`` (checked once,
+then ``bound()`` is the GEMM calls with prebuilt arguments), ``lin.prefill(x)``,
+``lin.dequantize(dtype)``, ``lin.nbytes``; ``isa_status()``, ``choose_isa(disable)``.
+"""
+from __future__ import annotations
+
+import functools
+import logging
+import platform
+import threading
+import time
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+
+from pipefill.kernels.build import (CSRC, GLUE_HEADER, build_dir, compile_object, link_glue,
+                                    require_ninja)
+from pipefill.kernels.gguf_blocks import BLOCK_TYPES, row_bytes, supports, type_name
+from pipefill.kernels.prefill_gemm import torch_linear
+
+log = logging.getLogger("pipefill.kernels")
+
+ISAS = ("avx512", "avx2", "scalar")  # preference order
+_ISA_CODE = {"scalar": 0, "avx2": 1, "avx512": 2}
+_BASE = ["-O3", "-std=c++17", "-fPIC", "-ffp-contract=off", "-fno-exceptions"]
+ISA_FLAGS = {"scalar": _BASE,
+             "avx2": _BASE + ["-mavx2", "-mfma"],
+             "avx512": _BASE + ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl"]}
+_HEADER = CSRC / "quant_gemm_kernel.h"
+_CODE = {torch.float32: 0, torch.bfloat16: 1}
+
+_lock = threading.Lock()
+_lib = None
+_status: dict[str, tuple[bool, str]] | None = None
+
+
+def _build():
+    require_ninja("the quantized decode GEMM")
+    out = build_dir("quant_gemm")
+    t0 = time.perf_counter()
+    objs = [str(compile_object(CSRC / f"quant_gemm_{isa}.cpp", _HEADER, flags, out,
+                               f"quant_gemm_{isa}")) for isa, flags in ISA_FLAGS.items()]
+    module = link_glue("pipefill_quant_gemm", CSRC / "quant_gemm.cpp", [GLUE_HEADER, _HEADER],
+                       objs, out)
+    if time.perf_counter() - t0 > 1:
+        log.info("pipefill quantized GEMM built in %.1f s (%s)", time.perf_counter() - t0, out)
+    return module
+
+
+def _check() -> dict[str, tuple[bool, str]]:
+    global _lib
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        why = f"needs Linux x86-64, this is {platform.system()} {platform.machine()}"
+        return {isa: (False, why) for isa in ISAS}
+    try:
+        lib = _build()
+    except Exception as e:  # noqa: BLE001 - no compiler, no ninja...: the torch path runs
+        why = f"quantized GEMM extension unavailable: {type(e).__name__}: {e}"
+        return {isa: (False, why) for isa in ISAS}
+    status = {}
+    for isa in ISAS:
+        ok, why = lib.pf_qg_isa_supported(_ISA_CODE[isa])
+        status[isa] = (ok, "ok" if ok else "cpuid: " + why)
+    _lib = lib
+    return status
+
+
+def isa_status() -> dict[str, tuple[bool, str]]:
+    """{isa: (usable here, why not)}; builds (or loads the cached) extension once. Never raises."""
+    global _status
+    if _status is None:
+        with _lock:
+            if _status is None:
+                _status = _check()
+    return _status
+
+
+def choose_isa(disable: tuple[str, ...] = ()) -> tuple[str, str]:
+    """The fastest usable path -> (isa, why); 'torch' where no kernel path runs here."""
+    reasons = []
+    for isa in ISAS:
+        ok, why = isa_status()[isa]
+        if isa in disable:
+            ok, why = False, "disabled by caller"
+        if ok:
+            return isa, "ok"
+        reasons.append(f"{isa}: {why}")
+    return "torch", "; ".join(reasons)
+
+
+@dataclass
+class QuantPart:
+    """Rows [offset, offset + rows) of a linear layer's output, as GGUF blocks of one type."""
+    raw: torch.Tensor  # uint8 [rows, row_bytes]
+    qtype: int  # GGML type id (kernels.gguf_blocks.BLOCK_TYPES)
+    offset: int
+
+    @property
+    def rows(self) -> int:
+        return self.raw.shape[0]
+
+
+class QuantLinear:
+    """F.linear(x, W, bias) with W held as GGUF blocks: decode (at most max_rows rows) on the
+    quantized GEMM, prefill on a per-call dequantized copy (see the module's docstring). A
+    layer's stacked matrices (q/k/v, gate/up) may mix block types: one part per type run."""
+
+    def __init__(self, parts: list[QuantPart], in_features: int, bias: torch.Tensor | None,
+                 isa: str, max_rows: int):
+        self.parts = parts
+        self.in_features = in_features
+        self.out_features = sum(p.rows for p in parts)
+        self.bias = None if bias is None else bias.float().contiguous()
+        self.isa = isa
+        self.max_rows = max_rows
+
+    @classmethod
+    def from_parts(cls, blocks: list[tuple[np.ndarray | torch.Tensor, int]], in_features: int,
+                   bias: torch.Tensor | None = None, max_rows: int = 32,
+                   disable: tuple[str, ...] = ()) -> QuantLinear:
+        """blocks: (uint8 [rows, row_bytes], ggml type) per stacked matrix, in output order;
+        neighbours of one type are joined into one part (one kernel call)."""
+        parts, offset = [], 0
+        for raw, qtype in blocks:
+            if not supports(qtype, in_features):
+                raise ValueError(f"{type_name(qtype)} blocks of {in_features} columns cannot "
+                                 "stay quantized")
+            raw = torch.as_tensor(np.ascontiguousarray(raw), dtype=torch.uint8)
+            if raw.dim() != 2 or raw.shape[1] != row_bytes(qtype, in_features):
+                raise ValueError(f"{type_name(qtype)} rows of {in_features} weights are "
+                                 f"{row_bytes(qtype, in_features)} bytes, got {list(raw.shape)}")
+            if parts and parts[-1].qtype == qtype:
+                parts[-1].raw = torch.cat([parts[-1].raw, raw])
+            else:
+                parts.append(QuantPart(raw.clone() if not raw.is_contiguous() else raw, qtype,
+                                       offset))
+            offset += raw.shape[0]
+        return cls(parts, in_features, bias, choose_isa(disable)[0], max_rows)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.raw.numel() for p in self.parts)
+
+    @property
+    def types(self) -> str:
+        return "+".join(type_name(p.qtype) for p in self.parts)
+
+    def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Decode: x [M, K] float32 or bf16 -> out [M, N] (x's dtype unless out is given)."""
+        if x.dim() != 2 or x.shape[1] != self.in_features:
+            raise ValueError(f"x: expected [M, {self.in_features}], got {list(x.shape)}")
+        if x.dtype not in _CODE:
+            raise TypeError(f"x: expected float32 or bfloat16, got {x.dtype}")
+        if x.stride(1) != 1:
+            x = x.contiguous()
+        if out is None:
+            out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
+        if self.isa == "torch":
+            return out.copy_(self.torch_decode(x))
+        for call in self._gemm_calls(x, out):
+            self._run(call)
+        return out
+
+    def bind(self, x: torch.Tensor, out: torch.Tensor) -> BoundQuantLinear:
+        """x [M, K] -> out [M, N] with prebuilt kernel arguments (as PackedLinear.bind: x and
+        out must keep their storage while the bound call is used)."""
+        for name, t, width in (("x", x, self.in_features), ("out", out, self.out_features)):
+            if t.dim() != 2 or t.shape != (x.shape[0], width) or t.dtype not in _CODE \
+                    or (width > 1 and t.stride(1) != 1):
+                raise ValueError(f"bind: {name}: expected contiguous rows [M, {width}] of "
+                                 f"float32 or bfloat16, got {t.dtype} {list(t.shape)}")
+        calls = None if self.isa == "torch" else self._gemm_calls(x, out)
+        return BoundQuantLinear(self, x, out, calls)
+
+    def _gemm_calls(self, x: torch.Tensor, out: torch.Tensor) -> list[functools.partial]:
+        """One pf_qg_gemm per part, writing its columns of out."""
+        calls = []
+        for p in self.parts:
+            bias = None if self.bias is None else self.bias[p.offset:].data_ptr()
+            calls.append(functools.partial(
+                _lib.pf_qg_gemm, _ISA_CODE[self.isa], x.data_ptr(), _CODE[x.dtype], x.stride(0),
+                p.raw.data_ptr(), p.qtype, p.raw.shape[1], bias,
+                out.data_ptr() + p.offset * out.element_size(), _CODE[out.dtype], out.stride(0),
+                x.shape[0], p.rows, self.in_features))
+        return calls
+
+    def _run(self, call) -> None:
+        rc = call()
+        if rc:
+            raise RuntimeError(f"pipefill quantized GEMM ({self.isa}, {self.types}) failed "
+                               f"(rc={rc})")
+
+    def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
+        """W [N, K] in dtype (float32 or bf16): the file's weights exactly (float32), or
+        rounded to nearest even (bf16)."""
+        w = torch.empty(self.out_features, self.in_features, dtype=dtype)
+        for p in self.parts:
+            rows = w[p.offset:p.offset + p.rows]
+            if self.isa == "torch" or dtype not in _CODE:
+                rows.copy_(torch.from_numpy(_gguf_dequantize(p.raw.numpy(), p.qtype)))
+                continue
+            rc = _lib.pf_qg_dequant(p.raw.data_ptr(), p.qtype, p.raw.shape[1], p.rows,
+                                    self.in_features, rows.data_ptr(), _CODE[dtype],
+                                    rows.stride(0))
+            if rc:
+                raise RuntimeError(f"pipefill dequantize ({self.types}) failed (rc={rc})")
+        return w
+
+    def torch_decode(self, x: torch.Tensor) -> torch.Tensor:
+        """The kernels' arithmetic on torch: float32 weights and activations, float32 sums."""
+        return F.linear(x.float(), self.dequantize(torch.float32), self.bias)
+
+    def prefill(self, x: torch.Tensor) -> torch.Tensor:
+        """Any number of rows: F.linear on this call's dequantized copy (freed on return)."""
+        return torch_linear(x, self.dequantize(x.dtype), self.bias.to(x.dtype)
+                            if self.bias is not None else None)
+
+
+def _gguf_dequantize(raw: np.ndarray, qtype: int) -> np.ndarray:
+    """The gguf package's float32 dequantization (the torch path, where no kernel builds)."""
+    import gguf  # imported here, as model.gguf_file does: only GGUF users pay for it
+    return np.ascontiguousarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(qtype)),
+                                dtype=np.float32)
+
+
+@dataclass(slots=True, eq=False)
+class BoundQuantLinear:
+    """QuantLinear.bind's result: ``bound()`` computes linear(x) into out and returns out."""
+    linear: QuantLinear
+    x: torch.Tensor  # held so that the pointers in calls stay valid
+    out: torch.Tensor
+    calls: list | None  # None: the torch path
+
+    def __call__(self) -> torch.Tensor:
+        if self.calls is None:
+            return self.out.copy_(self.linear.torch_decode(self.x))
+        for call in self.calls:
+            self.linear._run(call)
+        return self.out
+
+
+__all__ = ["BLOCK_TYPES", "QuantLinear", "QuantPart", "choose_isa", "isa_status"]

@@ -18,7 +18,8 @@ from pipefill.disagg.http_fields import check_room
 from pipefill.disagg.rejects import RejectNotifier
 from pipefill.kernels.prefill_gemm import choose_prefill_gemm
 from pipefill.model.attention import choose_backend, resolve_kv_dtype
-from pipefill.model.loader import WeightSource, resolve_model_path, resolve_weight_dtype
+from pipefill.model.loader import (WeightSource, keeps_blocks, resolve_model_path,
+                                   resolve_weight_dtype)
 from pipefill.base.plan import NewRequest, PDInfo, RequestOutput, SamplingParams, is_room_in_use
 from pipefill.base.platform import cpu_vendor, resolve_dtype, usable_cpu_flags
 from pipefill.runtime.launch import StageGroup
@@ -43,6 +44,7 @@ def prepare(args: ServerArgs) -> tuple[ServerArgs, WeightSource]:
         raise ValueError(f"--disaggregation-mode {args.disagg.mode.value} runs on one node "
                          "(--nnodes 1) for now")
     source = WeightSource(resolve_model_path(args.model_path))
+    keeps_blocks(args.weight_dtype, source, args.device)  # --weight-dtype gguf needs a GGUF file
     # Also checks the layer partition against the model, balanced by the layers' costs.
     args = resolve(args, source.config, source.family.layer_costs(source.config))
     if args.attention_backend not in ("auto", "sdpa"):  # a named kernel must fit, or a sentence

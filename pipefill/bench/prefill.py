@@ -63,6 +63,9 @@ def add_parser(sub) -> None:
                    help="also time every configuration with each of these --prefill-gemm "
                         "values (comma-separated: torch, onednn), in turn with it in every "
                         "repetition, named <configuration>-<value>")
+    p.add_argument("--compare-weight-dtype", metavar="LIST", default="",
+                   help="likewise for --weight-dtype values (comma-separated, e.g. auto,gguf: "
+                        "a GGUF file dequantized against its blocks kept quantized)")
     server_args_parser_group(p, skip=("pp_size",))
     p.set_defaults(run=run)
 
@@ -108,11 +111,26 @@ def make_configs(args: ServerArgs, pp_sizes: list[int], with_auto: bool = False
 def gemm_variants(configs: list[Config], values: str) -> list[Config]:
     """Every configuration again with each --prefill-gemm value of `values`."""
     from pipefill.kernels.prefill_gemm import CHOICES
-    gemms = [v.strip() for v in values.split(",") if v.strip()]
-    for g in gemms:
-        if g not in CHOICES:
-            raise ValueError(f"--compare-prefill-gemm {g!r}: choose from {', '.join(CHOICES)}")
-    return [Config(f"{c.name}-{g}", c.args.replace(prefill_gemm=g)) for g in gemms
+    return flag_variants(configs, "prefill_gemm", values, CHOICES)
+
+
+def weight_variants(configs: list[Config], values: str) -> list[Config]:
+    """Every configuration again with each --weight-dtype value of `values` (auto against
+    gguf: dequantized weights against GGUF blocks kept quantized)."""
+    from pipefill.model.loader import WEIGHT_DTYPES
+    return flag_variants(configs, "weight_dtype", values, WEIGHT_DTYPES)
+
+
+def flag_variants(configs: list[Config], flag: str, values: str,
+                  choices: tuple[str, ...]) -> list[Config]:
+    """Every configuration again with each value of `values` (comma-separated) for `flag`,
+    named <configuration>-<value>."""
+    wanted = [v.strip() for v in values.split(",") if v.strip()]
+    for v in wanted:
+        if v not in choices:
+            raise ValueError(f"--compare-{flag.replace('_', '-')} {v!r}: choose from "
+                             f"{', '.join(choices)}")
+    return [Config(f"{c.name}-{v}", c.args.replace(**{flag: v})) for v in wanted
             for c in configs]
 
 
@@ -139,7 +157,9 @@ def run(ns: argparse.Namespace) -> int:
     if ns.compare_chunking:
         return run_compare_chunking(ns, args, source, lengths, pp_sizes)
     configs = make_configs(args, pp_sizes, ns.with_auto)
-    configs += gemm_variants(configs, ns.compare_prefill_gemm)
+    base = configs
+    configs = configs + gemm_variants(base, ns.compare_prefill_gemm) \
+        + weight_variants(base, ns.compare_weight_dtype)
     dtype = resolve_dtype(args.dtype)
     threads = len(os.sched_getaffinity(0)) if len(configs) > 1 else \
         args.layout.num_threads

@@ -47,10 +47,14 @@ class ServerArgs:
         "bfloat16, float16 or float32.", default="auto",
         choices=["auto", "bfloat16", "float16", "float32"])
     weight_dtype: str = _flag(
-        "Dtype of the weight matrices: auto (= --dtype), or bfloat16 under --dtype float32: "
-        "weights rounded to bf16 and widened to float32 in registers by the decode kernels, "
-        "half the bytes per decode step.", default="auto",
-        choices=["auto", "bfloat16", "float32"])
+        "Dtype of the weight matrices: auto (= --dtype: a GGUF file is dequantized at load), "
+        "gguf (a .gguf file's Q4_0/Q4_1/Q8_0 linear layers and LM head stay in their blocks: "
+        "decode dequantizes them in registers, prefill per call, so the stage holds the file's "
+        "bytes instead of a dequantized copy; other types stay dequantized, listed at start), "
+        "or bfloat16 under --dtype float32: weights rounded to bf16 and widened to float32 in "
+        "registers by the decode kernels, half the bytes per decode step. The choice is logged "
+        "at start.", default="auto",
+        choices=["auto", "gguf", "bfloat16", "float32"])
     decode_gemm_max_rows: int = _flag(
         "Linear layers with at most this many rows (decode steps) run the packed small-M "
         "GEMM (an extra packed copy of the weights); more rows run torch. 0 = torch always.",

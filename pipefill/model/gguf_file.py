@@ -60,6 +60,15 @@ class GGUFFile:
         """The tensor's shape in Hugging Face layout (GGUF lists dimensions innermost first)."""
         return tuple(int(x) for x in reversed(self.tensors[name].shape.tolist()))
 
+    def tensor_type(self, name: str) -> int:
+        """The GGML type id of a tensor (kernels.gguf_blocks names the block types)."""
+        return int(self.tensors[name].tensor_type)
+
+    def blocks(self, name: str) -> np.ndarray:
+        """A block-quantized matrix as in the file: uint8 [rows, bytes per row], an owned copy
+        (the stage keeps it after the file is closed)."""
+        return np.array(self.tensors[name].data, dtype=np.uint8).reshape(self.shape(name)[0], -1)
+
     def load(self, name: str, start: int = 0, end: int | None = None) -> torch.Tensor:
         """Rows start:end of a tensor, dequantized to float32, in Hugging Face layout
         (dequantization works block by block within a row, so a row range reads the same

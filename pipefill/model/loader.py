@@ -14,7 +14,9 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from pipefill.kernels.gguf_blocks import supports, type_name
 from pipefill.kernels.prefill_gemm import OneDnnLinear
+from pipefill.kernels.quant_gemm import QuantLinear
 from pipefill.model.config import ModelConfig
 from pipefill.model.families import family_for_gguf, family_for_hf_config, family_of
 from pipefill.model.family import ModelFamily
@@ -115,6 +117,29 @@ class WeightSource:
             return self.load(name)[start:end]
         return self.gguf.load(self.family.gguf_name(name), start, end)
 
+    def quant_linear(self, names: tuple[str, ...], disable: tuple[str, ...] = ()
+                     ) -> QuantLinear | None:
+        """The named matrices' rows stacked as GGUF blocks kept quantized
+        (kernels.quant_gemm), or None where one is not a block type the kernels read (it is
+        then loaded dequantized). GGUF llama q/k rows are reordered as load() does (whole
+        rows of blocks move)."""
+        if self.gguf is None:
+            return None
+        parts = []
+        for name in names:
+            shape, gname = self.shape(name), self.family.gguf_name(name)
+            qtype = self.gguf.tensor_type(gname)
+            if len(shape) != 2 or not supports(qtype, shape[1]):
+                return None
+            raw, heads = self.gguf.blocks(gname), self._rotary_heads(name)
+            parts.append((raw if heads is None
+                          else unpermute_rotary(torch.from_numpy(raw), heads), qtype))
+        return QuantLinear.from_parts(parts, self.shape(names[0])[1], disable=disable)
+
+    def tensor_type(self, name: str) -> str:
+        """The GGUF type of a tensor, by name (for log lines)."""
+        return type_name(self.gguf.tensor_type(self.family.gguf_name(name)))
+
     def _rotary_heads(self, name: str) -> int | None:
         """GGUF llama q/k: load undoes llama.cpp's rotary interleave across rows (over this
         many heads); None for every other tensor."""
@@ -135,14 +160,19 @@ def tensor_names(cfg: ModelConfig, layers: range, first: bool, last: bool) -> li
     return names
 
 
+WEIGHT_DTYPES = ("auto", "gguf", "bfloat16", "float32")
+
+
 def resolve_weight_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
     """--weight-dtype: auto = the compute dtype; bfloat16 under float32 compute halves the
-    bytes every decode step streams (weights rounded to bf16, widened in registers)."""
-    if name == "auto":
+    bytes every decode step streams (weights rounded to bf16, widened in registers); gguf keeps
+    the linear layers' blocks (keeps_blocks) and everything else in the compute dtype, which
+    is what this returns for it."""
+    if name in ("auto", "gguf"):
         return dtype
     wdtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(name)
     if wdtype is None:
-        raise ValueError(f"--weight-dtype {name!r}: expected auto, bfloat16 or float32")
+        raise ValueError(f"--weight-dtype {name!r}: expected one of {', '.join(WEIGHT_DTYPES)}")
     if wdtype == torch.bfloat16 and dtype not in (torch.float32, torch.bfloat16):
         raise ValueError("--weight-dtype bfloat16 needs --dtype float32 or bfloat16")
     if wdtype == torch.float32 and dtype != torch.float32:
@@ -151,13 +181,40 @@ def resolve_weight_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
     return wdtype
 
 
+def keeps_blocks(name: str, source: WeightSource, device: str = "cpu") -> tuple[bool, str]:
+    """Whether --weight-dtype `name` keeps GGUF blocks quantized -> (keeps, why), the reason
+    logged at start. auto dequantizes (as before) until the quantized path is measured faster
+    on a quiet machine; gguf needs a GGUF file and a CPU stage (ValueError otherwise)."""
+    if name != "gguf":
+        return False, ("auto: dequantized until the quantized kernels are measured faster"
+                       if name == "auto" else f"{name} requested")
+    if source.gguf is None:
+        raise ValueError(f"--weight-dtype gguf needs a .gguf model file, got {source.path}")
+    if device != "cpu":
+        raise ValueError(f"--weight-dtype gguf runs on CPU stages only, not --device {device}")
+    return True, "requested"
+
+
 class _StageReader:
     """The WeightReader a family's load_layer gets: matrices in the stage's dtype (rounded to
-    the weight dtype first), vectors as float32, counted on the load's progress bar."""
+    the weight dtype first), vectors as float32, counted on the load's progress bar; with
+    `blocks` (--weight-dtype gguf) linear layers as QuantLinear where the file's types allow.
+    `disable`: decode GEMM paths the quantized linears must not take."""
 
     def __init__(self, source: WeightSource, dtype: torch.dtype, round_to: torch.dtype | None,
-                 progress):
+                 progress, blocks: bool = False, disable: tuple[str, ...] = ()):
         self.source, self.dtype, self.round_to, self.progress = source, dtype, round_to, progress
+        self.blocks, self.disable = blocks, disable
+        self.kept: list[str] = []  # "name: type" of the matrices left dequantized under blocks
+
+    def linear(self, *names: str) -> torch.Tensor | QuantLinear:
+        q = self.source.quant_linear(names, self.disable) if self.blocks else None
+        if q is None:
+            if self.blocks:
+                self.kept += [f"{n}: {self.source.tensor_type(n)}" for n in names]
+            return self.mat(*names)
+        self.progress.update(len(names))
+        return q
 
     def mat(self, *names: str) -> torch.Tensor:
         m = stacked_rows(self.source, names, self.dtype, self.round_to)
@@ -171,9 +228,14 @@ class _StageReader:
 
 def load_stage_weights(source: WeightSource, layers: range, first: bool, last: bool,
                        dtype: torch.dtype, progress_desc: str | None = None,
-                       weight_dtype: torch.dtype | None = None) -> StageWeights:
+                       weight_dtype: torch.dtype | None = None, blocks: bool = False,
+                       max_rows: int = 32, disable: tuple[str, ...] = ()) -> StageWeights:
     """Matrices in `dtype`; with a narrower weight_dtype their values are first rounded to it
     (so prefill on torch and decode on the packed copy compute with the same weights).
+    With `blocks` (--weight-dtype gguf) the family's linear layers and the LM head stay GGUF
+    blocks where their types allow (place_quant_linears; decode up to max_rows rows on the
+    quantized GEMM without the `disable`d paths); the embedding is dequantized (a tied LM head
+    shares it on a stage that holds both, and gets a quantized decode copy).
     Tensor by tensor and block of rows by block: each matrix is allocated once in `dtype` and
     filled, so the stage is never resident in float32 (a 7B model would need 28 GB)."""
     cfg, family = source.config, source.family
@@ -185,15 +247,44 @@ def load_stage_weights(source: WeightSource, layers: range, first: bool, last: b
     progress = tqdm(total=len(set(names)), desc=progress_desc or "loading weights",
                     unit="tensor", leave=False, disable=None if progress_desc else True)
     round_to = weight_dtype if weight_dtype is not None and weight_dtype != dtype else None
-    read = _StageReader(source, dtype, round_to, progress)
+    read = _StageReader(source, dtype, round_to, progress, blocks, disable)
     out_layers = [family.load_layer(cfg, i, read) for i in layers]
     embed = read.mat(family.embed_name) if first else None
-    lm_head = None
+    lm_head = head_quant = None
     if last:
-        lm_head = embed if first and head_name == family.embed_name else read.mat(head_name)
+        shares = first and head_name == family.embed_name
+        head_quant = source.quant_linear((head_name,), disable) if blocks else None
+        if head_quant is None or shares:
+            lm_head = embed if shares else read.mat(head_name)
+        else:
+            progress.update()
     final_norm = read.vec(family.final_norm_name) if last else None
     progress.close()
-    return StageWeights(out_layers, embed, final_norm, lm_head)
+    weights = StageWeights(out_layers, embed, final_norm, lm_head, lm_head_quant=head_quant)
+    if blocks:
+        place_quant_linears(weights, family, max_rows)
+        weights.kept_dequantized = read.kept
+    return weights
+
+
+def place_quant_linears(weights: StageWeights, family: ModelFamily, max_rows: int) -> None:
+    """Moves the QuantLinears a family's load_layer read (read.linear) to where the layer's
+    forward looks for linear layers: its decode copies (`packed`, with their bias) and its
+    prefill copies (`prefill`: dequantized per call); the plain field becomes None, so no
+    dequantized copy stays. The LM head's serves decode-sized logits."""
+    for layer in weights.layers:
+        for name, bias in family.matrices.items():
+            q = getattr(layer, name)
+            if not isinstance(q, QuantLinear):
+                continue
+            q.bias = None if _bias(layer, bias) is None else _bias(layer, bias).float()
+            q.max_rows = max_rows
+            layer.packed = {**(layer.packed or {}), name: q}
+            layer.prefill = {**(layer.prefill or {}), name: q.prefill}
+            setattr(layer, name, None)
+    if weights.lm_head_quant is not None:
+        weights.lm_head_quant.max_rows = max_rows
+        weights.lm_head_packed = weights.lm_head_quant if max_rows > 0 else None
 
 
 def stacked_rows(source: WeightSource, parts: tuple[str, ...], dtype: torch.dtype,
@@ -228,8 +319,8 @@ def pack_stage_weights(weights: StageWeights, family: ModelFamily, dtype: torch.
     embedding is not packed (a tied LM head gets its own copy)."""
     # Imported on use: the module brings the kernel build (torch.utils.cpp_extension).
     from pipefill.kernels import decode_gemm
-    first = next(iter(family.matrices))
-    if max_rows <= 0 or weights.layers and getattr(weights.layers[0], first).device.type != "cpu":
+    plain = [m for layer in weights.layers for m, _ in _present(layer, family)]
+    if max_rows <= 0 or plain and getattr(weights.layers[0], plain[0]).device.type != "cpu":
         return 0
     if decode_gemm.choose_isa(dtype, weight_dtype, disable)[0] is None:
         return 0
@@ -239,10 +330,11 @@ def pack_stage_weights(weights: StageWeights, family: ModelFamily, dtype: torch.
 
     total = 0
     for layer in weights.layers:
-        layer.packed = {name: pack(getattr(layer, name), _bias(layer, bias))
-                        for name, bias in _present(layer, family)}
-        total += sum(p.nbytes for p in layer.packed.values())
-    if weights.lm_head is not None:
+        packed = {name: pack(getattr(layer, name), _bias(layer, bias))
+                  for name, bias in _present(layer, family)}
+        layer.packed = {**(layer.packed or {}), **packed}
+        total += sum(p.nbytes for p in packed.values())
+    if weights.lm_head is not None and weights.lm_head_packed is None:
         weights.lm_head_packed = pack(weights.lm_head)
         total += weights.lm_head_packed.nbytes
     return total
@@ -256,12 +348,13 @@ def reorder_prefill_weights(weights: StageWeights, family: ModelFamily, rows_hin
     a few rows only."""
     total = 0
     for layer in weights.layers:
-        layer.prefill = {name: OneDnnLinear.reorder(getattr(layer, name), _bias(layer, bias),
-                                                    rows_hint)
-                         for name, bias in _present(layer, family)}
-        for name in layer.prefill:
+        prefill = {name: OneDnnLinear.reorder(getattr(layer, name), _bias(layer, bias),
+                                              rows_hint)
+                   for name, bias in _present(layer, family)}
+        for name in prefill:
             setattr(layer, name, None)
-        total += sum(p.nbytes for p in layer.prefill.values())
+        layer.prefill = {**(layer.prefill or {}), **prefill}
+        total += sum(p.nbytes for p in prefill.values())
     return total
 
 

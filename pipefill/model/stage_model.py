@@ -36,8 +36,13 @@ class StageWeights:
     layers: list  # the family's layer weights, one per local layer
     embed: torch.Tensor | None  # [vocab, hidden], first stage only
     final_norm: torch.Tensor | None  # last stage only
-    lm_head: torch.Tensor | None  # [vocab, hidden], last stage only
-    lm_head_packed: object | None = None  # kernels.decode_gemm.PackedLinear
+    lm_head: torch.Tensor | None  # [vocab, hidden], last stage only (None: lm_head_quant)
+    lm_head_packed: object | None = None  # kernels.decode_gemm.PackedLinear or QuantLinear
+    # --weight-dtype gguf: the head as GGUF blocks (kernels.quant_gemm.QuantLinear); it is the
+    # only head when lm_head is None (a head that is not this stage's embedding).
+    lm_head_quant: object | None = None
+    # --weight-dtype gguf: "name: type" of the linear layers whose types stayed dequantized.
+    kept_dequantized: list | None = None
 
 
 class StageModel:
@@ -69,7 +74,7 @@ class StageModel:
 
     @property
     def is_last(self) -> bool:
-        return self.w.lm_head is not None
+        return self.w.lm_head is not None or self.w.lm_head_quant is not None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
         return F.embedding(input_ids, self.w.embed)
@@ -104,4 +109,6 @@ class StageModel:
         head = self.w.lm_head_packed
         if head is not None and x.shape[0] <= head.max_rows:  # float32 logits straight away
             return head(x, out=torch.empty(x.shape[0], head.out_features))
+        if self.w.lm_head is None:  # GGUF blocks only: dequantized for this call
+            return self.w.lm_head_quant.prefill(x).float()
         return torch_linear(x, self.w.lm_head).float()

@@ -13,8 +13,9 @@ from pipefill.kv.tiers import build_stage_kv
 from pipefill.model.attention import (KERNEL_BACKENDS, backend_attention, choose_backend,
                                        resolve_kv_dtype)
 from pipefill.model.layers import FusedOps, elementwise_ops
-from pipefill.model.loader import (WeightSource, load_stage_weights, pack_stage_weights,
-                                   reorder_prefill_weights, resolve_weight_dtype)
+from pipefill.model.loader import (WeightSource, keeps_blocks, load_stage_weights,
+                                   pack_stage_weights, reorder_prefill_weights,
+                                   resolve_weight_dtype)
 from pipefill.model.stage_model import StageModel
 from pipefill.runtime.executor import StageExecutor
 from pipefill.base.platform import cpu_vendor, dtype_name, resolve_dtype, usable_cpu_flags
@@ -48,10 +49,16 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
                          f"{num_pages * args.page_size} tokens but only {avail / 2**30:.1f} GiB "
                          "of memory is available; lower --max-total-tokens")
     weight_dtype = resolve_weight_dtype(args.weight_dtype, dtype)
+    blocks, blocks_why = keeps_blocks(args.weight_dtype, source, device.type)
+    from pipefill.kernels.decode_gemm import hidden_isas
+    disable = hidden_isas(args.hide_cpu_flags)
     weights = load_stage_weights(source, info.layers, info.is_first, info.is_last, dtype,
                                  progress_desc=f"stage {info.rank}: loading layers "
                                                f"{info.layers.start}-{info.layers.stop - 1}",
-                                 weight_dtype=weight_dtype)
+                                 weight_dtype=weight_dtype, blocks=blocks,
+                                 max_rows=args.decode_gemm_max_rows, disable=disable)
+    if source.gguf is not None:
+        log_gguf_weights(info.rank, weights, blocks, blocks_why)
     if device.type != "cpu":
         weights = weights_to(weights, device)
     backend, why = choose_backend(args.attention_backend, dtype, cfg.head_dim, args.page_size,
@@ -65,15 +72,14 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
                         *stacked_kv_shape(kv_specs), device)
     attention = backend_attention(backend, flags)
     ops = elementwise_ops(cfg, device, dtype, flags)
-    from pipefill.kernels.decode_gemm import hidden_isas
     packed_bytes = pack_stage_weights(weights, source.family, dtype, weight_dtype,
-                                      args.decode_gemm_max_rows,
-                                      disable=hidden_isas(args.hide_cpu_flags))
+                                      args.decode_gemm_max_rows, disable=disable)
     head = weights.lm_head_packed or next(iter((weights.layers[0].packed or {}).values()),
                                           None)
     log.info("stage %d: decode GEMM %s", info.rank,
              f"{head.isa}, packed copies {packed_bytes / 2**20:.0f} MiB "
-             f"({dtype_name(weight_dtype)})" if packed_bytes and head else "off (torch)")
+             f"({dtype_name(weight_dtype)})" if packed_bytes and head
+             else "on the GGUF blocks" if blocks else "off (torch)")
     gemm, gemm_why = choose_prefill_gemm(args.prefill_gemm, dtype, weight_dtype, device,
                                          cpu_vendor())
     reordered = ""
@@ -96,6 +102,23 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
              "fused" if isinstance(ops, FusedOps) else "torch", num_pages, args.page_size,
              torch.get_num_threads())
     return executor
+
+
+def log_gguf_weights(rank: int, weights, blocks: bool, why: str) -> None:
+    """What a GGUF file's weights became: blocks kept (their types, bytes, the decode path and
+    what stayed dequantized) or dequantized, with the reason."""
+    if not blocks:
+        log.info("stage %d: GGUF weights dequantized at load (--weight-dtype: %s)", rank, why)
+        return
+    quant = [q for layer in weights.layers for q in (layer.packed or {}).values()
+             if hasattr(q, "parts")] + ([weights.lm_head_quant] if weights.lm_head_quant else [])
+    types = sorted({q.types for q in quant})
+    isa = quant[0].isa if quant else "none"
+    log.info("stage %d: GGUF blocks kept quantized (--weight-dtype gguf, %s): %d linear "
+             "layers (%s), %.0f MiB, decode on %s; prefill dequantizes each matrix per call; "
+             "left dequantized: %s", rank, why, len(quant), ", ".join(types),
+             sum(q.nbytes for q in quant) / 2**20, isa,
+             ", ".join(weights.kept_dequantized) or "none")
 
 
 def weights_to(weights, device):

@@ -36,14 +36,20 @@ def test_default_gguf_matches_transformers(gguf_path):
     hf = AutoModelForCausalLM.from_pretrained(
         os.path.dirname(gguf_path), gguf_file=os.path.basename(gguf_path),
         dtype=torch.float32).eval()
+    ref_lp, ref = hf_reference(hf, prompt, 32)
+    assert (torch.tensor(out.prompt_logprobs) - ref_lp).abs().max().item() < 1e-3
+    assert out.output_ids == ref
+
+
+def hf_reference(hf, prompt: list[int], new_tokens: int) -> tuple[torch.Tensor, list[int]]:
+    """transformers' prompt logprobs (log p(x_t | x_<t), t >= 1) and greedy continuation."""
     with torch.no_grad():
         ids = torch.tensor([prompt])
         logprobs = torch.log_softmax(hf(ids).logits[0].float(), -1)
         ref_lp = logprobs[:-1].gather(1, ids[0, 1:, None])[:, 0]
-        ref = hf.generate(ids, max_new_tokens=32, do_sample=False, eos_token_id=None,
+        ref = hf.generate(ids, max_new_tokens=new_tokens, do_sample=False, eos_token_id=None,
                           pad_token_id=0)[0, len(prompt):].tolist()
-    assert (torch.tensor(out.prompt_logprobs) - ref_lp).abs().max().item() < 1e-3
-    assert out.output_ids == ref
+    return ref_lp, ref
 
 
 def test_gguf_tokenizer_and_chat_template():

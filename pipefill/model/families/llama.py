@@ -21,7 +21,8 @@ from pipefill.model.layers import linear, rms_norm
 @dataclass
 class LayerWeights:
     input_norm: torch.Tensor  # [hidden] float32
-    # The four matrices are None once moved into `prefill` (loader.reorder_prefill_weights).
+    # The four matrices are None once moved into `prefill` (loader.reorder_prefill_weights), or
+    # when kept as GGUF blocks (loader.place_quant_linears: then in `packed` and `prefill`).
     qkv: torch.Tensor | None  # [q_size + 2 * kv_size, hidden]
     qkv_bias: torch.Tensor | None
     o_proj: torch.Tensor | None  # [hidden, q_size]
@@ -154,10 +155,10 @@ class LlamaFamily(ModelFamily):
         a = p + "self_attn."
         return LayerWeights(
             input_norm=read.vec(p + "input_layernorm.weight"),
-            qkv=read.mat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
+            qkv=read.linear(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
             qkv_bias=(read.mat(a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias")
                       if cfg.attention_bias else None),
-            o_proj=read.mat(a + "o_proj.weight"),
+            o_proj=read.linear(a + "o_proj.weight"),
             post_norm=read.vec(p + "post_attention_layernorm.weight"),
             q_norm=read.vec(a + "q_norm.weight") if cfg.qk_norm else None,
             k_norm=read.vec(a + "k_norm.weight") if cfg.qk_norm else None,
@@ -167,8 +168,8 @@ class LlamaFamily(ModelFamily):
     def load_mlp(self, cfg: ModelConfig, layer: int, read: WeightReader) -> dict:
         """The MLP's fields of LayerWeights (a family with another MLP overrides this)."""
         p = f"model.layers.{layer}.mlp."
-        return dict(gate_up=read.mat(p + "gate_proj.weight", p + "up_proj.weight"),
-                    down=read.mat(p + "down_proj.weight"))
+        return dict(gate_up=read.linear(p + "gate_proj.weight", p + "up_proj.weight"),
+                    down=read.linear(p + "down_proj.weight"))
 
     def kv_specs(self, cfg: ModelConfig, layers: range, kv_dtype: torch.dtype) -> list[KVSpec]:
         # Every layer alike; the attention sees the whole prefix (a config's sliding_window is

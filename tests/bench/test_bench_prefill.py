@@ -141,3 +141,27 @@ def test_bench_prefill_against_hf_reports_spread_and_paired_ratio(tmp_path):
         statistics.median(a / b for a, b in zip(ours, hf)))
     assert row["hf"]["min_s"] == min(hf) and row["pipefill"]["max_s"] == max(ours)
     assert f"[{min(ours):.3f}-{max(ours):.3f}]" in proc.stdout
+
+
+@pytest.mark.slow
+def test_bench_prefill_compares_weight_dtypes_in_turn(tmp_path):
+    """The default GGUF dequantized and with its blocks kept, timed in one run."""
+    from pipefill.model.loader import resolve_model_path
+    try:
+        model = resolve_model_path(None)
+    except ValueError as e:
+        pytest.skip(str(e))
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "pipefill.cli.main", "bench", "prefill", "--model-path", model,
+           "--input-len", "100", "--reps", "1", "--no-hf", "--no-split", "--json", str(out)]
+    proc = subprocess.run(cmd + ["--compare-weight-dtype", "auto,gguf"],
+                          capture_output=True, text=True, timeout=1200)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    base = json.loads(out.read_text())["rows"][0]["config"]
+    assert [r["config"] for r in json.loads(out.read_text())["rows"]] == \
+        [base, f"{base}-auto", f"{base}-gguf"]
+    assert "GGUF blocks kept quantized (--weight-dtype gguf, requested)" in proc.stderr
+    assert "GGUF weights dequantized at load" in proc.stderr
+    bad = subprocess.run(cmd + ["--compare-weight-dtype", "int4"], capture_output=True,
+                         text=True, timeout=600)
+    assert bad.returncode == 2 and "--compare-weight-dtype 'int4'" in bad.stderr

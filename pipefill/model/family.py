@@ -56,6 +56,9 @@ class ModelFamily(ABC):
     hf_model_types: tuple[str, ...]  # config.json model_type values it runs
     hf_architectures: tuple[str, ...] = ()  # config.json architectures, when model_type is absent
     gguf_architectures: dict[str, str] = {}  # GGUF general.architecture -> model_type
+    # Whether its GGUF files carry experts ({arch}.expert_count): llama.cpp writes Mixtral as
+    # a llama file with experts, so two families list "llama" and this tells them apart.
+    gguf_experts = False
     # The layer weights' linear layers (field name -> its bias field or None): the fields that
     # get decode copies (kernels.decode_gemm) and prefill copies (kernels.prefill_gemm).
     matrices: dict[str, str | None] = {}
@@ -80,6 +83,12 @@ class ModelFamily(ABC):
     @abstractmethod
     def gguf_name(self, hf_name: str) -> str:
         """The GGUF tensor name of a Hugging Face tensor name (layers and stage tensors)."""
+
+    def gguf_tensor(self, hf_name: str) -> tuple[str, int | None]:
+        """The GGUF tensor holding a Hugging Face tensor, and its index along that tensor's
+        first dimension where llama.cpp stacked several into one (the experts of a layer);
+        None: the whole tensor."""
+        return self.gguf_name(hf_name), None
 
     def gguf_rotary_heads(self, cfg: ModelConfig, arch: str, hf_name: str) -> int | None:
         """For a GGUF matrix whose rows llama.cpp interleaved for its rotary layout: the number

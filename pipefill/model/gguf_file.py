@@ -56,9 +56,12 @@ class GGUFFile:
     def has(self, name: str) -> bool:
         return name in self.tensors
 
-    def shape(self, name: str) -> tuple[int, ...]:
-        """The tensor's shape in Hugging Face layout (GGUF lists dimensions innermost first)."""
-        return tuple(int(x) for x in reversed(self.tensors[name].shape.tolist()))
+    def shape(self, name: str, index: int | None = None) -> tuple[int, ...]:
+        """The tensor's shape in Hugging Face layout (GGUF lists dimensions innermost first);
+        with an index, the shape of one slice along the first dimension (one expert of the
+        experts llama.cpp stacks into one tensor)."""
+        shape = tuple(int(x) for x in reversed(self.tensors[name].shape.tolist()))
+        return shape if index is None else shape[1:]
 
     def tensor_type(self, name: str) -> int:
         """The GGML type id of a tensor (kernels.gguf_blocks names the block types)."""
@@ -69,15 +72,17 @@ class GGUFFile:
         (the stage keeps it after the file is closed)."""
         return np.array(self.tensors[name].data, dtype=np.uint8).reshape(self.shape(name)[0], -1)
 
-    def load(self, name: str, start: int = 0, end: int | None = None) -> torch.Tensor:
-        """Rows start:end of a tensor, dequantized to float32, in Hugging Face layout
-        (dequantization works block by block within a row, so a row range reads the same
-        values as the whole tensor)."""
+    def load(self, name: str, start: int = 0, end: int | None = None,
+             index: int | None = None) -> torch.Tensor:
+        """Rows start:end of a tensor (of its slice `index` along the first dimension, when
+        given), dequantized to float32, in Hugging Face layout (dequantization works block by
+        block within a row, so a row range reads the same values as the whole tensor)."""
         import gguf
         t = self.tensors[name]
-        shape = self.shape(name)
+        shape = self.shape(name, index)
         end = shape[0] if end is None else end
-        data = t.data if (start, end) == (0, shape[0]) else t.data[start:end]
+        data = t.data if index is None else t.data[index]
+        data = data if (start, end) == (0, shape[0]) else data[start:end]
         data = gguf.quants.dequantize(data, t.tensor_type)
         data = np.ascontiguousarray(data, dtype=np.float32).reshape(end - start, *shape[1:])
         # F32 tensors come back as read-only views of the memory-mapped file.

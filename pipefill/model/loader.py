@@ -64,7 +64,8 @@ class WeightSource:
         self.path = path
         if path.endswith(".gguf"):
             self.gguf = GGUFFile(path)
-            self.family: ModelFamily = family_for_gguf(self.gguf.arch, path)
+            self.family: ModelFamily = family_for_gguf(
+                self.gguf.arch, path, experts=bool(self.gguf.arch_field("expert_count")))
             self.config = self.family.config_from_gguf(self.gguf)
             return
         self.gguf = None
@@ -81,12 +82,14 @@ class WeightSource:
                 self._file_of.update({k: file for k in st.keys()})
 
     def has(self, name: str) -> bool:
-        return self.gguf.has(self.family.gguf_name(name)) if self.gguf else name in self._file_of
+        if self.gguf is None:
+            return name in self._file_of
+        return self.gguf.has(self.family.gguf_tensor(name)[0])
 
     def shape(self, name: str) -> tuple[int, ...]:
         """The tensor's shape in Hugging Face layout, without reading its values."""
         if self.gguf:
-            return self.gguf.shape(self.family.gguf_name(name))
+            return self.gguf.shape(*self.family.gguf_tensor(name))
         with safe_open(self._file_of[name], framework="pt") as st:
             return tuple(st.get_slice(name).get_shape())
 
@@ -94,7 +97,8 @@ class WeightSource:
         if self.gguf is None:
             with safe_open(self._file_of[name], framework="pt") as st:
                 return st.get_tensor(name).float()
-        w = self.gguf.load(self.family.gguf_name(name))
+        gguf_name, index = self.family.gguf_tensor(name)
+        w = self.gguf.load(gguf_name, index=index)
         heads = self._rotary_heads(name)
         return w if heads is None else unpermute_rotary(w, heads)
 
@@ -115,7 +119,8 @@ class WeightSource:
                 return st.get_slice(name)[start:end].float()
         if (start, end) == (0, self.shape(name)[0]) or self._rotary_heads(name) is not None:
             return self.load(name)[start:end]
-        return self.gguf.load(self.family.gguf_name(name), start, end)
+        gguf_name, index = self.family.gguf_tensor(name)
+        return self.gguf.load(gguf_name, start, end, index)
 
     def quant_linear(self, names: tuple[str, ...], disable: tuple[str, ...] = ()
                      ) -> QuantLinear | None:
@@ -127,9 +132,9 @@ class WeightSource:
             return None
         parts = []
         for name in names:
-            shape, gname = self.shape(name), self.family.gguf_name(name)
+            shape, (gname, index) = self.shape(name), self.family.gguf_tensor(name)
             qtype = self.gguf.tensor_type(gname)
-            if len(shape) != 2 or not supports(qtype, shape[1]):
+            if index is not None or len(shape) != 2 or not supports(qtype, shape[1]):
                 return None
             raw, heads = self.gguf.blocks(gname), self._rotary_heads(name)
             parts.append((raw if heads is None
@@ -138,7 +143,7 @@ class WeightSource:
 
     def tensor_type(self, name: str) -> str:
         """The GGUF type of a tensor, by name (for log lines)."""
-        return type_name(self.gguf.tensor_type(self.family.gguf_name(name)))
+        return type_name(self.gguf.tensor_type(self.family.gguf_tensor(name)[0]))
 
     def _rotary_heads(self, name: str) -> int | None:
         """GGUF llama q/k: load undoes llama.cpp's rotary interleave across rows (over this

@@ -31,10 +31,12 @@ def family_for_hf_config(hf: dict) -> ModelFamily:
     raise ValueError(f"unsupported architecture {named}: pipefill runs {supported_names()}")
 
 
-def family_for_gguf(arch: str, path: str) -> ModelFamily:
-    """The family of a GGUF file by its general.architecture."""
-    for family in FAMILIES:
-        if arch in family.gguf_architectures:
+def family_for_gguf(arch: str, path: str, experts: bool = False) -> ModelFamily:
+    """The family of a GGUF file by its general.architecture and, where two families list it
+    (llama.cpp writes Mixtral as "llama"), whether the file has experts."""
+    found = [f for f in FAMILIES if arch in f.gguf_architectures]
+    for family in found:
+        if len(found) == 1 or family.gguf_experts == experts:
             return family
     runs = ", ".join(a for f in FAMILIES for a in f.gguf_architectures)
     raise ValueError(f"GGUF architecture {arch!r} in {path} is not supported: pipefill runs "

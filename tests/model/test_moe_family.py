@@ -35,13 +35,13 @@ MOE = {
 }
 
 
-def save_moe(kind: str, path) -> str:
+def save_moe(kind: str, path, **overrides) -> str:
     import transformers
     from transformers import AutoModelForCausalLM
     cls, kw = MOE[kind]
     torch.manual_seed(1)
-    model = AutoModelForCausalLM.from_config(getattr(transformers, cls)(**COMMON, **kw),
-                                             dtype=torch.float32)
+    config = getattr(transformers, cls)(**{**COMMON, **kw, **overrides})
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
             p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name
@@ -58,16 +58,18 @@ def moe_models(tmp_path_factory):
     return {k: (p, hf_reference(p, PROMPT, 16, full_forwards=True)) for k, p in paths.items()}
 
 
-def check(engine, ref, chunk=None):
+def check(engine, ref, chunk=None, prompt=PROMPT):
+    """The engine's 16 greedy tokens and prompt logprobs against HF's (ref); chunk: every
+    chunk that size."""
     ref_lp, ref_tokens = ref
-    out = engine.generate([PROMPT], max_new_tokens=16, return_prompt_logprobs=True,
+    out = engine.generate([prompt], max_new_tokens=16, return_prompt_logprobs=True,
                           ignore_eos=True)[0]
     assert out.output_ids == ref_tokens
     lp = torch.tensor(out.prompt_logprobs)
     assert (lp - ref_lp).abs().max().item() < 1e-4
     if chunk:
-        assert out.metrics["chunk_sizes"] == [min(chunk, len(PROMPT) - s)
-                                              for s in range(0, len(PROMPT), chunk)]
+        assert out.metrics["chunk_sizes"] == [min(chunk, len(prompt) - s)
+                                              for s in range(0, len(prompt), chunk)]
     return out
 
 

@@ -1,6 +1,7 @@
 """GGUF files: metadata fields, tensors by GGUF name (dequantized by the `gguf` package), and
 the llama.cpp conventions every family shares. A family maps its Hugging Face tensor names to
-GGUF names (ModelFamily.gguf_name) and reads its config from the fields."""
+GGUF names (ModelFamily.gguf_tensor: a tensor, or one expert of a stacked one) and reads its
+config from the fields."""
 from __future__ import annotations
 
 import numpy as np

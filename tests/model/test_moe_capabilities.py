@@ -119,17 +119,22 @@ def test_pd_and_a_prefix_hit_match_hf(tmp_path):
     path = save_moe("qwen2_moe", tmp_path, vocab_size=49152)
     tokenizer = load_tokenizer(WeightSource(resolve_model_path(None)))
     tokenizer.hf.save_pretrained(path)
-    prompt = [_rng.randrange(49152) for _ in range(150)]
-    shared = prompt[:100] + [11, 12, 13]
+    # Text prompts (the router takes no token ids); the second shares the first's start.
+    prompt = " ".join(str(_rng.randrange(1000)) for _ in range(60))
+    shared = prompt[:len(prompt) // 2] + " and then something else"
+    ids = {p: tokenizer.encode(p) for p in (prompt, shared)}
+    common = next(i for i, (a, b) in enumerate(zip(*ids.values())) if a != b)
+    assert common >= PAGE
     procs, urls = start_pd(path, 2)
     try:
         for url, p, cached in ((urls["router"], prompt, None), (urls["ref"], prompt, 0),
-                               (urls["ref"], shared, 96), (urls["router"], shared, None)):
+                               (urls["ref"], shared, common // PAGE * PAGE),
+                               (urls["router"], shared, None)):
             out = client(url).completions.create(model="m", prompt=p, max_tokens=12,
                                                  temperature=0, logprobs=1)
             got = out.choices[0].logprobs.token_logprobs
-            tokens, want = hf_token_logprobs(path, p, len(got))
-            assert out.choices[0].text == tokenizer.hf.decode(tokens)
+            tokens, want = hf_token_logprobs(path, ids[p], len(got))
+            assert out.choices[0].text == tokenizer.decode(tokens)
             assert got == pytest.approx(want, abs=1e-4)
             if cached is not None:
                 assert out.usage.prompt_tokens_details.cached_tokens == cached

@@ -59,6 +59,8 @@ class ModelFamily(ABC):
     # Whether its GGUF files carry experts ({arch}.expert_count): llama.cpp writes Mixtral as
     # a llama file with experts, so two families list "llama" and this tells them apart.
     gguf_experts = False
+    # Said after "the checkpoint has no tensor X" (a family whose layout has variants).
+    layout_hint = ""
     # The layer weights' linear layers (field name -> its bias field or None): the fields that
     # get decode copies (kernels.decode_gemm) and prefill copies (kernels.prefill_gemm).
     matrices: dict[str, str | None] = {}

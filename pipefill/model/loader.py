@@ -90,17 +90,27 @@ class WeightSource:
         """The tensor's shape in Hugging Face layout, without reading its values."""
         if self.gguf:
             return self.gguf.shape(*self.family.gguf_tensor(name))
-        with safe_open(self._file_of[name], framework="pt") as st:
+        with safe_open(self._file(name), framework="pt") as st:
             return tuple(st.get_slice(name).get_shape())
 
     def load(self, name: str) -> torch.Tensor:
         if self.gguf is None:
-            with safe_open(self._file_of[name], framework="pt") as st:
+            with safe_open(self._file(name), framework="pt") as st:
                 return st.get_tensor(name).float()
         gguf_name, index = self.family.gguf_tensor(name)
         w = self.gguf.load(gguf_name, index=index)
         heads = self._rotary_heads(name)
         return w if heads is None else unpermute_rotary(w, heads)
+
+    def _file(self, name: str) -> str:
+        """The safetensors file holding a tensor; a sentence when the checkpoint has none."""
+        file = self._file_of.get(name)
+        if file is None:
+            raise ValueError(f"--model-path {self.path}: the checkpoint has no tensor {name}: "
+                             f"its weights are not laid out as published "
+                             f"{self.config.model_type} checkpoints are"
+                             f"{self.family.layout_hint}")
+        return file
 
     def row_blocks(self, name: str, shape: tuple[int, ...]) -> list[tuple[int, int]]:
         """[start, end) row ranges that load_rows reads, about ROW_BLOCK_BYTES of float32
@@ -115,7 +125,7 @@ class WeightSource:
         """Rows start:end of the tensor as float32: the same values as load(name)[start:end]
         (dequantization and widening work element by element, or block by block in a row)."""
         if self.gguf is None:
-            with safe_open(self._file_of[name], framework="pt") as st:
+            with safe_open(self._file(name), framework="pt") as st:
                 return st.get_slice(name)[start:end].float()
         if (start, end) == (0, self.shape(name)[0]) or self._rotary_heads(name) is not None:
             return self.load(name)[start:end]

@@ -111,6 +111,22 @@ def test_an_unknown_router_is_refused_with_a_sentence(moe_models):
     assert cfg.moe.sparse_layers == (True, False, True, True) and cfg.moe.top_k == 2
 
 
+def test_experts_fused_in_one_tensor_are_refused_with_a_sentence(tmp_path):
+    from safetensors.torch import load_file, save_file
+    from pipefill.model.loader import WeightSource, load_stage_weights
+    path = save_moe("qwen3_moe", tmp_path)
+    weights = load_file(f"{path}/model.safetensors")
+    p = "model.layers.0.mlp.experts."
+    gate_up = torch.stack([torch.cat([weights.pop(f"{p}{e}.gate_proj.weight"),
+                                      weights.pop(f"{p}{e}.up_proj.weight")]) for e in range(5)])
+    save_file({**weights, p + "gate_up_proj": gate_up}, f"{path}/model.safetensors")
+    source = WeightSource(path)
+    with pytest.raises(ValueError, match=f"has no tensor {p}0.gate_proj.weight: its weights are "
+                                         "not laid out as published qwen3_moe checkpoints are "
+                                         r"\(pipefill reads one tensor per expert"):
+        load_stage_weights(source, range(0, 1), True, False, torch.float32)
+
+
 def test_layer_costs_put_dense_and_sparse_layers_apart(moe_models):
     from pipefill.model.loader import WeightSource
     source = WeightSource(moe_models["qwen3_moe"][0])

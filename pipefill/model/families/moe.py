@@ -65,6 +65,9 @@ class MoEFamily(LlamaFamily):
     hf_architectures = tuple(ARCHITECTURES)
     gguf_architectures = GGUF_ARCHITECTURES
     gguf_experts = True
+    layout_hint = (" (pipefill reads one tensor per expert, as in "
+                   "model.layers.N.mlp.experts.E.gate_proj.weight; experts fused into one "
+                   "tensor are not read)")
 
     def config_from_hf(self, d: dict) -> ModelConfig:
         model_type = d.get("model_type") or next(

@@ -120,10 +120,12 @@ def make_prompts(ns, ins: list[int], rng: random.Random) -> list:
 
 
 async def one_request(client, url, headers, model, prompt, max_tokens, timeout,
-                      input_len: int):
+                      input_len: int, extra: dict | None = None):
+    """One streamed completion; extra: more fields of the body (e.g. a priority)."""
     result = RequestResult(input_len, input_len)
     body = {"model": model, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0,
-            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True},
+            **(extra or {})}
     t0 = last = time.perf_counter()
     chunks = 0
     try:
@@ -150,6 +152,9 @@ async def one_request(client, url, headers, model, prompt, max_tokens, timeout,
                         result.itl_s.append(now - last)
                     last = now
                     chunks += 1
+                elif data.get("choices") and data["choices"][0].get("finish_reason") and \
+                        result.ttft_s is None:  # tokens without text (held back, no tokenizer)
+                    result.ttft_s = time.perf_counter() - t0
         result.e2e_s = time.perf_counter() - t0
         result.output_len = result.output_len or chunks
         result.ok = result.ttft_s is not None

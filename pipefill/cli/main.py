@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pipefill.bench import allreduce as bench_allreduce
     from pipefill.bench import attention as bench_attention
     from pipefill.bench import kv_transfer as bench_kv_transfer
+    from pipefill.bench import long_short as bench_long_short
     from pipefill.bench import make_model as bench_make_model
     from pipefill.bench import multiturn as bench_multiturn
     from pipefill.bench import pd_serving as bench_pd_serving
@@ -45,6 +46,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_attention.add_parser(bench)
     bench_kv_transfer.add_parser(bench)
     bench_multiturn.add_parser(bench)
+    bench_long_short.add_parser(bench)
     bench_decode.add_parser(bench)
     bench_decode_gemm.add_parser(bench)
     bench_make_model.add_parser(bench)

@@ -197,6 +197,9 @@ class FirstStageLoop:
                                            acts)
                 self.heartbeat.passed_on()
                 self.inflight.append(plan)
+                # The front end's news before the next launch: a request aborted during this
+                # forward gets no further chunk (only those already in flight finish).
+                self._ingest(0)
         return True
 
     def _retire_ready(self, must_wait: bool) -> None:

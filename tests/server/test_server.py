@@ -28,7 +28,7 @@ def chat_model(tmp_path_factory):
     return path
 
 
-def start_server(model, port, *extra):
+def start_server(model, port, *extra, startup_s: float = 120):
     from pipefill.base.platform import free_port
     port = port or free_port()
     proc = subprocess.Popen(
@@ -37,7 +37,7 @@ def start_server(model, port, *extra):
          "--chunked-prefill-size", "64", "--threads-per-stage", "1", *extra],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
     url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 120
+    deadline = time.monotonic() + startup_s
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.stdout.read()
         try:

@@ -95,7 +95,10 @@ def check_args(a) -> Plan:
         raise ValueError("--long-len, --short-lens and --reps must be >= 1, --delay >= 0")
     if a.max_model_len != "auto" and not a.max_model_len.isdigit():
         raise ValueError(f"--max-model-len {a.max_model_len!r}: a number of tokens or auto")
-    extra = shlex.split(a.serve_args)
+    try:
+        extra = shlex.split(a.serve_args)
+    except ValueError as e:
+        raise ValueError(f"--serve-args {a.serve_args!r}: {e}") from None
     for flag in SET_HERE:
         if flag in extra or _flag_value(extra, flag) is not None:
             raise ValueError(f"{flag} is set by long-short itself (its own flag, or per "
@@ -112,7 +115,7 @@ def check_args(a) -> Plan:
 # ---------------------------------------------------------------- one server per policy
 
 class Server:
-    """`pipefill serve` with one schedule policy, its log in log_dir; a context manager."""
+    """`pipefill serve` with one schedule policy, its log in log_dir."""
 
     def __init__(self, plan: Plan, policy: str, log_dir: str, tag: str):
         self.port = free_port()

@@ -35,9 +35,9 @@ def metric(url: str, name: str) -> float:
     raise AssertionError(f"{name} not in /metrics")
 
 
-def leave_after_two_chunks(url: str) -> tuple[int, float]:
+def leave_after_two_chunks(url: str) -> int:
     """Streams the prompt, closes the connection once a progress comment says two chunks are
-    on their way; (prompt tokens scheduled by then, the moment it closed)."""
+    on their way; the prompt tokens scheduled by then."""
     body = {"prompt": PROMPT, "max_tokens": 1, "stream": True}
     with httpx.stream("POST", url + "/v1/completions", json=body, timeout=120) as r:
         assert r.status_code == 200
@@ -47,7 +47,7 @@ def leave_after_two_chunks(url: str) -> tuple[int, float]:
                 done = int(line.split()[2].split("/")[0])
                 if done >= 2 * CHUNK:
                     break
-    return done, time.time()
+    return done
 
 
 def forwards_by_stage(trace_dir) -> dict[int, list[dict]]:
@@ -69,7 +69,7 @@ def test_a_client_leaving_a_long_prefill_stops_it_and_its_chunks_stay_cached(wid
                              "--log-prefill-progress-interval", "0.02",
                              "--trace-dir", str(tmp_path), startup_s=300)
     try:
-        done_at_close, closed_at = leave_after_two_chunks(url)
+        done_at_close = leave_after_two_chunks(url)
         deadline = time.monotonic() + 60
         while metric(url, "pipefill_kv_pages_used") > 0 or \
                 metric(url, "pipefill_requests_running") > 0:
@@ -94,10 +94,3 @@ def test_a_client_leaving_a_long_prefill_stops_it_and_its_chunks_stay_cached(wid
         (launched, done_at_close)
     # The chunks it computed stay in the prefix cache: the retry starts after them.
     assert CHUNK <= cached <= launched * CHUNK, (cached, launched)
-    # After the client left, each stage finished within the micro-batches in flight: its
-    # last chunk of the request ended within MAX_INFLIGHT + 1 chunk times of the close.
-    for spans in forwards.values():
-        longest = max(e["dur"] for e in spans) / 1e6
-        last_end = max(e["ts"] + e["dur"] for e in spans) / 1e6
-        assert last_end - closed_at <= (MAX_INFLIGHT + 1) * longest + 2.0, \
-            (last_end - closed_at, longest)

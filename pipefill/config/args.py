@@ -403,7 +403,10 @@ def resolve(args: ServerArgs, model_cfg, layer_costs=None) -> ServerArgs:
     max_len = args.max_model_len or trained
     if max_len < 2:
         raise ValueError(f"--max-model-len must be at least 2, got {max_len}")
-    if model_cfg.sliding_window and max_len > model_cfg.sliding_window:
+    # A sliding window the family does not apply (Mistral's) caps the length; one it applies
+    # per layer (Gemma 3's sliding_layers) does not.
+    unapplied = model_cfg.sliding_window and not any(model_cfg.sliding_layers)
+    if unapplied and max_len > model_cfg.sliding_window:
         if args.max_model_len:
             raise ValueError(f"--max-model-len {max_len} exceeds the model's sliding window "
                              f"({model_cfg.sliding_window}), which pipefill does not implement")

@@ -54,8 +54,12 @@ def split_attention(q, k_prefix, v_prefix, k_diag, v_diag, scale: float) -> torc
     return _merge(out_p, lse_p, out_d, lse_d)
 
 
-def attend_sequence(q, k, v, k_cache, v_cache, seq: SeqMeta, scale: float) -> torch.Tensor:
-    """q [C, Hq, D], k/v [C, Hkv, D] of the new tokens (already written to the cache)."""
+def attend_sequence(q, k, v, k_cache, v_cache, seq: SeqMeta, scale: float,
+                    window: int | None = None) -> torch.Tensor:
+    """q [C, Hq, D], k/v [C, Hkv, D] of the new tokens (already written to the cache).
+    window: each query sees only the last `window` keys up to its own position."""
+    if window is not None and seq.prefix_len + seq.num_new > window:
+        return _attend_window(q, k, v, k_cache, v_cache, seq, window, scale)
     if q.is_cuda:
         return _attend_cuda(q, k_cache[seq.read_slots], v_cache[seq.read_slots], scale)
     if seq.num_new == 1 and seq.prefix_len > 0:  # decode: one query sees every key
@@ -67,6 +71,34 @@ def attend_sequence(q, k, v, k_cache, v_cache, seq: SeqMeta, scale: float) -> to
                                                             v.to(v_cache.dtype).to(q.dtype))
     return split_attention(q, k_cache[prefix].to(q.dtype), v_cache[prefix].to(q.dtype),
                            k_new, v_new, scale)
+
+
+def _attend_window(q, k, v, k_cache, v_cache, seq: SeqMeta, window: int,
+                   scale: float) -> torch.Tensor:
+    """Sliding-window attention: the query at position p sees keys (p - window, p] (HF's
+    sliding_window_overlay: kv > q - window, with the causal kv <= q). Only keys from
+    L - window + 1 on can be seen by any of the chunk's queries [L, L + C); an explicit mask
+    bounds each row."""
+    first = max(0, seq.prefix_len - window + 1)
+    cached = _slot_range(seq.read_slots, first, seq.prefix_len)
+    k_new, v_new = (k, v) if k_cache.dtype == q.dtype else (k.to(k_cache.dtype).to(q.dtype),
+                                                            v.to(v_cache.dtype).to(q.dtype))
+    keys = torch.cat([k_cache[cached].to(q.dtype), k_new])
+    values = torch.cat([v_cache[cached].to(q.dtype), v_new])
+    q_pos = torch.arange(seq.prefix_len, seq.prefix_len + seq.num_new, device=q.device)[:, None]
+    k_pos = torch.arange(first, seq.prefix_len + seq.num_new, device=q.device)[None, :]
+    mask = None if seq.num_new == 1 else (k_pos <= q_pos) & (k_pos > q_pos - window)
+    out = torch.nn.functional.scaled_dot_product_attention(
+        heads_first(q), heads_first(keys), heads_first(values), attn_mask=mask, scale=scale,
+        enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+def _slot_range(slots, start: int, end: int):
+    """The cache slots of tokens [start, end) of a sequence whose slots are `slots`."""
+    if isinstance(slots, slice):
+        return slice(slots.start + start, slots.start + end)
+    return slots[start:end]
 
 
 def _attend_cuda(q, keys, values, scale: float) -> torch.Tensor:
@@ -93,15 +125,18 @@ def write_kv(k_cache, v_cache, k, v, seqs: list[SeqMeta]) -> None:
         v_cache[seq.write_slots] = v[rows].to(v_cache.dtype)
 
 
-def paged_attention(q, k, v, k_cache, v_cache, seqs: list[SeqMeta], scale: float):
-    """q [T, Hq, D], k/v [T, Hkv, D] packed over sequences -> [T, Hq, D]."""
+def paged_attention(q, k, v, k_cache, v_cache, seqs: list[SeqMeta], scale: float,
+                    window: int | None = None):
+    """q [T, Hq, D], k/v [T, Hkv, D] packed over sequences -> [T, Hq, D]. window: a
+    sliding-window layer's (attend_sequence)."""
     write_kv(k_cache, v_cache, k, v, seqs)
     if len(seqs) == 1:
-        return attend_sequence(q, k, v, k_cache, v_cache, seqs[0], scale)
+        return attend_sequence(q, k, v, k_cache, v_cache, seqs[0], scale, window)
     out = torch.empty_like(q)
     for seq in seqs:
         rows = slice(seq.row_start, seq.row_start + seq.num_new)
-        out[rows] = attend_sequence(q[rows], k[rows], v[rows], k_cache, v_cache, seq, scale)
+        out[rows] = attend_sequence(q[rows], k[rows], v[rows], k_cache, v_cache, seq, scale,
+                                    window)
     return out
 
 
@@ -215,7 +250,8 @@ def kv_writer(attention):
 
 
 def last_rows_attention(attention, writer, q, k, v, k_cache, v_cache, seqs: list[SeqMeta],
-                        keep: list[bool], scale: float) -> tuple[torch.Tensor, torch.Tensor]:
+                        keep: list[bool], scale: float,
+                        window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """Every sequence's new K/V into the cache, and attention for the last query row of the
     sequences with keep[i] only -> ([sum(keep), Hq, D], those rows' indices in q). That row is
     the last new token at position L + C - 1 over keys [0, L + C): the same attention as in
@@ -236,7 +272,9 @@ def last_rows_attention(attention, writer, q, k, v, k_cache, v_cache, seqs: list
         return q.new_empty((0, *q.shape[1:])), rows
     compact = [SeqMeta(i, 1, s.prefix_len, s.write_slots, s.read_slots, s.page_table)
                for i, s in enumerate(lasts)]
-    return attention(q[rows], k[rows], v[rows], k_cache, v_cache, compact, scale), rows
+    windowed = {} if window is None else {"window": window}  # only the sdpa path takes one
+    return attention(q[rows], k[rows], v[rows], k_cache, v_cache, compact, scale,
+                     **windowed), rows
 
 
 def _first(slots, n: int):
@@ -273,10 +311,12 @@ def resolve_kv_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
 
 
 def _unfit(backend: str, dtype, kv_dtype, head_dim: int, page_size: int, device,
-           flags) -> str | None:
+           flags, windowed: bool = False) -> str | None:
     """Why `backend` cannot serve this stage, or None."""
     if device.type != "cpu":
         return f"device is {device.type}"
+    if windowed:
+        return "the model has sliding-window layers and the kernel attends to the whole prefix"
     if backend in ("amx", "avx512bf16"):
         if dtype != torch.bfloat16:
             return f"dtype is {dtype}, the kernel is bfloat16-only"
@@ -303,7 +343,8 @@ def _unfit(backend: str, dtype, kv_dtype, head_dim: int, page_size: int, device,
 
 def choose_backend(requested: str, dtype: torch.dtype, head_dim: int, page_size: int,
                    device: torch.device, kv_dtype: torch.dtype | None = None,
-                   flags: frozenset[str] | None = None) -> tuple[str, str]:
+                   flags: frozenset[str] | None = None,
+                   windowed: bool = False) -> tuple[str, str]:
     """-> (backend, why). auto: the first of KERNEL_BACKENDS that fits the dtypes, the shapes and
     the CPU (flags: the CPU flags to trust, default all), else sdpa with every reason. A named
     kernel that does not fit is a ValueError with the reason."""
@@ -315,7 +356,7 @@ def choose_backend(requested: str, dtype: torch.dtype, head_dim: int, page_size:
                          f"{', '.join(KERNEL_BACKENDS)} or sdpa")
     reasons = []
     for backend in (KERNEL_BACKENDS if requested == "auto" else (requested,)):
-        why = _unfit(backend, dtype, kv_dtype, head_dim, page_size, device, flags)
+        why = _unfit(backend, dtype, kv_dtype, head_dim, page_size, device, flags, windowed)
         if why is None:
             return backend, "requested" if requested != "auto" else _STRENGTH[backend]
         if requested != "auto":

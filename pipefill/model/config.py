@@ -37,6 +37,24 @@ class ModelConfig:
     bos_token_id: int | None = None
     eos_token_ids: tuple[int, ...] = ()
     moe: MoEConfig | None = None  # mixture-of-experts families only
+    # Sliding-window attention per layer (Gemma 3): True where a layer sees only the last
+    # sliding_window tokens; () when every layer sees the whole prefix.
+    sliding_layers: tuple[bool, ...] = ()
+    local_rope_theta: float | None = None  # the sliding layers' own rope base (no scaling)
+    query_pre_attn_scalar: float | None = None  # attention scale 1/sqrt(this); None: head_dim
+    embed_scale: float | None = None  # the embedding's output multiplied by this (Gemma)
+    final_logit_softcapping: float | None = None  # logits = cap * tanh(logits / cap)
+    # Added to every stored RMSNorm weight at load: Gemma's norms scale by (1 + w) and its
+    # Hugging Face files store w (GGUF files store 1 + w already).
+    norm_weight_offset: float = 0.0
+
+    def window_of(self, layer: int) -> int | None:
+        """The tokens layer `layer` attends to (its query's own included); None: all."""
+        return self.sliding_window if self.sliding_layers and self.sliding_layers[layer] else None
+
+    @property
+    def has_windows(self) -> bool:
+        return any(self.sliding_layers)
 
     def is_sparse(self, layer: int) -> bool:
         return self.moe is not None and self.moe.sparse_layers[layer]

@@ -80,6 +80,8 @@ class WeightSource:
         for file in files:
             with safe_open(file, framework="pt") as st:
                 self._file_of.update({k: file for k in st.keys()})
+        self._key = language_model_keys(self._file_of)
+        self._file_of.update({name: self._file_of[key] for name, key in self._key.items()})
 
     def has(self, name: str) -> bool:
         if self.gguf is None:
@@ -91,12 +93,12 @@ class WeightSource:
         if self.gguf:
             return self.gguf.shape(*self.family.gguf_tensor(name))
         with safe_open(self._file(name), framework="pt") as st:
-            return tuple(st.get_slice(name).get_shape())
+            return tuple(st.get_slice(self._key.get(name, name)).get_shape())
 
     def load(self, name: str) -> torch.Tensor:
         if self.gguf is None:
             with safe_open(self._file(name), framework="pt") as st:
-                return st.get_tensor(name).float()
+                return st.get_tensor(self._key.get(name, name)).float()
         gguf_name, index = self.family.gguf_tensor(name)
         w = self.gguf.load(gguf_name, index=index)
         heads = self._rotary_heads(name)
@@ -126,7 +128,7 @@ class WeightSource:
         (dequantization and widening work element by element, or block by block in a row)."""
         if self.gguf is None:
             with safe_open(self._file(name), framework="pt") as st:
-                return st.get_slice(name)[start:end].float()
+                return st.get_slice(self._key.get(name, name))[start:end].float()
         if (start, end) == (0, self.shape(name)[0]) or self._rotary_heads(name) is not None:
             return self.load(name)[start:end]
         gguf_name, index = self.family.gguf_tensor(name)
@@ -161,6 +163,23 @@ class WeightSource:
         if self.gguf is None:
             return None
         return self.family.gguf_rotary_heads(self.config, self.gguf.arch, name)
+
+
+# Where a multimodal checkpoint keeps its language model's "model.*" tensors (Gemma 3's
+# ...ForConditionalGeneration: transformers 4 saved language_model.model.*, 5 saves
+# model.language_model.*).
+LANGUAGE_MODEL_PREFIXES = ("language_model.model.", "model.language_model.")
+
+
+def language_model_keys(stored) -> dict[str, str]:
+    """{"model.X": stored key} for a checkpoint whose language model sits under one of
+    LANGUAGE_MODEL_PREFIXES; {} for a plain causal LM (names are read as they are)."""
+    if "model.embed_tokens.weight" in stored:
+        return {}
+    for prefix in LANGUAGE_MODEL_PREFIXES:
+        if prefix + "embed_tokens.weight" in stored:
+            return {"model." + k[len(prefix):]: k for k in stored if k.startswith(prefix)}
+    return {}
 
 
 def tensor_names(cfg: ModelConfig, layers: range, first: bool, last: bool) -> list[str]:
@@ -274,6 +293,8 @@ def load_stage_weights(source: WeightSource, layers: range, first: bool, last: b
         else:
             progress.update()
     final_norm = read.vec(family.final_norm_name) if last else None
+    if final_norm is not None:
+        final_norm += cfg.norm_weight_offset  # Gemma's (1 + w), see ModelConfig
     progress.close()
     weights = StageWeights(out_layers, embed, final_norm, lm_head, lm_head_quant=head_quant)
     if blocks:

@@ -57,7 +57,10 @@ class StageModel:
         self.w = weights
         self.dtype = dtype
         self.inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
-        self.scale = cfg.head_dim ** -0.5
+        # Sliding-window layers with a rope base of their own (Gemma 3's local layers).
+        self.local_inv_freq = (None if cfg.local_rope_theta is None else
+                               inverse_frequencies(cfg.head_dim, cfg.local_rope_theta, {}))
+        self.scale = (cfg.query_pre_attn_scalar or cfg.head_dim) ** -0.5
         # Decode steps the family's lean path fits (model.decode_step for Llama: same kernels,
         # same bits, no per-call overhead) take it; tests and benchmarks set fast_decode = False
         # to run the family's layer_forward instead.
@@ -77,7 +80,10 @@ class StageModel:
         return self.w.lm_head is not None or self.w.lm_head_quant is not None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return F.embedding(input_ids, self.w.embed)
+        x = F.embedding(input_ids, self.w.embed)
+        if self.cfg.embed_scale is not None:  # in the embedding's dtype, as HF multiplies
+            x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
+        return x
 
     @torch.inference_mode()
     def forward(self, hidden, residual, meta: ForwardMeta, k_cache, v_cache):
@@ -90,9 +96,14 @@ class StageModel:
                 and self._decode.fits(hidden, meta)):
             return self._decode.forward(hidden, residual, meta, cos, sin, k_cache, v_cache)
         last = len(self.w.layers) - 1
+        local = None if self.local_inv_freq is None else cos_sin(meta.positions,
+                                                                 self.local_inv_freq)
         for i, layer in enumerate(self.w.layers):
+            rope = (cos, sin)
+            if local is not None and self.cfg.window_of(self.layer_start + i) is not None:
+                rope = local
             hidden, residual = self.family.layer_forward(self, layer, hidden, residual, meta,
-                                                         cos, sin, k_cache[i], v_cache[i],
+                                                         *rope, k_cache[i], v_cache[i],
                                                          trim and i == last)
         return hidden, residual
 
@@ -108,7 +119,11 @@ class StageModel:
         x = rms_norm(final, self.w.final_norm, self.cfg.rms_norm_eps, self.dtype)
         head = self.w.lm_head_packed
         if head is not None and x.shape[0] <= head.max_rows:  # float32 logits straight away
-            return head(x, out=torch.empty(x.shape[0], head.out_features))
+            return self._softcap(head(x, out=torch.empty(x.shape[0], head.out_features)))
         if self.w.lm_head is None:  # GGUF blocks only: dequantized for this call
-            return self.w.lm_head_quant.prefill(x).float()
-        return torch_linear(x, self.w.lm_head).float()
+            return self._softcap(self.w.lm_head_quant.prefill(x).float())
+        return self._softcap(torch_linear(x, self.w.lm_head).float())
+
+    def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
+        cap = self.cfg.final_logit_softcapping
+        return logits if cap is None else logits.div_(cap).tanh_().mul_(cap)

@@ -62,7 +62,7 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
     if device.type != "cpu":
         weights = weights_to(weights, device)
     backend, why = choose_backend(args.attention_backend, dtype, cfg.head_dim, args.page_size,
-                                  device, kv_dtype, flags)
+                                  device, kv_dtype, flags, cfg.has_windows)
     if backend in KERNEL_BACKENDS:  # the kernels' packed layout (bf16 or float32)
         from pipefill.kernels.amx_attention import AmxKVCache
         cache = AmxKVCache(len(info.layers), num_pages, args.page_size,
@@ -123,7 +123,8 @@ def log_gguf_weights(rank: int, weights, blocks: bool, why: str) -> None:
 
 def weights_to(weights, device):
     import dataclasses
-    move = lambda t: None if t is None else t.to(device)  # noqa: E731
+    # Tensors move; anything else (a layer's index, None) stays.
+    move = lambda t: t.to(device) if isinstance(t, torch.Tensor) else t  # noqa: E731
     layers = [type(w)(**{f.name: move(getattr(w, f.name)) for f in dataclasses.fields(w)})
               for w in weights.layers]
     return type(weights)(layers, move(weights.embed), move(weights.final_norm),

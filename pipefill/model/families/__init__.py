@@ -6,10 +6,11 @@ from __future__ import annotations
 
 from pipefill.model.config import ModelConfig
 from pipefill.model.family import ModelFamily
+from pipefill.model.families.gemma3 import GEMMA3
 from pipefill.model.families.llama import LLAMA
 from pipefill.model.families.moe import MOE
 
-FAMILIES: tuple[ModelFamily, ...] = (LLAMA, MOE)
+FAMILIES: tuple[ModelFamily, ...] = (LLAMA, MOE, GEMMA3)
 
 
 def supported_names() -> str:

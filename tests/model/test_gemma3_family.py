@@ -1,0 +1,139 @@
+"""The Gemma 3 family against HF transformers on the same random weights (float32): prompt
+logprobs within 1e-4 and 16 greedy tokens identical. Sliding windows shorter than the prompt
+(7 tokens: every chunk crosses a window edge), global layers at irregular positions
+(layer_types) or by sliding_window_pattern, odd head counts with GQA, head_dim independent of
+hidden / heads, query_pre_attn_scalar apart from head_dim, separate local and global rope bases
+(the global one linearly scaled), a final logit softcap; chunked and dynamically chunked
+prefill, pipelines of 1 to 3 stages with uneven partitions, a prefix-cache hit, and the
+language model of a Gemma3ForConditionalGeneration checkpoint."""
+import random
+
+import pytest
+import torch
+
+from conftest import assert_pages_free, hf_reference, track
+from pipefill import Engine
+from pipefill.model.attention import choose_backend
+from pipefill.model.loader import WeightSource
+
+PAGE = 16
+_rng = random.Random(5)
+PROMPT = [_rng.randrange(512) for _ in range(90)]
+
+TEXT = {
+    # 3 query heads on 1 KV head, head_dim 48 (hidden / heads = 32), window 7, global layers
+    # 0 and 3 of 5, rope bases 10,000 (linear x2) and 100, scores by 1/sqrt(40), softcap 30.
+    "irregular": dict(vocab_size=512, hidden_size=96, intermediate_size=112,
+                      num_hidden_layers=5, num_attention_heads=3, num_key_value_heads=1,
+                      head_dim=48, sliding_window=7, query_pre_attn_scalar=40,
+                      layer_types=["full_attention", "sliding_attention", "sliding_attention",
+                                   "full_attention", "sliding_attention"],
+                      rope_parameters={"full_attention": {"rope_type": "linear", "factor": 2.0,
+                                                          "rope_theta": 10_000.0},
+                                       "sliding_attention": {"rope_type": "default",
+                                                             "rope_theta": 100.0}},
+                      final_logit_softcapping=30.0, max_position_embeddings=1024),
+    # 4 heads on 2, head_dim 64, window 20, a global layer after every two local ones.
+    "pattern": dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+                    num_attention_heads=4, num_key_value_heads=2, head_dim=64,
+                    sliding_window=20, sliding_window_pattern=3, max_position_embeddings=1024),
+}
+
+
+def _randomize(model) -> None:
+    torch.manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.copy_(0.1 * torch.randn_like(p))  # norms scale by 1 + w: w near 0
+
+
+def save_gemma(kind: str, path) -> str:
+    from transformers import AutoModelForCausalLM, Gemma3TextConfig
+    model = AutoModelForCausalLM.from_config(Gemma3TextConfig(**TEXT[kind]), dtype=torch.float32)
+    _randomize(model)
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+def save_multimodal(path) -> str:
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration, SiglipVisionConfig
+    vision = SiglipVisionConfig(hidden_size=32, intermediate_size=37, num_hidden_layers=1,
+                                num_attention_heads=2, image_size=28, patch_size=14)
+    cfg = Gemma3Config(text_config=TEXT["pattern"], vision_config=vision.to_dict(),
+                       mm_tokens_per_image=4)
+    model = Gemma3ForConditionalGeneration(cfg).to(torch.float32)
+    _randomize(model)
+    model.save_pretrained(str(path))
+    return str(path)
+
+
+@pytest.fixture(scope="module")
+def gemma_models(tmp_path_factory):
+    paths = {k: save_gemma(k, tmp_path_factory.mktemp(k)) for k in TEXT}
+    return {k: (p, hf_reference(p, PROMPT, 16)) for k, p in paths.items()}
+
+
+def check(engine, ref, chunk=None):
+    ref_lp, ref_tokens = ref
+    out = engine.generate([PROMPT], max_new_tokens=16, return_prompt_logprobs=True,
+                          ignore_eos=True)[0]
+    assert out.output_ids == ref_tokens
+    lp = torch.tensor(out.prompt_logprobs)
+    assert (lp - ref_lp).abs().max().item() < 1e-4
+    if chunk:
+        assert out.metrics["chunk_sizes"] == [min(chunk, len(PROMPT) - s)
+                                              for s in range(0, len(PROMPT), chunk)]
+    return out
+
+
+@pytest.mark.parametrize("kind,chunk", [("irregular", PAGE), ("irregular", 37),
+                                        ("pattern", 256)])
+def test_one_stage_matches_hf(kind, chunk, gemma_models):
+    path, ref = gemma_models[kind]
+    with track(Engine(path, dtype="float32", page_size=PAGE, chunked_prefill_size=chunk,
+                      threads_per_stage=1)) as engine:
+        check(engine, ref, chunk)
+        # Again without prompt logprobs: the prompt's pages come from the prefix cache, and a
+        # window layer reads the cached keys of its window only.
+        out = engine.generate([PROMPT], max_new_tokens=16, ignore_eos=True)[0]
+        assert out.metrics["cached_tokens"] >= len(PROMPT) // PAGE * PAGE - PAGE
+        assert out.output_ids == ref[1]
+        assert_pages_free(engine)
+
+
+@pytest.mark.parametrize("kind,pp,partition,dynamic", [
+    ("irregular", 3, "2,1,2", False), ("pattern", 2, "3,1", True)])
+def test_pipeline_matches_hf(kind, pp, partition, dynamic, gemma_models):
+    path, ref = gemma_models[kind]
+    kw = {"enable_dynamic_chunking": True} if dynamic else {}
+    with track(Engine(path, dtype="float32", page_size=PAGE, chunked_prefill_size=32,
+                      pp_size=pp, threads_per_stage=1, pp_layer_partition=partition,
+                      **kw)) as engine:
+        check(engine, ref, None if dynamic else 32)
+
+
+def test_multimodal_checkpoint_runs_its_language_model(tmp_path):
+    path = save_multimodal(tmp_path)
+    ref = hf_reference(path, PROMPT, 16)
+    with track(Engine(path, dtype="float32", page_size=PAGE, chunked_prefill_size=32,
+                      threads_per_stage=1)) as engine:
+        check(engine, ref, 32)
+
+
+def test_config_reads_the_layer_kinds_and_ropes(gemma_models):
+    cfg = WeightSource(gemma_models["irregular"][0]).config
+    assert cfg.sliding_layers == (False, True, True, False, True)
+    assert [cfg.window_of(i) for i in range(5)] == [None, 7, 7, None, 7]
+    assert cfg.rope_scaling == {"rope_type": "linear", "factor": 2.0}
+    assert (cfg.rope_theta, cfg.local_rope_theta) == (10_000.0, 100.0)
+    assert cfg.query_pre_attn_scalar == 40 and cfg.final_logit_softcapping == 30.0
+    cfg = WeightSource(gemma_models["pattern"][0]).config
+    assert cfg.sliding_layers == (True, True, False, True)
+
+
+def test_attention_kernels_step_aside_for_windows():
+    backend, why = choose_backend("auto", torch.float32, 64, PAGE, torch.device("cpu"),
+                                  windowed=True)
+    assert backend == "sdpa" and "sliding-window" in why
+    with pytest.raises(ValueError, match="sliding-window layers"):
+        choose_backend("avx2", torch.float32, 64, PAGE, torch.device("cpu"), windowed=True)

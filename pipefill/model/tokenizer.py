@@ -18,6 +18,10 @@ _REGEX_PRE = {"llama3": _LLAMA3_SPLIT, "llama-v3": _LLAMA3_SPLIT, "llama-bpe": _
               "qwen2": _QWEN2_SPLIT}
 
 
+NO_TEMPLATE = ("this model has no chat template; use /v1/completions, or start pipefill with "
+               "--chat-template FILE")
+
+
 class Tokenizer:
     """encode / decode / chat template over a transformers fast tokenizer."""
 
@@ -42,7 +46,7 @@ class Tokenizer:
 
     def apply_chat_template(self, messages: list[dict]) -> str:
         if not self.has_chat_template:
-            raise ValueError("this model has no chat template; use /v1/completions")
+            raise ValueError(NO_TEMPLATE)
         return self.hf.apply_chat_template(messages, tokenize=False, add_generation_prompt=True)
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
@@ -50,9 +54,26 @@ class Tokenizer:
         return self.hf.encode(self.apply_chat_template(messages), add_special_tokens=False)
 
 
-def load_tokenizer(source) -> Tokenizer | None:
+def load_tokenizer(source, chat_template: str | None = None) -> Tokenizer | None:
     """Tokenizer of a WeightSource; None for a folder without tokenizer files (token-id
-    prompts still work)."""
+    prompts still work). chat_template: a template file (--chat-template) that replaces the
+    model's own."""
+    tok = _load_tokenizer(source)
+    if tok is not None and chat_template is not None:
+        tok.hf.chat_template = read_chat_template(chat_template)
+    return tok
+
+
+def read_chat_template(path: str) -> str:
+    """The text of a --chat-template file, or a ValueError naming the flag."""
+    try:
+        with open(path) as f:
+            return f.read()
+    except OSError as e:
+        raise ValueError(f"--chat-template {path}: cannot read it ({e.strerror})") from None
+
+
+def _load_tokenizer(source) -> Tokenizer | None:
     model_file, eos_token_ids = source.path, source.config.eos_token_ids
     if source.gguf is not None:
         return Tokenizer(_gguf_tokenizer(source.gguf), eos_token_ids)

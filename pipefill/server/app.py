@@ -18,6 +18,7 @@ from starlette.requests import ClientDisconnect
 from pipefill.chunking.progress import PrefillProgress
 from pipefill.config import DisaggMode, Disaggregation, Serving
 from pipefill.disagg.http_fields import ROUTER_MODEL, FieldError, pd_info
+from pipefill.model.tokenizer import NO_TEMPLATE
 from pipefill.base.plan import SamplingParams
 from pipefill.server.admission import Admission
 from pipefill.server.async_engine import AsyncEngine, EngineDown
@@ -392,7 +393,7 @@ def prompt_of(served: Served, body, chat: bool) -> tuple[str | None, list[int]]:
     tok = served.tokenizer
     if chat:
         if tok is None or not tok.has_chat_template:
-            raise ApiError(400, "this model has no chat template; use /v1/completions")
+            raise ApiError(400, NO_TEMPLATE)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         check_text(served, "".join(m["content"] for m in messages), "messages")
         try:

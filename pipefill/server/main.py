@@ -73,8 +73,8 @@ def run(ns: argparse.Namespace) -> int:
     metrics = ServerMetrics()
     # A PD prefill's bootstrap service starts here (the front-end core's), before uvicorn.
     engine = AsyncEngine(args, source, on_restart=metrics.stage_restarts.inc)
-    served = Served(engine, load_tokenizer(source), model_name(serving, args.model_path, source),
-                    serving.api_key, metrics)
+    served = Served(engine, load_tokenizer(source, args.chat_template),
+                    model_name(serving, args.model_path, source), serving.api_key, metrics)
     failed = []
 
     def on_startup_failure(exc):

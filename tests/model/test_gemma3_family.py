@@ -137,3 +137,28 @@ def test_attention_kernels_step_aside_for_windows():
     assert backend == "sdpa" and "sliding-window" in why
     with pytest.raises(ValueError, match="sliding-window layers"):
         choose_backend("avx2", torch.float32, 64, PAGE, torch.device("cpu"), windowed=True)
+
+
+@pytest.mark.parametrize("prefix,chunk,window,slots_as", [
+    (0, 20, 7, "slice"), (5, 9, 7, "tensor"), (13, 1, 7, "slice"), (30, 16, 16, "tensor"),
+    (3, 4, 7, "slice"), (6, 1, 7, "tensor")])
+def test_window_attention_sees_the_last_window_keys(prefix, chunk, window, slots_as):
+    """A chunk at [L, L + C) over a cached prefix: the query at p sees keys (p - window, p],
+    as a per-row float64 softmax over exactly those keys computes."""
+    from pipefill.model.attention import SeqMeta, attend_sequence
+    torch.manual_seed(prefix * 100 + chunk)
+    total, offset, scale = prefix + chunk, 3, 0.3
+    k_cache, v_cache = torch.randn(64, 1, 8), torch.randn(64, 1, 8)
+    q = torch.randn(chunk, 3, 8)  # 3 query heads on 1 KV head
+    slots = slice(offset, offset + total)
+    if slots_as == "tensor":
+        slots = torch.arange(offset, offset + total)
+    new = slice(offset + prefix, offset + total)
+    seq = SeqMeta(0, chunk, prefix, new, slots, torch.zeros(1, dtype=torch.int32))
+    out = attend_sequence(q, k_cache[new], v_cache[new], k_cache, v_cache, seq, scale, window)
+    for i in range(chunk):
+        p = prefix + i
+        seen = range(offset + max(0, p - window + 1), offset + p + 1)
+        keys, values = k_cache[list(seen), 0].double(), v_cache[list(seen), 0].double()
+        weights = torch.softmax(q[i].double() @ keys.T * scale, -1)
+        torch.testing.assert_close(out[i].double(), weights @ values, atol=1e-5, rtol=1e-5)

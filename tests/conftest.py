@@ -124,6 +124,30 @@ def assert_greedy_agrees(ours: list[int], ref: list[int], ref_margins: list[floa
             return
 
 
+def assert_matches_hf(engine, prompt: list[int], ref, chunk: int | None = None):
+    """The engine's prompt logprobs within 1e-4 of ref's and its 16 greedy tokens identical
+    (ref: hf_reference's pair); with `chunk`, the prompt ran in chunks of that size."""
+    ref_lp, ref_tokens = ref
+    out = engine.generate([prompt], max_new_tokens=16, return_prompt_logprobs=True,
+                          ignore_eos=True)[0]
+    assert out.output_ids == ref_tokens
+    lp = torch.tensor(out.prompt_logprobs)
+    assert (lp - ref_lp).abs().max().item() < 1e-4
+    if chunk:
+        assert out.metrics["chunk_sizes"] == [min(chunk, len(prompt) - s)
+                                              for s in range(0, len(prompt), chunk)]
+    return out
+
+
+def assert_prefix_hit_matches(engine, prompt: list[int], ref_tokens: list[int], page: int):
+    """The same prompt again, without prompt logprobs (those come from computed logits
+    only): its pages come from the prefix cache, the tokens are the same, no page is held."""
+    out = engine.generate([prompt], max_new_tokens=16, ignore_eos=True)[0]
+    assert out.metrics["cached_tokens"] >= len(prompt) // page * page - page
+    assert out.output_ids == ref_tokens
+    assert_pages_free(engine)
+
+
 _live_engines: list = []
 
 

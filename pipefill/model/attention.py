@@ -311,12 +311,10 @@ def resolve_kv_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
 
 
 def _unfit(backend: str, dtype, kv_dtype, head_dim: int, page_size: int, device,
-           flags, windowed: bool = False) -> str | None:
+           flags) -> str | None:
     """Why `backend` cannot serve this stage, or None."""
     if device.type != "cpu":
         return f"device is {device.type}"
-    if windowed:
-        return "the model has sliding-window layers and the kernel attends to the whole prefix"
     if backend in ("amx", "avx512bf16"):
         if dtype != torch.bfloat16:
             return f"dtype is {dtype}, the kernel is bfloat16-only"
@@ -347,16 +345,22 @@ def choose_backend(requested: str, dtype: torch.dtype, head_dim: int, page_size:
                    windowed: bool = False) -> tuple[str, str]:
     """-> (backend, why). auto: the first of KERNEL_BACKENDS that fits the dtypes, the shapes and
     the CPU (flags: the CPU flags to trust, default all), else sdpa with every reason. A named
-    kernel that does not fit is a ValueError with the reason."""
+    kernel that does not fit is a ValueError with the reason. windowed: the model has
+    sliding-window layers, which only sdpa bounds."""
     kv_dtype = dtype if kv_dtype is None else kv_dtype
     if requested == "sdpa":
         return "sdpa", "requested"
     if requested != "auto" and requested not in KERNEL_BACKENDS:
         raise ValueError(f"--attention-backend {requested!r}: choose auto, "
                          f"{', '.join(KERNEL_BACKENDS)} or sdpa")
+    if windowed:  # only sdpa bounds a sliding window (ARCHITECTURE.md, 'Model families')
+        why = "the model has sliding-window layers and the kernels attend to the whole prefix"
+        if requested != "auto":
+            raise ValueError(f"--attention-backend {requested} is not available: {why}")
+        return "sdpa", why
     reasons = []
     for backend in (KERNEL_BACKENDS if requested == "auto" else (requested,)):
-        why = _unfit(backend, dtype, kv_dtype, head_dim, page_size, device, flags, windowed)
+        why = _unfit(backend, dtype, kv_dtype, head_dim, page_size, device, flags)
         if why is None:
             return backend, "requested" if requested != "auto" else _STRENGTH[backend]
         if requested != "auto":

@@ -10,11 +10,12 @@ import random
 
 import pytest
 import torch
+from safetensors import safe_open
 
-from conftest import assert_pages_free, hf_reference, track
+from conftest import assert_matches_hf, assert_prefix_hit_matches, hf_reference, track
 from pipefill import Engine
 from pipefill.model.attention import choose_backend
-from pipefill.model.loader import WeightSource
+from pipefill.model.loader import LANGUAGE_MODEL_PREFIXES, WeightSource, tensor_names
 
 PAGE = 16
 _rng = random.Random(5)
@@ -74,35 +75,25 @@ def gemma_models(tmp_path_factory):
 
 
 def check(engine, ref, chunk=None):
-    ref_lp, ref_tokens = ref
-    out = engine.generate([PROMPT], max_new_tokens=16, return_prompt_logprobs=True,
-                          ignore_eos=True)[0]
-    assert out.output_ids == ref_tokens
-    lp = torch.tensor(out.prompt_logprobs)
-    assert (lp - ref_lp).abs().max().item() < 1e-4
-    if chunk:
-        assert out.metrics["chunk_sizes"] == [min(chunk, len(PROMPT) - s)
-                                              for s in range(0, len(PROMPT), chunk)]
-    return out
+    return assert_matches_hf(engine, PROMPT, ref, chunk)
 
 
-@pytest.mark.parametrize("kind,chunk", [("irregular", PAGE), ("irregular", 37),
-                                        ("pattern", 256)])
+@pytest.mark.parametrize("kind,chunk", [
+    pytest.param("irregular", PAGE, marks=pytest.mark.slow), ("irregular", 37),
+    pytest.param("pattern", 256, marks=pytest.mark.slow)])
 def test_one_stage_matches_hf(kind, chunk, gemma_models):
     path, ref = gemma_models[kind]
     with track(Engine(path, dtype="float32", page_size=PAGE, chunked_prefill_size=chunk,
                       threads_per_stage=1)) as engine:
         check(engine, ref, chunk)
-        # Again without prompt logprobs: the prompt's pages come from the prefix cache, and a
-        # window layer reads the cached keys of its window only.
-        out = engine.generate([PROMPT], max_new_tokens=16, ignore_eos=True)[0]
-        assert out.metrics["cached_tokens"] >= len(PROMPT) // PAGE * PAGE - PAGE
-        assert out.output_ids == ref[1]
-        assert_pages_free(engine)
+        # Again from the prefix cache: a window layer reads the cached keys of its window.
+        assert_prefix_hit_matches(engine, PROMPT, ref[1], PAGE)
 
 
 @pytest.mark.parametrize("kind,pp,partition,dynamic", [
-    ("irregular", 3, "2,1,2", False), ("pattern", 2, "3,1", True)])
+    # Stage-local layer indices would put the wrong layers in windows here (global ones
+    # in the middle of a stage's slice).
+    ("irregular", 3, "2,1,2", False), ("pattern", 2, "1,3", True)])
 def test_pipeline_matches_hf(kind, pp, partition, dynamic, gemma_models):
     path, ref = gemma_models[kind]
     kw = {"enable_dynamic_chunking": True} if dynamic else {}
@@ -112,6 +103,7 @@ def test_pipeline_matches_hf(kind, pp, partition, dynamic, gemma_models):
         check(engine, ref, None if dynamic else 32)
 
 
+@pytest.mark.slow
 def test_multimodal_checkpoint_runs_its_language_model(tmp_path):
     path = save_multimodal(tmp_path)
     ref = hf_reference(path, PROMPT, 16)
@@ -127,8 +119,26 @@ def test_config_reads_the_layer_kinds_and_ropes(gemma_models):
     assert cfg.rope_scaling == {"rope_type": "linear", "factor": 2.0}
     assert (cfg.rope_theta, cfg.local_rope_theta) == (10_000.0, 100.0)
     assert cfg.query_pre_attn_scalar == 40 and cfg.final_logit_softcapping == 30.0
-    cfg = WeightSource(gemma_models["pattern"][0]).config
+    source = WeightSource(gemma_models["pattern"][0])
+    cfg = source.config
     assert cfg.sliding_layers == (True, True, False, True)
+    with safe_open(f"{gemma_models['pattern'][0]}/model.safetensors", framework="pt") as st:
+        stored = set(st.keys())
+    assert set(tensor_names(cfg, range(cfg.num_layers), True, True)) == stored
+
+
+def test_multimodal_checkpoint_is_read_as_its_language_model(tmp_path):
+    path = save_multimodal(tmp_path)
+    source = WeightSource(path)
+    cfg = source.config
+    assert cfg.sliding_layers == (True, True, False, True) and cfg.tie_word_embeddings
+    for name in tensor_names(cfg, range(cfg.num_layers), True, True):
+        assert source.has(name), name
+    with safe_open(f"{path}/model.safetensors", framework="pt") as st:
+        key = next(k for k in st.keys() if k.endswith("layers.2.mlp.down_proj.weight"))
+        assert key.startswith(LANGUAGE_MODEL_PREFIXES), key
+        stored = st.get_tensor(key)
+    assert torch.equal(source.load("model.layers.2.mlp.down_proj.weight"), stored)
 
 
 def test_attention_kernels_step_aside_for_windows():

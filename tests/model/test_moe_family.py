@@ -9,7 +9,7 @@ import random
 import pytest
 import torch
 
-from conftest import assert_pages_free, hf_reference, track
+from conftest import assert_matches_hf, assert_prefix_hit_matches, hf_reference, track
 from pipefill import Engine
 from pipefill.model.families import family_for_hf_config
 
@@ -61,16 +61,7 @@ def moe_models(tmp_path_factory):
 def check(engine, ref, chunk=None, prompt=PROMPT):
     """The engine's 16 greedy tokens and prompt logprobs against HF's (ref); chunk: every
     chunk that size."""
-    ref_lp, ref_tokens = ref
-    out = engine.generate([prompt], max_new_tokens=16, return_prompt_logprobs=True,
-                          ignore_eos=True)[0]
-    assert out.output_ids == ref_tokens
-    lp = torch.tensor(out.prompt_logprobs)
-    assert (lp - ref_lp).abs().max().item() < 1e-4
-    if chunk:
-        assert out.metrics["chunk_sizes"] == [min(chunk, len(prompt) - s)
-                                              for s in range(0, len(prompt), chunk)]
-    return out
+    return assert_matches_hf(engine, prompt, ref, chunk)
 
 
 @pytest.mark.parametrize("kind", MOE)
@@ -80,12 +71,7 @@ def test_one_stage_matches_hf(kind, chunk, moe_models):
     with track(Engine(path, dtype="float32", page_size=PAGE, chunked_prefill_size=chunk,
                       threads_per_stage=1)) as engine:
         check(engine, ref, chunk)
-        # Again without prompt logprobs (those come from computed logits only): the prompt's
-        # pages now come from the prefix cache, and the tokens are the same.
-        out = engine.generate([PROMPT], max_new_tokens=16, ignore_eos=True)[0]
-        assert out.metrics["cached_tokens"] >= len(PROMPT) // PAGE * PAGE - PAGE
-        assert out.output_ids == ref[1]
-        assert_pages_free(engine)
+        assert_prefix_hit_matches(engine, PROMPT, ref[1], PAGE)
 
 
 @pytest.mark.parametrize("kind,pp,partition", [

@@ -37,7 +37,8 @@ def test_gemma3_270m_gguf_matches_hf(tmp_path):
         ids = engine.tokenizer.encode(PROMPT)
         ours = engine.generate([ids], max_new_tokens=16, ignore_eos=True)[0].output_ids
         chat = engine.tokenizer.encode_chat([{"role": "user", "content": "Hi"}])
-        assert engine.tokenizer.decode(chat, skip_special_tokens=False).endswith("model\n")
+        assert engine.tokenizer.decode(chat, skip_special_tokens=False).endswith(
+            "<start_of_turn>model")
     from transformers import AutoModelForCausalLM
     hf = AutoModelForCausalLM.from_pretrained(os.path.dirname(path), dtype=torch.float32,
                                               gguf_file=os.path.basename(path)).eval()

@@ -171,14 +171,14 @@ class Gemma3Family(ModelFamily):
         return GemmaLayerWeights(
             layer=layer,
             input_norm=norm(p + "input_layernorm.weight"),
-            qkv=read.mat(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
+            qkv=read.linear(a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"),
             q_norm=norm(a + "q_norm.weight"),
             k_norm=norm(a + "k_norm.weight"),
-            o_proj=read.mat(a + "o_proj.weight"),
+            o_proj=read.linear(a + "o_proj.weight"),
             post_attn_norm=norm(p + "post_attention_layernorm.weight"),
             pre_mlp_norm=norm(p + "pre_feedforward_layernorm.weight"),
-            gate_up=read.mat(m + "gate_proj.weight", m + "up_proj.weight"),
-            down=read.mat(m + "down_proj.weight"),
+            gate_up=read.linear(m + "gate_proj.weight", m + "up_proj.weight"),
+            down=read.linear(m + "down_proj.weight"),
             post_mlp_norm=norm(p + "post_feedforward_layernorm.weight"),
         )
 

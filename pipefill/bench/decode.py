@@ -27,6 +27,10 @@ Bytes per step = weights streamed (packed copies, or the torch matrices; the emb
 gather and is not counted) + the KV cache read (batch x context x bytes per token). The memory
 floor is those bytes over the copy bandwidth measured in this run (`copy_` of a 512 MiB buffer,
 read + write bytes per second). The engine loop around a step (scheduler, pipes) is not timed.
+A mixture-of-experts model's step reads, besides attention, KV and head, each sparse layer's
+router and shared expert and only the distinct routed experts its rows chose: those are
+counted from the routing each timed step took (the mean over steps), and the row adds the
+routers' own time (GEMM, softmax, top-k: torch ops) as a share of the step.
 """
 from __future__ import annotations
 
@@ -135,16 +139,36 @@ def _build(args, source):
 
 
 def weight_bytes(model, packed: bool) -> int:
+    """Bytes of the weights every step reads: each layer's dense matrices (a sparse layer's
+    router and shared expert, not its routed experts: routed_bytes counts those) and the head."""
     total = 0
     for layer in model.w.layers:
         if packed and layer.packed:
             total += sum(p.nbytes for p in layer.packed.values())
         else:
-            total += sum(getattr(layer, n).nbytes for n in ("qkv", "o_proj", "gate_up", "down"))
+            total += sum(getattr(layer, n).nbytes for n in ("qkv", "o_proj", "gate_up", "down")
+                         if getattr(layer, n) is not None)
+        if getattr(layer, "moe", None) is not None:
+            total += layer.moe.fixed_bytes_read()
     if model.w.lm_head is not None:
         head = model.w.lm_head_packed
         total += head.nbytes if packed and head is not None else model.w.lm_head.nbytes
     return total
+
+
+def routed_bytes(model) -> int:
+    """Bytes of the routed experts the last step read: in each sparse layer, every distinct
+    expert its rows chose, once (the routing the step actually took)."""
+    return sum(layer.moe.expert_bytes_read(layer.moe.last_ids) for layer in model.w.layers
+               if getattr(layer, "moe", None) is not None and layer.moe.last_ids is not None)
+
+
+def _moe_copies(block) -> list[tuple[object, str]]:
+    """(holder, attribute) of every decode copy of a sparse block."""
+    holders = [(block, "router_packed")] + [(m, "packed") for m in block.experts.linears]
+    if block.shared is not None:
+        holders += [(block.shared, "packed")]
+    return holders
 
 
 class _TorchLinears:
@@ -154,14 +178,22 @@ class _TorchLinears:
         self.model = model
 
     def __enter__(self):
-        self.saved = [layer.packed for layer in self.model.w.layers], self.model.w.lm_head_packed
-        for layer in self.model.w.layers:
+        layers = self.model.w.layers
+        self.saved = [layer.packed for layer in layers], self.model.w.lm_head_packed
+        self.saved_moe = [(holder, name, getattr(holder, name)) for layer in layers
+                          if getattr(layer, "moe", None) is not None
+                          for holder, name in _moe_copies(layer.moe)]
+        for layer in layers:
             layer.packed = None
+        for holder, name, value in self.saved_moe:
+            setattr(holder, name, {} if isinstance(value, dict) else None)
         self.model.w.lm_head_packed = None
 
     def __exit__(self, *exc):
         for layer, packed in zip(self.model.w.layers, self.saved[0]):
             layer.packed = packed
+        for holder, name, value in self.saved_moe:
+            setattr(holder, name, value)
         self.model.w.lm_head_packed = self.saved[1]
 
 
@@ -173,24 +205,31 @@ def bench_cases(executor, cases: list[tuple[int, int]], pages_per_seq: int, step
     cache, model = executor.cache, executor.model
     cache.k.fill_(0.01)  # real memory behind every page the steps read (any cache layout)
     cache.v.fill_(0.01)
-    times = {case: {"ours": [], "torch": [], "general": []} for case in cases}
+    times = {case: {"ours": [], "torch": [], "general": [], "routed_bytes": []}
+             for case in cases}
     for case in cases:
         _steps_ms(executor, *case, pages_per_seq, 2)  # warm-up (buffers of this batch size)
     for _ in range(reps):
         for case in cases:
             t = times[case]
-            t["ours"] += _steps_ms(executor, *case, pages_per_seq, steps)
+            t["ours"] += _steps_ms(executor, *case, pages_per_seq, steps, t["routed_bytes"])
             with _TorchLinears(model):
                 t["torch"] += _steps_ms(executor, *case, pages_per_seq, steps)
             model.fast_decode = False  # the general layer code (before the lean decode path)
             t["general"] += _steps_ms(executor, *case, pages_per_seq, steps)
             model.fast_decode = True
-    return [_row(model, cache, *case, times[case], bw) for case in cases]
+    rows = [_row(model, cache, *case, times[case], bw) for case in cases]
+    if any(getattr(layer, "moe", None) is not None for layer in model.w.layers):
+        for row in rows:
+            row["router_ms"] = router_ms(model, row["batch"], reps * steps)
+    return rows
 
 
-def _steps_ms(executor, batch: int, context: int, pages_per_seq: int, n_steps: int) -> list[float]:
+def _steps_ms(executor, batch: int, context: int, pages_per_seq: int, n_steps: int,
+              routed: list | None = None) -> list[float]:
     """Milliseconds of each of n_steps greedy decode steps of `batch` sequences at `context`
-    cached tokens (forward + LM head + sampling, as on a last stage)."""
+    cached tokens (forward + LM head + sampling, as on a last stage); each step's routed
+    expert bytes (routed_bytes) appended to `routed` where given."""
     tables = [list(range(i * pages_per_seq, (i + 1) * pages_per_seq)) for i in range(batch)]
     times = []
     for s in range(n_steps):
@@ -202,20 +241,42 @@ def _steps_ms(executor, batch: int, context: int, pages_per_seq: int, n_steps: i
         acts, _ = executor.forward(plan, None)
         executor.results(plan, acts)
         times.append(1e3 * (time.perf_counter() - t0))
+        if routed is not None:
+            routed.append(routed_bytes(executor.model))
     return times
+
+
+def router_ms(model, batch: int, reps: int) -> float:
+    """Median ms of every sparse layer's router of one step (its GEMM, softmax, top-k and
+    renormalisation, as model/moe.py runs them) on `batch` random rows."""
+    from pipefill.model.layers import linear
+    from pipefill.model.moe import choose
+    blocks = [layer.moe for layer in model.w.layers if getattr(layer, "moe", None) is not None]
+    x = torch.randn(batch, model.cfg.hidden_size).to(model.dtype)
+    times = []
+    with torch.inference_mode():
+        for _ in range(reps):
+            t0 = time.perf_counter()
+            for b in blocks:
+                logits = linear(x, b.router, None, b.router_packed)
+                choose(logits[:, :b.spec.num_experts], b.spec, model.dtype)
+            times.append(1e3 * (time.perf_counter() - t0))
+    return statistics.median(times)
 
 
 def _row(model, cache, batch: int, context: int, times: dict, bw: float) -> dict:
     cfg = model.cfg
     kv = batch * context * KVCache.bytes_per_token(model.num_layers, cfg.num_kv_heads,
                                                    cfg.head_dim, cache.k.dtype)
-    wbytes = weight_bytes(model, packed=True)
+    # The routed experts a step read, from the routing the timed steps took (0: dense).
+    routed = statistics.mean(times["routed_bytes"]) if times["routed_bytes"] else 0.0
+    wbytes = weight_bytes(model, packed=True) + routed
     ms = statistics.median(times["ours"])
     return {"batch": batch, "context": context, "ms": ms,
             "torch_ms": statistics.median(times["torch"]),
             "general_ms": statistics.median(times["general"]),
             "tok_per_s_per_request": 1e3 / ms, "tok_per_s": batch * 1e3 / ms,
-            "weight_bytes": wbytes, "kv_bytes": kv, "gb_per_s": (wbytes + kv) / ms / 1e6,
+            "weight_bytes": wbytes, "routed_expert_bytes": routed, "kv_bytes": kv, "gb_per_s": (wbytes + kv) / ms / 1e6,
             "floor_ms": 1e3 * (wbytes + kv) / bw}
 
 
@@ -284,6 +345,10 @@ def print_row(row: dict) -> None:
             f"({row['floor_ms']:.2f} ms){_x_batch_1(row)}  torch linear {row['torch_ms']:7.2f} ms "
             f"({row['torch_ms'] / row['ms']:4.2f}x)  general path {row['general_ms']:7.2f} ms "
             f"({row['general_ms'] / row['ms']:4.2f}x)")
+    if "router_ms" in row:  # a mixture-of-experts model: what the floor's experts are
+        line += (f"  routed experts {row['routed_expert_bytes'] / 1e6:.0f} MB/step (distinct "
+                 f"experts touched)  router {row['router_ms']:.3f} ms "
+                 f"({100 * row['router_ms'] / row['ms']:.1f}% of the step)")
     if "hf_ms" in row:
         line += (f"  |  Engine.generate {row['engine_ms']:7.2f} ms/step "
                  f"[{_spread(row['engine_ms_all'])}]  HF generate {row['hf_ms']:7.2f} ms/step "

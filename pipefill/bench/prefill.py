@@ -184,7 +184,7 @@ def run(ns: argparse.Namespace) -> int:
                 if args.chunked_prefill_size == "auto":  # the C0 auto chose in the timed run
                     args = args.replace(chunked_prefill_size=row["chunk_sizes"][0])
                 row["split"] = prefill_time_split(args, source, prompts[row["len"]])
-                print_split(row)
+                print_split(row, peak)
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump({"args": args.flags(), "matmul_peak_flops": peak,
@@ -379,10 +379,17 @@ def print_row(row: dict) -> None:
     print(f"len {row['len']:>6} {row['config']:>7}  {format_report(row['memory'])}", flush=True)
 
 
-def print_split(row: dict) -> None:
+def print_split(row: dict, peak: float) -> None:
     s = row["split"]
     w = s["wall_s"]
     print(f"len {row['len']:>6} {row['config']:>7}  time split: linear {s['linear_s']:.2f} s "
           f"({100 * s['linear_s'] / w:.0f}%), attention {s['attention_s']:.2f} s "
           f"({100 * s['attention_s'] / w:.0f}%), other {s['other_s']:.2f} s "
           f"({100 * s['other_s'] / w:.0f}%) of {w:.2f} s", flush=True)
+    if "experts_s" in s:  # a mixture-of-experts model: the routed experts on their own
+        t = s["experts_s"]
+        flops = s["expert_flops"] / t if t > 0 else 0.0
+        s["experts_flops_per_s"], s["experts_of_peak"] = flops, flops / peak
+        print(f"len {row['len']:>6} {row['config']:>7}  routed experts {t:.2f} s "
+              f"({100 * t / w:.0f}% of the stage's time) at {flops / 1e12:.3f} TF/s = "
+              f"{100 * flops / peak:.0f}% of the matmul peak", flush=True)

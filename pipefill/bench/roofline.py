@@ -14,15 +14,35 @@ def prefill_flops(cfg: ModelConfig, num_tokens: int, prefix_len: int = 0) -> dic
     (QK^T and PV, 2 FLOPs per multiply-add) of tokens [prefix_len, prefix_len + num_tokens).
     This is the whole model's work, as HF does it; pipefill's last layer skips the attention
     and MLP of rows no logit reads (StageModel.trims), so its TF/s count that work as done."""
-    h, q, kv, inter = cfg.hidden_size, cfg.q_size, cfg.kv_size, cfg.intermediate_size
-    per_token = 2 * (h * (q + 2 * kv) + q * h + 3 * h * inter)
-    linear = cfg.num_layers * per_token * num_tokens + 2 * h * cfg.vocab_size
+    h, q, kv = cfg.hidden_size, cfg.q_size, cfg.kv_size
+    per_token = sum(2 * (h * (q + 2 * kv) + q * h + mlp_weights(cfg, i))
+                    for i in range(cfg.num_layers))
+    linear = per_token * num_tokens + 2 * h * cfg.vocab_size
     # Query i (absolute position p) sees p + 1 keys.
     end = prefix_len + num_tokens
     keys_seen = (end * (end + 1) - prefix_len * (prefix_len + 1)) / 2
     attention = cfg.num_layers * 4 * cfg.num_heads * cfg.head_dim * keys_seen
     return {"linear": float(linear), "attention": float(attention),
-            "total": float(linear + attention)}
+            "total": float(linear + attention),
+            "experts": float(expert_flops(cfg, num_tokens * sum(map(cfg.is_sparse,
+                                                                     range(cfg.num_layers)))))}
+
+
+def mlp_weights(cfg: ModelConfig, layer: int) -> int:
+    """Weights one token multiplies by in a layer's MLP: the dense SwiGLU, or a sparse layer's
+    router, its top-k routed experts and the shared expert."""
+    h, moe = cfg.hidden_size, cfg.moe
+    if not cfg.is_sparse(layer):
+        return 3 * h * cfg.intermediate_size
+    return h * (moe.num_experts + 3 * moe.top_k * moe.expert_width + 3 * moe.shared_width)
+
+
+def expert_flops(cfg: ModelConfig, token_layers: int) -> int:
+    """FLOPs of the routed experts (gate, up and down of each of top-k) over `token_layers`
+    (token, sparse layer) pairs: 0 for a dense model."""
+    if cfg.moe is None:
+        return 0
+    return 2 * 3 * cfg.hidden_size * cfg.moe.expert_width * cfg.moe.top_k * token_layers
 
 
 def matmul_peak_flops(dtype: torch.dtype, seconds: float = 2.0) -> float:

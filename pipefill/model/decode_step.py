@@ -16,6 +16,11 @@ streaming the weights. Here the same kernels run in the same order on the same i
   (`PackedLinear.bind`: checked once, then one C call with prebuilt arguments);
 * the attention's profiler range is opened only while a profiler records.
 
+A mixture-of-experts layer runs its sparse block (model/moe.py) on buf.x in place of the dense
+MLP: its experts' GEMMs are the packed decode copies too, each chosen expert read once for all
+rows of the step. Per-head q/k norms (Qwen3-MoE) are applied in place in the qkv buffer before
+the rotation, for the families that ask for them (`supports(model, qk_norm=True)`).
+
 Tensors that leave the stage (the residual stream, the last layer's output) are fresh each step:
 a pipeline send of step s may still read them while step s + 1 runs.
 """
@@ -25,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipefill.model.layers import FusedOps
+from pipefill.model.layers import FusedOps, rms_norm
 
 
 @dataclass
@@ -52,11 +57,13 @@ class LayerCalls:
     packed: dict  # the layer's packed copies (the bench swaps them out to time torch)
     qkv: object  # kernels.decode_gemm.BoundLinear: buf.x -> buf.qkv
     o_proj: object  # buf.attn2d -> buf.o
-    gate_up: object  # buf.x -> buf.gate_up
-    down: object  # BoundLinear buf.act -> buf.down; the stage's last layer: the PackedLinear
-    # itself (its output leaves the stage, so it is a fresh tensor every step)
+    gate_up: object | None  # buf.x -> buf.gate_up; None in a sparse layer
+    down: object | None  # BoundLinear buf.act -> buf.down; the stage's last layer: the
+    # PackedLinear itself (its output leaves the stage, so it is a fresh tensor every step)
     post_norm: tuple  # pf_add_rms_norm's arguments after the residual's pointer and stride
     next_norm: tuple | None  # the next layer's input norm over buf.down; None: the last layer
+    moe: object | None = None  # model.moe.MoEBlock of a sparse layer: buf.x -> its MLP output
+    qk_norm: tuple | None = None  # (q_norm, k_norm) weights of per-head norms, or None
 
 
 def _buffers(cfg, dtype: torch.dtype, code: int, rows: int) -> DecodeBuffers:
@@ -91,11 +98,11 @@ class DecodeRunner:
         self._layer_caches = (None, None, [])  # (k_cache, v_cache, per-layer (k, v) views)
 
     @staticmethod
-    def supports(model) -> bool:
-        """The model's parts this path needs: fused ops, a vector attention kernel, no per-head
-        q/k norms (Qwen3 keeps the general path)."""
+    def supports(model, qk_norm: bool = False) -> bool:
+        """The model's parts this path needs: fused ops, a vector attention kernel, and no
+        per-head q/k norms unless qk_norm (dense Qwen3 keeps the general path)."""
         return (isinstance(model.ops, FusedOps) and hasattr(model.attention, "isa")
-                and all(w.q_norm is None for w in model.w.layers))
+                and (qk_norm or all(w.q_norm is None for w in model.w.layers)))
 
     def fits(self, hidden: torch.Tensor, meta) -> bool:
         """A decode step whose linear layers all run the packed GEMM (the bench switches the
@@ -143,10 +150,15 @@ class DecodeRunner:
         """One layer from its normed input (buf.x) to `out`; the residual is updated in place."""
         lib = self.lib
         calls.qkv()
+        if calls.qk_norm is not None:
+            self._qk_norm(buf, *calls.qk_norm)
         self._check(lib.pf_rope(*rope), "rope")  # q and k heads (adjacent columns) in one pass
         self._attend(buf, tables, cache)
         calls.o_proj()
         self._check(lib.pf_add_rms_norm(*res, *calls.post_norm), "add_rms_norm")
+        if calls.moe is not None:
+            out.copy_(calls.moe(buf.x))
+            return
         calls.gate_up()
         self._check(lib.pf_silu_mul(*buf.silu), "silu_mul")
         if calls.next_norm is None:
@@ -166,12 +178,23 @@ class DecodeRunner:
         for i, w in enumerate(layers):
             nxt = norm(buf.down, layers[i + 1].input_norm) if i + 1 < len(layers) else None
             p = w.packed
-            down = p["down"] if nxt is None else p["down"].bind(buf.act, buf.down)
+            moe = getattr(w, "moe", None)
+            gate_up = down = None
+            if moe is None:
+                gate_up = p["gate_up"].bind(buf.x, buf.gate_up)
+                down = p["down"] if nxt is None else p["down"].bind(buf.act, buf.down)
             calls.append(LayerCalls(p, p["qkv"].bind(buf.x, buf.qkv),
-                                    p["o_proj"].bind(buf.attn2d, buf.o),
-                                    p["gate_up"].bind(buf.x, buf.gate_up), down,
-                                    norm(buf.o, w.post_norm), nxt))
+                                    p["o_proj"].bind(buf.attn2d, buf.o), gate_up, down,
+                                    norm(buf.o, w.post_norm), nxt, moe,
+                                    None if w.q_norm is None else (w.q_norm, w.k_norm)))
         return calls
+
+    def _qk_norm(self, buf: DecodeBuffers, q_norm, k_norm) -> None:
+        """Per-head RMSNorm of q and k, in place in buf.qkv (the general path's values)."""
+        cfg, dtype = self.model.cfg, self.model.dtype
+        q, k, _ = buf.qkv_heads
+        q.copy_(rms_norm(q, q_norm, cfg.rms_norm_eps, dtype))
+        k.copy_(rms_norm(k, k_norm, cfg.rms_norm_eps, dtype))
 
     @staticmethod
     def _check(rc: int, op: str) -> None:

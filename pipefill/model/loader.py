@@ -15,7 +15,7 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from pipefill.kernels.gguf_blocks import supports, type_name
-from pipefill.kernels.prefill_gemm import OneDnnLinear
+from pipefill.kernels.prefill_gemm import ROW_GRAIN, OneDnnLinear
 from pipefill.kernels.quant_gemm import QuantLinear
 from pipefill.model.config import ModelConfig
 from pipefill.model.families import family_for_gguf, family_for_hf_config, family_of
@@ -370,6 +370,8 @@ def pack_stage_weights(weights: StageWeights, family: ModelFamily, dtype: torch.
                   for name, bias in _present(layer, family)}
         layer.packed = {**(layer.packed or {}), **packed}
         total += sum(p.nbytes for p in packed.values())
+        if getattr(layer, "moe", None) is not None:  # a sparse layer's router and experts
+            total += layer.moe.pack_decode(pack)
     if weights.lm_head is not None and weights.lm_head_packed is None:
         weights.lm_head_packed = pack(weights.lm_head)
         total += weights.lm_head_packed.nbytes
@@ -391,7 +393,18 @@ def reorder_prefill_weights(weights: StageWeights, family: ModelFamily, rows_hin
             setattr(layer, name, None)
         layer.prefill = {**(layer.prefill or {}), **prefill}
         total += sum(p.nbytes for p in prefill.values())
+        moe = getattr(layer, "moe", None)
+        if moe is not None:  # every expert's matrices, one by one
+            hint = expert_rows_hint(rows_hint, moe)
+            total += moe.reorder_prefill(lambda w, h=hint: OneDnnLinear.reorder(w, None, h))
     return total
+
+
+def expert_rows_hint(chunk_rows: int, block) -> int:
+    """The rows an expert gets from a chunk on average (chunk x top-k / experts), the
+    layout's row hint for its matrices (at least one grain)."""
+    spec = block.spec
+    return max(ROW_GRAIN, chunk_rows * spec.top_k // spec.num_experts)
 
 
 def _present(layer, family: ModelFamily):

@@ -99,3 +99,63 @@ def test_route_weights_and_bad_top_k():
     assert ids.shape == (5, 3) and torch.allclose(w.sum(-1), torch.ones(5))
     with pytest.raises(ValueError, match="top-k must be between 1"):
         RouterSpec(4, 5, True)
+
+
+def _decode_isas(dtype: torch.dtype) -> list[str]:
+    from pipefill.kernels import decode_gemm
+    return [isa for isa in decode_gemm.ISAS if decode_gemm.choose_isa(
+        dtype, dtype, tuple(i for i in decode_gemm.ISAS if i != isa))[0] == isa]
+
+
+def _packed(ours: MoEBlock, isa: str, dtype: torch.dtype, max_rows: int) -> MoEBlock:
+    """ours with decode copies on one ISA path (rows <= max_rows) and, where oneDNN runs,
+    prefill copies in its layout (the plain matrices dropped), as the loader makes them."""
+    from pipefill.kernels import decode_gemm
+    from pipefill.kernels.prefill_gemm import OneDnnLinear, onednn_status
+    disable = tuple(i for i in decode_gemm.ISAS if i != isa)
+    ours.pack_decode(lambda w: decode_gemm.pack(w, None, dtype, max_rows=max_rows,
+                                                disable=disable))
+    assert ours.experts.linears[0].packed[0].isa == isa and ours.router_packed is not None
+    if onednn_status()[0]:
+        ours.reorder_prefill(lambda w: OneDnnLinear.reorder(w, None, 64))
+        assert ours.experts.gate_up is None and ours.experts.linears[0].plain is None
+    return ours
+
+
+@pytest.mark.parametrize("isa", _decode_isas(torch.float32))
+@pytest.mark.parametrize("kind,experts,top_k,normalize",
+                         [("qwen2_moe", 5, 2, False), ("qwen3_moe", 7, 3, True)])
+@pytest.mark.parametrize("tokens", [1, 6, 67])
+def test_packed_experts_equal_transformers(isa, kind, experts, top_k, normalize, tokens):
+    """Experts with at most 4 rows on the packed decode GEMM, the others on the prefill GEMM
+    (oneDNN's layout), the shared expert and its gate (stacked under the router) too."""
+    block = hf_block(kind, experts, top_k, normalize)
+    randomize(block, seed=experts * 10 + top_k)
+    ours = _packed(ours_from(block, kind, experts, top_k, normalize), isa, torch.float32, 4)
+    x = torch.randn(1, tokens, H, generator=torch.Generator().manual_seed(tokens))
+    with torch.no_grad():
+        want = block(x)
+        want = want[0] if isinstance(want, tuple) else want
+        got = ours(x)
+    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("isa", _decode_isas(torch.float32))
+def test_a_decode_row_alone_equals_it_in_a_batch_sharing_experts(isa):
+    """8 rows on the packed GEMM, some sharing experts and some not, each expert read once:
+    every row's output has the same bits as that row alone (and a tie goes to the lower id,
+    as torch.topk and HF break it, alone and in the batch)."""
+    block = hf_block("qwen3_moe", 6, 2)
+    randomize(block, seed=3)
+    with torch.no_grad():
+        block.gate.weight[4] = block.gate.weight[2]  # experts 2 and 4 always tie
+    ours = _packed(ours_from(block, "qwen3_moe", 6, 2, True), isa, torch.float32, 8)
+    x = torch.randn(8, H, generator=torch.Generator().manual_seed(9))
+    with torch.no_grad():
+        batch = ours(x)
+        ids = ours.last_ids
+        assert torch.unique(ids).numel() < ids.numel()  # some experts serve several rows
+        assert not ((ids == 4).any(-1) & ~(ids == 2).any(-1)).any()  # 4 only beside 2
+        for i in range(8):
+            assert torch.equal(ours(x[i:i + 1])[0], batch[i])
+            assert torch.equal(ours.last_ids[0], ids[i])

@@ -20,6 +20,7 @@ from dataclasses import replace
 import torch
 
 from pipefill.model.config import ModelConfig, MoEConfig
+from pipefill.model.decode_step import DecodeRunner
 from pipefill.model.family import WeightReader
 from pipefill.model.families.llama import GGUF_LAYER_NAMES, LlamaFamily
 from pipefill.model.gguf_file import gguf_layer_name
@@ -142,7 +143,9 @@ class MoEFamily(LlamaFamily):
         return self.gguf_name(hf_name), None
 
     def decode_runner(self, model):
-        return None  # the lean decode path is the dense Llama layer's
+        """The lean decode path, its MLP the sparse block in sparse layers, with the per-head
+        q/k norms of Qwen3-MoE (model/decode_step.py)."""
+        return DecodeRunner(model) if DecodeRunner.supports(model, qk_norm=True) else None
 
 
 def moe_config(d: dict, model_type: str) -> MoEConfig:

@@ -255,13 +255,13 @@ def router_ms(model, batch: int, reps: int) -> float:
     x = torch.randn(batch, model.cfg.hidden_size).to(model.dtype)
     times = []
     with torch.inference_mode():
-        for _ in range(reps):
+        for _ in range(reps + 1):
             t0 = time.perf_counter()
             for b in blocks:
                 logits = linear(x, b.router, None, b.router_packed)
                 choose(logits[:, :b.spec.num_experts], b.spec, model.dtype)
             times.append(1e3 * (time.perf_counter() - t0))
-    return statistics.median(times)
+    return statistics.median(times[1:])  # the first: warm-up
 
 
 def _row(model, cache, batch: int, context: int, times: dict, bw: float) -> dict:

@@ -49,11 +49,10 @@ def stage_weight_bytes(cfg: ModelConfig, num_layers: int, first: bool, last: boo
                        dtype: torch.dtype) -> int:
     """Bytes of one stage's weights as the loader keeps them: matrices (and biases) in the
     compute dtype, norms in float32, a tied LM head shared with the embedding on one stage."""
-    matrices = (cfg.q_size + 2 * cfg.kv_size) * cfg.hidden_size + cfg.hidden_size * cfg.q_size \
-        + 3 * cfg.intermediate_size * cfg.hidden_size
+    matrices = layer_matrix_params(cfg, num_layers)
     biases = (cfg.q_size + 2 * cfg.kv_size) if cfg.attention_bias else 0
     norms = 2 * cfg.hidden_size + (2 * cfg.head_dim if cfg.qk_norm else 0)
-    total = num_layers * ((matrices + biases) * dtype.itemsize + norms * 4)
+    total = matrices * dtype.itemsize + num_layers * (biases * dtype.itemsize + norms * 4)
     embed = cfg.vocab_size * cfg.hidden_size * dtype.itemsize
     if first:
         total += embed
@@ -65,10 +64,24 @@ def stage_weight_bytes(cfg: ModelConfig, num_layers: int, first: bool, last: boo
 def stage_packed_bytes(cfg: ModelConfig, num_layers: int, last: bool,
                        weight_dtype: torch.dtype) -> int:
     """Bytes of the decode GEMM's packed copies (every linear layer, and the LM head)."""
-    matrices = (cfg.q_size + 2 * cfg.kv_size) * cfg.hidden_size + cfg.hidden_size * cfg.q_size \
-        + 3 * cfg.intermediate_size * cfg.hidden_size
     head = cfg.vocab_size * cfg.hidden_size if last else 0
-    return (num_layers * matrices + head) * weight_dtype.itemsize
+    return (layer_matrix_params(cfg, num_layers) + head) * weight_dtype.itemsize
+
+
+def layer_matrix_params(cfg: ModelConfig, num_layers: int) -> int:
+    """Matrix elements of num_layers layers: attention, and the dense MLP or (a sparse layer of
+    a mixture-of-experts model) the router, every expert and the shared expert. The sparse
+    share is the model's own, so a stage of any layers gets the model's average."""
+    h = cfg.hidden_size
+    attention = (cfg.q_size + 2 * cfg.kv_size) * h + h * cfg.q_size
+    dense = 3 * cfg.intermediate_size * h
+    if cfg.moe is None:
+        return num_layers * (attention + dense)
+    moe = cfg.moe
+    sparse = h * (moe.num_experts + bool(moe.shared_width) + 3 * moe.num_experts * moe.expert_width
+                  + 3 * moe.shared_width)
+    share = sum(moe.sparse_layers) / len(moe.sparse_layers)
+    return round(num_layers * (attention + share * sparse + (1 - share) * dense))
 
 
 def packs_decode_weights(layout: Layout, kernels: Kernels) -> bool:

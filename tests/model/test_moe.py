@@ -60,9 +60,16 @@ CASES = [("qwen3_moe", 5, 2, True), ("qwen3_moe", 7, 3, False), ("qwen3_moe", 6,
 @pytest.mark.parametrize("kind,experts,top_k,normalize", CASES)
 @pytest.mark.parametrize("tokens", [1, 4, 67])
 def test_equals_transformers(kind, experts, top_k, normalize, tokens):
+    check_against_transformers(kind, experts, top_k, normalize, tokens)
+
+
+def check_against_transformers(kind, experts, top_k, normalize, tokens, prepare=None):
+    """ours (after prepare(ours), where given) on `tokens` random rows equals HF's block."""
     block = hf_block(kind, experts, top_k, normalize)
     randomize(block, seed=experts * 10 + top_k)
     ours = ours_from(block, kind, experts, top_k, normalize)
+    if prepare is not None:
+        ours = prepare(ours)
     x = torch.randn(1, tokens, H, generator=torch.Generator().manual_seed(tokens))
     with torch.no_grad():
         want = block(x)
@@ -129,15 +136,8 @@ def _packed(ours: MoEBlock, isa: str, dtype: torch.dtype, max_rows: int) -> MoEB
 def test_packed_experts_equal_transformers(isa, kind, experts, top_k, normalize, tokens):
     """Experts with at most 4 rows on the packed decode GEMM, the others on the prefill GEMM
     (oneDNN's layout), the shared expert and its gate (stacked under the router) too."""
-    block = hf_block(kind, experts, top_k, normalize)
-    randomize(block, seed=experts * 10 + top_k)
-    ours = _packed(ours_from(block, kind, experts, top_k, normalize), isa, torch.float32, 4)
-    x = torch.randn(1, tokens, H, generator=torch.Generator().manual_seed(tokens))
-    with torch.no_grad():
-        want = block(x)
-        want = want[0] if isinstance(want, tuple) else want
-        got = ours(x)
-    torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+    check_against_transformers(kind, experts, top_k, normalize, tokens,
+                               lambda ours: _packed(ours, isa, torch.float32, 4))
 
 
 @pytest.mark.parametrize("isa", _decode_isas(torch.float32))

@@ -17,6 +17,7 @@ from pipefill import Engine
 from pipefill.kernels import decode_gemm
 from test_decode import NEW, PROMPTS, assert_agrees, hf_greedy
 from test_decode_step import _decode, _lean_path_runs, _lean_steps, _stage, PAGE
+from test_moe_family import save_moe
 
 pytestmark = pytest.mark.skipif(not _lean_path_runs(),
                                 reason="no decode GEMM, fused ops or vector attention here")
@@ -32,24 +33,9 @@ MOE = {
 }
 
 
-def save(kind: str, path) -> str:
-    import transformers
-    from transformers import AutoModelForCausalLM
-    cls, kw = MOE[kind]
-    torch.manual_seed(2)
-    model = AutoModelForCausalLM.from_config(getattr(transformers, cls)(**SHAPE, **kw),
-                                             dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name
-                    else 0.1 * torch.randn_like(p))
-    model.save_pretrained(str(path))
-    return str(path)
-
-
 @pytest.fixture(scope="module")
 def models(tmp_path_factory) -> dict[str, str]:
-    return {k: save(k, tmp_path_factory.mktemp(k)) for k in MOE}
+    return {k: save_moe(k, tmp_path_factory.mktemp(k), MOE, SHAPE, seed=2) for k in MOE}
 
 
 @pytest.mark.parametrize("kind,dtype", [("qwen3_moe", "float32"), ("mixtral", "float32"),

@@ -35,12 +35,12 @@ MOE = {
 }
 
 
-def save_moe(kind: str, path, **overrides) -> str:
+def save_moe(kind: str, path, configs=MOE, common=COMMON, seed: int = 1, **overrides) -> str:
     import transformers
     from transformers import AutoModelForCausalLM
-    cls, kw = MOE[kind]
-    torch.manual_seed(1)
-    config = getattr(transformers, cls)(**{**COMMON, **kw, **overrides})
+    cls, kw = configs[kind]
+    torch.manual_seed(seed)
+    config = getattr(transformers, cls)(**{**common, **kw, **overrides})
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():

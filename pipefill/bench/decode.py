@@ -35,6 +35,7 @@ routers' own time (GEMM, softmax, top-k: torch ops) as a share of the step.
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import logging
 import statistics
@@ -118,6 +119,7 @@ def run(ns: argparse.Namespace) -> int:
             row["x_batch_1"] = row["ms"] / single[row["context"]]
     if hf is not None:
         del executor  # the engine's stage process holds its own copy of the weights
+        gc.collect()  # the model and its decode runner refer to each other: free them now
         with Engine(**engine_args.flags()) as engine:
             for row in rows:
                 if row["batch"] * row["context"] <= ns.hf_max_tokens:

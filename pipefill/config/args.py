@@ -127,7 +127,7 @@ class ServerArgs:
         "its own chunks plus a share of the others' rather than for a longer one ahead of it; "
         "priority = the request's `priority` field, larger first (a running chunk finishes, "
         "the paused prompt resumes later). Tokens are the same under every policy.",
-        default="fcfs", choices=["fcfs", "fair", "priority"])
+        default="fair", choices=["fcfs", "fair", "priority"])
     max_total_tokens: int | None = _flag(
         "KV-cache capacity in tokens per stage. Default: 4 x max_model_len (at least 65,536); "
         "memory is touched only as pages are used.", default=None)

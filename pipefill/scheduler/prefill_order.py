@@ -1,9 +1,9 @@
 """Which prompts in prefill get the next chunks (`--schedule-policy`).
 
 A step's token budget goes first to decode tokens (running requests keep streaming whatever the
-policy), then to prefill chunks in the order a policy gives, then to waiting prompts the policy
-lets start. Every policy lets a whole short prompt (one chunk) start beside the prompts in
-prefill; they differ on prompts longer than a chunk:
+policy), then to one chunk of a prompt longer than a chunk (the first in the order a policy
+gives that can take one), then to whole short prompts (one chunk each), which every policy lets
+start beside it. The policies differ on which long prompt takes the step's chunk:
 
 - `fcfs`: one long prompt at a time, in arrival order: it gets every chunk until its first
   token, and a second long prompt waits for it.

@@ -191,10 +191,16 @@ class Scheduler:
 
     def schedule(self) -> StepPlan | None:
         """Decode tokens first (running requests keep streaming behind long prefills), then
-        chunks of the prompts in prefill in the order the schedule policy gives (fcfs: the
-        one long prompt in progress, so prompts finish one after the other instead of all
+        one chunk of a prompt longer than a chunk, the first in the schedule policy's order
+        (fcfs: the one in progress, so prompts finish one after the other instead of all
         late), then waiting prompts: whole short ones that fit always, which may pass long
-        ones waiting, and long ones when the policy lets them start beside those in prefill."""
+        ones waiting, and a long one when no long chunk is in the step yet and the policy
+        lets it start beside those in prefill.
+
+        One long chunk per step, however large the budget: a step's time is what a prompt
+        arriving during it waits, and what each prompt taking turns waits per turn; two long
+        chunks in one step would double both and make every long prompt finish late
+        (ARCHITECTURE.md, 'The chunking room', the schedule policy)."""
         first_chunk = self.chunk_policy.next_chunk(0)
         budget = max(self.cfg.max_prefill_tokens, first_chunk)  # a first chunk always fits
         seqs: list[SeqWork] = []
@@ -206,6 +212,7 @@ class Scheduler:
         partial = [r for r in self.running.values()
                    if r.in_prefill and not r.done and not self.role.waits_for_kv(r)]
         pages_short = False  # a waiting prompt did not fit: later ones wait too (arrival order)
+        long_chunk_taken = False  # one chunk of a prompt longer than a chunk per step
         for r in self.order.prefill_order(partial, list(self.waiting)):
             if budget <= 0:
                 break
@@ -213,15 +220,17 @@ class Scheduler:
             # short to fit, it would change that prompt's sequence of chunk sizes.
             shared = len(seqs) > num_decodes
             if r.rid in self.running:
-                if self._ready(r) and not (shared and self._chunk_tokens(r) > budget):
+                if not long_chunk_taken and self._ready(r) and \
+                        not (shared and self._chunk_tokens(r) > budget):
                     seqs.append(self._prefill_chunk(r, budget))
                     budget -= seqs[-1].num_tokens
+                    long_chunk_taken = True
                 continue
             if pages_short:
                 continue
             uncached = r.num_tokens - self.kv.cached_prefix_tokens(self._match_tokens(r))
             whole = uncached <= min(budget, first_chunk)
-            if not whole and not self.order.may_start_long(r, partial):
+            if not whole and (long_chunk_taken or not self.order.may_start_long(r, partial)):
                 continue  # a long prompt waits for its turn; short ones go past it
             if not whole and shared and budget < first_chunk:
                 continue
@@ -234,6 +243,7 @@ class Scheduler:
             budget -= seqs[-1].num_tokens
             if r.in_prefill:
                 partial.append(r)
+                long_chunk_taken = True
         if not seqs and not self.kv.has_new_fetches:
             return None
         # A plan without sequences still goes when it carries storage fetches: their result

@@ -68,13 +68,13 @@ def test_long_short_against_pipefill_serve(tiny_models, tmp_path):
     assert r.returncode == 0, r.stdout + r.stderr
     lines = r.stdout.splitlines()
     for case in ("long 600", "short 64", "short 160"):
-        for policy in ("alone", "fcfs*", "fair", "priority"):
+        for policy in ("alone", "fcfs", "fair*", "priority"):
             assert any(line.startswith(case) and line.split()[2] == policy for line in lines), \
                 (case, policy, r.stdout)
     assert sum(line.startswith(("PASS ", "FAIL ")) for line in lines) == 9
-    assert "PASS fcfs (default): " in r.stdout or "FAIL fcfs (default): " in r.stdout
+    assert "PASS fair (default): " in r.stdout or "FAIL fair (default): " in r.stdout
     run = json.loads(out.read_text())
-    assert run["default_policy"] == "fcfs" and run["cpu"]
+    assert run["default_policy"] == "fair" and run["cpu"]
     assert len(run["runs"]) == 3 + 3 * 3 and all(m["ttft_s"] > 0 for m in run["runs"])
     assert len(run["table"]) == 3 * 4 and len(run["bars"]) == 9
     assert "--max-model-len" in run["serve_flags"] and "664" in run["serve_flags"]

@@ -55,11 +55,23 @@ def test_fair_interleaves_the_long_prompts():
     assert done == {"A", "B"}
 
 
-def test_fair_shares_a_larger_budget_in_one_step():
-    steps, _, _ = run(make("fair", budget=2 * CHUNK),
+def test_fair_takes_one_long_chunk_per_step_whatever_the_budget():
+    steps, _, _ = run(make("fair", budget=4 * CHUNK),
                       {0: [("A", 8 * CHUNK, 0)], 1: [("B", 4 * CHUNK, 0)]})
-    # One chunk per prompt per step: B (never served) first, then A with the rest.
-    assert steps[:4] == ["A", "BA", "BA", "BA"]
+    # Room for both, yet the long prompts take turns: B (never served) first, then A.
+    assert steps[:5] == ["A", "B", "A", "B", "A"]
+
+
+def test_priority_takes_one_long_chunk_per_step_whatever_the_budget():
+    steps, _, _ = run(make("priority", budget=4 * CHUNK), {0: [("A", 8 * CHUNK, 0)],
+                                                           2: [("B", 4 * CHUNK, 5)]})
+    assert steps[:7] == ["A", "A", "B", "B", "B", "B", "A"]
+
+
+def test_short_prompts_join_the_step_of_a_long_chunk():
+    steps, _, _ = run(make("fair", budget=4 * CHUNK),
+                      {0: [("A", 8 * CHUNK, 0)], 1: [("s", CHUNK // 2, 0), ("t", CHUNK, 0)]})
+    assert sorted(steps[1]) == ["A", "s", "t"]
 
 
 def test_priority_runs_the_higher_prompt_then_resumes():

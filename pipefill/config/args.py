@@ -123,8 +123,9 @@ class ServerArgs:
     schedule_policy: str = _flag(
         "Which prompts in prefill take the next chunks (decode tokens always go first, and a "
         "prompt that fits in one chunk always starts at once): fcfs = one long prompt at a "
-        "time, in arrival order; fair = long prompts take chunks in turn, so a prompt waits for "
-        "its own chunks plus a share of the others' rather than for a longer one ahead of it; "
+        "time, in arrival order; fair (default) = the prompt given the fewest tokens so far "
+        "first, equals in turn, so a prompt waits for its own chunks plus a share of the "
+        "others' rather than for a longer one ahead of it; "
         "priority = the request's `priority` field, larger first (a running chunk finishes, "
         "the paused prompt resumes later). Tokens are the same under every policy.",
         default="fair", choices=["fcfs", "fair", "priority"])

@@ -7,9 +7,12 @@ start beside it. The policies differ on which long prompt takes the step's chunk
 
 - `fcfs`: one long prompt at a time, in arrival order: it gets every chunk until its first
   token, and a second long prompt waits for it.
-- `fair`: long prompts start as pages allow and take chunks in turn (the one served least
-  recently first), so a prompt's first token waits for its own chunks plus a share of the
-  others', not for the whole of a longer prompt that came before it.
+- `fair`: long prompts start as pages allow and share the chunks by the tokens each has been
+  given: the one given fewest goes first, equals take turns. A prompt arriving behind a long
+  one runs until it has had as many tokens as that one (a medium prompt usually finishes
+  first), then they alternate; so a prompt's first token waits for its own chunks plus a
+  share of the others', never for the whole of a longer prompt that came before it, and
+  every prompt finishes (each newcomer goes ahead only until it has caught up).
 - `priority`: a request's `priority` field (larger goes first; ties in arrival order); a prompt
   of higher priority than every prompt in prefill starts at once and takes the chunks, a chunk
   already launched finishes, and the paused prompt resumes where it stopped.
@@ -49,8 +52,8 @@ class PrefillOrder:
         prefill (pages permitting)."""
         return not partial
 
-    def served(self, r: Prefilling) -> None:
-        """r took a chunk."""
+    def served(self, r: Prefilling, tokens: int) -> None:
+        """r took a chunk of `tokens` prompt tokens."""
 
     def forget(self, rid: str) -> None:
         """rid left the scheduler."""
@@ -62,21 +65,26 @@ class FairOrder(PrefillOrder):
     def __init__(self):
         self._turn = 0
         self._last: dict[str, int] = {}  # rid -> turn of its last chunk
+        self._tokens: dict[str, int] = {}  # rid -> prompt tokens it has been given so far
 
     def prefill_order(self, partial, waiting):
-        # Never served first (a new prompt takes its first chunk at once), then the least
-        # recently served; a stable sort keeps admission and arrival order in a tie.
-        return sorted([*partial, *waiting], key=lambda r: self._last.get(r.rid, -1))
+        # The prompt given the fewest tokens so far first (a new prompt at once, and a
+        # medium one until it has had as many as the long one ahead of it), then the least
+        # recently served: equals take turns. A stable sort keeps arrival order in a tie.
+        return sorted([*partial, *waiting],
+                      key=lambda r: (self._tokens.get(r.rid, 0), self._last.get(r.rid, -1)))
 
     def may_start_long(self, r, partial):
         return True
 
-    def served(self, r):
+    def served(self, r, tokens):
         self._turn += 1
         self._last[r.rid] = self._turn
+        self._tokens[r.rid] = self._tokens.get(r.rid, 0) + tokens
 
     def forget(self, rid):
         self._last.pop(rid, None)
+        self._tokens.pop(rid, None)
 
 
 class PriorityOrder(PrefillOrder):

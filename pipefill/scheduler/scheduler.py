@@ -261,7 +261,7 @@ class Scheduler:
 
     def _prefill_chunk(self, r: Request, budget: int) -> SeqWork:
         end = r.num_scheduled + min(self._chunk_tokens(r), budget)
-        self.order.served(r)
+        self.order.served(r, end - r.num_scheduled)
         return self._work(r, end)
 
     def _work(self, r: Request, end: int) -> SeqWork:

@@ -55,6 +55,14 @@ def test_fair_interleaves_the_long_prompts():
     assert done == {"A", "B"}
 
 
+def test_fair_lets_a_medium_prompt_catch_up_before_taking_turns():
+    steps, _, done = run(make("fair"), {0: [("A", 8 * CHUNK, 0)], 4: [("B", 6 * CHUNK, 0)]})
+    # B arrives when A has had 4 chunks: B takes the chunks until it has had as many, then
+    # they alternate, A first (served less recently).
+    assert steps == ["A"] * 4 + ["B"] * 4 + ["A", "B", "A", "B", "A", "A"]
+    assert done == {"A", "B"}
+
+
 def test_fair_takes_one_long_chunk_per_step_whatever_the_budget():
     steps, _, _ = run(make("fair", budget=4 * CHUNK),
                       {0: [("A", 8 * CHUNK, 0)], 1: [("B", 4 * CHUNK, 0)]})

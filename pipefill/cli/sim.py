@@ -69,9 +69,6 @@ def model_cost(ns) -> CostModel:
     family = family_for_hf_config(d)
     cfg = family.config_from_hf(d)
     params = family.layer_costs(cfg)
-    if len(set(params)) == 1:  # a dense family says "alike": count the weights themselves
-        params = [float(cfg.hidden_size * (2 * cfg.q_size + 2 * cfg.kv_size)
-                        + 3 * cfg.hidden_size * cfg.intermediate_size)] * cfg.num_layers
     counts = [len(r) for r in partition_layers(cfg.num_layers, ns.pp_size, costs=params)]
     if ns.tflops <= 0:
         raise ValueError("--tflops must be positive")

@@ -113,9 +113,13 @@ class ModelFamily(ABC):
         (StageModel.trims) after writing every row's K/V."""
 
     def layer_costs(self, cfg: ModelConfig) -> list[float]:
-        """Each layer's relative cost per token, to balance pipeline stages by (base/partition):
-        alike for every layer unless a family's layers differ."""
-        return [1.0] * cfg.num_layers
+        """The weights a token multiplies by in each layer (attention's projections and a
+        gated MLP): what stages are balanced by (base/partition) and what a prefill's ETA
+        weighs against attention (chunking/progress). Alike for every layer unless a family's
+        layers differ."""
+        h = cfg.hidden_size
+        per_layer = h * (2 * cfg.q_size + 2 * cfg.kv_size) + 3 * h * cfg.intermediate_size
+        return [float(per_layer)] * cfg.num_layers
 
     def decode_runner(self, model):
         """A lean decode path for `model` (a runner with fits(hidden, meta) and forward(...)

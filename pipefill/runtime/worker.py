@@ -9,6 +9,7 @@ import os
 import signal
 from dataclasses import dataclass
 
+from pipefill.chunking.progress import shape_coefficients
 from pipefill.config import DisaggMode, ServerArgs
 from pipefill.runtime.heartbeat import stage_heartbeat
 from pipefill.runtime.ipc import Addresses, StageChannel
@@ -185,5 +186,8 @@ def make_first_stage_loop(args, cfg, executor, channel, pipe, tracer, policy, ro
         eos_token_ids=cfg.eos_token_ids, seed=args.seed, vocab_size=cfg.vocab_size), pool,
         policy, cache, role,
         make_prefill_order(args.chunking.schedule_policy))
-    return FirstStageLoop(executor, scheduler, channel, pipe, args.layout.max_inflight, tracer,
+    loop = FirstStageLoop(executor, scheduler, channel, pipe, args.layout.max_inflight, tracer,
                           on_result=policy.observe, chunk_policy=policy, heartbeat=heartbeat)
+    if args.layer_costs:  # the family's weights per layer (config.resolve)
+        loop.progress.prior = shape_coefficients(args.layer_costs, 2 * cfg.q_size)
+    return loop

@@ -4,7 +4,8 @@ import pytest
 
 from pipefill.base.plan import NewRequest, SamplingParams
 from pipefill.chunking import ChunkPolicy
-from pipefill.chunking.progress import PrefillProgress, ProgressClock, eta_seconds
+from pipefill.chunking.progress import (PrefillProgress, ProgressClock, eta_seconds,
+                                        shape_coefficients)
 from pipefill.kv.pool import PagePool
 from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig
 
@@ -17,6 +18,20 @@ def test_eta_scales_time_by_the_cost_left():
     # A cached prefix is not time spent: 200 cached, 300 computed in 6 s, 500 left.
     assert eta_seconds(6.0, 200, 500, 1000) == pytest.approx(10.0)
     assert eta_seconds(0.0, 0, 0, 1000) is None
+
+
+def test_shapes_weigh_attention_against_weights():
+    # Two layers of 100 weights, width 10: F(L) = 20 L² + 400 L FLOPs.
+    assert shape_coefficients([100.0, 100.0], 10) == (20.0, 400.0)
+    # Without a fitted model the clock uses the shapes' F, not a line: 40 tokens (F(40) =
+    # 48,000 FLOPs) took 4 s; F(100) - F(40) = 192,000 FLOPs are left -> 16 s, not 6 s.
+    t = [0.0]
+    clock = ProgressClock(lambda: t[0], prior=(20.0, 400.0))
+    clock.report([("a", 0, 100)])
+    t[0] = 4.0
+    assert clock.report([("a", 40, 100)])[0].eta_s == pytest.approx(16.0)
+    # A fitted model wins over the shapes.
+    assert clock.report([("a", 40, 100)], (0.0, 1.0, 0.0))[0].eta_s == pytest.approx(6.0)
 
 
 def test_clock_ages_and_forgets():

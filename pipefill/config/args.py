@@ -309,8 +309,9 @@ class ServerArgs:
                            choices=["debug", "info", "warning", "error"])
     # Not a flag: the model's layer count, filled by resolve(); the layout's partition needs it.
     num_layers: int | None = field(default=None, metadata={"flag": False})
-    # Not a flag: each layer's relative cost (the model family's), filled by resolve() where
-    # layers differ; the default partition balances the stages' summed costs with it.
+    # Not a flag: the weights a token multiplies by in each layer (the model family's), filled
+    # by resolve(); where layers differ the default partition balances the stages' sums, and a
+    # prefill's ETA weighs them against attention.
     layer_costs: tuple[float, ...] | None = field(default=None, metadata={"flag": False})
 
     def __post_init__(self) -> None:
@@ -402,7 +403,7 @@ def make_server_args(model_path: str | None = None, **kwargs) -> ServerArgs:
 
 def resolve(args: ServerArgs, model_cfg, layer_costs=None) -> ServerArgs:
     """Fills the model-dependent values (dtype='auto', max_model_len, num_layers, the layers'
-    costs when they differ) once; the layout's partition is computed (and checked against the
+    costs) once; the layout's partition is computed (and checked against the
     model) as the result is built."""
     trained = model_cfg.max_position_embeddings
     max_len = args.max_model_len or trained

@@ -52,9 +52,10 @@ class ServerArgs:
         choices=["auto", "bfloat16", "float16", "float32"])
     weight_dtype: str = _flag(
         "Dtype of the weight matrices: auto (= --dtype: a GGUF file is dequantized at load), "
-        "gguf (a .gguf file's Q4_0/Q4_1/Q8_0 linear layers and LM head stay in their blocks: "
-        "decode dequantizes them in registers, prefill per call, so the stage holds the file's "
-        "bytes instead of a dequantized copy; other types stay dequantized, listed at start), "
+        "gguf (a .gguf file's Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K linear layers and LM head stay "
+        "in their blocks: decode dequantizes them in registers, prefill per call, so the stage "
+        "holds the file's bytes instead of a dequantized copy; other types stay dequantized, "
+        "listed at start), "
         "or bfloat16 under --dtype float32: weights rounded to bf16 and widened to float32 in "
         "registers by the decode kernels, half the bytes per decode step. The choice is logged "
         "at start.", default="auto",

@@ -14,7 +14,9 @@ from __future__ import annotations
 
 import fcntl
 import hashlib
+import logging
 import os
+import platform
 import subprocess
 import sys
 import threading
@@ -23,6 +25,8 @@ from pathlib import Path
 
 import torch
 import torch.utils.cpp_extension as cpp_ext
+
+log = logging.getLogger("pipefill.kernels")
 
 
 def build_dir(name: str) -> Path:
@@ -107,6 +111,7 @@ def glue_dir(out_dir: Path, sources: list[Path], objects: list[str]) -> Path:
 
 CSRC = Path(__file__).resolve().parent / "csrc"
 GLUE_HEADER = CSRC / "glue.h"  # included by every glue file
+GLUE_VECTOR_ISA = CSRC / "glue_vector_isa.h"  # glue of scalar / AVX2 / AVX-512 builds
 # -fopenmp: at::parallel_for then runs on torch's own OpenMP pool (same libgomp, by soname).
 GLUE_FLAGS = ["-O3", "-std=c++17", "-fopenmp"]
 
@@ -156,3 +161,65 @@ class LazyExtension:
             if self.module is None:
                 raise RuntimeError(f"{self.what} unavailable: {self._error}")
             return self.module
+
+
+def platform_problem() -> str | None:
+    """Why the C++ kernels cannot run here (they are Linux x86-64 code), or None."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+        return f"needs Linux x86-64, this is {platform.system()} {platform.machine()}"
+    return None
+
+
+def build_isa_extension(name: str, what: str, isa_flags: dict[str, list[str]],
+                        headers: tuple[Path, ...], glue_headers: tuple[Path, ...] = (),
+                        source: Path | None = None, isa_define: str | None = None):
+    """The module pipefill_<name>: glue csrc/<name>.cpp (including GLUE_HEADER and
+    glue_headers) linked with one object per ISA of isa_flags, compiled from
+    csrc/<name>_<isa>.cpp, or from `source` with -D<isa_define>=<isa> (one source built once
+    per ISA), each including `headers`. RuntimeError where it cannot be built here."""
+    problem = platform_problem()
+    if problem:
+        raise RuntimeError(problem)
+    require_ninja(what)
+    out = build_dir(name)
+    t0 = time.perf_counter()
+    objs = []
+    for isa, flags in isa_flags.items():
+        src = source or CSRC / f"{name}_{isa}.cpp"
+        defines = [f"-D{isa_define}={isa}"] if isa_define else []
+        objs.append(str(compile_object(src, headers, flags + defines, out, f"{name}_{isa}")))
+    module = link_glue(f"pipefill_{name}", CSRC / f"{name}.cpp", [GLUE_HEADER, *glue_headers],
+                       objs, out)
+    if time.perf_counter() - t0 > 1:
+        log.info("pipefill %s built in %.1f s (%s)", what, time.perf_counter() - t0, out)
+    return module
+
+
+class IsaExtension(LazyExtension):
+    """A LazyExtension whose kernels come in per-ISA builds; status() says which run here:
+    {isa: (usable, why not)}, from the module's `supported(code) -> (ok, why)` (cpuid and
+    XCR0), read once per process. status() never raises: a build that fails marks every ISA
+    unusable with the reason (the callers' torch paths run)."""
+
+    def __init__(self, what: str, build, isa_codes: dict[str, int], supported: str):
+        super().__init__(what, build)
+        self.isa_codes, self.supported = isa_codes, supported
+        self._status_lock = threading.Lock()
+        self._status: dict[str, tuple[bool, str]] | None = None
+
+    def status(self) -> dict[str, tuple[bool, str]]:
+        with self._status_lock:
+            if self._status is None:
+                self._status = self._check()
+            return self._status
+
+    def _check(self) -> dict[str, tuple[bool, str]]:
+        try:
+            module = self.load()
+        except RuntimeError as e:
+            return {isa: (False, str(e)) for isa in self.isa_codes}
+        status = {}
+        for isa, code in self.isa_codes.items():
+            ok, why = getattr(module, self.supported)(code)
+            status[isa] = (ok, "ok" if ok else "cpuid: " + why)
+        return status

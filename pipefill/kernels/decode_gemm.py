@@ -33,18 +33,11 @@ PackedLinear | None`` and ``PackedLinear(x) -> y``; ``PackedLinear.bind(x, out) 
 from __future__ import annotations
 
 import functools
-import logging
-import platform
-import threading
-import time
 from dataclasses import dataclass
 
 import torch
 
-from pipefill.kernels.build import (CSRC, GLUE_HEADER, build_dir, compile_object, link_glue,
-                                    require_ninja)
-
-log = logging.getLogger("pipefill.kernels")
+from pipefill.kernels.build import CSRC, IsaExtension, build_isa_extension
 
 BLOCK = 48  # output columns per packed group (kGroup in decode_gemm_kernel.h)
 ISAS = ("amx", "avx512bf16", "avx512", "avx2")  # preference order
@@ -62,50 +55,14 @@ _STORE512 = CSRC / "decode_gemm_store512.h"  # the AVX-512 and AMX paths' row st
 _F32, _BF16 = 0, 1
 _CODE = {torch.float32: _F32, torch.bfloat16: _BF16}
 
-_lock = threading.Lock()
-_lib = None
-_status: dict[str, tuple[bool, str]] | None = None
-
-
-def _build():
-    require_ninja("the decode GEMM")
-    out = build_dir("decode_gemm")
-    t0 = time.perf_counter()
-    objs = [str(compile_object(CSRC / f"decode_gemm_{isa}.cpp", (_HEADER, _STORE512), flags,
-                               out, f"decode_gemm_{isa}")) for isa, flags in ISA_FLAGS.items()]
-    module = link_glue("pipefill_decode_gemm", CSRC / "decode_gemm.cpp", [GLUE_HEADER, _HEADER],
-                       objs, out)
-    if time.perf_counter() - t0 > 1:
-        log.info("pipefill decode GEMM built in %.1f s (%s)", time.perf_counter() - t0, out)
-    return module
-
-
-def _check() -> dict[str, tuple[bool, str]]:
-    global _lib
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        why = f"needs Linux x86-64, this is {platform.system()} {platform.machine()}"
-        return {isa: (False, why) for isa in ISAS}
-    try:
-        lib = _build()
-    except Exception as e:  # noqa: BLE001 - no compiler, no ninja...: the torch path runs
-        why = f"decode GEMM extension unavailable: {type(e).__name__}: {e}"
-        return {isa: (False, why) for isa in ISAS}
-    status = {}
-    for isa in ISAS:
-        ok, why = lib.pf_dg_isa_supported(_ISA_CODE[isa])
-        status[isa] = (ok, "ok" if ok else "cpuid: " + why)
-    _lib = lib
-    return status
+_EXT = IsaExtension("the decode GEMM", functools.partial(
+    build_isa_extension, "decode_gemm", "the decode GEMM", ISA_FLAGS, (_HEADER, _STORE512),
+    (_HEADER,)), _ISA_CODE, "pf_dg_isa_supported")
 
 
 def isa_status() -> dict[str, tuple[bool, str]]:
     """{isa: (usable here, why not)}; builds (or loads the cached) extension once. Never raises."""
-    global _status
-    if _status is None:
-        with _lock:
-            if _status is None:
-                _status = _check()
-    return _status
+    return _EXT.status()
 
 
 # CPU flags (as /proc/cpuinfo names them) each path needs; --hide-cpu-flags turns paths off.
@@ -176,6 +133,21 @@ def pack_weight(weight: torch.Tensor, weight_dtype: torch.dtype,
     return packed
 
 
+def call_operands(x: torch.Tensor, out: torch.Tensor | None, in_features: int,
+                  out_features: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """A decode GEMM call's x [M, in_features] (float32 or bf16, made row-contiguous) and out
+    [M, out_features] (allocated in x's dtype when None); ValueError/TypeError for a bad x."""
+    if x.dim() != 2 or x.shape[1] != in_features:
+        raise ValueError(f"x: expected [M, {in_features}], got {list(x.shape)}")
+    if x.dtype not in _CODE:
+        raise TypeError(f"x: expected float32 or bfloat16, got {x.dtype}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    if out is None:
+        out = torch.empty(x.shape[0], out_features, dtype=x.dtype)
+    return x, out
+
+
 @dataclass
 class PackedLinear:
     """One packed weight matrix; calling it computes F.linear(x, W, bias) for x.shape[0] rows."""
@@ -195,15 +167,8 @@ class PackedLinear:
         return self.packed.numel() * self.packed.element_size()
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
-        if x.dim() != 2 or x.shape[1] != self.in_features:
-            raise ValueError(f"x: expected [M, {self.in_features}], got {list(x.shape)}")
-        if x.dtype not in _CODE:
-            raise TypeError(f"x: expected float32 or bfloat16, got {x.dtype}")
-        if x.stride(1) != 1:
-            x = x.contiguous()
-        if out is None:
-            out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
-        rc = _lib.pf_dg_gemm(*self._gemm_args(x, out))
+        x, out = call_operands(x, out, self.in_features, self.out_features)
+        rc = _EXT.module.pf_dg_gemm(*self._gemm_args(x, out))
         if rc:
             raise RuntimeError(f"pipefill decode GEMM ({self.isa}) failed (rc={rc}) for x "
                                f"{x.dtype} {list(x.shape)}")
@@ -225,7 +190,7 @@ class PackedLinear:
         used; it holds references to both, so they stay allocated as long as it exists.
         ValueError for a shape, dtype, layout or device the kernel cannot take."""
         _check_bind(self, x, out)
-        return BoundLinear(self, x, out, functools.partial(_lib.pf_dg_gemm,
+        return BoundLinear(self, x, out, functools.partial(_EXT.module.pf_dg_gemm,
                                                            *self._gemm_args(x, out)))
 
 

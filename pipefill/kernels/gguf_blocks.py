@@ -1,67 +1,131 @@
 """GGUF block formats that the quantized decode GEMM (kernels.quant_gemm) reads as they are in
 the file, and their dequantization in float64 (the tests' reference).
 
-A quantized matrix [N, K] in a GGUF file is N rows of K / 32 blocks; each block holds 32
-weights as small integers with a float16 scale (and offset). A nibble byte j of a 4-bit block
-holds element j (low nibble) and element j + 16 (high nibble):
+A quantized matrix [N, K] in a GGUF file is N rows of K / W blocks of W weights each, small
+integers with float16 scales (csrc/quant_gemm_kernel.h spells out every byte):
 
-| type | bytes | fields | weight |
+| type | W | bytes | weight |
 |---|---|---|---|
-| Q4_0 | 18 | d (f16), 16 nibble bytes q | (q - 8) d |
-| Q4_1 | 20 | d (f16), m (f16), 16 nibble bytes q | q d + m |
-| Q8_0 | 34 | d (f16), 32 int8 q | q d |
+| Q4_0 | 32 | 18 | (q - 8) d; 4-bit q |
+| Q4_1 | 32 | 20 | q d + m |
+| Q5_0 | 32 | 22 | (q - 16) d; 5-bit q (a plane of fifth bits beside the nibbles) |
+| Q8_0 | 32 | 34 | q d; int8 q |
+| Q4_K | 256 | 144 | (d sc) q - (dmin mn); eight sub-blocks of 32 with 6-bit sc, mn |
+| Q5_K | 256 | 176 | as Q4_K with 5-bit q |
+| Q6_K | 256 | 210 | (d sc) (q - 32); 6-bit q, an int8 sc per 16 weights |
 
-Other types (the K-quants, Q5_0, ...) are not read in blocks yet: their matrices stay
+Other types (Q2_K, Q3_K, the IQ types, ...) are not read in blocks: their matrices stay
 dequantized.
 """
 from __future__ import annotations
 
 import numpy as np
 
-BLOCK = 32  # weights per block
-# GGML type id -> (name, bytes per block)
-BLOCK_TYPES = {2: ("Q4_0", 18), 3: ("Q4_1", 20), 8: ("Q8_0", 34)}
+# GGML type id -> (name, weights per block, bytes per block)
+BLOCK_TYPES = {2: ("Q4_0", 32, 18), 3: ("Q4_1", 32, 20), 6: ("Q5_0", 32, 22),
+               8: ("Q8_0", 32, 34), 12: ("Q4_K", 256, 144), 13: ("Q5_K", 256, 176),
+               14: ("Q6_K", 256, 210)}
+QUANTIZABLE = ("Q4_0", "Q4_1", "Q8_0")  # the types quantize_reference writes
 
 
 def type_name(qtype: int) -> str:
     return BLOCK_TYPES[qtype][0] if qtype in BLOCK_TYPES else f"ggml type {qtype}"
 
 
+def block_weights(qtype: int) -> int:
+    return BLOCK_TYPES[qtype][1]
+
+
 def row_bytes(qtype: int, k: int) -> int:
-    """Bytes of one row of k weights (k a multiple of BLOCK)."""
-    return k // BLOCK * BLOCK_TYPES[qtype][1]
+    """Bytes of one row of k weights (k a multiple of the type's block)."""
+    _, weights, size = BLOCK_TYPES[qtype]
+    return k // weights * size
 
 
 def supports(qtype: int, k: int) -> bool:
     """Whether a [N, k] matrix of this type can stay in blocks (a known type, whole blocks)."""
-    return qtype in BLOCK_TYPES and k % BLOCK == 0 and k > 0
+    return qtype in BLOCK_TYPES and k > 0 and k % block_weights(qtype) == 0
+
+
+def _half(blocks: np.ndarray, at: int) -> np.ndarray:
+    """The float16 field at byte `at` of every block, widened exactly: [..., 1]."""
+    return blocks[..., at:at + 2].copy().view(np.float16).astype(np.float64)
+
+
+def _nibbles(b: np.ndarray) -> np.ndarray:
+    """[..., n] bytes -> [..., 2, n]: low nibbles, then high nibbles."""
+    return np.stack([b & 0xF, b >> 4], axis=-2)
+
+
+def _k_scales(s: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """Q4_K/Q5_K: 12 bytes [..., 12] -> the eight 6-bit (scale, min) pairs, [..., 8] each."""
+    lo, mid, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+    sc = np.concatenate([lo & 63, (hi & 0xF) | ((lo >> 6) << 4)], axis=-1)
+    mn = np.concatenate([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], axis=-1)
+    return sc.astype(np.float64), mn.astype(np.float64)
+
+
+def _codes_32(blocks: np.ndarray, name: str) -> np.ndarray:
+    """The 32-weight types' integer codes before their zero point: [n, nb, 32]."""
+    if name == "Q8_0":
+        return blocks[..., 2:].copy().view(np.int8).astype(np.int64)
+    start = {"Q4_0": 2, "Q4_1": 4, "Q5_0": 6}[name]
+    q = _nibbles(blocks[..., start:]).reshape(*blocks.shape[:-1], 32).astype(np.int64)
+    if name == "Q5_0":
+        fifth = np.unpackbits(blocks[..., 2:6], axis=-1, bitorder="little")
+        q |= fifth.astype(np.int64) << 4
+    return q
+
+
+def _dequantize_k(blocks: np.ndarray, name: str) -> np.ndarray:
+    """The K types' weights: [n, nb, 256] float64."""
+    if name == "Q6_K":
+        low = _nibbles(blocks[..., 0:128].reshape(*blocks.shape[:-1], 2, 64))  # [.., 2, 2, 64]
+        low = low.reshape(*blocks.shape[:-1], 2, 4, 32)  # half, group (ql lo/hi x nibble), 32
+        high = blocks[..., 128:192].reshape(*blocks.shape[:-1], 2, 1, 32)
+        high = (high >> np.array([0, 2, 4, 6]).reshape(4, 1)) & 3
+        q = (low.astype(np.int64) | (high.astype(np.int64) << 4)) - 32
+        sc = blocks[..., 192:208].copy().view(np.int8).astype(np.float64)  # one per 16
+        d = _half(blocks, 208) * sc
+        return (q.reshape(*blocks.shape[:-1], 16, 16) * d[..., None]).reshape(
+            *blocks.shape[:-1], 256)
+    sc, mn = _k_scales(blocks[..., 4:16])
+    start = 16 if name == "Q4_K" else 48
+    q = _nibbles(blocks[..., start:start + 128].reshape(*blocks.shape[:-1], 4, 32))
+    q = q.reshape(*blocks.shape[:-1], 8, 32).astype(np.int64)  # sub-block s = 2 chunk + nibble
+    if name == "Q5_K":
+        planes = np.unpackbits(blocks[..., 16:48, None], axis=-1, bitorder="little")  # [.., 32, 8]
+        q |= np.moveaxis(planes, -1, -2).astype(np.int64) << 4
+    w = q * (_half(blocks, 0) * sc)[..., None] - (_half(blocks, 2) * mn)[..., None]
+    return w.reshape(*blocks.shape[:-1], 256)
 
 
 def dequantize_reference(raw: np.ndarray, qtype: int) -> np.ndarray:
     """uint8 [N, row_bytes] blocks -> float64 [N, K], computed from the fields alone (float16
-    scales widened exactly; integer parts exact), so it is the exact value of every weight."""
-    name, size = BLOCK_TYPES[qtype]
+    scales widened exactly, integer parts exact; each product exact in float64), so it is the
+    value of every weight that ggml's float32 arithmetic rounds."""
+    name, weights, size = BLOCK_TYPES[qtype]
     n = raw.shape[0]
     blocks = np.ascontiguousarray(raw, dtype=np.uint8).reshape(n, -1, size)
-    d = blocks[..., 0:2].copy().view(np.float16).astype(np.float64)  # [N, nb, 1]
-    if name == "Q8_0":
-        q = blocks[..., 2:].copy().view(np.int8).astype(np.float64)
-        return (q * d).reshape(n, -1)
-    nibbles = blocks[..., 4:] if name == "Q4_1" else blocks[..., 2:]
-    q = np.concatenate([nibbles & 0xF, nibbles >> 4], axis=-1).astype(np.float64)
-    if name == "Q4_0":
-        return ((q - 8) * d).reshape(n, -1)
-    m = blocks[..., 2:4].copy().view(np.float16).astype(np.float64)
-    return (q * d + m).reshape(n, -1)
+    if weights == 256:
+        return _dequantize_k(blocks, name).reshape(n, -1)
+    q = _codes_32(blocks, name).astype(np.float64)
+    d = _half(blocks, 0)
+    if name == "Q4_1":
+        return (q * d + _half(blocks, 2)).reshape(n, -1)
+    zero = {"Q4_0": 8, "Q5_0": 16, "Q8_0": 0}[name]
+    return ((q - zero) * d).reshape(n, -1)
 
 
 def quantize_reference(w: np.ndarray, qtype: int) -> np.ndarray:
-    """float [N, K] -> uint8 [N, row_bytes] blocks of qtype (round to nearest, as ggml's
-    reference quantizers; for tests that need blocks of chosen shapes)."""
-    name, size = BLOCK_TYPES[qtype]
+    """float [N, K] -> uint8 [N, row_bytes] blocks of Q4_0, Q4_1 or Q8_0 (round to nearest, as
+    ggml's reference quantizers; for tests that need blocks of chosen shapes)."""
+    name, block, size = BLOCK_TYPES[qtype]
+    if name not in QUANTIZABLE:
+        raise ValueError(f"quantize_reference writes {', '.join(QUANTIZABLE)}, not {name}")
     n, k = w.shape
-    x = w.astype(np.float32).reshape(n, k // BLOCK, BLOCK)
-    out = np.zeros((n, k // BLOCK, size), dtype=np.uint8)
+    x = w.astype(np.float32).reshape(n, k // block, block)
+    out = np.zeros((n, k // block, size), dtype=np.uint8)
     if name == "Q4_1":
         lo, hi = x.min(-1, keepdims=True), x.max(-1, keepdims=True)
         d = ((hi - lo) / 15).astype(np.float16)
@@ -82,3 +146,25 @@ def quantize_reference(w: np.ndarray, qtype: int) -> np.ndarray:
         start = 4 if name == "Q4_1" else 2
         out[..., start:] = q[..., :16] | (q[..., 16:] << 4)
     return out.reshape(n, -1)
+
+
+def random_blocks(qtype: int, n: int, k: int, rng: np.random.Generator,
+                  std: float = 0.05) -> np.ndarray:
+    """uint8 [n, row_bytes] of random blocks of any type here: every code, scale and bit plane
+    random, the float16 scales sized so that the weights are about `std` (for tests of the
+    kernels and of the loader on types quantize_reference does not write)."""
+    name, weights, size = BLOCK_TYPES[qtype]
+    blocks = rng.integers(0, 256, (n, k // weights, size), dtype=np.uint8)
+    # Typical |code x scale| of each type: what one unit of d (and dmin) makes of a weight.
+    spread = {"Q4_0": 4, "Q4_1": 8, "Q5_0": 8, "Q8_0": 64, "Q4_K": 250, "Q5_K": 500,
+              "Q6_K": 1000}[name]
+    d = (rng.uniform(0.5, 1.5, (n, k // weights, 1)) * std / spread).astype(np.float16)
+    d_at = 208 if name == "Q6_K" else 0
+    blocks[..., d_at:d_at + 2] = d.view(np.uint8)
+    # The offset about centres the weights: Q4_1's m = -8 d, the K types' dmin x min near
+    # d x sc x the middle code.
+    centre = {"Q4_1": -8, "Q4_K": 7.5, "Q5_K": 15.5}.get(name)
+    if centre is not None:
+        m = rng.uniform(0.5, 1.5, (n, k // weights, 1)) * std / spread * centre
+        blocks[..., 2:4] = m.astype(np.float16).view(np.uint8)
+    return blocks.reshape(n, -1)

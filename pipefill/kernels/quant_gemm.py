@@ -1,12 +1,14 @@
-"""Linear layers whose weights stay GGUF blocks (kernels.gguf_blocks): the decode GEMM reads the
-blocks and dequantizes them in registers; prefill dequantizes the matrix per call into the
-compute dtype and runs torch's GEMM on it.
+"""Linear layers whose weights stay GGUF blocks (kernels.gguf_blocks: Q4_0, Q4_1, Q5_0, Q8_0,
+Q4_K, Q5_K, Q6_K): the decode GEMM reads the blocks and dequantizes them in registers; prefill
+dequantizes the matrix per call into the compute dtype and runs torch's GEMM on it.
 
-A decode step reads every weight once, so its time follows the bytes of the weights: a Q4_1
-matrix is 5 bits a weight against bf16's 16. Each call splits the output columns over torch's
-thread pool; a column's blocks are dequantized once per tile of rows (8 on AVX-512, 4 on AVX2)
-into float32 registers, with the bits of ggml's own dequantization, and multiplied by the
-float32 activations (bf16 activations are widened first), one float32 sum per output.
+A decode step reads every weight once, so its time follows the bytes of the weights: a Q4_K
+matrix is 4.5 bits a weight, Q4_1 5, Q6_K 6.6, against bf16's 16. Each call splits the output
+columns over torch's thread pool; a column's blocks are dequantized once per tile of rows (8 on
+AVX-512, 4 on AVX2), 32 weights at a time (a block of the 32-weight types, a sub-block of the
+256-weight K types, whose 6-bit scales are decoded once per block), into float32 registers with
+the bits of ggml's own dequantization, and multiplied by the float32 activations (bf16
+activations are widened first), one float32 sum per output.
 
 Paths, one C++ translation unit each, built with their own -m flags and chosen at run time from
 cpuid (``disable=`` forces paths off for tests, as --hide-cpu-flags does): ``avx512``,
@@ -26,22 +28,16 @@ then ``bound()`` is the GEMM calls with prebuilt arguments), ``lin.prefill(x)``,
 from __future__ import annotations
 
 import functools
-import logging
-import platform
-import threading
-import time
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pipefill.kernels.build import (CSRC, GLUE_HEADER, build_dir, compile_object, link_glue,
-                                    require_ninja)
+from pipefill.kernels.build import CSRC, GLUE_VECTOR_ISA, IsaExtension, build_isa_extension
+from pipefill.kernels.decode_gemm import call_operands
 from pipefill.kernels.gguf_blocks import BLOCK_TYPES, row_bytes, supports, type_name
 from pipefill.kernels.prefill_gemm import torch_linear
-
-log = logging.getLogger("pipefill.kernels")
 
 ISAS = ("avx512", "avx2", "scalar")  # preference order
 _ISA_CODE = {"scalar": 0, "avx2": 1, "avx512": 2}
@@ -50,52 +46,17 @@ ISA_FLAGS = {"scalar": _BASE,
              "avx2": _BASE + ["-mavx2", "-mfma"],
              "avx512": _BASE + ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl"]}
 _HEADER = CSRC / "quant_gemm_kernel.h"
+_SIMD = CSRC / "quant_gemm_simd.h"  # the AVX2 and AVX-512 paths' kernel
 _CODE = {torch.float32: 0, torch.bfloat16: 1}
 
-_lock = threading.Lock()
-_lib = None
-_status: dict[str, tuple[bool, str]] | None = None
-
-
-def _build():
-    require_ninja("the quantized decode GEMM")
-    out = build_dir("quant_gemm")
-    t0 = time.perf_counter()
-    objs = [str(compile_object(CSRC / f"quant_gemm_{isa}.cpp", _HEADER, flags, out,
-                               f"quant_gemm_{isa}")) for isa, flags in ISA_FLAGS.items()]
-    module = link_glue("pipefill_quant_gemm", CSRC / "quant_gemm.cpp", [GLUE_HEADER, _HEADER],
-                       objs, out)
-    if time.perf_counter() - t0 > 1:
-        log.info("pipefill quantized GEMM built in %.1f s (%s)", time.perf_counter() - t0, out)
-    return module
-
-
-def _check() -> dict[str, tuple[bool, str]]:
-    global _lib
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        why = f"needs Linux x86-64, this is {platform.system()} {platform.machine()}"
-        return {isa: (False, why) for isa in ISAS}
-    try:
-        lib = _build()
-    except Exception as e:  # noqa: BLE001 - no compiler, no ninja...: the torch path runs
-        why = f"quantized GEMM extension unavailable: {type(e).__name__}: {e}"
-        return {isa: (False, why) for isa in ISAS}
-    status = {}
-    for isa in ISAS:
-        ok, why = lib.pf_qg_isa_supported(_ISA_CODE[isa])
-        status[isa] = (ok, "ok" if ok else "cpuid: " + why)
-    _lib = lib
-    return status
+_EXT = IsaExtension("the quantized decode GEMM", functools.partial(
+    build_isa_extension, "quant_gemm", "the quantized decode GEMM", ISA_FLAGS,
+    (_HEADER, _SIMD), (GLUE_VECTOR_ISA, _HEADER)), _ISA_CODE, "pf_qg_isa_supported")
 
 
 def isa_status() -> dict[str, tuple[bool, str]]:
     """{isa: (usable here, why not)}; builds (or loads the cached) extension once. Never raises."""
-    global _status
-    if _status is None:
-        with _lock:
-            if _status is None:
-                _status = _check()
-    return _status
+    return _EXT.status()
 
 
 def choose_isa(disable: tuple[str, ...] = ()) -> tuple[str, str]:
@@ -170,14 +131,7 @@ class QuantLinear:
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Decode: x [M, K] float32 or bf16 -> out [M, N] (x's dtype unless out is given)."""
-        if x.dim() != 2 or x.shape[1] != self.in_features:
-            raise ValueError(f"x: expected [M, {self.in_features}], got {list(x.shape)}")
-        if x.dtype not in _CODE:
-            raise TypeError(f"x: expected float32 or bfloat16, got {x.dtype}")
-        if x.stride(1) != 1:
-            x = x.contiguous()
-        if out is None:
-            out = torch.empty(x.shape[0], self.out_features, dtype=x.dtype)
+        x, out = call_operands(x, out, self.in_features, self.out_features)
         if self.isa == "torch":
             return out.copy_(self.torch_decode(x))
         for call in self._gemm_calls(x, out):
@@ -201,7 +155,7 @@ class QuantLinear:
         for p in self.parts:
             bias = None if self.bias is None else self.bias[p.offset:].data_ptr()
             calls.append(functools.partial(
-                _lib.pf_qg_gemm, _ISA_CODE[self.isa], x.data_ptr(), _CODE[x.dtype], x.stride(0),
+                _EXT.module.pf_qg_gemm, _ISA_CODE[self.isa], x.data_ptr(), _CODE[x.dtype], x.stride(0),
                 p.raw.data_ptr(), p.qtype, p.raw.shape[1], bias,
                 out.data_ptr() + p.offset * out.element_size(), _CODE[out.dtype], out.stride(0),
                 x.shape[0], p.rows, self.in_features))
@@ -222,7 +176,7 @@ class QuantLinear:
             if self.isa == "torch" or dtype not in _CODE:
                 rows.copy_(torch.from_numpy(_gguf_dequantize(p.raw.numpy(), p.qtype)))
                 continue
-            rc = _lib.pf_qg_dequant(p.raw.data_ptr(), p.qtype, p.raw.shape[1], p.rows,
+            rc = _EXT.module.pf_qg_dequant(p.raw.data_ptr(), p.qtype, p.raw.shape[1], p.rows,
                                     self.in_features, rows.data_ptr(), _CODE[dtype],
                                     rows.stride(0))
             if rc:

@@ -13,14 +13,8 @@ API: ``extension()`` (the built module; RuntimeError with the reason when it can
 from __future__ import annotations
 
 import functools
-import logging
-import platform
-import time
 
-from pipefill.kernels.build import (CSRC, GLUE_HEADER, LazyExtension, build_dir, compile_object,
-                                    link_glue, require_ninja)
-
-log = logging.getLogger("pipefill.kernels")
+from pipefill.kernels.build import CSRC, GLUE_VECTOR_ISA, IsaExtension, build_isa_extension
 
 ISAS = ("avx512", "avx2", "scalar")  # preference order
 ISA_CODE = {"scalar": 0, "avx2": 1, "avx512": 2}
@@ -35,25 +29,10 @@ ISA_FLAGS = {"avx512": _BASE + ["-mavx512f", "-mavx512bw", "-mavx512vl",
 _HEADER = CSRC / "shm_comm_kernel.h"
 
 
-def _build():
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
-        raise RuntimeError(f"needs Linux x86-64, this is {platform.system()} "
-                           f"{platform.machine()}")
-    require_ninja("the shared-memory all-reduce")
-    out = build_dir("shm_comm")
-    t0 = time.perf_counter()
-    objs = [str(compile_object(CSRC / "shm_comm_reduce.cpp", _HEADER,
-                               flags + [f"-DPF_SHM_NS={isa}"], out, f"shm_comm_{isa}"))
-            for isa, flags in ISA_FLAGS.items()]
-    module = link_glue("pipefill_shm_comm", CSRC / "shm_comm.cpp", [GLUE_HEADER, _HEADER],
-                       objs, out)
-    if time.perf_counter() - t0 > 1:
-        log.info("pipefill shared-memory all-reduce built in %.1f s (%s)",
-                 time.perf_counter() - t0, out)
-    return module
-
-
-_EXTENSION = LazyExtension("the shared-memory all-reduce", _build)
+_EXTENSION = IsaExtension("the shared-memory all-reduce", functools.partial(
+    build_isa_extension, "shm_comm", "the shared-memory all-reduce", ISA_FLAGS, (_HEADER,),
+    (GLUE_VECTOR_ISA, _HEADER), source=CSRC / "shm_comm_reduce.cpp", isa_define="PF_SHM_NS"),
+    ISA_CODE, "isa_supported")
 
 
 def extension():
@@ -61,18 +40,9 @@ def extension():
     return _EXTENSION.load()
 
 
-@functools.cache
 def isa_status() -> dict[str, tuple[bool, str]]:
     """{isa: (usable here, why not)}; never raises."""
-    try:
-        lib = extension()
-    except RuntimeError as e:
-        return {isa: (False, str(e)) for isa in ISAS}
-    status = {}
-    for isa in ISAS:
-        ok, why = lib.isa_supported(ISA_CODE[isa])
-        status[isa] = (ok, "ok" if ok else "cpuid: " + why)
-    return status
+    return _EXTENSION.status()
 
 
 def choose_isa(hidden_flags: str | frozenset[str] = "",

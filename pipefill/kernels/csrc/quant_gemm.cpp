@@ -6,10 +6,9 @@
 // addresses and sizes (pipefill/kernels/quant_gemm.py checks them).
 #include "glue.h"
 
-#include <string>
-#include <tuple>
 #include <vector>
 
+#include "glue_vector_isa.h"
 #include "quant_gemm_kernel.h"
 
 namespace {
@@ -17,34 +16,15 @@ namespace {
 namespace pg = pipefill_glue;
 using namespace pipefill_quant;
 using pg::Addr;
+using pg::kAvx2;
+using pg::kAvx512;
 
-enum Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
 constexpr int kF32 = 0, kBF16 = 1;
-
-const char* isa_check(int isa) {
-  switch (isa) {
-    case kScalar: return nullptr;
-    case kAvx2: return pg::need_avx2_fma();
-    case kAvx512: return pg::need_avx512();
-    default: return "unknown ISA";
-  }
-}
-
-bool isa_ok(int isa) {
-  static const bool ok[3] = {isa_check(0) == nullptr, isa_check(1) == nullptr,
-                             isa_check(2) == nullptr};
-  return isa >= 0 && isa < 3 && ok[isa];
-}
-
-std::tuple<bool, std::string> pf_qg_isa_supported(int isa) {
-  const char* why = isa_check(isa);
-  return {why == nullptr, why ? why : "ok"};
-}
 
 // The arguments every entry point shares are sane: a known type, whole blocks, the row size.
 bool shape_ok(int qtype, int64_t row_bytes, int64_t K) {
-  const int bb = block_bytes(qtype);
-  return bb > 0 && K > 0 && K % kBlock == 0 && row_bytes == K / kBlock * bb;
+  const int bb = block_bytes(qtype), bw = block_weights(qtype);
+  return bb > 0 && K > 0 && K % bw == 0 && row_bytes == K / bw * bb;
 }
 
 // y[M, N] (row stride ldy, float32 or bf16) = x[M, K] (row stride ldx, float32 or bf16) @ W^T
@@ -53,7 +33,7 @@ bool shape_ok(int qtype, int64_t row_bytes, int64_t K) {
 int pf_qg_gemm(int isa, Addr x_addr, int x_dtype, int64_t ldx, Addr w_addr, int qtype,
                int64_t row_bytes, Addr bias_addr, Addr y_addr, int y_dtype, int64_t ldy,
                int64_t M, int64_t N, int64_t K) {
-  if (!isa_ok(isa)) return -2;
+  if (!pg::vector_isa_ok(isa)) return -2;
   if (M <= 0 || N <= 0) return 0;
   if (!shape_ok(qtype, row_bytes, K)) return -3;
   const uint8_t* w = w_addr.as<const uint8_t>();
@@ -95,6 +75,24 @@ int pf_qg_gemm(int isa, Addr x_addr, int x_dtype, int64_t ldx, Addr w_addr, int 
   });
 }
 
+// Rows [n0, n1) of pf_qg_dequant's output.
+template <int QT>
+void dequant_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t K, Addr out_addr,
+                  int out_dtype, int64_t ldo) {
+  using L = Layout<QT>;
+  float v[L::kWeights];
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t b = 0; b < K / L::kWeights; ++b) {
+      dequant_block<QT>(w + n * row_bytes + b * L::kBytes, v);
+      if (out_dtype == kF32) {
+        std::memcpy(out_addr.as<float>() + n * ldo + b * L::kWeights, v, sizeof v);
+      } else {
+        uint16_t* o = out_addr.as<uint16_t>() + n * ldo + b * L::kWeights;
+        for (int j = 0; j < L::kWeights; ++j) o[j] = pg::bf16_rne(v[j]);
+      }
+    }
+}
+
 // out[N, K] (row stride ldo, float32 or bf16 rounded to nearest even) = W dequantized, each
 // weight as dequant_block computes it (the decode paths' float32 values).
 int pf_qg_dequant(Addr w_addr, int qtype, int64_t row_bytes, int64_t N, int64_t K, Addr out_addr,
@@ -102,20 +100,10 @@ int pf_qg_dequant(Addr w_addr, int qtype, int64_t row_bytes, int64_t N, int64_t 
   if (N <= 0) return 0;
   if (!shape_ok(qtype, row_bytes, K)) return -3;
   const uint8_t* w = w_addr.as<const uint8_t>();
-  const int bb = block_bytes(qtype);
   return pg::guarded("pipefill dequantize", [&] {
     at::parallel_for(0, N, std::max<int64_t>(1, 65536 / row_bytes), [&](int64_t n0, int64_t n1) {
-      float v[kBlock];
-      for (int64_t n = n0; n < n1; ++n)
-        for (int64_t b = 0; b < K / kBlock; ++b) {
-          dequant_block(qtype, w + n * row_bytes + b * bb, v);
-          if (out_dtype == kF32) {
-            std::memcpy(out_addr.as<float>() + n * ldo + b * kBlock, v, sizeof v);
-          } else {
-            uint16_t* o = out_addr.as<uint16_t>() + n * ldo + b * kBlock;
-            for (int j = 0; j < kBlock; ++j) o[j] = pg::bf16_rne(v[j]);
-          }
-        }
+      with_type(qtype, [&](auto t) { dequant_rows<decltype(t)::value>(w, row_bytes, n0, n1, K, out_addr,
+                                                                      out_dtype, ldo); });
     });
   });
 }
@@ -124,7 +112,7 @@ int pf_qg_dequant(Addr w_addr, int qtype, int64_t row_bytes, int64_t N, int64_t 
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
-  m.def("pf_qg_isa_supported", &pf_qg_isa_supported);
+  m.def("pf_qg_isa_supported", &pg::vector_isa_supported);
   m.def("pf_qg_gemm", &pf_qg_gemm, py::call_guard<py::gil_scoped_release>());
   m.def("pf_qg_dequant", &pf_qg_dequant, py::call_guard<py::gil_scoped_release>());
 }

@@ -35,8 +35,8 @@
 
 #include <chrono>
 #include <string>
-#include <tuple>
 
+#include "glue_vector_isa.h"
 #include "shm_comm_kernel.h"
 
 namespace {
@@ -57,8 +57,6 @@ constexpr int64_t kPartAlign = 64;  // bytes: the parts of a large piece start o
 
 enum State : int32_t { kAbsent = 0, kJoined = 1, kLeft = 2, kFailed = 3 };
 enum Op : int64_t { kAllReduce = 1, kAllGather = 2 };
-enum Isa { kScalar = 0, kAvx2 = 1, kAvx512 = 2 };
-
 struct Header {
   std::atomic<uint64_t> magic;  // written last by the creator
   int64_t world, slot_bytes, total_bytes;
@@ -80,20 +78,6 @@ static_assert(sizeof(Header) <= kHeaderBytes && sizeof(Line) <= kLineBytes, "lay
 int64_t data_offset(int64_t world) { return (kHeaderBytes + world * kLineBytes + 4095) / 4096 * 4096; }
 
 int64_t segment_bytes(int64_t world, int64_t slot_bytes) { return data_offset(world) + 2 * world * slot_bytes; }
-
-const char* isa_check(int isa) {
-  switch (isa) {
-    case kScalar: return nullptr;
-    case kAvx2: return pg::need_avx2_fma();
-    case kAvx512: return pg::need_avx512();
-    default: return "unknown ISA";
-  }
-}
-
-std::tuple<bool, std::string> isa_supported(int isa) {
-  const char* why = isa_check(isa);
-  return {why == nullptr, why ? why : "ok"};
-}
 
 std::string sys_error(const std::string& what, const std::string& name) {
   return what + " /dev/shm" + name + ": " + std::strerror(errno);
@@ -171,8 +155,8 @@ const char* dtype_name(int64_t dtype) { return dtype == ps::kBF16 ? "bfloat16" :
 using SumFn = void (*)(const void* const*, int, void*, int, int64_t);
 
 SumFn sum_for(int isa) {
-  if (isa == kAvx512) return ps::avx512::sum_into;
-  if (isa == kAvx2) return ps::avx2::sum_into;
+  if (isa == pg::kAvx512) return ps::avx512::sum_into;
+  if (isa == pg::kAvx2) return ps::avx2::sum_into;
   return ps::scalar::sum_into;
 }
 
@@ -195,7 +179,7 @@ class Comm {
         small_max_bytes_(small_max_bytes), spin_(std::chrono::nanoseconds((int64_t)(spin_us * 1e3))) {
     if (!base_ || world < 1 || world > kMaxWorld || rank < 0 || rank >= world)
       throw std::invalid_argument("bad rank, world or address");
-    if (const char* why = isa_check(isa)) throw std::invalid_argument(std::string("ISA unusable here: ") + why);
+    if (const char* why = pg::vector_isa_check(isa)) throw std::invalid_argument(std::string("ISA unusable here: ") + why);
     auto* h = reinterpret_cast<Header*>(base_);
     if (h->world != world || h->slot_bytes != slot_bytes) throw std::invalid_argument("segment layout differs");
     Line& me = line(rank_);
@@ -402,7 +386,7 @@ class Comm {
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   namespace py = pybind11;
-  m.def("isa_supported", &isa_supported);
+  m.def("isa_supported", &pg::vector_isa_supported);
   m.def("segment_bytes", &segment_bytes);
   m.def("map_segment", &map_segment);
   m.def("unmap_segment", &unmap_segment);

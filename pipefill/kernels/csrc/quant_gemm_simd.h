@@ -1,0 +1,149 @@
+// The vector paths' quantized decode GEMM, written once over the register width: included by
+// quant_gemm_avx2.cpp and quant_gemm_avx512.cpp, each of which defines its vector type V (the
+// register, its lanes, the row tile) and instantiates gemm_cols_simd<V> with its own -m flags.
+// Layouts and the arithmetic: quant_gemm_kernel.h.
+//
+// A unit's 32 codes are decoded 16 at a time in 128-bit integer registers (SSSE3-level
+// instructions, which both ISAs have): nibbles masked or shifted out, fifth and sixth bits
+// spread from their bit planes, the zero point subtracted. V widens 16 int8 codes to float32
+// lanes and applies the half unit's scale and offset (mul, then add: two roundings, as ggml).
+// A column's blocks are read once per tile of up to V::kRows rows; every row keeps two
+// accumulators (alternate registers of a unit), reduced at the end.
+#pragma once
+#include <immintrin.h>
+
+#include "quant_gemm_kernel.h"
+
+namespace pipefill_quant {
+namespace {
+
+inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+
+inline __m128i low_nibbles(__m128i v) { return _mm_and_si128(v, _mm_set1_epi8(0x0f)); }
+
+inline __m128i high_nibbles(__m128i v) { return _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0f)); }
+
+// 0x10 in byte j where bit j of the 16 `bits` is set, else 0 (Q5_0's fifth bits).
+inline __m128i fifth_bits(uint32_t bits) {
+  const __m128i spread = _mm_shuffle_epi8(_mm_cvtsi32_si128((int)bits), _mm_set_epi64x(0x0101010101010101, 0));
+  const __m128i select = _mm_set1_epi64x((long long)0x8040201008040201ull);
+  return _mm_and_si128(_mm_cmpeq_epi8(_mm_and_si128(spread, select), select), _mm_set1_epi8(0x10));
+}
+
+// Bits [shift, shift + width) of every byte of v, moved to bit 4 up (K types' high bit planes).
+template <int kMask>
+inline __m128i plane(__m128i v, int shift) {
+  const __m128i bits = _mm_and_si128(_mm_srl_epi16(v, _mm_cvtsi32_si128(shift)), _mm_set1_epi8(kMask));
+  return _mm_slli_epi16(bits, 4);  // per byte at most 0x30: nothing crosses into the next byte
+}
+
+// Codes of weights 0..15 (lo) and 16..31 (hi) of unit u, as int8 (the bits of unit_codes).
+template <int QT>
+inline void unit_codes16(const uint8_t* b, int u, __m128i& lo, __m128i& hi) {
+  if constexpr (QT == kQ8_0) {
+    lo = load16(b + 2);
+    hi = load16(b + 18);
+  } else if constexpr (QT == kQ4_0 || QT == kQ4_1 || QT == kQ5_0) {
+    const __m128i raw = load16(b + (QT == kQ4_0 ? 2 : QT == kQ4_1 ? 4 : 6));
+    lo = low_nibbles(raw);
+    hi = high_nibbles(raw);
+    if constexpr (QT == kQ5_0) {
+      uint32_t fifth;
+      std::memcpy(&fifth, b + 2, 4);
+      lo = _mm_or_si128(lo, fifth_bits(fifth & 0xffff));
+      hi = _mm_or_si128(hi, fifth_bits(fifth >> 16));
+    }
+    if constexpr (QT != kQ4_1) {
+      const __m128i zero = _mm_set1_epi8(QT == kQ4_0 ? 8 : 16);
+      lo = _mm_sub_epi8(lo, zero);
+      hi = _mm_sub_epi8(hi, zero);
+    }
+  } else if constexpr (QT == kQ4_K || QT == kQ5_K) {
+    const uint8_t* nib = b + (QT == kQ4_K ? 16 : 48) + 32 * (u / 2);
+    const __m128i r0 = load16(nib), r1 = load16(nib + 16);
+    lo = u & 1 ? high_nibbles(r0) : low_nibbles(r0);
+    hi = u & 1 ? high_nibbles(r1) : low_nibbles(r1);
+    if constexpr (QT == kQ5_K) {
+      lo = _mm_or_si128(lo, plane<1>(load16(b + 16), u));
+      hi = _mm_or_si128(hi, plane<1>(load16(b + 32), u));
+    }
+  } else {  // Q6_K: unit u = 4 h + g of half h
+    const int h = u / 4, g = u % 4;
+    const uint8_t* low = b + 64 * h + 32 * (g & 1);
+    const __m128i r0 = load16(low), r1 = load16(low + 16);
+    lo = g >> 1 ? high_nibbles(r0) : low_nibbles(r0);
+    hi = g >> 1 ? high_nibbles(r1) : low_nibbles(r1);
+    const uint8_t* high = b + 128 + 32 * h;
+    const __m128i zero = _mm_set1_epi8(32);
+    lo = _mm_sub_epi8(_mm_or_si128(lo, plane<3>(load16(high), 2 * g)), zero);
+    hi = _mm_sub_epi8(_mm_or_si128(hi, plane<3>(load16(high + 16), 2 * g)), zero);
+  }
+}
+
+template <class V, int QT, int R>
+inline void tile(const float* x, int64_t ldx, const uint8_t* row, int64_t blocks, float* y, int64_t ldy) {
+  using L = Layout<QT>;
+  constexpr int kHalf = 16 / V::kLanes;  // registers per 16 weights
+  typename V::reg acc[R][2];
+  for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = V::zero();
+  for (int64_t b = 0; b < blocks; ++b) {
+    const uint8_t* blk = row + b * L::kBytes;
+    for (int off = 0; off < L::kBytes; off += 64)  // the block 8 units of 32 ahead
+      _mm_prefetch(reinterpret_cast<const char*>(blk + off + 8 * L::kBytes / L::kUnits), _MM_HINT_T0);
+    float d[2 * L::kUnits], m[2 * L::kUnits];
+    block_scales<QT>(blk, d, m);
+#pragma GCC unroll 8
+    for (int u = 0; u < L::kUnits; ++u) {
+      __m128i lo, hi;
+      unit_codes16<QT>(blk, u, lo, hi);
+      typename V::reg w[2 * kHalf];
+      V::template widen<L::kOffset>(lo, d[2 * u], m[2 * u], w);
+      V::template widen<L::kOffset>(hi, d[2 * u + 1], m[2 * u + 1], w + kHalf);
+      const int64_t k0 = b * L::kWeights + u * kUnit;
+      for (int r = 0; r < R; ++r) {
+        const float* xr = x + r * ldx + k0;
+        for (int v = 0; v < 2 * kHalf; ++v)
+          acc[r][v & 1] = V::fmadd(w[v], V::load(xr + v * V::kLanes), acc[r][v & 1]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r * ldy] = V::sum(acc[r][0], acc[r][1]);
+}
+
+template <class V, int QT, int R>
+inline void rows_tile(const float* x, int64_t ldx, const uint8_t* row, int64_t blocks, float* y, int64_t ldy,
+                      int64_t rows) {
+  if constexpr (R > 1) {
+    if (rows < R) return rows_tile<V, QT, R - 1>(x, ldx, row, blocks, y, ldy, rows);
+  }
+  tile<V, QT, R>(x, ldx, row, blocks, y, ldy);
+}
+
+template <class V, int QT>
+void run(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes, int64_t M, int64_t K, float* y,
+         int64_t ldy, int64_t n0, int64_t n1) {
+  const int64_t blocks = K / Layout<QT>::kWeights;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* row = w + n * row_bytes;
+    for (int64_t m0 = 0; m0 < M; m0 += V::kRows)  // row tiles after the first read the row from L1
+      rows_tile<V, QT, V::kRows>(x + m0 * ldx, ldx, row, blocks, y + m0 * ldy + n, ldy,
+                                 M - m0 < V::kRows ? M - m0 : V::kRows);
+  }
+}
+
+template <class V>
+void gemm_cols_simd(const float* x, int64_t ldx, const uint8_t* w, int qtype, int64_t row_bytes, int64_t M,
+                    int64_t K, float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  with_type(qtype, [&](auto t) { run<V, decltype(t)::value>(x, ldx, w, row_bytes, M, K, y, ldy, n0, n1); });
+}
+
+}  // namespace
+}  // namespace pipefill_quant
+
+// The ISA's gemm_cols (declared in quant_gemm_kernel.h) on its vector type V, written inside its
+// namespace by its translation unit.
+#define PF_QUANT_GEMM_COLS(V)                                                                            \
+  void gemm_cols(const float* x, int64_t ldx, const uint8_t* w, int qtype, int64_t row_bytes, int64_t M, \
+                 int64_t K, float* y, int64_t ldy, int64_t n0, int64_t n1) {                             \
+    gemm_cols_simd<V>(x, ldx, w, qtype, row_bytes, M, K, y, ldy, n0, n1);                                \
+  }

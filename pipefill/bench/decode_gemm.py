@@ -12,21 +12,37 @@ The ratio M / 1 of the time per call is what a batch costs over a single sequenc
 weights are read once and the extra rows are free). The M values of a shape are timed in
 turn, round after round (medians of 5), so the ratios hold while the machine's speed drifts.
 
+``--gguf-type Q4_K`` (any type kernels.gguf_blocks reads) times the quantized decode GEMM
+(pipefill.kernels.quant_gemm: GGUF blocks dequantized in registers) on random blocks of that
+type instead, with --isa one of its paths; ``--shape-set gemma3-270m`` takes Gemma 3 270M's
+shapes (a shape whose K is not whole blocks of the type is skipped, as the loader keeps it
+dequantized; Q4_K_M files use Q5_0/Q8_0 there).
+
     python -m pipefill.bench.decode_gemm --rows 1,2,4,8,16 --threads 2 --isa avx512bf16
+    python -m pipefill.bench.decode_gemm --rows 1,8 --threads 2 --gguf-type Q4_K \
+        --shape-set gemma3-270m
 """
 from __future__ import annotations
 
 import argparse
 import time
 
+import numpy as np
 import torch
 
 from pipefill.kernels import decode_gemm as dg
+from pipefill.kernels import quant_gemm as qg
+from pipefill.kernels.gguf_blocks import BLOCK_TYPES, random_blocks, supports
 from pipefill.base.platform import cpu_name
 
 # (name, K, N) of SmolLM2-135M (hidden 576, intermediate 1536, 9 query / 3 KV heads of 64).
 SHAPES = [("qkv", 576, 960), ("o_proj", 576, 576), ("gate_up", 576, 3072),
           ("down", 1536, 576), ("lm_head", 576, 49152)]
+# Gemma 3 270M (hidden 640, intermediate 2048, 4 query / 1 KV heads of 256, 262,144 tokens).
+GEMMA3_SHAPES = [("qkv", 640, 1536), ("o_proj", 1024, 640), ("gate_up", 640, 4096),
+                 ("down", 2048, 640), ("lm_head", 640, 262144)]
+SHAPE_SETS = {"smollm2": SHAPES, "gemma3-270m": GEMMA3_SHAPES}
+GGUF_TYPES = {name: qtype for qtype, (name, _, _) in BLOCK_TYPES.items()}
 STREAM_BYTES = 256 << 20  # copies of a matrix rotate through at least this many bytes
 CLOCK = time.perf_counter  # --cpu-clock: time.thread_time (one thread; a shared CPU)
 
@@ -74,14 +90,27 @@ def time_interleaved(mats: list, cases: list, min_s: float, rounds: int = 5) -> 
     return [sorted(t)[len(t) // 2] for t in times]
 
 
-def bench_shape(k: int, n: int, rows: list[int], isa: str, x_dtype, w_dtype, min_s: float):
+def make_linear(k: int, n: int, isa: str, x_dtype, w_dtype, gguf_type: str | None,
+                max_rows: int, seed: int = 0):
+    """One matrix on the kernel being timed: packed float32/bf16 weights (decode_gemm), or
+    random GGUF blocks of gguf_type (quant_gemm)."""
+    if gguf_type is not None:
+        qtype = GGUF_TYPES[gguf_type]
+        raw = random_blocks(qtype, n, k, np.random.default_rng(seed))
+        return qg.QuantLinear.from_parts([(raw, qtype)], k, max_rows=max_rows,
+                                         disable=tuple(i for i in qg.ISAS if i != isa))
+    w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).to(w_dtype)
+    return dg.pack(w, None, x_dtype, w_dtype, max_rows=max_rows,
+                   disable=tuple(i for i in dg.ISAS if i != isa))
+
+
+def bench_shape(k: int, n: int, rows: list[int], isa: str, x_dtype, w_dtype, min_s: float,
+                gguf_type: str | None = None, stream_bytes: int = STREAM_BYTES):
+    first = make_linear(k, n, isa, x_dtype, w_dtype, gguf_type, max(rows))
+    copies = max(1, -(-stream_bytes // first.nbytes))
+    mats = [first] + [make_linear(k, n, isa, x_dtype, w_dtype, gguf_type, max(rows), seed=c)
+                      for c in range(1, copies)]
     g = torch.Generator().manual_seed(0)
-    w = torch.randn(n, k, generator=g).to(w_dtype)
-    disable = tuple(i for i in dg.ISAS if i != isa)
-    first = dg.pack(w, None, x_dtype, w_dtype, max_rows=max(rows), disable=disable)
-    copies = max(1, -(-STREAM_BYTES // first.nbytes))
-    mats = [first] + [dg.pack(w, None, x_dtype, w_dtype, max(rows), disable)
-                      for _ in range(copies - 1)]
     cases = [(torch.randn(m, k, generator=g).to(x_dtype), torch.empty(m, n, dtype=x_dtype))
              for m in rows]
     times = time_interleaved(mats, cases, min_s)
@@ -89,11 +118,12 @@ def bench_shape(k: int, n: int, rows: list[int], isa: str, x_dtype, w_dtype, min
                           for m, s in zip(rows, times)]
 
 
-def in_cache_gflops(isa, x_dtype, w_dtype, m: int, min_s: float) -> float:
-    k, n = 576, 336  # 7 whole groups of 48; 0.4 MB bf16 / 0.8 MB float32: stays in L2
-    w = torch.randn(n, k).to(w_dtype)
-    p = dg.pack(w, None, x_dtype, w_dtype, max_rows=m,
-                disable=tuple(i for i in dg.ISAS if i != isa))
+def in_cache_gflops(isa, x_dtype, w_dtype, m: int, min_s: float,
+                    gguf_type: str | None = None) -> float:
+    # 7 whole groups of 48; 0.4 MB bf16 / 0.8 MB float32, less as blocks: stays in L2. K is
+    # 512 for blocks (whole blocks of every type).
+    k, n = (576 if gguf_type is None else 512), 336
+    p = make_linear(k, n, isa, x_dtype, w_dtype, gguf_type, m)
     x = torch.randn(m, k).to(x_dtype)
     out = torch.empty(m, n, dtype=x_dtype)
     return 2 * m * k * n / time_calls([p] * 64, x, out, min_s) / 1e9
@@ -110,6 +140,14 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="packed weights dtype (default: the compute dtype)")
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES),
                     help="subset of " + ",".join(s[0] for s in SHAPES))
+    ap.add_argument("--shape-set", default="smollm2", choices=tuple(SHAPE_SETS),
+                    help="whose matrix shapes: the default model's or Gemma 3 270M's")
+    ap.add_argument("--gguf-type", default=None, choices=tuple(GGUF_TYPES),
+                    help="time the quantized decode GEMM on random GGUF blocks of this type "
+                         "(--isa then one of " + ", ".join(qg.ISAS) + ")")
+    ap.add_argument("--stream-mb", type=int, default=STREAM_BYTES >> 20,
+                    help="copies of each matrix rotate through at least this many MiB (more "
+                         "than the last-level cache, so that no call finds its weights cached)")
     ap.add_argument("--min-s", type=float, default=0.5, help="seconds timed per (shape, M)")
     ap.add_argument("--cpu-clock", action="store_true",
                     help="time with this thread's CPU time instead of the wall clock (needs "
@@ -143,22 +181,28 @@ def run(ns: argparse.Namespace) -> int:
     torch.set_num_threads(ns.threads)
     x_dtype = getattr(torch, ns.dtype)
     w_dtype = getattr(torch, ns.weight_dtype or ns.dtype)
-    isa = ns.isa or dg.choose_isa(x_dtype, w_dtype)[0]
-    if isa is None or not dg.isa_status().get(isa, (False,))[0]:
-        raise ValueError(f"--isa {isa}: not usable here ({dg.isa_status()})")
+    kernel = qg if ns.gguf_type else dg
+    isa = ns.isa or (qg.choose_isa()[0] if ns.gguf_type else dg.choose_isa(x_dtype, w_dtype)[0])
+    if isa is None or not kernel.isa_status().get(isa, (False,))[0]:
+        raise ValueError(f"--isa {isa}: not usable here ({kernel.isa_status()})")
+    weights = ns.gguf_type or w_dtype
     bw = copy_bandwidth()
-    peak = in_cache_gflops(isa, x_dtype, w_dtype, max(rows), ns.min_s)
-    print(f"{cpu_name()}, {ns.threads} threads, {'CPU' if ns.cpu_clock else 'wall'} clock, isa {isa}, x {ns.dtype}, weights {w_dtype}; "
+    peak = in_cache_gflops(isa, x_dtype, w_dtype, max(rows), ns.min_s, ns.gguf_type)
+    print(f"{cpu_name()}, {ns.threads} threads, {'CPU' if ns.cpu_clock else 'wall'} clock, isa {isa}, x {ns.dtype}, weights {weights}; "
           f"copy bandwidth {bw / 1e9:.1f} GB/s (read + write); in-cache kernel "
           f"{peak:.1f} GFLOP/s at M = {max(rows)}")
     print("| shape (K x N) | MB | M | ms/call | x M=1 | weights GB/s | % copy bw | GFLOP/s "
           "| % in-cache |")
     print("|---|---|---|---|---|---|---|---|---|")
     wanted = ns.shapes.split(",")
-    for name, k, n in SHAPES:
+    for name, k, n in SHAPE_SETS[ns.shape_set]:
         if name not in wanted:
             continue
-        nbytes, res = bench_shape(k, n, rows, isa, x_dtype, w_dtype, ns.min_s)
+        if ns.gguf_type and not supports(GGUF_TYPES[ns.gguf_type], k):
+            print(f"| {name} {k}x{n} | skipped: K is not whole {ns.gguf_type} blocks |")
+            continue
+        nbytes, res = bench_shape(k, n, rows, isa, x_dtype, w_dtype, ns.min_s, ns.gguf_type,
+                                  ns.stream_mb << 20)
         base = res[0][1]
         for m, s, gbs, flops in res:
             print(f"| {name} {k}x{n} | {nbytes / 1e6:.2f} | {m} | {s * 1e3:.3f} | "

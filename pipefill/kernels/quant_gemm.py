@@ -16,7 +16,8 @@ cpuid (``disable=`` forces paths off for tests, as --hide-cpu-flags does): ``avx
 dequantizes with the gguf package and multiplies with F.linear.
 
 Prefill (more rows than ``max_rows``) dequantizes the whole matrix into the compute dtype for
-each call, then F.linear: about N·K element operations against the GEMM's 2·M·N·K, under 1% of
+each call (on the same path, vectorised like the decode GEMM; bf16 rounded to nearest even in
+registers), then F.linear: about N·K element operations against the GEMM's 2·M·N·K, under 1% of
 a chunk of 256 rows, and one matrix's dequantized copy alive at a time (freed after the call),
 so the stage never holds a dequantized copy of its weights.
 
@@ -176,9 +177,9 @@ class QuantLinear:
             if self.isa == "torch" or dtype not in _CODE:
                 rows.copy_(torch.from_numpy(_gguf_dequantize(p.raw.numpy(), p.qtype)))
                 continue
-            rc = _EXT.module.pf_qg_dequant(p.raw.data_ptr(), p.qtype, p.raw.shape[1], p.rows,
-                                    self.in_features, rows.data_ptr(), _CODE[dtype],
-                                    rows.stride(0))
+            rc = _EXT.module.pf_qg_dequant(_ISA_CODE[self.isa], p.raw.data_ptr(), p.qtype,
+                                           p.raw.shape[1], p.rows, self.in_features,
+                                           rows.data_ptr(), _CODE[dtype], rows.stride(0))
             if rc:
                 raise RuntimeError(f"pipefill dequantize ({self.types}) failed (rc={rc})")
         return w

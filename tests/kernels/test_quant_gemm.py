@@ -95,7 +95,8 @@ def test_reference_matches_the_gguf_package(qtype):
 def test_every_path_holds_the_gguf_packages_weights(path, qtype):
     """One-hot rows of x pick single weights out of the decode GEMM (w x 1 plus zeros: no
     rounding), so every path's in-register dequantization is compared bit for bit with the
-    gguf package's, at every position of a block."""
+    gguf package's, at every position of a block; so is its prefill copy (float32, and bf16
+    rounded to nearest even)."""
     import gguf
     k = 512
     raw = blocks(qtype, 13, k)
@@ -104,6 +105,8 @@ def test_every_path_holds_the_gguf_packages_weights(path, qtype):
     eye = torch.eye(k)
     for k0 in range(0, k, 32):  # 32 one-hot rows per call: the row tiles' edges too
         assert torch.equal(lin(eye[k0:k0 + 32]), pkg[:, k0:k0 + 32].T)
+    assert torch.equal(lin.dequantize(torch.float32), pkg)
+    assert torch.equal(lin.dequantize(torch.bfloat16), pkg.bfloat16())
 
 
 def real_file_types(path: str) -> set[int]:

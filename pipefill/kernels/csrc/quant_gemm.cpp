@@ -19,7 +19,7 @@ using pg::Addr;
 using pg::kAvx2;
 using pg::kAvx512;
 
-constexpr int kF32 = 0, kBF16 = 1;
+constexpr int kBF16 = 1;  // dtype codes: 0 float32, 1 bfloat16
 
 // The arguments every entry point shares are sane: a known type, whole blocks, the row size.
 bool shape_ok(int qtype, int64_t row_bytes, int64_t K) {
@@ -75,35 +75,19 @@ int pf_qg_gemm(int isa, Addr x_addr, int x_dtype, int64_t ldx, Addr w_addr, int 
   });
 }
 
-// Rows [n0, n1) of pf_qg_dequant's output.
-template <int QT>
-void dequant_rows(const uint8_t* w, int64_t row_bytes, int64_t n0, int64_t n1, int64_t K, Addr out_addr,
+// out[N, K] (row stride ldo, float32 or bf16 rounded to nearest even) = W dequantized by the
+// ISA's code, each weight as dequant_block computes it (the decode paths' float32 values).
+// Returns 0, or -2 (ISA not usable here), -3 (bad arguments), -1 (exception).
+int pf_qg_dequant(int isa, Addr w_addr, int qtype, int64_t row_bytes, int64_t N, int64_t K, Addr out_addr,
                   int out_dtype, int64_t ldo) {
-  using L = Layout<QT>;
-  float v[L::kWeights];
-  for (int64_t n = n0; n < n1; ++n)
-    for (int64_t b = 0; b < K / L::kWeights; ++b) {
-      dequant_block<QT>(w + n * row_bytes + b * L::kBytes, v);
-      if (out_dtype == kF32) {
-        std::memcpy(out_addr.as<float>() + n * ldo + b * L::kWeights, v, sizeof v);
-      } else {
-        uint16_t* o = out_addr.as<uint16_t>() + n * ldo + b * L::kWeights;
-        for (int j = 0; j < L::kWeights; ++j) o[j] = pg::bf16_rne(v[j]);
-      }
-    }
-}
-
-// out[N, K] (row stride ldo, float32 or bf16 rounded to nearest even) = W dequantized, each
-// weight as dequant_block computes it (the decode paths' float32 values).
-int pf_qg_dequant(Addr w_addr, int qtype, int64_t row_bytes, int64_t N, int64_t K, Addr out_addr,
-                  int out_dtype, int64_t ldo) {
+  if (!pg::vector_isa_ok(isa)) return -2;
   if (N <= 0) return 0;
   if (!shape_ok(qtype, row_bytes, K)) return -3;
   const uint8_t* w = w_addr.as<const uint8_t>();
+  auto fn = isa == kAvx512 ? avx512::dequant_rows : isa == kAvx2 ? avx2::dequant_rows : scalar::dequant_rows;
   return pg::guarded("pipefill dequantize", [&] {
     at::parallel_for(0, N, std::max<int64_t>(1, 65536 / row_bytes), [&](int64_t n0, int64_t n1) {
-      with_type(qtype, [&](auto t) { dequant_rows<decltype(t)::value>(w, row_bytes, n0, n1, K, out_addr,
-                                                                      out_dtype, ldo); });
+      fn(w, qtype, row_bytes, K, n0, n1, out_addr.as<void>(), out_dtype == kBF16, ldo);
     });
   });
 }

@@ -20,6 +20,15 @@ struct V256 {
     const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
     return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
   }
+  static void store(float* p, reg v) { _mm256_storeu_ps(p, v); }
+  // Nearest even, as the AVX-512 path; packus keeps the 16 low bits (at most 0xffff each).
+  static void store_bf16(uint16_t* p, reg v) {
+    const __m256i u = _mm256_castps_si256(v);
+    const __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(_mm256_set1_epi32(0x7fff),
+        _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1)))), 16);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm_packus_epi32(_mm256_castsi256_si128(r),
+                                                                     _mm256_extracti128_si256(r, 1)));
+  }
   // 16 int8 codes -> code * d (+ m) in two registers, the scale's and the offset's rounding apart.
   template <bool kOffset>
   static void widen(__m128i q, float d, float m, reg* w) {

@@ -20,6 +20,13 @@ struct V512 {
   static reg load(const float* p) { return _mm512_loadu_ps(p); }
   static reg zero() { return _mm512_setzero_ps(); }
   static float sum(reg a, reg b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
+  static void store(float* p, reg v) { _mm512_storeu_ps(p, v); }
+  // Nearest even: + 0x7fff + the lowest kept bit, then the high halves (finite v).
+  static void store_bf16(uint16_t* p, reg v) {
+    const __m512i u = _mm512_castps_si512(v), one = _mm512_set1_epi32(1);
+    const __m512i up = _mm512_add_epi32(_mm512_set1_epi32(0x7fff), _mm512_and_si512(_mm512_srli_epi32(u, 16), one));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(u, up), 16)));
+  }
 };
 
 }  // namespace

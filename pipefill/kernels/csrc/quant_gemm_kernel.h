@@ -187,7 +187,14 @@ inline void unit_codes(const uint8_t* b, int u, int8_t* q) {
   }
 }
 
-// One block's weights as float32: the glue's dequantization for prefill, and the scalar path's.
+// float32 -> bf16, rounded to nearest even (finite x: weights are).
+inline uint16_t bf16_round(float x) {
+  uint32_t u;
+  std::memcpy(&u, &x, 4);
+  return (uint16_t)((u + 0x7fffu + ((u >> 16) & 1u)) >> 16);
+}
+
+// One block's weights as float32 (the scalar path's).
 template <int QT>
 inline void dequant_block(const uint8_t* b, float* out) {
   float d[2 * Layout<QT>::kUnits], m[2 * Layout<QT>::kUnits];
@@ -205,13 +212,18 @@ inline void dequant_block(const uint8_t* b, float* out) {
 
 }  // namespace
 
-// Each function computes columns [n0, n1) of all M rows: y[m * ldy + n] = the float32 sum (no
-// bias: the glue adds it). x: float32 [M, ldx]; w: row n at w + n * row_bytes; K a multiple of
-// the type's block_weights.
+// Each ISA's functions, on W's row n at w + n * row_bytes (K a multiple of the type's
+// block_weights): gemm_cols computes columns [n0, n1) of all M rows, y[m * ldy + n] = the
+// float32 sum (no bias: the glue adds it), x float32 [M, ldx].
+// dequant_rows writes rows [n0, n1) of W dequantized (each weight's float32 value as
+// dequant_block computes it) to out (row stride ldo): float32, or bf16 rounded to nearest even
+// where `bf16` (prefill's per-call copy).
 #define PF_QUANT_GEMM(ns)                                                                        \
   namespace ns {                                                                                 \
   void gemm_cols(const float* x, int64_t ldx, const uint8_t* w, int qtype, int64_t row_bytes,  \
                  int64_t M, int64_t K, float* y, int64_t ldy, int64_t n0, int64_t n1);          \
+  void dequant_rows(const uint8_t* w, int qtype, int64_t row_bytes, int64_t K, int64_t n0,      \
+                    int64_t n1, void* out, bool bf16, int64_t ldo);                            \
   }
 PF_QUANT_GEMM(scalar)
 PF_QUANT_GEMM(avx2)

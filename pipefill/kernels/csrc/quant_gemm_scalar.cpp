@@ -36,7 +36,29 @@ void run(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes, int64
   }
 }
 
+template <int QT>
+void dequant(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t n0, int64_t n1, void* out, bool bf16,
+             int64_t ldo) {
+  using L = Layout<QT>;
+  float v[L::kWeights];
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t b = 0; b < K / L::kWeights; ++b) {
+      dequant_block<QT>(w + n * row_bytes + b * L::kBytes, v);
+      const int64_t at = n * ldo + b * L::kWeights;
+      if (!bf16) {
+        std::memcpy(static_cast<float*>(out) + at, v, sizeof v);
+      } else {
+        for (int j = 0; j < L::kWeights; ++j) static_cast<uint16_t*>(out)[at + j] = bf16_round(v[j]);
+      }
+    }
+}
+
 }  // namespace
+
+void dequant_rows(const uint8_t* w, int qtype, int64_t row_bytes, int64_t K, int64_t n0, int64_t n1,
+                  void* out, bool bf16, int64_t ldo) {
+  with_type(qtype, [&](auto t) { dequant<decltype(t)::value>(w, row_bytes, K, n0, n1, out, bf16, ldo); });
+}
 
 void gemm_cols(const float* x, int64_t ldx, const uint8_t* w, int qtype, int64_t row_bytes,
                int64_t M, int64_t K, float* y, int64_t ldy, int64_t n0, int64_t n1) {

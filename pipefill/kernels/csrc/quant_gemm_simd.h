@@ -80,6 +80,15 @@ inline void unit_codes16(const uint8_t* b, int u, __m128i& lo, __m128i& hi) {
   }
 }
 
+// Unit u of a block as 2 * 16 / V::kLanes registers of float32 weights (d, m: block_scales').
+template <class V, int QT>
+inline void unit_weights(const uint8_t* blk, int u, const float* d, const float* m, typename V::reg* w) {
+  __m128i lo, hi;
+  unit_codes16<QT>(blk, u, lo, hi);
+  V::template widen<Layout<QT>::kOffset>(lo, d[2 * u], m[2 * u], w);
+  V::template widen<Layout<QT>::kOffset>(hi, d[2 * u + 1], m[2 * u + 1], w + 16 / V::kLanes);
+}
+
 template <class V, int QT, int R>
 inline void tile(const float* x, int64_t ldx, const uint8_t* row, int64_t blocks, float* y, int64_t ldy) {
   using L = Layout<QT>;
@@ -94,11 +103,8 @@ inline void tile(const float* x, int64_t ldx, const uint8_t* row, int64_t blocks
     block_scales<QT>(blk, d, m);
 #pragma GCC unroll 8
     for (int u = 0; u < L::kUnits; ++u) {
-      __m128i lo, hi;
-      unit_codes16<QT>(blk, u, lo, hi);
       typename V::reg w[2 * kHalf];
-      V::template widen<L::kOffset>(lo, d[2 * u], m[2 * u], w);
-      V::template widen<L::kOffset>(hi, d[2 * u + 1], m[2 * u + 1], w + kHalf);
+      unit_weights<V, QT>(blk, u, d, m, w);
       const int64_t k0 = b * L::kWeights + u * kUnit;
       for (int r = 0; r < R; ++r) {
         const float* xr = x + r * ldx + k0;
@@ -131,6 +137,32 @@ void run(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes, int64
   }
 }
 
+// dequant_rows (quant_gemm_kernel.h) of one type: a unit's registers stored as they are, or
+// rounded to bf16.
+template <class V, int QT>
+void dequant(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t n0, int64_t n1, void* out, bool bf16,
+             int64_t ldo) {
+  using L = Layout<QT>;
+  for (int64_t n = n0; n < n1; ++n)
+    for (int64_t b = 0; b < K / L::kWeights; ++b) {
+      const uint8_t* blk = w + n * row_bytes + b * L::kBytes;
+      float d[2 * L::kUnits], m[2 * L::kUnits];
+      block_scales<QT>(blk, d, m);
+#pragma GCC unroll 8
+      for (int u = 0; u < L::kUnits; ++u) {
+        typename V::reg r[32 / V::kLanes];
+        unit_weights<V, QT>(blk, u, d, m, r);
+        const int64_t at = n * ldo + b * L::kWeights + u * kUnit;
+        for (int v = 0; v < 32 / V::kLanes; ++v) {
+          if (bf16)
+            V::store_bf16(static_cast<uint16_t*>(out) + at + v * V::kLanes, r[v]);
+          else
+            V::store(static_cast<float*>(out) + at + v * V::kLanes, r[v]);
+        }
+      }
+    }
+}
+
 template <class V>
 void gemm_cols_simd(const float* x, int64_t ldx, const uint8_t* w, int qtype, int64_t row_bytes, int64_t M,
                     int64_t K, float* y, int64_t ldy, int64_t n0, int64_t n1) {
@@ -140,10 +172,14 @@ void gemm_cols_simd(const float* x, int64_t ldx, const uint8_t* w, int qtype, in
 }  // namespace
 }  // namespace pipefill_quant
 
-// The ISA's gemm_cols (declared in quant_gemm_kernel.h) on its vector type V, written inside its
+// The ISA's gemm_cols and dequant_rows (declared in quant_gemm_kernel.h) on its vector type V, written inside its
 // namespace by its translation unit.
 #define PF_QUANT_GEMM_COLS(V)                                                                            \
   void gemm_cols(const float* x, int64_t ldx, const uint8_t* w, int qtype, int64_t row_bytes, int64_t M, \
                  int64_t K, float* y, int64_t ldy, int64_t n0, int64_t n1) {                             \
     gemm_cols_simd<V>(x, ldx, w, qtype, row_bytes, M, K, y, ldy, n0, n1);                                \
+  }                                                                                                      \
+  void dequant_rows(const uint8_t* w, int qtype, int64_t row_bytes, int64_t K, int64_t n0, int64_t n1,  \
+                    void* out, bool bf16, int64_t ldo) {                                                 \
+    with_type(qtype, [&](auto t) { dequant<V, decltype(t)::value>(w, row_bytes, K, n0, n1, out, bf16, ldo); }); \
   }

@@ -101,13 +101,13 @@ def greedy_by_full_forwards(model, prompt: list[int], max_new_tokens: int) -> li
     return seq[len(prompt):]
 
 
-def single_stage(path: str, dtype: str, page_size: int = 16, **kw):
+def single_stage(path: str, dtype: str, page_size: int = 16, source=None, **kw):
     """The engine's stage code holding every layer, built in this process (4,096 KV tokens,
-    one thread)."""
+    one thread); `source`: the path's WeightSource where the caller has one already."""
     from pipefill.config import ServerArgs, resolve
     from pipefill.model.loader import WeightSource
     from pipefill.runtime.stage import StageInfo, build_stage
-    source = WeightSource(path)
+    source = source or WeightSource(path)
     args = resolve(ServerArgs(model_path=path, dtype=dtype, page_size=page_size,
                               max_total_tokens=4096, threads_per_stage=1, **kw), source.config)
     return build_stage(args, source, StageInfo(0, 1, range(source.config.num_layers)))

@@ -75,38 +75,34 @@ def assert_close(y: torch.Tensor, ref: np.ndarray, scale: np.ndarray, k: int) ->
     assert (err <= bound).all(), f"max error {err.max():.3g}, worst ratio {(err / bound).max()}"
 
 
-@pytest.mark.parametrize("qtype", TYPES)
-def test_reference_matches_the_gguf_package(qtype):
+def test_reference_matches_the_gguf_package():
     """Layouts checked against gguf.quants.dequantize (float32 there): the float64 reference
-    rounds to its values exactly, and so does the kernels' own dequantization."""
+    rounds to its values exactly, for every type."""
     import gguf
-    k = 160 if BLOCK_TYPES[qtype][1] == 32 else 768
-    raw = blocks(qtype, 19, k)
-    pkg = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(qtype))
-    ref = dequantize_reference(raw, qtype)
-    assert np.array_equal(ref.astype(np.float32), pkg)
-    lin = qg.QuantLinear.from_parts([(raw, qtype)], k)
-    assert np.array_equal(lin.dequantize(torch.float32).numpy(), pkg)
-    assert torch.equal(lin.dequantize(torch.bfloat16), torch.from_numpy(pkg).bfloat16())
+    for qtype in TYPES:
+        k = 160 if BLOCK_TYPES[qtype][1] == 32 else 768
+        raw = blocks(qtype, 19, k)
+        pkg = gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(qtype))
+        assert np.array_equal(dequantize_reference(raw, qtype).astype(np.float32), pkg), qtype
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("qtype", TYPES)
-def test_every_path_holds_the_gguf_packages_weights(path, qtype):
+def test_every_path_holds_the_gguf_packages_weights(path):
     """One-hot rows of x pick single weights out of the decode GEMM (w x 1 plus zeros: no
     rounding), so every path's in-register dequantization is compared bit for bit with the
-    gguf package's, at every position of a block; so is its prefill copy (float32, and bf16
-    rounded to nearest even)."""
+    gguf package's, at every position of a block, for every type; so is its prefill copy
+    (float32, and bf16 rounded to nearest even)."""
     import gguf
     k = 512
-    raw = blocks(qtype, 13, k)
-    pkg = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(qtype)))
-    lin = linear_on(path, [(raw, qtype)], k)
     eye = torch.eye(k)
-    for k0 in range(0, k, 32):  # 32 one-hot rows per call: the row tiles' edges too
-        assert torch.equal(lin(eye[k0:k0 + 32]), pkg[:, k0:k0 + 32].T)
-    assert torch.equal(lin.dequantize(torch.float32), pkg)
-    assert torch.equal(lin.dequantize(torch.bfloat16), pkg.bfloat16())
+    for qtype in TYPES:
+        raw = blocks(qtype, 13, k)
+        pkg = torch.from_numpy(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(qtype)))
+        lin = linear_on(path, [(raw, qtype)], k)
+        for k0 in range(0, k, 32):  # 32 one-hot rows per call: the row tiles' edges too
+            assert torch.equal(lin(eye[k0:k0 + 32]), pkg[:, k0:k0 + 32].T), (qtype, k0)
+        assert torch.equal(lin.dequantize(torch.float32), pkg), qtype
+        assert torch.equal(lin.dequantize(torch.bfloat16), pkg.bfloat16()), qtype
 
 
 def real_file_types(path: str) -> set[int]:
@@ -134,6 +130,7 @@ def test_reference_on_the_default_models_blocks():
     assert real_file_types(path) == {Q4_1, Q8_0}
 
 
+@pytest.mark.slow  # reading the file's 262,144-token vocabulary takes ~25 s
 def test_reference_on_gemma3_q4_k_m_blocks():
     """Gemma 3 270M Q4_K_M's own Q4_K, Q5_0, Q6_K and Q8_0 tensors (skipped where the file is
     not installed)."""
@@ -146,15 +143,15 @@ def test_reference_on_gemma3_q4_k_m_blocks():
 
 @pytest.mark.parametrize("path", PATHS)
 @pytest.mark.parametrize("qtype", TYPES)
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_gemm_against_float64(path, qtype, dtype):
+def test_gemm_against_float64(path, qtype):
     for m, k, n in shapes(qtype):
         parts = [(blocks(qtype, n, k), qtype)]
         lin = linear_on(path, parts, k)
-        x = torch.randn(m, k, generator=torch.Generator().manual_seed(m * k)).to(dtype)
-        y = lin(x)
-        assert y.dtype == dtype and y.shape == (m, n)
-        assert_close(y, *reference(x, parts), k)
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(m, k, generator=torch.Generator().manual_seed(m * k)).to(dtype)
+            y = lin(x)
+            assert y.dtype == dtype and y.shape == (m, n)
+            assert_close(y, *reference(x, parts), k)
 
 
 # Stacked matrices (q/k/v or gate/up) of several types, the last two of one type (one part).
@@ -163,12 +160,15 @@ MIXES = {"32-weight": (224, [Q4_1, Q8_0, Q4_0, Q4_0]),
          "K types": (256, [Q5_K, Q8_0, Q4_K, Q4_K])}
 
 
-@pytest.mark.parametrize("mix", MIXES)
 @pytest.mark.parametrize("path", PATHS)
-def test_mixed_types_bias_strides_and_bind(path, mix):
-    """A stacked matrix of three block types (as q/k/v of a Q4_K_M file), with a bias, x a
+def test_mixed_types_bias_strides_and_bind(path):
+    """Stacked matrices of three block types (as q/k/v of a Q4_K_M file), with a bias, x a
     column slice of a wider tensor, float32 out of bf16 x, and the bound call."""
-    k, types = MIXES[mix]
+    for k, types in MIXES.values():
+        check_mix(path, k, types)
+
+
+def check_mix(path: str, k: int, types: list[int]) -> None:
     parts = [(blocks(t, rows, k, seed=i), t) for i, (t, rows) in enumerate(zip(types,
                                                                              (9, 5, 3, 2)))]
     bias = torch.randn(19)
@@ -190,15 +190,15 @@ def test_mixed_types_bias_strides_and_bind(path, mix):
 
 
 @pytest.mark.parametrize("path", PATHS)
-@pytest.mark.parametrize("types", [(Q4_1, Q8_0), (Q4_K, Q6_K), (Q5_0, Q5_K)])
-def test_prefill_is_linear_on_the_dequantized_matrix(path, types):
-    k = 96 if BLOCK_TYPES[types[1]][1] == 32 else 256
-    parts = [(blocks(types[0], 11, k), types[0]), (blocks(types[1], 4, k), types[1])]
-    lin = linear_on(path, parts, k, torch.randn(15))
-    for dtype in (torch.float32, torch.bfloat16):
-        x = torch.randn(70, k).to(dtype)
-        want = F.linear(x, lin.dequantize(dtype), lin.bias.to(dtype))
-        assert torch.equal(lin.prefill(x), want)
+def test_prefill_is_linear_on_the_dequantized_matrix(path):
+    for types in [(Q4_1, Q8_0), (Q4_K, Q6_K), (Q5_0, Q5_K)]:
+        k = 96 if BLOCK_TYPES[types[1]][1] == 32 else 256
+        parts = [(blocks(types[0], 11, k), types[0]), (blocks(types[1], 4, k), types[1])]
+        lin = linear_on(path, parts, k, torch.randn(15))
+        for dtype in (torch.float32, torch.bfloat16):
+            x = torch.randn(70, k).to(dtype)
+            want = F.linear(x, lin.dequantize(dtype), lin.bias.to(dtype))
+            assert torch.equal(lin.prefill(x), want)
 
 
 def test_bad_shapes_are_refused():

@@ -54,7 +54,8 @@ def prepare(args: ServerArgs) -> tuple[ServerArgs, WeightSource]:
         dtype = resolve_dtype(args.dtype)
         choose_backend(args.attention_backend, dtype, source.config.head_dim, args.page_size,
                        torch.device(args.device), resolve_kv_dtype(args.kv_cache_dtype, dtype),
-                       usable_cpu_flags(args.hide_cpu_flags), source.config.has_windows)
+                       usable_cpu_flags(args.hide_cpu_flags), source.config.has_windows,
+                       latent=source.config.mla is not None)
     if args.prefill_gemm == "onednn":  # likewise
         dtype = resolve_dtype(args.dtype, usable_cpu_flags(args.hide_cpu_flags))
         choose_prefill_gemm("onednn", dtype, resolve_weight_dtype(args.weight_dtype, dtype),

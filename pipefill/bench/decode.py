@@ -46,7 +46,6 @@ import torch
 from pipefill.bench.prefill import load_hf_model, parse_ints
 from pipefill.config import resolve, server_args_from_namespace, server_args_parser_group
 from pipefill.engine import Engine
-from pipefill.kv.cache import KVCache
 from pipefill.model.loader import WeightSource, resolve_model_path
 from pipefill.base.platform import cpu_name, dtype_name, resolve_dtype
 from pipefill.runtime.stage import StageInfo, build_stage
@@ -261,15 +260,15 @@ def router_ms(model, batch: int, reps: int) -> float:
             t0 = time.perf_counter()
             for b in blocks:
                 logits = linear(x, b.router, None, b.router_packed)
-                choose(logits[:, :b.spec.num_experts], b.spec, model.dtype)
+                (b.rule or choose)(logits[:, :b.spec.num_experts], b.spec, model.dtype)
             times.append(1e3 * (time.perf_counter() - t0))
     return statistics.median(times[1:])  # the first: warm-up
 
 
 def _row(model, cache, batch: int, context: int, times: dict, bw: float) -> dict:
     cfg = model.cfg
-    kv = batch * context * KVCache.bytes_per_token(model.num_layers, cfg.num_kv_heads,
-                                                   cfg.head_dim, cache.k.dtype)
+    kv = batch * context * sum(s.bytes_per_token for s in model.family.kv_specs(
+        cfg, range(model.num_layers), cache.k.dtype))  # the latent's, for MLA
     # The routed experts a step read, from the routing the timed steps took (0: dense).
     routed = statistics.mean(times["routed_bytes"]) if times["routed_bytes"] else 0.0
     wbytes = weight_bytes(model, packed=True) + routed

@@ -23,6 +23,14 @@ import torch
 INIT_STD = 0.02
 SHARD_BYTES = 2 << 30
 
+def _deepseek_yarn(mscale: float) -> dict:
+    """The published DeepSeek-V2(-Lite)/V3 rope: yarn x40 over a 4K context, softmax scaled by
+    mscale_all_dim (model/families/deepseek.py)."""
+    return {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 40.0,
+            "original_max_position_embeddings": 4096, "beta_fast": 32, "beta_slow": 1,
+            "mscale": mscale, "mscale_all_dim": mscale}
+
+
 # Published shapes (config.json of each model). `layers` is the full depth; --layers cuts it.
 LIKE = {
     "qwen3-30b-a3b": ("Qwen3MoeConfig", dict(
@@ -52,13 +60,16 @@ LIKE = {
         n_routed_experts=64, num_experts_per_tok=6, n_shared_experts=2, first_k_dense_replace=1,
         num_attention_heads=16, num_key_value_heads=16, q_lora_rank=None, kv_lora_rank=512,
         qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, vocab_size=102400,
+        topk_method="greedy", routed_scaling_factor=1.0, norm_topk_prob=False,
+        rope_parameters=_deepseek_yarn(mscale=0.707),
         max_position_embeddings=163840, tie_word_embeddings=False, num_hidden_layers=27)),
     "deepseek-v3": ("DeepseekV3Config", dict(
         hidden_size=7168, intermediate_size=18432, moe_intermediate_size=2048,
         n_routed_experts=256, num_experts_per_tok=8, n_shared_experts=1, first_k_dense_replace=3,
         n_group=8, topk_group=4, routed_scaling_factor=2.5, num_attention_heads=128,
         num_key_value_heads=128, q_lora_rank=1536, kv_lora_rank=512, qk_nope_head_dim=128,
-        qk_rope_head_dim=64, v_head_dim=128, vocab_size=129280,
+        qk_rope_head_dim=64, v_head_dim=128, vocab_size=129280, norm_topk_prob=True,
+        rope_parameters=_deepseek_yarn(mscale=1.0),
         max_position_embeddings=163840, tie_word_embeddings=False, num_hidden_layers=61)),
     "llama-3.1-8b": ("LlamaConfig", dict(
         hidden_size=4096, intermediate_size=14336, num_attention_heads=32,

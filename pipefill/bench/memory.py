@@ -20,9 +20,9 @@ import torch
 from pipefill.base.platform import resolve_dtype, usable_cpu_flags
 from pipefill.config import Kernels, Layout, ServerArgs
 from pipefill.kernels import decode_gemm
-from pipefill.kv.cache import KVCache
 from pipefill.model.attention import resolve_kv_dtype
 from pipefill.model.config import ModelConfig
+from pipefill.model.families import family_of
 from pipefill.model.loader import resolve_weight_dtype
 
 
@@ -73,7 +73,8 @@ def layer_matrix_params(cfg: ModelConfig, num_layers: int) -> int:
     a mixture-of-experts model) the router, every expert and the shared expert. The sparse
     share is the model's own, so a stage of any layers gets the model's average."""
     h = cfg.hidden_size
-    attention = (cfg.q_size + 2 * cfg.kv_size) * h + h * cfg.q_size
+    attention = ((cfg.q_size + 2 * cfg.kv_size) * h + h * cfg.q_size if cfg.mla is None
+                 else cfg.mla.projection_weights(h, cfg.num_heads))
     dense = 3 * cfg.intermediate_size * h
     if cfg.moe is None:
         return num_layers * (attention + dense)
@@ -107,8 +108,8 @@ def stage_needs(args: ServerArgs, cfg: ModelConfig, prompt_tokens: int,
     rows = []
     for rank, layers in enumerate(layout.ranges):
         first, last = rank == 0, rank == layout.pp_size - 1
-        per_token = KVCache.bytes_per_token(len(layers), cfg.num_kv_heads, cfg.head_dim,
-                                            kv_dtype)
+        per_token = sum(s.bytes_per_token for s in family_of(cfg).kv_specs(cfg, layers,
+                                                                          kv_dtype))
         rows.append({
             "rank": rank,
             "weights": stage_weight_bytes(cfg, len(layers), first, last, dtype),

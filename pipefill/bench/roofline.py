@@ -15,13 +15,16 @@ def prefill_flops(cfg: ModelConfig, num_tokens: int, prefix_len: int = 0) -> dic
     This is the whole model's work, as HF does it; pipefill's last layer skips the attention
     and MLP of rows no logit reads (StageModel.trims), so its TF/s count that work as done."""
     h, q, kv = cfg.hidden_size, cfg.q_size, cfg.kv_size
-    per_token = sum(2 * (h * (q + 2 * kv) + q * h + mlp_weights(cfg, i))
-                    for i in range(cfg.num_layers))
+    projections = (h * (q + 2 * kv) + q * h if cfg.mla is None
+                   else cfg.mla.projection_weights(h, cfg.num_heads))
+    per_token = sum(2 * (projections + mlp_weights(cfg, i)) for i in range(cfg.num_layers))
     linear = per_token * num_tokens + 2 * h * cfg.vocab_size
     # Query i (absolute position p) sees p + 1 keys.
     end = prefix_len + num_tokens
     keys_seen = (end * (end + 1) - prefix_len * (prefix_len + 1)) / 2
-    attention = cfg.num_layers * 4 * cfg.num_heads * cfg.head_dim * keys_seen
+    per_key = (2 * cfg.head_dim if cfg.mla is None  # QK^T and PV per head
+               else cfg.mla.qk_head_dim + cfg.mla.v_head_dim)
+    attention = cfg.num_layers * 2 * cfg.num_heads * per_key * keys_seen
     return {"linear": float(linear), "attention": float(attention),
             "total": float(linear + attention),
             "experts": float(expert_flops(cfg, num_tokens * sum(map(cfg.is_sparse,

@@ -36,6 +36,7 @@ from pipefill.disagg.transfer_receiver import KVReceiver
 from pipefill.disagg.transfer_sender import KVSender
 from pipefill.disagg.validate import check_final_meta, check_prefill_info, parse_bootstraps
 from pipefill.base.platform import dtype_name
+from pipefill.kv.storage_tier import page_dims
 from pipefill.scheduler.role import DecodeRole, PrefillRole, kv_send_end
 
 log = logging.getLogger(__name__)
@@ -94,8 +95,10 @@ class PrefillStagePD(PrefillRole):
         self.sender = KVSender(KVTensors.from_cache(executor.cache, layer_start), rank,
                                release=self._released, backend=disagg.transfer_backend,
                                host=host, timing=Timing.of(disagg), secret=secret)
+        # The pages' own heads and head size: one head of half a latent for MLA (KVSpec).
+        kv_heads, head_dim = page_dims(executor.cache)
         reg = self.sender.registration(pp_size=args.pp_size, num_layers=cfg.num_layers,
-                                       num_kv_heads=cfg.num_kv_heads, head_dim=cfg.head_dim,
+                                       num_kv_heads=kv_heads, head_dim=head_dim,
                                        model_fingerprint=m.model_fingerprint(cfg))
         register_stage(m.Endpoint(host, disagg.bootstrap_port), reg, secret=secret)
 

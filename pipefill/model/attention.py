@@ -342,19 +342,22 @@ def _unfit(backend: str, dtype, kv_dtype, head_dim: int, page_size: int, device,
 def choose_backend(requested: str, dtype: torch.dtype, head_dim: int, page_size: int,
                    device: torch.device, kv_dtype: torch.dtype | None = None,
                    flags: frozenset[str] | None = None,
-                   windowed: bool = False) -> tuple[str, str]:
+                   windowed: bool = False, latent: bool = False) -> tuple[str, str]:
     """-> (backend, why). auto: the first of KERNEL_BACKENDS that fits the dtypes, the shapes and
     the CPU (flags: the CPU flags to trust, default all), else sdpa with every reason. A named
     kernel that does not fit is a ValueError with the reason. windowed: the model has
-    sliding-window layers, which only sdpa bounds."""
+    sliding-window layers, which only sdpa bounds; latent: its layers attend from a latent
+    KV cache (model/mla.py), which only the torch path reads."""
     kv_dtype = dtype if kv_dtype is None else kv_dtype
     if requested == "sdpa":
         return "sdpa", "requested"
     if requested != "auto" and requested not in KERNEL_BACKENDS:
         raise ValueError(f"--attention-backend {requested!r}: choose auto, "
                          f"{', '.join(KERNEL_BACKENDS)} or sdpa")
-    if windowed:  # only sdpa bounds a sliding window (ARCHITECTURE.md, 'Model families')
-        why = "the model has sliding-window layers and the kernels attend to the whole prefix"
+    if windowed or latent:  # only sdpa (ARCHITECTURE.md, 'Model families')
+        why = ("the model attends from a latent KV cache (MLA), which the kernels do not read"
+               if latent else
+               "the model has sliding-window layers and the kernels attend to the whole prefix")
         if requested != "auto":
             raise ValueError(f"--attention-backend {requested} is not available: {why}")
         return "sdpa", why

@@ -14,6 +14,46 @@ class MoEConfig:
     normalize: bool  # the top-k router weights renormalised to sum to one
     sparse_layers: tuple[bool, ...]  # per layer: a sparse MLP (else a dense one)
     shared_width: int = 0  # a shared expert every token passes (Qwen2-MoE); 0: none
+    # DeepSeek's routers (families/deepseek.py); the defaults are the softmax top-k of the
+    # Qwen and Mixtral families.
+    scoring: str = "softmax"  # or "sigmoid" (DeepSeek-V3)
+    topk_method: str = "greedy"  # or "group_limited_greedy" (V2), "noaux_tc" (V3)
+    num_groups: int = 1  # experts split into this many groups ...
+    topk_groups: int = 1  # ... of which the best this many are searched
+    routed_scale: float = 1.0  # the routed experts' weights multiplied by this
+
+
+@dataclass(frozen=True)
+class MLAConfig:
+    """Multi-head latent attention (DeepSeek-V2/V3, model/mla.py): keys and values of every
+    head come from one latent vector per token (kv_lora_rank values, normed) and one rotary
+    key (qk_rope_head_dim values) shared by the heads; the cache keeps only those two."""
+    q_lora_rank: int | None  # None: q projected straight from the hidden state (V2)
+    kv_lora_rank: int
+    qk_nope_head_dim: int
+    qk_rope_head_dim: int
+    v_head_dim: int
+    softmax_scale: float  # (nope + rope)^-0.5, times yarn's mscale(all_dim)^2 where set
+    rope_interleaved: bool  # the rotary dims stored as (x0, x1), (x2, x3) pairs
+
+    @property
+    def latent_dim(self) -> int:
+        """Values one token keeps per layer: the latent and the rotary key."""
+        return self.kv_lora_rank + self.qk_rope_head_dim
+
+    @property
+    def qk_head_dim(self) -> int:
+        return self.qk_nope_head_dim + self.qk_rope_head_dim
+
+    def projection_weights(self, hidden: int, heads: int) -> int:
+        """Weights a token multiplies by in a layer's attention projections: q (through its
+        low rank or not), kv_a, kv_b (once per token, as a prefill decompresses) and o."""
+        rank = self.q_lora_rank
+        q = (hidden * rank + rank * heads * self.qk_head_dim if rank
+             else hidden * heads * self.qk_head_dim)
+        return (q + hidden * self.latent_dim
+                + self.kv_lora_rank * heads * (self.qk_nope_head_dim + self.v_head_dim)
+                + heads * self.v_head_dim * hidden)
 
 
 @dataclass(frozen=True)
@@ -47,6 +87,9 @@ class ModelConfig:
     # Added to every stored RMSNorm weight at load: Gemma's norms scale by (1 + w) and its
     # Hugging Face files store w (GGUF files store 1 + w already).
     norm_weight_offset: float = 0.0
+    # Multi-head latent attention (DeepSeek); then head_dim is the rotary part's width
+    # (what StageModel's rope tables are built for) and num_kv_heads is not used.
+    mla: MLAConfig | None = None
 
     def window_of(self, layer: int) -> int | None:
         """The tokens layer `layer` attends to (its query's own included); None: all."""

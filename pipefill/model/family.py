@@ -24,11 +24,22 @@ from pipefill.model.config import ModelConfig
 
 @dataclass(frozen=True)
 class KVSpec:
-    """What one layer keeps in the KV cache for each token."""
+    """What one layer keeps in the KV cache for each token: K and V of num_kv_heads heads of
+    head_dim values each, or, for a latent layer, one vector of latent_dim values (multi-head
+    latent attention) laid over the two tensors: its first head_dim values in K's one head,
+    the rest in V's (ARCHITECTURE.md, 'The latent KV cache (MLA)'). Pages, tiers and PD
+    transfers copy K and V alike, so they carry a latent unchanged and count it once."""
     num_kv_heads: int
     head_dim: int
     dtype: torch.dtype
     window: int | None = None  # a sliding window of this many tokens; None: the whole prefix
+    latent_dim: int = 0  # > 0: a latent layer (then one head of ceil(latent_dim / 2))
+
+    @classmethod
+    def latent(cls, latent_dim: int, dtype: torch.dtype) -> "KVSpec":
+        """A latent layer's spec: one head of half the latent in K and in V (an odd latent
+        leaves V's last value unused)."""
+        return cls(1, (latent_dim + 1) // 2, dtype, latent_dim=latent_dim)
 
     @property
     def bytes_per_token(self) -> int:

@@ -21,6 +21,7 @@ under the router's, so router and gate are one GEMM.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Callable
 
 import torch
 import torch.nn.functional as F
@@ -87,6 +88,14 @@ class Experts:
             raise ValueError("every expert needs a gate, an up and a down projection")
         return cls(torch.stack([torch.cat([g, u]) for g, u in zip(gates, ups)]),
                    torch.stack(downs))
+
+    @classmethod
+    def read(cls, reader, names: list[tuple[str, str, str]]) -> "Experts":
+        """Every expert's (gate, up, down) matrices by name, through a family's WeightReader
+        (model/family.py), gate and up stacked as they are read."""
+        gate_ups = [reader.mat(gate, up) for gate, up, _ in names]
+        downs = [reader.mat(down) for _, _, down in names]
+        return cls(torch.stack(gate_ups), torch.stack(downs))
 
     def run(self, e: int, rows: torch.Tensor) -> torch.Tensor:
         """down_e(silu(gate_e(rows)) * up_e(rows))."""
@@ -185,6 +194,9 @@ class MoEBlock:
     router_packed: object | None = None  # kernels.decode_gemm.PackedLinear of `router`
     # The expert ids of the last call: the decode bench counts the distinct experts a step read.
     last_ids: torch.Tensor | None = None
+    # (logits [rows, experts], spec, dtype) -> (weights, ids), each [rows, k]: `choose` (the
+    # softmax top-k) unless a family routes otherwise (DeepSeek's grouped routers).
+    rule: Callable | None = None
 
     def __post_init__(self):
         if self.shared is not None and self.shared.gate is not None \
@@ -195,7 +207,8 @@ class MoEBlock:
         shape = x.shape
         x = x.reshape(-1, shape[-1])
         logits = linear(x, self.router, None, self.router_packed)
-        weights, ids = choose(logits[:, :self.spec.num_experts], self.spec, x.dtype)
+        weights, ids = (self.rule or choose)(logits[:, :self.spec.num_experts], self.spec,
+                                             x.dtype)
         self.last_ids = ids
         with profiled(EXPERTS_RANGE):
             out = experts_forward(x, weights, ids, self.experts)

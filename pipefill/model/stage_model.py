@@ -17,7 +17,7 @@ from pipefill.model.attention import SeqMeta, kv_writer, paged_attention
 from pipefill.model.config import ModelConfig
 from pipefill.model.families import family_of
 from pipefill.model.layers import TorchOps, rms_norm
-from pipefill.model.rope import cos_sin, inverse_frequencies
+from pipefill.model.rope import cos_sin, inverse_frequencies, rope_attention_factor
 
 
 @dataclass
@@ -57,6 +57,7 @@ class StageModel:
         self.w = weights
         self.dtype = dtype
         self.inv_freq = inverse_frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling)
+        self.rope_factor = rope_attention_factor(cfg.rope_scaling)  # yarn's, in cos and sin
         # Sliding-window layers with a rope base of their own (Gemma 3's local layers).
         self.local_inv_freq = (None if cfg.local_rope_theta is None else
                                inverse_frequencies(cfg.head_dim, cfg.local_rope_theta, {}))
@@ -88,7 +89,7 @@ class StageModel:
     @torch.inference_mode()
     def forward(self, hidden, residual, meta: ForwardMeta, k_cache, v_cache):
         """Runs this stage's layers. k_cache/v_cache: per local layer, indexed [i]."""
-        cos, sin = cos_sin(meta.positions, self.inv_freq)
+        cos, sin = cos_sin(meta.positions, self.inv_freq, self.rope_factor)
         # A step of one-token rows where some row feeds no logit (a one-token prompt chunk)
         # trims on the general path: the lean decode path returns every row.
         trim = self.trims(meta)

@@ -62,7 +62,8 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
     if device.type != "cpu":
         weights = weights_to(weights, device)
     backend, why = choose_backend(args.attention_backend, dtype, cfg.head_dim, args.page_size,
-                                  device, kv_dtype, flags, cfg.has_windows)
+                                  device, kv_dtype, flags, cfg.has_windows,
+                                  latent=cfg.mla is not None)
     if backend in KERNEL_BACKENDS:  # the kernels' packed layout (bf16 or float32)
         from pipefill.kernels.amx_attention import AmxKVCache
         cache = AmxKVCache(len(info.layers), num_pages, args.page_size,

@@ -6,11 +6,12 @@ from __future__ import annotations
 
 from pipefill.model.config import ModelConfig
 from pipefill.model.family import ModelFamily
+from pipefill.model.families.deepseek import DEEPSEEK
 from pipefill.model.families.gemma3 import GEMMA3
 from pipefill.model.families.llama import LLAMA
 from pipefill.model.families.moe import MOE
 
-FAMILIES: tuple[ModelFamily, ...] = (LLAMA, MOE, GEMMA3)
+FAMILIES: tuple[ModelFamily, ...] = (LLAMA, MOE, GEMMA3, DEEPSEEK)
 
 
 def supported_names() -> str:

@@ -17,8 +17,6 @@ from __future__ import annotations
 
 from dataclasses import replace
 
-import torch
-
 from pipefill.model.config import ModelConfig, MoEConfig
 from pipefill.model.decode_step import DecodeRunner
 from pipefill.model.family import WeightReader
@@ -101,13 +99,8 @@ class MoEFamily(LlamaFamily):
         if not cfg.is_sparse(layer):
             return super().load_mlp(cfg, layer, read)
         moe = cfg.moe
-        gate_ups, downs = [], []
-        for e in range(moe.num_experts):
-            gate, up, down = expert_names(cfg, layer, e)
-            gate_ups.append(read.mat(gate, up))
-            downs.append(read.mat(down))
-        experts = Experts(torch.stack(gate_ups), torch.stack(downs))
-        del gate_ups, downs
+        experts = Experts.read(read, [expert_names(cfg, layer, e)
+                                      for e in range(moe.num_experts)])
         shared = None
         if moe.shared_width:
             p = f"model.layers.{layer}.mlp."

@@ -147,8 +147,10 @@ def weight_bytes(model, packed: bool) -> int:
         if packed and layer.packed:
             total += sum(p.nbytes for p in layer.packed.values())
         else:
-            total += sum(getattr(layer, n).nbytes for n in ("qkv", "o_proj", "gate_up", "down")
+            total += sum(getattr(layer, n).nbytes for n in model.family.matrices
                          if getattr(layer, n) is not None)
+        if getattr(layer, "up", None) is not None:  # MLA's kv_b_proj, plain (model/mla.py)
+            total += layer.up.kv_b.nbytes
         if getattr(layer, "moe", None) is not None:
             total += layer.moe.fixed_bytes_read()
     if model.w.lm_head is not None:

@@ -22,9 +22,7 @@ def prefill_flops(cfg: ModelConfig, num_tokens: int, prefix_len: int = 0) -> dic
     # Query i (absolute position p) sees p + 1 keys.
     end = prefix_len + num_tokens
     keys_seen = (end * (end + 1) - prefix_len * (prefix_len + 1)) / 2
-    per_key = (2 * cfg.head_dim if cfg.mla is None  # QK^T and PV per head
-               else cfg.mla.qk_head_dim + cfg.mla.v_head_dim)
-    attention = cfg.num_layers * 2 * cfg.num_heads * per_key * keys_seen
+    attention = cfg.num_layers * 2 * cfg.attention_width * keys_seen
     return {"linear": float(linear), "attention": float(attention),
             "total": float(linear + attention),
             "experts": float(expert_flops(cfg, num_tokens * sum(map(cfg.is_sparse,

@@ -72,7 +72,7 @@ def model_cost(ns) -> CostModel:
     counts = [len(r) for r in partition_layers(cfg.num_layers, ns.pp_size, costs=params)]
     if ns.tflops <= 0:
         raise ValueError("--tflops must be positive")
-    model = CostModel.from_shapes(params, 2 * cfg.q_size, counts, ns.tflops * 1e12,
+    model = CostModel.from_shapes(params, cfg.attention_width, counts, ns.tflops * 1e12,
                                   ns.overhead_ms * 1e-3)
     active = sum(params) / 1e9
     print(f"{cfg.model_type}: {cfg.num_layers} layers, {active:.1f}B weights a token "

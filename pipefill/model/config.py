@@ -110,6 +110,14 @@ class ModelConfig:
     def kv_size(self) -> int:
         return self.num_kv_heads * self.head_dim
 
+    @property
+    def attention_width(self) -> int:
+        """Multiply-adds of one query against one key, its score and its weighted value:
+        heads x (q/k head size + v head size)."""
+        if self.mla is None:
+            return 2 * self.q_size
+        return self.num_heads * (self.mla.qk_head_dim + self.mla.v_head_dim)
+
 
 def hf_rope(d: dict) -> tuple[float, dict]:
     """(rope theta, rope scaling without the default type) of a config.json: transformers 5

@@ -71,6 +71,7 @@ class WeightSource:
         self.gguf = None
         with open(os.path.join(path, "config.json")) as f:
             hf = json.load(f)
+        refuse_quantized(hf, path)
         self.family = family_for_hf_config(hf)
         self.config = self.family.config_from_hf(hf)
         self._file_of = {}
@@ -163,6 +164,18 @@ class WeightSource:
         if self.gguf is None:
             return None
         return self.family.gguf_rotary_heads(self.config, self.gguf.arch, name)
+
+
+def refuse_quantized(hf: dict, path: str) -> None:
+    """A sentence for a Hugging Face folder of quantized weights (config.json's
+    quantization_config: FP8 blocks, GPTQ, AWQ, ...), which would otherwise load as their raw
+    integers or FP8 values without their scales."""
+    quant = hf.get("quantization_config")
+    if quant:
+        method = quant.get("quant_method", "quantized") if isinstance(quant, dict) else quant
+        raise ValueError(f"--model-path {path}: {method} checkpoints (config.json's "
+                         "quantization_config) are not read yet; pipefill reads bfloat16, "
+                         "float16 and float32 safetensors, and GGUF files")
 
 
 # Where a multimodal checkpoint keeps its language model's "model.*" tensors (Gemma 3's

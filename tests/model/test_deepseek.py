@@ -1,7 +1,7 @@
 """The DeepSeek family (V3 and V2, multi-head latent attention, DeepSeekMoE) against HF
 transformers on the same random weights (float32): prompt logprobs within 1e-4 and 16 greedy
-tokens identical. Odd shapes: 3 heads, head sizes 10 + 6 (rope) and 14 (value), latents of 22
-and 17 values (an odd latent_dim), expert counts not powers of two; V3 with q LoRA, 2 expert
+tokens identical. Odd shapes: 3 heads, head sizes 10 + 6 (rope) and 14 (value), latents of
+22 + 6 and 17 + 16 values (an odd latent_dim), expert counts not powers of two; V3 with q LoRA, 2 expert
 groups of which 1 is searched, a correction bias, a dense first layer and yarn with mscale and
 mscale_all_dim; V2 without q LoRA, greedy and group-limited routing. Chunked and dynamically
 chunked prefill, pipelines of 1 and 2 stages with uneven partitions, a prefix-cache hit; the
@@ -45,11 +45,12 @@ MODELS = {
         qk_nope_head_dim=12, qk_rope_head_dim=4, v_head_dim=10, n_routed_experts=7,
         num_experts_per_tok=2, n_shared_experts=2, first_k_dense_replace=1,
         topk_method="greedy", routed_scaling_factor=1.5)),
-    # group-limited: top-3 of 8 experts in the best 2 of 4 groups; an odd latent (17 + 4).
+    # group-limited: top-3 of 8 experts in the best 2 of 4 groups; an odd latent (17 + 16);
+    # widths that are multiples of 16, so the fused elementwise kernels run where they build.
     "v2_groups": ("DeepseekV2Config", dict(
-        hidden_size=60, intermediate_size=80, moe_intermediate_size=20, num_hidden_layers=4,
+        hidden_size=64, intermediate_size=96, moe_intermediate_size=20, num_hidden_layers=4,
         num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=17,
-        qk_nope_head_dim=12, qk_rope_head_dim=4, v_head_dim=10, n_routed_experts=8,
+        qk_nope_head_dim=12, qk_rope_head_dim=16, v_head_dim=10, n_routed_experts=8,
         num_experts_per_tok=3, n_group=4, topk_group=2, n_shared_experts=1,
         first_k_dense_replace=1, topk_method="group_limited_greedy",
         routed_scaling_factor=2.0)),
@@ -180,8 +181,6 @@ def test_config_routers_and_refusals(deepseek_models, caplog):
     assert cfg.mla.softmax_scale == pytest.approx(16 ** -0.5 * (0.08 * math.log(4) + 1) ** 2)
     for bad, sentence in [({"scoring_func": "softmax"}, "scoring_func 'softmax' is not"),
                           ({"topk_method": "greedy"}, "topk_method 'greedy' is not"),
-                          ({"quantization_config": {"quant_method": "fp8"}},
-                           "fp8 quantized checkpoints are not read yet"),
                           ({"n_group": 3}, "do not split into n_group 3")]:
         with pytest.raises(ValueError, match=sentence):
             family.config_from_hf({**d, **bad})
@@ -192,6 +191,20 @@ def test_config_routers_and_refusals(deepseek_models, caplog):
             cfg2.mla.q_lora_rank) == ("group_limited_greedy", 4, 2, None)
     with pytest.raises(ValueError, match="norm_topk_prob is not supported"):
         family.config_from_hf({**d2, "norm_topk_prob": True})
+
+
+def test_a_quantized_checkpoint_is_refused_with_a_sentence(deepseek_models, tmp_path):
+    """DeepSeek-V3's FP8 release: refused at load (not read yet), while `pipefill sim`
+    still reads its shapes from the same config.json."""
+    from pipefill.model.loader import WeightSource
+    with open(f"{deepseek_models['v3'][0]}/config.json") as f:
+        d = json.load(f)
+    fp8 = {**d, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
+                                        "weight_block_size": [128, 128]}}
+    (tmp_path / "config.json").write_text(json.dumps(fp8))
+    with pytest.raises(ValueError, match="fp8 checkpoints .* are not read yet"):
+        WeightSource(str(tmp_path))
+    assert family_for_hf_config(fp8).config_from_hf(fp8).mla.latent_dim == 28
 
 
 def test_attention_kernels_step_aside_for_the_latent_cache():

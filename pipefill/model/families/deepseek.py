@@ -329,10 +329,6 @@ def refuse_unsupported(d: dict, model_type: str) -> None:
     if model_type == "deepseek_v2" and d.get("norm_topk_prob"):
         raise ValueError("deepseek_v2: norm_topk_prob is not supported (transformers does not "
                          "renormalise V2's router weights, and no published V2 does)")
-    if d.get("quantization_config"):
-        method = d["quantization_config"].get("quant_method", "?")
-        raise ValueError(f"{model_type}: {method} quantized checkpoints are not read yet "
-                         "(pipefill reads bfloat16, float16 and float32 weights)")
     experts, groups = d.get("n_routed_experts") or 0, d.get("n_group") or 1
     if experts and experts % groups:
         raise ValueError(f"{model_type}: {experts} routed experts do not split into n_group "

@@ -1,7 +1,7 @@
 """The DeepSeek family (V3 and V2, multi-head latent attention, DeepSeekMoE) against HF
 transformers on the same random weights (float32): prompt logprobs within 1e-4 and 16 greedy
 tokens identical. Odd shapes: 3 heads, head sizes 10 + 6 (rope) and 14 (value), latents of
-22 + 6 and 17 + 16 values (an odd latent_dim), expert counts not powers of two; V3 with q LoRA, 2 expert
+21 + 6 (an odd latent_dim) and 18 + 16 values, expert counts not powers of two; V3 with q LoRA, 2 expert
 groups of which 1 is searched, a correction bias, a dense first layer and yarn with mscale and
 mscale_all_dim; V2 without q LoRA, greedy and group-limited routing. Chunked and dynamically
 chunked prefill, pipelines of 1 and 2 stages with uneven partitions, a prefix-cache hit; the
@@ -27,16 +27,17 @@ PROMPT = [_rng.randrange(512) for _ in range(90)]
 
 COMMON = dict(vocab_size=512, max_position_embeddings=1024, tie_word_embeddings=False)
 MODELS = {
-    # q LoRA 20, latent 22 + rope 6, 8 experts in 2 groups (1 searched), top-3, a shared
-    # expert, layer 0 dense, sigmoid scores with a correction bias, yarn x4 with both mscales.
+    # q LoRA 20, an odd latent (21 + rope 6), 8 experts in 2 groups (1 searched), top-3, a
+    # shared expert, layer 0 dense, sigmoid scores with a correction bias, yarn x4 with both
+    # mscales.
     "v3": ("DeepseekV3Config", dict(
-        hidden_size=48, intermediate_size=72, moe_intermediate_size=18, num_hidden_layers=4,
-        num_attention_heads=3, num_key_value_heads=3, q_lora_rank=20, kv_lora_rank=22,
+        hidden_size=48, intermediate_size=72, moe_intermediate_size=20, num_hidden_layers=4,
+        num_attention_heads=3, num_key_value_heads=3, q_lora_rank=20, kv_lora_rank=21,
         qk_nope_head_dim=10, qk_rope_head_dim=6, v_head_dim=14, n_routed_experts=8,
         num_experts_per_tok=3, n_group=2, topk_group=1, n_shared_experts=1,
         first_k_dense_replace=1, routed_scaling_factor=2.5, norm_topk_prob=True,
         rope_parameters={"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0,
-                         "original_max_position_embeddings": 64, "beta_fast": 32,
+                         "original_max_position_embeddings": 256, "beta_fast": 32,
                          "beta_slow": 1, "mscale": 0.9, "mscale_all_dim": 0.8})),
     # no q LoRA, latent 18 + rope 4, softmax top-2 of 7 (greedy), 2 shared experts.
     "v2": ("DeepseekV2Config", dict(
@@ -45,11 +46,12 @@ MODELS = {
         qk_nope_head_dim=12, qk_rope_head_dim=4, v_head_dim=10, n_routed_experts=7,
         num_experts_per_tok=2, n_shared_experts=2, first_k_dense_replace=1,
         topk_method="greedy", routed_scaling_factor=1.5)),
-    # group-limited: top-3 of 8 experts in the best 2 of 4 groups; an odd latent (17 + 16);
-    # widths that are multiples of 16, so the fused elementwise kernels run where they build.
+    # group-limited: top-3 of 8 experts in the best 2 of 4 groups (latent 18 + 16: V2's
+    # rope in transformers needs an even latent); widths that are multiples of 16, so the
+    # fused elementwise kernels run where they build.
     "v2_groups": ("DeepseekV2Config", dict(
         hidden_size=64, intermediate_size=96, moe_intermediate_size=20, num_hidden_layers=4,
-        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=17,
+        num_attention_heads=4, num_key_value_heads=4, q_lora_rank=None, kv_lora_rank=18,
         qk_nope_head_dim=12, qk_rope_head_dim=16, v_head_dim=10, n_routed_experts=8,
         num_experts_per_tok=3, n_group=4, topk_group=2, n_shared_experts=1,
         first_k_dense_replace=1, topk_method="group_limited_greedy",
@@ -123,7 +125,7 @@ def test_the_pool_keeps_the_latent_per_token(kind, deepseek_models):
     assert sum(s.bytes_per_token for s in specs) == cfg.num_layers * 2 * (
         mla.latent_dim + mla.latent_dim % 2)
     if kind == "v3":
-        assert per_token == 4 * (22 + 6) * 4
+        assert per_token == 4 * (21 + 6 + 1) * 4  # 27 values: V keeps one unused
 
 
 def _random_latent_layer(heads=3, nope=10, rope=6, v=14, rank=22, seed=0):
@@ -175,7 +177,7 @@ def test_config_routers_and_refusals(deepseek_models, caplog):
     assert cfg.moe.sparse_layers == (False, True, True, True)
     assert (cfg.moe.scoring, cfg.moe.topk_method, cfg.moe.num_groups) == ("sigmoid",
                                                                            "noaux_tc", 2)
-    assert cfg.mla.q_lora_rank == 20 and cfg.mla.latent_dim == 28
+    assert cfg.mla.q_lora_rank == 20 and cfg.mla.latent_dim == 27
     # (10 + 6)^-0.5 times (0.1 * 0.8 * ln 4 + 1)^2, as transformers' yarn_apply_mscale.
     import math
     assert cfg.mla.softmax_scale == pytest.approx(16 ** -0.5 * (0.08 * math.log(4) + 1) ** 2)
@@ -204,7 +206,29 @@ def test_a_quantized_checkpoint_is_refused_with_a_sentence(deepseek_models, tmp_
     (tmp_path / "config.json").write_text(json.dumps(fp8))
     with pytest.raises(ValueError, match="fp8 checkpoints .* are not read yet"):
         WeightSource(str(tmp_path))
-    assert family_for_hf_config(fp8).config_from_hf(fp8).mla.latent_dim == 28
+    assert family_for_hf_config(fp8).config_from_hf(fp8).mla.latent_dim == 27
+
+
+def test_real_shapes_plan_and_size_the_latent(tmp_path):
+    """DeepSeek-V3's and V2-Lite's published shapes (bench make-model): 576 latent values a
+    token and layer, dense first layers weighed apart from the MoE ones, and `pipefill sim`
+    partitions V3 from its config.json alone."""
+    import subprocess
+    import sys
+    from pipefill.bench.make_model import make_config
+    family = family_for_hf_config({"model_type": "deepseek_v3"})
+    for like, dense in (("deepseek-v3", 3), ("deepseek-v2-lite", 1)):
+        cfg = family.config_from_hf(json.loads(make_config(like).to_json_string()))
+        assert cfg.mla.latent_dim == 576 and cfg.moe.sparse_layers.index(True) == dense
+        costs = family.layer_costs(cfg)
+        assert costs[0] != costs[dense] and len(set(costs[dense:])) == 1
+    path = tmp_path / "config.json"
+    path.write_text(make_config("deepseek-v3").to_json_string())
+    out = subprocess.run([sys.executable, "-m", "pipefill.cli.main", "sim", "--model-config",
+                          str(path), "--pp-size", "4", "--input-len", "131072", "--tflops",
+                          "400"], capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "deepseek_v3: 61 layers" in out.stdout and "TTFT" in out.stdout
 
 
 def test_attention_kernels_step_aside_for_the_latent_cache():

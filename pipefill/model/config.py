@@ -130,6 +130,16 @@ def hf_rope(d: dict) -> tuple[float, dict]:
     return float(theta), scaling
 
 
+def hf_common(d: dict) -> dict:
+    """The ModelConfig fields that config.json states alike for every family."""
+    return dict(vocab_size=d["vocab_size"], hidden_size=d["hidden_size"],
+                intermediate_size=d["intermediate_size"], num_layers=d["num_hidden_layers"],
+                rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+                max_position_embeddings=d.get("max_position_embeddings", 2048),
+                tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
+                bos_token_id=d.get("bos_token_id"), eos_token_ids=hf_eos_token_ids(d))
+
+
 def hf_eos_token_ids(d: dict) -> tuple[int, ...]:
     """config.json's eos_token_id (one id, a list, or none) as a tuple."""
     eos = d.get("eos_token_id")

@@ -77,10 +77,23 @@ def save_deepseek(kind: str, path, seed: int = 1) -> str:
     return str(path)
 
 
+class SavedModels(dict):
+    """kind -> (folder, HF's reference), each saved and run by HF on first use (the fast
+    tests need two of the three)."""
+
+    def __init__(self, tmp_path_factory):
+        super().__init__()
+        self.tmp = tmp_path_factory
+
+    def __missing__(self, kind: str):
+        path = save_deepseek(kind, self.tmp.mktemp(kind))
+        self[kind] = (path, hf_reference(path, PROMPT, 16, full_forwards=True))
+        return self[kind]
+
+
 @pytest.fixture(scope="module")
 def deepseek_models(tmp_path_factory):
-    paths = {k: save_deepseek(k, tmp_path_factory.mktemp(k)) for k in MODELS}
-    return {k: (p, hf_reference(p, PROMPT, 16, full_forwards=True)) for k, p in paths.items()}
+    return SavedModels(tmp_path_factory)
 
 
 def check(engine, ref, chunk=None):

@@ -24,8 +24,7 @@ from dataclasses import dataclass
 import torch
 
 from pipefill.model.attention import SeqMeta
-from pipefill.model.config import (MLAConfig, ModelConfig, MoEConfig, hf_eos_token_ids,
-                                   hf_rope)
+from pipefill.model.config import MLAConfig, ModelConfig, MoEConfig, hf_common, hf_rope
 from pipefill.model.family import KVSpec, ModelFamily, WeightReader
 from pipefill.model.families.llama import LlamaFamily
 from pipefill.model.layers import linear, rms_norm
@@ -123,22 +122,14 @@ class DeepSeekFamily(ModelFamily):
         skip_mtp_layers(d)
         return ModelConfig(
             model_type=model_type,
-            vocab_size=d["vocab_size"],
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_layers=d["num_hidden_layers"],
             num_heads=d["num_attention_heads"],
-            num_kv_heads=d["num_attention_heads"],
-            head_dim=d["qk_rope_head_dim"],
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
+            num_kv_heads=d["num_attention_heads"],  # not used: the cache keeps latents
+            head_dim=d["qk_rope_head_dim"],  # the rope tables' width (ModelConfig.mla)
             rope_theta=theta,
-            max_position_embeddings=d.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             rope_scaling=scaling,
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_ids=hf_eos_token_ids(d),
             moe=moe_config(d, model_type),
             mla=mla_config(d, model_type, scaling),
+            **hf_common(d),
         )
 
     def config_from_gguf(self, gguf) -> ModelConfig:

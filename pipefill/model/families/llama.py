@@ -11,7 +11,7 @@ from dataclasses import dataclass
 import torch
 
 from pipefill.model.attention import last_rows_attention
-from pipefill.model.config import ModelConfig, hf_eos_token_ids, hf_head_dim, hf_rope
+from pipefill.model.config import ModelConfig, hf_common, hf_head_dim, hf_rope
 from pipefill.model.decode_step import DecodeRunner
 from pipefill.model.family import KVSpec, ModelFamily, WeightReader
 from pipefill.model.gguf_file import gguf_layer_name
@@ -78,23 +78,15 @@ class LlamaFamily(ModelFamily):
             window = None
         return ModelConfig(
             model_type=model_type,
-            vocab_size=d["vocab_size"],
-            hidden_size=d["hidden_size"],
-            intermediate_size=d["intermediate_size"],
-            num_layers=d["num_hidden_layers"],
             num_heads=num_heads,
             num_kv_heads=d.get("num_key_value_heads") or num_heads,
             head_dim=hf_head_dim(d),
-            rms_norm_eps=d.get("rms_norm_eps", 1e-6),
             rope_theta=theta,
-            max_position_embeddings=d.get("max_position_embeddings", 2048),
-            tie_word_embeddings=bool(d.get("tie_word_embeddings", False)),
             attention_bias=model_type == "qwen2" or bool(d.get("attention_bias", False)),
             qk_norm=model_type == "qwen3",
             rope_scaling=scaling,
             sliding_window=window,
-            bos_token_id=d.get("bos_token_id"),
-            eos_token_ids=hf_eos_token_ids(d),
+            **hf_common(d),
         )
 
     def config_from_gguf(self, gguf) -> ModelConfig:

@@ -189,5 +189,5 @@ def make_first_stage_loop(args, cfg, executor, channel, pipe, tracer, policy, ro
     loop = FirstStageLoop(executor, scheduler, channel, pipe, args.layout.max_inflight, tracer,
                           on_result=policy.observe, chunk_policy=policy, heartbeat=heartbeat)
     if args.layer_costs:  # the family's weights per layer (config.resolve)
-        loop.progress.prior = shape_coefficients(args.layer_costs, 2 * cfg.q_size)
+        loop.progress.prior = shape_coefficients(args.layer_costs, cfg.attention_width)
     return loop

@@ -13,8 +13,8 @@ of base/plan.py themselves, so the schema follows their fields as they change.
                          [RequestOutput]), ("rejected", (rid, msg)), ("stage_stats", (rank,
                          stats)), ("load", stats), ("trace", (rank, events)), ("fatal", message)
 
-Stage <-> stage (gloo): the body of a P2P message is a PipeMessage or a StepResult, encoded
-the same way (see p2p.py; tensors travel as raw frames after it).
+Stage <-> stage (gloo): the body of a P2P message is a PipeMessage or a list of StepResults,
+encoded the same way (see p2p.py: header, body and tensors travel as one frame).
 
 With a cluster secret, a ZMQ frame is sealed (`Seal`): HMAC-SHA256 over (sender id, counter,
 send time, body). The receiver checks the HMAC before it decodes anything, and refuses a

@@ -21,6 +21,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pipefill.bench import allreduce as bench_allreduce
     from pipefill.bench import attention as bench_attention
     from pipefill.bench import kv_transfer as bench_kv_transfer
+    from pipefill.bench import link as bench_link
     from pipefill.bench import long_short as bench_long_short
     from pipefill.bench import make_model as bench_make_model
     from pipefill.bench import multiturn as bench_multiturn
@@ -51,6 +52,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_decode_gemm.add_parser(bench)
     bench_make_model.add_parser(bench)
     bench_allreduce.add_parser(bench)
+    bench_link.add_parser(bench)
     sim.add_parser(sub)
     return parser
 

@@ -366,19 +366,25 @@ import torch, torch.distributed as dist
 rank, port, mode, marker = int(sys.argv[1]), sys.argv[2], sys.argv[3], sys.argv[4]
 dist.init_process_group("gloo", init_method=f"tcp://127.0.0.1:{port}", rank=rank,
                         world_size=2, timeout=datetime.timedelta(seconds=60))
+from pipefill.runtime import p2p
 if rank == 0:  # a sender that does not speak the protocol
     class MakesFile:
         def __reduce__(self):
             return (open, (marker, "w"))
     body = pickle.dumps(MakesFile())
+    rows = 10 if mode == "rows" else -1
     size = (1 << 40) if mode == "huge" else len(body)
-    dist.send(torch.tensor([size, -1], dtype=torch.int64), 1, tag=100)
-    if mode != "huge":
-        dist.send(torch.frombuffer(bytearray(body), dtype=torch.uint8), 1, tag=101)
+    frame_len = p2p.frame_layout(len(body), -1, ())[1]  # as if there were no tensors
+    header = p2p.Header(0, size, rows, frame_len, p2p.FIRST_SLOT_BYTES).pack()
+    frame = bytearray(frame_len)
+    frame[:len(header)] = header
+    frame[p2p.HEADER_BYTES:p2p.HEADER_BYTES + len(body)] = body
+    if mode == "foreign":  # the framing of an older pipefill: (body length, rows), then the body
+        frame = bytearray(torch.tensor([len(body), -1], dtype=torch.int64).numpy().tobytes())
+    dist.send(torch.frombuffer(frame, dtype=torch.uint8), 1, tag=100)
     time.sleep(120)  # stays up until the test ends it: the receiver sees the bytes, not a close
 else:
-    from pipefill.runtime.p2p import Pipe
-    pipe = Pipe(1, 2, 8, torch.float32, torch.device("cpu"))
+    pipe = p2p.Pipe(1, 2, 8, torch.float32, torch.device("cpu"))
     try:
         pipe.recv_forward()
         print("RECEIVED")
@@ -388,9 +394,12 @@ else:
     os._exit(0)
 """
 
+P2P_ERRORS = {"pickle": "malformed message", "huge": "malformed header: body of",
+              "rows": "malformed header: a frame of", "foreign": "not a pipefill frame"}
 
-@pytest.mark.parametrize("mode", ["pickle", "huge"])
-def test_p2p_rejects_a_foreign_body_with_a_clear_error(tmp_path, mode):
+
+@pytest.mark.parametrize("mode", list(P2P_ERRORS))
+def test_p2p_rejects_a_foreign_frame_with_a_clear_error(tmp_path, mode):
     import subprocess
     import sys
 
@@ -406,5 +415,5 @@ def test_p2p_rejects_a_foreign_body_with_a_clear_error(tmp_path, mode):
             p.kill()
             p.wait()
     assert "ERROR: link to stage 0 failed" in out, out
-    assert ("malformed header" if mode == "huge" else "malformed message") in out, out
+    assert P2P_ERRORS[mode] in out, out
     assert not os.path.exists(marker)

@@ -1,7 +1,7 @@
 """Real multi-node (slow): two Linux network namespaces, one `pipefill generate` per namespace,
 PP2 across them: the same tokens as PP1, and the TTFT of each printed, over two links:
 - a veth pair at 10 Gbit/s (`tc tbf`), no added delay;
-- a 1 ms one-way delay link (tests/cross/netdelay.py: TUN devices and a user-space forwarder,
+- a 1 ms one-way delay link (pipefill/bench/netdelay.py: TUN devices and a user-space forwarder,
   because `tc netem` is missing on some kernels), whose measured round trip and goodput are
   printed beside the TTFT.
 A node that never joins fails with a sentence within --dist-init-timeout, on either side.
@@ -17,7 +17,8 @@ from dataclasses import dataclass
 import pytest
 
 from conftest import save_tiny_model
-from netdelay import DelayLink, measure
+from pipefill.bench.netdelay import (DelayLink, add_namespaces, delete_namespaces,
+                                    in_namespace, measure)
 
 pytestmark = pytest.mark.slow
 
@@ -37,17 +38,16 @@ def _ip(*args) -> subprocess.CompletedProcess:
 
 def _setup() -> str | None:
     """Builds the two namespaces; returns a reason to skip, or None."""
-    if shutil.which("ip") is None or shutil.which("tc") is None:
+    if shutil.which("tc") is None:
         return "iproute2 (ip, tc) is not installed"
-    r = _ip("netns", "add", NS[0])
-    if r.returncode:
-        return f"`ip netns add` is not permitted here: {r.stderr.strip()}"
-    steps = [("netns", "add", NS[1]),
-             ("link", "add", IFACE[0], "type", "veth", "peer", "name", IFACE[1])]
+    reason = add_namespaces(NS)
+    if reason is not None:
+        return reason
+    steps = [("link", "add", IFACE[0], "type", "veth", "peer", "name", IFACE[1])]
     for ns, iface, ip in zip(NS, IFACE, IP):
         steps += [("link", "set", iface, "netns", ns),
                   ("-n", ns, "addr", "add", f"{ip}/24", "dev", iface),
-                  ("-n", ns, "link", "set", iface, "up"), ("-n", ns, "link", "set", "lo", "up")]
+                  ("-n", ns, "link", "set", iface, "up")]
     for step in steps:
         r = _ip(*step)
         if r.returncode:
@@ -67,14 +67,12 @@ def _shape_link() -> str:
 def netns():
     reason = _setup()
     if reason is not None:
-        for ns in NS:
-            _ip("netns", "del", ns)
+        delete_namespaces(NS)
         pytest.skip(reason)
     try:
         yield _shape_link()
     finally:
-        for ns in NS:
-            _ip("netns", "del", ns)
+        delete_namespaces(NS)
 
 
 @pytest.fixture(scope="module")
@@ -119,17 +117,16 @@ def generate(node: int | None, model: str, *extra: str, out: str | None = None,
     over `link` (interface names, addresses)."""
     ifaces, ips = link
     ns, iface = (NS[0], ifaces[0]) if node is None else (NS[node], ifaces[node])
-    argv = ["ip", "netns", "exec", ns, "env", f"GLOO_SOCKET_IFNAME={iface}", sys.executable,
-            "-m", "pipefill.cli.main", "generate", "--model-path", model, "--dtype", "float32",
-            "--input-len", "960", "--max-new-tokens", "16", "--chunked-prefill-size", "128",
-            "--threads-per-stage", "1", *extra]
+    argv = [sys.executable, "-m", "pipefill.cli.main", "generate", "--model-path", model,
+            "--dtype", "float32", "--input-len", "960", "--max-new-tokens", "16",
+            "--chunked-prefill-size", "128", "--threads-per-stage", "1", *extra]
     if node is not None:
         argv += ["--pp-size", "2", "--nnodes", "2", "--node-rank", str(node),
                  "--dist-init-addr", f"{ips[0]}:{PORT}"]
     if out:
         argv += ["--output-json", out]
-    # GLOO_SOCKET_IFNAME: inside a namespace the host name resolves to no address of it.
-    return subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    return subprocess.Popen(in_namespace(ns, iface, argv), stdout=subprocess.PIPE,
+                            stderr=subprocess.STDOUT, text=True)
 
 
 def finish(proc: subprocess.Popen, within_s: float) -> tuple[int, str]:

@@ -1,5 +1,5 @@
-"""A user-space delay link between two network namespaces, for tests where `tc netem` is
-missing from the kernel.
+"""A user-space delay link between two network namespaces, for tests and benchmarks
+(`pipefill bench link`) where `tc netem` is missing from the kernel.
 
 Each namespace gets a point-to-point TUN device whose peer address is the other namespace's;
 one forwarder process holds both TUN file descriptors and copies every IP packet from one
@@ -13,7 +13,7 @@ the node namespaces with `ip link set ... netns`: a TUN device keeps its open de
 across the move, so the forwarder needs no setns. The devices live as long as the forwarder:
 stopping it takes the link down.
 
-Run alone: `python tests/cross/netdelay.py TUN_A TUN_B --delay-ms 1 --rate-gbit 10` prints
+Run alone: `python -m pipefill.bench.netdelay TUN_A TUN_B --delay-ms 1 --rate-gbit 10` prints
 "ready" once both devices exist, then forwards until killed."""
 from __future__ import annotations
 
@@ -22,6 +22,7 @@ import collections
 import fcntl
 import os
 import select
+import shutil
 import socket
 import statistics
 import struct
@@ -83,6 +84,30 @@ def forward(fd_a: int, fd_b: int, delay_s: float, rate_bps: float) -> None:
             if d.src in readable:
                 _take(d, now, delay_s, rate_bps)
             _release(d, now)
+
+
+def add_namespaces(names) -> str | None:
+    """Creates network namespaces with their loopback up; a reason it cannot, or None. Needs
+    root (CAP_SYS_ADMIN and CAP_NET_ADMIN)."""
+    if shutil.which("ip") is None:
+        return "iproute2 (ip) is not installed"
+    for ns in names:
+        for step in (("netns", "add", ns), ("-n", ns, "link", "set", "lo", "up")):
+            r = subprocess.run(["ip", *step], capture_output=True, text=True)
+            if r.returncode:
+                return f"`ip {' '.join(step)}` is not permitted here: {r.stderr.strip()}"
+    return None
+
+
+def delete_namespaces(names) -> None:
+    for ns in names:
+        subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def in_namespace(ns: str, iface: str, argv: list[str]) -> list[str]:
+    """argv run inside namespace `ns`, with gloo on `iface` (inside a namespace the host name
+    resolves to no address of it)."""
+    return ["ip", "netns", "exec", ns, "env", f"GLOO_SOCKET_IFNAME={iface}", *argv]
 
 
 @dataclass

@@ -205,8 +205,8 @@ class _Channel:
         raw = frame.numpy()
         raw[:HEADER_BYTES] = np.frombuffer(header.pack(), dtype=np.uint8)
         raw[HEADER_BYTES:HEADER_BYTES + len(data)] = np.frombuffer(data, dtype=np.uint8)
-        for offset, t in zip(offsets, tensors):
-            _tensor_at(frame, offset, t.shape[0], t.shape[1], t.dtype).copy_(t)
+        for offset, t, (width, dtype) in zip(offsets, tensors, self.specs):
+            _tensor_at(frame, offset, header.rows, width, dtype).copy_(t)  # the model's dtype
         return frame
 
     def flush(self) -> None:

@@ -13,6 +13,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pipefill.chunking.cost import ChunkSizePredictor
+from pipefill.chunking.progress import shape_coefficients
 
 # The smooth factors `--chunked-prefill-size auto` and `pipefill sim` try with dynamic chunks.
 SMOOTH_GRID = (0.0, 0.5, 0.65, 0.75, 0.85, 1.0)
@@ -35,16 +36,14 @@ class CostModel:
     @staticmethod
     def from_shapes(layer_params: list[float], attention_width: float, counts: list[int],
                     flops: float, overhead_s: float = 0.0) -> "CostModel":
-        """The cost model a model's shapes imply on a device doing `flops` FLOP/s: a token
-        costs 2 FLOPs per weight it multiplies by in a layer (layer_params), and a
-        from-scratch prefill of l tokens l^2 * attention_width FLOPs per layer for its scores
-        and weighted values (width = heads x (q/k head size + v head size)). Stage 0 runs the
+        """The cost model a model's shapes imply on a device doing `flops` FLOP/s: stage 0's
+        layers' FLOPs (progress.shape_coefficients) over the device's rate. Stage 0 runs the
         first counts[0] layers; the other stages are scaled by their layers' weights."""
         starts = [sum(counts[:s]) for s in range(len(counts))]
         stage_params = [sum(layer_params[a:a + n]) for a, n in zip(starts, counts)]
-        a = counts[0] * attention_width / flops
-        b = 2 * stage_params[0] / flops
-        return CostModel(a, b, overhead_s, tuple(p / stage_params[0] for p in stage_params))
+        a, b = shape_coefficients(layer_params[:counts[0]], attention_width)
+        return CostModel(a / flops, b / flops, overhead_s,
+                         tuple(p / stage_params[0] for p in stage_params))
 
     def with_stages(self, pp_size: int, layer_counts: list[int] | None = None) -> "CostModel":
         counts = layer_counts or [1] * pp_size

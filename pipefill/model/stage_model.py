@@ -45,6 +45,10 @@ class StageWeights:
     kept_dequantized: list | None = None
 
 
+def _nothing() -> None:
+    pass
+
+
 class StageModel:
     def __init__(self, cfg: ModelConfig, layer_start: int, weights: StageWeights,
                  dtype: torch.dtype, attention=paged_attention, ops=None):
@@ -67,6 +71,9 @@ class StageModel:
         # to run the family's layer_forward instead.
         self.fast_decode = True
         self._decode = self.family.decode_runner(self)
+        # Called after each layer of the general path: the runtime's stall watchdog counts
+        # layers, so one long chunk is progress, not silence (ARCHITECTURE.md, 'A request's path').
+        self.after_layer = _nothing
 
     @property
     def num_layers(self) -> int:
@@ -106,6 +113,7 @@ class StageModel:
             hidden, residual = self.family.layer_forward(self, layer, hidden, residual, meta,
                                                          *rope, k_cache[i], v_cache[i],
                                                          trim and i == last)
+            self.after_layer()
         return hidden, residual
 
     def trims(self, meta: ForwardMeta) -> bool:

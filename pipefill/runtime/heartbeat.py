@@ -7,12 +7,18 @@ the loop thread writes (a side thread would keep counting while the loop is wedg
 front end only reads, so a stage stopped by SIGSTOP, stuck in a C call or spinning in Python
 leaves its counters frozen without having to say anything.
 
-Per stage, three int64 counters:
+Per stage, four int64 counters:
   beats    stage 0 only: every loop iteration, every forward, every spin while it waits for
            a result
   passed   micro-batches this stage's loop finished and handed to its pipe (stage 0: launched
            down the pipe; the last stage: results for stage 0); control messages not counted
   retired  stage 0 only: results taken back from the last stage
+  layers   every stage: layers its forwards finished (the general path; a lean decode step is
+           short and counts as its forward). A chunk of a long prompt can take longer than the
+           timeout on CPU (about a minute per 2,048 tokens at 128K of context for the default
+           model on 2 cores), while each of its layers takes a few seconds: counting layers
+           keeps such a chunk from looking stalled, and a stage wedged inside a forward still
+           stops every counter.
 
 Two rules, because the stages wait differently. Stage 0's loop never blocks for long (it polls
 the front end every 50 ms and spins while results are out), so with requests in flight a
@@ -27,7 +33,7 @@ upstream one keeps beating or has passed its work on, the downstream one simply 
 What cannot be told apart: a middle stage (not the first, not the last) frozen in the
 milliseconds between handing a micro-batch to its sender thread and the send is blamed on the
 next stage (the counters look the same as a next stage frozen before it took the micro-batch);
-nor a wedged stage from one whose single forward outlasts the timeout, hence the advice in the
+nor a wedged stage from one whose single layer outlasts the timeout, hence the advice in the
 flag's help. Stages on other nodes cannot map the file: a micro-batch that stops at one of them
 names the first stage there, as "on another node".
 """
@@ -38,8 +44,8 @@ import os
 from dataclasses import dataclass
 
 BOARD_FILE = "heartbeat"
-_FIELDS = 3
-_BEATS, _PASSED, _RETIRED = range(_FIELDS)
+_FIELDS = 4
+_BEATS, _PASSED, _RETIRED, _LAYERS = range(_FIELDS)
 
 
 def board_path(folder: str) -> str:
@@ -62,7 +68,7 @@ class Board:
         return Board(path)
 
     def read(self, rank: int) -> list[int]:
-        """[beats, passed, retired] of one stage."""
+        """[beats, passed, retired, layers] of one stage."""
         return self.values[rank * _FIELDS:(rank + 1) * _FIELDS].tolist()
 
 
@@ -82,6 +88,9 @@ class StageHeartbeat:
     def retired(self) -> None:
         self.values[self.base + _RETIRED] += 1
 
+    def layer_done(self) -> None:
+        self.values[self.base + _LAYERS] += 1
+
 
 class NoHeartbeat:
     """Stages nobody watches: on another node than the front end, or loops driven in memory."""
@@ -93,6 +102,9 @@ class NoHeartbeat:
         pass
 
     def retired(self) -> None:
+        pass
+
+    def layer_done(self) -> None:
         pass
 
 
@@ -140,7 +152,7 @@ class StallWatch:
         self.board, self.local, self.num_stages = board, local, num_stages
         self.timeout_s = timeout_s
         slots = self._read()
-        self.stage0 = _Clock(slots[0][_BEATS], now)
+        self.stage0 = _Clock(self._stage0_moves(slots), now)
         self.pipeline = _Clock(self._progress(slots), now)
 
     def check(self, requests_in_flight: bool, now: float) -> Stall | None:
@@ -148,7 +160,7 @@ class StallWatch:
         out and no stage progressed, for longer than the timeout."""
         slots = self._read()
         first = slots[0]
-        self.stage0.update(first[_BEATS], requests_in_flight, now)
+        self.stage0.update(self._stage0_moves(slots), requests_in_flight, now)
         self.pipeline.update(self._progress(slots), first[_PASSED] > first[_RETIRED], now)
         if self.stage0.stalled_for(now) > self.timeout_s:
             return Stall(0, self.stage0.stalled_for(now), self.timeout_s)
@@ -162,8 +174,13 @@ class StallWatch:
         return {rank: self.board.read(rank) for rank in self.local}
 
     @staticmethod
+    def _stage0_moves(slots: dict[int, list[int]]) -> tuple:
+        return slots[0][_BEATS], slots[0][_LAYERS]
+
+    @staticmethod
     def _progress(slots: dict[int, list[int]]) -> tuple:
-        return tuple(slot[_PASSED] for slot in slots.values()) + (slots[0][_RETIRED],)
+        return (tuple(slot[_PASSED] for slot in slots.values())
+                + tuple(slot[_LAYERS] for slot in slots.values()) + (slots[0][_RETIRED],))
 
     def _holder(self, slots: dict[int, list[int]]) -> int:
         """The stage that holds the oldest micro-batch still out."""

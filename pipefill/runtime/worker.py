@@ -101,7 +101,8 @@ def _run_stage(args: ServerArgs, model_file: str, rank: int, channel: StageChann
     import torch
 
     from pipefill.model.loader import WeightSource
-    from pipefill.base.platform import place_stage, resolve_dtype
+    from pipefill.base.platform import (keep_freed_memory_for_reuse, place_stage,
+                                        resolve_dtype)
     from pipefill.runtime.stage import build_stage
     from pipefill.runtime.trace import StageTracer
 
@@ -109,6 +110,7 @@ def _run_stage(args: ServerArgs, model_file: str, rank: int, channel: StageChann
         layout = args.layout
         local = rank - layout.local_ranks.start
         place_stage(local, layout.stages_per_node, layout.num_threads)
+        keep_freed_memory_for_reuse()
         source = WeightSource(model_file)
         info = layout.stage(rank)
         device = torch.device("cpu")
@@ -134,6 +136,7 @@ def _run_stage(args: ServerArgs, model_file: str, rank: int, channel: StageChann
         return 1
     tracer = StageTracer(rank, args.trace_dir is not None)
     heartbeat = stage_heartbeat(addrs.folder if addrs is not None else None, rank)
+    executor.model.after_layer = heartbeat.layer_done  # forwards run on this loop thread
     if pipe is not None:
         import torch.distributed as dist
         dist.barrier(group=groups[0])  # every stage loaded before stage 0 says ready

@@ -107,6 +107,30 @@ def test_progress_anywhere_in_the_pipeline_resets_the_count(tmp_path):
         assert watch.check(True, now) is None
 
 
+def test_a_chunk_longer_than_the_timeout_counts_its_layers_as_progress(tmp_path):
+    """One chunk deep into a long prompt outlasts the timeout on CPU; its layers do not."""
+    s, watch = stages_on_a_board(tmp_path, 2)
+    for now in (1.0, 2.0, 3.0, 4.0, 5.0, 6.0):  # stage 0: one chunk, a layer a second
+        s[0].layer_done()
+        assert watch.check(True, now) is None
+    step(s, 0)  # launched; stage 1 runs it, stage 0 spins
+    for now in (7.0, 8.0, 9.0, 10.0, 11.0, 12.0):
+        s[0].beat()
+        s[1].layer_done()
+        assert watch.check(True, now) is None
+    s[0].beat()  # stage 1 wedged inside its forward: its layers stop
+    assert watch.check(True, 14.0) is None
+    s[0].beat()
+    assert watch.check(True, 15.1).rank == 1
+
+
+def test_stage_0_wedged_inside_a_forward_is_named(tmp_path):
+    s, watch = stages_on_a_board(tmp_path, 2)
+    s[0].layer_done()
+    assert watch.check(True, 1.0) is None
+    assert watch.check(True, 4.1).rank == 0  # no beat, no layer since 1.0
+
+
 def test_stage_0_silent_with_requests_is_named_before_a_stage_behind_it(tmp_path):
     s, watch = stages_on_a_board(tmp_path, 2)
     # Stage 0 silent (as if stopped) with nothing to do: not stalled.
@@ -268,7 +292,7 @@ def wider_model(tmp_path_factory):
 
 @pytest.mark.slow
 def test_a_long_prefill_that_keeps_progressing_is_not_declared_stalled(wider_model):
-    timeout_s = 3
+    timeout_s = 2
     proc, url = start_server(wider_model, None, "--stage-stall-timeout", str(timeout_s),
                              "--chunked-prefill-size", "128", "--max-model-len", "8192")
     try:
@@ -283,6 +307,31 @@ def test_a_long_prefill_that_keeps_progressing_is_not_declared_stalled(wider_mod
         # Only meaningful if the request outlived the timeout (about 10x on 2 busy cores).
         assert took > 2 * timeout_s, f"the prefill took only {took:.1f} s: use a longer prompt"
         assert httpx.get(url + "/health", timeout=5).status_code == 200
+        assert metric(url, "pipefill_stage_restarts_total") == 0
+    finally:
+        assert stop_server(proc) == 0
+
+
+@pytest.mark.slow
+def test_one_chunk_longer_than_the_timeout_is_not_declared_stalled(wider_model):
+    """A prefill chunk that outlasts --stage-stall-timeout while each of its layers does not
+    (a 2,048-token chunk at 128K of context: ~55 s, under 2 s a layer) is progress. Here a
+    2,048-token chunk through 8 layers on one thread takes ~3 s, a layer ~0.4 s."""
+    timeout_s = 2
+    proc, url = start_server(wider_model, None, "--stage-stall-timeout", str(timeout_s),
+                             "--chunked-prefill-size", "2048", "--max-model-len", "8192",
+                             "--pp-size", "1")
+    try:
+        prompt = [(5 * i) % 500 + 1 for i in range(8000)]  # 4 chunks
+        t0 = time.monotonic()
+        r = httpx.post(url + "/v1/completions", timeout=300,
+                       json={"prompt": prompt, "max_tokens": 1, "temperature": 0})
+        took = time.monotonic() - t0
+        print(f"\nprefill of {len(prompt)} tokens in 4 chunks: {took:.1f} s "
+              f"(--stage-stall-timeout {timeout_s})")
+        assert r.status_code == 200, r.text
+        # Only meaningful if a chunk outlived the timeout.
+        assert took / 4 > timeout_s, f"a chunk took only {took / 4:.1f} s: use wider chunks"
         assert metric(url, "pipefill_stage_restarts_total") == 0
     finally:
         assert stop_server(proc) == 0

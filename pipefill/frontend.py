@@ -45,7 +45,7 @@ def prepare(args: ServerArgs) -> tuple[ServerArgs, WeightSource]:
         raise ValueError(f"--disaggregation-mode {args.disagg.mode.value} runs on one node "
                          "(--nnodes 1) for now")
     source = WeightSource(resolve_model_path(args.model_path))
-    keeps_blocks(args.weight_dtype, source, args.device)  # --weight-dtype gguf needs a GGUF file
+    keeps_blocks(args.weight_dtype, source, args.device)  # gguf needs a GGUF file, fp8 an FP8 one
     if args.chat_template is not None:  # an unreadable file is refused before stages start
         read_chat_template(args.chat_template)
     # Also checks the layer partition against the model, balanced by the layers' costs.

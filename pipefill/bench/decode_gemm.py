@@ -16,11 +16,16 @@ turn, round after round (medians of 5), so the ratios hold while the machine's s
 (pipefill.kernels.quant_gemm: GGUF blocks dequantized in registers) on random blocks of that
 type instead, with --isa one of its paths; ``--shape-set gemma3-270m`` takes Gemma 3 270M's
 shapes (a shape whose K is not whole blocks of the type is skipped, as the loader keeps it
-dequantized; Q4_K_M files use Q5_0/Q8_0 there).
+dequantized; Q4_K_M files use Q5_0/Q8_0 there). ``--gguf-type FP8_E4M3`` times it on random
+FP8 e4m3 codes with 128 x 128 block scales (kernels.fp8_blocks: one byte a weight), against
+bf16's packed copies of the same shapes without it; ``--shape-set deepseek-v2-lite`` takes
+DeepSeek-V2-Lite's matrices (one routed expert's).
 
     python -m pipefill.bench.decode_gemm --rows 1,2,4,8,16 --threads 2 --isa avx512bf16
     python -m pipefill.bench.decode_gemm --rows 1,8 --threads 2 --gguf-type Q4_K \
         --shape-set gemma3-270m
+    python -m pipefill.bench.decode_gemm --rows 1,8 --gguf-type FP8_E4M3 \
+        --shape-set deepseek-v2-lite
 """
 from __future__ import annotations
 
@@ -31,6 +36,7 @@ import numpy as np
 import torch
 
 from pipefill.kernels import decode_gemm as dg
+from pipefill.kernels import fp8_blocks
 from pipefill.kernels import quant_gemm as qg
 from pipefill.kernels.gguf_blocks import BLOCK_TYPES, random_blocks, supports
 from pipefill.base.platform import cpu_name
@@ -41,8 +47,15 @@ SHAPES = [("qkv", 576, 960), ("o_proj", 576, 576), ("gate_up", 576, 3072),
 # Gemma 3 270M (hidden 640, intermediate 2048, 4 query / 1 KV heads of 256, 262,144 tokens).
 GEMMA3_SHAPES = [("qkv", 640, 1536), ("o_proj", 1024, 640), ("gate_up", 640, 4096),
                  ("down", 2048, 640), ("lm_head", 640, 262144)]
-SHAPE_SETS = {"smollm2": SHAPES, "gemma3-270m": GEMMA3_SHAPES}
+# DeepSeek-V2-Lite (hidden 2048, 16 heads of 128 + 64 rope, latent 512 + 64, experts 1408
+# wide, 102,400 tokens): q_proj with kv_a_proj_with_mqa, o_proj, one routed expert, the head.
+DEEPSEEK_V2_LITE_SHAPES = [("qkv", 2048, 16 * 192 + 576), ("o_proj", 2048, 2048),
+                           ("gate_up", 2048, 2 * 1408), ("down", 1408, 2048),
+                           ("lm_head", 2048, 102400)]
+SHAPE_SETS = {"smollm2": SHAPES, "gemma3-270m": GEMMA3_SHAPES,
+              "deepseek-v2-lite": DEEPSEEK_V2_LITE_SHAPES}
 GGUF_TYPES = {name: qtype for qtype, (name, _, _) in BLOCK_TYPES.items()}
+FP8 = fp8_blocks.NAME  # --gguf-type's FP8 choice: not a GGUF type, the same kernel
 STREAM_BYTES = 256 << 20  # copies of a matrix rotate through at least this many bytes
 CLOCK = time.perf_counter  # --cpu-clock: time.thread_time (one thread; a shared CPU)
 
@@ -93,12 +106,16 @@ def time_interleaved(mats: list, cases: list, min_s: float, rounds: int = 5) -> 
 def make_linear(k: int, n: int, isa: str, x_dtype, w_dtype, gguf_type: str | None,
                 max_rows: int, seed: int = 0):
     """One matrix on the kernel being timed: packed float32/bf16 weights (decode_gemm), or
-    random GGUF blocks of gguf_type (quant_gemm)."""
+    random GGUF blocks of gguf_type or FP8 codes with block scales (quant_gemm)."""
+    disable = tuple(i for i in qg.ISAS if i != isa)
+    if gguf_type == FP8:
+        codes, scale = fp8_blocks.quantize(
+            torch.randn(n, k, generator=torch.Generator().manual_seed(seed)))
+        return qg.QuantLinear.from_fp8([(codes, scale)], k, max_rows=max_rows, disable=disable)
     if gguf_type is not None:
         qtype = GGUF_TYPES[gguf_type]
         raw = random_blocks(qtype, n, k, np.random.default_rng(seed))
-        return qg.QuantLinear.from_parts([(raw, qtype)], k, max_rows=max_rows,
-                                         disable=tuple(i for i in qg.ISAS if i != isa))
+        return qg.QuantLinear.from_parts([(raw, qtype)], k, max_rows=max_rows, disable=disable)
     w = torch.randn(n, k, generator=torch.Generator().manual_seed(seed)).to(w_dtype)
     return dg.pack(w, None, x_dtype, w_dtype, max_rows=max_rows,
                    disable=tuple(i for i in dg.ISAS if i != isa))
@@ -141,9 +158,11 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--shapes", default=",".join(s[0] for s in SHAPES),
                     help="subset of " + ",".join(s[0] for s in SHAPES))
     ap.add_argument("--shape-set", default="smollm2", choices=tuple(SHAPE_SETS),
-                    help="whose matrix shapes: the default model's or Gemma 3 270M's")
-    ap.add_argument("--gguf-type", default=None, choices=tuple(GGUF_TYPES),
-                    help="time the quantized decode GEMM on random GGUF blocks of this type "
+                    help="whose matrix shapes: the default model's, Gemma 3 270M's or "
+                         "DeepSeek-V2-Lite's")
+    ap.add_argument("--gguf-type", default=None, choices=(*GGUF_TYPES, FP8),
+                    help="time the quantized decode GEMM on random GGUF blocks of this type, "
+                         f"or {FP8}: FP8 e4m3 codes with 128x128 block scales "
                          "(--isa then one of " + ", ".join(qg.ISAS) + ")")
     ap.add_argument("--stream-mb", type=int, default=STREAM_BYTES >> 20,
                     help="copies of each matrix rotate through at least this many MiB (more "
@@ -182,9 +201,12 @@ def run(ns: argparse.Namespace) -> int:
     x_dtype = getattr(torch, ns.dtype)
     w_dtype = getattr(torch, ns.weight_dtype or ns.dtype)
     kernel = qg if ns.gguf_type else dg
-    isa = ns.isa or (qg.choose_isa()[0] if ns.gguf_type else dg.choose_isa(x_dtype, w_dtype)[0])
-    if isa is None or not kernel.isa_status().get(isa, (False,))[0]:
-        raise ValueError(f"--isa {isa}: not usable here ({kernel.isa_status()})")
+    fp8 = ns.gguf_type == FP8
+    isa = ns.isa or (qg.choose_isa(fp8=fp8)[0] if ns.gguf_type
+                     else dg.choose_isa(x_dtype, w_dtype)[0])
+    status = qg.fp8_isa_status() if fp8 else kernel.isa_status()
+    if isa is None or not status.get(isa, (False,))[0]:
+        raise ValueError(f"--isa {isa}: not usable here ({status})")
     weights = ns.gguf_type or w_dtype
     bw = copy_bandwidth()
     peak = in_cache_gflops(isa, x_dtype, w_dtype, max(rows), ns.min_s, ns.gguf_type)
@@ -198,7 +220,7 @@ def run(ns: argparse.Namespace) -> int:
     for name, k, n in SHAPE_SETS[ns.shape_set]:
         if name not in wanted:
             continue
-        if ns.gguf_type and not supports(GGUF_TYPES[ns.gguf_type], k):
+        if ns.gguf_type and not fp8 and not supports(GGUF_TYPES[ns.gguf_type], k):
             print(f"| {name} {k}x{n} | skipped: K is not whole {ns.gguf_type} blocks |")
             continue
         nbytes, res = bench_shape(k, n, rows, isa, x_dtype, w_dtype, ns.min_s, ns.gguf_type,

@@ -5,7 +5,11 @@ their trained weights, and no model hub is reachable here. This writes a Hugging
 (config.json, sharded safetensors with an index) in the layout the published checkpoints use
 (one tensor per expert, the families' own names), so pipefill and HF transformers load it alike,
 with as many layers as the memory allows. Weights are N(0, 0.02) (norms 1, biases and router
-score corrections 0), drawn from --seed, so two runs write the same bytes.
+score corrections 0), drawn from --seed, so two runs write the same bytes. With --fp8 the
+decoder layers' linear weights are written as DeepSeek-V3 and the -FP8 Qwen3 releases ship
+them: float8 e4m3 codes with a float32 weight_scale_inv per 128 x 128 block (kernels.fp8_blocks:
+the draws quantized), and config.json's quantization_config; `write_fp8_copy` turns any float
+checkpoint folder into that layout.
 
 The tensor names and shapes come from the family's own rules below; tests check them against
 what transformers' save_pretrained writes for the same config.
@@ -15,10 +19,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import shutil
 import sys
 from pathlib import Path
 
 import torch
+
+from pipefill.kernels import fp8_blocks
 
 INIT_STD = 0.02
 SHARD_BYTES = 2 << 30
@@ -195,9 +202,25 @@ def checkpoint_shapes(c) -> dict[str, tuple[int, ...]]:
     return out
 
 
-def nbytes(shapes, dtype: torch.dtype) -> int:
+# The linear weights FP8 releases quantize: every projection of a decoder layer (attention,
+# MLP, experts, shared experts; Mixtral's w1/w2/w3), not routers, norms, embedding or head.
+FP8_SUFFIXES = ("_proj.weight", ".w1.weight", ".w2.weight", ".w3.weight")
+
+
+def is_fp8_weight(name: str, shape) -> bool:
+    return name.startswith("model.layers.") and len(shape) == 2 and name.endswith(FP8_SUFFIXES)
+
+
+def nbytes(shapes, dtype: torch.dtype, fp8: bool = False) -> int:
+    """Bytes of the tensors in `dtype`; with fp8, FP8 weights 1 byte each plus their scales."""
     size = torch.empty((), dtype=dtype).element_size()
-    return sum(size * _numel(s) for s in shapes.values())
+    total = 0
+    for name, s in shapes.items():
+        if fp8 and is_fp8_weight(name, s):
+            total += _numel(s) + 4 * _numel(fp8_blocks.grid_shape(*s))
+        else:
+            total += size * _numel(s)
+    return total
 
 
 def _numel(shape) -> int:
@@ -207,12 +230,12 @@ def _numel(shape) -> int:
     return n
 
 
-def layers_that_fit(like: str, dtype: torch.dtype, budget_bytes: int) -> int:
+def layers_that_fit(like: str, dtype: torch.dtype, budget_bytes: int, fp8: bool = False) -> int:
     """The most layers (at least 1) whose checkpoint fits in budget_bytes."""
     c = make_config(like, layers=0)
-    fixed = nbytes(checkpoint_shapes(c), dtype)
+    fixed = nbytes(checkpoint_shapes(c), dtype, fp8)
     full = LIKE[like][1]["num_hidden_layers"]
-    per_layer = [nbytes(layer_shapes(make_config(like, layers=full), i), dtype)
+    per_layer = [nbytes(layer_shapes(make_config(like, layers=full), i), dtype, fp8)
                  for i in range(full)]
     total, n = fixed, 0
     for size in per_layer:
@@ -238,34 +261,81 @@ def random_tensor(name: str, shape, dtype: torch.dtype, gen: torch.Generator) ->
     return out
 
 
+def fp8_tensors(tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The tensors with every FP8 weight (is_fp8_weight) quantized: its codes under its name
+    and its scales under name + "_scale_inv"."""
+    out = {}
+    for name, t in tensors.items():
+        if is_fp8_weight(name, t.shape):
+            out[name], out[name + fp8_blocks.SCALE_SUFFIX] = fp8_blocks.quantize(t)
+        else:
+            out[name] = t
+    return out
+
+
+def _write_fp8_config(folder: Path) -> None:
+    path = folder / "config.json"
+    config = json.loads(path.read_text())
+    config["quantization_config"] = dict(fp8_blocks.QUANT_CONFIG)
+    path.write_text(json.dumps(config, indent=2))
+
+
+def write_fp8_copy(src: Path, dst: Path) -> None:
+    """A float checkpoint folder (safetensors) written again with its FP8 weights quantized
+    (fp8_tensors) and config.json's quantization_config; other files copied as they are."""
+    from safetensors.torch import load_file, save_file
+    src, dst = Path(src), Path(dst)
+    dst.mkdir(parents=True, exist_ok=True)
+    for f in sorted(src.iterdir()):
+        if f.suffix == ".safetensors":
+            save_file(fp8_tensors(load_file(str(f))), str(dst / f.name), metadata={"format": "pt"})
+        elif f.is_file():
+            shutil.copy(f, dst / f.name)
+    index = dst / "model.safetensors.index.json"
+    if index.exists():
+        data = json.loads(index.read_text())
+        data["weight_map"].update({name + fp8_blocks.SCALE_SUFFIX: file for name, file in
+                                   data["weight_map"].items() if name.endswith(FP8_SUFFIXES)
+                                   and name.startswith("model.layers.")})
+        index.write_text(json.dumps(data, indent=1))
+    _write_fp8_config(dst)
+
+
 def write_checkpoint(config, out: Path, dtype: torch.dtype, seed: int = 0,
-                     progress=None) -> int:
-    """Writes config.json, model-XXXXX-of-YYYYY.safetensors and the index; returns bytes."""
+                     progress=None, fp8: bool = False) -> int:
+    """Writes config.json, model-XXXXX-of-YYYYY.safetensors and the index; returns bytes.
+    fp8: the FP8 weights as codes and block scales (drawn in float32, then quantized)."""
     from safetensors.torch import save_file
     out.mkdir(parents=True, exist_ok=True)
     shapes = checkpoint_shapes(config)
     shards, current, size = [], {}, 0
     for name, shape in shapes.items():
-        n = nbytes({name: shape}, dtype)
+        n = nbytes({name: shape}, dtype, fp8)
         if current and size + n > SHARD_BYTES:
             shards.append(current)
             current, size = {}, 0
         current[name], size = shape, size + n
     shards.append(current)
     gen = torch.Generator().manual_seed(seed)
-    weight_map, done, total = {}, 0, nbytes(shapes, dtype)
+    weight_map, done, total = {}, 0, nbytes(shapes, dtype, fp8)
     for k, shard in enumerate(shards):
         file = f"model-{k + 1:05d}-of-{len(shards):05d}.safetensors"
-        tensors = {name: random_tensor(name, shape, dtype, gen) for name, shape in shard.items()}
+        tensors = {}
+        for name, shape in shard.items():
+            quantized = fp8 and is_fp8_weight(name, shape)
+            t = random_tensor(name, shape, torch.float32 if quantized else dtype, gen)
+            tensors.update(fp8_tensors({name: t}) if quantized else {name: t})
         save_file(tensors, str(out / file), metadata={"format": "pt"})
-        weight_map.update({name: file for name in shard})
-        done += nbytes(shard, dtype)
+        weight_map.update({name: file for name in tensors})
+        done += nbytes(shard, dtype, fp8)
         if progress:
             progress(done, total)
     (out / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     config.dtype = dtype
     config.save_pretrained(str(out))
+    if fp8:
+        _write_fp8_config(out)
     return total
 
 
@@ -295,6 +365,12 @@ def add_parser(sub) -> None:
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
                    help="dtype of the stored weights")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    p.add_argument("--fp8", action="store_true",
+                   help="write the FP8 variant, as DeepSeek-V3 and the -FP8 Qwen3 releases ship: "
+                        "the decoder layers' linear weights in float8 e4m3 with a float32 "
+                        "weight_scale_inv per 128x128 block and config.json's "
+                        "quantization_config (other tensors in --dtype); pipefill keeps them "
+                        "FP8 under --weight-dtype fp8 or auto")
     p.set_defaults(run=run)
 
 
@@ -308,16 +384,18 @@ def run(a: argparse.Namespace) -> int:
         print("make-model: --memory-fraction must be in (0, 1]", file=sys.stderr)
         return 2
     layers = a.layers or min(full, layers_that_fit(a.like, dtype,
-                                                   int(available_bytes() * a.memory_fraction)))
+                                                   int(available_bytes() * a.memory_fraction),
+                                                   a.fp8))
     config = make_config(a.like, layers)
-    size = nbytes(checkpoint_shapes(config), dtype)
-    print(f"{a.like}: {layers} of {full} layers, {size / 2**30:.2f} GiB of {a.dtype} weights "
+    size = nbytes(checkpoint_shapes(config), dtype, a.fp8)
+    kind = f"{a.dtype} and FP8" if a.fp8 else a.dtype
+    print(f"{a.like}: {layers} of {full} layers, {size / 2**30:.2f} GiB of {kind} weights "
           f"-> {a.out}", flush=True)
 
     def progress(done, total):
         print(f"  {done / 2**30:6.2f} / {total / 2**30:.2f} GiB written", flush=True)
 
-    write_checkpoint(config, Path(a.out), dtype, a.seed, progress)
+    write_checkpoint(config, Path(a.out), dtype, a.seed, progress, a.fp8)
     print(f"wrote {a.out} ({os.path.getsize(Path(a.out) / 'config.json')} byte config, "
           f"{size / 2**30:.2f} GiB of weights)")
     return 0

@@ -51,15 +51,21 @@ class ServerArgs:
         "bfloat16, float16 or float32.", default="auto",
         choices=["auto", "bfloat16", "float16", "float32"])
     weight_dtype: str = _flag(
-        "Dtype of the weight matrices: auto (= --dtype: a GGUF file is dequantized at load), "
+        "Dtype of the weight matrices: auto (= --dtype: a GGUF file is dequantized at load; an "
+        "FP8 checkpoint keeps its FP8 weights as fp8 does where the FP8 decode GEMM has a "
+        "vector path on this CPU, else is dequantized at load), "
         "gguf (a .gguf file's Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K linear layers and LM head stay "
         "in their blocks: decode dequantizes them in registers, prefill per call, so the stage "
         "holds the file's bytes instead of a dequantized copy; other types stay dequantized, "
         "listed at start), "
+        "fp8 (an FP8 checkpoint's e4m3 linear layers with their 128x128 block scales, as "
+        "DeepSeek-V3 and the -FP8 Qwen3 releases ship them, stay FP8: decode scales them in "
+        "registers, one byte a weight, prefill dequantizes each matrix per call; kv_b_proj and "
+        "shared experts are dequantized at load), "
         "or bfloat16 under --dtype float32: weights rounded to bf16 and widened to float32 in "
         "registers by the decode kernels, half the bytes per decode step. The choice is logged "
         "at start.", default="auto",
-        choices=["auto", "gguf", "bfloat16", "float32"])
+        choices=["auto", "gguf", "fp8", "bfloat16", "float32"])
     decode_gemm_max_rows: int = _flag(
         "Linear layers with at most this many rows (decode steps) run the packed small-M "
         "GEMM (an extra packed copy of the weights); more rows run torch. 0 = torch always.",

@@ -1,6 +1,7 @@
 """Linear layers whose weights stay GGUF blocks (kernels.gguf_blocks: Q4_0, Q4_1, Q5_0, Q8_0,
-Q4_K, Q5_K, Q6_K): the decode GEMM reads the blocks and dequantizes them in registers; prefill
-dequantizes the matrix per call into the compute dtype and runs torch's GEMM on it.
+Q4_K, Q5_K, Q6_K) or FP8 e4m3 with 128 x 128 block scales (kernels.fp8_blocks): the decode GEMM
+reads the blocks and dequantizes them in registers; prefill dequantizes the matrix per call into
+the compute dtype and runs torch's GEMM on it.
 
 A decode step reads every weight once, so its time follows the bytes of the weights: a Q4_K
 matrix is 4.5 bits a weight, Q4_1 5, Q6_K 6.6, against bf16's 16. Each call splits the output
@@ -8,7 +9,10 @@ columns over torch's thread pool; a column's blocks are dequantized once per til
 AVX-512, 4 on AVX2), 32 weights at a time (a block of the 32-weight types, a sub-block of the
 256-weight K types, whose 6-bit scales are decoded once per block), into float32 registers with
 the bits of ggml's own dequantization, and multiplied by the float32 activations (bf16
-activations are widened first), one float32 sum per output.
+activations are widened first), one float32 sum per output. FP8 weights (one byte each, half of
+bf16's) go 32 at a time: widened exactly through IEEE halves and times their block's scale,
+rounded once, the float32 value of torch's ``weight.to(float32) * scale``
+(csrc/fp8_gemm_kernel.h; the AVX2 path needs F16C too).
 
 Paths, one C++ translation unit each, built with their own -m flags and chosen at run time from
 cpuid (``disable=`` forces paths off for tests, as --hide-cpu-flags does): ``avx512``,
@@ -22,9 +26,11 @@ a chunk of 256 rows, and one matrix's dequantized copy alive at a time (freed af
 so the stage never holds a dequantized copy of its weights.
 
 API: ``QuantLinear.from_parts([(raw uint8 [n, row_bytes], ggml type), ...], in_features,
-bias, max_rows, disable)``; ``lin(x, out=None)`` (decode), ``lin.bind(x, out)`` (checked once,
-then ``bound()`` is the GEMM calls with prebuilt arguments), ``lin.prefill(x)``,
-``lin.dequantize(dtype)``, ``lin.nbytes``; ``isa_status()``, ``choose_isa(disable)``.
+bias, max_rows, disable)``, ``QuantLinear.from_fp8([(weight float8_e4m3fn [n, K], scales
+[ceil(n / 128), ceil(K / 128)]), ...], ...)``; ``lin(x, out=None)`` (decode), ``lin.bind(x,
+out)`` (checked once, then ``bound()`` is the GEMM calls with prebuilt arguments),
+``lin.prefill(x)``, ``lin.dequantize(dtype)``, ``lin.nbytes``, ``lin.shape``,
+``lin.take_rows(order)`` (FP8); ``isa_status()``, ``choose_isa(disable, fp8=False)``.
 """
 from __future__ import annotations
 
@@ -36,6 +42,7 @@ import torch
 import torch.nn.functional as F
 
 from pipefill.kernels.build import CSRC, GLUE_VECTOR_ISA, IsaExtension, build_isa_extension
+from pipefill.kernels import fp8_blocks
 from pipefill.kernels.decode_gemm import call_operands
 from pipefill.kernels.gguf_blocks import BLOCK_TYPES, row_bytes, supports, type_name
 from pipefill.kernels.prefill_gemm import torch_linear
@@ -44,15 +51,18 @@ ISAS = ("avx512", "avx2", "scalar")  # preference order
 _ISA_CODE = {"scalar": 0, "avx2": 1, "avx512": 2}
 _BASE = ["-O3", "-std=c++17", "-fPIC", "-ffp-contract=off", "-fno-exceptions"]
 ISA_FLAGS = {"scalar": _BASE,
-             "avx2": _BASE + ["-mavx2", "-mfma"],
-             "avx512": _BASE + ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl"]}
+             "avx2": _BASE + ["-mavx2", "-mfma", "-mf16c"],
+             "avx512": _BASE + ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw",
+                                "-mavx512vl"]}
 _HEADER = CSRC / "quant_gemm_kernel.h"
 _SIMD = CSRC / "quant_gemm_simd.h"  # the AVX2 and AVX-512 paths' kernel
+_FP8_HEADER, _FP8_SIMD = CSRC / "fp8_gemm_kernel.h", CSRC / "fp8_gemm_simd.h"
 _CODE = {torch.float32: 0, torch.bfloat16: 1}
 
 _EXT = IsaExtension("the quantized decode GEMM", functools.partial(
     build_isa_extension, "quant_gemm", "the quantized decode GEMM", ISA_FLAGS,
-    (_HEADER, _SIMD), (GLUE_VECTOR_ISA, _HEADER)), _ISA_CODE, "pf_qg_isa_supported")
+    (_HEADER, _SIMD, _FP8_HEADER, _FP8_SIMD), (GLUE_VECTOR_ISA, _HEADER, _FP8_HEADER)),
+    _ISA_CODE, "pf_qg_isa_supported")
 
 
 def isa_status() -> dict[str, tuple[bool, str]]:
@@ -60,11 +70,25 @@ def isa_status() -> dict[str, tuple[bool, str]]:
     return _EXT.status()
 
 
-def choose_isa(disable: tuple[str, ...] = ()) -> tuple[str, str]:
-    """The fastest usable path -> (isa, why); 'torch' where no kernel path runs here."""
+@functools.cache
+def fp8_isa_status() -> dict[str, tuple[bool, str]]:
+    """isa_status for FP8 weights: the AVX2 path also needs F16C (every AVX2 CPU has it).
+    Read once per process (a loader asks once per expert)."""
+    status = dict(isa_status())
+    for isa, (ok, _) in status.items():
+        if ok:
+            ok, why = _EXT.module.pf_qg_fp8_isa_supported(_ISA_CODE[isa])
+            status[isa] = (ok, "ok" if ok else "cpuid: " + why)
+    return status
+
+
+def choose_isa(disable: tuple[str, ...] = (), fp8: bool = False) -> tuple[str, str]:
+    """The fastest usable path (for FP8 weights where `fp8`) -> (isa, why); 'torch' where no
+    kernel path runs here."""
     reasons = []
+    status = fp8_isa_status() if fp8 else isa_status()
     for isa in ISAS:
-        ok, why = isa_status()[isa]
+        ok, why = status[isa]
         if isa in disable:
             ok, why = False, "disabled by caller"
         if ok:
@@ -75,14 +99,24 @@ def choose_isa(disable: tuple[str, ...] = ()) -> tuple[str, str]:
 
 @dataclass
 class QuantPart:
-    """Rows [offset, offset + rows) of a linear layer's output, as GGUF blocks of one type."""
-    raw: torch.Tensor  # uint8 [rows, row_bytes]
-    qtype: int  # GGML type id (kernels.gguf_blocks.BLOCK_TYPES)
+    """Rows [offset, offset + rows) of a linear layer's output, as GGUF blocks of one type, or
+    as FP8 codes with their block scales (`scale` set)."""
+    raw: torch.Tensor  # uint8 [rows, row_bytes]; FP8: the codes' bytes [rows, K]
+    qtype: int  # GGML type id (kernels.gguf_blocks.BLOCK_TYPES); FP8: FP8_TYPE
     offset: int
+    scale: torch.Tensor | None = None  # FP8: float32 [grid rows, ceil(K / 128)]
+    scale_row: torch.Tensor | None = None  # FP8: int32 [rows], each row's row of `scale`
 
     @property
     def rows(self) -> int:
         return self.raw.shape[0]
+
+    @property
+    def type_name(self) -> str:
+        return fp8_blocks.NAME if self.scale is not None else type_name(self.qtype)
+
+
+FP8_TYPE = -1  # QuantPart.qtype of FP8 parts (not a GGML type id)
 
 
 class QuantLinear:
@@ -122,13 +156,55 @@ class QuantLinear:
             offset += raw.shape[0]
         return cls(parts, in_features, bias, choose_isa(disable)[0], max_rows)
 
+    @classmethod
+    def from_fp8(cls, matrices: list[tuple[torch.Tensor, torch.Tensor]], in_features: int,
+                 bias: torch.Tensor | None = None, max_rows: int = 32,
+                 disable: tuple[str, ...] = ()) -> QuantLinear:
+        """matrices: (float8_e4m3fn or uint8 codes [n, K], float32 scales [ceil(n / 128),
+        ceil(K / 128)]) per stacked matrix, in output order (kernels.fp8_blocks): one part,
+        the grids stacked and every row pointed at its own grid's row."""
+        codes, grids, rows_of, grid_rows = [], [], [], 0
+        for w, scale in matrices:
+            if w.dim() != 2 or w.shape[1] != in_features \
+                    or w.dtype not in (torch.float8_e4m3fn, torch.uint8):
+                raise ValueError(f"FP8 weights: expected float8_e4m3fn [n, {in_features}], got "
+                                 f"{w.dtype} {list(w.shape)}")
+            grid = fp8_blocks.grid_shape(w.shape[0], in_features)
+            if tuple(scale.shape) != grid:
+                raise ValueError(f"FP8 scales of a {list(w.shape)} weight in 128 x 128 blocks: "
+                                 f"expected {list(grid)}, got {list(scale.shape)}")
+            codes.append(w.contiguous().view(torch.uint8))
+            grids.append(scale.float())
+            rows_of.append(torch.arange(w.shape[0], dtype=torch.int32) // fp8_blocks.BLOCK
+                           + grid_rows)
+            grid_rows += grid[0]
+        part = QuantPart(torch.cat(codes), FP8_TYPE, 0, torch.cat(grids).contiguous(),
+                         torch.cat(rows_of))
+        return cls([part], in_features, bias, choose_isa(disable, fp8=True)[0], max_rows)
+
     @property
     def nbytes(self) -> int:
-        return sum(p.raw.numel() for p in self.parts)
+        return sum(p.raw.numel() + (0 if p.scale is None else p.scale.nbytes + p.scale_row.nbytes)
+                   for p in self.parts)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        """(out_features, in_features), as the plain matrix's."""
+        return self.out_features, self.in_features
 
     @property
     def types(self) -> str:
-        return "+".join(type_name(p.qtype) for p in self.parts)
+        return "+".join(p.type_name for p in self.parts)
+
+    def take_rows(self, order: torch.Tensor) -> QuantLinear:
+        """The layer with its output rows in `order` (FP8: each row keeps its own scales), as
+        plain_matrix[order]; the bias must not be set yet."""
+        if len(self.parts) != 1 or self.parts[0].scale is None or self.bias is not None:
+            raise ValueError("only an FP8 layer without a bias can reorder its rows")
+        p = self.parts[0]
+        part = QuantPart(p.raw[order].contiguous(), p.qtype, 0, p.scale,
+                         p.scale_row[order].contiguous())
+        return QuantLinear([part], self.in_features, None, self.isa, self.max_rows)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Decode: x [M, K] float32 or bf16 -> out [M, N] (x's dtype unless out is given)."""
@@ -155,6 +231,14 @@ class QuantLinear:
         calls = []
         for p in self.parts:
             bias = None if self.bias is None else self.bias[p.offset:].data_ptr()
+            if p.scale is not None:
+                calls.append(functools.partial(
+                    _EXT.module.pf_qg_fp8_gemm, _ISA_CODE[self.isa], x.data_ptr(),
+                    _CODE[x.dtype], x.stride(0), p.raw.data_ptr(), p.scale.data_ptr(),
+                    p.scale_row.data_ptr(), p.scale.shape[1], bias,
+                    out.data_ptr() + p.offset * out.element_size(), _CODE[out.dtype],
+                    out.stride(0), x.shape[0], p.rows, self.in_features))
+                continue
             calls.append(functools.partial(
                 _EXT.module.pf_qg_gemm, _ISA_CODE[self.isa], x.data_ptr(), _CODE[x.dtype], x.stride(0),
                 p.raw.data_ptr(), p.qtype, p.raw.shape[1], bias,
@@ -175,11 +259,17 @@ class QuantLinear:
         for p in self.parts:
             rows = w[p.offset:p.offset + p.rows]
             if self.isa == "torch" or dtype not in _CODE:
-                rows.copy_(torch.from_numpy(_gguf_dequantize(p.raw.numpy(), p.qtype)))
+                rows.copy_(_torch_dequantize(p))
                 continue
-            rc = _EXT.module.pf_qg_dequant(_ISA_CODE[self.isa], p.raw.data_ptr(), p.qtype,
-                                           p.raw.shape[1], p.rows, self.in_features,
-                                           rows.data_ptr(), _CODE[dtype], rows.stride(0))
+            if p.scale is not None:
+                rc = _EXT.module.pf_qg_fp8_dequant(
+                    _ISA_CODE[self.isa], p.raw.data_ptr(), p.scale.data_ptr(),
+                    p.scale_row.data_ptr(), p.scale.shape[1], p.rows, self.in_features,
+                    rows.data_ptr(), _CODE[dtype], rows.stride(0))
+            else:
+                rc = _EXT.module.pf_qg_dequant(_ISA_CODE[self.isa], p.raw.data_ptr(), p.qtype,
+                                               p.raw.shape[1], p.rows, self.in_features,
+                                               rows.data_ptr(), _CODE[dtype], rows.stride(0))
             if rc:
                 raise RuntimeError(f"pipefill dequantize ({self.types}) failed (rc={rc})")
         return w
@@ -194,11 +284,16 @@ class QuantLinear:
                             if self.bias is not None else None)
 
 
-def _gguf_dequantize(raw: np.ndarray, qtype: int) -> np.ndarray:
-    """The gguf package's float32 dequantization (the torch path, where no kernel builds)."""
+def _torch_dequantize(p: QuantPart) -> torch.Tensor:
+    """A part's float32 weights without the kernels (the torch path, where none builds): FP8
+    by kernels.fp8_blocks (the codes 0x7f/0xff are NaN here, +-480 on the kernel paths), GGUF
+    blocks by the gguf package."""
+    if p.scale is not None:
+        return fp8_blocks.dequantize(p.raw, p.scale, grid_rows=p.scale_row.long())
     import gguf  # imported here, as model.gguf_file does: only GGUF users pay for it
-    return np.ascontiguousarray(gguf.quants.dequantize(raw, gguf.GGMLQuantizationType(qtype)),
-                                dtype=np.float32)
+    return torch.from_numpy(np.ascontiguousarray(
+        gguf.quants.dequantize(p.raw.numpy(), gguf.GGMLQuantizationType(p.qtype)),
+        dtype=np.float32))
 
 
 @dataclass(slots=True, eq=False)

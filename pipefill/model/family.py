@@ -53,9 +53,10 @@ class WeightReader(Protocol):
         """The rows of the named matrices stacked into one, in the stage's compute dtype."""
 
     def linear(self, *names: str):
-        """A linear layer's matrix, as mat, or under --weight-dtype gguf its GGUF blocks kept
-        quantized (kernels.quant_gemm.QuantLinear) where the file's types allow; the loader
-        moves those to the layer's decode and prefill copies (loader.place_quant_linears)."""
+        """A linear layer's matrix, as mat, or under --weight-dtype gguf its GGUF blocks (under
+        fp8, or auto, an FP8 checkpoint's codes and scales) kept quantized
+        (kernels.quant_gemm.QuantLinear) where the file's types allow; the loader moves those
+        to the layer's decode and prefill copies (loader.place_quant_linears)."""
 
     def vec(self, name: str) -> torch.Tensor:
         """A vector (a norm's weight) as float32."""

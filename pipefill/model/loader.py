@@ -14,9 +14,10 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from pipefill.kernels import fp8_blocks
 from pipefill.kernels.gguf_blocks import supports, type_name
 from pipefill.kernels.prefill_gemm import ROW_GRAIN, OneDnnLinear
-from pipefill.kernels.quant_gemm import QuantLinear
+from pipefill.kernels.quant_gemm import QuantLinear, choose_isa
 from pipefill.model.config import ModelConfig
 from pipefill.model.families import family_for_gguf, family_for_hf_config, family_of
 from pipefill.model.family import ModelFamily
@@ -58,10 +59,12 @@ ROW_BLOCK_BYTES = 16 << 20
 
 class WeightSource:
     """Reads tensors by their Hugging Face names, as float32, from safetensors or GGUF; knows
-    the model's family and config."""
+    the model's family and config. An FP8 checkpoint's weights (`fp8`: float8 e4m3 with a
+    weight_scale_inv per 128 x 128 block) read dequantized, or as they are (fp8_weight)."""
 
     def __init__(self, path: str):
         self.path = path
+        self.fp8 = False
         if path.endswith(".gguf"):
             self.gguf = GGUFFile(path)
             self.family: ModelFamily = family_for_gguf(
@@ -71,7 +74,7 @@ class WeightSource:
         self.gguf = None
         with open(os.path.join(path, "config.json")) as f:
             hf = json.load(f)
-        refuse_quantized(hf, path)
+        self.fp8 = read_quantization_config(hf, path)
         self.family = family_for_hf_config(hf)
         self.config = self.family.config_from_hf(hf)
         self._file_of = {}
@@ -97,6 +100,8 @@ class WeightSource:
             return tuple(st.get_slice(self._key.get(name, name)).get_shape())
 
     def load(self, name: str) -> torch.Tensor:
+        if self.is_fp8(name):
+            return self.load_rows(name, 0, self.shape(name)[0])
         if self.gguf is None:
             with safe_open(self._file(name), framework="pt") as st:
                 return st.get_tensor(self._key.get(name, name)).float()
@@ -127,22 +132,62 @@ class WeightSource:
     def load_rows(self, name: str, start: int, end: int) -> torch.Tensor:
         """Rows start:end of the tensor as float32: the same values as load(name)[start:end]
         (dequantization and widening work element by element, or block by block in a row)."""
+        if self.is_fp8(name):
+            codes = self._fp8_codes(name, self._slice(name, start, end))
+            return fp8_blocks.dequantize(codes, self._fp8_scale(name), first_row=start)
         if self.gguf is None:
-            with safe_open(self._file(name), framework="pt") as st:
-                return st.get_slice(self._key.get(name, name))[start:end].float()
+            return self._slice(name, start, end).float()
         if (start, end) == (0, self.shape(name)[0]) or self._rotary_heads(name) is not None:
             return self.load(name)[start:end]
         gguf_name, index = self.family.gguf_tensor(name)
         return self.gguf.load(gguf_name, start, end, index)
 
-    def quant_linear(self, names: tuple[str, ...], disable: tuple[str, ...] = ()
-                     ) -> QuantLinear | None:
-        """The named matrices' rows stacked as GGUF blocks kept quantized
+    def _slice(self, name: str, start: int, end: int | None) -> torch.Tensor:
+        """Rows start:end of a stored tensor as stored (end None: all of it)."""
+        with safe_open(self._file(name), framework="pt") as st:
+            key = self._key.get(name, name)
+            return st.get_tensor(key) if end is None else st.get_slice(key)[start:end]
+
+    def is_fp8(self, name: str) -> bool:
+        """Whether the checkpoint holds the tensor as FP8 codes with block scales."""
+        return self.fp8 and name + fp8_blocks.SCALE_SUFFIX in self._file_of
+
+    def fp8_weight(self, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(codes float8_e4m3fn [N, K] as stored, scales float32 [ceil(N/128), ceil(K/128)])."""
+        return self._fp8_codes(name, self._slice(name, 0, None)), self._fp8_scale(name)
+
+    def _fp8_scale(self, name: str) -> torch.Tensor:
+        """A weight's block scales; a sentence for a grid of another shape."""
+        scale_name = name + fp8_blocks.SCALE_SUFFIX
+        with safe_open(self._file(scale_name), framework="pt") as st:
+            scale = st.get_tensor(self._key.get(scale_name, scale_name)).float()
+        shape = self.shape(name)
+        grid = fp8_blocks.grid_shape(*shape) if len(shape) == 2 else None
+        if tuple(scale.shape) != grid:
+            raise ValueError(f"--model-path {self.path}: {scale_name} has shape "
+                             f"{list(scale.shape)}, but a {list(shape)} weight in 128 x 128 "
+                             f"blocks has {list(grid or ())} scales")
+        return scale
+
+    def _fp8_codes(self, name: str, codes: torch.Tensor) -> torch.Tensor:
+        """The stored codes of a weight with scales; a sentence for another float8 format."""
+        if codes.dtype != torch.float8_e4m3fn:
+            raise ValueError(f"--model-path {self.path}: {name} is {codes.dtype}, but "
+                             "quantization_config says fmt e4m3 (float8_e4m3fn)")
+        return codes
+
+    def quant_linear(self, names: tuple[str, ...], disable: tuple[str, ...] = (),
+                     max_rows: int = 32) -> QuantLinear | None:
+        """The named matrices' rows stacked as GGUF blocks or FP8 codes kept quantized
         (kernels.quant_gemm), or None where one is not a block type the kernels read (it is
         then loaded dequantized). GGUF llama q/k rows are reordered as load() does (whole
         rows of blocks move)."""
         if self.gguf is None:
-            return None
+            if not self.fp8 or not all(self.is_fp8(n) for n in names):
+                return None
+            return QuantLinear.from_fp8([self.fp8_weight(n) for n in names],
+                                        self.shape(names[0])[1], max_rows=max_rows,
+                                        disable=disable)
         parts = []
         for name in names:
             shape, (gname, index) = self.shape(name), self.family.gguf_tensor(name)
@@ -152,10 +197,14 @@ class WeightSource:
             raw, heads = self.gguf.blocks(gname), self._rotary_heads(name)
             parts.append((raw if heads is None
                           else unpermute_rotary(torch.from_numpy(raw), heads), qtype))
-        return QuantLinear.from_parts(parts, self.shape(names[0])[1], disable=disable)
+        return QuantLinear.from_parts(parts, self.shape(names[0])[1], max_rows=max_rows,
+                                      disable=disable)
 
     def tensor_type(self, name: str) -> str:
-        """The GGUF type of a tensor, by name (for log lines)."""
+        """The GGUF type or the stored dtype of a tensor, by name (for log lines)."""
+        if self.gguf is None:
+            with safe_open(self._file(name), framework="pt") as st:
+                return st.get_slice(self._key.get(name, name)).get_dtype()
         return type_name(self.gguf.tensor_type(self.family.gguf_tensor(name)[0]))
 
     def _rotary_heads(self, name: str) -> int | None:
@@ -166,16 +215,31 @@ class WeightSource:
         return self.family.gguf_rotary_heads(self.config, self.gguf.arch, name)
 
 
-def refuse_quantized(hf: dict, path: str) -> None:
-    """A sentence for a Hugging Face folder of quantized weights (config.json's
-    quantization_config: FP8 blocks, GPTQ, AWQ, ...), which would otherwise load as their raw
-    integers or FP8 values without their scales."""
+def read_quantization_config(hf: dict, path: str) -> bool:
+    """Whether config.json says FP8 blocks as DeepSeek-V3 and the -FP8 Qwen3 releases write
+    them (fp8_blocks.QUANT_CONFIG); False without a quantization_config, a sentence for any
+    other (GPTQ, AWQ, other FP8 formats, block sizes or activation schemes), whose weights
+    would otherwise load as raw integers or FP8 values without their scales."""
     quant = hf.get("quantization_config")
-    if quant:
-        method = quant.get("quant_method", "quantized") if isinstance(quant, dict) else quant
+    if not quant:
+        return False
+    method = quant.get("quant_method", "quantized") if isinstance(quant, dict) else quant
+    if method != "fp8":
         raise ValueError(f"--model-path {path}: {method} checkpoints (config.json's "
-                         "quantization_config) are not read yet; pipefill reads bfloat16, "
-                         "float16 and float32 safetensors, and GGUF files")
+                         "quantization_config) are not read; pipefill reads bfloat16, float16 "
+                         "and float32 safetensors, FP8 checkpoints with 128 x 128 block "
+                         "scales, and GGUF files")
+    for key, want in fp8_blocks.QUANT_CONFIG.items():
+        if quant.get(key) != want:
+            raise ValueError(f"--model-path {path}: an FP8 checkpoint with quantization_config "
+                             f"{key} {quant.get(key)!r} is not read; pipefill reads {key} "
+                             f"{want!r} (e4m3 weights, one scale per 128 x 128 block, "
+                             "activations unquantized)")
+    extra = set(quant) - set(fp8_blocks.QUANT_CONFIG) - set(fp8_blocks.INFORMATIONAL_KEYS)
+    if extra:
+        raise ValueError(f"--model-path {path}: the FP8 quantization_config has "
+                         f"{', '.join(sorted(extra))}, which pipefill does not read")
+    return True
 
 
 # Where a multimodal checkpoint keeps its language model's "model.*" tensors (Gemma 3's
@@ -207,15 +271,15 @@ def tensor_names(cfg: ModelConfig, layers: range, first: bool, last: bool) -> li
     return names
 
 
-WEIGHT_DTYPES = ("auto", "gguf", "bfloat16", "float32")
+WEIGHT_DTYPES = ("auto", "gguf", "fp8", "bfloat16", "float32")
 
 
 def resolve_weight_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
     """--weight-dtype: auto = the compute dtype; bfloat16 under float32 compute halves the
-    bytes every decode step streams (weights rounded to bf16, widened in registers); gguf keeps
-    the linear layers' blocks (keeps_blocks) and everything else in the compute dtype, which
-    is what this returns for it."""
-    if name in ("auto", "gguf"):
+    bytes every decode step streams (weights rounded to bf16, widened in registers); gguf and
+    fp8 keep the linear layers' blocks (keeps_blocks) and everything else in the compute dtype,
+    which is what this returns for them."""
+    if name in ("auto", "gguf", "fp8"):
         return dtype
     wdtype = {"bfloat16": torch.bfloat16, "float32": torch.float32}.get(name)
     if wdtype is None:
@@ -228,10 +292,17 @@ def resolve_weight_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
     return wdtype
 
 
-def keeps_blocks(name: str, source: WeightSource, device: str = "cpu") -> tuple[bool, str]:
-    """Whether --weight-dtype `name` keeps GGUF blocks quantized -> (keeps, why), the reason
-    logged at start. auto dequantizes (as before) until the quantized path is measured faster
-    on a quiet machine; gguf needs a GGUF file and a CPU stage (ValueError otherwise)."""
+def keeps_blocks(name: str, source: WeightSource, device: str = "cpu",
+                 disable: tuple[str, ...] = ()) -> tuple[bool, str]:
+    """Whether --weight-dtype `name` keeps GGUF blocks or FP8 weights quantized -> (keeps,
+    why), the reason logged at start. For a GGUF file auto dequantizes (as before) until the
+    quantized path is measured faster on a quiet machine; gguf needs a GGUF file and a CPU
+    stage (ValueError otherwise). FP8 checkpoints: keeps_fp8."""
+    if getattr(source, "fp8", False):
+        return keeps_fp8(name, device, disable)
+    if name == "fp8":
+        raise ValueError(f"--weight-dtype fp8 needs an FP8 checkpoint (config.json's "
+                         f"quantization_config with quant_method fp8), got {source.path}")
     if name != "gguf":
         return False, ("auto: dequantized until the quantized kernels are measured faster"
                        if name == "auto" else f"{name} requested")
@@ -242,20 +313,45 @@ def keeps_blocks(name: str, source: WeightSource, device: str = "cpu") -> tuple[
     return True, "requested"
 
 
+def keeps_fp8(name: str, device: str, disable: tuple[str, ...] = ()) -> tuple[bool, str]:
+    """An FP8 checkpoint: fp8 keeps its linear layers' codes and scales (CPU stages only,
+    ValueError otherwise); auto keeps them where a vector path of the FP8 decode GEMM runs
+    (half the bytes of bf16 per decode step), else dequantizes at load; bfloat16 and float32
+    dequantize at load (into that dtype); gguf is refused."""
+    if name == "gguf":
+        raise ValueError("--weight-dtype gguf needs a .gguf model file; this is an FP8 "
+                         "checkpoint (use --weight-dtype fp8 or auto)")
+    if name in ("bfloat16", "float32"):
+        return False, f"{name} requested"
+    if device != "cpu":
+        if name == "fp8":
+            raise ValueError(f"--weight-dtype fp8 runs on CPU stages only, not --device {device}")
+        return False, f"auto: the FP8 kernel runs on CPU stages, not --device {device}"
+    if name == "fp8":
+        return True, "requested"
+    isa, why = choose_isa(disable + ("scalar",), fp8=True)  # the vector paths only
+    if isa in ("avx512", "avx2"):
+        return True, f"the FP8 decode GEMM runs here on {isa}"
+    return False, f"auto: no vector path of the FP8 decode GEMM here ({why})"
+
+
 class _StageReader:
     """The WeightReader a family's load_layer gets: matrices in the stage's dtype (rounded to
     the weight dtype first), vectors as float32, counted on the load's progress bar; with
-    `blocks` (--weight-dtype gguf) linear layers as QuantLinear where the file's types allow.
-    `disable`: decode GEMM paths the quantized linears must not take."""
+    `blocks` (--weight-dtype gguf; fp8, or auto, on an FP8 checkpoint) linear layers as
+    QuantLinear where the file's types allow. `disable`: decode GEMM paths the quantized
+    linears must not take; `max_rows`: the most rows they take on the decode GEMM."""
 
     def __init__(self, source: WeightSource, dtype: torch.dtype, round_to: torch.dtype | None,
-                 progress, blocks: bool = False, disable: tuple[str, ...] = ()):
+                 progress, blocks: bool = False, disable: tuple[str, ...] = (),
+                 max_rows: int = 32):
         self.source, self.dtype, self.round_to, self.progress = source, dtype, round_to, progress
-        self.blocks, self.disable = blocks, disable
+        self.blocks, self.disable, self.max_rows = blocks, disable, max_rows
         self.kept: list[str] = []  # "name: type" of the matrices left dequantized under blocks
 
     def linear(self, *names: str) -> torch.Tensor | QuantLinear:
-        q = self.source.quant_linear(names, self.disable) if self.blocks else None
+        q = (self.source.quant_linear(names, self.disable, self.max_rows) if self.blocks
+             else None)
         if q is None:
             if self.blocks:
                 self.kept += [f"{n}: {self.source.tensor_type(n)}" for n in names]
@@ -279,10 +375,11 @@ def load_stage_weights(source: WeightSource, layers: range, first: bool, last: b
                        max_rows: int = 32, disable: tuple[str, ...] = ()) -> StageWeights:
     """Matrices in `dtype`; with a narrower weight_dtype their values are first rounded to it
     (so prefill on torch and decode on the packed copy compute with the same weights).
-    With `blocks` (--weight-dtype gguf) the family's linear layers and the LM head stay GGUF
-    blocks where their types allow (place_quant_linears; decode up to max_rows rows on the
-    quantized GEMM without the `disable`d paths); the embedding is dequantized (a tied LM head
-    shares it on a stage that holds both, and gets a quantized decode copy).
+    With `blocks` (keeps_blocks) the family's linear layers (read.linear) and the LM head stay
+    GGUF blocks or FP8 codes where the file's types allow (place_quant_linears; decode up to
+    max_rows rows on the quantized GEMM without the `disable`d paths); the embedding is
+    dequantized (a tied LM head shares it on a stage that holds both, and gets a quantized
+    decode copy), and so is every FP8 matrix a family reads with read.mat.
     Tensor by tensor and block of rows by block: each matrix is allocated once in `dtype` and
     filled, so the stage is never resident in float32 (a 7B model would need 28 GB)."""
     cfg, family = source.config, source.family
@@ -294,13 +391,13 @@ def load_stage_weights(source: WeightSource, layers: range, first: bool, last: b
     progress = tqdm(total=len(set(names)), desc=progress_desc or "loading weights",
                     unit="tensor", leave=False, disable=None if progress_desc else True)
     round_to = weight_dtype if weight_dtype is not None and weight_dtype != dtype else None
-    read = _StageReader(source, dtype, round_to, progress, blocks, disable)
+    read = _StageReader(source, dtype, round_to, progress, blocks, disable, max_rows)
     out_layers = [family.load_layer(cfg, i, read) for i in layers]
     embed = read.mat(family.embed_name) if first else None
     lm_head = head_quant = None
     if last:
         shares = first and head_name == family.embed_name
-        head_quant = source.quant_linear((head_name,), disable) if blocks else None
+        head_quant = source.quant_linear((head_name,), disable, max_rows) if blocks else None
         if head_quant is None or shares:
             lm_head = embed if shares else read.mat(head_name)
         else:

@@ -10,7 +10,9 @@ batch route to the same expert, and never an expert no token chose.
 Each expert's GEMMs run on the copies the loader made once (`pack_decode`, `reorder_prefill`):
 an expert with few rows (a decode step, or a rarely chosen expert in a prefill chunk) on the
 packed small-M decode GEMM, one with more on the prefill GEMM (oneDNN's layout where the stage
-uses it, else F.linear) — the same choice `model.layers.linear` makes for dense layers.
+uses it, else F.linear) — the same choice `model.layers.linear` makes for dense layers. Experts
+read quantized (an FP8 checkpoint's, kernels.quant_gemm.QuantLinear) are their own decode copy
+and dequantize per call for more rows (`Experts.held`); nothing is packed or reordered for them.
 
 The routers of Qwen2-MoE, Qwen3-MoE and Mixtral are one rule: softmax over all experts in
 float32, top-k, and (Mixtral always, the Qwens with `norm_topk_prob`) the k weights renormalised
@@ -78,6 +80,8 @@ class Experts:
     linears: tuple[ExpertLinears, ExpertLinears] = field(init=False)
 
     def __post_init__(self):
+        if self.down is None:  # held quantized: `held` sets the fields
+            return
         self.num_experts, self.width = self.down.shape[0], self.down.shape[2]
         self.linears = (ExpertLinears(self.gate_up), ExpertLinears(self.down))
 
@@ -92,10 +96,26 @@ class Experts:
     @classmethod
     def read(cls, reader, names: list[tuple[str, str, str]]) -> "Experts":
         """Every expert's (gate, up, down) matrices by name, through a family's WeightReader
-        (model/family.py), gate and up stacked as they are read."""
-        gate_ups = [reader.mat(gate, up) for gate, up, _ in names]
-        downs = [reader.mat(down) for _, _, down in names]
+        (model/family.py), gate and up stacked as they are read: its linear layers, held
+        quantized where the reader keeps them so (all of them, or else none)."""
+        gate_ups = [reader.linear(gate, up) for gate, up, _ in names]
+        downs = [reader.linear(down) for _, _, down in names]
+        plain = [m for m in gate_ups + downs if isinstance(m, torch.Tensor)]
+        if not plain:
+            return cls.held(gate_ups, downs)
+        gate_ups, downs = ([m if isinstance(m, torch.Tensor) else m.dequantize(plain[0].dtype)
+                            for m in ms] for ms in (gate_ups, downs))
         return cls(torch.stack(gate_ups), torch.stack(downs))
+
+    @classmethod
+    def held(cls, gate_ups: list, downs: list) -> "Experts":
+        """Experts whose matrices are quantized linears (QuantLinear): each its own decode
+        copy, dequantized per call for prefill-sized rows."""
+        experts = cls(None, None)
+        experts.num_experts, experts.width = len(downs), downs[0].in_features
+        experts.linears = tuple(ExpertLinears(None, list(ms), [m.prefill for m in ms])
+                                for ms in (gate_ups, downs))
+        return experts
 
     def run(self, e: int, rows: torch.Tensor) -> torch.Tensor:
         """down_e(silu(gate_e(rows)) * up_e(rows))."""
@@ -235,6 +255,8 @@ class MoEBlock:
         total = 0
         self.router_packed = pack(self.router)
         for m in self.experts.linears:
+            if m.plain is None:  # held quantized (Experts.held)
+                continue
             m.packed = [pack(w) for w in m.plain]
             if any(p is None for p in m.packed):
                 m.packed = None
@@ -251,6 +273,8 @@ class MoEBlock:
         layout (reorder: matrix -> OneDnnLinear) and drops the plain stacks; returns bytes."""
         total = 0
         for m in self.experts.linears:
+            if m.plain is None:  # held quantized (Experts.held)
+                continue
             m.prefill = [reorder(w) for w in m.plain]
             m.plain = None
             total += sum(p.nbytes for p in m.prefill)

@@ -49,16 +49,17 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
                          f"{num_pages * args.page_size} tokens but only {avail / 2**30:.1f} GiB "
                          "of memory is available; lower --max-total-tokens")
     weight_dtype = resolve_weight_dtype(args.weight_dtype, dtype)
-    blocks, blocks_why = keeps_blocks(args.weight_dtype, source, device.type)
     from pipefill.kernels.decode_gemm import hidden_isas
     disable = hidden_isas(args.hide_cpu_flags)
+    blocks, blocks_why = keeps_blocks(args.weight_dtype, source, device.type, disable)
     weights = load_stage_weights(source, info.layers, info.is_first, info.is_last, dtype,
                                  progress_desc=f"stage {info.rank}: loading layers "
                                                f"{info.layers.start}-{info.layers.stop - 1}",
                                  weight_dtype=weight_dtype, blocks=blocks,
                                  max_rows=args.decode_gemm_max_rows, disable=disable)
-    if source.gguf is not None:
-        log_gguf_weights(info.rank, weights, blocks, blocks_why)
+    if source.gguf is not None or source.fp8:
+        log_quantized_weights(info.rank, weights, args.weight_dtype, blocks, blocks_why,
+                              "GGUF" if source.gguf is not None else "FP8")
     if device.type != "cpu":
         weights = weights_to(weights, device)
     backend, why = choose_backend(args.attention_backend, dtype, cfg.head_dim, args.page_size,
@@ -80,7 +81,7 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
     log.info("stage %d: decode GEMM %s", info.rank,
              f"{head.isa}, packed copies {packed_bytes / 2**20:.0f} MiB "
              f"({dtype_name(weight_dtype)})" if packed_bytes and head
-             else "on the GGUF blocks" if blocks else "off (torch)")
+             else "on the quantized weights" if blocks else "off (torch)")
     gemm, gemm_why = choose_prefill_gemm(args.prefill_gemm, dtype, weight_dtype, device,
                                          cpu_vendor())
     reordered = ""
@@ -105,21 +106,29 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
     return executor
 
 
-def log_gguf_weights(rank: int, weights, blocks: bool, why: str) -> None:
-    """What a GGUF file's weights became: blocks kept (their types, bytes, the decode path and
-    what stayed dequantized) or dequantized, with the reason."""
+def log_quantized_weights(rank: int, weights, name: str, blocks: bool, why: str,
+                          kind: str) -> None:
+    """What a GGUF file's or an FP8 checkpoint's weights became: kept quantized (their types,
+    bytes, the decode path and what stayed dequantized) or dequantized, with the reason."""
     if not blocks:
-        log.info("stage %d: GGUF weights dequantized at load (--weight-dtype: %s)", rank, why)
+        log.info("stage %d: %s weights dequantized at load (--weight-dtype: %s)", rank, kind,
+                 why)
         return
     quant = [q for layer in weights.layers for q in (layer.packed or {}).values()
              if hasattr(q, "parts")] + ([weights.lm_head_quant] if weights.lm_head_quant else [])
+    quant += [q for layer in weights.layers if getattr(layer, "moe", None) is not None
+              for m in layer.moe.experts.linears if m.plain is None for q in m.packed or ()
+              if hasattr(q, "parts")]
     types = sorted({q.types for q in quant})
     isa = quant[0].isa if quant else "none"
-    log.info("stage %d: GGUF blocks kept quantized (--weight-dtype gguf, %s): %d linear "
-             "layers (%s), %.0f MiB, decode on %s; prefill dequantizes each matrix per call; "
-             "left dequantized: %s", rank, why, len(quant), ", ".join(types),
+    kept = weights.kept_dequantized or []
+    log.info("stage %d: %s kept quantized (--weight-dtype %s, %s): %d linear layers (%s), "
+             "%.0f MiB, decode on %s; prefill dequantizes each matrix per call; left "
+             "dequantized: %s", rank, "GGUF blocks" if kind == "GGUF" else "FP8 weights", name,
+             why, len(quant), ", ".join(types),
              sum(q.nbytes for q in quant) / 2**20, isa,
-             ", ".join(weights.kept_dequantized) or "none")
+             (", ".join(kept[:8]) + (f" and {len(kept) - 8} more" if len(kept) > 8 else ""))
+             or "none")
 
 
 def weights_to(weights, device):

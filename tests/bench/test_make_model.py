@@ -123,3 +123,34 @@ def test_cli_refuses_a_bad_layer_count_with_a_sentence(tmp_path):
                          capture_output=True, text=True, timeout=120)
     assert out.returncode == 2 and "between 1 and 32" in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_fp8_variant_has_the_releases_layout(tmp_path):
+    """--fp8: every decoder projection (attention, dense MLP, experts, shared experts) as e4m3
+    codes with its 128 x 128 block scales, routers, norms, embedding and head in --dtype,
+    config.json's quantization_config as DeepSeek-V3's; pipefill reads it back as the draws
+    within e4m3's half ulp of each block's largest weight."""
+    from safetensors import safe_open
+    from pipefill.kernels.fp8_blocks import QUANT_CONFIG, grid_shape
+    from pipefill.model.loader import WeightSource
+    config = tiny("DeepseekV3Config")
+    write_checkpoint(config, tmp_path / "fp8", torch.bfloat16, seed=3, fp8=True)
+    write_checkpoint(config, tmp_path / "f32", torch.float32, seed=3)
+    shapes = checkpoint_shapes(config)
+    assert json.loads((tmp_path / "fp8" / "config.json").read_text())[
+        "quantization_config"] == QUANT_CONFIG
+    with safe_open(str(tmp_path / "fp8" / "model.safetensors"), "pt") as f:
+        stored = {k: f.get_tensor(k) for k in f.keys()}
+    quantized = {k for k in shapes if k.endswith("_proj.weight") and k.startswith("model.layers")}
+    assert set(stored) == set(shapes) | {k + "_scale_inv" for k in quantized}
+    assert "model.layers.1.mlp.experts.5.down_proj.weight" in quantized
+    assert "model.layers.1.mlp.shared_experts.up_proj.weight" in quantized
+    for k in quantized:
+        assert stored[k].dtype == torch.float8_e4m3fn
+        assert stored[k + "_scale_inv"].shape == grid_shape(*shapes[k])
+    assert stored["model.layers.1.mlp.gate.weight"].dtype == torch.bfloat16
+    name = "model.layers.0.self_attn.q_b_proj.weight"
+    source, draws = WeightSource(str(tmp_path / "fp8")), WeightSource(str(tmp_path / "f32"))
+    assert source.fp8 and not draws.fp8
+    got, want = source.load(name), draws.load(name)
+    assert (got - want).abs().max() <= 2.0 ** -4 * want.abs().max()

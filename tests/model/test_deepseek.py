@@ -209,15 +209,17 @@ def test_config_routers_and_refusals(deepseek_models, caplog):
 
 
 def test_a_quantized_checkpoint_is_refused_with_a_sentence(deepseek_models, tmp_path):
-    """DeepSeek-V3's FP8 release: refused at load (not read yet), while `pipefill sim`
-    still reads its shapes from the same config.json."""
+    """An FP8 checkpoint in blocks other than DeepSeek-V3's 128 x 128: refused at load, while
+    `pipefill sim` still reads its shapes from the same config.json (the FP8 checkpoints
+    pipefill reads: tests/model/test_fp8_checkpoints.py)."""
     from pipefill.model.loader import WeightSource
     with open(f"{deepseek_models['v3'][0]}/config.json") as f:
         d = json.load(f)
     fp8 = {**d, "quantization_config": {"quant_method": "fp8", "fmt": "e4m3",
-                                        "weight_block_size": [128, 128]}}
+                                        "activation_scheme": "dynamic",
+                                        "weight_block_size": [64, 64]}}
     (tmp_path / "config.json").write_text(json.dumps(fp8))
-    with pytest.raises(ValueError, match="fp8 checkpoints .* are not read yet"):
+    with pytest.raises(ValueError, match=r"weight_block_size \[64, 64\] is not read"):
         WeightSource(str(tmp_path))
     assert family_for_hf_config(fp8).config_from_hf(fp8).mla.latent_dim == 27
 

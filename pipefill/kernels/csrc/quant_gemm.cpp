@@ -1,13 +1,15 @@
-// Glue of the quantized decode GEMM (GGUF blocks kept as in the file): per-ISA cpuid/XCR0
-// checks, bf16 activations widened to float32, the bias and the bf16 output rounding, the split
-// of output columns over torch's thread pool (at::parallel_for, so --threads-per-stage applies),
-// and the dequantization of whole rows that prefill multiplies on torch. An ISA's code runs only
+// Glue of the quantized decode GEMM (GGUF blocks kept as in the file, and FP8 e4m3 weights with
+// 128 x 128 block scales): per-ISA cpuid/XCR0 checks, bf16 activations widened to float32, the
+// bias and the bf16 output rounding, the split of output columns over torch's thread pool
+// (at::parallel_for, so --threads-per-stage applies), and the dequantization of whole rows that
+// prefill multiplies on torch. An ISA's code runs only
 // when the caller asked for that ISA and the check for it passed. The entry points take
 // addresses and sizes (pipefill/kernels/quant_gemm.py checks them).
 #include "glue.h"
 
 #include <vector>
 
+#include "fp8_gemm_kernel.h"
 #include "glue_vector_isa.h"
 #include "quant_gemm_kernel.h"
 
@@ -28,17 +30,14 @@ bool shape_ok(int qtype, int64_t row_bytes, int64_t K) {
 }
 
 // y[M, N] (row stride ldy, float32 or bf16) = x[M, K] (row stride ldx, float32 or bf16) @ W^T
-// (+ bias float32 [N] or None), W GGUF blocks of `qtype`, row n at w + n * row_bytes.
-// Returns 0, or -2 (ISA not usable here), -3 (bad arguments), -1 (exception).
-int pf_qg_gemm(int isa, Addr x_addr, int x_dtype, int64_t ldx, Addr w_addr, int qtype,
-               int64_t row_bytes, Addr bias_addr, Addr y_addr, int y_dtype, int64_t ldy,
-               int64_t M, int64_t N, int64_t K) {
-  if (!pg::vector_isa_ok(isa)) return -2;
-  if (M <= 0 || N <= 0) return 0;
-  if (!shape_ok(qtype, row_bytes, K)) return -3;
-  const uint8_t* w = w_addr.as<const uint8_t>();
+// (+ bias float32 [N] or None), where cols(xf, ldxf, yf, ldyf, n0, n1) writes the float32 sums
+// of columns [n0, n1) from float32 x: bf16 x is widened first, bf16 y rounded last (after the
+// bias), and the columns are split over torch's pool, `grain` at least per task.
+template <class Cols>
+int float_gemm(const char* what, Addr x_addr, int x_dtype, int64_t ldx, Addr bias_addr, Addr y_addr,
+               int y_dtype, int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t grain, const Cols& cols) {
   const float* bias = bias_addr.as<const float>();
-  return pg::guarded("pipefill quantized gemm", [&] {
+  return pg::guarded(what, [&] {
     thread_local std::vector<float> xbuf, ybuf;
     const float* xf = x_addr.as<const float>();
     int64_t ldf = ldx;
@@ -57,12 +56,7 @@ int pf_qg_gemm(int isa, Addr x_addr, int x_dtype, int64_t ldx, Addr w_addr, int 
       yf = ybuf.data();
       ldf_y = N;
     }
-    auto fn = isa == kAvx512 ? avx512::gemm_cols : isa == kAvx2 ? avx2::gemm_cols : scalar::gemm_cols;
-    // Columns per task: at least ~32 KB of blocks, so small matrices stay on one thread.
-    const int64_t grain = std::max<int64_t>(1, 32768 / row_bytes);
-    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-      fn(xf, ldf, w, qtype, row_bytes, M, K, yf, ldf_y, n0, n1);
-    });
+    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { cols(xf, ldf, yf, ldf_y, n0, n1); });
     for (int64_t m = 0; m < M; ++m) {
       float* yr = yf + m * ldf_y;
       if (bias)
@@ -73,6 +67,24 @@ int pf_qg_gemm(int isa, Addr x_addr, int x_dtype, int64_t ldx, Addr w_addr, int 
       }
     }
   });
+}
+
+// The GEMM on GGUF blocks: W of `qtype`, row n at w + n * row_bytes.
+// Returns 0, or -2 (ISA not usable here), -3 (bad arguments), -1 (exception).
+int pf_qg_gemm(int isa, Addr x_addr, int x_dtype, int64_t ldx, Addr w_addr, int qtype,
+               int64_t row_bytes, Addr bias_addr, Addr y_addr, int y_dtype, int64_t ldy,
+               int64_t M, int64_t N, int64_t K) {
+  if (!pg::vector_isa_ok(isa)) return -2;
+  if (M <= 0 || N <= 0) return 0;
+  if (!shape_ok(qtype, row_bytes, K)) return -3;
+  const uint8_t* w = w_addr.as<const uint8_t>();
+  auto fn = isa == kAvx512 ? avx512::gemm_cols : isa == kAvx2 ? avx2::gemm_cols : scalar::gemm_cols;
+  // Columns per task: at least ~32 KB of blocks, so small matrices stay on one thread.
+  return float_gemm("pipefill quantized gemm", x_addr, x_dtype, ldx, bias_addr, y_addr, y_dtype, ldy, M, N, K,
+                    std::max<int64_t>(1, 32768 / row_bytes),
+                    [&](const float* xf, int64_t ldf, float* yf, int64_t ldf_y, int64_t n0, int64_t n1) {
+                      fn(xf, ldf, w, qtype, row_bytes, M, K, yf, ldf_y, n0, n1);
+                    });
 }
 
 // out[N, K] (row stride ldo, float32 or bf16 rounded to nearest even) = W dequantized by the
@@ -92,6 +104,66 @@ int pf_qg_dequant(int isa, Addr w_addr, int qtype, int64_t row_bytes, int64_t N,
   });
 }
 
+// ---- FP8 e4m3 with 128 x 128 block scales (fp8_gemm_kernel.h) ----
+
+// The AVX2 build widens FP8 through halves (F16C), which every AVX2 CPU has; checked all the same.
+const char* fp8_isa_check(int isa) {
+  if (const char* why = pg::vector_isa_check(isa)) return why;
+  unsigned a, b, c, d;
+  if (isa == kAvx2 && !(__get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 29)))) return "no F16C";
+  return nullptr;
+}
+
+bool fp8_isa_ok(int isa) {
+  static const bool ok[3] = {fp8_isa_check(0) == nullptr, fp8_isa_check(kAvx2) == nullptr,
+                             fp8_isa_check(kAvx512) == nullptr};
+  return isa >= 0 && isa <= kAvx512 && ok[isa];
+}
+
+std::tuple<bool, std::string> pf_qg_fp8_isa_supported(int isa) {
+  const char* why = fp8_isa_check(isa);
+  return {why == nullptr, why ? why : "ok"};
+}
+
+// The GEMM on FP8 weights: W uint8 [N, K] (rows K bytes apart), scale float32 grid (row stride
+// lds), scale_row int32 [N]: each weight row's grid row.
+// Returns 0, or -2 (ISA not usable here), -3 (bad arguments), -1 (exception).
+int pf_qg_fp8_gemm(int isa, Addr x_addr, int x_dtype, int64_t ldx, Addr w_addr, Addr scale_addr,
+                   Addr scale_row_addr, int64_t lds, Addr bias_addr, Addr y_addr, int y_dtype, int64_t ldy,
+                   int64_t M, int64_t N, int64_t K) {
+  if (!fp8_isa_ok(isa)) return -2;
+  if (M <= 0 || N <= 0) return 0;
+  if (K <= 0 || lds < (K + kFp8Block - 1) / kFp8Block) return -3;
+  const uint8_t* w = w_addr.as<const uint8_t>();
+  const float* scale = scale_addr.as<const float>();
+  const int32_t* scale_row = scale_row_addr.as<const int32_t>();
+  auto fn = isa == kAvx512 ? avx512::fp8_gemm_cols : isa == kAvx2 ? avx2::fp8_gemm_cols : scalar::fp8_gemm_cols;
+  return float_gemm("pipefill fp8 gemm", x_addr, x_dtype, ldx, bias_addr, y_addr, y_dtype, ldy, M, N, K,
+                    std::max<int64_t>(1, 32768 / K),
+                    [&](const float* xf, int64_t ldf, float* yf, int64_t ldf_y, int64_t n0, int64_t n1) {
+                      fn(xf, ldf, w, scale, scale_row, lds, M, K, yf, ldf_y, n0, n1);
+                    });
+}
+
+// out[N, K] (row stride ldo, float32 or bf16 rounded to nearest even) = W dequantized, each
+// weight code x scale rounded once to float32 (then to bf16).
+int pf_qg_fp8_dequant(int isa, Addr w_addr, Addr scale_addr, Addr scale_row_addr, int64_t lds, int64_t N,
+                      int64_t K, Addr out_addr, int out_dtype, int64_t ldo) {
+  if (!fp8_isa_ok(isa)) return -2;
+  if (N <= 0) return 0;
+  if (K <= 0 || lds < (K + kFp8Block - 1) / kFp8Block) return -3;
+  const uint8_t* w = w_addr.as<const uint8_t>();
+  const float* scale = scale_addr.as<const float>();
+  const int32_t* scale_row = scale_row_addr.as<const int32_t>();
+  auto fn = isa == kAvx512 ? avx512::fp8_dequant_rows : isa == kAvx2 ? avx2::fp8_dequant_rows
+                                                                     : scalar::fp8_dequant_rows;
+  return pg::guarded("pipefill fp8 dequantize", [&] {
+    at::parallel_for(0, N, std::max<int64_t>(1, 65536 / K), [&](int64_t n0, int64_t n1) {
+      fn(w, scale, scale_row, lds, K, n0, n1, out_addr.as<void>(), out_dtype == kBF16, ldo);
+    });
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -99,4 +171,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pf_qg_isa_supported", &pg::vector_isa_supported);
   m.def("pf_qg_gemm", &pf_qg_gemm, py::call_guard<py::gil_scoped_release>());
   m.def("pf_qg_dequant", &pf_qg_dequant, py::call_guard<py::gil_scoped_release>());
+  m.def("pf_qg_fp8_isa_supported", &pf_qg_fp8_isa_supported);
+  m.def("pf_qg_fp8_gemm", &pf_qg_fp8_gemm, py::call_guard<py::gil_scoped_release>());
+  m.def("pf_qg_fp8_dequant", &pf_qg_fp8_dequant, py::call_guard<py::gil_scoped_release>());
 }

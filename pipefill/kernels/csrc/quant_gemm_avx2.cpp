@@ -1,8 +1,10 @@
 // AVX2 + FMA quantized decode GEMM: 16 weights to two ymm of float32, up to 4 rows per tile
 // (16 ymm: 8 accumulators, 4 weights, the scales, an activation). Entered only after the glue's
-// cpuid/XCR0 check for AVX2 and FMA. The kernel: quant_gemm_simd.h; layouts:
-// quant_gemm_kernel.h.
+// cpuid/XCR0 check for AVX2 and FMA (and F16C for the FP8 path). The kernels: quant_gemm_simd.h
+// (GGUF blocks), fp8_gemm_simd.h (FP8 with block scales); layouts: quant_gemm_kernel.h,
+// fp8_gemm_kernel.h.
 #include "quant_gemm_simd.h"
+#include "fp8_gemm_simd.h"
 
 namespace pipefill_quant {
 namespace avx2 {
@@ -12,6 +14,13 @@ struct V256 {
   using reg = __m256;
   static constexpr int kLanes = 8, kRows = 4;
   static reg zero() { return _mm256_setzero_ps(); }
+  static reg set1(float v) { return _mm256_set1_ps(v); }
+  static reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
+  // 16 IEEE halves -> float32 in two registers, exactly (F16C: the FP8 path's widening).
+  static void from_half(__m256i h, reg* w) {
+    w[0] = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+    w[1] = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
+  }
   static reg load(const float* p) { return _mm256_loadu_ps(p); }
   static reg fmadd(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
   static float sum(reg a, reg b) {
@@ -44,6 +53,7 @@ struct V256 {
 }  // namespace
 
 PF_QUANT_GEMM_COLS(V256)
+PF_FP8_GEMM_COLS(V256)
 
 }  // namespace avx2
 }  // namespace pipefill_quant

@@ -1,7 +1,9 @@
 // AVX-512 quantized decode GEMM: 16 weights to one zmm of float32, up to 8 rows per tile (16
 // accumulators + 2 weights + the scales < 32 zmm). Entered only after the glue's cpuid/XCR0
-// check for AVX-512 F/BW/VL. The kernel: quant_gemm_simd.h; layouts: quant_gemm_kernel.h.
+// check for AVX-512 F/BW/VL. The kernels: quant_gemm_simd.h (GGUF blocks), fp8_gemm_simd.h
+// (FP8 with block scales); layouts: quant_gemm_kernel.h, fp8_gemm_kernel.h.
 #include "quant_gemm_simd.h"
+#include "fp8_gemm_simd.h"
 
 namespace pipefill_quant {
 namespace avx512 {
@@ -19,6 +21,10 @@ struct V512 {
   static reg fmadd(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
   static reg load(const float* p) { return _mm512_loadu_ps(p); }
   static reg zero() { return _mm512_setzero_ps(); }
+  static reg set1(float v) { return _mm512_set1_ps(v); }
+  static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
+  // 16 IEEE halves -> float32, exactly (the FP8 path's widening).
+  static void from_half(__m256i h, reg* w) { w[0] = _mm512_cvtph_ps(h); }
   static float sum(reg a, reg b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
   static void store(float* p, reg v) { _mm512_storeu_ps(p, v); }
   // Nearest even: + 0x7fff + the lowest kept bit, then the high halves (finite v).
@@ -32,6 +38,7 @@ struct V512 {
 }  // namespace
 
 PF_QUANT_GEMM_COLS(V512)
+PF_FP8_GEMM_COLS(V512)
 
 }  // namespace avx512
 }  // namespace pipefill_quant

@@ -15,6 +15,12 @@ DeepSeekMoE in the others: model/moe.py's experts with DeepSeek's router (DeepSe
 V3's sigmoid scores with a correction bias that only chooses, within the best groups; V2's
 softmax, greedy or group-limited) and ungated shared experts. Multi-token-prediction layers
 (layers from num_hidden_layers on in a V3 checkpoint) are not read.
+
+From an FP8 checkpoint (V3's release) the linear layers read through read.linear (q_a/q_proj
+with kv_a_proj_with_mqa, q_b_proj, o_proj, a dense layer's MLP, the routed experts) stay FP8
+where --weight-dtype keeps them (the rows reordered above keep their own scales:
+take_rows); kv_b_proj (split per head by model/mla.py) and the shared experts are dequantized
+at load (ARCHITECTURE.md, 'FP8 block-quantized checkpoints').
 """
 from __future__ import annotations
 
@@ -109,7 +115,7 @@ class DeepSeekFamily(ModelFamily):
     hf_architectures = tuple(ARCHITECTURES)
     layout_hint = (" (pipefill reads one tensor per expert, as in "
                    "model.layers.N.mlp.experts.E.gate_proj.weight, in bfloat16, float16 or "
-                   "float32; FP8 block-quantized checkpoints are not read yet)")
+                   "float32, or FP8 e4m3 with a weight_scale_inv per 128 x 128 block)")
     matrices = {"qkv_a": None, "q_b": None, "o_proj": None, "gate_up": None, "down": None}
 
     def config_from_hf(self, d: dict) -> ModelConfig:
@@ -159,16 +165,18 @@ class DeepSeekFamily(ModelFamily):
         p, mla = f"model.layers.{layer}.", cfg.mla
         a = p + "self_attn."
         q_first = a + ("q_a_proj.weight" if mla.q_lora_rank else "q_proj.weight")
-        qkv_a = read.mat(q_first, a + "kv_a_proj_with_mqa.weight")
-        q_b = read.mat(a + "q_b_proj.weight") if mla.q_lora_rank else None
+        qkv_a = read.linear(q_first, a + "kv_a_proj_with_mqa.weight")
+        q_b = read.linear(a + "q_b_proj.weight") if mla.q_lora_rank else None
         if mla.rope_interleaved:  # rotary pairs into halves (the rotate-half layout)
             q_rows = q_b.shape[0] if q_b is not None else cfg.num_heads * mla.qk_head_dim
             if q_b is not None:
-                q_b = q_b[rope_halves_order(q_rows, mla.qk_head_dim, mla.qk_nope_head_dim)]
-            qkv_a = qkv_a[qkv_a_order(qkv_a.shape[0], mla, q_rows if q_b is None else None)]
+                q_b = take_rows(q_b, rope_halves_order(q_rows, mla.qk_head_dim,
+                                                       mla.qk_nope_head_dim))
+            qkv_a = take_rows(qkv_a, qkv_a_order(qkv_a.shape[0], mla,
+                                                 q_rows if q_b is None else None))
         mlp = (self.load_sparse_mlp(cfg, layer, read) if cfg.is_sparse(layer) else
-               dict(gate_up=read.mat(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
-                    down=read.mat(p + "mlp.down_proj.weight")))
+               dict(gate_up=read.linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
+                    down=read.linear(p + "mlp.down_proj.weight")))
         return DeepSeekLayerWeights(
             input_norm=read.vec(p + "input_layernorm.weight"),
             qkv_a=qkv_a,
@@ -177,7 +185,7 @@ class DeepSeekFamily(ModelFamily):
             kv_a_norm=read.vec(a + "kv_a_layernorm.weight"),
             up=LatentUp(read.mat(a + "kv_b_proj.weight"), cfg.num_heads,
                         mla.qk_nope_head_dim, mla.v_head_dim),
-            o_proj=read.mat(a + "o_proj.weight"),
+            o_proj=read.linear(a + "o_proj.weight"),
             post_norm=read.vec(p + "post_attention_layernorm.weight"),
             **mlp)
 
@@ -266,6 +274,11 @@ def last_rows_only(meta):
                                 seq.read_slots, seq.page_table))
             rows.append(seq.row_start + seq.num_new - 1)
     return torch.tensor(rows, dtype=torch.long), seqs
+
+
+def take_rows(matrix, order: torch.Tensor):
+    """matrix[order]: a plain matrix's rows, or a quantized one's (each row with its scales)."""
+    return matrix[order] if isinstance(matrix, torch.Tensor) else matrix.take_rows(order)
 
 
 def rope_halves_order(num_rows: int, head_dim: int, nope_dim: int) -> torch.Tensor:

@@ -5,10 +5,12 @@
 //
 // 16 codes become 16 halves in integer lanes: the 7 magnitude bits shifted to the half's
 // exponent and mantissa (the value / 256, subnormals included: a half has e4m3's subnormals as
-// its own) and the sign to bit 15; widened exactly, times 256, times the block's scale (one
-// rounding: the product before it is exact). Weights go 32 at a time; a row's last block may
-// end inside 32, and those weights (and the activations beside them) go through zero-padded
-// copies, so every weight passes the same arithmetic.
+// its own) and the sign to bit 15; widened exactly, then times 256 x the block's scale: one
+// rounding of the same exact product as torch's value x scale (256 x scale is exact; it stays
+// finite for every scale below 2^120, and a quantizer's scales are at most FLT_MAX / 448).
+// Weights go 32 at a time; a row's last block may end inside 32, and those weights (and the
+// activations beside them) go through zero-padded copies, so every weight passes the same
+// arithmetic.
 #pragma once
 #include <immintrin.h>
 
@@ -29,14 +31,19 @@ inline __m256i fp8_halves(const uint8_t* p) {
 
 constexpr int kFp8Unit = 32;  // weights per step
 
+// The register a block's weights are scaled by: 256 x its scale (see above).
+template <class V>
+inline typename V::reg fp8_scale(float scale) {
+  return V::set1(scale * 256.0f);
+}
+
 // Weights [k, k + 32) of a row as 32 / V::kLanes registers of float32 (code x scale).
 template <class V>
-inline void fp8_unit(const uint8_t* p, typename V::reg scale, typename V::reg* w) {
+inline void fp8_unit(const uint8_t* p, typename V::reg scale256, typename V::reg* w) {
   constexpr int kHalf = 16 / V::kLanes;
-  const typename V::reg by256 = V::set1(256.0f);
   V::from_half(fp8_halves(p), w);
   V::from_half(fp8_halves(p + 16), w + kHalf);
-  for (int v = 0; v < 2 * kHalf; ++v) w[v] = V::mul(V::mul(w[v], by256), scale);
+  for (int v = 0; v < 2 * kHalf; ++v) w[v] = V::mul(w[v], scale256);
 }
 
 // acc[r] += the unit's weights times x rows r (row stride ldx), alternating two accumulators.
@@ -55,7 +62,7 @@ inline void fp8_tile(const float* x, int64_t ldx, const uint8_t* row, const floa
   for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = V::zero();
   for (int64_t k0 = 0; k0 < K; k0 += kFp8Block) {
     const int64_t k1 = std::min<int64_t>(K, k0 + kFp8Block);
-    const typename V::reg scale = V::set1(srow[k0 / kFp8Block]);
+    const typename V::reg scale = fp8_scale<V>(srow[k0 / kFp8Block]);
     _mm_prefetch(reinterpret_cast<const char*>(row + k0 + 8 * kFp8Block), _MM_HINT_T0);
     _mm_prefetch(reinterpret_cast<const char*>(row + k0 + 8 * kFp8Block + 64), _MM_HINT_T0);
     int64_t k = k0;
@@ -116,7 +123,7 @@ void fp8_dequant_rows_simd(const uint8_t* w, const float* scale, const int32_t* 
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * K;
     for (int64_t k = 0; k < K; k += kFp8Unit) {
-      const typename V::reg s = V::set1(scale[scale_row[n] * lds + k / kFp8Block]);
+      const typename V::reg s = fp8_scale<V>(scale[scale_row[n] * lds + k / kFp8Block]);
       const int64_t count = std::min<int64_t>(kFp8Unit, K - k);
       alignas(64) uint8_t codes[kFp8Unit] = {};
       if (count < kFp8Unit) std::memcpy(codes, row + k, count);

@@ -355,11 +355,17 @@ class _StageReader:
         if q is None:
             if self.blocks:
                 self.kept += [f"{n}: {self.source.tensor_type(n)}" for n in names]
-            return self.mat(*names)
+            return self._matrix(names)
         self.progress.update(len(names))
         return q
 
     def mat(self, *names: str) -> torch.Tensor:
+        if self.blocks:  # an FP8 weight a family reads whole (DeepSeek's kv_b_proj)
+            self.kept += [f"{n}: {self.source.tensor_type(n)}" for n in names
+                          if self.source.is_fp8(n)]
+        return self._matrix(names)
+
+    def _matrix(self, names: tuple[str, ...]) -> torch.Tensor:
         m = stacked_rows(self.source, names, self.dtype, self.round_to)
         self.progress.update(len(names))
         return m

@@ -51,6 +51,22 @@ def dequantized_copy(fp8, out) -> str:
     return str(out)
 
 
+def save_random_moe(path) -> None:
+    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
+    torch.manual_seed(5)
+    config = Qwen3MoeConfig(vocab_size=512, hidden_size=144, intermediate_size=200,
+                            moe_intermediate_size=136, num_experts=5, num_experts_per_tok=2,
+                            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                            num_hidden_layers=2, mlp_only_layers=[0], norm_topk_prob=True,
+                            max_position_embeddings=1024, tie_word_embeddings=False)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name
+                    else 0.1 * torch.randn_like(p))
+    model.save_pretrained(str(path))
+
+
 class Checkpoints(dict):
     """kind -> (FP8 folder, dequantized folder), written on first use."""
 
@@ -62,8 +78,10 @@ class Checkpoints(dict):
         base = self.tmp.mktemp(kind)
         if kind == "v3":
             save_deepseek("v3", base / "float")
-        else:  # rows and columns over one block: 144 = 128 + 16, 2 x 200 rows of gate/up
+        elif kind == "qwen3":  # rows and columns over one block: 144 = 128 + 16, 2 x 200 rows
             save_tiny_model("qwen3", base / "float", hidden_size=144, intermediate_size=200)
+        else:  # Qwen3-MoE: a dense layer, then 5 experts of 2 x 136 rows
+            save_random_moe(base / "float")
         write_fp8_copy(base / "float", base / "fp8")
         self[kind] = str(base / "fp8"), dequantized_copy(base / "fp8", base / "deq")
         return self[kind]
@@ -95,15 +113,23 @@ def quantized(ex) -> list[QuantLinear]:
                   for m in layer.moe.experts.linears for q in m.packed]
 
 
-@pytest.mark.parametrize("kind", ["v3", "qwen3"])
+# kind -> the FP8 linear layers a stage holds. qwen3: qkv, o_proj, gate_up, down in 4 layers;
+# v3: qkv_a, q_b, o_proj in 4 layers, the dense layer's MLP, 8 experts x 2 in 3 sparse
+# layers; qwen3_moe: qkv and o_proj in 2 layers, the dense MLP, 5 experts x 2.
+HELD = {"qwen3": 16, "v3": 12 + 2 + 48, "qwen3_moe": 4 + 2 + 10}
+
+
+@pytest.mark.parametrize("kind", ["v3", "qwen3", "qwen3_moe"])
 def test_fp8_logits_equal_the_dequantized_checkpoint(kind, checkpoints):
     fp8, deq = checkpoints[kind]
     ours = single_stage(fp8, "float32", page_size=PAGE, weight_dtype="fp8")
     held = quantized(ours)
-    # qwen3: qkv, o_proj, gate_up, down per layer; v3: qkv_a, q_b, o_proj (4 layers), the
-    # dense layer's MLP and 8 experts x 2 in each of 3 sparse layers.
-    assert len(held) == (16 if kind == "qwen3" else 12 + 2 + 48)
+    assert len(held) == HELD[kind]
     assert {q.types for q in held} == {"FP8_E4M3"} and all(q.isa != "torch" for q in held)
+    # v3's kv_b_proj (split per head) and shared experts are read dequantized, and listed.
+    kept = {k.split(".")[-2] for k in ours.model.w.kept_dequantized}
+    assert kept == ({"kv_b_proj", "gate_proj", "up_proj", "down_proj"} if kind == "v3"
+                    else set())
     ref = single_stage(deq, "float32", page_size=PAGE)
     prompt = PROMPT[:40]
     tokens, logits = logits_on_stage(ours, prompt, 8)

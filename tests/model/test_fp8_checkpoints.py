@@ -1,8 +1,8 @@
 """FP8 block-quantized checkpoints (DeepSeek-V3's and the -FP8 Qwen3 releases' layout: e4m3
 weights with a weight_scale_inv per 128 x 128 block, config.json's quantization_config): a tiny
-DeepSeek-V3 (q LoRA, experts, a dense first layer, every matrix one partial block) and a tiny
-dense Qwen3 (rows and columns over 128: whole and partial blocks) are quantized by bench
-make-model's writer, and the same FP8 checkpoint dequantized into plain float32 safetensors is
+DeepSeek-V3 (q LoRA, experts, a dense first layer, every matrix one partial block), a tiny
+dense Qwen3 and a tiny Qwen3-MoE (rows and columns over 128: whole and partial blocks) are
+quantized by bench make-model's writer, and the same FP8 checkpoint dequantized into plain float32 safetensors is
 the reference: HF transformers cannot run FP8 on CPU, so the dequantized copy is what HF and
 pipefill both load normally.
 

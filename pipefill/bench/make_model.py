@@ -204,7 +204,8 @@ def checkpoint_shapes(c) -> dict[str, tuple[int, ...]]:
 
 # The linear weights FP8 releases quantize: every projection of a decoder layer (attention,
 # MLP, experts, shared experts; Mixtral's w1/w2/w3), not routers, norms, embedding or head.
-FP8_SUFFIXES = ("_proj.weight", ".w1.weight", ".w2.weight", ".w3.weight")
+FP8_SUFFIXES = ("_proj.weight", "_proj_with_mqa.weight", ".w1.weight", ".w2.weight",
+                ".w3.weight")
 
 
 def is_fp8_weight(name: str, shape) -> bool:

@@ -139,12 +139,14 @@ def test_fp8_variant_has_the_releases_layout(tmp_path):
     shapes = checkpoint_shapes(config)
     assert json.loads((tmp_path / "fp8" / "config.json").read_text())[
         "quantization_config"] == QUANT_CONFIG
-    with safe_open(str(tmp_path / "fp8" / "model.safetensors"), "pt") as f:
+    with safe_open(str(tmp_path / "fp8" / "model-00001-of-00001.safetensors"), "pt") as f:
         stored = {k: f.get_tensor(k) for k in f.keys()}
-    quantized = {k for k in shapes if k.endswith("_proj.weight") and k.startswith("model.layers")}
+    quantized = {k for k in shapes if k.endswith(("_proj.weight", "_proj_with_mqa.weight"))
+                 and k.startswith("model.layers")}
     assert set(stored) == set(shapes) | {k + "_scale_inv" for k in quantized}
     assert "model.layers.1.mlp.experts.5.down_proj.weight" in quantized
     assert "model.layers.1.mlp.shared_experts.up_proj.weight" in quantized
+    assert "model.layers.2.self_attn.kv_a_proj_with_mqa.weight" in quantized
     for k in quantized:
         assert stored[k].dtype == torch.float8_e4m3fn
         assert stored[k + "_scale_inv"].shape == grid_shape(*shapes[k])

@@ -138,6 +138,7 @@ def test_fp8_logits_equal_the_dequantized_checkpoint(kind, checkpoints):
     assert (logits - ref_logits).abs().max().item() < 1e-5
 
 
+@pytest.mark.slow  # ~30 s: HF's reference and an engine
 def test_fp8_checkpoint_matches_hf_on_the_dequantized_copy(checkpoints):
     """--weight-dtype auto keeps the FP8 weights (a vector path runs here) and gives HF's
     logprobs and tokens on the dequantized copy; chunks of 37 rows take the per-call

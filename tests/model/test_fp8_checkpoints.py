@@ -29,6 +29,7 @@ from pipefill.kernels.quant_gemm import QuantLinear
 from pipefill.model.loader import WeightSource, keeps_blocks
 from test_decode import PAGE, _step
 from test_deepseek import PROMPT, save_deepseek
+from test_moe_family import save_moe
 
 
 def dequantized_copy(fp8, out) -> str:
@@ -51,20 +52,12 @@ def dequantized_copy(fp8, out) -> str:
     return str(out)
 
 
-def save_random_moe(path) -> None:
-    from transformers import AutoModelForCausalLM, Qwen3MoeConfig
-    torch.manual_seed(5)
-    config = Qwen3MoeConfig(vocab_size=512, hidden_size=144, intermediate_size=200,
-                            moe_intermediate_size=136, num_experts=5, num_experts_per_tok=2,
-                            num_attention_heads=4, num_key_value_heads=2, head_dim=16,
-                            num_hidden_layers=2, mlp_only_layers=[0], norm_topk_prob=True,
-                            max_position_embeddings=1024, tie_word_embeddings=False)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            p.copy_(1 + 0.1 * torch.randn_like(p) if "norm" in name
-                    else 0.1 * torch.randn_like(p))
-    model.save_pretrained(str(path))
+# Qwen3-MoE: a dense layer, then 5 experts of 2 x 136 rows; widths over one block.
+QWEN3_MOE = {"qwen3_moe": ("Qwen3MoeConfig", dict(
+    vocab_size=512, hidden_size=144, intermediate_size=200, moe_intermediate_size=136,
+    num_experts=5, num_experts_per_tok=2, num_attention_heads=4, num_key_value_heads=2,
+    head_dim=16, num_hidden_layers=2, mlp_only_layers=[0], norm_topk_prob=True,
+    max_position_embeddings=1024, tie_word_embeddings=False))}
 
 
 class Checkpoints(dict):
@@ -80,8 +73,8 @@ class Checkpoints(dict):
             save_deepseek("v3", base / "float")
         elif kind == "qwen3":  # rows and columns over one block: 144 = 128 + 16, 2 x 200 rows
             save_tiny_model("qwen3", base / "float", hidden_size=144, intermediate_size=200)
-        else:  # Qwen3-MoE: a dense layer, then 5 experts of 2 x 136 rows
-            save_random_moe(base / "float")
+        else:
+            save_moe("qwen3_moe", base / "float", configs=QWEN3_MOE, common={}, seed=5)
         write_fp8_copy(base / "float", base / "fp8")
         self[kind] = str(base / "fp8"), dequantized_copy(base / "fp8", base / "deq")
         return self[kind]

@@ -188,7 +188,8 @@ def check_compatible(info: m.PrefillInfo, *, page_size: int, kv_dtype: str,
                          f"{page_size}: start both with the same --page-size")
     if s.kv_dtype != kv_dtype:
         raise ValueError(f"the prefill server's KV cache is {s.kv_dtype}, this decode's "
-                         f"{kv_dtype}: start both with the same --dtype")
+                         f"{kv_dtype}: start both with the same --dtype and "
+                         "--kv-cache-dtype")
     if s.kv_layout != kv_layout:
         raise ValueError(f"the prefill server's KV pages are {s.kv_layout}, this decode's "
                          f"{kv_layout} (the AMX attention kernel packs them): start both with "

@@ -1,13 +1,18 @@
-"""KVCache: one stage's K and V tensors, addressed by slot = page_id * page_size + offset."""
+"""KVCache: one stage's K and V tensors, addressed by slot = page_id * page_size + offset.
+
+A quantized cache (int8, fp8_e4m3) keeps each row's float32 scale after its codes, so its
+rows are head_dim + 4 wide (pipefill/kernels/kv_quant.py); whatever copies pages copies them."""
 from __future__ import annotations
 
 import torch
+
+from pipefill.kernels.kv_quant import stored_dim
 
 
 class KVCache:
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device=None):
-        shape = (num_layers, num_pages * page_size, num_kv_heads, head_dim)
+        shape = (num_layers, num_pages * page_size, num_kv_heads, stored_dim(head_dim, dtype))
         # torch.empty does not touch memory: pages become resident only when written.
         self.k = torch.empty(shape, dtype=dtype, device=device)
         self.v = torch.empty(shape, dtype=dtype, device=device)
@@ -17,7 +22,7 @@ class KVCache:
     @staticmethod
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype) -> int:
-        return 2 * num_layers * num_kv_heads * head_dim * dtype.itemsize
+        return 2 * num_layers * num_kv_heads * stored_dim(head_dim, dtype) * dtype.itemsize
 
     def page_blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V as [num_layers, num_pages, page_size, num_kv_heads, head_dim] views: one

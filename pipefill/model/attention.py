@@ -13,6 +13,9 @@ from functools import partial
 
 import torch
 
+from pipefill.base.platform import dtype_name
+from pipefill.kernels.kv_quant import QUANT_KV_DTYPES, as_stored, is_quantized, load, store
+
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
 
 
@@ -61,16 +64,31 @@ def attend_sequence(q, k, v, k_cache, v_cache, seq: SeqMeta, scale: float,
     if window is not None and seq.prefix_len + seq.num_new > window:
         return _attend_window(q, k, v, k_cache, v_cache, seq, window, scale)
     if q.is_cuda:
-        return _attend_cuda(q, k_cache[seq.read_slots], v_cache[seq.read_slots], scale)
+        return _attend_cuda(q, load(k_cache, seq.read_slots, q.dtype),
+                            load(v_cache, seq.read_slots, q.dtype), scale)
     if seq.num_new == 1 and seq.prefix_len > 0:  # decode: one query sees every key
-        keys, values = k_cache[seq.read_slots], v_cache[seq.read_slots]
-        return _flash_attend(q, keys.to(q.dtype), values.to(q.dtype), False, scale)[0]
+        native = _native_decode_isa(k_cache, q)
+        if native is not None:
+            from pipefill.kernels.kv_quant_attention import decode_attention
+            return decode_attention(q, k_cache, v_cache, seq.read_slots, scale, native)
+        keys, values = load(k_cache, seq.read_slots, q.dtype), load(v_cache, seq.read_slots,
+                                                                    q.dtype)
+        return _flash_attend(q, keys, values, False, scale)[0]
     prefix = _prefix_slots(seq)
     # A cache in another dtype (--kv-cache-dtype): the new tokens are read back rounded too.
-    k_new, v_new = (k, v) if k_cache.dtype == q.dtype else (k.to(k_cache.dtype).to(q.dtype),
-                                                            v.to(v_cache.dtype).to(q.dtype))
-    return split_attention(q, k_cache[prefix].to(q.dtype), v_cache[prefix].to(q.dtype),
+    k_new, v_new = as_stored(k, k_cache.dtype), as_stored(v, v_cache.dtype)
+    return split_attention(q, load(k_cache, prefix, q.dtype), load(v_cache, prefix, q.dtype),
                            k_new, v_new, scale)
+
+
+def _native_decode_isa(k_cache, q) -> str | None:
+    """The C++ path that reads an int8 cache's rows in registers for a decode row, where one
+    runs here (kernels/kv_quant_attention.py); None: torch dequantizes the rows."""
+    if k_cache.dtype != torch.int8 or q.device.type != "cpu":
+        return None
+    # Imported on use: the module brings the kernel build (torch.utils.cpp_extension).
+    from pipefill.kernels.kv_quant_attention import decode_isa
+    return decode_isa()
 
 
 def _attend_window(q, k, v, k_cache, v_cache, seq: SeqMeta, window: int,
@@ -81,10 +99,9 @@ def _attend_window(q, k, v, k_cache, v_cache, seq: SeqMeta, window: int,
     bounds each row."""
     first = max(0, seq.prefix_len - window + 1)
     cached = _slot_range(seq.read_slots, first, seq.prefix_len)
-    k_new, v_new = (k, v) if k_cache.dtype == q.dtype else (k.to(k_cache.dtype).to(q.dtype),
-                                                            v.to(v_cache.dtype).to(q.dtype))
-    keys = torch.cat([k_cache[cached].to(q.dtype), k_new])
-    values = torch.cat([v_cache[cached].to(q.dtype), v_new])
+    k_new, v_new = as_stored(k, k_cache.dtype), as_stored(v, v_cache.dtype)
+    keys = torch.cat([load(k_cache, cached, q.dtype), k_new])
+    values = torch.cat([load(v_cache, cached, q.dtype), v_new])
     q_pos = torch.arange(seq.prefix_len, seq.prefix_len + seq.num_new, device=q.device)[:, None]
     k_pos = torch.arange(first, seq.prefix_len + seq.num_new, device=q.device)[None, :]
     mask = None if seq.num_new == 1 else (k_pos <= q_pos) & (k_pos > q_pos - window)
@@ -121,8 +138,8 @@ def _prefix_slots(seq: SeqMeta):
 def write_kv(k_cache, v_cache, k, v, seqs: list[SeqMeta]) -> None:
     for seq in seqs:
         rows = slice(seq.row_start, seq.row_start + seq.num_new)
-        k_cache[seq.write_slots] = k[rows].to(k_cache.dtype)  # --kv-cache-dtype may differ
-        v_cache[seq.write_slots] = v[rows].to(v_cache.dtype)
+        store(k_cache, seq.write_slots, k[rows])  # --kv-cache-dtype may differ (quantized)
+        store(v_cache, seq.write_slots, v[rows])
 
 
 def paged_attention(q, k, v, k_cache, v_cache, seqs: list[SeqMeta], scale: float,
@@ -304,10 +321,11 @@ def backend_attention(backend: str, flags: frozenset[str] | None = None):
 
 def resolve_kv_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
     """--kv-cache-dtype: auto keeps the compute dtype (float32 models stay exact; bf16 is an
-    opt-in halving of KV memory), else the named dtype."""
+    opt-in halving of KV memory; int8 and fp8_e4m3 keep one byte a value plus a float32 scale
+    per token and head, kernels/kv_quant.py), else the named dtype."""
     if name == "auto":
         return dtype
-    return {"float32": torch.float32, "bfloat16": torch.bfloat16}[name]
+    return {"float32": torch.float32, "bfloat16": torch.bfloat16, **QUANT_KV_DTYPES}[name]
 
 
 def _unfit(backend: str, dtype, kv_dtype, head_dim: int, page_size: int, device,
@@ -315,6 +333,8 @@ def _unfit(backend: str, dtype, kv_dtype, head_dim: int, page_size: int, device,
     """Why `backend` cannot serve this stage, or None."""
     if device.type != "cpu":
         return f"device is {device.type}"
+    if is_quantized(kv_dtype):  # (ARCHITECTURE.md, 'The KV room')
+        return f"the KV cache is {dtype_name(kv_dtype)} (quantized), which only sdpa reads yet"
     if backend in ("amx", "avx512bf16"):
         if dtype != torch.bfloat16:
             return f"dtype is {dtype}, the kernel is bfloat16-only"
@@ -349,6 +369,10 @@ def choose_backend(requested: str, dtype: torch.dtype, head_dim: int, page_size:
     sliding-window layers, which only sdpa bounds; latent: its layers attend from a latent
     KV cache (model/mla.py), which only the torch path reads."""
     kv_dtype = dtype if kv_dtype is None else kv_dtype
+    if latent and is_quantized(kv_dtype):
+        raise ValueError(f"--kv-cache-dtype: the model keeps a latent KV cache (MLA), which is "
+                         f"not quantized yet; use auto, bfloat16 or float32, not "
+                         f"{dtype_name(kv_dtype)}")
     if requested == "sdpa":
         return "sdpa", "requested"
     if requested != "auto" and requested not in KERNEL_BACKENDS:

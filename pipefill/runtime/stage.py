@@ -72,7 +72,7 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
     else:
         cache = KVCache(len(info.layers), num_pages, args.page_size,
                         *stacked_kv_shape(kv_specs), device)
-    attention = backend_attention(backend, flags)
+    attention = backend_attention(backend, flags, kv_dtype)
     ops = elementwise_ops(cfg, device, dtype, flags)
     packed_bytes = pack_stage_weights(weights, source.family, dtype, weight_dtype,
                                       args.decode_gemm_max_rows, disable=disable)
@@ -95,15 +95,23 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
                         max(args.layout.layer_counts))
     executor = StageExecutor(model, kv)
     warm_up(executor)
-    log.info("stage %d/%d ready: layers %d-%d, %s, attention %s (%s), %s KV cache, %s "
-             "elementwise ops, %d KV pages of %d tokens, %d threads", info.rank, info.size,
-             info.layers.start, info.layers.stop - 1, args.dtype,
-             backend + (f" (decode on {attention.isa})" if backend == "amx" and
-                        hasattr(attention, "isa") else ""), why,
-             dtype_name(kv_dtype),
+    log.info("stage %d/%d ready: layers %d-%d, %s, attention %s (%s), %s KV cache (%d bytes a "
+             "token here), %s elementwise ops, %d KV pages of %d tokens, %d threads", info.rank,
+             info.size, info.layers.start, info.layers.stop - 1, args.dtype,
+             backend + _decode_note(backend, attention), why,
+             dtype_name(kv_dtype), sum(s.bytes_per_token for s in kv_specs),
              "fused" if isinstance(ops, FusedOps) else "torch", num_pages, args.page_size,
              torch.get_num_threads())
     return executor
+
+
+def _decode_note(backend: str, attention) -> str:
+    """Where decode rows attend when another kernel than the backend's takes them."""
+    if not hasattr(attention, "isa") or backend not in ("amx", "sdpa"):
+        return ""
+    if backend == "sdpa":  # an int8 cache (ARCHITECTURE.md, 'The KV room')
+        return f" (int8 decode rows on the {attention.isa} kernel reading the codes)"
+    return f" (decode on {attention.isa})"
 
 
 def log_quantized_weights(rank: int, weights, name: str, blocks: bool, why: str,

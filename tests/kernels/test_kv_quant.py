@@ -13,7 +13,8 @@ from pipefill.kernels.kv_quant import (SCALE_BYTES, as_stored, dequantize, load,
                                        scales_of, store, stored_dim)
 from pipefill.kv.cache import KVCache, token_slots
 from pipefill.kv.storage_format import check_header, encode_header
-from pipefill.model.attention import SeqMeta, paged_attention, resolve_kv_dtype
+from pipefill.model.attention import (SeqMeta, native_decode_isa, paged_attention,
+                                      resolve_kv_dtype)
 
 QDTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 
@@ -64,9 +65,10 @@ def test_store_and_load_through_slots_and_bf16(name):
     assert resolve_kv_dtype(name, torch.float32) == dtype
 
 
-def _attention_case(kv_dtype, prefix: int, new: int, window=None):
-    """paged_attention over a quantized cache against the same call over a float32 cache
-    holding the dequantized values (the new tokens rounded through the cache too)."""
+def _attention_case(kv_dtype, prefix: int, new: int, window=None, native=None):
+    """paged_attention over a quantized cache (decode rows on the int8 kernel's `native` path
+    when given) against the same call over a float32 cache holding the dequantized values (the
+    new tokens rounded through the cache too)."""
     H, Hq, D, page = 2, 4, 64, 16
     g = torch.Generator().manual_seed(prefix * 131 + new)
     total = prefix + new
@@ -90,15 +92,20 @@ def _attention_case(kv_dtype, prefix: int, new: int, window=None):
         seq = SeqMeta(0, new, prefix, token_slots(table, prefix, total, page),
                       token_slots(table, 0, total, page), torch.tensor(table))
         out[cache is quant] = paged_attention(q, k_in[prefix:], v_in[prefix:], kc, vc, [seq],
-                                              0.125, window)
+                                              0.125, window,
+                                              native if cache is quant else None)
     torch.testing.assert_close(out[True], out[False], rtol=1e-5, atol=1e-5)
 
 
-@pytest.mark.parametrize("name", QDTYPES)
+@pytest.mark.parametrize("name,native", [("int8", None), ("fp8_e4m3", None), ("int8", "best")])
 @pytest.mark.parametrize("prefix,new,window", [(0, 40, None), (35, 29, None), (70, 1, None),
-                                               (50, 20, 24), (60, 1, 24)])
-def test_sdpa_path_attends_to_the_dequantized_values(name, prefix, new, window):
-    _attention_case(QDTYPES[name], prefix, new, window)
+                                               (50, 20, 24), (60, 1, 24), (10, 1, 24)])
+def test_sdpa_path_attends_to_the_dequantized_values(name, native, prefix, new, window):
+    if native == "best":
+        native = native_decode_isa(torch.int8)
+        if native is None:
+            pytest.skip("the int8 decode kernel does not run here")
+    _attention_case(QDTYPES[name], prefix, new, window, native)
 
 
 def test_a_stored_page_records_its_layout():

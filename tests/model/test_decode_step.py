@@ -179,12 +179,13 @@ def test_lean_path_gemms_are_bound_to_the_per_batch_buffers(models):
     assert buf.calls is not calls and buf.calls[1].qkv.linear is layer.packed["qkv"]
 
 
-@pytest.mark.parametrize("kv", ["float32", "bfloat16"])
+@pytest.mark.parametrize("kv", ["float32", "bfloat16", "int8"])
 def test_one_attention_call_per_layer_equals_per_sequence_past_the_split(models, kv):
     """The lean path's batched attention (one kernel call per layer: every sequence's KV write
     and attention) against the general path's per-sequence calls, with contexts past the 2048-key
-    split-KV threshold (one crosses it during the steps), page-unaligned ones and a float32 or
-    bfloat16 KV cache: logits bit for bit."""
+    split-KV threshold (one crosses it during the steps), page-unaligned ones and a float32,
+    bfloat16 or int8 KV cache (int8: the sdpa path, decode rows on the native int8 kernel):
+    logits bit for bit."""
     lens, steps, width = [2100, 5, 2046, 64, 517], 4, 70  # width: pages per sequence
     path = models["llama"]
     source = WeightSource(path)

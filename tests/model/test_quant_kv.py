@@ -15,7 +15,8 @@ import torch
 
 from conftest import FAMILIES, assert_greedy_agrees, assert_pages_free, hf_reference, track
 from pipefill import Engine
-from pipefill.model.attention import choose_backend
+from pipefill.model.attention import (QuantSdpaAttention, backend_attention, choose_backend,
+                                      native_decode_isa, paged_attention)
 
 PAGE = 16
 CHUNK = 37
@@ -51,7 +52,8 @@ def test_quantized_kv_against_hf(kv, family, tiny_models, references):
 
 def test_quantized_kv_is_read_by_sdpa_only_and_never_as_a_latent():
     """auto passes over the kernels with the reason; a named kernel is a sentence; a latent
-    (MLA) cache is not quantized."""
+    (MLA) cache is not quantized. The sdpa path takes int8 decode rows to the native kernel on
+    the best path the trusted CPU flags allow, fp8 rows to torch."""
     cpu = torch.device("cpu")
     backend, why = choose_backend("auto", torch.float32, 64, 64, cpu, torch.int8)
     assert backend == "sdpa" and "int8 (quantized), which only sdpa reads" in why
@@ -60,3 +62,10 @@ def test_quantized_kv_is_read_by_sdpa_only_and_never_as_a_latent():
         choose_backend("avx2", torch.float32, 64, 64, cpu, torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="--kv-cache-dtype: the model keeps a latent KV cache"):
         choose_backend("auto", torch.float32, 64, 64, cpu, torch.int8, latent=True)
+    assert backend_attention("sdpa", None, torch.float8_e4m3fn) is paged_attention
+    assert backend_attention("sdpa", None, torch.float32) is paged_attention
+    if native_decode_isa(torch.int8) is None:
+        return
+    hidden_avx512 = backend_attention("sdpa", frozenset({"avx2", "fma"}), torch.int8)
+    assert isinstance(hidden_avx512, QuantSdpaAttention) and hidden_avx512.isa == "avx2"
+    assert backend_attention("sdpa", frozenset(), torch.int8).isa == "scalar"

@@ -9,8 +9,10 @@ cpuid (``disable=`` forces paths off, as the tests do): ``avx512``, ``avx2`` (AV
 ``scalar``; where the extension cannot build, ``decode_isa`` answers None and the sdpa path
 dequantizes the rows in torch instead (fp8_e4m3 caches and prefill chunks always do).
 
-API: ``decode_attention(q [1, Hq, D], k_cache, v_cache [slots, H, D + 4] int8, slots, scale,
-isa) -> [1, Hq, D]``; ``decode_isa(disable=()) -> isa or None``; ``isa_status()``.
+API: ``slot_index(read_slots) -> (slots, offsets)`` (once per step), ``decode_attention(q
+[B, Hq, D], k_cache, v_cache [slots, H, D + 4] int8, slots, offsets, scale, isa, out=None) ->
+[B, Hq, D]`` (one call per layer for a whole decode step: (sequence, KV head) pairs split over
+torch's threads); ``decode_isa(disable=()) -> isa or None``; ``isa_status()``.
 """
 from __future__ import annotations
 
@@ -48,24 +50,36 @@ def decode_isa(disable: tuple[str, ...] = ()) -> str | None:
     return usable[0] if usable else None
 
 
-def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, slots,
-                     scale: float, isa: str) -> torch.Tensor:
-    """q [1, Hq, D] (float32 or bf16) attending to the rows `slots` (a slice or an int64
-    index of the cache's first dimension) of one layer's int8 caches -> [1, Hq, D] in q's
-    dtype."""
-    _, hq, d = q.shape
+def slot_index(read_slots: list) -> tuple[torch.Tensor, torch.Tensor]:
+    """The cached tokens of B sequences (each a slice or an index of cache rows) as one int64
+    index and its offsets [B + 1] (decode_attention's slots and offsets), built once per step.
+    The slots come from the plan's page tables, whose pages every stage checked against its
+    pool (kv/pool.PageOwners): the kernel does not bound-check them again."""
+    parts = [torch.arange(s.start, s.stop, dtype=torch.long) if isinstance(s, slice)
+             else s.to(torch.long) for s in read_slots]
+    offsets = torch.zeros(len(parts) + 1, dtype=torch.long)
+    offsets[1:] = torch.tensor([p.numel() for p in parts]).cumsum(0)
+    return torch.cat(parts).contiguous(), offsets
+
+
+def decode_attention(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
+                     slots: torch.Tensor, offsets: torch.Tensor, scale: float, isa: str,
+                     out: torch.Tensor | None = None) -> torch.Tensor:
+    """q [B, Hq, D] (float32 or bf16; row b one sequence's query token) attending to the rows
+    slots[offsets[b]:offsets[b + 1]] of one layer's int8 caches [slots, H, D + 4] -> out
+    [B, Hq, D] in q's dtype (written into `out` when given)."""
+    b, hq, d = q.shape
     heads, row = k_cache.shape[1], k_cache.shape[2]
     assert k_cache.dtype == v_cache.dtype == torch.int8 and row == d + SCALE_BYTES
     assert k_cache.is_contiguous() and v_cache.is_contiguous() and hq % heads == 0
-    if isinstance(slots, slice):
-        slots = torch.arange(slots.start, slots.stop, dtype=torch.long)
-    slots = slots.to(torch.long).contiguous()
-    assert slots.numel() > 0 and int(slots.max()) < k_cache.shape[0] and int(slots.min()) >= 0
+    assert slots.dtype == offsets.dtype == torch.long and offsets.numel() == b + 1
     qf = q.float().contiguous()
-    out = torch.empty(1, hq, d, dtype=torch.float32)
+    res = torch.empty(b, hq, d, dtype=torch.float32)
     rc = _EXT.load().pf_qa_decode(_ISA_CODE[isa], qf.data_ptr(), k_cache.data_ptr(),
-                                v_cache.data_ptr(), slots.data_ptr(), slots.numel(), hq, heads,
-                                d, row, float(scale), out.data_ptr())
+                                  v_cache.data_ptr(), slots.data_ptr(), offsets.data_ptr(), b,
+                                  hq, heads, d, row, float(scale), res.data_ptr())
     if rc:
         raise RuntimeError(f"pipefill {_WHAT} ({isa}) failed (rc={rc})")
-    return out.to(q.dtype)
+    if out is None:
+        return res.to(q.dtype)
+    return out.copy_(res)

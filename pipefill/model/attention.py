@@ -69,8 +69,9 @@ def attend_sequence(q, k, v, k_cache, v_cache, seq: SeqMeta, scale: float,
                             load(v_cache, seq.read_slots, q.dtype), scale)
     if seq.num_new == 1 and seq.prefix_len > 0:  # decode: one query sees every key
         if native is not None:
-            from pipefill.kernels.kv_quant_attention import decode_attention
-            return decode_attention(q, k_cache, v_cache, seq.read_slots, scale, native)
+            from pipefill.kernels.kv_quant_attention import decode_attention, slot_index
+            return decode_attention(q, k_cache, v_cache, *slot_index([seq.read_slots]), scale,
+                                    native)
         keys, values = load(k_cache, seq.read_slots, q.dtype), load(v_cache, seq.read_slots,
                                                                     q.dtype)
         return _flash_attend(q, keys, values, False, scale)[0]
@@ -262,17 +263,21 @@ class QuantSdpaAttention:
         return paged_attention(q, k, v, k_cache, v_cache, seqs, scale, window, self.isa)
 
     @staticmethod
-    def decode_tables(seqs: list[SeqMeta]) -> list[tuple]:
-        """decode_batch's per-step arguments: each row's write and read slots."""
-        return [(s.write_slots, s.read_slots) for s in seqs]
+    def decode_tables(seqs: list[SeqMeta]) -> tuple:
+        """decode_batch's per-step arguments, for every layer: the rows' write slots as one
+        index, their read slots and offsets (kv_quant_attention.slot_index)."""
+        from pipefill.kernels.kv_quant_attention import slot_index
+        writes = [s.write_slots for s in seqs]
+        return (slot_index(writes)[0], *slot_index([s.read_slots for s in seqs]))
 
     def decode_batch(self, q, k, v, k_cache, v_cache, tables, scale: float, out) -> None:
+        """One decode step of a layer: every row's K/V into the cache, then its attention on
+        the kernel, all rows in one call each."""
         from pipefill.kernels.kv_quant_attention import decode_attention
-        for i, (write, read) in enumerate(tables):
-            row = slice(i, i + 1)
-            store(k_cache, write, k[row])
-            store(v_cache, write, v[row])
-            out[row] = decode_attention(q[row], k_cache, v_cache, read, scale, self.isa)
+        writes, slots, offsets = tables
+        store(k_cache, writes, k)
+        store(v_cache, writes, v)
+        decode_attention(q, k_cache, v_cache, slots, offsets, scale, self.isa, out)
 
     @staticmethod
     def profiled():

@@ -46,8 +46,11 @@ def test_round_trip_within_the_stated_bound(name, head_dim):
     err = (dequantize(q) - x).abs()
     assert (err <= bound).all(), (err - bound).max()
     assert dequantize(q)[0, 0].abs().max() == 0  # the zero row stays zero
-    # Quantizing what came back gives the same codes (a page copied and re-read never drifts).
-    assert torch.equal(quantize(dequantize(q), dtype).view(torch.uint8), q.view(torch.uint8))
+    # Quantizing what came back gives the same codes and scales (up to the scale's rounding).
+    again = quantize(dequantize(q), dtype)
+    codes = slice(0, head_dim)
+    assert torch.equal(again[..., codes].view(torch.uint8), q[..., codes].view(torch.uint8))
+    torch.testing.assert_close(scales_of(again), scales_of(q), rtol=1e-6, atol=0)
 
 
 @pytest.mark.parametrize("name", QDTYPES)
@@ -125,32 +128,32 @@ def test_a_stored_page_records_its_layout():
 
 
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])
-@pytest.mark.parametrize("head_dim,n,bf16", [(64, 1, False), (64, 301, False), (16, 77, False),
-                                             (128, 130, True), (20, 45, False)])
-def test_native_int8_decode_equals_attention_over_the_dequantized_rows(isa, head_dim, n, bf16):
+@pytest.mark.parametrize("head_dim,lens,bf16", [(64, [1], False), (64, [301, 5, 64], False),
+                                                (16, [77], False), (128, [130, 9], True),
+                                                (20, [45, 2], False)])
+def test_native_int8_decode_equals_attention_over_the_dequantized_rows(isa, head_dim, lens, bf16):
     """The C++ decode kernel (every path this CPU runs; a D that is not a multiple of the
-    vector width takes its scalar tail) against torch's attention over the dequantized rows,
-    on scattered slots with grouped query heads."""
-    from pipefill.kernels.kv_quant_attention import decode_attention, isa_status
+    vector width takes its scalar tail), one call for a batch of sequences, against torch's
+    attention over each one's dequantized rows, on scattered slots with grouped query heads;
+    a slice of consecutive rows reads as their index."""
+    from pipefill.kernels.kv_quant_attention import decode_attention, isa_status, slot_index
     ok, why = isa_status()[isa]
     if not ok:
         pytest.skip(f"{isa}: {why}")
     H, Hq = 2, 6
-    g = torch.Generator().manual_seed(n + head_dim)
+    g = torch.Generator().manual_seed(sum(lens) + head_dim)
     k_cache = quantize(torch.randn(400, H, head_dim, generator=g) * 3, torch.int8)
     v_cache = quantize(torch.randn(400, H, head_dim, generator=g), torch.int8)
-    slots = torch.randperm(400, generator=g)[:n]
-    q = torch.randn(1, Hq, head_dim, generator=g)
+    reads = [torch.randperm(400, generator=g)[:n] for n in lens]
+    reads[0] = slice(3, 3 + lens[0])
+    q = torch.randn(len(lens), Hq, head_dim, generator=g)
     q = q.to(torch.bfloat16) if bf16 else q
-    got = decode_attention(q, k_cache, v_cache, slots, 0.3, isa)
-    keys, values = (dequantize(c[slots]) for c in (k_cache, v_cache))
-    want = torch.nn.functional.scaled_dot_product_attention(
-        q.float().transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), scale=0.3,
-        enable_gqa=True).transpose(0, 1)
-    assert got.dtype == q.dtype
-    torch.testing.assert_close(got.float(), want, rtol=1e-2 if bf16 else 1e-5,
-                               atol=1e-2 if bf16 else 1e-5)
-    if n > 2:  # a slice of consecutive rows reads the same as their index
-        torch.testing.assert_close(decode_attention(q, k_cache, v_cache, slice(3, 3 + n), 0.3, isa),
-                                   decode_attention(q, k_cache, v_cache, torch.arange(3, 3 + n),
-                                                    0.3, isa))
+    got = decode_attention(q, k_cache, v_cache, *slot_index(reads), 0.3, isa)
+    assert got.dtype == q.dtype and got.shape == q.shape
+    for b, read in enumerate(reads):
+        keys, values = (dequantize(c[read]) for c in (k_cache, v_cache))
+        want = torch.nn.functional.scaled_dot_product_attention(
+            q[b:b + 1].float().transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1),
+            scale=0.3, enable_gqa=True).transpose(0, 1)
+        torch.testing.assert_close(got[b:b + 1].float(), want, rtol=1e-2 if bf16 else 1e-5,
+                                   atol=1e-2 if bf16 else 1e-5)

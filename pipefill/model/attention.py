@@ -254,8 +254,8 @@ class AmxAttention(VectorAttention):
 class QuantSdpaAttention:
     """The sdpa path over an int8 cache whose native decode kernel runs here (`isa`, one of
     kernels/kv_quant_attention.ISAS), with the lean decode path's entry points (DecodeRunner):
-    a decode step's rows each write their K/V and attend on the kernel, as paged_attention
-    does for them row by row (same bits)."""
+    a decode step's rows write their K/V and attend on the kernel in one call per layer, the
+    same bits as paged_attention gives them row by row."""
     isa: str
 
     def __call__(self, q, k, v, k_cache, v_cache, seqs: list[SeqMeta], scale: float,

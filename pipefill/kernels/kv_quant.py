@@ -28,6 +28,12 @@ def is_quantized(dtype: torch.dtype) -> bool:
     return dtype in _QMAX
 
 
+def copyable(t: torch.Tensor) -> torch.Tensor:
+    """t, or for an fp8 cache its bytes (same shape): torch's CPU index_copy_ has no float8
+    kernel, and pages move as bytes anyway."""
+    return t.view(torch.uint8) if t.dtype == torch.float8_e4m3fn else t
+
+
 def stored_dim(head_dim: int, dtype: torch.dtype) -> int:
     """Values per cache row: head_dim, plus the scale's bytes for a quantized cache."""
     if not is_quantized(dtype):

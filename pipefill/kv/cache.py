@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import torch
 
-from pipefill.kernels.kv_quant import stored_dim
+from pipefill.kernels.kv_quant import copyable, stored_dim
 
 
 class KVCache:
@@ -60,8 +60,8 @@ def read_page_blocks(cache, pages: list[int]) -> torch.Tensor:
 def write_page_blocks(cache, pages: list[int], data: torch.Tensor) -> None:
     index = torch.tensor(pages, dtype=torch.long, device=cache.k.device)
     k, v = cache.page_blocks()
-    k.index_copy_(1, index, data[0].to(k.dtype))
-    v.index_copy_(1, index, data[1].to(v.dtype))
+    copyable(k).index_copy_(1, index, copyable(data[0].to(k.dtype)))
+    copyable(v).index_copy_(1, index, copyable(data[1].to(v.dtype)))
 
 
 def token_slots(page_table: list[int], start: int, end: int, page_size: int):

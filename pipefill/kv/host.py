@@ -17,6 +17,7 @@ import threading
 
 import torch
 
+from pipefill.kernels.kv_quant import copyable
 from pipefill.kv.pool import CACHE_OWNER, PageIntegrityError, PageOwners
 from pipefill.base.plan import CacheOp, CopyKind
 
@@ -143,7 +144,8 @@ class HostTier:
         while True:
             kind, pages, slots = self._queue.get()
             try:
-                for pool_blocks, host in ((k, self.buf[0]), (v, self.buf[1])):
+                for pool_blocks, host in ((copyable(k), copyable(self.buf[0])),
+                                          (copyable(v), copyable(self.buf[1]))):
                     if kind is CopyKind.STORE:
                         host.index_copy_(1, slots, pool_blocks.index_select(1, pages))
                     else:

@@ -16,6 +16,8 @@ from pipefill.disagg.launch import write_secret_file
 from conftest import save_tiny_model, track, wait_until
 from test_pd_engine import both, pages_free
 
+pytestmark = pytest.mark.slow  # three engines with PD services
+
 COMMON = dict(dtype="float32", page_size=16, threads_per_stage=1, chunked_prefill_size=64,
               max_total_tokens=4096, max_model_len=256, kv_cache_dtype="int8")
 

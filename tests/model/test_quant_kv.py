@@ -22,9 +22,14 @@ PAGE = 16
 CHUNK = 37
 _rng = random.Random(7)
 PROMPT = [_rng.randrange(512) for _ in range(100)]
-# Max |Δ logprob| against HF measured on this prompt (see the module's docstring).
-MEASURED = {}
-MAX_GAP = {"int8": 0.0, "fp8_e4m3": 0.0}
+# Max (mean) |Δ logprob| against HF measured on this prompt (see the module's docstring):
+# int8 llama 0.0126 (0.0034), mistral 0.0152 (0.0037), qwen2 0.0143 (0.0038), qwen3 0.0177
+# (0.0050), 16 greedy tokens identical on all four; fp8_e4m3 llama 0.076 (0.018), mistral 0.067,
+# qwen2 0.110, qwen3 0.091 (0.024), greedy parting from HF's at near ties.
+MAX_GAP = {"int8": 0.04, "fp8_e4m3": 0.25}
+# The default model, 1,500 tokens (test_default_model_quantized_kv_against_float32_kv).
+# Measured for int8: max 0.129, mean 0.0045, 32 greedy tokens identical.
+DEFAULT_GAP = {"int8": {"max": 0.3, "mean": 0.01}}
 
 
 @pytest.fixture(scope="module")
@@ -41,13 +46,22 @@ def run(path: str, kv: str):
         return out
 
 
-@pytest.mark.parametrize("kv,family", [("int8", f) for f in FAMILIES] + [("fp8_e4m3", "llama")])
+_SLOW = pytest.mark.slow  # mistral and qwen2 add nothing the fast suite needs
+
+
+@pytest.mark.parametrize("kv,family", [("int8", "llama"), ("int8", "qwen3"),
+                                       pytest.param("int8", "mistral", marks=_SLOW),
+                                       pytest.param("int8", "qwen2", marks=_SLOW),
+                                       ("fp8_e4m3", "llama")])
 def test_quantized_kv_against_hf(kv, family, tiny_models, references):
     ref_lp, ref_tokens, margins = references[family]
     out = run(tiny_models[family], kv)
     gap = (torch.tensor(out.prompt_logprobs) - ref_lp).abs()
     assert gap.max().item() < MAX_GAP[kv], (kv, family, gap.max().item(), gap.mean().item())
-    assert_greedy_agrees(out.output_ids, ref_tokens, margins)
+    if kv == "int8":
+        assert out.output_ids == ref_tokens
+    else:  # fp8's 3 mantissa bits move near ties
+        assert_greedy_agrees(out.output_ids, ref_tokens, margins)
 
 
 def test_quantized_kv_is_read_by_sdpa_only_and_never_as_a_latent():
@@ -74,19 +88,19 @@ def test_quantized_kv_is_read_by_sdpa_only_and_never_as_a_latent():
 @pytest.mark.slow
 def test_default_model_quantized_kv_against_float32_kv():
     """The default SmolLM2-135M (float32 compute) on test_default_model's 1,500-token text in
-    256-token chunks with int8 and fp8_e4m3 KV against float32 KV (which test_default_model
-    holds within 1e-3 of transformers): the prompt logprob gap within DEFAULT_GAP (measured,
-    about twice the largest; see DEFAULT_MEASURED) and 32 greedy tokens identical for int8."""
+    256-token chunks with int8 KV against float32 KV (which test_default_model
+    holds within 1e-3 of transformers): the prompt logprob gap within DEFAULT_GAP (about
+    twice the measured max and mean) and 32 greedy tokens identical."""
     from test_default_model import long_text
     outs = {}
-    for kv in ("auto", "int8", "fp8_e4m3"):
+    for kv in ("auto", "int8"):
         with track(Engine(None, dtype="float32", chunked_prefill_size=256,
                           kv_cache_dtype=kv)) as engine:
             prompt = engine.tokenizer.encode(long_text())[:1500]
             outs[kv] = engine.generate([prompt], max_new_tokens=32, return_prompt_logprobs=True,
                                        ignore_eos=True)[0]
     ref = torch.tensor(outs["auto"].prompt_logprobs)
-    for kv in ("int8", "fp8_e4m3"):
+    for kv in ("int8",):
         gap = (torch.tensor(outs[kv].prompt_logprobs) - ref).abs()
         assert gap.max().item() < DEFAULT_GAP[kv]["max"], (kv, gap.max().item())
         assert gap.mean().item() < DEFAULT_GAP[kv]["mean"], (kv, gap.mean().item())

@@ -20,6 +20,7 @@ from pipefill.kernels.prefill_gemm import choose_prefill_gemm
 from pipefill.model.attention import choose_backend, resolve_kv_dtype
 from pipefill.model.loader import (WeightSource, keeps_blocks, resolve_model_path,
                                    resolve_weight_dtype)
+from pipefill.model.tensor_parallel import check_tensor_parallel
 from pipefill.model.tokenizer import read_chat_template
 from pipefill.base.plan import NewRequest, PDInfo, RequestOutput, SamplingParams, is_room_in_use
 from pipefill.base.platform import cpu_vendor, resolve_dtype, usable_cpu_flags
@@ -46,6 +47,7 @@ def prepare(args: ServerArgs) -> tuple[ServerArgs, WeightSource]:
                          "(--nnodes 1) for now")
     source = WeightSource(resolve_model_path(args.model_path))
     keeps_blocks(args.weight_dtype, source, args.device)  # gguf needs a GGUF file, fp8 an FP8 one
+    check_tp_settings(args, source)
     if args.chat_template is not None:  # an unreadable file is refused before stages start
         read_chat_template(args.chat_template)
     # Also checks the layer partition against the model, balanced by the layers' costs.
@@ -61,6 +63,23 @@ def prepare(args: ServerArgs) -> tuple[ServerArgs, WeightSource]:
         choose_prefill_gemm("onednn", dtype, resolve_weight_dtype(args.weight_dtype, dtype),
                             torch.device(args.device), cpu_vendor())
     return args, source
+
+
+def check_tp_settings(args: ServerArgs, source: WeightSource) -> None:
+    """What --tp-size cannot run yet, refused with a sentence (ARCHITECTURE.md, 'Tensor
+    parallelism inside a stage')."""
+    if args.tp_size == 1:
+        return
+    check_tensor_parallel(source.config, source.family, args.tp_size)
+    if args.disagg.enabled:
+        raise ValueError(f"--tp-size {args.tp_size} does not run with --disaggregation-mode "
+                         "yet: serve PD roles with --tp-size 1")
+    if args.weight_dtype in ("gguf", "fp8"):
+        raise ValueError(f"--tp-size {args.tp_size} does not keep --weight-dtype "
+                         f"{args.weight_dtype} blocks yet: use --weight-dtype auto")
+    if args.hicache_storage_backend:
+        raise ValueError(f"--tp-size {args.tp_size} does not run with a storage tier "
+                         "(--hicache-storage-backend) yet")
 
 
 def start_bootstrap(host: str, disagg: Disaggregation) -> BootstrapServer:

@@ -66,6 +66,11 @@ def add_parser(sub) -> None:
     p.add_argument("--compare-weight-dtype", metavar="LIST", default="",
                    help="likewise for --weight-dtype values (comma-separated, e.g. auto,gguf: "
                         "a GGUF file dequantized against its blocks kept quantized)")
+    p.add_argument("--compare-tp-size", metavar="LIST", default="",
+                   help="also time every configuration whose processes then still fit the "
+                        "usable cores with each of these --tp-size values (comma-separated, "
+                        "e.g. 2), named <configuration>-tp<N>: tensor parallelism inside a "
+                        "stage beside pipeline parallelism")
     server_args_parser_group(p, skip=("pp_size",))
     p.set_defaults(run=run)
 
@@ -92,7 +97,8 @@ def make_configs(args: ServerArgs, pp_sizes: list[int], with_auto: bool = False
     auto (and dynamic chunking where pp > 1), named "<name>-auto"."""
     cores = len(os.sched_getaffinity(0))
     if pp_sizes == [1]:
-        configs = [Config(f"pp1-t{args.layout.num_threads}", args)]
+        tp = f"-tp{args.tp_size}" if args.tp_size > 1 else ""
+        configs = [Config(f"pp1-t{args.layout.num_threads}{tp}", args)]
     else:
         threads = args.threads_per_stage or max(1, cores // max(pp_sizes))
         configs = [Config(f"pp{p}-t{threads}",
@@ -106,6 +112,17 @@ def make_configs(args: ServerArgs, pp_sizes: list[int], with_auto: bool = False
             chunked_prefill_size="auto", enable_dynamic_chunking=c.args.pp_size > 1))
             for c in configs]
     return configs
+
+
+def tp_variants(configs: list[Config], values: str) -> list[Config]:
+    """Every configuration again with each --tp-size of `values` where pp x tp processes of
+    its threads fit the usable cores (one thread per rank against a stage of several)."""
+    if not values.strip():
+        return []
+    cores = len(os.sched_getaffinity(0))
+    return [Config(f"{c.name}-tp{t}", c.args.replace(tp_size=t))
+            for t in parse_ints(values, "--compare-tp-size", minimum=2) for c in configs
+            if c.args.pp_size * t * c.args.layout.num_threads <= cores]
 
 
 def gemm_variants(configs: list[Config], values: str) -> list[Config]:
@@ -159,7 +176,8 @@ def run(ns: argparse.Namespace) -> int:
     configs = make_configs(args, pp_sizes, ns.with_auto)
     base = configs
     configs = configs + gemm_variants(base, ns.compare_prefill_gemm) \
-        + weight_variants(base, ns.compare_weight_dtype)
+        + weight_variants(base, ns.compare_weight_dtype) \
+        + tp_variants(base, ns.compare_tp_size)
     dtype = resolve_dtype(args.dtype)
     threads = len(os.sched_getaffinity(0)) if len(configs) > 1 else \
         args.layout.num_threads
@@ -176,7 +194,7 @@ def run(ns: argparse.Namespace) -> int:
               f"{proc_status_bytes(os.getpid(), 'VmHWM') / 2**20:.0f} MiB")
     if not ns.no_split:
         from pipefill.bench.time_split import prefill_time_split
-        split_cfg = max((c for c in configs if c.args.pp_size == 1),
+        split_cfg = max((c for c in configs if c.args.pp_size == 1 and c.args.tp_size == 1),
                         key=lambda c: c.args.layout.num_threads)
         for row in rows:
             if row["config"] == split_cfg.name:
@@ -254,6 +272,7 @@ def run_configs(configs: list[Config], hf, cfg, prompts: dict, reps: int, peak: 
             engine_peak = proc_status_bytes(os.getpid(), "VmHWM")
             for c in configs:
                 row = {"len": n, "config": c.name, "pp_size": c.args.pp_size,
+                       "tp_size": c.args.tp_size,
                        "threads_per_stage": c.args.layout.num_threads,
                        "chunk_sizes": chunks[c.name],
                        "pipefill": summary(times[c.name], flops, peak, n),

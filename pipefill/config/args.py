@@ -180,9 +180,17 @@ class ServerArgs:
         "Seconds a request's admission may spend reading its prefix from the storage tier; "
         "the rest is recomputed.", default=5.0, type=float)
     threads_per_stage: int | None = _flag(
-        "CPU threads per stage process. Default: usable cores // pp_size (at least 1).",
+        "CPU threads per stage process (per TP rank). Default: usable cores // (pp_size x "
+        "tp_size), at least 1; each process is pinned to its own cores when they fit.",
         default=None)
     pp_size: int = _flag("Pipeline-parallel size: number of stage processes.", default=1)
+    tp_size: int = _flag(
+        "Tensor-parallel ranks per stage (one process each; pp_size x tp_size in all): each "
+        "rank holds its share of every layer's attention heads (uneven shares where the heads "
+        "do not divide; KV heads fewer than ranks are replicated) and MLP width, and its own "
+        "KV heads' cache; the ranks of a stage sum their partial outputs twice a layer "
+        "(shared-memory all-reduce, gloo where it is unavailable). CPU and one node only, "
+        "dense Llama/Mistral/Qwen2/Qwen3 models only; NCCL/CUDA is not done.", default=1)
     pp_layer_partition: str | None = _flag(
         "Layers per stage, comma-separated (e.g. 7,7,8,8); must have --pp-size entries summing "
         "to the model's layer count. Default: equal shares, the remainder on the last stages.",

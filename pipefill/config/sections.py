@@ -30,10 +30,19 @@ def _positive(value, flag: str) -> None:
 
 @dataclass(frozen=True)
 class StageInfo:
-    """Distributed identity of one stage, passed in (layers never ask torch.distributed)."""
+    """Distributed identity of one stage process, passed in (layers never ask
+    torch.distributed): its stage (rank of size), its layers, and its rank inside the stage's
+    tensor-parallel group (ARCHITECTURE.md, 'Tensor parallelism inside a stage')."""
     rank: int
     size: int
     layers: range
+    tp_rank: int = 0
+    tp_size: int = 1
+
+    @property
+    def is_tp_leader(self) -> bool:
+        """The rank that talks to the other stages and the front end for its stage."""
+        return self.tp_rank == 0
 
     @property
     def is_first(self) -> bool:
@@ -49,6 +58,7 @@ class Layout:
     """Where the model runs: stage processes, nodes, device, compute dtype, and which layers
     each stage owns."""
     pp_size: int
+    tp_size: int                # ranks per stage (tensor parallelism)
     nnodes: int
     node_rank: int
     device: str
@@ -66,12 +76,19 @@ class Layout:
         ranges = () if args.num_layers is None else tuple(
             partition_layers(args.num_layers, args.pp_size, args.pp_layer_partition,
                              args.layer_costs))
-        return Layout(args.pp_size, args.nnodes, args.node_rank, args.device, args.dtype,
-                      args.threads_per_stage, args.pp_async_batch_depth, args.dist_init_addr,
-                      args.dist_init_timeout, ranges)
+        return Layout(args.pp_size, args.tp_size, args.nnodes, args.node_rank, args.device,
+                      args.dtype, args.threads_per_stage, args.pp_async_batch_depth,
+                      args.dist_init_addr, args.dist_init_timeout, ranges)
 
     def __post_init__(self) -> None:
         _at_least(self.pp_size, 1, "--pp-size")
+        _at_least(self.tp_size, 1, "--tp-size")
+        if self.tp_size > 1 and self.nnodes > 1:
+            raise ValueError("--tp-size > 1 runs on one node (--nnodes 1) for now: the ranks of "
+                             "a stage share memory for their all-reduce")
+        if self.tp_size > 1 and self.device != "cpu":
+            raise ValueError(f"--tp-size > 1 runs on --device cpu only for now (NCCL between "
+                             f"the ranks of a stage is not written), not --device {self.device}")
         if self.threads_per_stage is not None:
             _at_least(self.threads_per_stage, 1, "--threads-per-stage")
         _at_least(self.dist_init_timeout, 1, "--dist-init-timeout", " second")
@@ -89,10 +106,31 @@ class Layout:
             if not host or not port.isdigit():
                 raise ValueError(f"--dist-init-addr {self.dist_init_addr!r}: expected HOST:PORT")
 
-    def stage(self, rank: int) -> StageInfo:
-        """One stage's identity and its own layer range."""
+    def stage(self, rank: int, tp_rank: int = 0) -> StageInfo:
+        """One stage process's identity and its stage's layer range."""
         assert self.ranges, "resolve() first: the partition needs the model's layer count"
-        return StageInfo(rank, self.pp_size, self.ranges[rank])
+        return StageInfo(rank, self.pp_size, self.ranges[rank], tp_rank, self.tp_size)
+
+    @property
+    def world_size(self) -> int:
+        """Stage processes in all: pp_size x tp_size."""
+        return self.pp_size * self.tp_size
+
+    def global_rank(self, stage: int, tp_rank: int) -> int:
+        """A process's rank in the torch.distributed world. The TP leaders are ranks
+        0..pp_size-1, so the pipeline between stages addresses stage s as rank s whatever the
+        TP size; the other ranks of stage s follow all the leaders."""
+        if tp_rank == 0:
+            return stage
+        return self.pp_size + stage * (self.tp_size - 1) + tp_rank - 1
+
+    def tp_group_ranks(self, stage: int) -> list[int]:
+        """Global ranks of stage `stage`'s TP group, its leader first."""
+        return [self.global_rank(stage, t) for t in range(self.tp_size)]
+
+    def local_process(self, stage: int, tp_rank: int) -> int:
+        """A process's index among this node's processes: the core set it is pinned to."""
+        return (stage - self.local_ranks.start) * self.tp_size + tp_rank
 
     @property
     def layer_counts(self) -> list[int]:
@@ -115,11 +153,15 @@ class Layout:
         return self.pp_size + self.async_batch_depth
 
     @property
+    def processes_per_node(self) -> int:
+        return self.stages_per_node * self.tp_size
+
+    @property
     def num_threads(self) -> int:
-        """CPU threads of one stage process."""
+        """CPU threads of one stage process (each TP rank is one)."""
         if self.threads_per_stage is not None:
             return self.threads_per_stage
-        return max(1, len(os.sched_getaffinity(0)) // self.stages_per_node)
+        return max(1, len(os.sched_getaffinity(0)) // self.processes_per_node)
 
 
 @dataclass(frozen=True)

@@ -155,6 +155,7 @@ class DecodeRunner:
         self._check(lib.pf_rope(*rope), "rope")  # q and k heads (adjacent columns) in one pass
         self._attend(buf, tables, cache)
         calls.o_proj()
+        self.model.tp_sum(buf.o)  # tensor parallelism: the ranks' partial sums
         self._check(lib.pf_add_rms_norm(*res, *calls.post_norm), "add_rms_norm")
         if calls.moe is not None:
             out.copy_(calls.moe(buf.x))
@@ -165,6 +166,7 @@ class DecodeRunner:
             calls.down(buf.act, out=out)
         else:
             calls.down()  # into buf.down (= out)
+        self.model.tp_sum(out)
 
     def _calls(self, buf: DecodeBuffers) -> list[LayerCalls]:
         """Every layer's GEMMs bound to buf and its fused-op arguments (pointers taken once)."""

@@ -51,8 +51,10 @@ def _nothing() -> None:
 
 class StageModel:
     def __init__(self, cfg: ModelConfig, layer_start: int, weights: StageWeights,
-                 dtype: torch.dtype, attention=paged_attention, ops=None):
-        self.cfg = cfg
+                 dtype: torch.dtype, attention=paged_attention, ops=None, tp=None):
+        self.cfg = cfg  # a TP rank's own heads and MLP width (model.tensor_parallel)
+        # Tensor parallelism: model.tensor_parallel.TPOps over the stage's ranks (None: one).
+        self.tp = tp
         self.family = family_of(cfg)
         self.attention = attention  # (q, k, v, k_cache, v_cache, seqs, scale) -> out
         self.kv_writer = kv_writer(attention)  # K/V into the cache without attention, or None
@@ -75,6 +77,13 @@ class StageModel:
         # layers, so one long chunk is progress, not silence (ARCHITECTURE.md, 'A request's path').
         self.after_layer = _nothing
 
+    def tp_sum(self, partial: torch.Tensor) -> torch.Tensor:
+        """A row-parallel layer's output (o_proj, down) summed over the stage's TP ranks, in
+        place; the tensor itself on a stage of one rank."""
+        if self.tp is not None and partial.numel():
+            self.tp.sum_(partial)
+        return partial
+
     @property
     def num_layers(self) -> int:
         return len(self.w.layers)
@@ -88,7 +97,8 @@ class StageModel:
         return self.w.lm_head is not None or self.w.lm_head_quant is not None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = F.embedding(input_ids, self.w.embed)
+        x = (F.embedding(input_ids, self.w.embed) if self.tp is None
+             else self.tp.embed(input_ids, self.w.embed))
         if self.cfg.embed_scale is not None:  # in the embedding's dtype, as HF multiplies
             x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
         return x
@@ -123,15 +133,23 @@ class StageModel:
 
     @torch.inference_mode()
     def logits(self, hidden, residual, rows: torch.Tensor) -> torch.Tensor:
-        """Final norm + lm_head on the selected rows only -> float32 [len(rows), vocab]."""
+        """Final norm + lm_head on the selected rows only -> float32 [len(rows), vocab].
+        Under tensor parallelism every rank of the stage calls this together: each computes
+        its vocabulary share, and all get the whole."""
         final = residual[rows].add_(hidden[rows])
         x = rms_norm(final, self.w.final_norm, self.cfg.rms_norm_eps, self.dtype)
+        logits = self._head(x)
+        if self.tp is not None:
+            logits = self.tp.gather_logits(logits)
+        return self._softcap(logits)
+
+    def _head(self, x: torch.Tensor) -> torch.Tensor:
         head = self.w.lm_head_packed
         if head is not None and x.shape[0] <= head.max_rows:  # float32 logits straight away
-            return self._softcap(head(x, out=torch.empty(x.shape[0], head.out_features)))
+            return head(x, out=torch.empty(x.shape[0], head.out_features))
         if self.w.lm_head is None:  # GGUF blocks only: dequantized for this call
-            return self._softcap(self.w.lm_head_quant.prefill(x).float())
-        return self._softcap(torch_linear(x, self.w.lm_head).float())
+            return self.w.lm_head_quant.prefill(x).float()
+        return torch_linear(x, self.w.lm_head).float()
 
     def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
         cap = self.cfg.final_logit_softcapping

@@ -88,12 +88,29 @@ class StageExecutor:
         self.kv = kv  # page owners and cache tiers: called before and after each forward
         self.cache = kv.cache
         self.num_forwards = 0
+        # A TP leader's link to its stage's other ranks (runtime/tp.py): everything this
+        # executor does to its layers and pages, it first tells them, so they do the same.
+        self.tp = None
+
+    def apply_page_ops(self, ops) -> None:
+        """Page ops that travel without a forward (control messages, the stop)."""
+        if self.tp is not None:
+            self.tp.share_page_ops(ops)
+        self.kv.without_forward(ops)
+
+    def close(self) -> None:
+        """At stop: the stage's other TP ranks stop too; pending storage writes finish."""
+        if self.tp is not None:
+            self.tp.share_stop()
+        self.kv.close()
 
     def forward(self, plan: StepPlan, acts: Activations | None
                 ) -> tuple[Activations | None, float]:
         """Runs this stage's layers; returns the output activations (None for a plan without
         sequences) and the forward seconds."""
         t0 = time.perf_counter()
+        if self.tp is not None:
+            self.tp.share_forward(plan, acts)
         if not plan.seqs:  # cache copies only (a storage fetch for a request that waits)
             self.kv.without_forward(plan.page_ops)
             return None, time.perf_counter() - t0
@@ -134,23 +151,34 @@ class StageExecutor:
 
     def profile_bench(self) -> ProfileBench:
         """What the chunking room's start-up profile times on this stage."""
+        # The profile's cache key tells a TP stage's timings from one rank's.
+        tp = f" tp{self.tp.size}" if self.tp is not None else ""
         return ProfileBench(self.scratch_prefill, self.cache.page_size,
-                            type(self.cache).__name__, self.model.cfg.hidden_size)
+                            type(self.cache).__name__ + tp, self.model.cfg.hidden_size)
 
-    def results(self, plan: StepPlan, acts: Activations) -> StepResult:
-        """Last stage: logits on the needed rows, then sampling and logprobs."""
+    def logits(self, plan: StepPlan, acts: Activations | None
+               ) -> tuple[list[list[int]], torch.Tensor | None]:
+        """Last stage: each sequence's logit rows, and the logits of them all (None: no row
+        needs any). Every TP rank of the last stage calls this for every plan: the ranks
+        gather their vocabulary shares of the logits together."""
         per_seq, row = [], 0
         for work in plan.seqs:
             per_seq.append(logit_rows(work, row))
             row += work.num_tokens
         rows = [r for seq_rows in per_seq for r in seq_rows]
-        result = StepResult(plan.step_id)
         if not rows:
+            return per_seq, None
+        held = range(len(rows)) if acts.logit_rows_only else rows
+        return per_seq, self.model.logits(acts.hidden, acts.residual,
+                                          torch.tensor(held, device=acts.hidden.device)).cpu()
+
+    def results(self, plan: StepPlan, acts: Activations) -> StepResult:
+        """Last stage: logits on the needed rows, then sampling and logprobs."""
+        per_seq, logits = self.logits(plan, acts)
+        result = StepResult(plan.step_id)
+        if logits is None:
             result.seqs = [SeqResult(w.rid) for w in plan.seqs]
             return result
-        held = range(len(rows)) if acts.logit_rows_only else rows
-        logits = self.model.logits(acts.hidden, acts.residual,
-                                   torch.tensor(held, device=acts.hidden.device)).cpu()
         at = 0
         for work, seq_rows in zip(plan.seqs, per_seq):
             result.seqs.append(_seq_result(work, logits[at:at + len(seq_rows)]))

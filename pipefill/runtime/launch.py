@@ -17,7 +17,7 @@ from pipefill.config import ServerArgs, resolve
 from pipefill.model.loader import WeightSource, resolve_model_path
 from pipefill.runtime.heartbeat import Board, StallWatch, board_path
 from pipefill.runtime.ipc import Addresses, FrontChannel
-from pipefill.runtime.worker import encode_stage_start
+from pipefill.runtime.worker import encode_stage_start, process_name
 
 log = logging.getLogger(__name__)
 
@@ -50,7 +50,7 @@ class StageGroup:
     """The front end's handle on the stage processes: start, talk, watch, stop."""
 
     def __init__(self, args: ServerArgs, model_file: str):
-        if args.pp_size > 1 and args.dist_init_addr is None:
+        if args.layout.world_size > 1 and args.dist_init_addr is None:
             args = args.replace(dist_init_addr=f"127.0.0.1:{free_port()}")
         self.layout = args.layout
         self.stall_timeout_s = args.serving.stage_stall_timeout
@@ -119,10 +119,10 @@ class StageGroup:
             msg = self.channel.recv(50)
             if msg is not None and msg[0] == "fatal":
                 reports.append(msg[1])
-        died = [f"stage {rank} (pid {p.pid}) exited: {_exit_cause(p.returncode)}"
-                for rank, p in zip(self.layout.local_ranks, self.procs)
+        died = [f"{name} (pid {p.pid}) exited: {_exit_cause(p.returncode)}"
+                for name, p in zip(process_names(self.layout), self.procs)
                 if p.poll() is not None and p.returncode != 0 and not any(
-                    r.startswith(f"stage {rank} ") for r in reports)]
+                    r.startswith(f"{name} ") for r in reports)]
         self.close(grace_s=1.0)
         raise StageFailure("; ".join(died + reports) or "a stage exited")
 
@@ -135,8 +135,8 @@ class StageGroup:
                 self.channel.send(kind, payload, block)
                 return
             except zmq.Again:  # SNDTIMEO passed: still worth waiting for?
-                dead = [f"stage {rank} (pid {p.pid}) exited: {_exit_cause(p.returncode)}"
-                        for rank, p in zip(self.layout.local_ranks, self.procs)
+                dead = [f"{name} (pid {p.pid}) exited: {_exit_cause(p.returncode)}"
+                        for name, p in zip(process_names(self.layout), self.procs)
                         if p.poll() is not None]
                 if self.channel.closed or dead:
                     raise StageFailure(f"could not send {kind!r}: "
@@ -187,9 +187,21 @@ class StageGroup:
 
 
 def spawn_local_stages(args: ServerArgs, model_file: str, addrs: Addresses):
+    """This node's stage processes: the stages' TP leaders first, in stage order (procs[i]
+    is stage local_ranks[i]), then the other TP ranks of each stage."""
     # A fresh interpreter per stage (not multiprocessing): the user's main module is never
     # re-imported, and no thread-pool state is inherited through fork.
-    return [_spawn(args, model_file, rank, addrs) for rank in args.layout.local_ranks]
+    local = args.layout.local_ranks
+    return ([_spawn(args, model_file, rank, addrs) for rank in local]
+            + [_spawn(args, model_file, rank, addrs, t) for rank in local
+               for t in range(1, args.layout.tp_size)])
+
+
+def process_names(layout) -> list[str]:
+    """Names of this node's stage processes, in spawn_local_stages's order."""
+    return ([process_name(rank) for rank in layout.local_ranks]
+            + [process_name(rank, t) for rank in layout.local_ranks
+               for t in range(1, layout.tp_size)])
 
 
 def run_node_stages(args: ServerArgs, model_file: str) -> int:
@@ -219,10 +231,11 @@ def run_other_node(args: ServerArgs) -> int:
     return run_node_stages(args, model_file)
 
 
-def _spawn(args: ServerArgs, model_file: str, rank: int, addrs: Addresses) -> subprocess.Popen:
+def _spawn(args: ServerArgs, model_file: str, rank: int, addrs: Addresses,
+           tp_rank: int = 0) -> subprocess.Popen:
     proc = subprocess.Popen([sys.executable, "-m", "pipefill.runtime.stage_main"],
                             stdin=subprocess.PIPE, start_new_session=False)
-    proc.stdin.write(encode_stage_start(args, model_file, rank, addrs))
+    proc.stdin.write(encode_stage_start(args, model_file, rank, addrs, tp_rank))
     proc.stdin.close()
     return proc
 

@@ -81,11 +81,11 @@ class FirstStageLoop:
         # the pages still in the pool: each stage writes them before it closes its store.
         self.scheduler.kv.on_stop()
         ops = self.scheduler.kv.drain_ops()
-        self.executor.kv.without_forward(ops)
+        self.executor.apply_page_ops(ops)
         if self.pipe is not None:
             self.pipe.send_forward(PipeMessage(None, control=("stop",), page_ops=ops), None)
             self.pipe.flush()
-        self.executor.kv.close()
+        self.executor.close()
 
     # ---- messages from the front end ---------------------------------------------------------
 
@@ -149,7 +149,7 @@ class FirstStageLoop:
         micro-batches in flight down the pipe, so each stage answers after them. It carries
         the page frees since the last plan, so every stage's page map is current."""
         ops = self.scheduler.kv.drain_ops()
-        self.executor.kv.without_forward(ops)
+        self.executor.apply_page_ops(ops)
         report_control(kind, 0, self.channel, self.tracer, self.executor, self.stats)
         if self.pipe is not None:
             self.pipe.send_forward(PipeMessage(None, control=(kind,), page_ops=ops), None)
@@ -286,7 +286,7 @@ def run_later_stage(executor, pipe, channel, tracer: StageTracer | None = None,
             msg, acts = pipe.recv_forward()
         if msg.control is not None:
             if msg.page_ops is not None:
-                executor.kv.without_forward(msg.page_ops)
+                executor.apply_page_ops(msg.page_ops)
             if msg.control[0] == "pd":  # PD decode: room ops from stage 0
                 role.on_control(msg.control[1])
             report_control(msg.control[0], pipe.rank, channel, tracer, executor)
@@ -296,7 +296,7 @@ def run_later_stage(executor, pipe, channel, tracer: StageTracer | None = None,
             elif not last:
                 pipe.send_forward(msg, None)
             if msg.control[0] == "stop":
-                executor.kv.close()
+                executor.close()
                 break
             continue
         plan = msg.plan

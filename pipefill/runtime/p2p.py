@@ -206,7 +206,7 @@ class _Channel:
         raw[:HEADER_BYTES] = np.frombuffer(header.pack(), dtype=np.uint8)
         raw[HEADER_BYTES:HEADER_BYTES + len(data)] = np.frombuffer(data, dtype=np.uint8)
         for offset, t, (width, dtype) in zip(offsets, tensors, self.specs):
-            _tensor_at(frame, offset, header.rows, width, dtype).copy_(t)  # the model's dtype
+            tensor_at(frame, offset, header.rows, width, dtype).copy_(t)  # the model's dtype
         return frame
 
     def flush(self) -> None:
@@ -269,7 +269,7 @@ class _Channel:
             return body, []
         if self.inline:
             offsets = frame_layout(header.body_len, header.rows, self.specs)[0]
-            return body, [_tensor_at(frame, offset, header.rows, width, dtype)
+            return body, [tensor_at(frame, offset, header.rows, width, dtype)
                           for offset, (width, dtype) in zip(offsets, self.specs)]
         tensors = []
         for i, (width, dtype) in enumerate(self.specs):
@@ -295,7 +295,7 @@ class _Channel:
             raise RuntimeError(f"link to stage {self.peer} failed: {cause}") from self.error
 
 
-def _tensor_at(frame: torch.Tensor, offset: int, rows: int, width: int,
+def tensor_at(frame: torch.Tensor, offset: int, rows: int, width: int,
                dtype: torch.dtype) -> torch.Tensor:
     """The [rows, width] tensor of `dtype` at byte `offset` of a frame (a view)."""
     nbytes = rows * width * dtype.itemsize

@@ -17,6 +17,7 @@ from pipefill.model.loader import (WeightSource, keeps_blocks, load_stage_weight
                                    pack_stage_weights, reorder_prefill_weights,
                                    resolve_weight_dtype)
 from pipefill.model.stage_model import StageModel
+from pipefill.model.tensor_parallel import ShardedSource, TPOps, tp_shard
 from pipefill.runtime.executor import StageExecutor
 from pipefill.base.platform import cpu_vendor, dtype_name, resolve_dtype, usable_cpu_flags
 
@@ -35,7 +36,19 @@ def available_memory_bytes() -> int | None:
 
 
 def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
-                device: torch.device = torch.device("cpu")) -> StageExecutor:
+                device: torch.device = torch.device("cpu"), comm=None) -> StageExecutor:
+    """The stage's executor. With tensor parallelism (info.tp_size > 1) this process is one
+    rank of the stage: it loads its slices only (model.tensor_parallel), its KV pool holds its
+    own KV heads, and `comm` sums and gathers over the stage's ranks (runtime/tp.TPLink)."""
+    tp = None
+    if info.tp_size > 1:
+        shard = tp_shard(source.config, info.tp_rank, info.tp_size)
+        tp = TPOps(comm, shard, source.config.vocab_size)
+        source = ShardedSource(source, shard)
+        log.info("stage %d TP rank %d/%d: query heads %s, KV heads %s, MLP columns %s, "
+                 "vocabulary rows %s", info.rank, info.tp_rank, info.tp_size,
+                 *(f"{r.start}-{r.stop - 1}" for r in (shard.q_heads, shard.kv_heads,
+                                                       shard.mlp, shard.vocab)))
     cfg = source.config
     flags = usable_cpu_flags(args.hide_cpu_flags)
     dtype = resolve_dtype(args.dtype, flags)
@@ -90,7 +103,7 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
         nbytes = reorder_prefill_weights(weights, source.family, first_chunk_size(args))
         reordered = f", matrices in its layout {nbytes / 2**20:.0f} MiB"
     log.info("stage %d: prefill GEMM %s (%s)%s", info.rank, gemm, gemm_why, reordered)
-    model = StageModel(cfg, info.layers.start, weights, dtype, attention, ops)
+    model = StageModel(cfg, info.layers.start, weights, dtype, attention, ops, tp)
     kv = build_stage_kv(args, cache, source.path, info.rank, info.layers,
                         max(args.layout.layer_counts))
     executor = StageExecutor(model, kv)

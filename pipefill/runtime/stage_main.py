@@ -7,4 +7,4 @@ from pipefill.runtime.worker import decode_stage_start, stage_entry
 
 if __name__ == "__main__":
     start = decode_stage_start(sys.stdin.buffer.read())
-    stage_entry(start.args, start.model_file, start.rank, start.addrs)
+    stage_entry(start.args, start.model_file, start.rank, start.addrs, start.tp_rank)

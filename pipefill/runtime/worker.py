@@ -29,32 +29,37 @@ class StageStart:
     """What the parent writes on a stage process's stdin."""
     args: ServerArgs
     model_file: str
-    rank: int
+    rank: int  # the stage
     addrs: Addresses
+    tp_rank: int = 0  # the process's rank inside its stage (tensor parallelism)
 
 
-def encode_stage_start(args: ServerArgs, model_file: str, rank: int, addrs: Addresses) -> bytes:
-    return BodyCodec(StageStart, json=True).encode(StageStart(args, model_file, rank, addrs))
+def encode_stage_start(args: ServerArgs, model_file: str, rank: int, addrs: Addresses,
+                       tp_rank: int = 0) -> bytes:
+    return BodyCodec(StageStart, json=True).encode(StageStart(args, model_file, rank, addrs,
+                                                              tp_rank))
 
 
 def decode_stage_start(data: bytes) -> StageStart:
     return BodyCodec(StageStart, json=True).decode(data)
 
 
-def stage_entry(args: ServerArgs, model_file: str, rank: int, addrs: Addresses) -> None:
-    """Body of a stage process."""
+def stage_entry(args: ServerArgs, model_file: str, rank: int, addrs: Addresses,
+                tp_rank: int = 0) -> None:
+    """Body of a stage process (stage `rank`, TP rank `tp_rank` in it)."""
     from pipefill.runtime.logging_setup import setup_logging
-    setup_logging(args.log_level, prefix=f"stage {rank}")
+    setup_logging(args.log_level, prefix=process_name(rank, tp_rank))
     # Die with the process that started us: no orphan stage outlives its front end.
     ctypes.CDLL(None).prctl(_PR_SET_PDEATHSIG, signal.SIGKILL)
     # The front end decides when stages stop (a SIGTERM to the whole process group reaches us
     # too); if it dies, PDEATHSIG above ends us.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
-    channel = StageChannel(addrs, read_requests=rank == 0, rank=rank, node_rank=args.node_rank)
+    channel = StageChannel(addrs, read_requests=rank == 0 and tp_rank == 0, rank=rank,
+                           node_rank=args.node_rank)
     code = 1
     try:
-        code = _run_stage(args, model_file, rank, channel, addrs)
+        code = _run_stage(args, model_file, rank, channel, addrs, tp_rank)
     finally:
         channel.close()
         logging.shutdown()
@@ -62,8 +67,14 @@ def stage_entry(args: ServerArgs, model_file: str, rank: int, addrs: Addresses) 
         os._exit(code)
 
 
+def process_name(rank: int, tp_rank: int = 0) -> str:
+    """How logs and error sentences name a stage process."""
+    return f"stage {rank}" + (f" TP rank {tp_rank}" if tp_rank else "")
+
+
 def init_distributed(args: ServerArgs, rank: int):
-    """One torch.distributed group for all stages; returns (meta_group, pair_groups).
+    """One torch.distributed group for all stage processes (`rank`: this one's global rank,
+    Layout.global_rank); returns (meta_group, pair_groups).
 
     On CPU both are None (everything on the default gloo group). On CUDA the default group is
     NCCL; metadata goes over a gloo group, and every neighbour pair gets an NCCL group of its
@@ -78,7 +89,7 @@ def init_distributed(args: ServerArgs, rank: int):
     # (and by the front end's watch).
     startup = datetime.timedelta(seconds=args.dist_init_timeout)
     try:
-        store = dist.TCPStore(host, int(port), args.pp_size, is_master=rank == 0,
+        store = dist.TCPStore(host, int(port), args.layout.world_size, is_master=rank == 0,
                               timeout=startup, wait_for_workers=True)
     except (RuntimeError, TimeoutError) as e:  # DistStoreError is a RuntimeError
         raise RuntimeError(
@@ -86,7 +97,8 @@ def init_distributed(args: ServerArgs, rank: int):
             f"{args.dist_init_timeout} s (--dist-init-timeout): is every node started and "
             f"able to reach node 0 at that address? ({str(e).splitlines()[0]})") from None
     store.set_timeout(datetime.timedelta(days=30))
-    dist.init_process_group(backend, store=store, rank=rank, world_size=args.pp_size,
+    dist.init_process_group(backend, store=store, rank=rank,
+                            world_size=args.layout.world_size,
                             timeout=datetime.timedelta(days=30))
     if backend == "nccl":
         meta = dist.new_group(backend="gloo")
@@ -97,7 +109,7 @@ def init_distributed(args: ServerArgs, rank: int):
 
 
 def _run_stage(args: ServerArgs, model_file: str, rank: int, channel: StageChannel,
-               addrs: Addresses | None = None) -> int:
+               addrs: Addresses | None = None, tp_rank: int = 0) -> int:
     import torch
 
     from pipefill.model.loader import WeightSource
@@ -106,40 +118,52 @@ def _run_stage(args: ServerArgs, model_file: str, rank: int, channel: StageChann
     from pipefill.runtime.stage import build_stage
     from pipefill.runtime.trace import StageTracer
 
+    name = process_name(rank, tp_rank)
     try:
         layout = args.layout
-        local = rank - layout.local_ranks.start
-        place_stage(local, layout.stages_per_node, layout.num_threads)
+        place_stage(layout.local_process(rank, tp_rank), layout.processes_per_node,
+                    layout.num_threads)
         keep_freed_memory_for_reuse()
         source = WeightSource(model_file)
-        info = layout.stage(rank)
+        info = layout.stage(rank, tp_rank)
         device = torch.device("cpu")
         if args.device == "cuda":
-            device = torch.device("cuda", local)
+            device = torch.device("cuda", rank - layout.local_ranks.start)
             torch.cuda.set_device(device)
-        groups = init_distributed(args, rank) if args.pp_size > 1 else (None, None)
-        executor = build_stage(args, source, info, device)
+        groups = (init_distributed(args, layout.global_rank(rank, tp_rank))
+                  if layout.world_size > 1 else (None, None))
+        tp = None
+        if layout.tp_size > 1:
+            from pipefill.runtime.tp import TPLink
+            tp = TPLink(layout, rank, tp_rank, source.config.hidden_size,
+                        resolve_dtype(args.dtype), args.hide_cpu_flags)
+            log.info("%s: TP all-reduce over %s", name, tp.backend)
+        executor = build_stage(args, source, info, device, tp)
         cfg = source.config
         pipe = None
-        if args.pp_size > 1:
+        if args.pp_size > 1 and info.is_tp_leader:
             from pipefill.runtime.p2p import Pipe
             pipe = Pipe(rank, args.pp_size, cfg.hidden_size, resolve_dtype(args.dtype),
                         device, *groups)
-        role = make_pd_role(args, executor, info, cfg, pipe)
+        role = make_pd_role(args, executor, info, cfg, pipe) if info.is_tp_leader else None
         del source  # the file reader (GGUF metadata: ~220 MB RSS for the default model)
         release_freed_memory()
     except Exception as e:  # noqa: BLE001 - start-up errors become one sentence
         log.debug("start-up failed", exc_info=True)
         if args.node_rank > 0:  # node 0's front end may be the unreachable part: say it here
-            log.error("stage %d could not start: %s", rank, e)
-        channel.report("fatal", f"stage {rank} could not start: {e}")
+            log.error("%s could not start: %s", name, e)
+        channel.report("fatal", f"{name} could not start: {e}")
         return 1
+    if layout.world_size > 1:
+        import torch.distributed as dist
+        dist.barrier(group=groups[0])  # every process loaded before stage 0 says ready
+    if not info.is_tp_leader:  # runs what its leader shares, nothing else
+        from pipefill.runtime.tp import run_tp_peer
+        return run_guarded(name, channel, lambda: run_tp_peer(executor, tp))
+    executor.tp = tp
     tracer = StageTracer(rank, args.trace_dir is not None)
     heartbeat = stage_heartbeat(addrs.folder if addrs is not None else None, rank)
     executor.model.after_layer = heartbeat.layer_done  # forwards run on this loop thread
-    if pipe is not None:
-        import torch.distributed as dist
-        dist.barrier(group=groups[0])  # every stage loaded before stage 0 says ready
     if rank == 0:
         from pipefill.chunking.startup import build_chunk_policy
         policy = build_chunk_policy(args, executor.profile_bench(), model_file, info.layers,

@@ -87,6 +87,12 @@ class FakeExecutor:
         return StepResult(plan.step_id, [SeqResult(w.rid, 7 if w.sample else None)
                                          for w in plan.seqs])
 
+    def apply_page_ops(self, ops):
+        self.kv.without_forward(ops)
+
+    def close(self):
+        self.kv.close()
+
 
 class MemoryChannel:
     def __init__(self):

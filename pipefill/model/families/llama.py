@@ -184,11 +184,11 @@ class LlamaFamily(ModelFamily):
                 return attn.new_empty((0, cfg.hidden_size)), residual
         else:
             attn = model.attention(q, k, v, k_cache, v_cache, meta.seqs, model.scale)
-        hidden = linear(attn.reshape(attn.shape[0], cfg.q_size), w.o_proj, None,
-                        packed.get("o_proj"), large.get("o_proj"))
+        hidden = model.tp_sum(linear(attn.reshape(attn.shape[0], cfg.q_size), w.o_proj, None,
+                                     packed.get("o_proj"), large.get("o_proj")))
         x, residual = ops.add_rms_norm(residual, hidden, w.post_norm, cfg.rms_norm_eps,
                                        model.dtype)
-        return self.mlp(model, w, x), residual
+        return model.tp_sum(self.mlp(model, w, x)), residual
 
     @staticmethod
     def mlp(model, w: LayerWeights, x: torch.Tensor) -> torch.Tensor:

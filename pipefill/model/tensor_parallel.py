@@ -1,0 +1,209 @@
+"""Tensor parallelism inside a stage: which heads and MLP columns a rank holds, the rank's
+model config, and its slices of the checkpoint (ARCHITECTURE.md, 'Tensor parallelism inside a
+stage').
+
+A rank's layers are the family's own layers over a smaller config: its query heads, its KV
+heads and its share of the MLP width. q/k/v and gate/up are split by output rows
+(column-parallel), o_proj and down by input columns (row-parallel), so each rank's o_proj and
+down give a partial sum of the full output, and the ranks sum them (the stage model's
+`tp_sum`, twice a layer). The embedding and the LM head are split by vocabulary rows: a
+rank looks up only the ids in its rows (zeros elsewhere) and the ranks sum the rows, and each
+rank's head gives its share of the logits, which the ranks gather (`TPOps`).
+
+Heads: with at least as many KV heads as ranks, the KV heads are split (ceil/floor shares)
+and each rank takes the query heads of its KV heads, whole GQA groups. With fewer KV heads
+than ranks, each KV head goes to a run of ranks (ceil/floor shares of the ranks), which
+split its group's query heads (ceil/floor again) and each keep a copy of that KV head. Either
+way every rank's query heads map onto its KV heads in equal groups, so the attention kernels
+see an ordinary GQA layer.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+import torch
+
+from pipefill.model.config import ModelConfig
+from pipefill.model.family import ModelFamily
+
+# The families that run tensor parallel so far (their layer_forward and decode runner call
+# the stage model's tp_sum); their checkpoints' split tensors by Hugging Face name suffix:
+# (which split, the dimension cut: 0 rows of a column-parallel matrix, 1 columns of a
+# row-parallel one).
+TP_FAMILIES = ("llama",)
+SPLITS = {
+    "self_attn.q_proj.weight": ("q", 0), "self_attn.q_proj.bias": ("q", 0),
+    "self_attn.k_proj.weight": ("kv", 0), "self_attn.k_proj.bias": ("kv", 0),
+    "self_attn.v_proj.weight": ("kv", 0), "self_attn.v_proj.bias": ("kv", 0),
+    "self_attn.o_proj.weight": ("q", 1),
+    "mlp.gate_proj.weight": ("mlp", 0), "mlp.up_proj.weight": ("mlp", 0),
+    "mlp.down_proj.weight": ("mlp", 1),
+}
+
+
+def shares(n: int, parts: int) -> list[range]:
+    """n items cut into `parts` contiguous runs, the first n % parts one longer."""
+    base, extra = divmod(n, parts)
+    out, start = [], 0
+    for i in range(parts):
+        size = base + (i < extra)
+        out.append(range(start, start + size))
+        start += size
+    return out
+
+
+@dataclass(frozen=True)
+class TPShard:
+    """What rank `rank` of a stage's `size` TP ranks holds of every layer."""
+    rank: int
+    size: int
+    q_heads: range  # global query head ids
+    kv_heads: range  # global KV head ids (shared with other ranks when replicated)
+    mlp: range  # global columns of the MLP's intermediate width
+    vocab: range  # rows of the embedding and the LM head
+
+    def rows(self, split: str, head_dim: int) -> range:
+        """The checkpoint rows (or columns) of a split tensor this rank keeps."""
+        if split in ("mlp", "vocab"):
+            return self.mlp if split == "mlp" else self.vocab
+        heads = self.q_heads if split == "q" else self.kv_heads
+        return range(heads.start * head_dim, heads.stop * head_dim)
+
+
+def head_shares(num_heads: int, num_kv_heads: int, size: int) -> list[tuple[range, range]]:
+    """(query heads, KV heads) of each of `size` ranks, whole GQA groups per rank."""
+    group = num_heads // num_kv_heads
+    if size <= num_kv_heads:
+        return [(range(kv.start * group, kv.stop * group), kv)
+                for kv in shares(num_kv_heads, size)]
+    out = []
+    for kv, ranks in enumerate(shares(size, num_kv_heads)):  # ranks sharing KV head kv
+        for q in shares(group, len(ranks)):
+            out.append((range(kv * group + q.start, kv * group + q.stop), range(kv, kv + 1)))
+    return out
+
+
+def tp_shard(cfg: ModelConfig, rank: int, size: int) -> TPShard:
+    q, kv = head_shares(cfg.num_heads, cfg.num_kv_heads, size)[rank]
+    return TPShard(rank, size, q, kv, shares(cfg.intermediate_size, size)[rank],
+                   shares(cfg.vocab_size, size)[rank])
+
+
+def shard_config(cfg: ModelConfig, shard: TPShard) -> ModelConfig:
+    """The config a rank's layers run: its heads and MLP width, everything else the model's."""
+    return dataclasses.replace(cfg, num_heads=len(shard.q_heads),
+                               num_kv_heads=len(shard.kv_heads),
+                               intermediate_size=len(shard.mlp))
+
+
+def check_tensor_parallel(cfg: ModelConfig, family: ModelFamily, tp_size: int) -> None:
+    """A sentence (ValueError) for a model --tp-size cannot split."""
+    if tp_size == 1:
+        return
+    if family.name not in TP_FAMILIES or cfg.moe is not None or cfg.mla is not None:
+        raise ValueError(f"--tp-size {tp_size}: tensor parallelism runs the dense Llama, "
+                         f"Mistral, Qwen2 and Qwen3 families so far, not {cfg.model_type} "
+                         "(use --pp-size to spread it over processes)")
+    if tp_size > cfg.num_heads:
+        raise ValueError(f"--tp-size {tp_size} is larger than the model's {cfg.num_heads} "
+                         "attention heads: every rank needs at least one head")
+    if tp_size > cfg.intermediate_size:
+        raise ValueError(f"--tp-size {tp_size} is larger than the model's MLP width "
+                         f"{cfg.intermediate_size}")
+
+
+class ShardedSource:
+    """A WeightSource as one TP rank sees it: the split tensors cut to the rank's rows or
+    columns (shape, load, load_rows), the rest whole, and the rank's config. GGUF blocks are
+    never kept (a row-parallel cut would split them): the loader dequantizes."""
+
+    def __init__(self, source, shard: TPShard):
+        self.source, self.shard = source, shard
+        self.path, self.family, self.gguf = source.path, source.family, source.gguf
+        self.config = shard_config(source.config, shard)
+        self.head_dim = source.config.head_dim
+
+    def _cut(self, name: str) -> tuple[int, range] | None:
+        """(dimension, kept indices) of a split tensor; None for a whole one."""
+        if name in (self.family.embed_name, self.family.lm_head_name):
+            return 0, self.shard.vocab
+        for suffix, (split, dim) in SPLITS.items():
+            if name.endswith(suffix):
+                return dim, self.shard.rows(split, self.head_dim)
+        return None
+
+    def has(self, name: str) -> bool:
+        return self.source.has(name)
+
+    def shape(self, name: str) -> tuple[int, ...]:
+        shape, cut = self.source.shape(name), self._cut(name)
+        if cut is None:
+            return shape
+        dim, kept = cut
+        return shape[:dim] + (len(kept),) + shape[dim + 1:]
+
+    def load(self, name: str) -> torch.Tensor:
+        return self._slice(name, self.source.load(name))
+
+    def row_blocks(self, name: str, shape: tuple[int, ...]) -> list[tuple[int, int]]:
+        if self.gguf is not None and self._cut(name) is not None:
+            return [(0, shape[0])]  # load_rows reads the whole tensor: once
+        return self.source.row_blocks(name, shape)
+
+    def load_rows(self, name: str, start: int, end: int) -> torch.Tensor:
+        cut = self._cut(name)
+        if cut is None:
+            return self.source.load_rows(name, start, end)
+        dim, kept = cut
+        if self.gguf is not None:  # GGUF rows are read whole (rotary reorder, block rows)
+            return self.load(name)[start:end]
+        if dim == 0:
+            return self.source.load_rows(name, kept.start + start, kept.start + end)
+        return self.source.load_rows(name, start, end)[:, kept.start:kept.stop].contiguous()
+
+    def _slice(self, name: str, tensor: torch.Tensor) -> torch.Tensor:
+        cut = self._cut(name)
+        if cut is None:
+            return tensor
+        dim, kept = cut
+        return tensor.narrow(dim, kept.start, len(kept)).contiguous()
+
+    def quant_linear(self, names, disable=()):
+        return None
+
+    def tensor_type(self, name: str) -> str:
+        return self.source.tensor_type(name)
+
+
+class TPOps:
+    """A TP rank's collectives as its StageModel calls them. `comm` sums and gathers over the
+    stage's ranks: all_reduce_(t) in place, all_gather(t) -> [ranks, *t.shape], every rank the
+    same bits (runtime/tp.py's TPLink)."""
+
+    def __init__(self, comm, shard: TPShard, vocab_size: int):
+        self.comm, self.size = comm, shard.size
+        self.vocab = shard.vocab
+        self.vocab_shares = shares(vocab_size, shard.size)
+
+    def sum_(self, partial: torch.Tensor) -> torch.Tensor:
+        return self.comm.all_reduce_(partial)
+
+    def embed(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
+        """The embedding of `ids` from every rank's `rows` (this rank's vocabulary share):
+        each rank looks up its own ids, zeros for the others, and the ranks sum (exact:
+        every value is one rank's plus zeros)."""
+        mine = (ids >= self.vocab.start) & (ids < self.vocab.stop)
+        local = torch.where(mine, ids - self.vocab.start, 0)
+        x = torch.nn.functional.embedding(local, rows)
+        x[~mine] = 0
+        return self.sum_(x)
+
+    def gather_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """Every rank's share of the logits ([rows, its vocabulary]) -> [rows, vocab]."""
+        width = len(self.vocab_shares[0])  # the widest share: every rank sends this many
+        if logits.shape[1] < width:
+            logits = torch.nn.functional.pad(logits, (0, width - logits.shape[1]))
+        parts = self.comm.all_gather(logits.contiguous())
+        return torch.cat([parts[r, :, :len(share)] for r, share in
+                          enumerate(self.vocab_shares)], dim=1)

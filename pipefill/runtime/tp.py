@@ -1,0 +1,148 @@
+"""The ranks of one stage under tensor parallelism (ARCHITECTURE.md, 'Tensor parallelism inside
+a stage').
+
+Rank 0 of a stage, its leader, is the stage as the rest of the engine sees it: it receives
+micro-batches from the previous stage (or schedules them, on stage 0), sends them on, and on
+the last stage computes the results. Before it runs anything on its layers or pages it
+broadcasts the same thing to its peers (`TPLink.share_*`), which run it too (`run_tp_peer`);
+inside the layers the ranks meet twice a layer in `all_reduce_`. A peer never talks to
+another stage or to the front end, except to report its own failure.
+
+A broadcast is two gloo broadcasts over the stage's group: a header of four int64 (frame
+bytes, body bytes, rows, kind), then one frame laid out as the pipeline's
+(runtime/p2p.frame_layout: the PipeMessage body in msgpack, then hidden and residual).
+The sums go through the shared-memory group of the stage's ranks (comm/shm.py), or through
+gloo where that cannot be set up (a sentence in the log says why).
+"""
+from __future__ import annotations
+
+import datetime
+import logging
+
+import numpy as np
+import torch
+import torch.distributed as dist
+
+from pipefill.base.plan import PageOps, PipeMessage, StepPlan
+from pipefill.base.wire import BodyCodec
+from pipefill.comm.shm import ShmGroup
+from pipefill.runtime.executor import Activations
+from pipefill.runtime.p2p import HEADER_BYTES, frame_layout, tensor_at
+
+log = logging.getLogger(__name__)
+
+_FORWARD, _PAGE_OPS, _STOP = 0, 1, 2
+SUM_TIMEOUT_S = 3600.0
+
+
+class TPLink:
+    """One rank's end of its stage's TP group: the sums, and the leader's broadcasts."""
+
+    def __init__(self, layout, stage: int, tp_rank: int, hidden_size: int,
+                 dtype: torch.dtype, hide_cpu_flags: str = ""):
+        self.stage, self.tp_rank, self.size = stage, tp_rank, layout.tp_size
+        self.leader = layout.global_rank(stage, 0)
+        # Every process of the world creates every stage's group, in the same order. Peers
+        # wait in a broadcast for as long as the server is idle: no timeout to speak of.
+        groups = [dist.new_group(layout.tp_group_ranks(s), backend="gloo",
+                                 timeout=datetime.timedelta(days=30))
+                  for s in range(layout.pp_size)]
+        self.group = groups[stage]
+        self.specs = [(hidden_size, dtype), (hidden_size, torch.float32)]
+        self.codec = BodyCodec(PipeMessage)
+        self.shm, self.backend = None, "gloo"
+        try:
+            # A peer that died is seen at once (its pid is watched); a long wait is a rank
+            # still loading its weights before the warm-up forward, or a slow machine.
+            self.shm = ShmGroup(tp_rank, self.size, f"tp{stage}", group=self.group,
+                                timeout_s=SUM_TIMEOUT_S, hide_cpu_flags=hide_cpu_flags)
+            self.backend = f"shared memory ({self.shm.isa})"
+        except RuntimeError as e:  # every rank raises alike (the rendezvous agrees)
+            log.warning("stage %d: TP all-reduce over gloo: %s", stage, e)
+        self._header = torch.zeros(4, dtype=torch.int64)
+        self._frame = torch.empty(0, dtype=torch.uint8)
+
+    def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Sums `tensor` over the stage's ranks, in place; every rank gets the same bits."""
+        assert tensor.is_contiguous(), "a TP sum needs a contiguous tensor"
+        if self.shm is not None and tensor.dtype in (torch.float32, torch.bfloat16):
+            return self.shm.all_reduce_(tensor)
+        dist.all_reduce(tensor, group=self.group)
+        return tensor
+
+    def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """Every rank's `tensor` (the same shape on each), stacked in rank order."""
+        if self.shm is not None:
+            return self.shm.all_gather(tensor)
+        parts = [torch.empty_like(tensor) for _ in range(self.size)]
+        dist.all_gather(parts, tensor, group=self.group)
+        return torch.stack(parts)
+
+    # ---- the leader ------------------------------------------------------------------------
+
+    def share_forward(self, plan: StepPlan, acts: Activations | None) -> None:
+        tensors = [] if acts is None else [acts.hidden, acts.residual]
+        assert not tensors or acts.residual is not None, "activations come with their residual"
+        self._send(_FORWARD, PipeMessage(plan), tensors)
+
+    def share_page_ops(self, ops: PageOps) -> None:
+        self._send(_PAGE_OPS, PipeMessage(None, control=("page_ops",), page_ops=ops), [])
+
+    def share_stop(self) -> None:
+        self._send(_STOP, PipeMessage(None, control=("stop",)), [])
+
+    def _send(self, kind: int, msg: PipeMessage, tensors: list[torch.Tensor]) -> None:
+        body = self.codec.encode(msg)
+        rows = tensors[0].shape[0] if tensors else -1
+        offsets, frame_len = frame_layout(len(body), rows, self.specs)
+        self._header.copy_(torch.tensor([frame_len, len(body), rows, kind]))
+        dist.broadcast(self._header, src=self.leader, group=self.group)
+        frame = self._buffer(frame_len)
+        frame[HEADER_BYTES:HEADER_BYTES + len(body)].numpy()[:] = np.frombuffer(body, np.uint8)
+        for offset, t, (width, dtype) in zip(offsets, tensors, self.specs):
+            tensor_at(frame, offset, rows, width, dtype).copy_(t)
+        dist.broadcast(frame, src=self.leader, group=self.group)
+
+    # ---- a peer ----------------------------------------------------------------------------
+
+    def receive(self) -> tuple[int, PipeMessage, Activations | None]:
+        """The leader's next broadcast: (kind, message, activations or None)."""
+        dist.broadcast(self._header, src=self.leader, group=self.group)
+        frame_len, body_len, rows, kind = self._header.tolist()
+        frame = self._buffer(frame_len)
+        dist.broadcast(frame, src=self.leader, group=self.group)
+        msg = self.codec.decode(frame[HEADER_BYTES:HEADER_BYTES + body_len].numpy().tobytes())
+        if rows < 0:
+            return kind, msg, None
+        offsets = frame_layout(body_len, rows, self.specs)[0]
+        # Copies: the frame buffer is reused by the next broadcast, the forward keeps these.
+        hidden, residual = (tensor_at(frame, offset, rows, width, dtype).clone()
+                            for offset, (width, dtype) in zip(offsets, self.specs))
+        return kind, msg, Activations(hidden, residual)
+
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        if self._frame.numel() < nbytes:
+            self._frame = torch.empty(1 << (nbytes - 1).bit_length(), dtype=torch.uint8)
+        return self._frame[:nbytes]
+
+    def close(self) -> None:
+        if self.shm is not None:
+            self.shm.close()
+
+
+def run_tp_peer(executor, link: TPLink) -> None:
+    """A TP peer's loop: does what its leader shares, until the leader's stop."""
+    while True:
+        kind, msg, acts = link.receive()
+        if kind == _STOP:
+            executor.kv.close()
+            return
+        if kind == _PAGE_OPS:
+            executor.kv.without_forward(msg.page_ops)
+            continue
+        plan = msg.plan
+        if plan.step_id < 0 and plan.seqs:  # a scratch prefill on pages lent by stage 0
+            executor.kv.wait_for(plan.seqs[0].page_table)
+        acts = executor.forward(plan, acts)[0]
+        if executor.model.is_last and plan.step_id >= 0:  # the leader's results() gathers
+            executor.logits(plan, acts)

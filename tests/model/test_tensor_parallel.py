@@ -1,0 +1,164 @@
+"""Tensor parallelism's shares, in one process: the heads and MLP columns of each rank (uneven
+shares, whole GQA groups, KV heads replicated below the rank count), the checkpoint slices a
+rank reads (their partial products sum to the whole layer's), each rank's KV pool holding only
+its own KV heads, and the refusals."""
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+from conftest import save_tiny_model
+from pipefill.config import ServerArgs, StageInfo, resolve
+from pipefill.model.families.llama import LLAMA
+from pipefill.model.loader import WeightSource
+from pipefill.model.tensor_parallel import (ShardedSource, check_tensor_parallel, head_shares,
+                                            TPOps, shares, tp_shard)
+from pipefill.runtime.stage import build_stage
+
+
+def test_shares_are_ceil_then_floor():
+    assert shares(10, 4) == [range(0, 3), range(3, 6), range(6, 8), range(8, 10)]
+    assert shares(4, 4) == [range(i, i + 1) for i in range(4)]
+
+
+# (query heads, KV heads, ranks) -> each rank's (query heads, KV heads)
+HEADS = {
+    (6, 2, 4): [(range(0, 2), range(0, 1)), (range(2, 3), range(0, 1)),
+                (range(3, 5), range(1, 2)), (range(5, 6), range(1, 2))],  # uneven, replicated
+    (6, 2, 2): [(range(0, 3), range(0, 1)), (range(3, 6), range(1, 2))],
+    (9, 3, 2): [(range(0, 6), range(0, 2)), (range(6, 9), range(2, 3))],  # SmolLM2's heads
+    (6, 6, 4): [(range(0, 2), range(0, 2)), (range(2, 4), range(2, 4)),
+                (range(4, 5), range(4, 5)), (range(5, 6), range(5, 6))],  # MHA, uneven
+    (8, 1, 3): [(range(0, 3), range(0, 1)), (range(3, 6), range(0, 1)),
+                (range(6, 8), range(0, 1))],  # one KV head on every rank
+}
+
+
+@pytest.mark.parametrize("heads", HEADS, ids=[f"{q}q{kv}kv-tp{n}" for q, kv, n in HEADS])
+def test_head_shares(heads):
+    q_heads, kv_heads, ranks = heads
+    got = head_shares(q_heads, kv_heads, ranks)
+    assert got == HEADS[heads]
+    assert [h for q, _ in got for h in q] == list(range(q_heads))  # each query head once
+    group = q_heads // kv_heads
+    for q, kv in got:
+        local_group = len(q) // len(kv)
+        assert local_group * len(kv) == len(q)  # equal groups on the rank: plain GQA
+        for i, h in enumerate(q):  # local head i reads local KV head i // local_group
+            assert h // group == kv.start + i // local_group
+
+
+@pytest.fixture(scope="module")
+def odd_llama(tmp_path_factory):
+    """6 query heads over 2 KV heads, MLP width 130 (ranks of 33 and 32 columns at TP 4)."""
+    return save_tiny_model("llama", tmp_path_factory.mktemp("tp-llama"), num_attention_heads=6,
+                           num_key_value_heads=2, hidden_size=96, intermediate_size=130,
+                           num_hidden_layers=2)
+
+
+def test_slices_sum_to_the_whole_layer(odd_llama):
+    source = WeightSource(odd_llama)
+    cfg, name = source.config, "model.layers.1."
+    x_attn = torch.randn(5, cfg.q_size)
+    x_mlp = torch.randn(5, cfg.intermediate_size)
+    o_sum = torch.zeros(5, cfg.hidden_size)
+    down_sum = torch.zeros(5, cfg.hidden_size)
+    for rank in range(4):
+        shard = tp_shard(cfg, rank, 4)
+        sharded = ShardedSource(source, shard)
+        q_cols = shard.rows("q", cfg.head_dim)
+        o = sharded.load(name + "self_attn.o_proj.weight")
+        assert o.shape == sharded.shape(name + "self_attn.o_proj.weight") == \
+            (cfg.hidden_size, len(shard.q_heads) * cfg.head_dim)
+        o_sum += x_attn[:, q_cols.start:q_cols.stop] @ o.T
+        down = sharded.load(name + "mlp.down_proj.weight")
+        down_sum += x_mlp[:, shard.mlp.start:shard.mlp.stop] @ down.T
+        k = sharded.load_rows(name + "self_attn.k_proj.weight", 0, cfg.head_dim)
+        full_k = source.load(name + "self_attn.k_proj.weight")
+        assert torch.equal(k, full_k[shard.kv_heads.start * cfg.head_dim:][:cfg.head_dim])
+        assert sharded.config.num_heads == len(shard.q_heads)
+        assert sharded.config.intermediate_size == (33 if rank < 2 else 32)
+    torch.testing.assert_close(o_sum, x_attn @ source.load(name + "self_attn.o_proj.weight").T)
+    torch.testing.assert_close(down_sum,
+                               x_mlp @ source.load(name + "mlp.down_proj.weight").T)
+
+
+# A rank's collectives with no other rank: shapes only.
+ALONE = SimpleNamespace(all_reduce_=lambda t: t, all_gather=lambda t: t[None])
+
+
+def test_each_rank_pool_holds_its_own_kv_heads(odd_llama):
+    """The model has 2 KV heads: at TP 2 each rank keeps one, at TP 4 each keeps one too (two
+    ranks share each head), so a rank's pool is half the TP 1 pool, with the same pages."""
+    source = WeightSource(odd_llama)
+    args = resolve(ServerArgs(model_path=odd_llama, dtype="float32", page_size=16,
+                              max_total_tokens=256, threads_per_stage=1), source.config)
+    layers = range(source.config.num_layers)
+    whole = build_stage(args, source, StageInfo(0, 1, layers)).cache
+    for size in (2, 4):
+        for rank in range(size):
+            # One rank alone, its sum a stand-in: only the shapes are looked at here.
+            ex = build_stage(args.replace(tp_size=size), source,
+                             StageInfo(0, 1, layers, rank, size), comm=ALONE)
+            assert ex.model.cfg.num_kv_heads == 1
+            assert ex.model.w.embed.shape[0] == len(shares(512, size)[rank])
+            assert ex.cache.k.numel() * 2 == whole.k.numel()
+            assert ex.cache.num_pages == whole.num_pages  # stage 0's page ids, every rank
+
+
+class Sums:
+    """Four ranks' collectives played in one process: each rank's contribution is recorded,
+    then the sum or the gather of all four is given back."""
+
+    def __init__(self, parts):
+        self.parts = parts
+
+    def all_reduce_(self, t):
+        return t.copy_(sum(self.parts))
+
+    def all_gather(self, t):
+        return torch.stack(self.parts)
+
+
+def test_vocabulary_parallel_embedding_and_head(odd_llama):
+    """Each rank looks up its own ids (zeros for the others) and computes its share of the
+    logits: their sum and their gather are the whole embedding's and the whole head's (at
+    TP 3 the 512 rows are uneven: 171, 171, 170)."""
+    source = WeightSource(odd_llama)
+    cfg = source.config
+    ids = torch.tensor([0, 127, 128, 300, 511, 5])
+    embed, head = (source.load("model.embed_tokens.weight"), source.load("lm_head.weight"))
+    x = torch.randn(3, cfg.hidden_size)
+    for size in (4, 3):
+        looked_up, logits = [], []
+        for rank in range(size):
+            shard = tp_shard(cfg, rank, size)
+            sharded = ShardedSource(source, shard)
+            rows = sharded.load("model.embed_tokens.weight")
+            assert torch.equal(rows, embed[shard.vocab.start:shard.vocab.stop])
+            looked_up.append(TPOps(ALONE, shard, cfg.vocab_size).embed(ids, rows))
+            logits.append(x @ sharded.load("lm_head.weight").T)
+        first = tp_shard(cfg, 0, size)
+        mine = embed[first.vocab.start:first.vocab.stop]
+        whole = TPOps(Sums(looked_up), first, cfg.vocab_size).embed(ids, mine)
+        assert torch.equal(whole, embed[ids])
+        width = len(first.vocab)  # the widest share: every rank sends this many columns
+        padded = [torch.nn.functional.pad(p, (0, width - p.shape[1])) for p in logits]
+        gathered = TPOps(Sums(padded), first, cfg.vocab_size).gather_logits(logits[0])
+        torch.testing.assert_close(gathered, x @ head.T)
+
+
+def test_refusals(tmp_path):
+    cfg = WeightSource(save_tiny_model("llama", tmp_path / "m")).config
+    check_tensor_parallel(cfg, LLAMA, 4)  # 4 heads: fine
+    with pytest.raises(ValueError, match="larger than the model's 4 attention heads"):
+        check_tensor_parallel(cfg, LLAMA, 5)
+    from pipefill.model.families.moe import MOE
+    with pytest.raises(ValueError, match="dense Llama, Mistral, Qwen2 and Qwen3"):
+        check_tensor_parallel(cfg, MOE, 2)
+    for flags, match in [(dict(tp_size=0), "--tp-size must be at least 1"),
+                         (dict(tp_size=2, device="cuda"), "--device cpu only"),
+                         (dict(tp_size=2, pp_size=2, nnodes=2, dist_init_addr="h:1"),
+                          "one node")]:
+        with pytest.raises(ValueError, match=match):
+            ServerArgs(**flags).layout

@@ -1,0 +1,120 @@
+"""Tensor parallelism inside a stage with real processes (one per rank, real gloo groups and
+the shared-memory all-reduce): float32 against HF transformers (prompt logprobs within 1e-4,
+greedy tokens identical) through chunked prefill and batched decode, on a model with 6 query
+and 2 KV heads: TP 2 (one KV head per rank), TP 4 (uneven query shares, KV heads replicated),
+PP 2 x TP 2; the Qwen families' bias and q/k norms at TP 2; the CLI's refusals; a killed
+rank failing its stage's requests fast."""
+import os
+import random
+import signal
+import subprocess
+import sys
+import threading
+import time
+
+import pytest
+import torch
+
+from conftest import assert_pages_free, hf_reference, save_tiny_model, track
+from pipefill import Engine
+
+PAGE = 16
+_rng = random.Random(11)
+PROMPTS = [[_rng.randrange(512) for _ in range(n)] for n in (90, 41)]
+NEW_TOKENS = 8
+
+
+@pytest.fixture(scope="module")
+def odd_llama(tmp_path_factory):
+    """6 query heads over 2 KV heads, MLP width 130 (uneven column shares at TP 4)."""
+    return save_tiny_model("llama", tmp_path_factory.mktemp("tp-llama"), num_attention_heads=6,
+                           num_key_value_heads=2, hidden_size=96, intermediate_size=130)
+
+
+@pytest.fixture(scope="module")
+def references(odd_llama):
+    return [hf_reference(odd_llama, p, NEW_TOKENS) for p in PROMPTS]
+
+
+def assert_tp_matches_hf(path, refs, **flags):
+    """Both prompts in one batch (their decode steps batched), chunks of 37 tokens."""
+    with track(Engine(path, dtype="float32", page_size=PAGE, threads_per_stage=1,
+                      chunked_prefill_size=37, **flags)) as engine:
+        outs = engine.generate(PROMPTS, max_new_tokens=NEW_TOKENS, ignore_eos=True,
+                               return_prompt_logprobs=True)
+        for out, prompt, (ref_lp, ref_tokens) in zip(outs, PROMPTS, refs):
+            assert out.output_ids == ref_tokens
+            lp = torch.tensor(out.prompt_logprobs)
+            assert (lp - ref_lp).abs().max().item() < 1e-4
+            assert out.metrics["chunk_sizes"][0] == 37
+        assert_pages_free(engine)
+
+
+def test_tp2_matches_hf(odd_llama, references):
+    assert_tp_matches_hf(odd_llama, references, tp_size=2)
+
+
+@pytest.mark.slow
+def test_tp4_uneven_heads_replicated_kv_matches_hf(odd_llama, references):
+    assert_tp_matches_hf(odd_llama, references, tp_size=4)
+
+
+@pytest.mark.slow
+def test_pp2_tp2_matches_hf(odd_llama, references):
+    assert_tp_matches_hf(odd_llama, references, tp_size=2, pp_size=2)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("family", ["qwen2", "qwen3"])
+def test_qwen_tp2_matches_hf(family, tmp_path):
+    """Qwen2: q/k/v bias cut with its rows, tied embeddings; Qwen3: per-head q/k norms."""
+    path = save_tiny_model(family, tmp_path / family, num_attention_heads=6,
+                           num_key_value_heads=2, hidden_size=96)
+    refs = [hf_reference(path, p, NEW_TOKENS) for p in PROMPTS]
+    assert_tp_matches_hf(path, refs, tp_size=2)
+
+
+def run_cli(*argv):
+    return subprocess.run([sys.executable, "-m", "pipefill.cli.main", *argv],
+                          capture_output=True, text=True, timeout=120)
+
+
+@pytest.mark.parametrize("flags, sentence", [
+    (["--tp-size", "0"], "--tp-size must be at least 1"),
+    (["--tp-size", "7"], "larger than the model's 6 attention heads"),
+    (["--tp-size", "2", "--disaggregation-mode", "prefill", "--disaggregation-insecure"],
+     "does not run with --disaggregation-mode"),
+], ids=["zero", "more-ranks-than-heads", "pd"])
+def test_cli_refuses(odd_llama, flags, sentence):
+    out = run_cli("generate", "--model-path", odd_llama, "--input-len", "8",
+                  "--max-new-tokens", "1", *flags)
+    assert out.returncode == 2, out.stderr
+    assert sentence in out.stderr
+    assert "Traceback" not in out.stderr
+
+
+@pytest.mark.slow
+def test_killed_tp_rank_fails_its_requests_and_leaves_no_process(odd_llama):
+    e = Engine(odd_llama, dtype="float32", page_size=PAGE, chunked_prefill_size=16, tp_size=2,
+               threads_per_stage=1, max_model_len=1024)
+    pids = [p.pid for p in e._stages.procs]  # the leader, then its peer
+    error = {}
+
+    def request():
+        try:
+            e.generate([[1] * 500], max_new_tokens=500, ignore_eos=True)
+        except RuntimeError as err:
+            error["at"], error["msg"] = time.monotonic(), str(err)
+
+    t = threading.Thread(target=request)
+    t.start()
+    time.sleep(0.5)
+    os.kill(pids[1], signal.SIGKILL)
+    killed_at = time.monotonic()
+    t.join(30)
+    assert not t.is_alive(), "the request hung"
+    assert "stage 0 TP rank 1" in error["msg"] and "SIGKILL" in error["msg"]
+    assert error["at"] - killed_at < 20
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)

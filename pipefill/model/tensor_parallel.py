@@ -84,9 +84,21 @@ def head_shares(num_heads: int, num_kv_heads: int, size: int) -> list[tuple[rang
     return out
 
 
+# The fused elementwise kernels take widths in multiples of this (model/layers.py): an MLP
+# width that is one is shared out in such units, so every rank's width stays one.
+MLP_GRAIN = 16
+
+
+def mlp_shares(width: int, size: int) -> list[range]:
+    """The MLP's intermediate columns of each rank: ceil/floor shares, in units of
+    MLP_GRAIN where the width is a multiple of it and has at least one unit per rank."""
+    grain = MLP_GRAIN if width % MLP_GRAIN == 0 and width // MLP_GRAIN >= size else 1
+    return [range(r.start * grain, r.stop * grain) for r in shares(width // grain, size)]
+
+
 def tp_shard(cfg: ModelConfig, rank: int, size: int) -> TPShard:
     q, kv = head_shares(cfg.num_heads, cfg.num_kv_heads, size)[rank]
-    return TPShard(rank, size, q, kv, shares(cfg.intermediate_size, size)[rank],
+    return TPShard(rank, size, q, kv, mlp_shares(cfg.intermediate_size, size)[rank],
                    shares(cfg.vocab_size, size)[rank])
 
 

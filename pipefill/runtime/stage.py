@@ -40,7 +40,7 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
     """The stage's executor. With tensor parallelism (info.tp_size > 1) this process is one
     rank of the stage: it loads its slices only (model.tensor_parallel), its KV pool holds its
     own KV heads, and `comm` sums and gathers over the stage's ranks (runtime/tp.TPLink)."""
-    tp = None
+    model_cfg, tp = source.config, None
     if info.tp_size > 1:
         shard = tp_shard(source.config, info.tp_rank, info.tp_size)
         tp = TPOps(comm, shard, source.config.vocab_size)
@@ -86,7 +86,9 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
         cache = KVCache(len(info.layers), num_pages, args.page_size,
                         *stacked_kv_shape(kv_specs), device)
     attention = backend_attention(backend, flags, kv_dtype)
-    ops = elementwise_ops(cfg, device, dtype, flags)
+    # Chosen by the model's widths, not the rank's: every rank of a stage takes the same
+    # kernels (and the same decode path), so their residual streams stay equal to the bit.
+    ops = elementwise_ops(model_cfg, device, dtype, flags)
     packed_bytes = pack_stage_weights(weights, source.family, dtype, weight_dtype,
                                       args.decode_gemm_max_rows, disable=disable)
     head = weights.lm_head_packed or next(iter((weights.layers[0].packed or {}).values()),

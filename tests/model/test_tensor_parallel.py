@@ -11,14 +11,18 @@ from conftest import save_tiny_model
 from pipefill.config import ServerArgs, StageInfo, resolve
 from pipefill.model.families.llama import LLAMA
 from pipefill.model.loader import WeightSource
-from pipefill.model.tensor_parallel import (ShardedSource, check_tensor_parallel, head_shares,
-                                            TPOps, shares, tp_shard)
+from pipefill.model.tensor_parallel import (ShardedSource, TPOps, check_tensor_parallel,
+                                            head_shares, mlp_shares, shares, tp_shard)
 from pipefill.runtime.stage import build_stage
 
 
 def test_shares_are_ceil_then_floor():
     assert shares(10, 4) == [range(0, 3), range(3, 6), range(6, 8), range(8, 10)]
     assert shares(4, 4) == [range(i, i + 1) for i in range(4)]
+    # MLP widths the fused kernels take (multiples of 16) stay so on every rank.
+    assert mlp_shares(1536, 2) == [range(0, 768), range(768, 1536)]
+    assert mlp_shares(80, 3) == [range(0, 32), range(32, 64), range(64, 80)]
+    assert mlp_shares(130, 4) == [range(0, 33), range(33, 66), range(66, 98), range(98, 130)]
 
 
 # (query heads, KV heads, ranks) -> each rank's (query heads, KV heads)

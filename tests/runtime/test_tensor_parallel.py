@@ -26,9 +26,10 @@ NEW_TOKENS = 8
 
 @pytest.fixture(scope="module")
 def odd_llama(tmp_path_factory):
-    """6 query heads over 2 KV heads, MLP width 130 (uneven column shares at TP 4)."""
+    """6 query heads over 2 KV heads, MLP width 160: at TP 4 ranks of 48, 48, 32 and 32
+    columns, widths the fused kernels and the lean decode step take."""
     return save_tiny_model("llama", tmp_path_factory.mktemp("tp-llama"), num_attention_heads=6,
-                           num_key_value_heads=2, hidden_size=96, intermediate_size=130)
+                           num_key_value_heads=2, hidden_size=96, intermediate_size=160)
 
 
 @pytest.fixture(scope="module")

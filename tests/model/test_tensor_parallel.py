@@ -2,6 +2,7 @@
 shares, whole GQA groups, KV heads replicated below the rank count), the checkpoint slices a
 rank reads (their partial products sum to the whole layer's), each rank's KV pool holding only
 its own KV heads, and the refusals."""
+import threading
 from types import SimpleNamespace
 
 import pytest
@@ -166,3 +167,86 @@ def test_refusals(tmp_path):
                           "one node")]:
         with pytest.raises(ValueError, match=match):
             ServerArgs(**flags).layout
+
+
+class ThreadGroup:
+    """The collectives of `size` ranks played by threads of one process: each rank leaves
+    its tensor, and every rank takes the sum in rank order (float32) or the stack."""
+
+    def __init__(self, size: int):
+        self.size, self.slots = size, [None] * size
+        self.barrier = threading.Barrier(size, timeout=60)
+
+    def rank(self, r: int):
+        return SimpleNamespace(all_reduce_=lambda t: t.copy_(self._meet(r, t).float().sum(0)),
+                               all_gather=lambda t: self._meet(r, t))
+
+    def _meet(self, r: int, t: torch.Tensor) -> torch.Tensor:
+        self.slots[r] = t.clone()
+        self.barrier.wait()
+        out = torch.stack(self.slots)
+        self.barrier.wait()  # every rank has read the slots before they are written again
+        return out
+
+
+def on_ranks(size: int, work):
+    """work(rank) on `size` threads at once -> their results in rank order."""
+    out = [None] * size
+    errors = []
+
+    def run(r):
+        try:
+            out[r] = work(r)
+        except BaseException as e:  # noqa: BLE001 - raised in the test's thread below
+            errors.append(e)
+
+    threads = [threading.Thread(target=run, args=(r,)) for r in range(size)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    if errors:
+        raise errors[0]
+    return out
+
+
+@pytest.fixture(scope="module")
+def lean_llama(tmp_path_factory):
+    """Heads of 64 and 32-token pages: the vector attention kernels, so decode steps take the
+    lean path (model/decode_step.py)."""
+    return save_tiny_model("llama", tmp_path_factory.mktemp("tp-lean"), num_attention_heads=6,
+                           num_key_value_heads=2, hidden_size=384, intermediate_size=288)
+
+
+def test_lean_decode_path_on_shards_matches_one_rank(lean_llama):
+    """Two ranks (threads) against one: a prefill of 40 tokens, then greedy decode steps at
+    batch 1; the ranks' decode steps run the lean path on their shard weights, with the sums
+    in it, and the logits agree with the single rank's."""
+    from pipefill.base.plan import SampleSpec, SeqWork, StepPlan
+    page = 32
+    source = WeightSource(lean_llama)
+    args = resolve(ServerArgs(model_path=lean_llama, dtype="float32", page_size=page,
+                              max_total_tokens=512, threads_per_stage=1), source.config)
+    layers = range(source.config.num_layers)
+    group = ThreadGroup(2)
+    ranks = on_ranks(2, lambda r: build_stage(args.replace(tp_size=2), source,
+                                              StageInfo(0, 1, layers, r, 2),
+                                              comm=group.rank(r)))
+    whole = build_stage(args, source, StageInfo(0, 1, layers))
+    if whole.model._decode is None:
+        pytest.skip("no fused ops or vector attention kernel here: no lean decode path")
+    spec = SampleSpec(0.0, 1.0, -1, 0, 0, None)
+
+    def logits(ex, ids, start):
+        plan = StepPlan(-1, [SeqWork("s", start, start + len(ids), ids, [0, 1], spec)])
+        return ex.logits(plan, ex.forward(plan, None)[0])[1]
+
+    ids, start = [(7 * i) % 500 for i in range(40)], 0
+    for _ in range(4):
+        ref = logits(whole, ids, start)
+        got = on_ranks(2, lambda r: logits(ranks[r], ids, start))
+        assert torch.equal(got[0], got[1])  # every rank gathers the same logits
+        torch.testing.assert_close(got[0], ref, rtol=0, atol=1e-4)
+        start += len(ids)
+        ids = [int(ref[-1].argmax())]
+    assert all(len(ex.model._decode.buffers) == 1 for ex in ranks)  # the lean path ran

@@ -18,18 +18,19 @@ import torch
 from conftest import assert_pages_free, hf_reference, save_tiny_model, track
 from pipefill import Engine
 
-PAGE = 16
+PAGE = 32  # with head_dim 64: the vector attention kernels, so decode takes the lean path
 _rng = random.Random(11)
 PROMPTS = [[_rng.randrange(512) for _ in range(n)] for n in (90, 41)]
 NEW_TOKENS = 8
+SHAPE = dict(num_attention_heads=6, num_key_value_heads=2, hidden_size=384,
+             intermediate_size=288)
 
 
 @pytest.fixture(scope="module")
 def odd_llama(tmp_path_factory):
-    """6 query heads over 2 KV heads, MLP width 160: at TP 4 ranks of 48, 48, 32 and 32
-    columns, widths the fused kernels and the lean decode step take."""
-    return save_tiny_model("llama", tmp_path_factory.mktemp("tp-llama"), num_attention_heads=6,
-                           num_key_value_heads=2, hidden_size=96, intermediate_size=160)
+    """6 query heads of 64 over 2 KV heads, MLP width 288: at TP 4 ranks of 80, 80, 64 and
+    64 columns, widths the fused kernels and the lean decode step take."""
+    return save_tiny_model("llama", tmp_path_factory.mktemp("tp-llama"), **SHAPE)
 
 
 @pytest.fixture(scope="module")
@@ -68,9 +69,9 @@ def test_pp2_tp2_matches_hf(odd_llama, references):
 @pytest.mark.slow
 @pytest.mark.parametrize("family", ["qwen2", "qwen3"])
 def test_qwen_tp2_matches_hf(family, tmp_path):
-    """Qwen2: q/k/v bias cut with its rows, tied embeddings; Qwen3: per-head q/k norms."""
-    path = save_tiny_model(family, tmp_path / family, num_attention_heads=6,
-                           num_key_value_heads=2, hidden_size=96)
+    """Qwen2: q/k/v bias cut with its rows, tied embeddings; Qwen3: per-head q/k norms
+    (heads of 16: the general path)."""
+    path = save_tiny_model(family, tmp_path / family, **SHAPE)
     refs = [hf_reference(path, p, NEW_TOKENS) for p in PROMPTS]
     assert_tp_matches_hf(path, refs, tp_size=2)
 

@@ -307,18 +307,22 @@ def stage_memory(engine, args: ServerArgs, cfg, n: int, engine_peak: int,
 
 
 def add_scaling(rows: list[dict]) -> None:
-    """Strong-scaling efficiency against PP1 with the same threads per stage."""
+    """Strong-scaling efficiency against one process (PP1, TP1) with the same threads per
+    process, and the speed-up over one process on every core."""
     def key(r):  # same threads per stage, same chunking (fixed or auto)
         return r["threads_per_stage"], r["config"].endswith("-auto")
-    base = {key(r): r for r in rows if r["pp_size"] == 1}
+
+    def processes(r):
+        return r["pp_size"] * r.get("tp_size", 1)
+    base = {key(r): r for r in rows if processes(r) == 1}
     for r in rows:
         b = base.get(key(r))
-        if r["pp_size"] > 1 and b:
+        if processes(r) > 1 and b:
             r["scaling_efficiency"] = b["pipefill"]["ttft_s"] / (
-                r["pp_size"] * r["pipefill"]["ttft_s"])
+                processes(r) * r["pipefill"]["ttft_s"])
         others = [x for x in rows
-                  if x["pp_size"] == 1 and x is not b and key(x)[1] == key(r)[1]]
-        if r["pp_size"] > 1 and others:
+                  if processes(x) == 1 and x is not b and key(x)[1] == key(r)[1]]
+        if processes(r) > 1 and others:
             r["speedup_vs_pp1_all_cores"] = others[0]["pipefill"]["ttft_s"] / r["pipefill"]["ttft_s"]
 
 

@@ -165,3 +165,22 @@ def test_bench_prefill_compares_weight_dtypes_in_turn(tmp_path):
     bad = subprocess.run(cmd + ["--compare-weight-dtype", "int4"], capture_output=True,
                          text=True, timeout=600)
     assert bad.returncode == 2 and "--compare-weight-dtype 'int4'" in bad.stderr
+
+
+@pytest.mark.slow
+def test_bench_prefill_compares_tp_sizes(tmp_path):
+    """--compare-tp-size 2 adds TP2 (one thread per rank) beside PP1 with the same threads,
+    with its scaling efficiency against that one process."""
+    model = save_tiny_model("llama", tmp_path / "model")
+    out = tmp_path / "bench.json"
+    proc = subprocess.run(
+        [sys.executable, "-m", "pipefill.cli.main", "bench", "prefill", "--model-path", model,
+         "--input-len", "200", "--reps", "1", "--no-hf", "--no-split", "--dtype", "float32",
+         "--threads-per-stage", "1", "--compare-tp-size", "2", "--json", str(out)],
+        capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    tp = rows["pp1-t1-tp2"]
+    assert tp["tp_size"] == 2 and sum(tp["chunk_sizes"]) == 200
+    assert tp["scaling_efficiency"] == pytest.approx(
+        rows["pp1-t1"]["pipefill"]["ttft_s"] / (2 * tp["pipefill"]["ttft_s"]))

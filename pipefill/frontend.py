@@ -68,7 +68,7 @@ def prepare(args: ServerArgs) -> tuple[ServerArgs, WeightSource]:
 def check_tp_settings(args: ServerArgs, source: WeightSource) -> None:
     """What --tp-size cannot run yet, refused with a sentence (ARCHITECTURE.md, 'Tensor
     parallelism inside a stage')."""
-    if args.tp_size == 1:
+    if args.layout.tp_size == 1:  # the layout checks the flag itself (at least 1)
         return
     check_tensor_parallel(source.config, source.family, args.tp_size)
     if args.disagg.enabled:

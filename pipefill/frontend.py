@@ -74,6 +74,8 @@ def check_tp_settings(args: ServerArgs, source: WeightSource) -> None:
     if args.disagg.enabled:
         raise ValueError(f"--tp-size {args.tp_size} does not run with --disaggregation-mode "
                          "yet: serve PD roles with --tp-size 1")
+    if source.fp8:
+        raise ValueError(f"--tp-size {args.tp_size} does not read FP8 checkpoints yet")
     if args.weight_dtype in ("gguf", "fp8"):
         raise ValueError(f"--tp-size {args.tp_size} does not keep --weight-dtype "
                          f"{args.weight_dtype} blocks yet: use --weight-dtype auto")

@@ -133,6 +133,7 @@ class ShardedSource:
     def __init__(self, source, shard: TPShard):
         self.source, self.shard = source, shard
         self.path, self.family, self.gguf = source.path, source.family, source.gguf
+        self.fp8 = source.fp8  # FP8 checkpoints are refused under TP (frontend) for now
         self.config = shard_config(source.config, shard)
         self.head_dim = source.config.head_dim
 

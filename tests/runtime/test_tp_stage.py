@@ -22,7 +22,7 @@ PAGE = 16
 _rng = random.Random(11)
 PROMPTS = [[_rng.randrange(512) for _ in range(n)] for n in (90, 41)]
 NEW_TOKENS = 8
-# Heads of 16 (the lean decode path on shards is checked in tests/model/test_tensor_parallel.py).
+# Heads of 16 (the lean decode path on shards is checked in tests/model/test_tp_shards.py).
 SHAPE = dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=96,
              intermediate_size=160)
 

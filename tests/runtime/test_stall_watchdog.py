@@ -290,26 +290,34 @@ def wider_model(tmp_path_factory):
                            num_key_value_heads=4, max_position_embeddings=8192)
 
 
-@pytest.mark.slow
-def test_a_long_prefill_that_keeps_progressing_is_not_declared_stalled(wider_model):
-    timeout_s = 2
-    proc, url = start_server(wider_model, None, "--stage-stall-timeout", str(timeout_s),
-                             "--chunked-prefill-size", "128", "--max-model-len", "8192")
+def prefill_under_the_watch(model, timeout_s: float, chunk: int, num_tokens: int,
+                            *extra) -> float:
+    """Seconds one prompt of num_tokens took through a server with that stall timeout and
+    chunk size; it must be answered with no stage restarted."""
+    proc, url = start_server(model, None, "--stage-stall-timeout", str(timeout_s),
+                             "--chunked-prefill-size", str(chunk), "--max-model-len", "8192",
+                             *extra)
     try:
-        prompt = [(7 * i) % 500 + 1 for i in range(6144)]  # 48 chunks
+        prompt = [(7 * i) % 500 + 1 for i in range(num_tokens)]
         t0 = time.monotonic()
         r = httpx.post(url + "/v1/completions", timeout=300,
                        json={"prompt": prompt, "max_tokens": 1, "temperature": 0})
         took = time.monotonic() - t0
-        print(f"\nprefill of {len(prompt)} tokens in 48 chunks: {took:.1f} s "
+        print(f"\nprefill of {num_tokens} tokens in chunks of {chunk}: {took:.1f} s "
               f"(--stage-stall-timeout {timeout_s})")
         assert r.status_code == 200, r.text
-        # Only meaningful if the request outlived the timeout (about 10x on 2 busy cores).
-        assert took > 2 * timeout_s, f"the prefill took only {took:.1f} s: use a longer prompt"
         assert httpx.get(url + "/health", timeout=5).status_code == 200
         assert metric(url, "pipefill_stage_restarts_total") == 0
+        return took
     finally:
         assert stop_server(proc) == 0
+
+
+@pytest.mark.slow
+def test_a_long_prefill_that_keeps_progressing_is_not_declared_stalled(wider_model):
+    took = prefill_under_the_watch(wider_model, 2, 128, 6144)  # 48 chunks
+    # Only meaningful if the request outlived the timeout (about 10x on 2 busy cores).
+    assert took > 2 * 2, f"the prefill took only {took:.1f} s: use a longer prompt"
 
 
 @pytest.mark.slow
@@ -317,21 +325,6 @@ def test_one_chunk_longer_than_the_timeout_is_not_declared_stalled(wider_model):
     """A prefill chunk that outlasts --stage-stall-timeout while each of its layers does not
     (a 2,048-token chunk at 128K of context: ~55 s, under 2 s a layer) is progress. Here a
     2,048-token chunk through 8 layers on one thread takes ~3 s, a layer ~0.4 s."""
-    timeout_s = 2
-    proc, url = start_server(wider_model, None, "--stage-stall-timeout", str(timeout_s),
-                             "--chunked-prefill-size", "2048", "--max-model-len", "8192",
-                             "--pp-size", "1")
-    try:
-        prompt = [(5 * i) % 500 + 1 for i in range(8000)]  # 4 chunks
-        t0 = time.monotonic()
-        r = httpx.post(url + "/v1/completions", timeout=300,
-                       json={"prompt": prompt, "max_tokens": 1, "temperature": 0})
-        took = time.monotonic() - t0
-        print(f"\nprefill of {len(prompt)} tokens in 4 chunks: {took:.1f} s "
-              f"(--stage-stall-timeout {timeout_s})")
-        assert r.status_code == 200, r.text
-        # Only meaningful if a chunk outlived the timeout.
-        assert took / 4 > timeout_s, f"a chunk took only {took / 4:.1f} s: use wider chunks"
-        assert metric(url, "pipefill_stage_restarts_total") == 0
-    finally:
-        assert stop_server(proc) == 0
+    took = prefill_under_the_watch(wider_model, 2, 2048, 8000, "--pp-size", "1")  # 4 chunks
+    # Only meaningful if a chunk outlived the timeout.
+    assert took / 4 > 2, f"a chunk took only {took / 4:.1f} s: use wider chunks"

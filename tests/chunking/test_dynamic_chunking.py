@@ -79,9 +79,12 @@ def test_blocking_profile_cache_is_hit_on_the_second_start(model7, tmp_path):
         first = e.chunking
     with engine(model7, tmp_path, enable_dynamic_chunking=True, chunked_prefill_size=1024) as e:
         second = e.chunking
-    assert first["mode"] == second["mode"] == "dynamic"
+    # What the cache must give: the same profile, so the same decision. Not whether that
+    # decision is dynamic: the tiny model's 0.2 s profile is mostly timing noise (a clean CI
+    # run fitted it concave, 60% RMS error, and fell back to fixed chunks on both starts).
     assert not first["profile_cache_hit"] and second["profile_cache_hit"]
     assert first["profile"] == second["profile"]
+    assert first["mode"] == second["mode"] in ("dynamic", "fixed")
 
 
 def test_failed_profile_never_stops_start_up(tmp_path):

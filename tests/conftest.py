@@ -156,6 +156,32 @@ def track(engine):
     return engine
 
 
+def kill_during_a_long_request(engine, victim: int, join_s: float):
+    """SIGKILL the engine's process `victim` (an index into its stage processes) 0.5 s into a
+    long greedy request; (the error, with the time it came, as {"at", "msg"}; the kill's time;
+    every process's pid). Asserts the request ended within join_s rather than hung."""
+    import os
+    import signal
+    import threading
+    pids = [p.pid for p in engine._stages.procs]
+    error = {}
+
+    def request():
+        try:
+            engine.generate([[1] * 500], max_new_tokens=500, ignore_eos=True)
+        except RuntimeError as err:
+            error["at"], error["msg"] = time.monotonic(), str(err)
+
+    t = threading.Thread(target=request)
+    t.start()
+    time.sleep(0.5)
+    os.kill(pids[victim], signal.SIGKILL)
+    killed_at = time.monotonic()
+    t.join(join_s)
+    assert not t.is_alive(), "the request hung"
+    return error, killed_at, pids
+
+
 def assert_pages_free(engine) -> None:
     """No request holds a page: stage 0's pool is free except the pages the prefix cache keeps
     (all of them evictable), and every stage's own page map — replayed from the plans and

@@ -3,16 +3,13 @@ logprobs within 1e-5), for even and uneven partitions and several chunk sizes; c
 requests equal serial ones; two nodes on 127.0.0.1; a killed stage fails fast and cleanly."""
 import json
 import os
-import signal
 import subprocess
 import sys
-import threading
-import time
 
 import pytest
 import torch
 
-from conftest import assert_pages_free, save_tiny_model, track
+from conftest import assert_pages_free, kill_during_a_long_request, save_tiny_model, track
 from pipefill import Engine
 
 PAGE = 16
@@ -120,22 +117,7 @@ def test_two_nodes_on_localhost(model7, tmp_path):
 def test_killed_stage_fails_fast_and_leaves_no_process(model7):
     e = Engine(model7, dtype="float32", page_size=PAGE, chunked_prefill_size=16, pp_size=3,
                threads_per_stage=1, max_model_len=1024)
-    pids = [p.pid for p in e._stages.procs]
-    error = {}
-
-    def request():
-        try:
-            e.generate([[1] * 500], max_new_tokens=500, ignore_eos=True)
-        except RuntimeError as err:
-            error["at"], error["msg"] = time.monotonic(), str(err)
-
-    t = threading.Thread(target=request)
-    t.start()
-    time.sleep(0.5)
-    os.kill(pids[1], signal.SIGKILL)
-    killed_at = time.monotonic()
-    t.join(15)
-    assert not t.is_alive(), "the request hung"
+    error, killed_at, pids = kill_during_a_long_request(e, 1, join_s=15)
     assert "stage 1" in error["msg"] and "SIGKILL" in error["msg"]
     assert error["at"] - killed_at < 10
     for pid in pids:

@@ -6,16 +6,13 @@ PP 2 x TP 2; the Qwen families' bias and q/k norms at TP 2; the CLI's refusals; 
 rank failing its stage's requests fast."""
 import os
 import random
-import signal
 import subprocess
 import sys
-import threading
-import time
 
 import pytest
 import torch
 
-from conftest import assert_pages_free, save_tiny_model, track
+from conftest import assert_pages_free, kill_during_a_long_request, save_tiny_model, track
 from pipefill import Engine
 
 PAGE = 16
@@ -108,22 +105,8 @@ def test_cli_refuses(odd_llama, flags, sentence):
 def test_killed_tp_rank_fails_its_requests_and_leaves_no_process(odd_llama):
     e = Engine(odd_llama, dtype="float32", page_size=PAGE, chunked_prefill_size=16, tp_size=2,
                threads_per_stage=1, max_model_len=1024)
-    pids = [p.pid for p in e._stages.procs]  # the leader, then its peer
-    error = {}
-
-    def request():
-        try:
-            e.generate([[1] * 500], max_new_tokens=500, ignore_eos=True)
-        except RuntimeError as err:
-            error["at"], error["msg"] = time.monotonic(), str(err)
-
-    t = threading.Thread(target=request)
-    t.start()
-    time.sleep(0.5)
-    os.kill(pids[1], signal.SIGKILL)
-    killed_at = time.monotonic()
-    t.join(30)
-    assert not t.is_alive(), "the request hung"
+    # Process 1 is the leader's TP peer.
+    error, killed_at, pids = kill_during_a_long_request(e, 1, join_s=30)
     assert "stage 0 TP rank 1" in error["msg"] and "SIGKILL" in error["msg"]
     assert error["at"] - killed_at < 20
     for pid in pids:

@@ -2,7 +2,8 @@
 
 * The reordered GEMM against float64 for many (M, K, N): M = 1, M not a multiple of any
   block, K and N not multiples of the vector width, with and without bias, a strided input.
-* Row counts are padded to a multiple of ROW_GRAIN: a padded call gives the bits of the
+* Row counts are padded to a multiple of a grain (finer for small counts): a padded call
+  gives the bits of the
   whole-grain call, and many distinct row counts leave the resident memory nearly where
   it was (oneDNN keeps one ~0.7 MiB primitive per row count it has seen).
 * The choice: auto takes oneDNN for float32 on AMD CPUs only; a named onednn that cannot
@@ -20,8 +21,9 @@ from pipefill import Engine
 from pipefill.bench.memory import proc_status_bytes
 from pipefill.config import make_server_args
 from pipefill.frontend import prepare
-from pipefill.kernels.prefill_gemm import (ROW_GRAIN, OneDnnLinear, choose_prefill_gemm,
-                                           onednn_status, padded_rows, torch_linear)
+from pipefill.kernels.prefill_gemm import (ROW_GRAIN, SMALL_ROW_GRAIN, SMALL_ROWS,
+                                           OneDnnLinear, choose_prefill_gemm, onednn_status,
+                                           padded_rows, torch_linear)
 
 pytestmark = pytest.mark.skipif(not onednn_status()[0], reason=onednn_status()[1])
 
@@ -48,8 +50,11 @@ def test_against_float64(m, k, n, with_bias):
 
 
 def test_row_counts_round_up_to_the_grain():
-    assert [padded_rows(m) for m in (1, ROW_GRAIN - 1, ROW_GRAIN, ROW_GRAIN + 1, 2049)] == \
-        [ROW_GRAIN, ROW_GRAIN, ROW_GRAIN, 2 * ROW_GRAIN, 2048 + ROW_GRAIN]
+    small = (1, SMALL_ROW_GRAIN, SMALL_ROW_GRAIN + 1, SMALL_ROWS - 1, SMALL_ROWS)
+    assert [padded_rows(m) for m in small] == \
+        [SMALL_ROW_GRAIN, SMALL_ROW_GRAIN, 2 * SMALL_ROW_GRAIN, SMALL_ROWS, SMALL_ROWS]
+    assert [padded_rows(m) for m in (SMALL_ROWS + 1, 2048, 2049)] == \
+        [SMALL_ROWS + ROW_GRAIN, 2048, 2048 + ROW_GRAIN]
 
 
 def test_a_padded_call_gives_the_bits_of_the_whole_grain_call():
@@ -59,6 +64,10 @@ def test_a_padded_call_gives_the_bits_of_the_whole_grain_call():
     whole = lin(x)
     for m in (1, 17, ROW_GRAIN + 1, 2 * ROW_GRAIN - 1):
         assert torch.equal(lin(x[:m]), whole[:m])
+    tall = torch.randn(SMALL_ROWS + 2 * ROW_GRAIN, 576, generator=g)
+    whole = lin(tall)
+    for m in (SMALL_ROWS - 3, SMALL_ROWS + 5):
+        assert torch.equal(lin(tall[:m]), whole[:m])
 
 
 def test_torch_linear_pads_bfloat16_only():
@@ -74,14 +83,17 @@ def test_torch_linear_pads_bfloat16_only():
 
 
 def test_many_row_counts_keep_resident_memory_bounded():
-    """200 distinct row counts in 8 grains: without the grain oneDNN would build and keep 200
-    primitives (~140 MiB here); with it, 8."""
+    """200 distinct row counts in 17 grains: without the grains oneDNN would build and keep
+    200 primitives (~140 MiB here); with them, 17."""
     lin = OneDnnLinear.reorder(torch.randn(960, 576), None, rows_hint=2048)
     x = torch.randn(8 * ROW_GRAIN, 576)
-    for m in range(ROW_GRAIN, 9 * ROW_GRAIN, ROW_GRAIN):  # the 8 grains' primitives first
+    counts = range(2 * ROW_GRAIN // 3, 8 * ROW_GRAIN, 2)[:200]
+    grains = sorted({padded_rows(m) for m in counts})
+    assert len(grains) == 17
+    for m in grains:  # the grains' primitives first
         lin(x[:m])
     before = proc_status_bytes(os.getpid(), "VmRSS")
-    for m in range(2 * ROW_GRAIN // 3, 8 * ROW_GRAIN, 2)[:200]:
+    for m in counts:
         lin(x[:m])
     assert proc_status_bytes(os.getpid(), "VmRSS") - before < 40 * 2**20
 

@@ -494,26 +494,32 @@ def pack_stage_weights(weights: StageWeights, family: ModelFamily, dtype: torch.
     return total
 
 
-def reorder_prefill_weights(weights: StageWeights, family: ModelFamily, rows_hint: int) -> int:
-    """Moves every layer's linear layers (family.matrices) into oneDNN's layout
+def reorder_prefill_weights(weights: StageWeights, family: ModelFamily, rows_hint: int,
+                            experts_only: bool = False) -> int:
+    """Moves every layer's linear layers (family.matrices) and experts into oneDNN's layout
     (kernels.prefill_gemm) for prefill-sized GEMMs; returns their bytes. Run after
     pack_stage_weights, which reads the plain matrices: those are dropped here (set to None),
     so the stage holds one prefill copy. The LM head stays plain: prefill computes logits for
-    a few rows only."""
+    a few rows only. `experts_only`: the routed and shared experts alone (see
+    kernels.prefill_gemm.experts_in_onednn_layout)."""
     total = 0
     for layer in weights.layers:
-        prefill = {name: OneDnnLinear.reorder(getattr(layer, name), _bias(layer, bias),
-                                              rows_hint)
-                   for name, bias in _present(layer, family)}
-        for name in prefill:
-            setattr(layer, name, None)
-        layer.prefill = {**(layer.prefill or {}), **prefill}
-        total += sum(p.nbytes for p in prefill.values())
+        if not experts_only:
+            total += _reorder_dense(layer, family, rows_hint)
         moe = getattr(layer, "moe", None)
         if moe is not None:  # every expert's matrices, one by one
             hint = expert_rows_hint(rows_hint, moe)
             total += moe.reorder_prefill(lambda w, h=hint: OneDnnLinear.reorder(w, None, h))
     return total
+
+
+def _reorder_dense(layer, family: ModelFamily, rows_hint: int) -> int:
+    prefill = {name: OneDnnLinear.reorder(getattr(layer, name), _bias(layer, bias), rows_hint)
+               for name, bias in _present(layer, family)}
+    for name in prefill:
+        setattr(layer, name, None)
+    layer.prefill = {**(layer.prefill or {}), **prefill}
+    return sum(p.nbytes for p in prefill.values())
 
 
 def expert_rows_hint(chunk_rows: int, block) -> int:

@@ -7,7 +7,7 @@ import torch
 
 from pipefill.chunking.startup import first_chunk_size
 from pipefill.config import ServerArgs, StageInfo
-from pipefill.kernels.prefill_gemm import choose_prefill_gemm
+from pipefill.kernels.prefill_gemm import choose_prefill_gemm, experts_in_onednn_layout
 from pipefill.kv.cache import KVCache, stacked_kv_shape
 from pipefill.kv.tiers import build_stage_kv
 from pipefill.model.attention import (KERNEL_BACKENDS, backend_attention, choose_backend,
@@ -100,10 +100,14 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
     gemm, gemm_why = choose_prefill_gemm(args.prefill_gemm, dtype, weight_dtype, device,
                                          cpu_vendor())
     reordered = ""
-    if gemm == "onednn":
+    experts, experts_why = experts_in_onednn_layout(args.prefill_gemm, dtype, weight_dtype,
+                                                    device)
+    if gemm == "onednn" or (experts and model_cfg.moe is not None):
         # C0 is the layout's row hint ('auto' has not picked one yet: its fallback).
-        nbytes = reorder_prefill_weights(weights, source.family, first_chunk_size(args))
-        reordered = f", matrices in its layout {nbytes / 2**20:.0f} MiB"
+        nbytes = reorder_prefill_weights(weights, source.family, first_chunk_size(args),
+                                         experts_only=gemm != "onednn")
+        reordered = (f", matrices in its layout {nbytes / 2**20:.0f} MiB" if gemm == "onednn"
+                     else f"; experts on oneDNN ({experts_why}), {nbytes / 2**20:.0f} MiB")
     log.info("stage %d: prefill GEMM %s (%s)%s", info.rank, gemm, gemm_why, reordered)
     model = StageModel(cfg, info.layers.start, weights, dtype, attention, ops, tp)
     kv = build_stage_kv(args, cache, source.path, info.rank, info.layers,

@@ -6,8 +6,9 @@
   gives the bits of the
   whole-grain call, and many distinct row counts leave the resident memory nearly where
   it was (oneDNN keeps one ~0.7 MiB primitive per row count it has seen).
-* The choice: auto takes oneDNN for float32 on AMD CPUs only; a named onednn that cannot
-  run is an error naming the flag.
+* The choice: auto takes oneDNN for float32 on AMD CPUs only, and for a mixture-of-experts
+  layer's experts in any dtype it runs; a named onednn that cannot run is an error naming
+  the flag.
 * A stage with its matrices moved to oneDNN's layout drops the plain copies and computes what
   the torch stage computes; an engine on it equals HF transformers through PP1 and PP2.
 """
@@ -22,7 +23,8 @@ from pipefill.bench.memory import proc_status_bytes
 from pipefill.config import make_server_args
 from pipefill.frontend import prepare
 from pipefill.kernels.prefill_gemm import (ROW_GRAIN, SMALL_ROW_GRAIN, SMALL_ROWS,
-                                           OneDnnLinear, choose_prefill_gemm, onednn_status,
+                                           OneDnnLinear, choose_prefill_gemm,
+                                           experts_in_onednn_layout, onednn_status,
                                            padded_rows, torch_linear)
 
 pytestmark = pytest.mark.skipif(not onednn_status()[0], reason=onednn_status()[1])
@@ -179,3 +181,31 @@ def test_engine_on_onednn_equals_hf(tiny_models, reference, pp):
     assert out.metrics["chunk_sizes"] == [128, 128, 44]
     assert out.output_ids == ref_tokens
     assert (torch.tensor(out.prompt_logprobs) - ref_lp).abs().max().item() < 1e-4
+
+
+def test_experts_move_to_onednn_where_the_dense_matrices_stay_on_torch():
+    assert experts_in_onednn_layout("auto", BF16, BF16, CPU) == (True, "few rows per expert")
+    assert experts_in_onednn_layout("torch", BF16, BF16, CPU) == (False, "requested")
+    assert not experts_in_onednn_layout("auto", F32, BF16, CPU)[0]  # --weight-dtype
+    assert not experts_in_onednn_layout("auto", BF16, BF16, torch.device("cuda"))[0]
+
+
+def test_a_bfloat16_moe_stage_runs_its_experts_on_onednn(tmp_path):
+    """bfloat16 on auto: the dense matrices stay plain for F.linear, every routed and shared
+    expert moves to oneDNN's layout, and a chunk's hidden state is the torch stage's up to
+    bfloat16 rounding."""
+    from test_moe_family import save_moe
+    path = save_moe("qwen2_moe", tmp_path)
+    plain = single_stage(path, "bfloat16", prefill_gemm="torch")
+    dnn = single_stage(path, "bfloat16")
+    for layer in dnn.model.w.layers:
+        assert layer.prefill is None and layer.qkv is not None
+        if layer.moe is not None:
+            assert layer.moe.experts.linears[0].plain is None
+            assert len(layer.moe.experts.linears[0].prefill) == layer.moe.experts.num_experts
+            assert set(layer.moe.shared.prefill) == {"gate_up", "down"}
+    x = torch.randn(200, plain.model.cfg.hidden_size).to(BF16)
+    for a, b in zip(plain.model.w.layers, dnn.model.w.layers):
+        if a.moe is not None:
+            want, got = a.moe(x).float(), b.moe(x).float()
+            assert (got - want).abs().max().item() < 0.02 * want.abs().max().item()

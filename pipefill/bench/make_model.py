@@ -334,10 +334,18 @@ def write_checkpoint(config, out: Path, dtype: torch.dtype, seed: int = 0,
     (out / "model.safetensors.index.json").write_text(json.dumps(
         {"metadata": {"total_size": total}, "weight_map": weight_map}, indent=1))
     config.dtype = dtype
+    # Other engines (vLLM) pick their model class by config.json's `architectures`; without it
+    # vLLM took the folder for an embedding model.
+    config.architectures = config.architectures or [causal_lm_class(config)]
     config.save_pretrained(str(out))
     if fp8:
         _write_fp8_config(out)
     return total
+
+
+def causal_lm_class(config) -> str:
+    from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+    return MODEL_FOR_CAUSAL_LM_MAPPING_NAMES[config.model_type]
 
 
 def available_bytes() -> int:

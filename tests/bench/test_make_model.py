@@ -82,6 +82,8 @@ def test_transformers_loads_it_whole(cls_name, tmp_path):
     model, info = AutoModelForCausalLM.from_pretrained(
         str(tmp_path / "ours"), dtype=torch.float32, output_loading_info=True)
     assert not info["missing_keys"] and not info["unexpected_keys"], info
+    written = json.loads((tmp_path / "ours" / "config.json").read_text())
+    assert written["architectures"] == [cls_name.replace("Config", "ForCausalLM")]
     # The weights arrived as written (std 0.02, norms 1), not re-initialised by HF.
     state = model.state_dict()
     assert 0.01 < state["model.layers.0.self_attn.o_proj.weight"].std().item() < 0.03

@@ -43,7 +43,7 @@ import time
 
 import torch
 
-from pipefill.bench.prefill import load_hf_model, parse_ints
+from pipefill.bench.prefill import add_peer_flags, load_hf_model, parse_ints, start_peer
 from pipefill.config import resolve, server_args_from_namespace, server_args_parser_group
 from pipefill.engine import Engine
 from pipefill.model.loader import WeightSource, resolve_model_path
@@ -65,6 +65,7 @@ def add_parser(sub) -> None:
     p.add_argument("--hf-max-tokens", type=int, default=16384,
                    help="skip HF where batch x context exceeds this (its prefill is slow)")
     p.add_argument("--json", metavar="FILE", help="write every number to this JSON file")
+    add_peer_flags(p)
     server_args_parser_group(p, skip=("max_total_tokens",))
     p.set_defaults(run=run)
 
@@ -111,7 +112,14 @@ def run(ns: argparse.Namespace) -> int:
     print(f"{cpu_name()}, {args.layout.num_threads} threads, {dtype_name(dtype)} compute, "
           f"weights {args.weight_dtype}; copy bandwidth {bw / 1e9:.1f} GB/s (read + write)")
     cases = [(batch, context) for context in contexts for batch in batches]
-    rows = bench_cases(executor, cases, pages_per_seq, ns.steps, ns.reps, bw)
+    peer = start_peer(ns, resolve_model_path(args.model_path), args.layout.num_threads,
+                      per_seq + 16)
+    try:
+        rows = bench_cases(executor, cases, pages_per_seq, ns.steps, ns.reps, bw,
+                           peer_steps_ms(peer, source.config.vocab_size))
+    finally:
+        if peer is not None:
+            peer.close()
     single = {r["context"]: r["ms"] for r in rows if r["batch"] == 1}
     for row in rows:
         if row["context"] in single:
@@ -200,15 +208,25 @@ class _TorchLinears:
         self.model.w.lm_head_packed = self.saved[1]
 
 
+def peer_steps_ms(peer, vocab_size: int):
+    """(context, steps) -> the llama.cpp peer's ms per greedy step after `context` tokens of a
+    fixed random prompt, or None without a peer."""
+    if peer is None:
+        return None
+    prompt = [100 + (7919 * i) % (min(vocab_size, peer.n_vocab) - 100) for i in range(1 << 20)]
+    return lambda context, steps: peer.decode_ms_per_token(prompt[:context], steps)
+
+
 def bench_cases(executor, cases: list[tuple[int, int]], pages_per_seq: int, steps: int,
-                reps: int, bw: float) -> list[dict]:
+                reps: int, bw: float, peer=None) -> list[dict]:
     """One row per (batch, context) case. Each repetition times every case in turn (and in a
-    case: packed GEMM, torch, general path), so a drift of the machine's speed reaches all
-    cases alike and the batch-B / batch-1 ratios compare steps timed minutes apart at most."""
+    case: packed GEMM, torch, general path, and at batch 1 the llama.cpp peer where there is
+    one), so a drift of the machine's speed reaches all cases alike and the batch-B / batch-1
+    ratios compare steps timed minutes apart at most."""
     cache, model = executor.cache, executor.model
     cache.k.fill_(0.01)  # real memory behind every page the steps read (any cache layout)
     cache.v.fill_(0.01)
-    times = {case: {"ours": [], "torch": [], "general": [], "routed_bytes": []}
+    times = {case: {"ours": [], "torch": [], "general": [], "routed_bytes": [], "peer": []}
              for case in cases}
     for case in cases:
         _steps_ms(executor, *case, pages_per_seq, 2)  # warm-up (buffers of this batch size)
@@ -221,7 +239,13 @@ def bench_cases(executor, cases: list[tuple[int, int]], pages_per_seq: int, step
             model.fast_decode = False  # the general layer code (before the lean decode path)
             t["general"] += _steps_ms(executor, *case, pages_per_seq, steps)
             model.fast_decode = True
+            if peer is not None and case[0] == 1:  # llama-cpp-python decodes one sequence
+                t["peer"].append(peer(case[1], steps))
     rows = [_row(model, cache, *case, times[case], bw) for case in cases]
+    for row, case in zip(rows, cases):
+        if times[case]["peer"]:
+            row["llama_cpp_ms"] = statistics.median(times[case]["peer"])
+            row["llama_cpp_ms_all"] = times[case]["peer"]
     if any(getattr(layer, "moe", None) is not None for layer in model.w.layers):
         for row in rows:
             row["router_ms"] = router_ms(model, row["batch"], reps * steps)
@@ -352,6 +376,10 @@ def print_row(row: dict) -> None:
         line += (f"  routed experts {row['routed_expert_bytes'] / 1e6:.0f} MB/step (distinct "
                  f"experts touched)  router {row['router_ms']:.3f} ms "
                  f"({100 * row['router_ms'] / row['ms']:.1f}% of the step)")
+    if "llama_cpp_ms" in row:
+        line += (f"  |  llama.cpp {row['llama_cpp_ms']:7.2f} ms/token "
+                 f"[{_spread(row['llama_cpp_ms_all'])}]  pipefill tok/s / llama.cpp's "
+                 f"{row['llama_cpp_ms'] / row['ms']:.2f}")
     if "hf_ms" in row:
         line += (f"  |  Engine.generate {row['engine_ms']:7.2f} ms/step "
                  f"[{_spread(row['engine_ms_all'])}]  HF generate {row['hf_ms']:7.2f} ms/step "

@@ -71,8 +71,30 @@ def add_parser(sub) -> None:
                         "usable cores with each of these --tp-size values (comma-separated, "
                         "e.g. 2), named <configuration>-tp<N>: tensor parallelism inside a "
                         "stage beside pipeline parallelism")
+    add_peer_flags(p)
     server_args_parser_group(p, skip=("pp_size",))
     p.set_defaults(run=run)
+
+
+def add_peer_flags(p) -> None:
+    """--peer and --peer-python, shared with `bench decode`."""
+    p.add_argument("--peer", choices=("llama.cpp",), default=None,
+                   help="also time llama.cpp (llama-cpp-python) on the same GGUF file with the "
+                        "same threads, in turn with pipefill in every repetition")
+    p.add_argument("--peer-python", metavar="PATH", default=None,
+                   help="the Python whose environment has llama-cpp-python (default: "
+                        "$PIPEFILL_LLAMA_PYTHON, then ~/peers-work/llama-venv/bin/python, "
+                        "then this Python)")
+
+
+def start_peer(ns, model_path: str, threads: int, n_ctx: int):
+    """The llama.cpp peer --peer asks for, or None."""
+    if ns.peer is None:
+        return None
+    from pipefill.bench.llama_peer import LlamaPeer, peer_python
+    peer = LlamaPeer(model_path, threads, n_ctx, peer_python(ns.peer_python))
+    log.info("llama.cpp peer: llama-cpp-python %s, %d threads", peer.version, threads)
+    return peer
 
 
 def parse_ints(text: str, flag: str, minimum: int = 1) -> list[int]:
@@ -187,8 +209,13 @@ def run(ns: argparse.Namespace) -> int:
     rng = random.Random(args.seed)
     prompts = {n: [rng.randrange(100, source.config.vocab_size) for _ in range(n)]
                for n in lengths}
+    peer = start_peer(ns, resolve_model_path(args.model_path), threads, need + 16)
     hf = None if ns.no_hf else load_hf_model(source, dtype)
-    rows = run_configs(configs, hf, source.config, prompts, ns.reps, peak)
+    try:
+        rows = run_configs(configs, hf, source.config, prompts, ns.reps, peak, peer)
+    finally:
+        if peer is not None:
+            peer.close()
     if hf is None:
         print("peak RSS of the bench process (front end): "
               f"{proc_status_bytes(os.getpid(), 'VmHWM') / 2**20:.0f} MiB")
@@ -234,7 +261,8 @@ def run_compare_chunking(ns, args, source, lengths, pp_sizes) -> int:
     return 0
 
 
-def run_configs(configs: list[Config], hf, cfg, prompts: dict, reps: int, peak: float):
+def run_configs(configs: list[Config], hf, cfg, prompts: dict, reps: int, peak: float,
+                peer=None):
     from pipefill.engine import Engine
     engines = {}
     try:
@@ -247,7 +275,7 @@ def run_configs(configs: list[Config], hf, cfg, prompts: dict, reps: int, peak: 
         for n, prompt in prompts.items():
             times = {c.name: [] for c in configs}
             chunks, traces = {}, {}
-            hf_times = []
+            hf_times, peer_times = [], []
             rss_before = {}  # resident before this length: weights, KV pages touched earlier
             for name, engine in engines.items():
                 for pid in engine.stage_pids():
@@ -267,6 +295,8 @@ def run_configs(configs: list[Config], hf, cfg, prompts: dict, reps: int, peak: 
                         traces[c.name] = engine.write_trace(f"{c.name}-len{n}")
                 if hf is not None:
                     hf_times.append(hf_prefill_seconds(hf, prompt))
+                if peer is not None:
+                    peer_times.append(peer.prefill_seconds(prompt))
             flops = prefill_flops(cfg, n)
             hf_row = summary(hf_times, flops, peak, n) if hf_times else None
             engine_peak = proc_status_bytes(os.getpid(), "VmHWM")
@@ -282,6 +312,10 @@ def run_configs(configs: list[Config], hf, cfg, prompts: dict, reps: int, peak: 
                 if hf_row:
                     row["hf"] = hf_row
                     row["ratio_ttft_pipefill_over_hf"] = paired_ratio(times[c.name], hf_times)
+                if peer_times:
+                    row["llama.cpp"] = summary(peer_times, flops, peak, n)
+                    row["ratio_ttft_pipefill_over_llama_cpp"] = paired_ratio(times[c.name],
+                                                                             peer_times)
                 rows.append(row)
             add_scaling(rows[-len(configs):])
             for row in rows[-len(configs):]:
@@ -398,6 +432,10 @@ def print_row(row: dict) -> None:
         line += (f"  |  HF TTFT {h['ttft_s']:7.3f} s [{h['min_s']:.3f}-{h['max_s']:.3f}] "
                  f"{h['tflops']:.3f} TF/s"
                  f"  |  pipefill/HF {row['ratio_ttft_pipefill_over_hf']:.2f}")
+    if "llama.cpp" in row:
+        lc = row["llama.cpp"]
+        line += (f"  |  llama.cpp TTFT {lc['ttft_s']:7.3f} s [{lc['min_s']:.3f}-{lc['max_s']:.3f}]"
+                 f"  |  pipefill/llama.cpp {row['ratio_ttft_pipefill_over_llama_cpp']:.2f}")
     print(line, flush=True)
     print(f"len {row['len']:>6} {row['config']:>7}  {format_report(row['memory'])}", flush=True)
 

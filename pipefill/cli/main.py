@@ -26,6 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pipefill.bench import long_short as bench_long_short
     from pipefill.bench import make_model as bench_make_model
     from pipefill.bench import multiturn as bench_multiturn
+    from pipefill.bench import nll as bench_nll
     from pipefill.bench import pd_serving as bench_pd_serving
     from pipefill.bench import decode as bench_decode
     from pipefill.bench import decode_gemm as bench_decode_gemm
@@ -47,6 +48,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_pd_serving.add_parser(bench)
     bench_attention.add_parser(bench)
     bench_kv_transfer.add_parser(bench)
+    bench_nll.add_parser(bench)
     bench_multiturn.add_parser(bench)
     bench_long_short.add_parser(bench)
     bench_decode.add_parser(bench)

@@ -1,0 +1,81 @@
+"""`pipefill bench nll`: the mean negative log-likelihood pipefill gives a real text, per
+--weight-dtype (a GGUF file dequantized, or its blocks kept quantized), beside llama.cpp's on the
+same GGUF file and the same token ids (--peer llama.cpp).
+
+The text (default: this repository's ARCHITECTURE.md) is tokenized by the model's tokenizer
+and cut to --tokens; each engine scores every token after the first given the ones before it,
+in one cold prefill (pipefill's prompt logprobs; llama.cpp's logits of every row). What a
+quantized path costs in accuracy shows as the gap between the rows: the quantization of the
+weights themselves is in every row alike, since every engine reads the same file.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+from pathlib import Path
+
+from pipefill.bench.prefill import add_peer_flags
+from pipefill.config import server_args_from_namespace, server_args_parser_group
+
+DEFAULT_TEXT = Path(__file__).resolve().parents[2] / "ARCHITECTURE.md"
+
+
+def add_parser(sub) -> None:
+    p = sub.add_parser("nll", help="mean negative log-likelihood of a text, per weight dtype "
+                                   "and beside llama.cpp", description=__doc__,
+                       formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--text", default=str(DEFAULT_TEXT),
+                   help="a UTF-8 text file to score (default: the repository's ARCHITECTURE.md)")
+    p.add_argument("--tokens", type=int, default=4096, help="score this many tokens of it")
+    p.add_argument("--weight-dtypes", default="auto,gguf",
+                   help="comma-separated --weight-dtype values, one engine each in turn")
+    add_peer_flags(p)
+    server_args_parser_group(p, skip=("weight_dtype",))
+    p.set_defaults(run=run)
+
+
+def run(ns: argparse.Namespace) -> int:
+    from pipefill.engine import Engine
+    from pipefill.model.loader import WeightSource, resolve_model_path
+    from pipefill.model.tokenizer import load_tokenizer
+
+    if ns.tokens < 2:
+        raise ValueError("--tokens must be at least 2 (the first token is not scored)")
+    path = resolve_model_path(server_args_from_namespace(ns).model_path)
+    ids = text_ids(ns.text, load_tokenizer(WeightSource(path)), ns.tokens)
+    args = server_args_from_namespace(ns).replace(
+        model_path=path, max_model_len=len(ids) + 1, disable_radix_cache=True)
+    rows = []
+    for weight_dtype in [w for w in ns.weight_dtypes.split(",") if w]:
+        with Engine(**args.replace(weight_dtype=weight_dtype).flags()) as engine:
+            out = engine.generate([ids], max_new_tokens=1, return_prompt_logprobs=True)[0]
+        rows.append((f"pipefill --weight-dtype {weight_dtype}",
+                     -statistics.fmean(out.prompt_logprobs)))
+    if ns.peer is not None:
+        from pipefill.bench.llama_peer import LlamaPeer, peer_python
+        peer = LlamaPeer(path, args.layout.num_threads, len(ids) + 16,
+                         peer_python(ns.peer_python), logits_all=True)
+        try:
+            rows.append((f"llama.cpp (llama-cpp-python {peer.version})", peer.mean_nll(ids)))
+        finally:
+            peer.close()
+    base = rows[-1][1]
+    print(f"{len(ids) - 1} tokens of {ns.text} scored ({args.dtype} compute)")
+    for name, nll in rows:
+        print(f"{name:>42}: mean NLL {nll:.4f} nats/token ({100 * (nll / base - 1):+.2f}% "
+              f"against {rows[-1][0]})")
+    return 0
+
+
+def text_ids(path: str, tokenizer, tokens: int) -> list[int]:
+    """The first `tokens` token ids of the text file."""
+    if tokenizer is None:
+        raise ValueError("this model has no tokenizer to turn a text into tokens")
+    try:
+        text = Path(path).read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as e:
+        raise ValueError(f"--text {path}: cannot read it as UTF-8 text ({e})") from e
+    ids = tokenizer.encode(text)[:tokens]
+    if len(ids) < tokens:
+        raise ValueError(f"--text {path} has {len(ids)} tokens; --tokens asks for {tokens}")
+    return ids

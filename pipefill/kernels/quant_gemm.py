@@ -30,7 +30,7 @@ bias, max_rows, disable)``, ``QuantLinear.from_fp8([(weight float8_e4m3fn [n, K]
 [ceil(n / 128), ceil(K / 128)]), ...], ...)``; ``lin(x, out=None)`` (decode), ``lin.bind(x,
 out)`` (checked once, then ``bound()`` is the GEMM calls with prebuilt arguments),
 ``lin.prefill(x)``, ``lin.dequantize(dtype)``, ``lin.nbytes``, ``lin.shape``,
-``lin.take_rows(order)`` (FP8); ``isa_status()``, ``choose_isa(disable, fp8=False)``.
+``lin.take_rows(order)``; ``isa_status()``, ``choose_isa(disable, fp8=False)``.
 """
 from __future__ import annotations
 
@@ -197,14 +197,22 @@ class QuantLinear:
         return "+".join(p.type_name for p in self.parts)
 
     def take_rows(self, order: torch.Tensor) -> QuantLinear:
-        """The layer with its output rows in `order` (FP8: each row keeps its own scales), as
-        plain_matrix[order]; the bias must not be set yet."""
-        if len(self.parts) != 1 or self.parts[0].scale is None or self.bias is not None:
-            raise ValueError("only an FP8 layer without a bias can reorder its rows")
-        p = self.parts[0]
-        part = QuantPart(p.raw[order].contiguous(), p.qtype, 0, p.scale,
-                         p.scale_row[order].contiguous())
-        return QuantLinear([part], self.in_features, None, self.isa, self.max_rows)
+        """The layer with its output rows in `order`, as plain_matrix[order]: whole rows move
+        (a GGUF row's blocks, an FP8 row with its own scales), each within its part (an order
+        that moves a row into a part of another block type is refused); the bias must not be
+        set yet."""
+        if self.bias is not None:
+            raise ValueError("take_rows: only a layer without a bias can reorder its rows")
+        parts = []
+        for p in self.parts:
+            local = order[p.offset:p.offset + p.rows] - p.offset
+            if local.numel() != p.rows or local.min() < 0 or local.max() >= p.rows:
+                raise ValueError("take_rows: the order moves rows between parts of different "
+                                 "block types")
+            parts.append(QuantPart(p.raw[local].contiguous(), p.qtype, p.offset, p.scale,
+                                   None if p.scale_row is None
+                                   else p.scale_row[local].contiguous()))
+        return QuantLinear(parts, self.in_features, None, self.isa, self.max_rows)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Decode: x [M, K] float32 or bf16 -> out [M, N] (x's dtype unless out is given)."""

@@ -35,6 +35,9 @@ class MLAConfig:
     v_head_dim: int
     softmax_scale: float  # (nope + rope)^-0.5, times yarn's mscale(all_dim)^2 where set
     rope_interleaved: bool  # the rotary dims stored as (x0, x1), (x2, x3) pairs
+    # The file stores kv_b_proj as llama.cpp's converter splits it for its absorbed attention:
+    # each head's key part (transposed) and value part (families/deepseek_gguf.py).
+    kv_b_split: bool = False
 
     @property
     def latent_dim(self) -> int:

@@ -25,6 +25,16 @@ def gguf_layer_name(hf_name: str, layer_names: dict[str, str]) -> str:
     return f"blk.{index}.{layer_names[rest]}"
 
 
+def gguf_expert_tensor(hf_name: str, expert_names: dict[str, str]) -> tuple[str, int] | None:
+    """model.layers.{i}.{mlp|block_sparse_moe}.experts.{e}.{projection}.weight -> (blk.{i}.
+    {expert_names[projection]}, e): expert e of the layer's stacked tensor, as llama.cpp's
+    converter stacks a layer's experts per projection; None for any other name."""
+    parts = hf_name.split(".")
+    if len(parts) == 8 and parts[4] == "experts" and parts[6] in expert_names:
+        return f"blk.{parts[2]}.{expert_names[parts[6]]}", int(parts[5])
+    return None
+
+
 class GGUFFile:
     def __init__(self, path: str):
         import gguf  # imported here: only GGUF users pay for it

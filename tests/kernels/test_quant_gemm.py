@@ -214,3 +214,18 @@ def test_bad_shapes_are_refused():
     lin = qg.QuantLinear.from_parts([(raw, Q4_1)], 64)
     with pytest.raises(ValueError, match="expected"):
         lin(torch.randn(2, 63))
+
+
+def test_take_rows_moves_whole_block_rows_within_each_part():
+    """Rows reordered inside each part of a layer stacking two block types (as DeepSeek's
+    rope rows of q_proj and kv_a_proj_with_mqa are): the dequantized matrix's rows in that
+    order; an order moving a row into the other part is refused."""
+    lin = qg.QuantLinear.from_parts([(blocks(Q8_0, 10, 64), Q8_0), (blocks(Q4_0, 6, 64), Q4_0)],
+                                    64)
+    gen = torch.Generator().manual_seed(1)
+    order = torch.cat([torch.randperm(10, generator=gen), 10 + torch.randperm(6, generator=gen)])
+    moved = lin.take_rows(order)
+    assert [p.type_name for p in moved.parts] == [p.type_name for p in lin.parts]
+    assert torch.equal(moved.dequantize(torch.float32), lin.dequantize(torch.float32)[order])
+    with pytest.raises(ValueError, match="moves rows between parts"):
+        lin.take_rows(torch.arange(16).flip(0))

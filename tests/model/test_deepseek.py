@@ -59,10 +59,10 @@ MODELS = {
 }
 
 
-def save_deepseek(kind: str, path, seed: int = 1) -> str:
+def save_deepseek(kind: str, path, seed: int = 1, models: dict = MODELS) -> str:
     import transformers
     from transformers import AutoModelForCausalLM
-    cls, kw = MODELS[kind]
+    cls, kw = models[kind]
     torch.manual_seed(seed)
     config = getattr(transformers, cls)(**COMMON, **kw)
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -99,9 +99,17 @@ def write_gguf(hf_path: str, out_path, qtype: str = "F32", fields: dict | None =
         w.add_expert_shared_feed_forward_length(cfg["shared_expert_intermediate_size"])
     for key, value in (fields or {}).items():
         getattr(w, f"add_{key}")(value)
+    return write_tensors(w, hf, gguf_tensors(hf, cfg, arch), qtype, extra)
+
+
+def write_tensors(w, hf: dict, tensors: dict, qtype: str = "F32",
+                  extra: dict | None = None) -> dict[str, torch.Tensor]:
+    """Writes `tensors` (GGUF name -> tensor; Q8_0 where quantizable), then `extra` as they
+    are, and closes the file. Returns `hf` (the HF state dict the tensors came from) as the
+    file holds it: the quantizable tensors rounded."""
     qt = getattr(gguf.GGMLQuantizationType, qtype)
     rounded = dict(hf)
-    for name, t in gguf_tensors(hf, cfg, arch).items():
+    for name, t in tensors.items():
         if qtype != "F32" and quantizable(name, t):
             q = gguf.quants.quantize(t.numpy(), qt)
             w.add_tensor(name, q, raw_shape=q.shape, raw_dtype=qt)
@@ -121,10 +129,24 @@ def write_gguf(hf_path: str, out_path, qtype: str = "F32", fields: dict | None =
     return rounded
 
 
-def prompt_logits(path: str) -> torch.Tensor:
-    """Every prompt row's logits from the engine's stage code holding all layers."""
-    ex = single_stage(path, "float32", page_size=PAGE)
-    ids = PROMPT[:40]
+def gguf_and_reference(write, hf_path: str, tmp_path, qtype: str) -> tuple[str, str]:
+    """(a GGUF file `write` makes of the HF folder in qtype, the folder it should equal: for a
+    quantized file, a copy of the HF folder holding the values the file decodes to)."""
+    path = str(tmp_path / "m.gguf")
+    rounded = write(hf_path, path, qtype)
+    if qtype == "F32":
+        return path, hf_path
+    reference = tmp_path / "rounded"
+    os.makedirs(reference)
+    shutil.copy(os.path.join(hf_path, "config.json"), reference)
+    save_file(rounded, os.path.join(reference, "model.safetensors"))
+    return path, str(reference)
+
+
+def prompt_logits(path: str, ids: list[int] = PROMPT[:40], **kw) -> torch.Tensor:
+    """Every prompt row's logits from the engine's stage code holding all layers (kw: more
+    ServerArgs)."""
+    ex = single_stage(path, "float32", page_size=PAGE, **kw)
     plan = StepPlan(-1, [SeqWork("p", 0, len(ids), ids, [0, 1, 2], None)])
     meta = build_meta(plan, PAGE, torch.device("cpu"))
     with torch.no_grad():
@@ -136,14 +158,7 @@ def prompt_logits(path: str) -> torch.Tensor:
 @pytest.mark.parametrize("qtype", ["F32", "Q8_0"])
 @pytest.mark.parametrize("kind", MOE)
 def test_gguf_equals_safetensors(kind, qtype, hf_moe, tmp_path):
-    path = str(tmp_path / "m.gguf")
-    rounded = write_gguf(hf_moe[kind], path, qtype)
-    reference = hf_moe[kind]
-    if qtype != "F32":  # safetensors holding the values the quantized file decodes to
-        reference = str(tmp_path / "rounded")
-        os.makedirs(reference)
-        shutil.copy(os.path.join(hf_moe[kind], "config.json"), reference)
-        save_file(rounded, os.path.join(reference, "model.safetensors"))
+    path, reference = gguf_and_reference(write_gguf, hf_moe[kind], tmp_path, qtype)
     from_gguf, from_hf = WeightSource(path), WeightSource(reference)
     assert from_gguf.family is from_hf.family
     assert from_gguf.config.moe == from_hf.config.moe

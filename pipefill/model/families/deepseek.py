@@ -21,18 +21,25 @@ with kv_a_proj_with_mqa, q_b_proj, o_proj, a dense layer's MLP, the routed exper
 where --weight-dtype keeps them (the rows reordered above keep their own scales:
 take_rows); kv_b_proj (split per head by model/mla.py) and the shared experts are dequantized
 at load (ARCHITECTURE.md, 'FP8 block-quantized checkpoints').
+
+GGUF files (llama.cpp's "deepseek2", V2 and V3 alike) hold the same weights under their own
+names, read as families/deepseek_gguf.py says; under --weight-dtype gguf the same linear layers
+stay in their blocks (take_rows moves whole rows of blocks).
 """
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from pipefill.model.attention import SeqMeta
 from pipefill.model.config import MLAConfig, ModelConfig, MoEConfig, hf_common, hf_rope
 from pipefill.model.family import KVSpec, ModelFamily, WeightReader
+from pipefill.model.families.deepseek_gguf import (GGUF_LAYER_NAMES, check_tensors, hf_config,
+                                                    read_kv_b, splits_kv_b, stored_tensor)
 from pipefill.model.families.llama import LlamaFamily
+from pipefill.model.gguf_file import gguf_layer_name
 from pipefill.model.layers import linear, rms_norm
 from pipefill.model.mla import LatentUp, latent_attention, write_latent
 from pipefill.model.moe import Experts, MoEBlock, RouterSpec, SharedExpert
@@ -113,6 +120,8 @@ class DeepSeekFamily(ModelFamily):
     name = "deepseek"
     hf_model_types = tuple(ROUTERS)
     hf_architectures = tuple(ARCHITECTURES)
+    # llama.cpp writes both versions as "deepseek2"; V3 files are told by their router.
+    gguf_architectures = {"deepseek2": "deepseek_v2"}
     layout_hint = (" (pipefill reads one tensor per expert, as in "
                    "model.layers.N.mlp.experts.E.gate_proj.weight, in bfloat16, float16 or "
                    "float32, or FP8 e4m3 with a weight_scale_inv per 128 x 128 block)")
@@ -139,11 +148,21 @@ class DeepSeekFamily(ModelFamily):
         )
 
     def config_from_gguf(self, gguf) -> ModelConfig:
-        raise ValueError(f"GGUF file {gguf.path}: DeepSeek GGUF files are not read yet; use "
-                         "the Hugging Face folder")
+        """The file's metadata read as the config.json it came from (families/deepseek_gguf.py),
+        the file's tensors checked against it."""
+        d, mtp = hf_config(gguf)
+        cfg = self.config_from_hf(d)
+        if mtp:
+            log_skipped_mtp(mtp, f"blk.{cfg.num_layers}")
+        cfg = replace(cfg, mla=replace(cfg.mla, kv_b_split=splits_kv_b(gguf)))
+        check_tensors(gguf, cfg, self)
+        return cfg
 
     def gguf_name(self, hf_name: str) -> str:
-        raise ValueError("DeepSeek GGUF files are not read yet")
+        return gguf_layer_name(hf_name, GGUF_LAYER_NAMES)
+
+    def gguf_tensor(self, hf_name: str) -> tuple[str, int | None]:
+        return stored_tensor(hf_name)
 
     def layer_tensor_names(self, cfg: ModelConfig, layer: int) -> list[str]:
         p = f"model.layers.{layer}."
@@ -183,8 +202,8 @@ class DeepSeekFamily(ModelFamily):
             q_a_norm=read.vec(a + "q_a_layernorm.weight") if mla.q_lora_rank else None,
             q_b=q_b,
             kv_a_norm=read.vec(a + "kv_a_layernorm.weight"),
-            up=LatentUp(read.mat(a + "kv_b_proj.weight"), cfg.num_heads,
-                        mla.qk_nope_head_dim, mla.v_head_dim),
+            up=LatentUp(read_kv_b(read, a, mla), cfg.num_heads, mla.qk_nope_head_dim,
+                        mla.v_head_dim),
             o_proj=read.linear(a + "o_proj.weight"),
             post_norm=read.vec(p + "post_attention_layernorm.weight"),
             **mlp)
@@ -304,8 +323,9 @@ def qkv_a_order(num_rows: int, mla: MLAConfig, q_rows: int | None) -> torch.Tens
 def attention_names(mla: MLAConfig) -> list[str]:
     q = (["q_a_proj.weight", "q_a_layernorm.weight", "q_b_proj.weight"] if mla.q_lora_rank
          else ["q_proj.weight"])
-    return q + ["kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", "kv_b_proj.weight",
-                "o_proj.weight"]
+    kv_b = (["k_b_proj.weight", "v_b_proj.weight"] if mla.kv_b_split  # a GGUF file's halves
+            else ["kv_b_proj.weight"])
+    return q + ["kv_a_proj_with_mqa.weight", "kv_a_layernorm.weight", *kv_b, "o_proj.weight"]
 
 
 def expert_names(layer: int, e: int) -> tuple[str, str, str]:
@@ -353,9 +373,12 @@ def skip_mtp_layers(d: dict) -> None:
     and on) are not read (pipefill does not decode speculatively)."""
     mtp = d.get("num_nextn_predict_layers") or 0
     if mtp:
-        layers = d["num_hidden_layers"]
-        log.info("deepseek: skipping %d multi-token-prediction layer(s) (model.layers.%d and "
-                 "on): pipefill does not decode speculatively", mtp, layers)
+        log_skipped_mtp(mtp, f"model.layers.{d['num_hidden_layers']}")
+
+
+def log_skipped_mtp(count: int, first: str) -> None:
+    log.info("deepseek: skipping %d multi-token-prediction layer(s) (%s and on): pipefill "
+             "does not decode speculatively", count, first)
 
 
 def mla_config(d: dict, model_type: str, scaling: dict) -> MLAConfig:

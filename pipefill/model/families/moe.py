@@ -21,7 +21,7 @@ from pipefill.model.config import ModelConfig, MoEConfig
 from pipefill.model.decode_step import DecodeRunner
 from pipefill.model.family import WeightReader
 from pipefill.model.families.llama import GGUF_LAYER_NAMES, LlamaFamily
-from pipefill.model.gguf_file import gguf_layer_name
+from pipefill.model.gguf_file import gguf_expert_tensor, gguf_layer_name
 from pipefill.model.moe import Experts, MoEBlock, RouterSpec, SharedExpert
 
 # model_type -> the dense model_type whose attention it shares.
@@ -128,12 +128,7 @@ class MoEFamily(LlamaFamily):
         return gguf_layer_name(hf_name, {**GGUF_LAYER_NAMES, **GGUF_MOE_NAMES})
 
     def gguf_tensor(self, hf_name: str) -> tuple[str, int | None]:
-        # model.layers.{i}.{mlp|block_sparse_moe}.experts.{e}.{projection}.weight: expert e of
-        # the layer's stacked tensor.
-        parts = hf_name.split(".")
-        if len(parts) == 8 and parts[4] == "experts":
-            return f"blk.{parts[2]}.{GGUF_EXPERT_NAMES[parts[6]]}", int(parts[5])
-        return self.gguf_name(hf_name), None
+        return gguf_expert_tensor(hf_name, GGUF_EXPERT_NAMES) or (self.gguf_name(hf_name), None)
 
     def decode_runner(self, model):
         """The lean decode path, its MLP the sparse block in sparse layers, with the per-head

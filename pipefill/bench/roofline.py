@@ -1,12 +1,16 @@
-"""FLOP counts of a prefill and the machine's measured matmul peak, for achieved-TF/s figures."""
+"""FLOP counts of a prefill and the machine's measured matmul peak, for achieved-TF/s figures;
+the deployment planner's description of this CPU from the same measurements."""
 from __future__ import annotations
 
+import os
 import time
 
 import torch
 import torch.nn.functional as F
 
+from pipefill.base.platform import cpu_name, dtype_name
 from pipefill.model.config import ModelConfig
+from pipefill.planner.hardware import THIS_CPU, Hardware, Link
 
 
 def prefill_flops(cfg: ModelConfig, num_tokens: int, prefix_len: int = 0) -> dict[str, float]:
@@ -14,10 +18,9 @@ def prefill_flops(cfg: ModelConfig, num_tokens: int, prefix_len: int = 0) -> dic
     (QK^T and PV, 2 FLOPs per multiply-add) of tokens [prefix_len, prefix_len + num_tokens).
     This is the whole model's work, as HF does it; pipefill's last layer skips the attention
     and MLP of rows no logit reads (StageModel.trims), so its TF/s count that work as done."""
-    h, q, kv = cfg.hidden_size, cfg.q_size, cfg.kv_size
-    projections = (h * (q + 2 * kv) + q * h if cfg.mla is None
-                   else cfg.mla.projection_weights(h, cfg.num_heads))
-    per_token = sum(2 * (projections + mlp_weights(cfg, i)) for i in range(cfg.num_layers))
+    h = cfg.hidden_size
+    per_token = sum(2 * (cfg.attention_weights + cfg.mlp_weights(i))
+                    for i in range(cfg.num_layers))
     linear = per_token * num_tokens + 2 * h * cfg.vocab_size
     # Query i (absolute position p) sees p + 1 keys.
     end = prefix_len + num_tokens
@@ -29,21 +32,12 @@ def prefill_flops(cfg: ModelConfig, num_tokens: int, prefix_len: int = 0) -> dic
                                                                      range(cfg.num_layers)))))}
 
 
-def mlp_weights(cfg: ModelConfig, layer: int) -> int:
-    """Weights one token multiplies by in a layer's MLP: the dense SwiGLU, or a sparse layer's
-    router, its top-k routed experts and the shared expert."""
-    h, moe = cfg.hidden_size, cfg.moe
-    if not cfg.is_sparse(layer):
-        return 3 * h * cfg.intermediate_size
-    return h * (moe.num_experts + 3 * moe.top_k * moe.expert_width + 3 * moe.shared_width)
-
-
 def expert_flops(cfg: ModelConfig, token_layers: int) -> int:
     """FLOPs of the routed experts (gate, up and down of each of top-k) over `token_layers`
     (token, sparse layer) pairs: 0 for a dense model."""
     if cfg.moe is None:
         return 0
-    return 2 * 3 * cfg.hidden_size * cfg.moe.expert_width * cfg.moe.top_k * token_layers
+    return 2 * cfg.expert_weights * cfg.moe.top_k * token_layers
 
 
 def matmul_peak_flops(dtype: torch.dtype, seconds: float = 2.0) -> float:
@@ -70,3 +64,42 @@ def matmul_peak_flops(dtype: torch.dtype, seconds: float = 2.0) -> float:
                     call()
                     best = max(best, 2 * m * k * n / (time.perf_counter() - t0))
     return best
+
+
+def copy_bandwidth(seconds: float = 0.5, num_bytes: int = 256 << 20) -> float:
+    """Best bytes/s this process's threads move copying a buffer larger than the caches (a
+    copy reads and writes each byte: both count)."""
+    src = torch.empty(num_bytes, dtype=torch.uint8).fill_(1)
+    dst = torch.empty_like(src)
+    best, deadline = 0.0, time.perf_counter() + seconds
+    while True:
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        best = max(best, 2 * num_bytes / (time.perf_counter() - t0))
+        if time.perf_counter() > deadline:
+            return best
+
+
+def this_cpu(seconds: float = 2.0) -> Hardware:
+    """The planner's description of this machine (`pipefill plan --hardware this-cpu`), one
+    device per usable core, measured on one thread: the matmul peak per dtype, the copy
+    bandwidth, the RAM's share of a core. Stages and TP ranks talk through shared memory:
+    a message is a write and a read of that bandwidth, after about 20 microseconds (a spin
+    and a gloo header). Its efficiency is 1: the FLOP/s are a measured matmul rate already,
+    not a datasheet's; comparing its predictions with measured prefills says how much of it
+    a prefill reaches (README, 'Planning a deployment')."""
+    cores = len(os.sched_getaffinity(0))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        flops = {dtype_name(d): matmul_peak_flops(d, seconds / 3)
+                 for d in (torch.bfloat16, torch.float32)}
+        bandwidth = copy_bandwidth(seconds / 3)
+    finally:
+        torch.set_num_threads(threads)
+    ram = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+    shm = Link(bandwidth / 2, 20e-6)
+    return Hardware(name=THIS_CPU, flops=flops, memory_bytes=ram / cores,
+                    memory_bandwidth=bandwidth, devices_per_node=cores, intra_node=shm,
+                    inter_node=shm, efficiency=1.0, devices_are_cores=True,
+                    source=f"{cpu_name()}, measured now on one thread per core")

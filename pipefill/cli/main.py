@@ -32,7 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pipefill.bench import decode_gemm as bench_decode_gemm
     from pipefill.bench import prefill as bench_prefill
     from pipefill.bench import serving as bench_serving
-    from pipefill.cli import generate, serve_pd, sim
+    from pipefill.cli import generate, plan, serve_pd, sim
     from pipefill.server import main as serve
     parser = argparse.ArgumentParser(
         prog="pipefill",
@@ -57,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_allreduce.add_parser(bench)
     bench_link.add_parser(bench)
     sim.add_parser(sub)
+    plan.add_parser(sub)
     return parser
 
 

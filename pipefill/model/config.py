@@ -114,6 +114,38 @@ class ModelConfig:
         return self.num_kv_heads * self.head_dim
 
     @property
+    def attention_weights(self) -> int:
+        """Weights one token multiplies by in a layer's attention projections (q, k, v, o;
+        a latent layer's as MLAConfig.projection_weights counts them)."""
+        h = self.hidden_size
+        if self.mla is None:
+            return h * (self.q_size + 2 * self.kv_size) + self.q_size * h
+        return self.mla.projection_weights(h, self.num_heads)
+
+    def mlp_weights(self, layer: int) -> int:
+        """Weights one token multiplies by in a layer's MLP: the dense SwiGLU, or a sparse
+        layer's router, its top-k routed experts and the shared expert."""
+        if not self.is_sparse(layer):
+            return 3 * self.hidden_size * self.intermediate_size
+        return self.router_and_shared_weights + self.moe.top_k * self.expert_weights
+
+    @property
+    def expert_weights(self) -> int:
+        """One routed expert's weights (gate, up and down); 0 without experts."""
+        return 3 * self.hidden_size * self.moe.expert_width if self.moe else 0
+
+    @property
+    def router_and_shared_weights(self) -> int:
+        """A sparse layer's weights every token multiplies by besides its routed experts."""
+        moe = self.moe
+        return self.hidden_size * (moe.num_experts + 3 * moe.shared_width) if moe else 0
+
+    def kv_values(self, layer: int) -> int:
+        """Values one token keeps in a layer's cache: K and V of the KV heads, or a latent
+        layer's latent and rotary key."""
+        return 2 * self.kv_size if self.mla is None else self.mla.latent_dim
+
+    @property
     def attention_width(self) -> int:
         """Multiply-adds of one query against one key, its score and its weighted value:
         heads x (q/k head size + v head size)."""

@@ -12,7 +12,7 @@ FLOORS = [
     {"comm"},                   # collectives inside a stage (tensor parallelism)
     {"model"},
     {"kv", "chunking"},
-    {"scheduler"},
+    {"scheduler", "planner"},   # planner: layouts over the chunking room's simulator
     {"disagg"},
     {"runtime"},
     {"frontend"},

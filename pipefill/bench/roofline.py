@@ -87,7 +87,10 @@ def this_cpu(seconds: float = 2.0) -> Hardware:
     a message is a write and a read of that bandwidth, after about 20 microseconds (a spin
     and a gloo header). Its efficiency is 1: the FLOP/s are a measured matmul rate already,
     not a datasheet's; comparing its predictions with measured prefills says how much of it
-    a prefill reaches (README, 'Planning a deployment')."""
+    a prefill reaches (README, 'Planning a deployment'). A chunk costs a stage 40 ms besides
+    its operations: the README's PP1 prefill of 16,384 tokens on one Zen 4 thread took 0.37 s
+    longer in 16 chunks than in 8 (an estimate from one sitting each, not a measurement of
+    this machine)."""
     cores = len(os.sched_getaffinity(0))
     threads = torch.get_num_threads()
     torch.set_num_threads(1)
@@ -101,5 +104,6 @@ def this_cpu(seconds: float = 2.0) -> Hardware:
     shm = Link(bandwidth / 2, 20e-6)
     return Hardware(name=THIS_CPU, flops=flops, memory_bytes=ram / cores,
                     memory_bandwidth=bandwidth, devices_per_node=cores, intra_node=shm,
-                    inter_node=shm, efficiency=1.0, devices_are_cores=True,
+                    inter_node=shm, efficiency=1.0, chunk_overhead=40e-3,
+                    devices_are_cores=True,
                     source=f"{cpu_name()}, measured now on one thread per core")

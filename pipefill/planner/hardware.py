@@ -20,6 +20,13 @@ A file states numbers in the units people quote (TFLOP/s, GB, GB/s, microseconds
     [inter_node]
     bandwidth_gb_s = 50
     latency_us = 10
+
+Rates are dense FLOP/s of one device (bfloat16, float16, float32, fp8, int8; a dtype without
+one runs at the compute dtype's). A link's bandwidth is one device's, each way; inter_node is
+a device's share of its node's network (one node: leave it out, the intra-node link serves).
+efficiency (default 1) is the share of the rates prefill reaches, chunk_overhead_ms (default
+0) what a chunk costs a stage besides, and devices_are_cores = true lets a rank run on several
+devices as threads (CPU cores).
 """
 from __future__ import annotations
 

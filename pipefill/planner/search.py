@@ -35,8 +35,8 @@ class Plan:
     bubble_ratio: float
     num_chunks: int
     throughput_tok_s: float  # prompts back to back: tokens over the busiest stage's seconds
-    weight_bytes: float  # per device, the heaviest stage
-    kv_bytes: float  # per device, the heaviest stage, the whole prompt cached
+    weight_bytes: float  # on the fullest device (weights + KV)
+    kv_bytes: float  # on that device, the whole prompt cached
     fits: bool
     link_bytes: dict  # per device (the busiest rank), bytes a prompt puts on each link kind
     stage_layers: tuple[int, ...]
@@ -76,16 +76,14 @@ def evaluate(cfg: ModelConfig, hw: Hardware, layout: Layout, precision: Precisio
     result = simulate_costs(matrix, [costs.border_delay(c) for c in chunks],
                             layout.pp + async_depth)
     stages = range(layout.pp)
-    weights = max(costs.stage_weight_bytes(s) for s in stages)
-    kv = max(costs.stage_kv_bytes(s, prompt_len) for s in stages)
-    heaviest = max(stages, key=lambda s: costs.stage_weight_bytes(s)
-                   + costs.stage_kv_bytes(s, prompt_len))
-    need = costs.stage_weight_bytes(heaviest) + costs.stage_kv_bytes(heaviest, prompt_len)
+    memory = [(costs.stage_weight_bytes(s), costs.stage_kv_bytes(s, prompt_len))
+              for s in stages]
+    weights, kv = max(memory, key=sum)  # the fullest device's
     links = [costs.stage_link_bytes(s, prompt_len) for s in stages]
     busiest = max(links, key=lambda d: sum(d.values()))
     return Plan(layout, c0, smooth, result.ttft_s, result.bubble_ratio, len(chunks),
                 prompt_len / max(result.busy_s), weights, kv,
-                need <= MEMORY_HEADROOM * hw.memory_bytes * layout.threads, busiest,
+                weights + kv <= MEMORY_HEADROOM * hw.memory_bytes * layout.threads, busiest,
                 tuple(len(r) for r in costs.stage_layers))
 
 

@@ -27,7 +27,7 @@ def test_the_default_model_at_2048_tokens_orders_pp1_tp2_pp2():
     assert ttft["TP2"] / ttft["PP1"] < 1.1  # the all-reduces cost little
     # Left to choose C0, a pipeline of two cuts the prompt and nearly catches up.
     plans = {str(p.layout): p for p in search(SMOLLM2, cpu, 2, BF16, 2048)}
-    assert plans["PP2xTP1"].num_chunks > 1 and plans["PP2xTP1"].ttft_s < 0.7 * ttft["PP2"]
+    assert plans["PP2xTP1"].num_chunks > 1 and plans["PP2xTP1"].ttft_s < 0.8 * ttft["PP2"]
     assert str(search(SMOLLM2, cpu, 2, BF16, 2048)[0].layout) == "PP1xTP1x2thr"
 
 

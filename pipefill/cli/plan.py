@@ -14,9 +14,28 @@ from pipefill.model.families import family_for_hf_config
 from pipefill.model.loader import WeightSource, resolve_model_path
 from pipefill.planner import (PRESETS, THIS_CPU, Hardware, Layout, Overrides, Plan, Precision,
                               layouts, load_hardware_file, parse_tflops_flag, search)
+from pipefill.planner.costs import layer_kinds
 from pipefill.planner.hardware import DTYPE_NAMES
 
 GB = 1e9
+# Flags that override one field of the hardware: flag -> (Overrides field, type, what it is).
+OVERRIDE_FLAGS = {
+    "--device-memory-gb": ("memory_gb", float, "memory per device (GB)"),
+    "--memory-bandwidth-gb-s": ("memory_bandwidth_gb_s", float,
+                                "memory bandwidth per device (GB/s)"),
+    "--devices-per-node": ("devices_per_node", int, "devices per node"),
+    "--intra-node-gb-s": ("intra_node_gb_s", float,
+                          "a device's link to the others of its node (GB/s, each way)"),
+    "--intra-node-latency-us": ("intra_node_latency_us", float, "that link's latency (us)"),
+    "--inter-node-gb-s": ("inter_node_gb_s", float,
+                          "a device's share of the network between nodes (GB/s, each way)"),
+    "--inter-node-latency-us": ("inter_node_latency_us", float, "the network's latency (us)"),
+    "--efficiency": ("efficiency", float, "the share of the peak FLOP/s prefill reaches (h20's "
+                                          "is calibrated, this-cpu's is 1)"),
+    "--chunk-overhead-ms": ("chunk_overhead_ms", float,
+                            "the milliseconds a chunk costs a stage beside its operations "
+                            "(scheduling, launches, synchronisation)"),
+}
 
 
 def add_parser(sub) -> None:
@@ -41,7 +60,8 @@ def add_parser(sub) -> None:
                         "measured now for --measure-seconds) or a JSON or TOML file with "
                         "tflops {dtype: TFLOP/s}, memory_gb, memory_bandwidth_gb_s, "
                         "devices_per_node, intra_node and inter_node {bandwidth_gb_s, "
-                        "latency_us}, efficiency (docs: pipefill/planner/hardware.py)")
+                        "latency_us}, efficiency, chunk_overhead_ms, devices_are_cores "
+                        "(docs: pipefill/planner/hardware.py)")
     p.add_argument("--input-len", type=int, required=True, help="prompt tokens to plan for")
     p.add_argument("--nodes", type=int, default=1,
                    help="nodes of the machine; the devices are nodes x devices per node")
@@ -66,22 +86,8 @@ def add_parser(sub) -> None:
                    help="the KV cache: auto (--dtype), or fp8, int8, bfloat16, ...")
     p.add_argument("--device-tflops", metavar="DTYPE=N,...",
                    help="override the hardware's dense TFLOP/s per device, e.g. bf16=148,fp8=296")
-    p.add_argument("--device-memory-gb", type=float, help="override memory per device (GB)")
-    p.add_argument("--memory-bandwidth-gb-s", type=float,
-                   help="override memory bandwidth per device (GB/s)")
-    p.add_argument("--devices-per-node", type=int, help="override devices per node")
-    p.add_argument("--intra-node-gb-s", type=float,
-                   help="override a device's link to the others of its node (GB/s, each way)")
-    p.add_argument("--intra-node-latency-us", type=float, help="override that link's latency")
-    p.add_argument("--inter-node-gb-s", type=float,
-                   help="override a device's share of the network between nodes (GB/s)")
-    p.add_argument("--inter-node-latency-us", type=float, help="override the network latency")
-    p.add_argument("--efficiency", type=float,
-                   help="override the share of peak FLOP/s prefill reaches (the one constant "
-                        "each preset calibrates)")
-    p.add_argument("--chunk-overhead-ms", type=float,
-                   help="override the milliseconds a chunk costs a stage beside its operations "
-                        "(scheduling, launches, synchronisation)")
+    for flag, (_, kind, text) in OVERRIDE_FLAGS.items():
+        p.add_argument(flag, type=kind, help=f"override {text}")
     p.add_argument("--measure-seconds", type=float, default=2.0,
                    help=f"with --hardware {THIS_CPU}: seconds spent measuring this machine")
     p.add_argument("--top", type=int, default=20, help="rows of the alternatives table")
@@ -145,13 +151,10 @@ def read_hardware(ns) -> Hardware:
         hw = PRESETS[ns.hardware]
     else:
         hw = load_hardware_file(ns.hardware)
-    return Overrides(
-        tflops=parse_tflops_flag(ns.device_tflops) if ns.device_tflops else {},
-        memory_gb=ns.device_memory_gb, memory_bandwidth_gb_s=ns.memory_bandwidth_gb_s,
-        devices_per_node=ns.devices_per_node, intra_node_gb_s=ns.intra_node_gb_s,
-        intra_node_latency_us=ns.intra_node_latency_us, inter_node_gb_s=ns.inter_node_gb_s,
-        inter_node_latency_us=ns.inter_node_latency_us, efficiency=ns.efficiency,
-        chunk_overhead_ms=ns.chunk_overhead_ms).apply(hw)
+    fields = {name: getattr(ns, flag[2:].replace("-", "_"))
+              for flag, (name, _, _) in OVERRIDE_FLAGS.items()}
+    tflops = parse_tflops_flag(ns.device_tflops) if ns.device_tflops else {}
+    return Overrides(tflops=tflops, **fields).apply(hw)
 
 
 def describe_hardware(hw: Hardware, devices: int) -> str:
@@ -226,9 +229,9 @@ def run(ns: argparse.Namespace) -> int:
 
 # -- the printout ---------------------------------------------------------------------------
 def describe_model(cfg: ModelConfig, precision: Precision) -> str:
-    active = sum(cfg.attention_weights + cfg.mlp_weights(i) for i in range(cfg.num_layers))
-    stored = active + sum(cfg.is_sparse(i) * (cfg.moe.num_experts - cfg.moe.top_k)
-                          * cfg.expert_weights for i in range(cfg.num_layers))
+    kinds = layer_kinds(cfg)
+    active = sum(k.fixed_weights + k.top_k * k.expert_weights for k in kinds)
+    stored = sum(k.fixed_weights + k.num_experts * k.expert_weights for k in kinds)
     return (f"model {cfg.model_type}: {cfg.num_layers} layers, {active / 1e9:.3g}B of "
             f"{stored / 1e9:.3g}B layer weights active a token; {precision.weights} GEMMs, "
             f"{precision.compute} attention, {precision.kv} KV cache")
@@ -258,7 +261,7 @@ def print_best(plan: Plan, input_len: int, hw: Hardware) -> None:
     links = plan.link_bytes
     print(f"best for {input_len} tokens{fits}: {plan.layout}, {chunks}: TTFT "
           f"{plan.ttft_s:.4g} s (bubble {plan.bubble_ratio:.3f}, {plan.num_chunks} chunks); "
-          f"{plan.throughput_tok_s:.4g} tokens/s with prompts back to back")
+          f"{plan.throughput_tok_s:,.0f} tokens/s with prompts back to back")
     print(f"  per device: weights {plan.weight_bytes / GB:.3g} GB + KV "
           f"{plan.kv_bytes / GB:.3g} GB of {hw.memory_bytes * plan.layout.threads / GB:.3g} "
           f"GB; a prompt puts {links['intra_node'] / GB:.3g} GB on links within a node and "
@@ -273,7 +276,7 @@ def print_table(plans: list[Plan]) -> None:
           f"{'tok/s':>9} {'weights GB':>10} {'KV GB':>7} {'intra GB':>8} {'inter GB':>8} fits")
     for p in plans:
         print(f"{str(p.layout):>14} {p.c0:>6} {p.smooth:>5.2f} {p.ttft_s:>9.4g} "
-              f"{p.bubble_ratio:>6.3f} {p.num_chunks:>6} {p.throughput_tok_s:>9.4g} "
+              f"{p.bubble_ratio:>6.3f} {p.num_chunks:>6} {p.throughput_tok_s:>9.0f} "
               f"{p.weight_bytes / GB:>10.3g} {p.kv_bytes / GB:>7.3g} "
               f"{p.link_bytes['intra_node'] / GB:>8.3g} {p.link_bytes['inter_node'] / GB:>8.3g} "
               f"{'yes' if p.fits else 'no'}")

@@ -82,7 +82,7 @@ def test_attention_is_quadratic_and_tp_splits_it():
 
 
 def test_tp_adds_two_allreduces_a_layer():
-    hw = replace(H20, flops={"bfloat16": 1e30}, memory_bandwidth=1e30)  # links only
+    hw = replace(H20, flops={"bfloat16": 1e30}, memory_bandwidth=1e30, chunk_overhead=0.0)
     costs = LayoutCosts(SMOLLM2, hw, Layout(1, 2), BF16)
     ring = ring_allreduce_seconds(1024 * 576 * 2, 2, hw.intra_node)
     assert costs.chunk_seconds(0, 1024, 0) == pytest.approx(30 * 2 * ring)

@@ -3,7 +3,9 @@ paths, side by side, with the measured matmul peak of the same dtype.
 
 Workload: one sequence, a chunk of `--chunk` queries at the end of `--prefix-lens` cached tokens
 (bottom-right causal), `--heads` query heads over `--kv-heads` KV heads, per `--dtypes` entry
-(q, K, V and the cache in that dtype). Methods, timed interleaved (A B C A B C ...) and reported
+(q, K, V and the cache in that dtype; `--kv-cache-dtypes int8,fp8_e4m3` adds runs over a
+quantized cache, which the vector kernels widen in the kernel and the SDPA methods read as its
+dequantized values, already made: the error columns compare the same values). Methods, timed interleaved (A B C A B C ...) and reported
 best-of-N, because this VM's speed drifts:
 
 * amx, avx512bf16, avx512, avx2 — the kernels over the packed paged cache (those the CPU runs
@@ -31,6 +33,7 @@ import torch
 import torch.nn.functional as F
 
 from pipefill.bench.prefill import parse_ints
+from pipefill.kernels.kv_quant import QUANT_KV_DTYPES, as_stored, stored_dim
 from pipefill.model.attention import heads_first, split_attention
 from pipefill.base.platform import cpu_name
 
@@ -49,6 +52,9 @@ def add_parser(sub) -> None:
     p.add_argument("--reps", type=int, default=5, help="timed repetitions per method (best kept)")
     p.add_argument("--dtypes", default="bfloat16,float32",
                    help="comma-separated dtypes of q, K, V and the cache (bfloat16, float32)")
+    p.add_argument("--kv-cache-dtypes", default="same",
+                   help="comma-separated KV cache dtypes: same (the q dtype), int8, fp8_e4m3 "
+                        "(quantized: the vector kernels only, AMX does not read them)")
     p.add_argument("--no-split-profile", action="store_true",
                    help="skip the QK^T/softmax/PV time split of the AMX kernel")
     p.add_argument("--clock", choices=("wall", "cpu"), default="wall",
@@ -74,12 +80,16 @@ KERNELS = ("amx", "avx512bf16", "avx512", "avx2")
 _DTYPES = {"bfloat16": torch.bfloat16, "float32": torch.float32}
 
 
-def runnable_kernels(dtype: torch.dtype) -> dict[str, str]:
-    """{kernel: "ok" or why not} for every kernel, for q and cache in `dtype`."""
+def runnable_kernels(dtype: torch.dtype, kv_dtype: torch.dtype | None = None) -> dict[str, str]:
+    """{kernel: "ok" or why not} for every kernel, for q in `dtype` and the cache in kv_dtype
+    (None: dtype; int8 / fp8_e4m3: quantized)."""
     from pipefill.kernels.amx_attention import amx_available
     from pipefill.kernels.cpu_attention import kernel_available
     status = {}
     for name in KERNELS:
+        if kv_dtype is not None and name == "amx":
+            status[name] = "reads bfloat16 pages only"
+            continue
         if name in ("amx", "avx512bf16") and dtype != torch.bfloat16:
             status[name] = "bfloat16-only"
             continue
@@ -88,9 +98,25 @@ def runnable_kernels(dtype: torch.dtype) -> dict[str, str]:
     return status
 
 
-def _kernel_fn(name, q, k, v, page_size, prefix_len, scale):
+def _quant_kernel_fn(name, q, k, v, page_size, prefix_len, scale, kv_dtype):
+    """A vector kernel over a quantized token-major cache holding k, v."""
+    from pipefill.kernels import cpu_attention as cpu
+    n, hkv, d = k.shape
+    npages = math.ceil(n / page_size)
+    kc = torch.zeros((npages * page_size, hkv, stored_dim(d, kv_dtype)), dtype=kv_dtype)
+    vc = torch.zeros_like(kc)
+    table = torch.arange(npages, dtype=torch.int32)
+    cpu.write_kv(kc, vc, k, v, table, 0, page_size=page_size)
+    out = torch.empty_like(q)
+    return (lambda: cpu.chunk_attention(name, q, kc, vc, table, prefix_len, scale, out=out,
+                                        page_size=page_size)), (kc, vc, table, out)
+
+
+def _kernel_fn(name, q, k, v, page_size, prefix_len, scale, kv_dtype=None):
     from pipefill.kernels import amx_attention as amx
     from pipefill.kernels import cpu_attention as cpu
+    if kv_dtype is not None:
+        return _quant_kernel_fn(name, q, k, v, page_size, prefix_len, scale, kv_dtype)
     n, hkv, d = k.shape
     npages = math.ceil(n / page_size)
     kc, vc = amx.AmxKVCache(1, npages, page_size, hkv, d, k.dtype).layer(0)
@@ -107,12 +133,16 @@ def _kernel_fn(name, q, k, v, page_size, prefix_len, scale):
 
 def bench_case(prefix_len: int, chunk: int, hq: int, hkv: int, d: int, page_size: int,
                threads: list[int], reps: int, profile: bool, dtype: torch.dtype = torch.bfloat16,
-               kernels: tuple[str, ...] = (), clock: str = "wall") -> list[dict]:
+               kernels: tuple[str, ...] = (), clock: str = "wall",
+               kv_dtype: torch.dtype | None = None) -> list[dict]:
+    """kv_dtype: None (the cache in `dtype`) or a quantized dtype (int8, float8_e4m3fn)."""
     gen = torch.Generator().manual_seed(prefix_len)
     n = prefix_len + chunk
     q = torch.randn(chunk, hq, d, generator=gen).to(dtype)
     k = torch.randn(n, hkv, d, generator=gen).to(dtype)
     v = torch.randn(n, hkv, d, generator=gen).to(dtype)
+    if kv_dtype is not None:  # every method sees the values the quantized cache holds
+        k, v = as_stored(k, kv_dtype), as_stored(v, kv_dtype)
     scale = d ** -0.5
     mask = torch.arange(n).unsqueeze(0) <= (prefix_len + torch.arange(chunk)).unsqueeze(1)
     pairs = chunk * prefix_len + chunk * (chunk + 1) // 2
@@ -121,7 +151,8 @@ def bench_case(prefix_len: int, chunk: int, hq: int, hkv: int, d: int, page_size
     b = torch.randn(1024, 1024, generator=gen).to(dtype)
     methods, extra = {}, {}
     for name in kernels:
-        methods[name], extra[name] = _kernel_fn(name, q, k, v, page_size, prefix_len, scale)
+        methods[name], extra[name] = _kernel_fn(name, q, k, v, page_size, prefix_len, scale,
+                                                kv_dtype)
     methods["split"] = lambda: split_sdpa(q, k, v, prefix_len, scale)
     methods["masked"] = lambda: masked_sdpa(q, k, v, mask, scale)
     methods["peak"] = lambda: torch.mm(a, b)
@@ -143,7 +174,8 @@ def bench_case(prefix_len: int, chunk: int, hq: int, hkv: int, d: int, page_size
                 fn()
                 best[name] = min(best[name], (now() - t0) / per)
         tf = {name: work[name] / t / 1e12 for name, t in best.items()}
-        row = {"dtype": str(dtype).removeprefix("torch."), "prefix_len": prefix_len,
+        row = {"dtype": str(dtype).removeprefix("torch."),
+               "kv_dtype": str(kv_dtype or dtype).removeprefix("torch."), "prefix_len": prefix_len,
                "chunk": chunk, "heads": hq, "kv_heads": hkv, "head_dim": d, "threads": th,
                "clock": clock,
                "flop": flops, **{f"{name}_s": t for name, t in best.items()},
@@ -185,7 +217,7 @@ def _time_split(amx, q, kc, vc, table, prefix_len, scale, out, threads, reps, sc
 
 def _print_row(row: dict, kernels: tuple[str, ...]) -> None:
     names = (*kernels, "split", "masked")
-    print(f"{row['dtype']:>8} prefix {row['prefix_len']:>6} chunk {row['chunk']} threads "
+    print(f"{row['dtype']:>8} kv {row['kv_dtype']:>13} prefix {row['prefix_len']:>6} chunk {row['chunk']} threads "
           f"{row['threads']}: " + "  ".join(f"{m} {row[f'{m}_tflops']:.3f}" for m in names)
           + f" TFLOP/s (matmul peak {row['peak_tflops']:.3f})", flush=True)
     print("    " + "  ".join(f"{m}: {row[f'{m}_vs_split']:.2f}x split, "
@@ -213,23 +245,29 @@ def run(ns: argparse.Namespace) -> int:
     bad = [x for x in dtypes if x not in _DTYPES]
     if bad or not dtypes:
         raise ValueError(f"--dtypes {ns.dtypes!r}: choose from bfloat16, float32")
+    kv_names = [x.strip() for x in ns.kv_cache_dtypes.split(",") if x.strip()]
+    if not kv_names or any(x != "same" and x not in QUANT_KV_DTYPES for x in kv_names):
+        raise ValueError(f"--kv-cache-dtypes {ns.kv_cache_dtypes!r}: choose from same, "
+                         f"{', '.join(QUANT_KV_DTYPES)}")
     simd = sorted(cpu_flags() & {"avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16"})
     print(f"CPU: {cpu_name()} ({' '.join(simd)}); {ns.heads} q heads / {ns.kv_heads} kv heads, "
           f"head_dim {ns.head_dim}, chunk {ns.chunk}, best of {ns.reps}, {ns.clock} clock")
     saved = torch.get_num_threads()
     rows, status = [], {}
     try:
-        for name in dtypes:
+        for name, kv_name in [(a, b) for a in dtypes for b in kv_names]:
             dtype = _DTYPES[name]
-            status[name] = runnable_kernels(dtype)
-            kernels = tuple(k for k, why in status[name].items() if why == "ok")
-            skipped = [f"{k} ({why})" for k, why in status[name].items() if why != "ok"]
+            kv_dtype = QUANT_KV_DTYPES.get(kv_name)
+            key = name if kv_dtype is None else f"{name}/{kv_name}"
+            status[key] = runnable_kernels(dtype, kv_dtype)
+            kernels = tuple(k for k, why in status[key].items() if why == "ok")
+            skipped = [f"{k} ({why})" for k, why in status[key].items() if why != "ok"]
             if skipped:
-                print(f"{name}: not timed: {'; '.join(skipped)}")
+                print(f"{key}: not timed: {'; '.join(skipped)}")
             for prefix in prefixes:
                 rows += bench_case(prefix, ns.chunk, ns.heads, ns.kv_heads, ns.head_dim,
                                    ns.page_size, threads, ns.reps, not ns.no_split_profile,
-                                   dtype, kernels, ns.clock)
+                                   dtype, kernels, ns.clock, kv_dtype)
     finally:
         torch.set_num_threads(saved)
     if ns.json:

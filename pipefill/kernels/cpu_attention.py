@@ -1,5 +1,8 @@
 """Flash-style causal chunk attention on x86 vector units (AVX-512-BF16, AVX-512F, AVX2+FMA),
-over the AMX kernel's packed paged KV cache (``AmxKVCache``; bf16 or float32).
+over the AMX kernel's packed paged KV cache (``AmxKVCache``; bf16 or float32), or over a
+quantized token-major ``KVCache`` layer (int8 or fp8_e4m3 codes and a float32 scale per token
+and KV head, kernels/kv_quant.py; pass its ``page_size``): each step's keys are widened in the
+kernel into the values torch's dequantize gives in q's dtype, then read by the same loops.
 
 API (what the engine calls):
 
@@ -9,14 +12,15 @@ API (what the engine calls):
 * ``kernel_available(isa, flags=None) -> (ok, why)`` — never raises. ``flags``: the CPU flags to
   trust (default: /proc/cpuinfo; a caller hides flags to force a fallback). Builds/loads the
   extension and checks the CPU again with cpuid/XCR0 inside it.
-* ``write_kv(k_cache, v_cache, k_new, v_new, page_table, start)`` — packs tokens
-  ``[start, start + C)`` (converted to the cache dtype) and zeroes the rest of their 32-token group.
+* ``write_kv(k_cache, v_cache, k_new, v_new, page_table, start, page_size=0)`` — packs tokens
+  ``[start, start + C)`` (converted to the cache dtype) and zeroes the rest of their 32-token
+  group; a quantized cache (page_size given) gets the tokens' rows quantized (kv_quant.store).
 * ``chunk_attention(isa, q, k_cache, v_cache, page_table, prefix_len, scale, k_new=None,
-  v_new=None, out=None, qtile=0, kv_split=0) -> out`` — bottom-right causal attention of q
+  v_new=None, out=None, qtile=0, kv_split=0, page_size=0) -> out`` — bottom-right causal attention of q
   [C, Hq, D] (positions [L, L + C)) over cached tokens [0, L + C); decode (one q-tile) over a
   long context splits the KV range into fixed parts merged by log-sum-exp (flash-decoding).
 * ``decode_tables(page_tables, prefix_lens) -> (tables, lens)`` and ``decode_attention(isa, q,
-  k_new, v_new, k_cache, v_cache, tables, lens, scale, out)`` — one decode step of a layer for B
+  k_new, v_new, k_cache, v_cache, tables, lens, scale, out, page_size=0)`` — one decode step of a layer for B
   sequences in one call (each sequence's K/V write, then its attention; the tables are built
   once per step for all layers); bit-identical to B ``chunk_attention(..., k_new=, v_new=)`` calls.
 * ``read_kv(...)`` — tokens back in token-major order (tests).
@@ -40,6 +44,7 @@ from pipefill.kernels.build import CSRC, GLUE_HEADER, LazyExtension
 from pipefill.kernels.build import build_dir as kernel_build_dir
 from pipefill.kernels.build import compile_object, link_glue, require_ninja
 from pipefill.base.platform import cpu_flags
+from pipefill.kernels.kv_quant import is_quantized, store
 
 log = logging.getLogger("pipefill.kernels")
 
@@ -52,7 +57,8 @@ ISA_FLAGS = {
     "avx512bf16": _BASE + _AVX512 + ["-mavx512bf16", "-DPF_ATTN_BF16DOT=1", "-DPF_ATTN_ROWS=8",
                                             "-DPF_ATTN_WIDTH=16"],
     "avx512": _BASE + _AVX512 + ["-DPF_ATTN_ROWS=8", "-DPF_ATTN_WIDTH=16"],
-    "avx2": _BASE + ["-mavx2", "-mfma", "-DPF_ATTN_ROWS=6", "-DPF_ATTN_WIDTH=8"],
+    # F16C widens fp8 codes (every AVX2 CPU has it)
+    "avx2": _BASE + ["-mavx2", "-mfma", "-mf16c", "-DPF_ATTN_ROWS=6", "-DPF_ATTN_WIDTH=8"],
 }
 ISAS = tuple(ISA_FLAGS)
 ISA_ID = {name: i for i, name in enumerate(ISAS)}  # must match kKernels in cpu_attn_ext.cpp
@@ -111,16 +117,30 @@ def best_kernel(flags: frozenset[str] | None = None, bf16_dot: bool = True) -> s
 
 
 def write_kv(k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor,
-             v_new: torch.Tensor, page_table: torch.Tensor, start: int) -> None:
+             v_new: torch.Tensor, page_table: torch.Tensor, start: int,
+             page_size: int = 0) -> None:
     dt = k_cache.dtype
+    if is_quantized(dt):
+        slots = quant_slots(page_table, start, k_new.shape[0], page_size)
+        store(k_cache, slots, k_new)
+        store(v_cache, slots, v_new)
+        return
     _load().write_kv(k_cache, v_cache, k_new.to(dt), v_new.to(dt), page_table, int(start))
+
+
+def quant_slots(page_table: torch.Tensor, start: int, count: int, page_size: int) -> torch.Tensor:
+    """The rows of tokens [start, start + count) in a quantized (token-major) layer cache."""
+    if page_size <= 0:
+        raise ValueError("a quantized KV cache needs its page_size")
+    pos = torch.arange(start, start + count)
+    return page_table.long()[pos // page_size] * page_size + pos % page_size
 
 
 def chunk_attention(isa: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor,
                     page_table: torch.Tensor, prefix_len: int, scale: float,
                     k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
                     out: torch.Tensor | None = None, qtile: int = 0,
-                    kv_split: int = 0) -> torch.Tensor:
+                    kv_split: int = 0, page_size: int = 0) -> torch.Tensor:
     """Causal (bottom-right) attention of q [C, Hq, D] over cached tokens [0, prefix_len + C).
 
     kv_split (split KV, for decode and small chunks that fit one q-tile): 0 = auto (parts of
@@ -133,9 +153,9 @@ def chunk_attention(isa: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if (k_new is None) != (v_new is None):
         raise ValueError("pass both k_new and v_new, or neither")
     if k_new is not None:
-        write_kv(k_cache, v_cache, k_new, v_new, page_table, prefix_len)
+        write_kv(k_cache, v_cache, k_new, v_new, page_table, prefix_len, page_size)
     return ext.chunk_attention(ISA_ID[isa], q, k_cache, v_cache, page_table, int(prefix_len),
-                               float(scale), out, int(qtile), int(kv_split))
+                               float(scale), out, int(qtile), int(kv_split), int(page_size))
 
 
 def decode_tables(page_tables: list[torch.Tensor],
@@ -153,15 +173,17 @@ def decode_tables(page_tables: list[torch.Tensor],
 
 def decode_attention(isa: str, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
-                     lens: torch.Tensor, scale: float, out: torch.Tensor) -> torch.Tensor:
+                     lens: torch.Tensor, scale: float, out: torch.Tensor,
+                     page_size: int = 0) -> torch.Tensor:
     """One decode step of a layer: row b of q/k_new/v_new [B, H, D] is sequence b's new token
     at position lens[b]; its K/V go into the cache (converted to the cache dtype), then out[b] =
     its attention over tokens [0, lens[b] + 1). All (sequence, kv head, split part) items share
-    one pool of threads; each is computed as chunk_attention computes it (same split parts)."""
+    one pool of threads; each is computed as chunk_attention computes it (same split parts).
+    A quantized cache (page_size given) gets each new row quantized as kv_quant.quantize does."""
     if isa not in ISA_ID:
         raise ValueError(f"unknown kernel {isa!r} (choose from {', '.join(ISAS)})")
     _load().decode_attention(ISA_ID[isa], q, k_new, v_new, k_cache, v_cache, tables, lens,
-                             float(scale), out)
+                             float(scale), out, int(page_size))
     return out
 
 

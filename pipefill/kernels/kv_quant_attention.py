@@ -1,4 +1,6 @@
-"""Decode attention that reads an int8 KV cache natively (ARCHITECTURE.md, 'The KV room'):
+"""Decode attention that reads an int8 KV cache natively on the sdpa path (ARCHITECTURE.md,
+'The KV room'; where a vector kernel fits, kernels/cpu_attention.py reads quantized pages
+instead, prefill and decode):
 one query token per sequence over its cached rows of int8 codes and a float32 scale
 (pipefill/kernels/kv_quant.py), widened to float32 in registers, each row's scale applied once
 per dot product (K) and folded into the softmax weight (V), so no dequantized copy of the

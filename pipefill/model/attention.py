@@ -233,6 +233,24 @@ class VectorAttention:
 
 
 @dataclass
+class QuantVectorAttention(VectorAttention):
+    """A vector kernel over a quantized (int8, fp8_e4m3) token-major KVCache: the kernel widens
+    each step's codes x scales itself (ARCHITECTURE.md, 'The KV room'); the layer caches do not
+    hold their page size, so it travels here."""
+    page_size: int = 0
+
+    def decode_one(self, q, k, v, k_cache, v_cache, seq: SeqMeta, scale: float, out) -> None:
+        from pipefill.kernels.cpu_attention import chunk_attention
+        chunk_attention(self.isa, q, k_cache, v_cache, seq.page_table, seq.prefix_len, scale,
+                        k_new=k, v_new=v, out=out, page_size=self.page_size)
+
+    def decode_batch(self, q, k, v, k_cache, v_cache, tables, scale: float, out) -> None:
+        from pipefill.kernels.cpu_attention import decode_attention
+        decode_attention(self.isa, q, k, v, k_cache, v_cache, *tables, scale, out,
+                         page_size=self.page_size)
+
+
+@dataclass
 class AmxAttention(VectorAttention):
     """AMX for prefill chunks; decode rows on the avx512bf16 vector kernel (isa), which reads
     the same packed bf16 cache (the layouts are byte-identical). One query token per sequence
@@ -294,6 +312,8 @@ def kv_writer(attention):
     """(k_cache, v_cache, k, v, seqs) -> None writing new K/V in the layout `attention` reads
     (as write_kv does for the token-major cache), with no attention computed; None for an
     attention callable this module does not know."""
+    if isinstance(attention, QuantVectorAttention):  # the token-major quantized cache
+        return write_kv
     if isinstance(attention, VectorAttention):
         from pipefill.kernels.cpu_attention import write_kv as pack
         return partial(_write_packed, pack)
@@ -341,14 +361,24 @@ def _last(slots):
     return slice(slots.stop - 1, slots.stop) if isinstance(slots, slice) else slots[-1:]
 
 
-def cpu_paged_attention(isa: str) -> VectorAttention:
+def cpu_paged_attention(isa: str, kv_dtype: torch.dtype | None = None,
+                        page_size: int = 0) -> VectorAttention:
+    if kv_dtype is not None and is_quantized(kv_dtype):
+        return QuantVectorAttention(isa, page_size)
     return VectorAttention(isa)
 
 
+def uses_packed_cache(backend: str, kv_dtype: torch.dtype) -> bool:
+    """Whether the stage's cache is the kernels' packed AmxKVCache (else the token-major
+    KVCache, which a quantized cache always is)."""
+    return backend in KERNEL_BACKENDS and not is_quantized(kv_dtype)
+
+
 def backend_attention(backend: str, flags: frozenset[str] | None = None,
-                      kv_dtype: torch.dtype | None = None):
+                      kv_dtype: torch.dtype | None = None, page_size: int = 0):
     """(q, k, v, k_cache, v_cache, seqs, scale) -> out for a backend choose_backend returned
-    (flags: the CPU flags to trust, as there; kv_dtype: the cache's, where it may be int8)."""
+    (flags: the CPU flags to trust, as there; kv_dtype: the cache's, where it may be quantized;
+    page_size: the cache's, which a vector kernel over a quantized cache needs)."""
     if backend == "sdpa":
         isa = native_decode_isa(kv_dtype, flags) if kv_dtype == torch.int8 else None
         return paged_attention if isa is None else QuantSdpaAttention(isa)
@@ -357,7 +387,7 @@ def backend_attention(backend: str, flags: frozenset[str] | None = None,
         if kernel_available("avx512bf16", flags)[0]:
             return AmxAttention()
         return amx_paged_attention
-    return cpu_paged_attention(backend)
+    return cpu_paged_attention(backend, kv_dtype, page_size)
 
 
 def resolve_kv_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
@@ -374,12 +404,14 @@ def _unfit(backend: str, dtype, kv_dtype, head_dim: int, page_size: int, device,
     """Why `backend` cannot serve this stage, or None."""
     if device.type != "cpu":
         return f"device is {device.type}"
-    if is_quantized(kv_dtype):  # (ARCHITECTURE.md, 'The KV room')
-        return f"the KV cache is {dtype_name(kv_dtype)} (quantized), which only sdpa reads yet"
+    quantized = is_quantized(kv_dtype)  # (ARCHITECTURE.md, 'The KV room')
+    if quantized and backend == "amx":
+        return (f"the KV cache is {dtype_name(kv_dtype)} (quantized), which the AMX kernel does "
+                f"not read (the vector kernels do)")
     if backend in ("amx", "avx512bf16"):
         if dtype != torch.bfloat16:
             return f"dtype is {dtype}, the kernel is bfloat16-only"
-        if kv_dtype != torch.bfloat16:
+        if kv_dtype != torch.bfloat16 and not quantized:
             return f"the KV cache is {kv_dtype}, the kernel is bfloat16-only"
     elif dtype not in (torch.float32, torch.bfloat16):
         return f"dtype is {dtype}, the kernel takes float32 and bfloat16"

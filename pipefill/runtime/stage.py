@@ -10,8 +10,8 @@ from pipefill.config import ServerArgs, StageInfo
 from pipefill.kernels.prefill_gemm import choose_prefill_gemm, experts_in_onednn_layout
 from pipefill.kv.cache import KVCache, stacked_kv_shape
 from pipefill.kv.tiers import build_stage_kv
-from pipefill.model.attention import (KERNEL_BACKENDS, backend_attention, choose_backend,
-                                       resolve_kv_dtype)
+from pipefill.model.attention import (QuantVectorAttention, backend_attention, choose_backend,
+                                       resolve_kv_dtype, uses_packed_cache)
 from pipefill.model.layers import FusedOps, elementwise_ops
 from pipefill.model.loader import (WeightSource, keeps_blocks, load_stage_weights,
                                    pack_stage_weights, reorder_prefill_weights,
@@ -78,14 +78,14 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
     backend, why = choose_backend(args.attention_backend, dtype, cfg.head_dim, args.page_size,
                                   device, kv_dtype, flags, cfg.has_windows,
                                   latent=cfg.mla is not None)
-    if backend in KERNEL_BACKENDS:  # the kernels' packed layout (bf16 or float32)
+    if uses_packed_cache(backend, kv_dtype):  # the kernels' packed layout (bf16 or float32)
         from pipefill.kernels.amx_attention import AmxKVCache
         cache = AmxKVCache(len(info.layers), num_pages, args.page_size,
                            *stacked_kv_shape(kv_specs))
     else:
         cache = KVCache(len(info.layers), num_pages, args.page_size,
                         *stacked_kv_shape(kv_specs), device)
-    attention = backend_attention(backend, flags, kv_dtype)
+    attention = backend_attention(backend, flags, kv_dtype, args.page_size)
     # Chosen by the model's widths, not the rank's: every rank of a stage takes the same
     # kernels (and the same decode path), so their residual streams stay equal to the bit.
     ops = elementwise_ops(model_cfg, device, dtype, flags)
@@ -126,6 +126,8 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
 
 def _decode_note(backend: str, attention) -> str:
     """Where decode rows attend when another kernel than the backend's takes them."""
+    if isinstance(attention, QuantVectorAttention):  # (ARCHITECTURE.md, 'The KV room')
+        return " (widening the quantized cache's codes in the kernel)"
     if not hasattr(attention, "isa") or backend not in ("amx", "sdpa"):
         return ""
     if backend == "sdpa":  # an int8 cache (ARCHITECTURE.md, 'The KV room')

@@ -15,8 +15,9 @@ import torch
 
 from conftest import FAMILIES, assert_greedy_agrees, assert_pages_free, hf_reference, track
 from pipefill import Engine
-from pipefill.model.attention import (QuantSdpaAttention, backend_attention, choose_backend,
-                                      native_decode_isa, paged_attention)
+from pipefill.model.attention import (QuantSdpaAttention, QuantVectorAttention,
+                                      backend_attention, choose_backend, native_decode_isa,
+                                      paged_attention, uses_packed_cache)
 
 PAGE = 16
 CHUNK = 37
@@ -64,16 +65,26 @@ def test_quantized_kv_against_hf(kv, family, tiny_models, references):
         assert_greedy_agrees(out.output_ids, ref_tokens, margins)
 
 
-def test_quantized_kv_is_read_by_sdpa_only_and_never_as_a_latent():
-    """auto passes over the kernels with the reason; a named kernel is a sentence; a latent
-    (MLA) cache is not quantized. The sdpa path takes int8 decode rows to the native kernel on
-    the best path the trusted CPU flags allow, fp8 rows to torch."""
+def test_quantized_kv_goes_to_the_vector_kernels_and_never_as_a_latent():
+    """auto takes the best vector kernel for a quantized cache (AMX is passed over with the
+    reason); shapes the kernels do not take go to sdpa; a latent (MLA) cache is not
+    quantized. The sdpa path takes int8 decode rows to the native kernel on the best path the
+    trusted CPU flags allow, fp8 rows to torch."""
     cpu = torch.device("cpu")
-    backend, why = choose_backend("auto", torch.float32, 64, 64, cpu, torch.int8)
-    assert backend == "sdpa" and "int8 (quantized), which only sdpa reads" in why
-    with pytest.raises(ValueError, match="--attention-backend avx2 is not available: the KV "
-                                         "cache is float8_e4m3fn"):
-        choose_backend("avx2", torch.float32, 64, 64, cpu, torch.float8_e4m3fn)
+    for kv in (torch.int8, torch.float8_e4m3fn):
+        backend, why = choose_backend("auto", torch.float32, 64, 64, cpu, kv)
+        assert backend in ("avx512", "avx2", "sdpa"), (backend, why)
+        if backend == "sdpa":  # this CPU runs no vector kernel: every reason is given
+            assert "avx2:" in why
+        attention = backend_attention(backend, None, kv, 64)
+        if backend != "sdpa":
+            assert isinstance(attention, QuantVectorAttention) and attention.page_size == 64
+            assert not uses_packed_cache(backend, kv) and uses_packed_cache(backend, torch.float32)
+        backend, why = choose_backend("auto", torch.float32, 64, 16, cpu, kv)
+        assert backend == "sdpa" and "--page-size 16 is not a multiple of 32" in why
+    with pytest.raises(ValueError, match="--attention-backend amx is not available: the KV "
+                                         "cache is float8_e4m3fn .quantized., which the AMX"):
+        choose_backend("amx", torch.bfloat16, 64, 64, cpu, torch.float8_e4m3fn)
     with pytest.raises(ValueError, match="--kv-cache-dtype: the model keeps a latent KV cache"):
         choose_backend("auto", torch.float32, 64, 64, cpu, torch.int8, latent=True)
     assert backend_attention("sdpa", None, torch.float8_e4m3fn) is paged_attention
@@ -83,6 +94,33 @@ def test_quantized_kv_is_read_by_sdpa_only_and_never_as_a_latent():
     hidden_avx512 = backend_attention("sdpa", frozenset({"avx2", "fma"}), torch.int8)
     assert isinstance(hidden_avx512, QuantSdpaAttention) and hidden_avx512.isa == "avx2"
     assert backend_attention("sdpa", frozenset(), torch.int8).isa == "scalar"
+
+
+def _vector_kernels():
+    from pipefill.kernels.cpu_attention import kernel_available
+    return [pytest.param(isa, marks=pytest.mark.skipif(
+        not kernel_available(isa)[0], reason=f"{isa}: {kernel_available(isa)[1]}"))
+        for isa in ("avx512", "avx2")]
+
+
+@pytest.mark.parametrize("isa", _vector_kernels())
+@pytest.mark.parametrize("kv", ["int8", "fp8_e4m3"])
+def test_quantized_kv_on_the_vector_kernels_against_hf(kv, isa, tiny_models, references):
+    """The same bounds as on sdpa, with the vector kernel reading the quantized pages (page
+    size 64: chunks of 37 cross pages; decode on the lean path's batched entry)."""
+    ref_lp, ref_tokens, margins = references["llama"]
+    with track(Engine(tiny_models["llama"], dtype="float32", page_size=64,
+                      chunked_prefill_size=CHUNK, threads_per_stage=1, kv_cache_dtype=kv,
+                      attention_backend=isa)) as engine:
+        out = engine.generate([PROMPT], max_new_tokens=16, return_prompt_logprobs=True,
+                              ignore_eos=True)[0]
+        assert_pages_free(engine)
+    gap = (torch.tensor(out.prompt_logprobs) - ref_lp).abs()
+    assert gap.max().item() < MAX_GAP[kv], (kv, isa, gap.max().item(), gap.mean().item())
+    if kv == "int8":
+        assert out.output_ids == ref_tokens
+    else:
+        assert_greedy_agrees(out.output_ids, ref_tokens, margins)
 
 
 @pytest.mark.slow

@@ -1,11 +1,15 @@
 // Glue of the vector attention kernels (cpu_attn_kernel.cpp): cpuid checks per ISA, argument
-// validation, cache packing (write_kv, bf16 or float32) and the work split over torch's thread
-// pool. An ISA's kernel is entered only after its cpuid/XCR0 check passed in this process, so a
+// validation, cache packing (write_kv, bf16 or float32; a decode step's rows quantized into an
+// int8/fp8 cache) and the work split over torch's thread pool. An ISA's kernel is entered only after its cpuid/XCR0 check passed in this process, so a
 // CPU never executes an instruction it lacks.
 #define PF_GLUE_TENSORS 1
 #include "glue.h"
 
+#include <c10/util/Float8_e4m3fn.h>
+
+#include <algorithm>
 #include <cmath>
+#include <limits>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -138,14 +142,17 @@ void merge_parts(const pa::Params& p) {
 
 // Per-thread kernel scratch for items of `qtile` queries of a group of G heads, head dim D.
 struct ScratchLayout {
-  size_t q_bytes, o_bytes, m_bytes, l_bytes, s_bytes, total;
-  ScratchLayout(int64_t qtile, int64_t G, int64_t D) {
+  size_t q_bytes, o_bytes, m_bytes, l_bytes, s_bytes, p_bytes, kv_bytes, total;
+  // quantized: room for one step's widened K and V (float32 at most)
+  ScratchLayout(int64_t qtile, int64_t G, int64_t D, bool quantized) {
     const int64_t rows = pa::rows_pad(qtile, G);
     q_bytes = o_bytes = pg::align64(rows * D * 4);
     m_bytes = pg::align64(rows * 4);
     l_bytes = pg::align64(rows * pa::kLanes * 4);
     s_bytes = pg::align64(pa::kMaxRows * pa::kStep * 4);
-    total = q_bytes + o_bytes + m_bytes + l_bytes + s_bytes + pg::align64(pa::kMaxRows * pa::kStep * 2);
+    p_bytes = pg::align64(pa::kMaxRows * pa::kStep * 2);
+    kv_bytes = quantized ? pg::align64(pa::kStep * D * 4) : 0;
+    total = q_bytes + o_bytes + m_bytes + l_bytes + s_bytes + p_bytes + 2 * kv_bytes;
   }
   pa::Scratch thread_scratch() const {  // the calling thread's buffer, grown when needed
     thread_local pg::ThreadScratch scratch;
@@ -157,6 +164,9 @@ struct ScratchLayout {
     s.l = reinterpret_cast<float*>(base + q_bytes + o_bytes + m_bytes);
     s.s = reinterpret_cast<float*>(base + q_bytes + o_bytes + m_bytes + l_bytes);
     s.p = reinterpret_cast<uint16_t*>(base + q_bytes + o_bytes + m_bytes + l_bytes + s_bytes);
+    char* kv = base + q_bytes + o_bytes + m_bytes + l_bytes + s_bytes + p_bytes;
+    s.kq = kv_bytes ? kv : nullptr;
+    s.vq = kv_bytes ? kv + kv_bytes : nullptr;
     return s;
   }
 };
@@ -169,22 +179,50 @@ constexpr const char* kNames[3] = {"avx512bf16", "avx512", "avx2"};
 // fits them. -> the caches' (pages, kv heads, page size, head dim) and whether q / KV are bf16.
 struct Shapes {
   int64_t P, Hkv, ps, D;
-  bool q_bf16, kv_bf16;
+  bool q_bf16, kv_bf16;  // kv_bf16: what the inner loops read (for a quantized cache: q's dtype)
+  int kv_quant;          // pa::KvQuant
 };
 
+// A quantized cache's kind, or kPacked for any other dtype.
+int quant_kind(const torch::Tensor& c) {
+  if (c.scalar_type() == torch::kChar) return pa::kInt8;
+  if (c.scalar_type() == at::ScalarType::Float8_e4m3fn) return pa::kFp8;
+  return pa::kPacked;
+}
+
+// A quantized layer cache [num_pages * page_size, kv heads, head_dim + 4] (kernels/kv_quant.py).
+Shapes check_quant_cache(const torch::Tensor& c, int64_t page_size, const char* what) {
+  TORCH_CHECK(c.dim() == 3 && c.is_contiguous(), what, ": expected a contiguous [slots, kv_heads, head_dim + 4]"
+              " quantized cache, got ", c.sizes());
+  TORCH_CHECK(page_size > 0 && page_size % 32 == 0 && c.size(0) % page_size == 0, what,
+              ": page_size must be a positive multiple of 32 dividing the slots, got ", page_size);
+  const int64_t D = c.size(2) - 4;
+  TORCH_CHECK(D == 64 || D == 128, what, ": head_dim must be 64 or 128, got ", D);
+  return Shapes{c.size(0) / page_size, c.size(1), page_size, D, false, false, quant_kind(c)};
+}
+
 Shapes check_inputs(int64_t isa, const torch::Tensor& q, const torch::Tensor& kc, const torch::Tensor& vc,
-                    const char* rows) {
+                    const char* rows, int64_t page_size) {
   TORCH_CHECK(isa >= 0 && isa <= 2, "unknown ISA id ", isa);
   TORCH_CHECK(isa_ok(isa), "pipefill CPU attention: this CPU cannot run the ", kNames[isa], " kernel: ",
               isa_check(isa));
-  check_cache(kc, "k_cache");
-  check_cache(vc, "v_cache");
   TORCH_CHECK(kc.sizes() == vc.sizes() && kc.scalar_type() == vc.scalar_type(), "k_cache and v_cache differ");
-  const Shapes sh{kc.size(0), kc.size(1), kc.size(2), kc.size(3), q.scalar_type() == torch::kBFloat16,
-                  kc.scalar_type() == torch::kBFloat16};
+  Shapes sh{};
+  if (quant_kind(kc) != pa::kPacked) {
+    sh = check_quant_cache(kc, page_size, "k_cache");
+    check_quant_cache(vc, page_size, "v_cache");
+    sh.kv_bf16 = q.scalar_type() == torch::kBFloat16;  // widened to q's dtype
+  } else {
+    check_cache(kc, "k_cache");
+    check_cache(vc, "v_cache");
+    sh = Shapes{kc.size(0), kc.size(1), kc.size(2), kc.size(3), false, kc.scalar_type() == torch::kBFloat16,
+                pa::kPacked};
+  }
+  sh.q_bf16 = q.scalar_type() == torch::kBFloat16;
   TORCH_CHECK(q.dim() == 3 && q.size(2) == sh.D, "q: expected [", rows, ", Hq, ", sh.D, "], got ", q.sizes());
   TORCH_CHECK(sh.q_bf16 || q.scalar_type() == torch::kFloat, "q: expected bfloat16 or float32");
-  if (isa == 0) TORCH_CHECK(sh.q_bf16 && sh.kv_bf16, "the avx512bf16 kernel needs bfloat16 q and KV cache");
+  if (isa == 0)
+    TORCH_CHECK(sh.q_bf16 && sh.kv_bf16, "the avx512bf16 kernel needs bfloat16 q and a bfloat16 or quantized KV cache");
   TORCH_CHECK(q.size(1) % sh.Hkv == 0, "q heads (", q.size(1), ") must be a multiple of kv heads (", sh.Hkv, ")");
   check_tokens(q, "q", q.size(1), sh.D, q.scalar_type());
   return sh;
@@ -193,8 +231,8 @@ Shapes check_inputs(int64_t isa, const torch::Tensor& q, const torch::Tensor& kc
 // out[C, Hq, D] = causal attention of q (positions [L, L + C)) over cached tokens [0, L + C).
 torch::Tensor chunk_attention(int64_t isa, torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor pt,
                               int64_t L, double scale, c10::optional<torch::Tensor> out_opt, int64_t qtile,
-                              int64_t kv_split) {
-  const auto [P, Hkv, ps, D, q_bf16, kv_bf16] = check_inputs(isa, q, kc, vc, "C");
+                              int64_t kv_split, int64_t page_size) {
+  const auto [P, Hkv, ps, D, q_bf16, kv_bf16, kv_quant] = check_inputs(isa, q, kc, vc, "C", page_size);
   const int64_t C = q.size(0), Hq = q.size(1);
   TORCH_CHECK(L >= 0, "prefix_len must be >= 0");
   const int64_t G = Hq / Hkv;
@@ -233,6 +271,7 @@ torch::Tensor chunk_attention(int64_t isa, torch::Tensor q, torch::Tensor kc, to
   p.scale = (float)scale;
   p.q_bf16 = q_bf16;
   p.kv_bf16 = kv_bf16;
+  p.kv_quant = kv_quant;
   p.kv_part = choose_kv_part(kv_split, C, qtile, L + C);
   p.nparts = p.kv_part ? (L + C + p.kv_part - 1) / p.kv_part : 1;
   torch::Tensor partial;
@@ -242,7 +281,7 @@ torch::Tensor chunk_attention(int64_t isa, torch::Tensor q, torch::Tensor kc, to
   }
 
   const int64_t n = pa::num_items(p);
-  const ScratchLayout layout(qtile, G, D);
+  const ScratchLayout layout(qtile, G, D, kv_quant != pa::kPacked);
   const RunItem run = kKernels[isa];
   pg::pull_items(n, [&] { return layout.thread_scratch(); }, [&](int64_t i, const pa::Scratch& s) { run(p, i, s); });
   if (p.nparts > 1) merge_parts(p);
@@ -283,19 +322,52 @@ struct NewTokens {
   const char *k, *v;
   int64_t k_st, k_sh, v_st, v_sh, esz, H, ps, D;
   bool src_f32, kv_bf16;
+  int kv_quant;
 
-  NewTokens(const torch::Tensor& kc, const torch::Tensor& vc, const torch::Tensor& k_, const torch::Tensor& v_)
+  // page_size: the quantized cache's (its shape does not hold it), else unused.
+  NewTokens(const torch::Tensor& kc, const torch::Tensor& vc, const torch::Tensor& k_, const torch::Tensor& v_,
+            int64_t page_size)
       : kd(kc.data_ptr()), vd(vc.data_ptr()), k(static_cast<const char*>(k_.data_ptr())),
         v(static_cast<const char*>(v_.data_ptr())), k_st(k_.stride(0)), k_sh(k_.stride(1)), v_st(v_.stride(0)),
-        v_sh(v_.stride(1)), esz(k_.element_size()), H(kc.size(1)), ps(kc.size(2)), D(kc.size(3)),
-        src_f32(k_.scalar_type() == torch::kFloat), kv_bf16(kc.scalar_type() == torch::kBFloat16) {}
+        v_sh(v_.stride(1)), esz(k_.element_size()), H(kc.size(1)), ps(kc.dim() == 4 ? kc.size(2) : page_size),
+        D(kc.dim() == 4 ? kc.size(3) : kc.size(2) - 4), src_f32(k_.scalar_type() == torch::kFloat),
+        kv_bf16(kc.scalar_type() == torch::kBFloat16), kv_quant(quant_kind(kc)) {}
 
   // Sequence b's kv head h at position L (its page table `table`).
   void put(int64_t b, int64_t h, const int32_t* table, int64_t L) const {
     const char* ks = k + (b * k_st + h * k_sh) * esz;
     const char* vs = v + (b * v_st + h * v_sh) * esz;
-    if (kv_bf16) put_as(static_cast<uint16_t*>(kd), static_cast<uint16_t*>(vd), ks, vs, table, h, L);
+    if (kv_quant != pa::kPacked) {
+      const int64_t row = (((int64_t)table[L / ps] * ps + L % ps) * H + h) * (D + 4);
+      quantize_row(ks, static_cast<char*>(kd) + row);
+      quantize_row(vs, static_cast<char*>(vd) + row);
+    } else if (kv_bf16) put_as(static_cast<uint16_t*>(kd), static_cast<uint16_t*>(vd), ks, vs, table, h, L);
     else put_as(static_cast<float*>(kd), static_cast<float*>(vd), ks, vs, table, h, L);
+  }
+
+  // One row as kv_quant.quantize writes it: s = max |x| / qmax (at least FLT_MIN), codes
+  // x / s clamped to +-qmax, rounded half to even (int8) or to the nearest e4m3 value.
+  void quantize_row(const char* src, char* dst) const {
+    float x[128];
+    for (int64_t d = 0; d < D; ++d) {
+      if (src_f32) {
+        std::memcpy(&x[d], src + 4 * d, 4);
+      } else {
+        uint16_t h;
+        std::memcpy(&h, src + 2 * d, 2);
+        x[d] = pg::bf16_to_f32(h);
+      }
+    }
+    const float qmax = kv_quant == pa::kInt8 ? 127.0f : 448.0f;
+    float amax = 0.0f;
+    for (int64_t d = 0; d < D; ++d) amax = std::max(amax, std::fabs(x[d]));
+    const float scale = std::max(amax / qmax, std::numeric_limits<float>::min());
+    for (int64_t d = 0; d < D; ++d) {
+      const float c = std::min(std::max(x[d] / scale, -qmax), qmax);
+      if (kv_quant == pa::kInt8) dst[d] = (char)(int8_t)std::nearbyint(c);
+      else dst[d] = (char)c10::Float8_e4m3fn(c).x;
+    }
+    std::memcpy(dst + D, &scale, 4);
   }
 
   template <typename T>
@@ -340,8 +412,9 @@ void check_decode_tables(const torch::Tensor& tables, const torch::Tensor& lens,
 // (same q-tile, same split-KV parts), and all sequences' (kv head, part) items share one pool,
 // so the bits equal B chunk_attention calls at any thread count.
 void decode_attention(int64_t isa, torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor kc,
-                      torch::Tensor vc, torch::Tensor tables, torch::Tensor lens, double scale, torch::Tensor out) {
-  const auto [P, Hkv, ps, D, q_bf16, kv_bf16] = check_inputs(isa, q, kc, vc, "B");
+                      torch::Tensor vc, torch::Tensor tables, torch::Tensor lens, double scale, torch::Tensor out,
+                      int64_t page_size) {
+  const auto [P, Hkv, ps, D, q_bf16, kv_bf16, kv_quant] = check_inputs(isa, q, kc, vc, "B", page_size);
   const int64_t B = q.size(0), Hq = q.size(1);
   check_tokens(k, "k_new", Hkv, D, q.scalar_type());
   check_tokens(v, "v_new", Hkv, D, q.scalar_type());
@@ -377,6 +450,7 @@ void decode_attention(int64_t isa, torch::Tensor q, torch::Tensor k, torch::Tens
     p.scale = (float)scale;
     p.q_bf16 = q_bf16;
     p.kv_bf16 = kv_bf16;
+    p.kv_quant = kv_quant;
     p.kv_part = choose_kv_part(0, 1, 1, L[b] + 1);
     p.nparts = p.kv_part ? (L[b] + 1 + p.kv_part - 1) / p.kv_part : 1;
     part_at[b] = partial_floats;
@@ -388,13 +462,13 @@ void decode_attention(int64_t isa, torch::Tensor q, torch::Tensor k, torch::Tens
   for (int64_t b = 0; b < B; ++b)
     if (seqs[b].nparts > 1) seqs[b].partial = partial.data() + part_at[b];
 
-  const NewTokens tokens(kc, vc, k, v);
+  const NewTokens tokens(kc, vc, k, v, ps);
   // Items of the sequences with the most keys per item first, so the last items are short.
   auto keys_per_item = [&](int64_t b) { return (L[b] + 1 + seqs[b].nparts - 1) / seqs[b].nparts; };
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return keys_per_item(a) > keys_per_item(b); });
   for (int64_t j = 0; j < B; ++j) first[j + 1] = first[j] + pa::num_items(seqs[order[j]]);
   const int64_t n = first[B];
-  const ScratchLayout layout(1, G, D);
+  const ScratchLayout layout(1, G, D, kv_quant != pa::kPacked);
   const RunItem run = kKernels[isa];
   pg::pull_items(n, [&] { return layout.thread_scratch(); }, [&](int64_t i, const pa::Scratch& s) {
     const int64_t j = std::upper_bound(first.begin(), first.end(), i) - first.begin() - 1;
@@ -426,10 +500,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("chunk_attention", &chunk_attention, "fused causal chunk attention (vector kernels)", py::arg("isa"),
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("page_table"), py::arg("prefix_len"),
         py::arg("scale"), py::arg("out") = py::none(), py::arg("qtile") = 0, py::arg("kv_split") = 0,
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("page_size") = 0, py::call_guard<py::gil_scoped_release>());
   m.def("decode_attention", &decode_attention,
         "one decode step of a layer for all sequences: KV write + attention (vector kernels)", py::arg("isa"),
         py::arg("q"), py::arg("k_new"), py::arg("v_new"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("page_tables"), py::arg("prefix_lens"), py::arg("scale"), py::arg("out"),
-        py::call_guard<py::gil_scoped_release>());
+        py::arg("page_size") = 0, py::call_guard<py::gil_scoped_release>());
 }

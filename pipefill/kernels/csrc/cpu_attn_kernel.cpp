@@ -20,6 +20,9 @@
 // loop bounds: a block stops at the last key its last row sees; only steps crossing the diagonal
 // mask columns. Split KV (one q-tile over a long context): an item covers one part of the keys
 // and writes (O, max, sum) for the glue to merge.
+// A quantized cache (int8, fp8_e4m3; token-major rows of codes and a scale) is read by the same
+// loops: each step's K and V rows are widened once per item into L1 scratch in the packed layout
+// (K transposed as bytes first), exactly the values torch's dequantize gives in q's dtype.
 #include <cstdint>
 #include <cstring>
 
@@ -171,6 +174,141 @@ inline vh to_bf16(vf x) {  // round to nearest even, like torch's .to(bfloat16) 
   return __builtin_convertvector(u, vh);
 }
 
+
+// ---- Quantized caches (int8, fp8_e4m3): one step's rows widened into the packed layout ----
+// The values are those torch's dequantize gives (kernels/kv_quant.py): code x scale in float32
+// (one rounding), then rounded to nearest even to bf16 when the inner loops read bf16.
+typedef float v16f __attribute__((vector_size(64)));
+typedef uint32_t v16u __attribute__((vector_size(64)));
+typedef int8_t v16c __attribute__((vector_size(16)));
+typedef uint8_t v16b __attribute__((vector_size(16)));
+typedef uint16_t v16s __attribute__((vector_size(32)));
+
+// 16 codes -> 16 floats, exactly: int8 as integers; e4m3 as the IEEE halves of value / 256
+// (the 7 magnitude bits moved to the half's exponent and mantissa, e4m3's subnormals are
+// halves' subnormals), widened by vcvtph2ps. The fp8 caller's scale is 256 x the row's (exact).
+inline v16f widen16(__m128i codes, int kind) {
+  if (kind == kInt8) {
+    v16c c;
+    std::memcpy(&c, &codes, 16);
+    return __builtin_convertvector(c, v16f);
+  }
+  v16b b;
+  std::memcpy(&b, &codes, 16);
+  const v16s w = __builtin_convertvector(b, v16s);
+  const v16s h = ((w << 7) & (uint16_t)0x3f80) | ((w << 8) & (uint16_t)0x8000);
+#if PF_ATTN_WIDTH == 16
+  return (v16f)_mm512_cvtph_ps((__m256i)h);
+#else
+  const __m256i hv = (__m256i)h;
+  const __m256 lo = _mm256_cvtph_ps(_mm256_castsi256_si128(hv));
+  const __m256 hi = _mm256_cvtph_ps(_mm256_extracti128_si256(hv, 1));
+  v16f r;
+  std::memcpy(&r, &lo, 32);
+  std::memcpy(reinterpret_cast<char*>(&r) + 32, &hi, 32);
+  return r;
+#endif
+}
+
+// Two 16-float vectors as 16 bf16 pairs (e in each dword's low half, o in its high half),
+// rounded to nearest even like torch's .to(bfloat16) (no NaN or subnormal here).
+inline void store_bf16_pairs(char* dst, v16f e, v16f o) {
+#if PF_ATTN_BF16DOT
+  // vcvtne2ps2bf16: words 0-15 e, 16-31 o; vpermw interleaves them.
+  const __m512i both = (__m512i)_mm512_cvtne2ps_pbh((__m512)o, (__m512)e);
+  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
+                                       6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
+  _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(idx, both));
+#else
+  const v16u ue = (v16u)e, uo = (v16u)o;
+  const v16u re = ue + 0x7fffu + ((ue >> 16) & 1u), ro = uo + 0x7fffu + ((uo >> 16) & 1u);
+  const v16u w = (re >> 16) | (ro & 0xffff0000u);
+  std::memcpy(dst, &w, 64);
+#endif
+}
+
+// In-register transpose of 16 rows of 16 bytes (four rounds of unpacks, SSE2): afterwards x[k]
+// holds byte column kRev4[k] (4-bit reversal of k) of rows 0..15 in order.
+constexpr int kRev4[16] = {0, 8, 4, 12, 2, 10, 6, 14, 1, 9, 5, 13, 3, 11, 7, 15};
+inline void transpose16x16(__m128i* x) {
+  __m128i y[16];
+  for (int i = 0; i < 8; ++i) {
+    y[i] = _mm_unpacklo_epi8(x[2 * i], x[2 * i + 1]);
+    y[i + 8] = _mm_unpackhi_epi8(x[2 * i], x[2 * i + 1]);
+  }
+  for (int i = 0; i < 8; ++i) {
+    x[i] = _mm_unpacklo_epi16(y[2 * i], y[2 * i + 1]);
+    x[i + 8] = _mm_unpackhi_epi16(y[2 * i], y[2 * i + 1]);
+  }
+  for (int i = 0; i < 8; ++i) {
+    y[i] = _mm_unpacklo_epi32(x[2 * i], x[2 * i + 1]);
+    y[i + 8] = _mm_unpackhi_epi32(x[2 * i], x[2 * i + 1]);
+  }
+  for (int i = 0; i < 8; ++i) {
+    x[i] = _mm_unpacklo_epi64(y[2 * i], y[2 * i + 1]);
+    x[i + 8] = _mm_unpackhi_epi64(y[2 * i], y[2 * i + 1]);
+  }
+}
+
+// The scale of each row (256 x it for fp8, see widen16); 0 past the first n rows.
+inline float row_scale(const char* row, int64_t D, int kind) {
+  float s;
+  std::memcpy(&s, row + D, 4);
+  return kind == kFp8 ? s * 256.0f : s;
+}
+
+// K of 16 tokens (rows[t], t < n; the rest zero) as one packed 16-token group: for each dim
+// pair, 16 tokens' (even, odd) values; codes go through the transpose as bytes.
+template <int D, bool KVB>
+void widen_k_group(const char* const* rows, int n, int kind, char* dst) {
+  float sc[16];
+  for (int t = 0; t < 16; ++t) sc[t] = t < n ? row_scale(rows[t], D, kind) : 0.0f;
+  v16f scale;
+  std::memcpy(&scale, sc, 64);
+  for (int blk = 0; blk < D / 16; ++blk) {
+    __m128i x[16];
+    for (int t = 0; t < 16; ++t)
+      x[t] = t < n ? _mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[t] + 16 * blk)) : _mm_setzero_si128();
+    transpose16x16(x);
+    for (int k = 0; k < 8; ++k) {  // x[k]: dim 16 blk + kRev4[k] (even), x[k + 8]: the next dim
+      const int d = 16 * blk + kRev4[k];
+      const v16f e = widen16(x[k], kind) * scale, o = widen16(x[k + 8], kind) * scale;
+      const int64_t off = (d / 32) * 512 + ((d % 32) / 2) * 32;
+      if (KVB) {
+        store_bf16_pairs(dst + off * 2, e, o);
+      } else {
+        std::memcpy(dst + off * 4, &e, 64);
+        std::memcpy(dst + off * 4 + 64, &o, 64);
+      }
+    }
+  }
+}
+
+// V of 32 tokens (rows[t], t < n; the rest zero) as one packed 32-token group: for each
+// 16-dim chunk and token pair, the pair's 16 dims. Rows are already dims-contiguous.
+template <int D, bool KVB>
+void widen_v_group(const char* const* rows, int n, int kind, char* dst) {
+  for (int tp = 0; tp < 16; ++tp) {
+    const int t = 2 * tp;
+    const float s0 = t < n ? row_scale(rows[t], D, kind) : 0.0f;
+    const float s1 = t + 1 < n ? row_scale(rows[t + 1], D, kind) : 0.0f;
+    for (int dc = 0; dc < D / 16; ++dc) {
+      const v16f e = t < n ? widen16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[t] + 16 * dc)), kind) * s0
+                           : v16f{};
+      const v16f o = t + 1 < n
+                         ? widen16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[t + 1] + 16 * dc)), kind) * s1
+                         : v16f{};
+      const int64_t off = (int64_t)dc * 512 + tp * 32;
+      if (KVB) {
+        store_bf16_pairs(dst + off * 2, e, o);
+      } else {
+        std::memcpy(dst + off * 4, &e, 64);
+        std::memcpy(dst + off * 4 + 64, &o, 64);
+      }
+    }
+  }
+}
+
 template <int D, bool KVB, int RB>
 struct Kernel {
   static constexpr int R = RB;
@@ -249,6 +387,41 @@ struct Kernel {
     const int64_t ps = p.page_size;
     const int64_t off = (int64_t)p.page_table[tok / ps] * page_stride + head_off + (tok % ps) * D;
     return static_cast<const char*>(base) + off * kEsz;
+  }
+
+  // Quantized cache: the row of (token, this item's kv head) in the token-major layer.
+  const char* quant_row(const void* base, int64_t tok) const {
+    const int64_t ps = p.page_size, slot = (int64_t)p.page_table[tok / ps] * ps + tok % ps;
+    return static_cast<const char*>(base) + (slot * p.num_kv_heads + g) * (D + 4);
+  }
+
+  // Quantized cache: the step's K and V widened into the scratch (packed 16- and 32-token
+  // groups, as kg/vg point into a packed cache), the next step's rows prefetched to L2.
+  void widen_step(int64_t kv0, int nstep, const char** kg, const char** vg) const {
+    const char* kr[NB];
+    const char* vr[NB];
+    for (int t = 0; t < nstep; ++t) {
+      kr[t] = quant_row(p.k, kv0 + t);
+      vr[t] = quant_row(p.v, kv0 + t);
+    }
+    for (int64_t t = kv0 + NB; t < kv0 + 2 * NB && t < kv_hi; ++t) {
+      const char* k = quant_row(p.k, t);
+      const char* v = quant_row(p.v, t);
+      __builtin_prefetch(k, 0, 2);
+      __builtin_prefetch(k + D + 3, 0, 2);
+      __builtin_prefetch(v, 0, 2);
+      __builtin_prefetch(v + D + 3, 0, 2);
+    }
+    char* kd = static_cast<char*>(s.kq);
+    char* vd = static_cast<char*>(s.vq);
+    for (int j = 0; 16 * j < nstep; ++j) {
+      kg[j] = kd + 16 * D * kEsz * j;
+      widen_k_group<D, KVB>(kr + 16 * j, nstep - 16 * j, p.kv_quant, kd + 16 * D * kEsz * j);
+    }
+    for (int j = 0; 32 * j < nstep; ++j) {
+      vg[j] = vd + 32 * D * kEsz * j;
+      widen_v_group<D, KVB>(vr + 32 * j, nstep - 32 * j, p.kv_quant, vd + 32 * D * kEsz * j);
+    }
   }
 
   // Independent accumulator chains per pass: a block of R rows alone gives R chains (vdpbf16ps
@@ -452,12 +625,16 @@ struct Kernel {
     const char* vg[NB / 32];
     for (int64_t kv0 = kv_lo; kv0 < kv_hi; kv0 += NB) {
       const int64_t nstep = kv_hi - kv0 < NB ? kv_hi - kv0 : NB;
-      for (int j = 0; j < (nstep + 15) / 16; ++j) kg[j] = tok_ptr(p.k, kv0 + 16 * j);
-      for (int j = 0; j < (nstep + 31) / 32; ++j) vg[j] = tok_ptr(p.v, kv0 + 32 * j);
+      const char* next[4] = {nullptr, nullptr, nullptr, nullptr};  // K run 0, 1; V run 0, 1
+      if (p.kv_quant) {
+        widen_step(kv0, (int)nstep, kg, vg);
+      } else {
+        for (int j = 0; j < (nstep + 15) / 16; ++j) kg[j] = tok_ptr(p.k, kv0 + 16 * j);
+        for (int j = 0; j < (nstep + 31) / 32; ++j) vg[j] = tok_ptr(p.v, kv0 + 32 * j);
+      }
       // The next step's K and V (32-token runs on other pages, where the hardware prefetchers
       // stop) are prefetched to L2, a share per block, while this step computes.
-      const char* next[4] = {nullptr, nullptr, nullptr, nullptr};  // K run 0, 1; V run 0, 1
-      for (int j = 0; kv0 + NB + 32 * j < kv_hi && j < 2; ++j) {
+      for (int j = 0; !p.kv_quant && kv0 + NB + 32 * j < kv_hi && j < 2; ++j) {
         next[j] = tok_ptr(p.k, kv0 + NB + 32 * j);
         next[2 + j] = tok_ptr(p.v, kv0 + NB + 32 * j);
       }

@@ -3,6 +3,12 @@
 // own -m flags: avx512bf16, avx512, avx2). Plain C++ only, so no vector code can leak into the
 // glue through COMDAT folding of shared inline functions.
 //
+// A quantized cache (int8 or fp8_e4m3, pipefill/kernels/kv_quant.py) is instead the token-major
+// KVCache layer [num_pages * page_size, Hkv, D + 4]: per (token, kv head) D one-byte codes and
+// the row's float32 scale. Each step's keys are widened (codes x scale, then rounded to the
+// compute dtype: bf16 for bf16 q, else float32) into per-thread scratch in the packed layout
+// below, which the same inner loops then read.
+//
 // Cache layout: the AMX kernel's packed paged layout (see amx_kernel.cpp), per (page, kv head):
 //   K: [page_size/16][D/32][16 dim pairs][16 tokens][2]
 //   V: [page_size/32][D/16][16 token pairs][16 dims][2]
@@ -33,8 +39,11 @@ struct Params {
   int64_t kv_part, nparts;
   float* partial;
   float scale;
-  bool q_bf16, kv_bf16;
+  bool q_bf16, kv_bf16;  // kv_bf16: the packed values the inner loops read (scratch if quantized)
+  int kv_quant;          // 0: packed bf16/float32 cache; 1: int8 rows; 2: fp8_e4m3 rows
 };
+
+enum KvQuant { kPacked = 0, kInt8 = 1, kFp8 = 2 };
 
 struct Scratch {
   void* q;    // [rows_pad, D] staged queries: float32, or bf16 for the avx512bf16 kernel
@@ -43,6 +52,8 @@ struct Scratch {
   float* l;   // [rows_pad, kLanes] running sums, one vector per row (reduced in the epilogue)
   float* s;   // [kMaxRows, kStep] scores, probabilities in place
   uint16_t* p;  // [kMaxRows, kStep] bf16 probabilities (avx512bf16)
+  void* kq;     // quantized cache only: one step's widened K, then V, packed ([kStep, D] each,
+  void* vq;     // bf16 or float32 as kv_bf16 says)
 };
 
 constexpr int kMaxRows = 8;  // rows per register block (avx512: 8, avx2: 6; decode: 4)

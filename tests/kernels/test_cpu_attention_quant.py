@@ -100,7 +100,7 @@ def test_chunk_over_quantized_cache(isa, q_dtype, quant, shape):
     assert (out.double() - ref).abs().max().item() <= _tolerance(ref, q_dtype)
 
 
-DECODE_LENS = [100, 0, 64, 2100, 517, 63, 1, 3000]
+DECODE_LENS = [100, 0, 2100, 63, 1]  # unaligned, empty, split KV, a step edge, one key
 
 
 @pytest.mark.parametrize("quant", QUANT)
@@ -110,7 +110,7 @@ def test_batched_decode_over_quantized_cache(isa, q_dtype, quant, G, hkv, D):
     """One decode step of sequences of different lengths: each new row quantized exactly as
     kv_quant.quantize does, and the attention equal to the per-sequence chunk calls (bits), to
     the packed cache of dequantized values (bits) and to float64 within rounding."""
-    lens = DECODE_LENS if D == 64 else DECODE_LENS[:4]
+    lens = DECODE_LENS if D == 64 else DECODE_LENS[:3]
     ps, dtype = 64, QUANT[quant]
     gen = torch.Generator().manual_seed(D + G)
     need = [L // ps + 1 for L in lens]

@@ -189,10 +189,13 @@ def assert_pages_free(engine) -> None:
     stats = engine.stats()
     assert stats["pages_used"] == stats.get("cache_pages", 0), stats
     assert stats.get("cache_evictable_pages", 0) == stats.get("cache_pages", 0), stats
+    assert stats.get("window_pages_used", 0) == stats.get("cache_window_pages", 0), stats
     for stage in stats["stages"]:
         assert stage["integrity"] == "ok", stats
         assert stage["pages_total"] == stats["pages_total"], stats
         assert stage["owned_pages"] == stats["pages_used"], stats
+        # Window layers with pages of their own: every stage's replay agrees with stage 0's.
+        assert stage.get("window_owned_pages") == stats.get("window_pages_used"), stats
 
 
 def wait_until(cond, timeout_s=10.0) -> bool:

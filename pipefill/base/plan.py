@@ -93,6 +93,11 @@ class SeqWork:
     # page boundary; 0 on the first chunk, so pages served by the prefix cache go too).
     room: int | None = None
     kv_send_from: int = 0
+    # A model whose sliding-window layers keep pages of their own (ARCHITECTURE.md, 'Window
+    # pages'): those layers' page of each page of page_table, -1 where it was freed (no query
+    # of this micro-batch reads it), and the window pages allocated to rid in this step.
+    window_table: list[int] | None = None
+    new_window_pages: list[int] = field(default_factory=list)
 
     def write_pages(self, page_size: int) -> list[int]:
         """Pages this micro-batch writes (tokens [start, end)); the earlier ones are read."""
@@ -133,6 +138,10 @@ class PageOps:
     freed: list[int] = field(default_factory=list)  # back on the free list (before allocs)
     cached: list[int] = field(default_factory=list)  # now the prefix cache's (after the forward)
     cache_ops: list[CacheOp] = field(default_factory=list)  # copies between tiers
+    # The window layers' pool (ARCHITECTURE.md, 'Window pages'): pages the prefix cache took
+    # (applied first: their requests are done with them), then pages back on its free list.
+    window_cached: list[int] = field(default_factory=list)
+    window_freed: list[int] = field(default_factory=list)
 
 
 @dataclass

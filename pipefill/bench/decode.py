@@ -224,8 +224,10 @@ def bench_cases(executor, cases: list[tuple[int, int]], pages_per_seq: int, step
     one), so a drift of the machine's speed reaches all cases alike and the batch-B / batch-1
     ratios compare steps timed minutes apart at most."""
     cache, model = executor.cache, executor.model
-    cache.k.fill_(0.01)  # real memory behind every page the steps read (any cache layout)
-    cache.v.fill_(0.01)
+    for part in (cache, cache.window):  # the window layers' own pages too, where kept apart
+        if part is not None:  # real memory behind every page the steps read (any layout)
+            part.k.fill_(0.01)
+            part.v.fill_(0.01)
     times = {case: {"ours": [], "torch": [], "general": [], "routed_bytes": [], "peer": []}
              for case in cases}
     for case in cases:

@@ -18,8 +18,10 @@ from __future__ import annotations
 import torch
 
 from pipefill.base.platform import resolve_dtype, usable_cpu_flags
+from pipefill.chunking.startup import first_chunk_size
 from pipefill.config import Kernels, Layout, ServerArgs
 from pipefill.kernels import decode_gemm
+from pipefill.kv.cache import frees_window_pages
 from pipefill.model.attention import resolve_kv_dtype
 from pipefill.model.config import ModelConfig
 from pipefill.model.families import family_of
@@ -104,19 +106,48 @@ def stage_needs(args: ServerArgs, cfg: ModelConfig, prompt_tokens: int,
     kv_dtype = resolve_kv_dtype(args.cache.kv_cache_dtype, dtype)
     weight_dtype = resolve_weight_dtype(kernels.weight_dtype, dtype)
     packed = packs_decode_weights(layout, kernels)
-    pages = -(-prompt_tokens // page_size)
+    # Window layers that free their pages hold the window and the chunk being computed.
+    held = (cfg.sliding_window + first_chunk_size(args)
+            if frees_window_pages(args, cfg.has_windows) else None)
     rows = []
     for rank, layers in enumerate(layout.ranges):
         first, last = rank == 0, rank == layout.pp_size - 1
-        per_token = sum(s.bytes_per_token for s in family_of(cfg).kv_specs(cfg, layers,
-                                                                          kv_dtype))
+        specs = family_of(cfg).kv_specs(cfg, layers, kv_dtype)
         rows.append({
             "rank": rank,
             "weights": stage_weight_bytes(cfg, len(layers), first, last, dtype),
             "packed": stage_packed_bytes(cfg, len(layers), last, weight_dtype) if packed else 0,
-            "kv_prompt": pages * page_size * per_token,
-            "kv_pool": pool_tokens * per_token})
+            "kv_prompt": prompt_kv_bytes(specs, prompt_tokens, page_size, held),
+            "kv_pool": pool_tokens * sum(s.bytes_per_token for s in specs)})
     return rows
+
+
+def prompt_kv_bytes(specs, prompt_tokens: int, page_size: int,
+                    window_held: int | None = None) -> int:
+    """KV bytes of a prompt's pages over layers of these specs: every token's in a global
+    layer; in a sliding-window layer whose pages are freed outside the window, the pages of at
+    most `window_held` tokens (window + chunk) and one page at each end (ARCHITECTURE.md,
+    'Window pages')."""
+    pages = -(-prompt_tokens // page_size)
+    total = 0
+    for spec in specs:
+        held = pages
+        if spec.window is not None and window_held is not None:
+            held = min(pages, -(-window_held // page_size) + 2)
+        total += held * page_size * spec.bytes_per_token
+    return total
+
+
+def held_kv_bytes(args: ServerArgs, cfg: ModelConfig, pages: int, window_pages: int) -> int:
+    """KV bytes behind `pages` pages of the global layers and `window_pages` pages of the
+    sliding-window layers (which keep pages of their own: ARCHITECTURE.md, 'Window pages')."""
+    dtype = resolve_dtype(args.layout.dtype, usable_cpu_flags(args.kernels.hide_cpu_flags))
+    kv_dtype = resolve_kv_dtype(args.cache.kv_cache_dtype, dtype)
+    specs = family_of(cfg).kv_specs(cfg, range(cfg.num_layers), kv_dtype)
+    per_page = {w: args.cache.page_size * sum(s.bytes_per_token for s in specs
+                                              if (s.window is not None) == w)
+                for w in (False, True)}
+    return pages * per_page[False] + window_pages * per_page[True]
 
 
 def memory_report(needs: list[dict], stage_peaks: list[int], engine_peak: int) -> dict:
@@ -150,4 +181,7 @@ def format_report(mem: dict) -> str:
             + (f"stages' RSS before {mib(mem['total_rss_before']):.0f} MiB, peak while "
                f"loading {mib(mem['total_load_peak_rss']):.0f} MiB; "
                if "total_load_peak_rss" in mem else "")
-            + f"bench process peak {mib(mem['engine_peak_rss']):.0f} MiB")
+            + f"bench process peak {mib(mem['engine_peak_rss']):.0f} MiB"
+            + (f"; most pages in use: {p['pages_peak']} of the global layers, "
+               f"{p['window_pages_peak']} of the window layers: KV held at most "
+               f"{mib(p['kv_held']):.0f} MiB" if (p := mem.get("pages")) else ""))

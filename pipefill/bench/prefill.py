@@ -29,8 +29,8 @@ from dataclasses import dataclass
 
 import torch
 
-from pipefill.bench.memory import (format_report, memory_report, proc_status_bytes,
-                                   reset_peak_rss, stage_needs)
+from pipefill.bench.memory import (format_report, held_kv_bytes, memory_report,
+                                   proc_status_bytes, reset_peak_rss, stage_needs)
 from pipefill.bench.roofline import matmul_peak_flops, prefill_flops
 from pipefill.config import (ServerArgs, server_args_from_namespace,
                              server_args_parser_group)
@@ -337,6 +337,12 @@ def stage_memory(engine, args: ServerArgs, cfg, n: int, engine_peak: int,
         stage["load_peak_rss"], stage["rss_before"] = load_peak, before
     report["total_load_peak_rss"] = sum(load_peaks)
     report["total_rss_before"] = sum(rss_before)
+    stats = engine.stats()
+    if "window_pages_peak" in stats:  # window layers with pages of their own
+        # The pools' peaks since the stages started: the longest prompt's, run alone.
+        report["pages"] = {k: stats[k] for k in ("pages_peak", "window_pages_peak")}
+        report["pages"]["kv_held"] = held_kv_bytes(args, cfg, stats["pages_peak"],
+                                                   stats["window_pages_peak"])
     return report
 
 

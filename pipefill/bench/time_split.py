@@ -13,6 +13,7 @@ from pipefill.chunking.policy import ChunkPolicy
 from pipefill.chunking.startup import first_chunk_size
 from pipefill.config import ServerArgs
 from pipefill.kv.pool import PagePool
+from pipefill.kv.window import window_pages_for
 from pipefill.model.loader import WeightSource
 from pipefill.model.moe import EXPERTS_RANGE
 from pipefill.runtime.stage import StageInfo, build_stage
@@ -32,7 +33,9 @@ def prefill_time_split(args: ServerArgs, source: WeightSource, prompt: list[int]
     pool = PagePool(executor.cache.num_pages)
     sched = Scheduler(SchedulerConfig(args.page_size, args.max_prefill_tokens, 1,
                                       args.max_model_len), pool,
-                      ChunkPolicy(first_chunk_size(args)))
+                      ChunkPolicy(first_chunk_size(args)),
+                      window=window_pages_for(executor.cache, args.page_size,
+                                              cfg.sliding_window))
     sched.add(NewRequest("split", prompt, SamplingParams(max_new_tokens=1)))
     from torch.profiler import ProfilerActivity, profile
     with profile(activities=[ProfilerActivity.CPU]) as prof:

@@ -141,6 +141,7 @@ class AmxKVCache:
     torch.empty (pages become resident only when written). Within one (page, kv head) the
     page_size * head_dim values are in AMX tile order (see csrc/amx_kernel.cpp).
     """
+    window = None  # one cache for every layer (models with windows take the sdpa path)
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype = torch.bfloat16):
@@ -159,6 +160,10 @@ class AmxKVCache:
     def page_blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V as [num_layers, num_pages, *page] (already so): the host tier copies
         whole pages in the packed layout."""
+        return self.k, self.v
+
+    def per_layer(self):
+        """(K, V) indexable by the stage's layer, as KVCache.per_layer."""
         return self.k, self.v
 
     def read_pages(self, pages: list[int]) -> torch.Tensor:

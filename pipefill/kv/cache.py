@@ -1,7 +1,10 @@
 """KVCache: one stage's K and V tensors, addressed by slot = page_id * page_size + offset.
 
 A quantized cache (int8, fp8_e4m3) keeps each row's float32 scale after its codes, so its
-rows are head_dim + 4 wide (pipefill/kernels/kv_quant.py); whatever copies pages copies them."""
+rows are head_dim + 4 wide (pipefill/kernels/kv_quant.py); whatever copies pages copies them.
+
+WindowedKVCache: a stage of a model with sliding-window layers, whose window layers keep their
+K/V in a second KVCache addressed by window page ids (ARCHITECTURE.md, 'Window pages')."""
 from __future__ import annotations
 
 import torch
@@ -10,6 +13,8 @@ from pipefill.kernels.kv_quant import copyable, stored_dim
 
 
 class KVCache:
+    window = None  # the window layers' own cache (WindowedKVCache); None: one for all layers
+
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device=None):
         shape = (num_layers, num_pages * page_size, num_kv_heads, stored_dim(head_dim, dtype))
@@ -23,6 +28,10 @@ class KVCache:
     def bytes_per_token(num_layers: int, num_kv_heads: int, head_dim: int,
                         dtype: torch.dtype) -> int:
         return 2 * num_layers * num_kv_heads * stored_dim(head_dim, dtype) * dtype.itemsize
+
+    def per_layer(self):
+        """(K, V) indexable by the stage's layer: [i] is layer i's cache."""
+        return self.k, self.v
 
     def page_blocks(self) -> tuple[torch.Tensor, torch.Tensor]:
         """K and V as [num_layers, num_pages, page_size, num_kv_heads, head_dim] views: one
@@ -38,11 +47,42 @@ class KVCache:
         write_page_blocks(self, pages, data)
 
 
+class WindowedKVCache(KVCache):
+    """The global layers of a stage in this KVCache (k, v, pages: what the page pool's ids
+    address), its sliding-window layers in `window`, a KVCache of as many pages addressed by
+    the window pool's ids. Pages of the window tensor become resident only when written, and
+    the window pool hands freed ids out again first, so its memory is its peak use."""
+
+    def __init__(self, windowed: list[bool], num_pages: int, page_size: int,
+                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, device=None):
+        num_window = sum(windowed)
+        super().__init__(len(windowed) - num_window, num_pages, page_size, num_kv_heads,
+                         head_dim, dtype, device)
+        self.window = KVCache(num_window, num_pages, page_size, num_kv_heads, head_dim, dtype,
+                              device)
+        self.windowed = tuple(windowed)
+        index = {True: iter(range(num_window)), False: iter(range(len(windowed) - num_window))}
+        at = [next(index[w]) for w in windowed]  # each layer's index in its own tensor
+        self._k = [(self.window.k if w else self.k)[i] for w, i in zip(windowed, at)]
+        self._v = [(self.window.v if w else self.v)[i] for w, i in zip(windowed, at)]
+
+    def per_layer(self):
+        return self._k, self._v
+
+
+def frees_window_pages(args, has_windows: bool) -> bool:
+    """Whether the stages' window layers keep pages of their own, freed outside the window
+    (ARCHITECTURE.md, 'Window pages'): for a model with sliding-window layers (every stage
+    alike, whether or not its own slice has any), unless PD or the host or storage tier is
+    on: those move whole pages of every layer, so there every layer keeps every token."""
+    return has_windows and not (args.disagg.enabled or args.enable_hierarchical_cache
+                                or args.hicache_storage_backend)
+
+
 def stacked_kv_shape(specs) -> tuple[int, int, torch.dtype]:
     """(num_kv_heads, head_dim, dtype) of a stage's layers from their KV specs
-    (model.family.KVSpec, one per layer). The caches stack a stage's layers in one tensor, so
-    every layer must keep the same K/V per token; a window changes what attention reads, not
-    what is stored."""
+    (model.family.KVSpec, one per layer). The caches stack a stage's layers in one tensor (two
+    where window layers keep their own), so every layer must keep the same K/V per token."""
     shapes = sorted({(s.num_kv_heads, s.head_dim, str(s.dtype)) for s in specs})
     if len(shapes) != 1:
         raise ValueError(f"this stage's layers keep K/V of {len(shapes)} shapes ((kv heads, "

@@ -2,9 +2,10 @@
 operations the next plan carries to every stage.
 
 A request holds one pool reference per page of its page table and a lock on the deepest
-prefix-cache node it uses. Pages it has not allocated yet but was promised at admission (the
-rest of its prompt) count against what later admissions and decode growth may take, so a
-prompt admitted is a prompt whose prefill never runs out of pages.
+prefix-cache node it uses; with sliding-window layers also one window-pool reference per live
+entry of its window table (kv/window.py). Pages it has not allocated yet but was promised at
+admission (the rest of its prompt) count against what later admissions and decode growth may
+take, so a prompt admitted is a prompt whose prefill never runs out of pages.
 """
 from __future__ import annotations
 
@@ -14,6 +15,7 @@ from pipefill.kv.pool import PagePool
 from pipefill.kv.storage import chain_page_keys
 from pipefill.base.plan import PageOps
 from pipefill.kv.radix import Node, RadixCache
+from pipefill.kv.window import WindowPages, covered_pages
 
 
 @dataclass
@@ -38,10 +40,12 @@ class StorageFetch:
 
 
 class KVManager:
-    def __init__(self, pool: PagePool, page_size: int, cache: RadixCache | None = None):
+    def __init__(self, pool: PagePool, page_size: int, cache: RadixCache | None = None,
+                 window: WindowPages | None = None):
         self.pool = pool
         self.page_size = page_size
         self.cache = cache
+        self.window = window  # the sliding-window layers' pages (kv/window.py), or None
         # The tree's lower tiers (pipefill.kv.tiers.build_prefix_cache gives it them).
         self.host = cache.host if cache is not None else None  # HostDirector (L2), or None
         self.storage = cache.storage if cache is not None else None  # StorageDirector (L3)
@@ -66,7 +70,20 @@ class KVManager:
         if self.cache is None or not tokens:
             return 0
         m = self.cache.match(tokens)
+        if self.window is not None:
+            return self._covered(m) * self.page_size
         return (len(m.pages) + m.num_host_pages) * self.page_size
+
+    def _covered(self, m) -> int:
+        """Pages of a match that a windowed model may reuse (kv/window.covered_pages)."""
+        return covered_pages(m.window, self.page_size, self.window.window)
+
+    def _match(self, tokens: list[int]):
+        """The cache's match of `tokens`, cut where a windowed model's window pages end."""
+        m = self.cache.match(tokens)
+        if self.window is not None and self._covered(m) < len(m.pages):
+            m = self.cache.match(tokens[:self._covered(m) * self.page_size])
+        return m
 
     def admit(self, r, tokens: list[int], headroom: int) -> bool:
         """Locks the cached prefix of `tokens` (the part r may reuse) and promises the pages of
@@ -75,7 +92,7 @@ class KVManager:
         holds its pages and lock until finish_fetches)."""
         if r.storage_fetch is not None:
             return False
-        m = self.cache.match(tokens) if self.cache is not None and tokens else None
+        m = self._match(tokens) if self.cache is not None and tokens else None
         node = m.node if m is not None else None
         cached = list(m.pages) if m is not None else []
         if node is not None:
@@ -98,6 +115,8 @@ class KVManager:
                 return False  # admitted once every stage has the pages (or said it has not)
         r.storage_tried = False  # a later admission (after a preemption) may look again
         self.pool.retain(cached)
+        if self.window is not None:
+            self.window.admit(r, m.window if m is not None else [])
         r.pages, r.lock_node, r.num_inserted = cached, node, len(cached)
         r.pages_reserved = need
         self.promised += need
@@ -215,6 +234,13 @@ class KVManager:
         r.pages += new
         return new
 
+    def slide(self, r, start: int) -> list[int]:
+        """A windowed model's window pages for r's pages from `start` on, and its window pages
+        no query from there on reads freed (kv/window.py); the new ones ([] without windows)."""
+        if self.window is None:
+            return []
+        return self.window.slide(r, start, len(r.prompt_ids))
+
     def insert(self, r, tokens_upto, end: int) -> None:
         """Puts r's whole pages of tokens [0, end) into the cache as soon as their chunk is
         scheduled (see RadixCache.insert for why that is safe) and moves r's lock down."""
@@ -233,6 +259,8 @@ class KVManager:
 
     def release(self, r) -> None:
         """Drops r's references and lock (its cached pages stay in the tree, unlocked)."""
+        if self.window is not None:
+            self.window.release(r, self.cache, r.tokens_upto)
         if r.lock_node is not None:
             self.cache.unlock(r.lock_node)
         self.pool.release(r.pages)
@@ -248,10 +276,14 @@ class KVManager:
         tier_ops = any(t is not None and t.ops for t in (self.host, self.storage))
         if tier_ops or self.pool.num_free - self.promised < n:
             return None
+        if self.window is not None:
+            return self.window.borrow_common(self.pool, n)
         return self.pool.borrow(n)
 
     def give_back(self, pages: list[int]) -> None:
         self.pool.give_back(pages)
+        if self.window is not None:
+            self.window.give_back(pages)
 
     def on_stop(self) -> None:
         """A clean stop: under write_back the cache's pages in the pool were never saved."""
@@ -263,6 +295,8 @@ class KVManager:
     def drain_ops(self) -> PageOps:
         ops = PageOps(freed=self.pool.drain_freed(), cached=self._cached)
         self._cached = []
+        if self.window is not None:
+            ops.window_freed, ops.window_cached = self.window.drain()
         if self.host is not None:
             ops.cache_ops += self.host.drain_ops()
         if self.storage is not None:
@@ -281,4 +315,6 @@ class KVManager:
             out.update(self.host.stats())
         if self.storage is not None:
             out.update(self.storage.stats())
+        if self.window is not None:
+            out.update(self.window.stats(self.cache))
         return out

@@ -17,6 +17,9 @@ class PagePool:
         self._free = list(range(num_pages - 1, -1, -1))
         self._refs = [0] * num_pages
         self.freed: list[int] = []  # pages freed since the last drain (the next plan carries them)
+        # The most pages in use at once; freed pages go out again first, so this is also
+        # about how many pages were ever written (became resident).
+        self.peak_used = 0
 
     @property
     def num_free(self) -> int:
@@ -32,6 +35,7 @@ class PagePool:
         pages = [self._free.pop() for _ in range(n)]
         for p in pages:
             self._refs[p] = 1
+        self.peak_used = max(self.peak_used, self.num_used)
         return pages
 
     def retain(self, pages: list[int]) -> None:
@@ -51,6 +55,18 @@ class PagePool:
         """n free pages for scratch work that no plan carries (the chunking room's background
         profile); give_back returns them."""
         return self.allocate(n)
+
+    def free_ids(self) -> list[int]:
+        """The free list as it is (the last entry goes out first)."""
+        return list(self._free)
+
+    def take(self, pages: list[int]) -> None:
+        """Borrows these free pages in particular (give_back returns them)."""
+        taken = set(pages)
+        assert all(self._refs[p] == 0 for p in taken), "taking a page in use"
+        self._free = [p for p in self._free if p not in taken]
+        for p in pages:
+            self._refs[p] = 1
 
     def give_back(self, pages: list[int]) -> None:
         """Borrowed pages, free again as if never lent: the free list as before the borrow,
@@ -131,6 +147,20 @@ class PageOwners:
         for w in seqs:
             self.allocate(w.rid, w.new_pages)
             self.check(w.rid, w.page_table[:w.start // page_size], w.write_pages(page_size))
+
+    def replay_window(self, seqs, page_size: int) -> None:
+        """The window pool's replay (ARCHITECTURE.md, 'Window pages'): each sequence's new
+        window pages, its writes by their owner, and reads of written pages only, over the
+        window table's live entries (a freed entry is -1 and nothing reads it)."""
+        for w in seqs:
+            if w.window_table is None:
+                raise PageIntegrityError(f"{w.rid}: a plan without window pages for a model "
+                                         "whose window layers keep pages of their own")
+            first = w.start // page_size
+            writes = (w.window_table[first:(w.end - 1) // page_size + 1]
+                      if w.end > w.start else [])
+            self.allocate(w.rid, w.new_window_pages)
+            self.check(w.rid, [p for p in w.window_table[:first] if p >= 0], writes)
 
     def to_cache(self, pages) -> None:
         for p in pages:

@@ -12,6 +12,10 @@ L1 part followed by a host-only part that must be loaded before use.
 References: the tree holds one pool reference on each of its L1 pages; a request holds its own
 reference on every page of its page table and a lock on the deepest tree node it uses, which
 pins the whole path to the root. Unlocked nodes are evictable, least recently used first.
+
+A model with sliding-window layers gives the tree its window pool: a node's `window` lists the
+window layers' page of each of its pages, or NO_PAGE where none is held (kv/window.py); the
+tree holds one window-pool reference on each, and an evicted page's window page goes with it.
 """
 from __future__ import annotations
 
@@ -23,6 +27,7 @@ from pipefill.kv.host import HostDirector
 from pipefill.kv.pool import PagePool
 from pipefill.kv.storage import chain_page_keys
 from pipefill.kv.storage_tier import StorageDirector
+from pipefill.kv.window import NO_PAGE
 
 
 @dataclass(eq=False)
@@ -35,6 +40,7 @@ class Node:
     lock: int = 0  # requests whose path goes through this node
     last_used: int = 0
     keys: list[bytes] | None = None  # chained storage keys, one per page (with a storage tier)
+    window: list[int] | None = None  # window-pool pages, one per page (with a window pool)
 
     @property
     def num_pages(self) -> int:
@@ -46,6 +52,7 @@ class Match:
     node: Node  # deepest node whose pages are all in L1 (the root when nothing matched)
     pages: list[int]  # L1 pages of the matched prefix, in order
     host_nodes: list[Node] = field(default_factory=list)  # after `node`: on the host only
+    window: list[int] = field(default_factory=list)  # window pages of `pages` (window pool)
 
     @property
     def num_host_pages(self) -> int:
@@ -54,9 +61,10 @@ class Match:
 
 class RadixCache:
     def __init__(self, page_size: int, pool: PagePool, host: HostDirector | None = None,
-                 storage: StorageDirector | None = None):
+                 storage: StorageDirector | None = None, window_pool: PagePool | None = None):
         self.page_size = page_size
         self.pool = pool
+        self.window_pool = window_pool  # the window layers' pages (kv/window.py), or None
         # The lower tiers' directors, owned by the tree (ARCHITECTURE.md, 'The KV room'): the
         # host tier (L2) keeps an evicted node's copy instead of dropping it and frees its
         # slots when the node leaves the tree; the storage tier (L3) gives every node its
@@ -74,6 +82,11 @@ class RadixCache:
     @property
     def num_evictable(self) -> int:
         return self.num_pages - self.num_locked_pages
+
+    @property
+    def num_window_pages(self) -> int:
+        """Window-pool pages the tree holds (a walk: for stats)."""
+        return sum(1 for n in self._nodes() for p in n.window or () if p != NO_PAGE)
 
     # ---- lookups -----------------------------------------------------------------------------
 
@@ -101,6 +114,7 @@ class RadixCache:
             if child.pages is not None and not result.host_nodes:
                 result.node = child
                 result.pages += child.pages
+                result.window += child.window or ()
             else:
                 result.host_nodes.append(child)
         return result
@@ -119,8 +133,10 @@ class RadixCache:
         parent = Node(node.key[:cut], None if node.pages is None else node.pages[:n],
                       node.parent, None if node.host is None else node.host[:n],
                       lock=node.lock, last_used=node.last_used,
-                      keys=None if node.keys is None else node.keys[:n])
+                      keys=None if node.keys is None else node.keys[:n],
+                      window=None if node.window is None else node.window[:n])
         node.keys = None if node.keys is None else node.keys[n:]
+        node.window = None if node.window is None else node.window[n:]
         parent.children[self._first_key(node.key[cut:])] = node
         node.parent.children[self._first_key(parent.key)] = parent
         node.key = node.key[cut:]
@@ -150,7 +166,8 @@ class RadixCache:
             child = node.children.get(keys[at])
             if child is None:
                 child = Node(tuple(tokens[at * self.page_size:num * self.page_size]),
-                             list(pages[at:num]), node, last_used=now)
+                             list(pages[at:num]), node, last_used=now,
+                             window=self._no_window(num - at))
                 if self.storage is not None:
                     child.keys = self._chain_keys(node, child.key)
                 node.children[keys[at]] = child
@@ -166,6 +183,7 @@ class RadixCache:
                 break
             if child.pages is None:  # host-only: the caller's fresh L1 copy becomes the tree's
                 child.pages = list(pages[at:at + n])
+                child.window = self._no_window(n)
                 self._adopt(child.pages, child.keys, from_storage)
                 if child.lock:
                     self.num_locked_pages += n
@@ -178,7 +196,33 @@ class RadixCache:
         stays, so a later eviction needs no copy)."""
         assert node.pages is None and len(pages) == len(node.host) and not node.lock
         node.pages = list(pages)
+        node.window = self._no_window(len(pages))
         self.num_pages += len(pages)
+
+    def _no_window(self, num_pages: int) -> list[int] | None:
+        return None if self.window_pool is None else [NO_PAGE] * num_pages
+
+    def attach_window(self, tokens: list[int], window: list[int]) -> list[int]:
+        """Along the tree's path of the whole pages of `tokens`, holds window[i] as the window
+        page of page i where the tree holds none (a request letting go of its pages: its window
+        layers' K/V of the same tokens). Returns the window pages it took a reference on."""
+        num = min(len(tokens) // self.page_size, len(window))
+        keys = self._page_keys(tokens, num)
+        node, at, taken = self.root, 0, []
+        while at < num:
+            child = node.children.get(keys[at])
+            if child is None or child.pages is None:
+                break
+            n = self._common_pages(child, keys, at)
+            for j in range(n):
+                if child.window[j] == NO_PAGE and window[at + j] != NO_PAGE:
+                    child.window[j] = window[at + j]
+                    taken.append(window[at + j])
+            if n < child.num_pages:
+                break
+            node, at = child, at + n
+        self.window_pool.retain(taken)
+        return taken
 
     def _adopt(self, pages: list[int], keys, from_storage: bool = False) -> None:
         self.pool.retain(pages)
@@ -240,7 +284,10 @@ class RadixCache:
             self.storage.on_evict(node)
         kept = self.host is not None and self.host.on_evict(node, self)
         self.pool.release(node.pages)
+        if node.window is not None:
+            self.window_pool.release([p for p in node.window if p != NO_PAGE])
         node.pages = None
+        node.window = None
         self.num_pages -= n
         self.num_evicted_pages += n
         if not kept:

@@ -39,6 +39,9 @@ class StageKV:
         self.storage = storage
         # Every stage replays stage 0's page decisions and checks each micro-batch against them.
         self.owners = PageOwners(cache.num_pages)
+        # The window layers' own pool, where they keep pages of their own (kv/window.py).
+        window = getattr(cache, "window", None)
+        self.window_owners = PageOwners(window.num_pages) if window is not None else None
         self._failed_fetches: list[int] = []  # since the last take_failed_fetches()
 
     def before_forward(self, ops: PageOps, seqs=()) -> None:
@@ -54,12 +57,17 @@ class StageKV:
         if self.host is not None:
             self.host.store(by_kind.get(CopyKind.STORE, []), self.owners)
         self.owners.free(ops.freed)
+        if self.window_owners is not None:
+            self.window_owners.to_cache(ops.window_cached)
+            self.window_owners.free(ops.window_freed)
         if self.host is not None:
             self.host.load(by_kind.get(CopyKind.LOAD, []), self.owners)
         if self.storage is not None:
             self._failed_fetches += self.storage.fetch(by_kind.get(CopyKind.FETCH, []),
                                                        self.owners)
         self.owners.replay([], seqs, self.cache.page_size)
+        if self.window_owners is not None:
+            self.window_owners.replay_window(seqs, self.cache.page_size)
         if seqs:  # the forward overlaps the copies of other pages
             self.wait_for({p for w in seqs for p in w.page_table})
 
@@ -133,14 +141,16 @@ def build_stage_kv(args: ServerArgs, cache, model_file: str, rank: int, layers: 
 
 
 def build_prefix_cache(args: ServerArgs, pool: PagePool, kv: StageKV,
-                       partition: Sequence[range]) -> RadixCache | None:
-    """Stage 0's radix tree over `pool` with the directors of stage 0's tiers (`kv`), or None
-    when the prefix cache is off."""
+                       partition: Sequence[range],
+                       window_pool: PagePool | None = None) -> RadixCache | None:
+    """Stage 0's radix tree over `pool` (and the window layers' `window_pool`, where they keep
+    pages of their own) with the directors of stage 0's tiers (`kv`), or None when the prefix
+    cache is off."""
     if args.disable_radix_cache:
         return None
     host = HostDirector(kv.host.num_slots) if kv.host is not None else None
     storage = storage_director(args, kv.storage, partition) if kv.storage is not None else None
-    return RadixCache(args.page_size, pool, host, storage)
+    return RadixCache(args.page_size, pool, host, storage, window_pool)
 
 
 def _log_tiers(args: ServerArgs, cache, rank: int, slots: int) -> None:
@@ -149,7 +159,7 @@ def _log_tiers(args: ServerArgs, cache, rank: int, slots: int) -> None:
         l3 = (f"{args.hicache_storage_backend} ({args.hicache_write_policy}, "
               f"{args.hicache_storage_dir or args.hicache_mooncake_master})")
     k, _ = cache.page_blocks()
-    page_bytes = 2 * k[0, 0].numel() * k.shape[0] * k.dtype.itemsize
+    page_bytes = 2 * k[:, 0].numel() * k.dtype.itemsize  # every layer's (none: 0)
     l1 = "off" if args.disable_radix_cache else f"on ({cache.num_pages} pool pages)"
     l2 = f"{slots} host pages, {slots * page_bytes / 2**30:.2f} GiB" if slots else "off"
     log.info("stage %d: prefix cache L1 %s, L2 %s, L3 %s", rank, l1, l2, l3)

@@ -29,6 +29,9 @@ class ForwardMeta:
     # row of every sequence is. With a list, forward returns only those rows, in order: the
     # last layer then computes K/V for all rows but attention and MLP for those rows only.
     last_rows: list[bool] | None = None
+    # Where the window layers keep pages of their own (kv.cache.WindowedKVCache): the same
+    # sequences over their window pages, which those layers read and write instead of `seqs`.
+    window_seqs: list[SeqMeta] | None = None
 
 
 @dataclass
@@ -105,7 +108,8 @@ class StageModel:
 
     @torch.inference_mode()
     def forward(self, hidden, residual, meta: ForwardMeta, k_cache, v_cache):
-        """Runs this stage's layers. k_cache/v_cache: per local layer, indexed [i]."""
+        """Runs this stage's layers. k_cache/v_cache: per local layer, indexed [i]
+        (KVCache.per_layer)."""
         cos, sin = cos_sin(meta.positions, self.inv_freq, self.rope_factor)
         # A step of one-token rows where some row feeds no logit (a one-token prompt chunk)
         # trims on the general path: the lean decode path returns every row.

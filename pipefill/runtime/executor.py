@@ -26,17 +26,32 @@ class Activations:
     logit_rows_only: bool = False
 
 
-def build_meta(plan: StepPlan, page_size: int, device: torch.device) -> ForwardMeta:
-    seqs, row = [], 0
+def build_meta(plan: StepPlan, page_size: int, device: torch.device,
+               windowed: bool = False) -> ForwardMeta:
+    """windowed: the window layers keep pages of their own (kv.cache.WindowedKVCache), which
+    each sequence's window_table addresses (its page_table in a scratch plan, which owns the
+    same ids in both pools)."""
+    seqs, window_seqs, row = [], [], 0
     for work in plan.seqs:
-        table = torch.tensor(work.page_table, dtype=torch.int32)
-        read = _read_slots(work.page_table, table, work.end, page_size, device)
-        # The new tokens' slots are the tail of the slots read: a slice or a view, no new work.
-        write = (slice(read.start + work.start, read.start + work.end)
-                 if isinstance(read, slice) else read[work.start:work.end])
-        seqs.append(SeqMeta(row, work.num_tokens, work.start, write, read, table))
+        seqs.append(_seq_meta(work, work.page_table, row, page_size, device))
+        if windowed:
+            table = work.page_table if work.window_table is None else work.window_table
+            window_seqs.append(_seq_meta(work, table, row, page_size, device))
         row += work.num_tokens
-    return ForwardMeta(_positions(plan.seqs).to(device), seqs)
+    return ForwardMeta(_positions(plan.seqs).to(device), seqs,
+                       window_seqs=window_seqs if windowed else None)
+
+
+def _seq_meta(work: SeqWork, pages: list[int], row: int, page_size: int, device) -> SeqMeta:
+    # A window table's freed entries (-1) address page 0: nothing reads them (the window
+    # attention reads from the window's first key on).
+    pages = [max(p, 0) for p in pages] if pages and min(pages) < 0 else pages
+    table = torch.tensor(pages, dtype=torch.int32)
+    read = _read_slots(pages, table, work.end, page_size, device)
+    # The new tokens' slots are the tail of the slots read: a slice or a view, no new work.
+    write = (slice(read.start + work.start, read.start + work.end)
+             if isinstance(read, slice) else read[work.start:work.end])
+    return SeqMeta(row, work.num_tokens, work.start, write, read, table)
 
 
 def _positions(works) -> torch.Tensor:
@@ -118,14 +133,14 @@ class StageExecutor:
             self.kv.before_forward(plan.page_ops, plan.seqs)
         self.num_forwards += 1
         device = self.cache.k.device
-        meta = build_meta(plan, self.cache.page_size, device)
+        meta = build_meta(plan, self.cache.page_size, device, self.cache.window is not None)
         if self.model.is_last:
             meta.last_rows = last_rows(plan)
         if acts is None:
             ids = torch.tensor([t for w in plan.seqs for t in w.input_ids], dtype=torch.long)
             acts = Activations(self.model.embed(ids.to(device)), None)
         hidden, residual = self.model.forward(acts.hidden, acts.residual, meta,
-                                              self.cache.k, self.cache.v)
+                                              *self.cache.per_layer())
         if device.type == "cuda":
             torch.cuda.synchronize(device)  # the forward time is for the chunk-cost model
         if plan.step_id >= 0:

@@ -155,9 +155,11 @@ class FirstStageLoop:
             self.pipe.send_forward(PipeMessage(None, control=(kind,), page_ops=ops), None)
 
     def stats(self) -> dict:
-        pool = self.scheduler.pool
+        pool, window = self.scheduler.pool, self.scheduler.kv.window
         try:
             pool.check_integrity()
+            if window is not None:
+                window.pool.check_integrity()
             integrity = "ok"
         except AssertionError as e:
             integrity = str(e)
@@ -165,11 +167,13 @@ class FirstStageLoop:
         prefill = self.progress.report(self.scheduler.long_prefills(),
                                        (info or {}).get("coefficients"))
         return {"rank": 0, "pages_total": pool.num_pages, "pages_free": pool.num_free,
-                "pages_used": pool.num_used, "integrity": integrity,
+                "pages_used": pool.num_used, "pages_peak": pool.peak_used,
+                "integrity": integrity,
                 "owned_pages": self.executor.kv.owners.num_used,
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "inflight_micro_batches": len(self.inflight),
                 "page_size": self.scheduler.cfg.page_size, **self.scheduler.kv.stats(),
+                **window_owner_stats(self.executor),
                 "chunking": info, "prefill": [p.as_list() for p in prefill]}
 
     # ---- schedule / run / update -------------------------------------------------------------
@@ -261,7 +265,15 @@ def later_stage_stats(rank: int, executor) -> dict:
              "owned_pages": executor.kv.owners.num_used,
              "micro_batches": executor.num_forwards, "integrity": "ok"}
     stats.update(executor.kv.stats())
+    stats.update(window_owner_stats(executor))
     return stats
+
+
+def window_owner_stats(executor) -> dict:
+    """The window pages this stage's replay says are in use (ARCHITECTURE.md, 'Window
+    pages'): equal to stage 0's window pool's on every stage."""
+    owners = executor.kv.window_owners
+    return {} if owners is None else {"window_owned_pages": owners.num_used}
 
 
 def report_to_first(pipe):

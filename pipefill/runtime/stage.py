@@ -8,7 +8,7 @@ import torch
 from pipefill.chunking.startup import first_chunk_size
 from pipefill.config import ServerArgs, StageInfo
 from pipefill.kernels.prefill_gemm import choose_prefill_gemm, experts_in_onednn_layout
-from pipefill.kv.cache import KVCache, stacked_kv_shape
+from pipefill.kv.cache import KVCache, WindowedKVCache, frees_window_pages, stacked_kv_shape
 from pipefill.kv.tiers import build_stage_kv
 from pipefill.model.attention import (QuantVectorAttention, backend_attention, choose_backend,
                                        resolve_kv_dtype, uses_packed_cache)
@@ -82,7 +82,15 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
         from pipefill.kernels.amx_attention import AmxKVCache
         cache = AmxKVCache(len(info.layers), num_pages, args.page_size,
                            *stacked_kv_shape(kv_specs))
+    elif frees_window_pages(args, cfg.has_windows):
+        cache = WindowedKVCache([s.window is not None for s in kv_specs], num_pages,
+                                args.page_size, *stacked_kv_shape(kv_specs), device)
+        log.info("stage %d: %d sliding-window layers keep pages of their own, freed once older "
+                 "than the %d-token window", info.rank, sum(cache.windowed), cfg.sliding_window)
     else:
+        if cfg.has_windows:
+            log.info("stage %d: the sliding-window layers keep every token's KV (PD and the "
+                     "host and storage tiers move whole pages of every layer)", info.rank)
         cache = KVCache(len(info.layers), num_pages, args.page_size,
                         *stacked_kv_shape(kv_specs), device)
     attention = backend_attention(backend, flags, kv_dtype, args.page_size)

@@ -205,14 +205,19 @@ def make_first_stage_loop(args, cfg, executor, channel, pipe, tracer, policy, ro
     from pipefill.kv.pool import PagePool
     from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig
     from pipefill.kv.tiers import build_prefix_cache
+    from pipefill.kv.window import window_pages_for
     pool = PagePool(executor.cache.num_pages)
-    cache = build_prefix_cache(args, pool, executor.kv, args.layout.ranges)
+    # The sliding-window layers' own pages, where the stages keep them apart
+    # (ARCHITECTURE.md, 'Window pages').
+    window = window_pages_for(executor.cache, args.page_size, cfg.sliding_window)
+    cache = build_prefix_cache(args, pool, executor.kv, args.layout.ranges,
+                               window.pool if window is not None else None)
     scheduler = Scheduler(SchedulerConfig(
         page_size=args.page_size, max_prefill_tokens=args.max_prefill_tokens,
         max_running_requests=args.max_running_requests, max_model_len=args.max_model_len,
         eos_token_ids=cfg.eos_token_ids, seed=args.seed, vocab_size=cfg.vocab_size), pool,
         policy, cache, role,
-        make_prefill_order(args.chunking.schedule_policy))
+        make_prefill_order(args.chunking.schedule_policy), window)
     loop = FirstStageLoop(executor, scheduler, channel, pipe, args.layout.max_inflight, tracer,
                           on_result=policy.observe, chunk_policy=policy, heartbeat=heartbeat)
     if args.layer_costs:  # the family's weights per layer (config.resolve)

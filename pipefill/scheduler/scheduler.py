@@ -31,6 +31,7 @@ from pipefill.kv.manager import KVManager
 from pipefill.base.plan import (NewRequest, RequestOutput, SampleSpec, SamplingParams, SeqWork,
                                 StepPlan, StepResult)
 from pipefill.kv.radix import Node, RadixCache
+from pipefill.kv.window import WindowPages
 from pipefill.scheduler.prefill_order import PrefillOrder
 from pipefill.scheduler.role import NullRole
 
@@ -59,6 +60,9 @@ class Request:
     num_scheduled: int = 0  # tokens whose KV is written or being written by a micro-batch
     pages: list[int] = field(default_factory=list)
     pages_reserved: int = 0  # pages promised at admission, not yet allocated
+    # A windowed model's window table: the window layers' page of each of `pages`, -1 where
+    # it was freed (kv/window.py).
+    window_pages: list[int] = field(default_factory=list)
     lock_node: Node | None = None  # deepest prefix-cache node this request holds
     num_inserted: int = 0  # whole pages of this request already in the prefix cache
     cached_tokens: int = 0  # prompt tokens reused from the cache at first admission
@@ -118,10 +122,11 @@ def check_prompt(ids: list[int], params: SamplingParams, vocab_size: int | None,
 class Scheduler:
     def __init__(self, cfg: SchedulerConfig, pool: PagePool, chunk_policy: ChunkPolicy,
                  cache: RadixCache | None = None, role=None,
-                 order: PrefillOrder | None = None):
+                 order: PrefillOrder | None = None, window: WindowPages | None = None):
         self.cfg = cfg
         self.pool = pool
-        self.kv = KVManager(pool, cfg.page_size, cache)
+        # window: the sliding-window layers' own pages (ARCHITECTURE.md, 'Window pages').
+        self.kv = KVManager(pool, cfg.page_size, cache, window)
         # The chunking room's policy: next_chunk(L) is the size of the chunk after L tokens.
         self.chunk_policy = chunk_policy
         self.waiting: deque[Request] = deque()
@@ -267,6 +272,7 @@ class Scheduler:
     def _work(self, r: Request, end: int) -> SeqWork:
         start = r.num_scheduled
         new_pages = self.kv.grow(r, end)
+        new_window_pages = self.kv.slide(r, start)
         self.kv.insert(r, r.tokens_upto, end)
         sample = None
         if end == r.num_tokens and r.params.max_new_tokens > 0:
@@ -283,6 +289,8 @@ class Scheduler:
         r.num_inflight += 1
         work = SeqWork(r.rid, start, end, [r.token_at(i) for i in range(start, end)],
                        list(r.pages), sample, targets, new_pages)
+        if self.kv.window is not None:
+            work.window_table, work.new_window_pages = list(r.window_pages), new_window_pages
         self.role.on_chunk(r, work, self.cfg.page_size)
         return work
 

@@ -31,6 +31,12 @@ class ServerMetrics:
                              registry=r)
         self.pages_used = Gauge(p + "kv_pages_used", "KV pages in use", registry=r)
         self.pages_free = Gauge(p + "kv_pages_free", "KV pages free", registry=r)
+        # Sliding-window layers' own pages (ARCHITECTURE.md, 'Window pages'); 0 without.
+        self.window_pages_used = Gauge(p + "kv_window_pages_used",
+                                       "Window layers' KV pages in use", registry=r)
+        self.window_pages_peak = Gauge(p + "kv_window_pages_peak",
+                                       "Most window layers' KV pages in use at once",
+                                       registry=r)
         self.healthy = Gauge(p + "stages_up", "1 when every stage is up", registry=r)
         # Long prompts in prefill (longer than one chunk), from stage 0's load reports.
         self.prefill_requests = Gauge(p + "prefill_long_requests",
@@ -79,6 +85,8 @@ class ServerMetrics:
         spare = load.get("cache_evictable_pages", 0)
         self.pages_used.set(load.get("pages_used", 0) - spare)
         self.pages_free.set(load.get("pages_free", 0) + spare)
+        self.window_pages_used.set(load.get("window_pages_used", 0))
+        self.window_pages_peak.set(load.get("window_pages_peak", 0))
         hits, host, storage = (load.get(k, 0) for k in (
             "cache_hit_tokens", "cache_hit_tokens_host", "cache_hit_tokens_storage"))
         for tier, value in (("l1", hits - host - storage), ("l2", host), ("l3", storage)):

@@ -5,15 +5,20 @@ logprobs within 1e-4 and 16 greedy tokens identical. Sliding windows shorter tha
 hidden / heads, query_pre_attn_scalar apart from head_dim, separate local and global rope bases
 (the global one linearly scaled), a final logit softcap; chunked and dynamically chunked
 prefill, pipelines of 1 to 3 stages with uneven partitions, a prefix-cache hit, and the
-language model of a Gemma3ForConditionalGeneration checkpoint."""
+language model of a Gemma3ForConditionalGeneration checkpoint. A prompt 20 windows long, in
+float32 and int8 KV: the window layers' pages in use, as their pool counts them, stay within a
+window and a chunk while the global layers keep every token (ARCHITECTURE.md, 'Window
+pages'), in prefill and in decode."""
 import random
 
 import pytest
 import torch
 from safetensors import safe_open
 
-from conftest import assert_matches_hf, assert_prefix_hit_matches, hf_reference, track
+from conftest import (assert_matches_hf, assert_pages_free, assert_prefix_hit_matches,
+                      hf_reference, track)
 from pipefill import Engine
+from pipefill.kv.window import window_before
 from pipefill.model.attention import choose_backend
 from pipefill.model.loader import LANGUAGE_MODEL_PREFIXES, WeightSource, tensor_names
 
@@ -172,3 +177,56 @@ def test_window_attention_sees_the_last_window_keys(prefix, chunk, window, slots
         keys, values = k_cache[list(seen), 0].double(), v_cache[list(seen), 0].double()
         weights = torch.softmax(q[i].double() @ keys.T * scale, -1)
         torch.testing.assert_close(out[i].double(), weights @ values, atol=1e-5, rtol=1e-5)
+
+
+LONG_PAGE, LONG_CHUNK = 4, 16
+LONG = [_rng.randrange(512) for _ in range(20 * TEXT["pattern"]["sliding_window"])]
+
+
+def window_bound(prompt_len: int) -> int:
+    """Window pages one sequence may hold: its window and a chunk (a page more at each end),
+    and the window before its prompt's last cacheable page boundary (kv/window.py)."""
+    window = TEXT["pattern"]["sliding_window"]
+    prompt_window = window_before((prompt_len - 1) // LONG_PAGE, LONG_PAGE, window)
+    return -(-(window + LONG_CHUNK) // LONG_PAGE) + 2 + len(prompt_window)
+
+
+@pytest.fixture(scope="module")
+def long_reference(gemma_models):
+    return hf_reference(gemma_models["pattern"][0], LONG, 16)
+
+
+def test_window_pages_stay_within_a_window_over_a_long_prompt(gemma_models, long_reference):
+    """Two stages (a local layer, then local, global, local); HF parity on a prompt 20
+    windows long, the same prompt again from the prefix cache, then a long decode."""
+    path = gemma_models["pattern"][0]
+    with track(Engine(path, dtype="float32", page_size=LONG_PAGE,
+                      chunked_prefill_size=LONG_CHUNK, pp_size=2, pp_layer_partition="1,3",
+                      threads_per_stage=1)) as engine:
+        assert_matches_hf(engine, LONG, long_reference, LONG_CHUNK)
+        assert_prefix_hit_matches(engine, LONG, long_reference[1], LONG_PAGE)
+        stats = engine.stats()
+        # The pools' own counters: the global layers keep every token, the window layers a
+        # window and a chunk (the tree keeps what it holds of each request's windows).
+        assert stats["pages_used"] >= len(LONG) // LONG_PAGE
+        assert stats["window_pages_peak"] <= window_bound(len(LONG)) < len(LONG) // LONG_PAGE / 4
+        # Decode frees too: 200 tokens (50 pages) beside what the tree holds.
+        short = LONG[:30]
+        engine.generate([short], max_new_tokens=200, ignore_eos=True)
+        after = engine.stats()
+        assert after["window_pages_peak"] <= max(
+            stats["window_pages_peak"], stats["window_pages_used"] + window_bound(len(short)))
+        assert_pages_free(engine)
+
+
+def test_window_pages_with_an_int8_cache(gemma_models, long_reference):
+    """The window layers' own pages hold int8 rows with their scales like the others: the
+    prompt logprobs stay within the int8 bound of test_quant_kv (the llama families')."""
+    path = gemma_models["pattern"][0]
+    with track(Engine(path, dtype="float32", page_size=LONG_PAGE,
+                      chunked_prefill_size=LONG_CHUNK, kv_cache_dtype="int8",
+                      threads_per_stage=1)) as engine:
+        out = engine.generate([LONG], max_new_tokens=1, return_prompt_logprobs=True)[0]
+        gap = (torch.tensor(out.prompt_logprobs) - long_reference[0]).abs()
+        assert gap.max().item() < 0.04, gap.max().item()
+        assert engine.stats()["window_pages_peak"] <= window_bound(len(LONG))

@@ -183,8 +183,8 @@ class Gemma3Family(ModelFamily):
         )
 
     def kv_specs(self, cfg: ModelConfig, layers: range, kv_dtype: torch.dtype) -> list[KVSpec]:
-        # Every layer keeps every token's K/V for now: a local layer's pages outside its
-        # window are not freed yet (its attention reads only the window).
+        # A local layer's spec carries its window: the stage keeps those layers' pages apart
+        # and frees them outside the window (ARCHITECTURE.md, 'Window pages').
         return [KVSpec(cfg.num_kv_heads, cfg.head_dim, kv_dtype, cfg.window_of(i))
                 for i in layers]
 
@@ -197,16 +197,20 @@ class Gemma3Family(ModelFamily):
         qkv = linear(x, w.qkv, None, packed.get("qkv"), large.get("qkv"))
         q, k, v = _rotated_heads(model, w, qkv, cos, sin)
         window = cfg.window_of(w.layer)
+        # A window layer's pages are its own where the stage keeps them apart (ARCHITECTURE.md,
+        # 'Window pages').
+        seqs = meta.window_seqs if window is not None and meta.window_seqs is not None \
+            else meta.seqs
         if trim:
             attn, rows = last_rows_attention(model.attention, model.kv_writer, q, k, v, k_cache,
-                                             v_cache, meta.seqs, meta.last_rows, model.scale,
+                                             v_cache, seqs, meta.last_rows, model.scale,
                                              window)
             residual = residual[rows]
             if residual.shape[0] == 0:  # no logits this step (a chunk before a prompt's last)
                 return attn.new_empty((0, cfg.hidden_size)), residual
         else:
             windowed = {} if window is None else {"window": window}
-            attn = model.attention(q, k, v, k_cache, v_cache, meta.seqs, model.scale, **windowed)
+            attn = model.attention(q, k, v, k_cache, v_cache, seqs, model.scale, **windowed)
         out = linear(attn.reshape(attn.shape[0], cfg.q_size), w.o_proj, None,
                      packed.get("o_proj"), large.get("o_proj"))
         out = rms_norm(out, w.post_attn_norm, eps, dtype)

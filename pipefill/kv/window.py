@@ -1,0 +1,128 @@
+"""The sliding-window layers' pages (ARCHITECTURE.md, 'Window pages').
+
+A model with sliding-window layers (Gemma 3's local layers) keeps their K/V in a pool of its
+own: every stage's window layers share one window page id per page of a sequence, stage 0
+hands the ids out (`WindowPages`), and a page's window part is freed once every token in it
+is older than the window any later query of its sequence can see. The global layers keep
+the whole history in the ordinary pool, so a sequence's KV grows with its global layers only.
+
+A request's window table is aligned with its page table (`r.window_pages[i]` holds the window
+layers' K/V of the tokens of `r.pages[i]`), with NO_PAGE where the window part was freed.
+
+The prefix cache: a tree page holds a window page too where the last request through it left
+one, and a cached prefix is reused only up to the deepest page boundary whose last window
+before it still has its window pages (`covered_pages`). A request keeps, besides its live
+window, the window before its prompt's last cacheable page boundary (the same prompt again
+matches there) and hands both to the tree when it lets go of its pages.
+
+Pure Python: the scheduler's bookkeeping, no tensors.
+"""
+from __future__ import annotations
+
+from pipefill.kv.pool import PagePool
+
+NO_PAGE = -1  # a window table's entry whose window part was freed (or never held)
+
+
+def keep_from(start: int, page_size: int, window: int) -> int:
+    """The first token whose window-layer K/V a sequence still needs once it computes from
+    token `start` on: the query at `start` sees keys from start - window + 1, and the page
+    boundary at or below `start` (where a prefix match may end, as it does when a preempted
+    request resumes) needs its own last window, which starts up to a page earlier."""
+    return max(0, start // page_size * page_size - window + 1)
+
+
+def window_before(boundary_pages: int, page_size: int, window: int) -> range:
+    """Indices of the pages holding the last window before the page boundary `boundary_pages`
+    (tokens [boundary - window + 1, boundary)): what a chunk starting there reads."""
+    first = max(0, boundary_pages * page_size - window + 1) // page_size
+    return range(first, boundary_pages)
+
+
+def covered_pages(window_pages: list[int], page_size: int, window: int) -> int:
+    """The most pages n <= len(window_pages) of a cached prefix that a request may reuse: the
+    window pages of the last window before page n must all be held."""
+    n = len(window_pages)
+    while n > 0:
+        holes = [i for i in window_before(n, page_size, window) if window_pages[i] == NO_PAGE]
+        if not holes:
+            return n
+        n = holes[-1]  # any boundary above a hole still has it in its window
+    return 0
+
+
+def window_pages_for(cache, page_size: int, window: int | None) -> "WindowPages | None":
+    """Stage 0's window pool for its stage cache where the window layers keep pages of their
+    own (kv.cache.WindowedKVCache), as many pages as the other pool; None otherwise."""
+    if cache.window is None:
+        return None
+    return WindowPages(PagePool(cache.num_pages), page_size, window)
+
+
+class WindowPages:
+    """Stage 0's window pool and the window tables of its requests."""
+
+    def __init__(self, pool: PagePool, page_size: int, window: int):
+        self.pool = pool
+        self.page_size = page_size
+        self.window = window
+        self._cached: list[int] = []  # window pages the tree took since the last plan
+
+    def admit(self, r, tree_window: list[int]) -> None:
+        """r reuses a cached prefix whose tree pages hold `tree_window` (one entry per page,
+        already cut to covered_pages): r takes a reference on the ones of its last window."""
+        live = window_before(len(tree_window), self.page_size, self.window)
+        r.window_pages = [p if i in live else NO_PAGE for i, p in enumerate(tree_window)]
+        self.pool.retain([p for p in r.window_pages if p != NO_PAGE])
+
+    def slide(self, r, start: int, prompt_tokens: int) -> list[int]:
+        """Before r computes from token `start` on: window pages for its pages that have none
+        yet (new ones), and its window pages that no query from `start` on reads go back,
+        except the window before its prompt's last cacheable boundary (kept for the tree).
+        Returns the new window pages (freed ones first: the pool hands them out again)."""
+        prompt_window = window_before((prompt_tokens - 1) // self.page_size, self.page_size,
+                                      self.window)
+        first_needed = keep_from(start, self.page_size, self.window) // self.page_size
+        for i in range(min(first_needed, len(r.window_pages))):
+            p = r.window_pages[i]
+            if p != NO_PAGE and i not in prompt_window:
+                self.pool.release([p])
+                r.window_pages[i] = NO_PAGE
+        new = self.pool.allocate(len(r.pages) - len(r.window_pages))
+        r.window_pages += new
+        return new
+
+    def release(self, r, tree, tokens_upto) -> None:
+        """r lets go of its pages: the tree takes the window pages of r's whole pages that it
+        lacks (same tokens, same K/V, whoever computed them), then r's references go."""
+        full = r.num_inserted
+        if tree is not None and full:
+            adopted = tree.attach_window(tokens_upto(full * self.page_size),
+                                         r.window_pages[:full])
+            self._cached += adopted
+        self.pool.release([p for p in r.window_pages if p != NO_PAGE])
+        r.window_pages = []
+
+    def drain(self) -> tuple[list[int], list[int]]:
+        """(window pages freed, window pages the tree took) since the last plan."""
+        cached, self._cached = self._cached, []
+        return self.pool.drain_freed(), cached
+
+    def borrow_common(self, main: PagePool, n: int) -> list[int] | None:
+        """n page ids free in both pools (a scratch prefill writes both tensors at the same
+        ids), taken from both; None when there are not n of them."""
+        ids = [p for p in reversed(main.free_ids()) if self.pool.refcount(p) == 0][:n]
+        if len(ids) < n:
+            return None
+        main.take(ids)
+        self.pool.take(ids)
+        return ids
+
+    def give_back(self, pages: list[int]) -> None:
+        self.pool.give_back(pages)
+
+    def stats(self, tree=None) -> dict:
+        return {"window_pages_total": self.pool.num_pages,
+                "window_pages_used": self.pool.num_used,
+                "window_pages_peak": self.pool.peak_used,
+                "cache_window_pages": tree.num_window_pages if tree is not None else 0}

@@ -1,0 +1,170 @@
+"""The sliding-window layers' own pages (ARCHITECTURE.md, 'Window pages'), without processes:
+the scheduler's plans for a prompt 20 windows long and its decode, replayed into a stage's
+page owners (kv.tiers.StageKV over a WindowedKVCache) as every stage does, with the window
+pool's own counters measured at every plan; the prefix cache's rule for windows."""
+import pytest
+import torch
+
+from pipefill.base.plan import NewRequest, SamplingParams, SeqResult, StepResult
+from pipefill.chunking.policy import ChunkPolicy
+from pipefill.kv.cache import WindowedKVCache
+from pipefill.kv.pool import PagePool
+from pipefill.kv.radix import RadixCache
+from pipefill.kv.tiers import StageKV
+from pipefill.kv.window import NO_PAGE, WindowPages, covered_pages, keep_from, window_before
+from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig
+
+PAGE, WINDOW, CHUNK = 4, 10, 8
+NUM_PAGES = 256
+
+
+def make(cache: bool = True, inflight: int = 3):
+    pool = PagePool(NUM_PAGES)
+    window = WindowPages(PagePool(NUM_PAGES), PAGE, WINDOW)
+    tree = RadixCache(PAGE, pool, window_pool=window.pool) if cache else None
+    s = Scheduler(SchedulerConfig(PAGE, CHUNK, 4, 4096, ()), pool, ChunkPolicy(CHUNK), tree,
+                  window=window)
+    # A stage's replay of the plans: its page owners for both pools, checked per plan.
+    stage = StageKV(WindowedKVCache([True, False, True], NUM_PAGES, PAGE, 1, 4,
+                                    torch.float32))
+    return s, stage, inflight
+
+
+def run(s, stage, inflight: int, on_plan=None, limit: int = 10_000):
+    """Plans to completion with up to `inflight` in flight (retired oldest first, as the
+    pipeline does), each replayed into `stage` before its 'forward'; on_plan(plan) sees the
+    pools right after each plan is made."""
+    queue = []
+    for _ in range(limit):
+        plan = s.schedule()
+        if plan is not None:
+            stage.before_forward(plan.page_ops, plan.seqs)
+            stage.after_forward(plan.page_ops)
+            if on_plan is not None:
+                on_plan(plan)
+            queue.append(plan)
+        if plan is None or len(queue) >= inflight:
+            if not queue:  # the last frees reach the stage as the loop's control messages do
+                stage.without_forward(s.kv.drain_ops())
+                return
+            done = queue.pop(0)
+            s.update(done, StepResult(done.step_id, [SeqResult(w.rid, 7 if w.sample else None)
+                                                     for w in done.seqs]))
+    raise AssertionError("did not finish")
+
+
+def live_bound(prompt_len: int) -> int:
+    """Window pages a sequence may hold: the window and a chunk (with a page at each end),
+    and the window before its prompt's last cacheable boundary."""
+    prompt_window = window_before((prompt_len - 1) // PAGE, PAGE, WINDOW)
+    return -(-(WINDOW + CHUNK) // PAGE) + 2 + len(prompt_window)
+
+
+def test_keep_from_and_the_window_before_a_boundary():
+    assert keep_from(5, PAGE, WINDOW) == 0
+    assert keep_from(27, PAGE, WINDOW) == 24 - WINDOW + 1  # the boundary below 27 is 24
+    assert list(window_before(6, PAGE, WINDOW)) == [3, 4, 5]  # tokens 15..23
+    assert list(window_before(2, PAGE, WINDOW)) == [0, 1]
+
+
+@pytest.mark.parametrize("pages,expect", [
+    ([], 0), ([1, 2, 3], 3), ([NO_PAGE, NO_PAGE, 5, 6, 7], 5),
+    ([NO_PAGE, NO_PAGE, NO_PAGE, 5, 6], 0),  # a hole in every boundary's window
+    ([1, 2, NO_PAGE, 4, 5, 6, 7], 7),  # the hole is older than the last window
+    ([1, 2, 3, 4, NO_PAGE, 6, 7], 4),  # the deepest boundary below the hole
+    ([1, NO_PAGE], 1), ([NO_PAGE], 0)])
+def test_covered_pages(pages, expect):
+    assert covered_pages(pages, PAGE, WINDOW) == expect
+
+
+def test_a_prompt_twenty_windows_long_holds_a_window_and_a_chunk_of_window_pages():
+    s, stage, inflight = make()
+    prompt = list(range(100, 100 + 20 * WINDOW))
+    s.add(NewRequest("a", prompt, SamplingParams(max_new_tokens=1)))
+    seen = {"window_peak": 0, "global_peak": 0, "freed": 0}
+
+    def on_plan(plan):
+        seen["window_peak"] = max(seen["window_peak"], s.kv.window.pool.num_used)
+        seen["global_peak"] = max(seen["global_peak"], s.pool.num_used)
+        seen["freed"] += len(plan.page_ops.window_freed)
+        # Every stage's replay holds exactly stage 0's window pages.
+        assert stage.window_owners.num_used == s.kv.window.pool.num_used
+        for w in plan.seqs:  # what the chunk reads is live: the window before its start
+            first = max(0, w.start - WINDOW + 1) // PAGE
+            assert NO_PAGE not in w.window_table[first:]
+
+    run(s, stage, inflight, on_plan)
+    assert seen["global_peak"] == len(prompt) // PAGE  # the global layers keep every token
+    assert seen["window_peak"] <= live_bound(len(prompt)) < len(prompt) // PAGE / 4
+    assert s.kv.window.pool.peak_used == seen["window_peak"]  # the pool's own counter
+    assert seen["freed"] > 0
+    s.pool.check_integrity()
+    s.kv.window.pool.check_integrity()
+
+
+def test_decode_frees_window_pages_too():
+    s, stage, inflight = make(cache=False, inflight=1)
+    prompt = list(range(3 * WINDOW))
+    s.add(NewRequest("a", prompt, SamplingParams(max_new_tokens=15 * WINDOW,
+                                                 ignore_eos=True)))
+    used = []
+    run(s, stage, inflight, lambda plan: used.append(s.kv.window.pool.num_used))
+    decode = used[-14 * WINDOW:]
+    assert max(decode) <= live_bound(len(prompt))
+    assert s.pool.peak_used == -(-(len(prompt) + 15 * WINDOW - 1) // PAGE)
+    # Nothing is held once the request is done (no prefix cache here).
+    assert s.kv.window.pool.num_used == 0 and stage.window_owners.num_used == 0
+
+
+def test_the_same_prompt_again_matches_at_its_boundary_and_reads_a_held_window():
+    s, stage, inflight = make()
+    prompt = list(range(500, 500 + 9 * WINDOW + 3))
+    s.add(NewRequest("a", prompt, SamplingParams(max_new_tokens=4 * WINDOW, ignore_eos=True)))
+    run(s, stage, inflight)
+    assert s.kv.window.pool.num_used == s.kv.cache.num_window_pages > 0
+    # The same prompt: whole pages of all but its last token, their last window held.
+    s.add(NewRequest("b", prompt, SamplingParams(max_new_tokens=2)))
+    plans = []
+    run(s, stage, inflight, plans.append)
+    first = plans[0].seqs[0]
+    assert first.start == (len(prompt) - 1) // PAGE * PAGE
+    assert NO_PAGE not in first.window_table[max(0, first.start - WINDOW + 1) // PAGE:]
+    # A prompt that parts from it mid-prompt, where the window pages were freed: its match
+    # stops at the deepest boundary whose window is held (here none: recomputed from 0).
+    s.add(NewRequest("c", prompt[:5 * WINDOW] + [9] * 30, SamplingParams(max_new_tokens=1)))
+    plans = []
+    run(s, stage, inflight, plans.append)
+    assert plans[0].seqs[0].start == 0
+    s.kv.cache.reset()  # eviction lets the tree's window pages go with its pages
+    assert s.kv.window.pool.num_used == 0 == s.pool.num_used
+
+
+def test_a_preempted_request_resumes_from_its_held_window():
+    s, stage, inflight = make(inflight=1)
+    prompt = list(range(2 * WINDOW + 1))
+    s.add(NewRequest("a", prompt, SamplingParams(max_new_tokens=3 * WINDOW, ignore_eos=True)))
+    for _ in range(12):  # the prompt and a few decode steps
+        plan = s.schedule()
+        stage.before_forward(plan.page_ops, plan.seqs)
+        stage.after_forward(plan.page_ops)
+        s.update(plan, StepResult(plan.step_id, [SeqResult("a", 7 if plan.seqs[0].sample
+                                                           else None)]))
+    r = s.running["a"]
+    done = r.num_scheduled
+    s._preempt(r)
+    plans = []
+    run(s, stage, inflight, plans.append)
+    resumed = plans[0].seqs[0]
+    assert 0 < resumed.start <= done and resumed.start % PAGE == 0
+    s.pool.check_integrity()
+    s.kv.window.pool.check_integrity()
+
+
+def test_scratch_pages_are_free_in_both_pools():
+    s, _, _ = make()
+    taken = s.kv.window.pool.allocate(3)  # window pages 0-2 in use, free in the main pool
+    pages = s.kv.borrow(4)
+    assert len(pages) == 4 and not set(pages) & set(taken)
+    s.kv.give_back(pages)
+    s.kv.window.pool.release(taken)
+    assert s.pool.num_used == 0 == s.kv.window.pool.num_used

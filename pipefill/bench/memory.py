@@ -106,8 +106,9 @@ def stage_needs(args: ServerArgs, cfg: ModelConfig, prompt_tokens: int,
     kv_dtype = resolve_kv_dtype(args.cache.kv_cache_dtype, dtype)
     weight_dtype = resolve_weight_dtype(kernels.weight_dtype, dtype)
     packed = packs_decode_weights(layout, kernels)
-    # Window layers that free their pages hold the window and the chunk being computed.
-    held = (cfg.sliding_window + first_chunk_size(args)
+    # Window layers that free their pages hold the window before the chunk being computed
+    # and the chunk's last window (all of a chunk shorter than the window).
+    held = (cfg.sliding_window + min(first_chunk_size(args), cfg.sliding_window)
             if frees_window_pages(args, cfg.has_windows) else None)
     rows = []
     for rank, layers in enumerate(layout.ranges):
@@ -126,14 +127,14 @@ def prompt_kv_bytes(specs, prompt_tokens: int, page_size: int,
                     window_held: int | None = None) -> int:
     """KV bytes of a prompt's pages over layers of these specs: every token's in a global
     layer; in a sliding-window layer whose pages are freed outside the window, the pages of at
-    most `window_held` tokens (window + chunk) and one page at each end (ARCHITECTURE.md,
-    'Window pages')."""
+    most `window_held` tokens (the window before a chunk and the chunk's last window) and
+    three more (ARCHITECTURE.md, 'Window pages')."""
     pages = -(-prompt_tokens // page_size)
     total = 0
     for spec in specs:
         held = pages
         if spec.window is not None and window_held is not None:
-            held = min(pages, -(-window_held // page_size) + 2)
+            held = min(pages, -(-window_held // page_size) + 3)
         total += held * page_size * spec.bytes_per_token
     return total
 

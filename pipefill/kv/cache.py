@@ -49,17 +49,18 @@ class KVCache:
 
 class WindowedKVCache(KVCache):
     """The global layers of a stage in this KVCache (k, v, pages: what the page pool's ids
-    address), its sliding-window layers in `window`, a KVCache of as many pages addressed by
-    the window pool's ids. Pages of the window tensor become resident only when written, and
-    the window pool hands freed ids out again first, so its memory is its peak use."""
+    address), its sliding-window layers in `window`, a KVCache addressed by the window pool's
+    ids, with one page more: the sink (id num_pages), which takes writes nothing reads
+    (kv/window.py). Pages of the window tensor become resident only when written, and the
+    window pool hands freed ids out again first, so its memory is its peak use."""
 
     def __init__(self, windowed: list[bool], num_pages: int, page_size: int,
                  num_kv_heads: int, head_dim: int, dtype: torch.dtype, device=None):
         num_window = sum(windowed)
         super().__init__(len(windowed) - num_window, num_pages, page_size, num_kv_heads,
                          head_dim, dtype, device)
-        self.window = KVCache(num_window, num_pages, page_size, num_kv_heads, head_dim, dtype,
-                              device)
+        self.window = KVCache(num_window, num_pages + 1, page_size, num_kv_heads, head_dim,
+                              dtype, device)
         self.windowed = tuple(windowed)
         index = {True: iter(range(num_window)), False: iter(range(len(windowed) - num_window))}
         at = [next(index[w]) for w in windowed]  # each layer's index in its own tensor

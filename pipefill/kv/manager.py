@@ -234,12 +234,13 @@ class KVManager:
         r.pages += new
         return new
 
-    def slide(self, r, start: int) -> list[int]:
-        """A windowed model's window pages for r's pages from `start` on, and its window pages
-        no query from there on reads freed (kv/window.py); the new ones ([] without windows)."""
+    def slide(self, r, start: int, end: int) -> list[int]:
+        """A windowed model's window pages for r's tokens [start, end), and its window pages
+        no query from `start` on reads freed (kv/window.py); the new ones ([] without
+        windows)."""
         if self.window is None:
             return []
-        return self.window.slide(r, start, len(r.prompt_ids))
+        return self.window.slide(r, start, end, len(r.prompt_ids))
 
     def insert(self, r, tokens_upto, end: int) -> None:
         """Puts r's whole pages of tokens [0, end) into the cache as soon as their chunk is

@@ -151,7 +151,10 @@ class PageOwners:
     def replay_window(self, seqs, page_size: int) -> None:
         """The window pool's replay (ARCHITECTURE.md, 'Window pages'): each sequence's new
         window pages, its writes by their owner, and reads of written pages only, over the
-        window table's live entries (a freed entry is -1 and nothing reads it)."""
+        window table's pages (a freed entry is -1, the sink, id num_pages, takes writes that
+        nothing reads: neither is checked)."""
+        def pages(entries):
+            return [p for p in entries if 0 <= p < self.num_pages]
         for w in seqs:
             if w.window_table is None:
                 raise PageIntegrityError(f"{w.rid}: a plan without window pages for a model "
@@ -160,7 +163,7 @@ class PageOwners:
             writes = (w.window_table[first:(w.end - 1) // page_size + 1]
                       if w.end > w.start else [])
             self.allocate(w.rid, w.new_window_pages)
-            self.check(w.rid, [p for p in w.window_table[:first] if p >= 0], writes)
+            self.check(w.rid, pages(w.window_table[:first]), pages(writes))
 
     def to_cache(self, pages) -> None:
         for p in pages:

@@ -7,7 +7,10 @@ is older than the window any later query of its sequence can see. The global lay
 the whole history in the ordinary pool, so a sequence's KV grows with its global layers only.
 
 A request's window table is aligned with its page table (`r.window_pages[i]` holds the window
-layers' K/V of the tokens of `r.pages[i]`), with NO_PAGE where the window part was freed.
+layers' K/V of the tokens of `r.pages[i]`), with NO_PAGE where the window part was freed. A
+chunk longer than the window writes its early pages, which no later query reads (each of its
+own queries reads the chunk's new keys as computed), to the sink: one page past the pool's,
+which every stage's window cache has and the pool never hands out.
 
 The prefix cache: a tree page holds a window page too where the last request through it left
 one, and a cached prefix is reused only up to the deepest page boundary whose last window
@@ -66,6 +69,7 @@ class WindowPages:
         self.pool = pool
         self.page_size = page_size
         self.window = window
+        self.sink = pool.num_pages  # the page that takes writes nothing reads (module doc)
         self._cached: list[int] = []  # window pages the tree took since the last plan
 
     def admit(self, r, tree_window: list[int]) -> None:
@@ -75,32 +79,38 @@ class WindowPages:
         r.window_pages = [p if i in live else NO_PAGE for i, p in enumerate(tree_window)]
         self.pool.retain([p for p in r.window_pages if p != NO_PAGE])
 
-    def slide(self, r, start: int, prompt_tokens: int) -> list[int]:
-        """Before r computes from token `start` on: window pages for its pages that have none
-        yet (new ones), and its window pages that no query from `start` on reads go back,
-        except the window before its prompt's last cacheable boundary (kept for the tree).
-        Returns the new window pages (freed ones first: the pool hands them out again)."""
-        prompt_window = window_before((prompt_tokens - 1) // self.page_size, self.page_size,
-                                      self.window)
-        first_needed = keep_from(start, self.page_size, self.window) // self.page_size
-        for i in range(min(first_needed, len(r.window_pages))):
+    def slide(self, r, start: int, end: int, prompt_tokens: int) -> list[int]:
+        """Before r computes tokens [start, end): its window pages that no query from `start`
+        on reads go back, except the window before its prompt's last cacheable boundary (kept
+        for the tree); then its new pages get window pages where a query after this chunk, or
+        its last row (which may read the chunk's keys from the cache), reads them or the
+        prompt's window lies, and the sink elsewhere. Returns the window pages allocated
+        (after the frees: the pool hands freed ones out again first)."""
+        ps, window = self.page_size, self.window
+        prompt_window = window_before((prompt_tokens - 1) // ps, ps, window)
+        for i in range(min(keep_from(start, ps, window) // ps, len(r.window_pages))):
             p = r.window_pages[i]
-            if p != NO_PAGE and i not in prompt_window:
+            if i in prompt_window or p == NO_PAGE:
+                continue
+            if p != self.sink:
                 self.pool.release([p])
-                r.window_pages[i] = NO_PAGE
-        new = self.pool.allocate(len(r.pages) - len(r.window_pages))
-        r.window_pages += new
+            r.window_pages[i] = NO_PAGE
+        first_read = keep_from(end - 1, ps, window) // ps
+        fresh = range(len(r.window_pages), len(r.pages))
+        kept = [i >= first_read or i in prompt_window for i in fresh]
+        new = self.pool.allocate(sum(kept))
+        held = iter(new)
+        r.window_pages += [next(held) if keep else self.sink for keep in kept]
         return new
 
     def release(self, r, tree, tokens_upto) -> None:
         """r lets go of its pages: the tree takes the window pages of r's whole pages that it
         lacks (same tokens, same K/V, whoever computed them), then r's references go."""
+        held = [NO_PAGE if p == self.sink else p for p in r.window_pages]
         full = r.num_inserted
         if tree is not None and full:
-            adopted = tree.attach_window(tokens_upto(full * self.page_size),
-                                         r.window_pages[:full])
-            self._cached += adopted
-        self.pool.release([p for p in r.window_pages if p != NO_PAGE])
+            self._cached += tree.attach_window(tokens_upto(full * self.page_size), held[:full])
+        self.pool.release([p for p in held if p != NO_PAGE])
         r.window_pages = []
 
     def drain(self) -> tuple[list[int], list[int]]:

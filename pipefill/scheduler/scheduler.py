@@ -272,7 +272,7 @@ class Scheduler:
     def _work(self, r: Request, end: int) -> SeqWork:
         start = r.num_scheduled
         new_pages = self.kv.grow(r, end)
-        new_window_pages = self.kv.slide(r, start)
+        new_window_pages = self.kv.slide(r, start, end)
         self.kv.insert(r, r.tokens_upto, end)
         sample = None
         if end == r.num_tokens and r.params.max_new_tokens > 0:

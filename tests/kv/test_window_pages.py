@@ -18,11 +18,11 @@ PAGE, WINDOW, CHUNK = 4, 10, 8
 NUM_PAGES = 256
 
 
-def make(cache: bool = True, inflight: int = 3):
+def make(cache: bool = True, inflight: int = 3, chunk: int = CHUNK):
     pool = PagePool(NUM_PAGES)
     window = WindowPages(PagePool(NUM_PAGES), PAGE, WINDOW)
     tree = RadixCache(PAGE, pool, window_pool=window.pool) if cache else None
-    s = Scheduler(SchedulerConfig(PAGE, CHUNK, 4, 4096, ()), pool, ChunkPolicy(CHUNK), tree,
+    s = Scheduler(SchedulerConfig(PAGE, chunk, 4, 4096, ()), pool, ChunkPolicy(chunk), tree,
                   window=window)
     # A stage's replay of the plans: its page owners for both pools, checked per plan.
     stage = StageKV(WindowedKVCache([True, False, True], NUM_PAGES, PAGE, 1, 4,
@@ -53,11 +53,12 @@ def run(s, stage, inflight: int, on_plan=None, limit: int = 10_000):
     raise AssertionError("did not finish")
 
 
-def live_bound(prompt_len: int) -> int:
-    """Window pages a sequence may hold: the window and a chunk (with a page at each end),
-    and the window before its prompt's last cacheable boundary."""
+def live_bound(prompt_len: int, chunk: int = CHUNK) -> int:
+    """Window pages a sequence may hold: the window before its chunk and the chunk, or the
+    chunk's last window where the chunk is longer (with a page more at each end), and the
+    window before its prompt's last cacheable boundary."""
     prompt_window = window_before((prompt_len - 1) // PAGE, PAGE, WINDOW)
-    return -(-(WINDOW + CHUNK) // PAGE) + 2 + len(prompt_window)
+    return -(-(WINDOW + min(chunk, WINDOW)) // PAGE) + 3 + len(prompt_window)
 
 
 def test_keep_from_and_the_window_before_a_boundary():
@@ -100,6 +101,25 @@ def test_a_prompt_twenty_windows_long_holds_a_window_and_a_chunk_of_window_pages
     assert seen["freed"] > 0
     s.pool.check_integrity()
     s.kv.window.pool.check_integrity()
+
+
+def test_a_chunk_longer_than_the_window_writes_its_early_pages_to_the_sink():
+    chunk = 6 * WINDOW
+    s, stage, inflight = make(chunk=chunk)
+    prompt = list(range(20 * WINDOW))
+    s.add(NewRequest("a", prompt, SamplingParams(max_new_tokens=1)))
+    plans = []
+    run(s, stage, inflight, plans.append)
+    sink = s.kv.window.sink
+    for plan in plans:
+        w = plan.seqs[0]
+        table = w.window_table[w.start // PAGE:]
+        first_read = max(0, (w.end - 1) // PAGE * PAGE - WINDOW + 1) // PAGE - w.start // PAGE
+        # Pages nothing reads after this chunk go to the sink; the last window's are held.
+        assert sink in table[:max(first_read, 0)] or first_read <= 0
+        assert sink not in table[max(first_read, 0):] and NO_PAGE not in table
+    assert s.kv.window.pool.peak_used <= live_bound(len(prompt), chunk) < chunk // PAGE
+    assert s.kv.window.pool.num_used == s.kv.cache.num_window_pages  # no sink held
 
 
 def test_decode_frees_window_pages_too():

@@ -340,9 +340,12 @@ def stage_memory(engine, args: ServerArgs, cfg, n: int, engine_peak: int,
     stats = engine.stats()
     if "window_pages_peak" in stats:  # window layers with pages of their own
         # The pools' peaks since the stages started: the longest prompt's, run alone.
-        report["pages"] = {k: stats[k] for k in ("pages_peak", "window_pages_peak")}
-        report["pages"]["kv_held"] = held_kv_bytes(args, cfg, stats["pages_peak"],
-                                                   stats["window_pages_peak"])
+        pages, window = stats["pages_peak"], stats["window_pages_peak"]
+        one_window = -(-cfg.sliding_window // args.page_size)
+        report["pages"] = {"pages_peak": pages, "window_pages_peak": window,
+                           "kv_held": held_kv_bytes(args, cfg, pages, window),
+                           "kv_one_window": held_kv_bytes(args, cfg, pages, one_window),
+                           "kv_every_token": held_kv_bytes(args, cfg, pages, pages)}
     return report
 
 

@@ -53,6 +53,27 @@ def test_kv_bytes_count_whole_pages_of_each_stage_layers(tmp_path):
     assert report["ratio_pool"] < report["ratio_prompt"]
 
 
+def test_kv_bytes_of_window_layers_count_what_they_hold(tmp_path):
+    """Gemma 3's local layers free their pages outside the window (ARCHITECTURE.md, 'Window
+    pages'): a prompt's KV is its global layer's pages and, per local layer, the window
+    before a chunk and the chunk's last window (three pages more); under PD every layer
+    keeps every token."""
+    from pipefill.model.families.gemma3 import GEMMA3
+    cfg = GEMMA3.config_from_hf(dict(
+        vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
+        num_attention_heads=4, num_key_value_heads=2, head_dim=64, sliding_window=20,
+        sliding_window_pattern=3, max_position_embeddings=1024))  # local, local, global, local
+    per_layer_page = 2 * 2 * 64 * 4 * 4  # K and V, 2 KV heads, head_dim 64, float32, 4 tokens
+    kw = dict(dtype="float32", page_size=4, chunked_prefill_size=64)
+    args = resolve(make_server_args(str(tmp_path), **kw), cfg)
+    needs = stage_needs(args, cfg, prompt_tokens=400, pool_tokens=1024)
+    window_pages = -(-(20 + 20) // 4) + 3
+    assert needs[0]["kv_prompt"] == (100 + 3 * window_pages) * per_layer_page
+    pd = resolve(make_server_args(str(tmp_path), disaggregation_mode="prefill",
+                                  disaggregation_insecure=True, **kw), cfg)
+    assert stage_needs(pd, cfg, 400, 1024)[0]["kv_prompt"] == 4 * 100 * per_layer_page
+
+
 def test_bench_prefill_reports_peak_rss_and_scaling(tmp_path):
     model = save_tiny_model("llama", tmp_path / "model")
     out = tmp_path / "bench.json"

@@ -13,12 +13,13 @@ weights are read once and the extra rows are free). The M values of a shape are 
 turn, round after round (medians of 5), so the ratios hold while the machine's speed drifts.
 
 ``--gguf-type Q4_K`` (any type kernels.gguf_blocks reads) times the quantized decode GEMM
-(pipefill.kernels.quant_gemm: GGUF blocks dequantized in registers) on random blocks of that
-type instead, with --isa one of its paths; ``--shape-set gemma3-270m`` takes Gemma 3 270M's
-shapes (a shape whose K is not whole blocks of the type is skipped, as the loader keeps it
-dequantized; Q4_K_M files use Q5_0/Q8_0 there). ``--gguf-type FP8_E4M3`` times it on random
-FP8 e4m3 codes with 128 x 128 block scales (kernels.fp8_blocks: one byte a weight), against
-bf16's packed copies of the same shapes without it; ``--shape-set deepseek-v2-lite`` takes
+(pipefill.kernels.quant_gemm) on random blocks of that type instead: by default its integer
+path (int8 activations, integer dot products), with --isa one of its paths (int8-avx512vnni,
+int8-avx2, or avx512/avx2/scalar: the blocks dequantized to float32 in registers);
+``--shape-set gemma3-270m`` takes Gemma 3 270M's shapes (a shape whose K is not whole blocks
+of the type is skipped, as the loader keeps it dequantized; Q4_K_M files use Q5_0/Q8_0
+there). ``--gguf-type FP8_E4M3`` times it on random FP8 e4m3 codes with 128 x 128 block
+scales (kernels.fp8_blocks: one byte a weight), against bf16's packed copies of the same shapes without it; ``--shape-set deepseek-v2-lite`` takes
 DeepSeek-V2-Lite's matrices (one routed expert's).
 
     python -m pipefill.bench.decode_gemm --rows 1,2,4,8,16 --threads 2 --isa avx512bf16
@@ -106,8 +107,11 @@ def time_interleaved(mats: list, cases: list, min_s: float, rounds: int = 5) -> 
 def make_linear(k: int, n: int, isa: str, x_dtype, w_dtype, gguf_type: str | None,
                 max_rows: int, seed: int = 0):
     """One matrix on the kernel being timed: packed float32/bf16 weights (decode_gemm), or
-    random GGUF blocks of gguf_type or FP8 codes with block scales (quant_gemm)."""
-    disable = tuple(i for i in qg.ISAS if i != isa)
+    random GGUF blocks of gguf_type or FP8 codes with block scales (quant_gemm); an isa
+    int8-<path> is quant_gemm's integer path (GGUF blocks)."""
+    disable = tuple(i for i in qg.ISAS if i != isa) + ("int8",)
+    if isa.startswith("int8-"):
+        disable = tuple(f"int8-{p}" for p in qg.INT8_PATHS if f"int8-{p}" != isa)
     if gguf_type == FP8:
         codes, scale = fp8_blocks.quantize(
             torch.randn(n, k, generator=torch.Generator().manual_seed(seed)))
@@ -163,7 +167,9 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
     ap.add_argument("--gguf-type", default=None, choices=(*GGUF_TYPES, FP8),
                     help="time the quantized decode GEMM on random GGUF blocks of this type, "
                          f"or {FP8}: FP8 e4m3 codes with 128x128 block scales "
-                         "(--isa then one of " + ", ".join(qg.ISAS) + ")")
+                         "(--isa then one of " + ", ".join(qg.ISAS) + ", or for GGUF blocks "
+                         "the integer path: " + ", ".join(f"int8-{p}" for p in qg.INT8_PATHS)
+                         + "; default: the integer path where it runs)")
     ap.add_argument("--stream-mb", type=int, default=STREAM_BYTES >> 20,
                     help="copies of each matrix rotate through at least this many MiB (more "
                          "than the last-level cache, so that no call finds its weights cached)")
@@ -205,6 +211,10 @@ def run(ns: argparse.Namespace) -> int:
     isa = ns.isa or (qg.choose_isa(fp8=fp8)[0] if ns.gguf_type
                      else dg.choose_isa(x_dtype, w_dtype)[0])
     status = qg.fp8_isa_status() if fp8 else kernel.isa_status()
+    if ns.gguf_type and not fp8:
+        status = {**status, **{f"int8-{p}": s for p, s in qg.int8_status().items()}}
+        if ns.isa is None and qg.choose_int8()[0]:
+            isa = f"int8-{qg.choose_int8()[0]}"
     if isa is None or not status.get(isa, (False,))[0]:
         raise ValueError(f"--isa {isa}: not usable here ({status})")
     weights = ns.gguf_type or w_dtype

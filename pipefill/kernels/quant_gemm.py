@@ -25,12 +25,29 @@ registers), then F.linear: about N·K element operations against the GEMM's 2·M
 a chunk of 256 rows, and one matrix's dequantized copy alive at a time (freed after the call),
 so the stage never holds a dequantized copy of its weights.
 
+The integer path (GGUF blocks; csrc/quant_int8_kernel.h, quant_int8_simd.h) replaces that
+float arithmetic in decode where the CPU has it: each call quantizes every activation row once
+to int8 in blocks of 32 (one float32 scale dx = amax / 127 a block, codes rounded to nearest
+even) and multiplies the blocks' integer codes by them with integer dot products, applying
+each block's float scales once per block (and its offset, Q4_1's m and the K types' mins,
+through the activation block's sum; zero points through the same sums, exactly in int32). The
+dequantization is no longer the work: a block is unpacked once for all rows of a tile and each
+row adds two integer dot products and three float operations per 128 weights. Paths:
+``avx512vnni`` (vpdpbusd on zmm, 8 rows a tile) and ``avx2`` (vpmaddubsw + vpmaddwd on ymm, 4
+rows), chosen from cpuid; ``disable`` turns them off by ``int8`` (both), ``int8-<path>``, or
+the float path their build includes (``avx512`` or ``avx2``); --hide-cpu-flags avx512_vnni
+hides the first (hidden_int8_paths). The activations' rounding is the only change to the
+result: each x is off by at most half its block's dx, as in llama.cpp's Q8_0/Q8_1 dot
+products (tests/kernels/test_quant_int8.py bounds both errors).
+
 API: ``QuantLinear.from_parts([(raw uint8 [n, row_bytes], ggml type), ...], in_features,
 bias, max_rows, disable)``, ``QuantLinear.from_fp8([(weight float8_e4m3fn [n, K], scales
 [ceil(n / 128), ceil(K / 128)]), ...], ...)``; ``lin(x, out=None)`` (decode), ``lin.bind(x,
 out)`` (checked once, then ``bound()`` is the GEMM calls with prebuilt arguments),
 ``lin.prefill(x)``, ``lin.dequantize(dtype)``, ``lin.nbytes``, ``lin.shape``,
-``lin.take_rows(order)``; ``isa_status()``, ``choose_isa(disable, fp8=False)``.
+``lin.take_rows(order)``, ``lin.int8`` (the integer path or None), ``lin.decode_path``;
+``isa_status()``, ``choose_isa(disable, fp8=False)``, ``choose_int8(disable)``,
+``int8_status()``, ``quantize_activations(x, path)``.
 """
 from __future__ import annotations
 
@@ -53,15 +70,26 @@ _BASE = ["-O3", "-std=c++17", "-fPIC", "-ffp-contract=off", "-fno-exceptions"]
 ISA_FLAGS = {"scalar": _BASE,
              "avx2": _BASE + ["-mavx2", "-mfma", "-mf16c"],
              "avx512": _BASE + ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw",
-                                "-mavx512vl"]}
+                                "-mavx512vl"],
+             # The integer path's VNNI build (its AVX2 build is inside "avx2").
+             "avx512vnni": _BASE + ["-mavx2", "-mfma", "-mf16c", "-mavx512f", "-mavx512bw",
+                                    "-mavx512vl", "-mavx512vnni"]}
 _HEADER = CSRC / "quant_gemm_kernel.h"
 _SIMD = CSRC / "quant_gemm_simd.h"  # the AVX2 and AVX-512 paths' kernel
 _FP8_HEADER, _FP8_SIMD = CSRC / "fp8_gemm_kernel.h", CSRC / "fp8_gemm_simd.h"
 _CODE = {torch.float32: 0, torch.bfloat16: 1}
+INT8_PATHS = ("avx512vnni", "avx2")  # the integer path's builds, preference order
+_INT8_CODE = {"avx2": 0, "avx512vnni": 1}
+_INT8_BASE = {"avx512vnni": "avx512", "avx2": "avx2"}  # the float build each one extends
+# CPU flags (as /proc/cpuinfo names them) an integer path needs beyond its float build's.
+INT8_CPU_FLAGS = {"avx512vnni": ("avx512_vnni", "avx512f", "avx512bw", "avx512vl", "f16c"),
+                  "avx2": ("avx2", "fma", "f16c")}
+_INT8_HEADER, _INT8_SIMD = CSRC / "quant_int8_kernel.h", CSRC / "quant_int8_simd.h"
 
 _EXT = IsaExtension("the quantized decode GEMM", functools.partial(
     build_isa_extension, "quant_gemm", "the quantized decode GEMM", ISA_FLAGS,
-    (_HEADER, _SIMD, _FP8_HEADER, _FP8_SIMD), (GLUE_VECTOR_ISA, _HEADER, _FP8_HEADER)),
+    (_HEADER, _SIMD, _FP8_HEADER, _FP8_SIMD, _INT8_HEADER, _INT8_SIMD),
+    (GLUE_VECTOR_ISA, _HEADER, _FP8_HEADER, _INT8_HEADER)),
     _ISA_CODE, "pf_qg_isa_supported")
 
 
@@ -97,6 +125,52 @@ def choose_isa(disable: tuple[str, ...] = (), fp8: bool = False) -> tuple[str, s
     return "torch", "; ".join(reasons)
 
 
+@functools.cache
+def int8_status() -> dict[str, tuple[bool, str]]:
+    """{integer path: (usable here, why not)}, read once per process. Never raises."""
+    if not any(ok for ok, _ in isa_status().values()):
+        return {p: (False, "the kernels did not build") for p in INT8_PATHS}
+    status = {}
+    for path in INT8_PATHS:
+        ok, why = _EXT.module.pf_qg_int8_supported(_INT8_CODE[path])
+        status[path] = (ok, "ok" if ok else "cpuid: " + why)
+    return status
+
+
+def choose_int8(disable: tuple[str, ...] = ()) -> tuple[str | None, str]:
+    """The integer path decode takes -> (path or None, why): the first usable one that
+    `disable` does not turn off ("int8", "int8-<path>" or its float build's name)."""
+    reasons = []
+    for path in INT8_PATHS:
+        ok, why = int8_status()[path]
+        off = {"int8", f"int8-{path}", _INT8_BASE[path]} & set(disable)
+        if off:
+            ok, why = False, f"disabled ({', '.join(sorted(off))})"
+        if ok:
+            return path, "ok"
+        reasons.append(f"{path}: {why}")
+    return None, "; ".join(reasons)
+
+
+def hidden_int8_paths(hidden: str = "") -> tuple[str, ...]:
+    """disable entries for the integer paths that need a flag the user hid (--hide-cpu-flags)."""
+    flags = {f.strip() for f in hidden.split(",")}
+    return tuple(f"int8-{p}" for p, need in INT8_CPU_FLAGS.items() if flags & set(need))
+
+
+def quantize_activations(x: torch.Tensor, path: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """The integer path's quantization of x [M, K] (float32; K a multiple of 32) -> (int8 codes
+    [M, K], float32 scales [M, K / 32]): what its kernels multiply."""
+    x = x.float().contiguous()
+    q = torch.empty(x.shape, dtype=torch.int8)
+    dx = torch.empty(x.shape[0], x.shape[1] // 32, dtype=torch.float32)
+    rc = _EXT.module.pf_qg_int8_quantize(_INT8_CODE[path], x.data_ptr(), x.stride(0), x.shape[0],
+                                         x.shape[1], q.data_ptr(), dx.data_ptr())
+    if rc:
+        raise RuntimeError(f"pipefill int8 quantize ({path}) failed (rc={rc})")
+    return q, dx
+
+
 @dataclass
 class QuantPart:
     """Rows [offset, offset + rows) of a linear layer's output, as GGUF blocks of one type, or
@@ -125,13 +199,15 @@ class QuantLinear:
     layer's stacked matrices (q/k/v, gate/up) may mix block types: one part per type run."""
 
     def __init__(self, parts: list[QuantPart], in_features: int, bias: torch.Tensor | None,
-                 isa: str, max_rows: int):
+                 isa: str, max_rows: int, int8: str | None = None):
         self.parts = parts
         self.in_features = in_features
         self.out_features = sum(p.rows for p in parts)
         self.bias = None if bias is None else bias.float().contiguous()
         self.isa = isa
         self.max_rows = max_rows
+        # The integer path decode takes (GGUF blocks only), or None: the float path.
+        self.int8 = None if isa == "torch" or any(p.scale is not None for p in parts) else int8
 
     @classmethod
     def from_parts(cls, blocks: list[tuple[np.ndarray | torch.Tensor, int]], in_features: int,
@@ -154,7 +230,8 @@ class QuantLinear:
                 parts.append(QuantPart(raw.clone() if not raw.is_contiguous() else raw, qtype,
                                        offset))
             offset += raw.shape[0]
-        return cls(parts, in_features, bias, choose_isa(disable)[0], max_rows)
+        return cls(parts, in_features, bias, choose_isa(disable)[0], max_rows,
+                   choose_int8(disable)[0])
 
     @classmethod
     def from_fp8(cls, matrices: list[tuple[torch.Tensor, torch.Tensor]], in_features: int,
@@ -196,6 +273,15 @@ class QuantLinear:
     def types(self) -> str:
         return "+".join(p.type_name for p in self.parts)
 
+    @property
+    def decode_path(self) -> str:
+        """What decode runs on, for the start-up log."""
+        if self.int8:
+            return f"int8 activations x blocks, integer dot products on {self.int8}"
+        if any(p.scale is not None for p in self.parts):
+            return f"FP8 weights widened to float32 on {self.isa}"
+        return f"blocks dequantized to float32 on {self.isa}"
+
     def take_rows(self, order: torch.Tensor) -> QuantLinear:
         """The layer with its output rows in `order`, as plain_matrix[order]: whole rows move
         (a GGUF row's blocks, an FP8 row with its own scales), each within its part (an order
@@ -212,7 +298,7 @@ class QuantLinear:
             parts.append(QuantPart(p.raw[local].contiguous(), p.qtype, p.offset, p.scale,
                                    None if p.scale_row is None
                                    else p.scale_row[local].contiguous()))
-        return QuantLinear(parts, self.in_features, None, self.isa, self.max_rows)
+        return QuantLinear(parts, self.in_features, None, self.isa, self.max_rows, self.int8)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Decode: x [M, K] float32 or bf16 -> out [M, N] (x's dtype unless out is given)."""
@@ -247,8 +333,10 @@ class QuantLinear:
                     out.data_ptr() + p.offset * out.element_size(), _CODE[out.dtype],
                     out.stride(0), x.shape[0], p.rows, self.in_features))
                 continue
+            gemm, path = ((_EXT.module.pf_qg_int8_gemm, _INT8_CODE[self.int8]) if self.int8
+                          else (_EXT.module.pf_qg_gemm, _ISA_CODE[self.isa]))
             calls.append(functools.partial(
-                _EXT.module.pf_qg_gemm, _ISA_CODE[self.isa], x.data_ptr(), _CODE[x.dtype], x.stride(0),
+                gemm, path, x.data_ptr(), _CODE[x.dtype], x.stride(0),
                 p.raw.data_ptr(), p.qtype, p.raw.shape[1], bias,
                 out.data_ptr() + p.offset * out.element_size(), _CODE[out.dtype], out.stride(0),
                 x.shape[0], p.rows, self.in_features))
@@ -257,8 +345,8 @@ class QuantLinear:
     def _run(self, call) -> None:
         rc = call()
         if rc:
-            raise RuntimeError(f"pipefill quantized GEMM ({self.isa}, {self.types}) failed "
-                               f"(rc={rc})")
+            raise RuntimeError(f"pipefill quantized GEMM ({self.int8 or self.isa}, "
+                               f"{self.types}) failed (rc={rc})")
 
     def dequantize(self, dtype: torch.dtype = torch.float32) -> torch.Tensor:
         """W [N, K] in dtype (float32 or bf16): the file's weights exactly (float32), or
@@ -320,4 +408,5 @@ class BoundQuantLinear:
         return self.out
 
 
-__all__ = ["BLOCK_TYPES", "QuantLinear", "QuantPart", "choose_isa", "isa_status"]
+__all__ = ["BLOCK_TYPES", "INT8_PATHS", "QuantLinear", "QuantPart", "choose_int8", "choose_isa",
+           "hidden_int8_paths", "int8_status", "isa_status", "quantize_activations"]

@@ -63,7 +63,8 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
                          "of memory is available; lower --max-total-tokens")
     weight_dtype = resolve_weight_dtype(args.weight_dtype, dtype)
     from pipefill.kernels.decode_gemm import hidden_isas
-    disable = hidden_isas(args.hide_cpu_flags)
+    from pipefill.kernels.quant_gemm import hidden_int8_paths
+    disable = hidden_isas(args.hide_cpu_flags) + hidden_int8_paths(args.hide_cpu_flags)
     blocks, blocks_why = keeps_blocks(args.weight_dtype, source, device.type, disable)
     weights = load_stage_weights(source, info.layers, info.is_first, info.is_last, dtype,
                                  progress_desc=f"stage {info.rank}: loading layers "
@@ -157,7 +158,7 @@ def log_quantized_weights(rank: int, weights, name: str, blocks: bool, why: str,
               for m in layer.moe.experts.linears if m.plain is None for q in m.packed or ()
               if hasattr(q, "parts")]
     types = sorted({q.types for q in quant})
-    isa = quant[0].isa if quant else "none"
+    isa = quant[0].decode_path if quant else "none"
     kept = weights.kept_dequantized or []
     log.info("stage %d: %s kept quantized (--weight-dtype %s, %s): %d linear layers (%s), "
              "%.0f MiB, decode on %s; prefill dequantizes each matrix per call; left "

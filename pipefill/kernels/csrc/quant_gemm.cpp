@@ -12,6 +12,7 @@
 #include "fp8_gemm_kernel.h"
 #include "glue_vector_isa.h"
 #include "quant_gemm_kernel.h"
+#include "quant_int8_kernel.h"
 
 namespace {
 
@@ -32,10 +33,12 @@ bool shape_ok(int qtype, int64_t row_bytes, int64_t K) {
 // y[M, N] (row stride ldy, float32 or bf16) = x[M, K] (row stride ldx, float32 or bf16) @ W^T
 // (+ bias float32 [N] or None), where cols(xf, ldxf, yf, ldyf, n0, n1) writes the float32 sums
 // of columns [n0, n1) from float32 x: bf16 x is widened first, bf16 y rounded last (after the
-// bias), and the columns are split over torch's pool, `grain` at least per task.
-template <class Cols>
+// bias), and the columns are split over torch's pool, `grain` at least per task. prep(xf, ldf)
+// runs once before the columns (the integer path quantizes the activations there).
+template <class Prep, class Cols>
 int float_gemm(const char* what, Addr x_addr, int x_dtype, int64_t ldx, Addr bias_addr, Addr y_addr,
-               int y_dtype, int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t grain, const Cols& cols) {
+               int y_dtype, int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t grain, const Prep& prep,
+               const Cols& cols) {
   const float* bias = bias_addr.as<const float>();
   return pg::guarded(what, [&] {
     thread_local std::vector<float> xbuf, ybuf;
@@ -56,6 +59,7 @@ int float_gemm(const char* what, Addr x_addr, int x_dtype, int64_t ldx, Addr bia
       yf = ybuf.data();
       ldf_y = N;
     }
+    prep(xf, ldf);
     at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { cols(xf, ldf, yf, ldf_y, n0, n1); });
     for (int64_t m = 0; m < M; ++m) {
       float* yr = yf + m * ldf_y;
@@ -81,7 +85,7 @@ int pf_qg_gemm(int isa, Addr x_addr, int x_dtype, int64_t ldx, Addr w_addr, int 
   auto fn = isa == kAvx512 ? avx512::gemm_cols : isa == kAvx2 ? avx2::gemm_cols : scalar::gemm_cols;
   // Columns per task: at least ~32 KB of blocks, so small matrices stay on one thread.
   return float_gemm("pipefill quantized gemm", x_addr, x_dtype, ldx, bias_addr, y_addr, y_dtype, ldy, M, N, K,
-                    std::max<int64_t>(1, 32768 / row_bytes),
+                    std::max<int64_t>(1, 32768 / row_bytes), [](const float*, int64_t) {},
                     [&](const float* xf, int64_t ldf, float* yf, int64_t ldf_y, int64_t n0, int64_t n1) {
                       fn(xf, ldf, w, qtype, row_bytes, M, K, yf, ldf_y, n0, n1);
                     });
@@ -101,6 +105,88 @@ int pf_qg_dequant(int isa, Addr w_addr, int qtype, int64_t row_bytes, int64_t N,
     at::parallel_for(0, N, std::max<int64_t>(1, 65536 / row_bytes), [&](int64_t n0, int64_t n1) {
       fn(w, qtype, row_bytes, K, n0, n1, out_addr.as<void>(), out_dtype == kBF16, ldo);
     });
+  });
+}
+
+// ---- The integer path: activations quantized to int8 (quant_int8_kernel.h) ----
+
+constexpr int kInt8Avx2 = 0, kInt8Vnni = 1;  // the integer paths' ids
+
+// nullptr when this CPU runs integer path `path`, else the first thing missing. Both use F16C
+// (the blocks' half scales) and AVX2 is the floor of the VNNI build too.
+const char* int8_check(int path) {
+  unsigned a, b, c, d;
+  if (path == kInt8Avx2 || path == kInt8Vnni) {
+    if (const char* why = path == kInt8Vnni ? pg::need_avx512() : pg::need_avx2_fma()) return why;
+    if (!(__get_cpuid(1, &a, &b, &c, &d) && (c & (1u << 29)))) return "no F16C";
+    if (path == kInt8Vnni && !(__get_cpuid_count(7, 0, &a, &b, &c, &d) && (c & (1u << 11))))
+      return "no AVX512_VNNI";
+    return nullptr;
+  }
+  return "unknown integer path";
+}
+
+bool int8_ok(int path) {
+  static const bool ok[2] = {int8_check(kInt8Avx2) == nullptr, int8_check(kInt8Vnni) == nullptr};
+  return (path == kInt8Avx2 || path == kInt8Vnni) && ok[path];
+}
+
+std::tuple<bool, std::string> pf_qg_int8_supported(int path) {
+  const char* why = int8_check(path);
+  return {why == nullptr, why ? why : "ok"};
+}
+
+// One call's quantized activations: natural codes and scales, then the kernels' layout.
+struct Int8Buffers {
+  std::vector<int8_t> nat, q;
+  std::vector<float> dx, dl, sl;
+  std::vector<int32_t> nx;
+  Int8Rows rows(int64_t M, int64_t kp) {
+    nat.resize((size_t)(M * kp));
+    q.resize((size_t)(M * kp));
+    dx.resize((size_t)(M * kp / kUnit));
+    dl.resize((size_t)(M * kp / 8));
+    sl.resize((size_t)(M * kp / 8));
+    nx.resize((size_t)(M * kp / 8));
+    return {q.data(), dl.data(), sl.data(), nx.data(), kp};
+  }
+};
+
+// The GEMM on GGUF blocks with int8 activations (arguments as pf_qg_gemm's; path: kInt8*).
+// Returns 0, or -2 (path not usable here), -3 (bad arguments), -1 (exception).
+int pf_qg_int8_gemm(int path, Addr x_addr, int x_dtype, int64_t ldx, Addr w_addr, int qtype, int64_t row_bytes,
+                    Addr bias_addr, Addr y_addr, int y_dtype, int64_t ldy, int64_t M, int64_t N, int64_t K) {
+  if (!int8_ok(path)) return -2;
+  if (M <= 0 || N <= 0) return 0;
+  if (!shape_ok(qtype, row_bytes, K)) return -3;
+  const uint8_t* w = w_addr.as<const uint8_t>();
+  auto quantize = path == kInt8Vnni ? avx512vnni::int8_quantize : avx2::int8_quantize;
+  auto fn = path == kInt8Vnni ? avx512vnni::int8_gemm_cols : avx2::int8_gemm_cols;
+  const int64_t kp = padded_k(K);
+  thread_local Int8Buffers buf;
+  Int8Rows rows{};
+  return float_gemm("pipefill quantized int8 gemm", x_addr, x_dtype, ldx, bias_addr, y_addr, y_dtype, ldy, M,
+                    N, K, std::max<int64_t>(1, 32768 / row_bytes),
+                    [&](const float* xf, int64_t ldf) {
+                      rows = buf.rows(M, kp);
+                      quantize(xf, ldf, M, K, int8_kind(qtype), buf.nat.data(), kp, buf.dx.data(), kp / kUnit,
+                               &rows);
+                    },
+                    [&](const float*, int64_t, float* yf, int64_t ldf_y, int64_t n0, int64_t n1) {
+                      fn(rows, M, w, qtype, row_bytes, K, yf, ldf_y, n0, n1);
+                    });
+}
+
+// The integer path's quantization of float32 x [M, K] (row stride ldx; K a multiple of 32)
+// into int8 codes q [M, K] and float32 scales dx [M, K / 32] (contiguous), for the tests.
+int pf_qg_int8_quantize(int path, Addr x_addr, int64_t ldx, int64_t M, int64_t K, Addr q_addr, Addr dx_addr) {
+  if (!int8_ok(path)) return -2;
+  if (M <= 0) return 0;
+  if (K <= 0 || K % kUnit) return -3;
+  auto quantize = path == kInt8Vnni ? avx512vnni::int8_quantize : avx2::int8_quantize;
+  return pg::guarded("pipefill int8 quantize", [&] {
+    quantize(x_addr.as<const float>(), ldx, M, K, 0, q_addr.as<int8_t>(), K, dx_addr.as<float>(), K / kUnit,
+             nullptr);
   });
 }
 
@@ -139,7 +225,7 @@ int pf_qg_fp8_gemm(int isa, Addr x_addr, int x_dtype, int64_t ldx, Addr w_addr, 
   const int32_t* scale_row = scale_row_addr.as<const int32_t>();
   auto fn = isa == kAvx512 ? avx512::fp8_gemm_cols : isa == kAvx2 ? avx2::fp8_gemm_cols : scalar::fp8_gemm_cols;
   return float_gemm("pipefill fp8 gemm", x_addr, x_dtype, ldx, bias_addr, y_addr, y_dtype, ldy, M, N, K,
-                    std::max<int64_t>(1, 32768 / K),
+                    std::max<int64_t>(1, 32768 / K), [](const float*, int64_t) {},
                     [&](const float* xf, int64_t ldf, float* yf, int64_t ldf_y, int64_t n0, int64_t n1) {
                       fn(xf, ldf, w, scale, scale_row, lds, M, K, yf, ldf_y, n0, n1);
                     });
@@ -171,6 +257,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pf_qg_isa_supported", &pg::vector_isa_supported);
   m.def("pf_qg_gemm", &pf_qg_gemm, py::call_guard<py::gil_scoped_release>());
   m.def("pf_qg_dequant", &pf_qg_dequant, py::call_guard<py::gil_scoped_release>());
+  m.def("pf_qg_int8_supported", &pf_qg_int8_supported);
+  m.def("pf_qg_int8_gemm", &pf_qg_int8_gemm, py::call_guard<py::gil_scoped_release>());
+  m.def("pf_qg_int8_quantize", &pf_qg_int8_quantize, py::call_guard<py::gil_scoped_release>());
   m.def("pf_qg_fp8_isa_supported", &pf_qg_fp8_isa_supported);
   m.def("pf_qg_fp8_gemm", &pf_qg_fp8_gemm, py::call_guard<py::gil_scoped_release>());
   m.def("pf_qg_fp8_dequant", &pf_qg_fp8_dequant, py::call_guard<py::gil_scoped_release>());

@@ -1,0 +1,107 @@
+// Interface of the quantized decode GEMM's integer path (glue: quant_gemm.cpp; kernels:
+// quant_int8_simd.h inside quant_gemm_avx2.cpp and quant_gemm_avx512vnni.cpp). Plain C++ only.
+//
+// y[M, N] = x[M, K] @ W[N, K]^T with W as GGUF blocks (quant_gemm_kernel.h) and x quantized once
+// per call: each row's natural blocks of 32 become int8 codes q = round(x / dx), dx = amax / 127
+// (float32, rounded to nearest even), so x ~ dx q. A block of 32 weights w = d code (+ m)
+// (- zero point) then gives
+//     sum w x ~ d dx sum(code q) - d dx zero sum(q) + m dx sum(q),
+// integer dot products (VNNI vpdpbusd: u8 x s8 -> s32; AVX2 vpmaddubsw + vpmaddwd) with the
+// block's float scales applied once per block.
+//
+// Register layout ("a group" = 128 weights = 4 slots of 32): a kernel register holds, per
+// 128-bit slot, 16 codes of one 32-weight unit; the group is two registers, "lo" and "hi", whose
+// slots hold the same units, so the 32-bit lanes at one position of lo and hi belong to one unit
+// (and, for Q6_K, to one 16-weight scale). The activations are laid out once per call to match
+// (kind: 0 = slot s is unit s, lo its codes 0..15 and hi 16..31; 1 = Q4_K/Q5_K's nibble order,
+// slots 0..3 are units 0, 2, 1, 3 of the group; 2 = Q6_K: lo holds codes 0..7 and 16..23 of a
+// slot's unit, hi 8..15 and 24..31, so that a lane never straddles two of its 16-weight scales).
+// Per 32-bit lane l of a group (16 lanes: slot l / 4), four float/int arrays give what the lane's
+// sum needs: dl = dx of its unit, nx = -(sum of its 8 codes q: 4 in lo, 4 in hi; the zero point
+// term, exact in int32), sl = dx * that sum (the offset term of Q4_1 and the K types' mins).
+// A row's K is padded to a whole number of groups with zero codes and zero scales.
+#pragma once
+#include <cstdint>
+#include <cstring>
+
+#include "quant_gemm_kernel.h"
+
+namespace pipefill_quant {
+
+constexpr int kGroup = 128;       // weights per group
+constexpr int kLanesPerGroup = 16;  // 32-bit lanes of a group's sums
+
+inline int64_t padded_k(int64_t K) { return (K + kGroup - 1) / kGroup * kGroup; }
+
+// A call's quantized activations in the kernels' layout: row r's codes at q + r * kp, its lane
+// arrays at dl/sl/nx + r * (kp / 8).
+struct Int8Rows {
+  int8_t* q;
+  float* dl;
+  float* sl;
+  int32_t* nx;
+  int64_t kp;
+};
+
+// The activation layout a block type's kernel reads (see above).
+inline int int8_kind(int qtype) { return qtype == kQ4_K || qtype == kQ5_K ? 1 : qtype == kQ6_K ? 2 : 0; }
+
+namespace {
+
+// Unit of the group in slot s of layout `kind`.
+inline int slot_unit(int kind, int s) { return kind == 1 ? (s == 1 ? 2 : s == 2 ? 1 : s) : s; }
+
+// Natural codes nat[kp] and scales dx[kp / 32] of one row -> the layout of `kind` and the lane
+// arrays of row `r` of `rows`.
+inline void lay_out_row(const int8_t* nat, const float* dx, int kind, const Int8Rows& rows, int64_t r) {
+  const int64_t kp = rows.kp;
+  int8_t* q = rows.q + r * kp;
+  float* dl = rows.dl + r * (kp / 8);
+  float* sl = rows.sl + r * (kp / 8);
+  int32_t* nx = rows.nx + r * (kp / 8);
+  for (int64_t g = 0; g < kp / kGroup; ++g)
+    for (int s = 0; s < 4; ++s) {
+      const int64_t unit = 4 * g + slot_unit(kind, s);
+      const int8_t* src = nat + 32 * unit;
+      int8_t* lo = q + kGroup * g + 16 * s;
+      int8_t* hi = lo + 64;
+      if (kind == 2) {
+        std::memcpy(lo, src, 8);
+        std::memcpy(lo + 8, src + 16, 8);
+        std::memcpy(hi, src + 8, 8);
+        std::memcpy(hi + 8, src + 24, 8);
+      } else {
+        std::memcpy(lo, src, 16);
+        std::memcpy(hi, src + 16, 16);
+      }
+      for (int i = 0; i < 4; ++i) {
+        int32_t sum = 0;
+        for (int j = 0; j < 4; ++j) sum += lo[4 * i + j] + hi[4 * i + j];
+        const int64_t l = kLanesPerGroup * g + 4 * s + i;
+        nx[l] = -sum;
+        dl[l] = dx[unit];
+        sl[l] = dx[unit] * (float)sum;
+      }
+    }
+}
+
+}  // namespace
+
+// Each integer path's functions (namespaces avx2 and avx512vnni):
+// int8_quantize: rows [0, M) of x (float32, row stride ldx) -> natural codes nat (row stride
+// ldn) and scales dx (row stride ldd); where `rows` is given (ldn >= its kp), also zero padding
+// up to kp and the kernel layout of `kind` in *rows.
+// int8_gemm_cols: columns [n0, n1) of y (row stride ldy, float32 sums, no bias) from the
+// quantized rows and W's rows n at w + n * row_bytes.
+#define PF_QUANT_INT8(ns)                                                                              \
+  namespace ns {                                                                                       \
+  void int8_quantize(const float* x, int64_t ldx, int64_t M, int64_t K, int kind, int8_t* nat,         \
+                     int64_t ldn, float* dx, int64_t ldd, const Int8Rows* rows);                       \
+  void int8_gemm_cols(const Int8Rows& a, int64_t M, const uint8_t* w, int qtype, int64_t row_bytes,    \
+                      int64_t K, float* y, int64_t ldy, int64_t n0, int64_t n1);                       \
+  }
+PF_QUANT_INT8(avx2)
+PF_QUANT_INT8(avx512vnni)
+#undef PF_QUANT_INT8
+
+}  // namespace pipefill_quant

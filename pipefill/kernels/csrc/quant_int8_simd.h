@@ -1,0 +1,226 @@
+// The integer path of the quantized decode GEMM, written once over the register width: included
+// by quant_gemm_avx2.cpp (V: ymm, two slots, vpmaddubsw + vpmaddwd) and
+// quant_gemm_avx512vnni.cpp (V: zmm, four slots, vpdpbusd). Layouts and arithmetic:
+// quant_int8_kernel.h (the activations), quant_gemm_kernel.h (the blocks).
+//
+// Per group of 128 weights and register's worth of slots (a "chunk": the whole group on zmm,
+// half of it on ymm), the blocks' codes are unpacked once into the lo and hi registers as
+// unsigned bytes (the zero point left in: its term comes from the activations' sums, exactly)
+// and the block scales into float lanes; then every row of the tile adds its integer dot
+// products into one int32 register (the zero point's -zero * sum(q) as its start), converts it
+// and adds it times d dx into its float sum (and, for offset types, m times dx sum(q) into a
+// second one). So a tile of rows reads and unpacks each block once.
+#pragma once
+#include <immintrin.h>
+
+#include "quant_int8_kernel.h"
+
+namespace pipefill_quant {
+namespace {
+
+alignas(64) constexpr uint8_t kZeroBlock[64] = {};  // stands for the blocks past a row's end
+
+inline __m128i bytes16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
+
+inline float half_f16c(const uint8_t* p) {  // exact, as half_at (F16C: both builds have it)
+  uint16_t h;
+  std::memcpy(&h, p, 2);
+  return _cvtsh_ss(h);
+}
+
+// What the integer kernels need to know of a block type.
+template <int QT>
+struct Int8Type {
+  static constexpr int kKind = QT == kQ4_K || QT == kQ5_K ? 1 : QT == kQ6_K ? 2 : 0;
+  // log2 of the zero point held in the unsigned codes (Q8_0: its codes + 128), or -1.
+  static constexpr int kZeroShift = QT == kQ4_0 ? 3 : QT == kQ5_0 ? 4 : QT == kQ6_K ? 5 : QT == kQ8_0 ? 7 : -1;
+  static constexpr bool kOffset = Layout<QT>::kOffset;
+};
+
+// The codes and scales of one chunk (V::kSlots slots of a group) of one weight row.
+template <class V, int QT>
+struct Unpacker {
+  using L = Layout<QT>;
+  using ireg = typename V::ireg;
+  using reg = typename V::reg;
+  static constexpr int kS = V::kSlots;
+  const uint8_t* row;
+  int64_t units;  // 32-weight units in the row
+  const uint8_t* blk[4];  // the 32-weight types: the group's blocks; K types: blk[0] its super-block
+  int half = 0;  // K types: which half (group) of the super-block
+  float d[16], m[16];  // per 16 weights: the 32-weight types' slots (2 s, 2 s + 1); K: the super-block's
+
+  void start(int64_t g) {
+    if constexpr (L::kWeights == 32) {
+      for (int s = 0; s < 4; ++s) {
+        const int64_t u = 4 * g + s;
+        blk[s] = u < units ? row + u * L::kBytes : kZeroBlock;
+        d[2 * s] = d[2 * s + 1] = half_f16c(blk[s]);
+        m[2 * s] = m[2 * s + 1] = QT == kQ4_1 ? half_f16c(blk[s] + 2) : 0.0f;
+      }
+    } else {
+      half = (int)(g & 1);
+      blk[0] = row + (g >> 1) * L::kBytes;
+      if (half == 0) block_scales<QT>(blk[0], d, m);
+    }
+  }
+
+  // lo, hi: the chunk's codes (unsigned); dv, mv: per lane the scale d and the offset m.
+  void chunk(int c, ireg& lo, ireg& hi, reg& dv, reg& mv) const {
+    float dh[2 * kS], mh[2 * kS];
+    const uint8_t* p[kS];
+    int shift[kS];
+    for (int t = 0; t < kS; ++t) {
+      const int s = c * kS + t;
+      const int u = L::kWeights == 32 ? s : 4 * half + slot_unit(Int8Type<QT>::kKind, s);  // unit of the block
+      const int h = L::kWeights == 32 ? 2 * s : 2 * u;
+      dh[2 * t] = d[h];
+      dh[2 * t + 1] = d[h + 1];
+      mh[2 * t] = mh[2 * t + 1] = m[h];
+      if constexpr (L::kWeights == 32) {
+        p[t] = blk[s];
+      } else if constexpr (QT == kQ6_K) {
+        p[t] = blk[0] + 64 * half + 32 * (s & 1);
+        shift[t] = 4 * (s >> 1);
+      } else {
+        p[t] = blk[0] + (QT == kQ4_K ? 16 : 48) + 32 * (u / 2);
+        shift[t] = 4 * (u & 1);
+      }
+    }
+    dv = V::lanes(dh);
+    if constexpr (Int8Type<QT>::kOffset) mv = V::lanes(mh);
+    const ireg f = V::set1(0x0f);
+    if constexpr (QT == kQ8_0) {
+      lo = V::gather(p, 2);
+      hi = V::gather(p, 18);
+      if constexpr (!V::kSignedQ8) {
+        lo = V::xor_(lo, V::set1((char)0x80));
+        hi = V::xor_(hi, V::set1((char)0x80));
+      }
+    } else if constexpr (L::kWeights == 32) {
+      const ireg raw = V::gather(p, QT == kQ4_0 ? 2 : QT == kQ4_1 ? 4 : 6);
+      lo = V::and_(raw, f);
+      hi = V::and_(V::srli16(raw, 4), f);
+      if constexpr (QT == kQ5_0) {
+        uint32_t bits[kS];
+        for (int t = 0; t < kS; ++t) std::memcpy(&bits[t], p[t] + 2, 4);
+        const ireg spread = V::slot_dwords(bits);
+        lo = V::or_(lo, V::fifth_bits(spread, 0));
+        hi = V::or_(hi, V::fifth_bits(spread, 2));
+      }
+    } else {
+      lo = V::and_(V::srlv(V::gather(p, 0), shift), f);
+      hi = V::and_(V::srlv(V::gather(p, 16), shift), f);
+      if constexpr (QT != kQ4_K) {  // the high bit planes, moved to bit 4 up
+        const uint8_t* planes[kS];
+        int pshift[kS];
+        for (int t = 0; t < kS; ++t) {
+          const int s = c * kS + t;
+          planes[t] = QT == kQ5_K ? blk[0] + 16 : blk[0] + 128 + 32 * half;
+          pshift[t] = QT == kQ5_K ? 4 * half + slot_unit(1, s) : 2 * s;
+        }
+        const ireg mask = V::set1(QT == kQ5_K ? 1 : 3);
+        lo = V::or_(lo, V::slli16(V::and_(V::srlv(V::gather(planes, 0), pshift), mask), 4));
+        hi = V::or_(hi, V::slli16(V::and_(V::srlv(V::gather(planes, 16), pshift), mask), 4));
+      }
+      if constexpr (QT == kQ6_K) {  // codes 0..7 and 16..23 in lo, 8..15 and 24..31 in hi
+        const ireg a = lo;
+        lo = V::unpacklo64(a, hi);
+        hi = V::unpackhi64(a, hi);
+      }
+    }
+  }
+};
+
+template <class V, int QT, int R>
+inline void int8_tile(const Int8Rows& a, int64_t m0, const uint8_t* row, int64_t K, float* y, int64_t ldy) {
+  using T = Int8Type<QT>;
+  using reg = typename V::reg;
+  using ireg = typename V::ireg;
+  constexpr int kChunks = 4 / V::kSlots;
+  constexpr bool kSigned = QT == kQ8_0 && V::kSignedQ8;
+  reg acc[R], off[R];
+  for (int r = 0; r < R; ++r) acc[r] = off[r] = V::zero();
+  Unpacker<V, QT> up;
+  up.row = row;
+  up.units = K / kUnit;
+  const int64_t lanes_per_row = a.kp / 8, groups = a.kp / kGroup;
+  const int64_t group_bytes = Layout<QT>::kBytes * kGroup / Layout<QT>::kWeights;
+  for (int64_t g = 0; g < groups; ++g) {
+    _mm_prefetch(reinterpret_cast<const char*>(row + (g + 8) * group_bytes), _MM_HINT_T0);
+    up.start(g);
+    for (int c = 0; c < kChunks; ++c) {
+      ireg lo, hi;
+      reg dv, mv;
+      up.chunk(c, lo, hi, dv, mv);
+      const int64_t xo = g * kGroup + c * 16 * V::kSlots, lane = g * kLanesPerGroup + c * 4 * V::kSlots;
+      for (int r = 0; r < R; ++r) {
+        const int64_t rr = m0 + r;
+        const int8_t* xq = a.q + rr * a.kp + xo;
+        ireg isum;
+        if constexpr (kSigned) {
+          isum = V::dot_signed(lo, hi, V::loadi(xq), V::loadi(xq + 64));
+        } else {
+          ireg start = V::zeroi();
+          if constexpr (T::kZeroShift >= 0)
+            start = V::template shl<T::kZeroShift>(V::loadi(a.nx + rr * lanes_per_row + lane));
+          isum = V::dot(start, lo, hi, V::loadi(xq), V::loadi(xq + 64));
+        }
+        acc[r] = V::fmadd(V::cvt(isum), V::mul(dv, V::load(a.dl + rr * lanes_per_row + lane)), acc[r]);
+        if constexpr (T::kOffset) off[r] = V::fmadd(mv, V::load(a.sl + rr * lanes_per_row + lane), off[r]);
+      }
+    }
+  }
+  for (int r = 0; r < R; ++r) y[r * ldy] = V::sum(acc[r], off[r]);
+}
+
+template <class V, int QT, int R>
+inline void int8_rows_tile(const Int8Rows& a, int64_t m0, const uint8_t* row, int64_t K, float* y, int64_t ldy,
+                           int64_t rows) {
+  if constexpr (R > 1) {
+    if (rows < R) return int8_rows_tile<V, QT, R - 1>(a, m0, row, K, y, ldy, rows);
+  }
+  int8_tile<V, QT, R>(a, m0, row, K, y, ldy);
+}
+
+template <class V>
+void int8_gemm_cols_simd(const Int8Rows& a, int64_t M, const uint8_t* w, int qtype, int64_t row_bytes, int64_t K,
+                         float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  with_type(qtype, [&](auto t) {
+    constexpr int QT = decltype(t)::value;
+    for (int64_t n = n0; n < n1; ++n)
+      for (int64_t m0 = 0; m0 < M; m0 += V::kRows)  // tiles after the first find the row in L1
+        int8_rows_tile<V, QT, V::kRows>(a, m0, w + n * row_bytes, K, y + m0 * ldy + n, ldy,
+                                        M - m0 < V::kRows ? M - m0 : V::kRows);
+  });
+}
+
+template <class V>
+void int8_quantize_simd(const float* x, int64_t ldx, int64_t M, int64_t K, int kind, int8_t* nat, int64_t ldn,
+                        float* dx, int64_t ldd, const Int8Rows* rows) {
+  for (int64_t r = 0; r < M; ++r) {
+    int8_t* q = nat + r * ldn;
+    float* d = dx + r * ldd;
+    for (int64_t b = 0; b < K / kUnit; ++b) d[b] = V::quantize32(x + r * ldx + b * kUnit, q + b * kUnit);
+    if (rows) {
+      std::memset(q + K, 0, (size_t)(rows->kp - K));
+      for (int64_t b = K / kUnit; b < rows->kp / kUnit; ++b) d[b] = 0.0f;
+      lay_out_row(q, d, kind, *rows, r);
+    }
+  }
+}
+
+}  // namespace
+}  // namespace pipefill_quant
+
+// The path's int8_quantize and int8_gemm_cols (quant_int8_kernel.h) on its vector type V,
+// written inside its namespace by its translation unit.
+#define PF_QUANT_INT8_COLS(V)                                                                          \
+  void int8_quantize(const float* x, int64_t ldx, int64_t M, int64_t K, int kind, int8_t* nat,         \
+                     int64_t ldn, float* dx, int64_t ldd, const Int8Rows* rows) {                      \
+    int8_quantize_simd<V>(x, ldx, M, K, kind, nat, ldn, dx, ldd, rows);                                \
+  }                                                                                                    \
+  void int8_gemm_cols(const Int8Rows& a, int64_t M, const uint8_t* w, int qtype, int64_t row_bytes,    \
+                      int64_t K, float* y, int64_t ldy, int64_t n0, int64_t n1) {                      \
+    int8_gemm_cols_simd<V>(a, M, w, qtype, row_bytes, K, y, ldy, n0, n1);                              \
+  }

@@ -1,0 +1,161 @@
+"""The quantized decode GEMM's integer path (kernels.quant_gemm, csrc/quant_int8_*.h): int8
+activations in blocks of 32 times the GGUF blocks' codes, on every integer path this CPU runs
+(the others skipped with cpuid's reason), for every block type, odd shapes (K not a multiple of
+the 128-weight group for the 32-weight types, M = 1..33 around the 8- and 4-row tiles).
+
+Two references, both float64:
+
+* the same quantized activations (quantize_activations: the codes and scales the kernel
+  multiplies) times the blocks' exact weights: the kernel differs by float32 rounding only.
+  Each of its terms is a block's exact integer dot product times d dx (one float32 product),
+  or m times dx sum(q) (one more), added into float32 lanes (K / 128 chain links a lane) and
+  reduced once (16 lanes): a relative error of at most about (K / 128 + 8) 2^-24 of the sum of
+  the terms' magnitudes, which we bound by sum |x'| (|w - offset| + |offset|) per weight (the
+  offset split off: Q4_1's m and the K types' mins, which the kernel adds apart). We allow
+  (K / 32 + 32) 2^-24 of it.
+* the float activations: each x differs from dx q by at most half dx (round to nearest; the
+  float32 reciprocal and dx's own rounding add 127 2^-23 dx at most), so |y - y_float| is at
+  most the first bound plus 0.501 sum_k |w_k| dx(k), the error llama.cpp's Q8 dot products
+  have too.
+
+The quantization itself is checked against numpy: dx = float32(amax) / 127 and q = x (1 / dx)
+rounded to nearest even.
+"""
+import numpy as np
+import pytest
+import torch
+
+from pipefill.kernels import quant_gemm as qg
+from pipefill.kernels.gguf_blocks import BLOCK_TYPES, dequantize_reference, random_blocks
+
+Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 8, 12, 13, 14
+TYPES = [Q4_1, Q8_0, Q6_K, Q4_K, Q5_0, Q4_0, Q5_K]
+SHAPES = [(1, 576, 97), (1, 32, 1), (2, 96, 7), (3, 288, 49), (4, 64, 33), (5, 160, 3),
+          (7, 224, 11), (8, 32, 5), (9, 576, 13), (16, 96, 9), (17, 1536, 5), (33, 320, 7)]
+SHAPES_K = [(1, 640 * 4, 37), (1, 256, 1), (2, 512, 7), (3, 768, 33), (4, 256, 9),
+            (5, 1024, 3), (8, 256, 5), (9, 512, 13), (17, 2048, 5), (33, 256, 7)]
+
+
+def usable(path: str) -> None:
+    ok, why = qg.int8_status()[path]
+    if not ok:
+        pytest.skip(f"integer path {path} cannot run here: {why}")
+
+
+def linear(path: str, parts, k: int, bias=None) -> qg.QuantLinear:
+    usable(path)
+    lin = qg.QuantLinear.from_parts(parts, k, bias, max_rows=64, disable=tuple(
+        f"int8-{p}" for p in qg.INT8_PATHS if p != path))
+    assert lin.int8 == path and path in lin.decode_path
+    return lin
+
+
+def offsets(raw: np.ndarray, qtype: int) -> np.ndarray:
+    """The offset part of every weight (Q4_1's m, the K types' -dmin min; 0 elsewhere):
+    [N, K] float64, so that w - offset is the scaled code."""
+    name, weights, size = BLOCK_TYPES[qtype]
+    n = raw.shape[0]
+    b = np.ascontiguousarray(raw).reshape(n, -1, size)
+    half = lambda at: b[..., at:at + 2].copy().view(np.float16).astype(np.float64)  # noqa: E731
+    if name == "Q4_1":
+        return np.repeat(half(2), 32, axis=-1).reshape(n, -1)
+    if name in ("Q4_K", "Q5_K"):
+        s = b[..., 4:16]
+        lo, mid, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+        mn = np.concatenate([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], axis=-1).astype(np.float64)
+        return np.repeat(-half(2) * mn, 32, axis=-1).reshape(n, -1)
+    return np.zeros((n, raw.shape[1] // size * weights))
+
+
+def references(x: torch.Tensor, q: torch.Tensor, dx: torch.Tensor, parts, bias=None):
+    """(y over the quantized activations, its error scale, y over the float activations, the
+    activations' rounding bound), float64."""
+    w = np.concatenate([dequantize_reference(raw, qt) for raw, qt in parts])
+    off = np.concatenate([offsets(raw, qt) for raw, qt in parts])
+    step = np.repeat(dx.double().numpy(), 32, axis=-1)  # dx of every k
+    xq = q.double().numpy() * step
+    b = 0 if bias is None else bias.double().numpy()
+    y_q = xq @ w.T + b
+    scale = np.abs(xq) @ (np.abs(w - off) + np.abs(off)).T
+    y_f = x.double().numpy() @ w.T + b
+    rounding = 0.501 * step @ np.abs(w).T
+    return y_q, scale, y_f, rounding
+
+
+def check(lin, x, parts, path, k, bias=None, out_dtype=None):
+    q, dx = qg.quantize_activations(x.float(), path)
+    y = lin(x) if out_dtype is None else lin(x, out=torch.empty(x.shape[0], lin.out_features,
+                                                                    dtype=out_dtype))
+    y_q, scale, y_f, rounding = references(x.float(), q, dx, parts, bias)
+    bound = (k / 32 + 32) * 2.0 ** -24 * scale + 1e-30
+    if y.dtype == torch.bfloat16:
+        bound = bound + 2.0 ** -8 * np.abs(y_q)
+    yd = y.double().numpy()
+    err = np.abs(yd - y_q)
+    assert (err <= bound).all(), f"max error {err.max():.3g}, worst ratio {(err / bound).max()}"
+    err_f = np.abs(yd - y_f)
+    assert (err_f <= bound + rounding).all(), (err_f / (bound + rounding)).max()
+
+
+@pytest.mark.parametrize("path", qg.INT8_PATHS)
+def test_quantization_is_round_to_nearest_in_blocks_of_32(path):
+    usable(path)
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(5, 320, generator=g) * torch.logspace(-3, 2, 320)
+    x[1, 32:64] = 0  # an all-zero block: scale 0, codes 0
+    x[2, :32] = -7.0  # amax from a negative value
+    q, dx = qg.quantize_activations(x, path)
+    blocks = x.numpy().reshape(5, 10, 32)
+    amax = np.abs(blocks).max(-1)
+    want_dx = amax.astype(np.float32) / np.float32(127)
+    assert np.array_equal(dx.numpy(), want_dx)
+    inv = np.where(want_dx != 0, np.float32(1) / np.where(want_dx != 0, want_dx, 1), 0)
+    want_q = np.rint((blocks * inv[..., None].astype(np.float32)).astype(np.float32))
+    assert np.array_equal(q.numpy().reshape(5, 10, 32), want_q.astype(np.int8))
+    assert q.abs().max().item() <= 127 and (q[1, 32:64] == 0).all() and (q[2, :32] == -127).all()
+
+
+@pytest.mark.parametrize("path", qg.INT8_PATHS)
+@pytest.mark.parametrize("qtype", TYPES, ids=lambda t: BLOCK_TYPES[t][0])
+def test_int8_gemm_against_float64(path, qtype):
+    shapes = SHAPES_K if BLOCK_TYPES[qtype][1] == 256 else SHAPES
+    for m, k, n in shapes:
+        g = np.random.default_rng(7 * m + k + n + qtype)
+        parts = [(random_blocks(qtype, n, k, g), qtype)]
+        lin = linear(path, parts, k)
+        x = torch.from_numpy(g.standard_normal((m, k)).astype(np.float32))
+        x[:, :32] *= 40  # blocks of very different scales
+        check(lin, x, parts, path, k)
+        check(lin, x.bfloat16(), parts, path, k, out_dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("path", qg.INT8_PATHS)
+def test_int8_mixed_parts_bias_and_bind(path):
+    """A layer of stacked matrices of several types (one call each, on out's columns), with a
+    bias, called directly and through bind."""
+    usable(path)
+    k, m = 512, 6
+    g = np.random.default_rng(3)
+    parts = [(random_blocks(Q4_K, 9, k, g), Q4_K), (random_blocks(Q6_K, 5, k, g), Q6_K),
+             (random_blocks(Q8_0, 7, k, g), Q8_0), (random_blocks(Q4_1, 3, k, g), Q4_1)]
+    bias = torch.from_numpy(g.standard_normal(24).astype(np.float32))
+    lin = linear(path, parts, k, bias)
+    x = torch.from_numpy(g.standard_normal((m, k)).astype(np.float32))
+    check(lin, x, parts, path, k, bias)
+    out = torch.empty(m, 24)
+    bound = lin.bind(x, out)
+    assert torch.equal(bound(), lin(x))
+
+
+def test_paths_are_chosen_and_turned_off():
+    """The integer path is the default where one runs; "int8" turns it off (the float path),
+    as does disabling the float build it belongs to, and --hide-cpu-flags avx512_vnni hides
+    the VNNI one."""
+    raw = random_blocks(Q4_1, 4, 64, np.random.default_rng(0))
+    best = qg.choose_int8()[0]
+    assert qg.QuantLinear.from_parts([(raw, Q4_1)], 64).int8 == best
+    assert qg.QuantLinear.from_parts([(raw, Q4_1)], 64, disable=("int8",)).int8 is None
+    assert qg.choose_int8(("avx512", "avx2"))[0] is None
+    assert qg.hidden_int8_paths("avx512_vnni") == ("int8-avx512vnni",)
+    assert qg.choose_int8(qg.hidden_int8_paths("avx512_vnni"))[0] in (None, "avx2")
+    assert "int8-avx512vnni" not in qg.hidden_int8_paths("avx512_bf16")

@@ -19,8 +19,9 @@ int8-avx2, or avx512/avx2/scalar: the blocks dequantized to float32 in registers
 ``--shape-set gemma3-270m`` takes Gemma 3 270M's shapes (a shape whose K is not whole blocks
 of the type is skipped, as the loader keeps it dequantized; Q4_K_M files use Q5_0/Q8_0
 there). ``--gguf-type FP8_E4M3`` times it on random FP8 e4m3 codes with 128 x 128 block
-scales (kernels.fp8_blocks: one byte a weight), against bf16's packed copies of the same shapes without it; ``--shape-set deepseek-v2-lite`` takes
-DeepSeek-V2-Lite's matrices (one routed expert's).
+scales (kernels.fp8_blocks: one byte a weight), against bf16's packed copies of the same
+shapes without it; ``--shape-set deepseek-v2-lite`` takes DeepSeek-V2-Lite's matrices (one
+routed expert's).
 
     python -m pipefill.bench.decode_gemm --rows 1,2,4,8,16 --threads 2 --isa avx512bf16
     python -m pipefill.bench.decode_gemm --rows 1,8 --threads 2 --gguf-type Q4_K \

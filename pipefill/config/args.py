@@ -94,7 +94,8 @@ class ServerArgs:
         default="auto", choices=["auto", "float32", "bfloat16", "int8", "fp8_e4m3"])
     hide_cpu_flags: str = _flag(
         "Comma-separated CPU flags (as in /proc/cpuinfo, e.g. avx512f,avx512_bf16) that kernel "
-        "selection treats as absent: runs the fallbacks a smaller CPU would get.", default="")
+        "selection treats as absent: runs the fallbacks a smaller CPU would get (avx512_vnni: "
+        "GGUF blocks' decode on AVX2's integer path; f16c: on the float path).", default="")
     max_model_len: int | None = _flag(
         "Longest prompt + output in tokens. Default: the model's trained context. Longer values "
         "are allowed with a warning (quality past the trained context is not guaranteed).",

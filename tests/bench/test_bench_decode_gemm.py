@@ -15,5 +15,7 @@ def test_quantized_gemm_rows_and_skipped_shapes(capsys):
                  "--stream-mb", "1"]) == 0
     out = capsys.readouterr().out
     assert "weights Q4_K" in out
+    int8 = quant_gemm.choose_int8()[0]  # the default: the integer path where one runs
+    assert (f"isa int8-{int8}," if int8 else f"isa {quant_gemm.choose_isa()[0]},") in out
     assert "| qkv 640x1536 | skipped: K is not whole Q4_K blocks |" in out
     assert len([line for line in out.splitlines() if line.startswith("| o_proj 1024x640 |")]) == 2

@@ -88,6 +88,11 @@ struct I256 {
   static reg lanes(const float* h) {
     return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(h)), _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0));
   }
+  // Lane l = v[2 (2 c + l / 4) + odd]: chunk c's slot's d (odd 0) or m (odd 1).
+  static reg slot_lanes(__m256 v, int c, int odd) {
+    const __m256i idx = _mm256_add_epi32(_mm256_set_epi32(2, 2, 2, 2, 0, 0, 0, 0), _mm256_set1_epi32(4 * c + odd));
+    return _mm256_permutevar8x32_ps(v, idx);
+  }
   // Codes up to 63: a pair of products is at most 2 * 63 * 127 and the lo + hi sum of two pairs
   // 32,004, inside int16.
   static ireg dot(ireg start, ireg lo, ireg hi, ireg xlo, ireg xhi) {

@@ -55,6 +55,12 @@ struct V512Vnni {
     return _mm512_permutexvar_ps(_mm512_set_epi32(7, 7, 6, 6, 5, 5, 4, 4, 3, 3, 2, 2, 1, 1, 0, 0),
                                  _mm512_castps256_ps512(_mm256_loadu_ps(h)));
   }
+  // Lane l = v[2 (l / 4) + odd]: slot l / 4's d (odd 0) or m (odd 1) of the group's 8 (chunk c = 0).
+  static reg slot_lanes(__m256 v, int, int odd) {
+    const __m512i idx = _mm512_add_epi32(_mm512_set_epi32(6, 6, 6, 6, 4, 4, 4, 4, 2, 2, 2, 2, 0, 0, 0, 0),
+                                         _mm512_set1_epi32(odd));
+    return _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(v));
+  }
   static ireg dot(ireg start, ireg lo, ireg hi, ireg xlo, ireg xhi) {
     return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, lo, xlo), hi, xhi);
   }

@@ -22,12 +22,6 @@ alignas(64) constexpr uint8_t kZeroBlock[64] = {};  // stands for the blocks pas
 
 inline __m128i bytes16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
 
-inline float half_f16c(const uint8_t* p) {  // exact, as half_at (F16C: both builds have it)
-  uint16_t h;
-  std::memcpy(&h, p, 2);
-  return _cvtsh_ss(h);
-}
-
 // What the integer kernels need to know of a block type.
 template <int QT>
 struct Int8Type {
@@ -48,16 +42,21 @@ struct Unpacker {
   int64_t units;  // 32-weight units in the row
   const uint8_t* blk[4];  // the 32-weight types: the group's blocks; K types: blk[0] its super-block
   int half = 0;  // K types: which half (group) of the super-block
-  float d[16], m[16];  // per 16 weights: the 32-weight types' slots (2 s, 2 s + 1); K: the super-block's
+  // The 32-weight types: d, m of slot s at 2 s, 2 s + 1 (m: the codes' bytes if none), widened
+  // exactly by F16C (both builds have it).
+  __m256 dm;
+  float d[16], m[16];  // K types: the super-block's scale and offset per 16 weights
 
   void start(int64_t g) {
     if constexpr (L::kWeights == 32) {
+      uint32_t halves[4];
       for (int s = 0; s < 4; ++s) {
         const int64_t u = 4 * g + s;
         blk[s] = u < units ? row + u * L::kBytes : kZeroBlock;
-        d[2 * s] = d[2 * s + 1] = half_f16c(blk[s]);
-        m[2 * s] = m[2 * s + 1] = QT == kQ4_1 ? half_f16c(blk[s] + 2) : 0.0f;
+        std::memcpy(&halves[s], blk[s], 4);
       }
+      // Widened in registers (a scalar store each would stall the vector load that reads them).
+      dm = _mm256_cvtph_ps(_mm_setr_epi32((int)halves[0], (int)halves[1], (int)halves[2], (int)halves[3]));
     } else {
       half = (int)(g & 1);
       blk[0] = row + (g >> 1) * L::kBytes;
@@ -69,17 +68,18 @@ struct Unpacker {
   void chunk(int c, ireg& lo, ireg& hi, reg& dv, reg& mv) const {
     float dh[2 * kS], mh[2 * kS];
     const uint8_t* p[kS];
-    int shift[kS];
+    int shift[kS] = {};
     for (int t = 0; t < kS; ++t) {
       const int s = c * kS + t;
-      const int u = L::kWeights == 32 ? s : 4 * half + slot_unit(Int8Type<QT>::kKind, s);  // unit of the block
-      const int h = L::kWeights == 32 ? 2 * s : 2 * u;
-      dh[2 * t] = d[h];
-      dh[2 * t + 1] = d[h + 1];
-      mh[2 * t] = mh[2 * t + 1] = m[h];
       if constexpr (L::kWeights == 32) {
         p[t] = blk[s];
-      } else if constexpr (QT == kQ6_K) {
+        continue;
+      }
+      const int u = 4 * half + slot_unit(Int8Type<QT>::kKind, s);  // the slot's unit in the super-block
+      dh[2 * t] = d[2 * u];
+      dh[2 * t + 1] = d[2 * u + 1];
+      mh[2 * t] = mh[2 * t + 1] = m[2 * u];
+      if constexpr (QT == kQ6_K) {
         p[t] = blk[0] + 64 * half + 32 * (s & 1);
         shift[t] = 4 * (s >> 1);
       } else {
@@ -87,8 +87,13 @@ struct Unpacker {
         shift[t] = 4 * (u & 1);
       }
     }
-    dv = V::lanes(dh);
-    if constexpr (Int8Type<QT>::kOffset) mv = V::lanes(mh);
+    if constexpr (L::kWeights == 32) {
+      dv = V::slot_lanes(dm, c, 0);
+      if constexpr (Int8Type<QT>::kOffset) mv = V::slot_lanes(dm, c, 1);
+    } else {
+      dv = V::lanes(dh);
+      if constexpr (Int8Type<QT>::kOffset) mv = V::lanes(mh);
+    }
     const ireg f = V::set1(0x0f);
     if constexpr (QT == kQ8_0) {
       lo = V::gather(p, 2);

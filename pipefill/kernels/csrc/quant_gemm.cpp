@@ -169,8 +169,7 @@ int pf_qg_int8_gemm(int path, Addr x_addr, int x_dtype, int64_t ldx, Addr w_addr
                     N, K, std::max<int64_t>(1, 32768 / row_bytes),
                     [&](const float* xf, int64_t ldf) {
                       rows = buf.rows(M, kp);
-                      quantize(xf, ldf, M, K, int8_kind(qtype), buf.nat.data(), kp, buf.dx.data(), kp / kUnit,
-                               &rows);
+                      quantize(xf, ldf, M, K, qtype, buf.nat.data(), kp, buf.dx.data(), kp / kUnit, &rows);
                     },
                     [&](const float*, int64_t, float* yf, int64_t ldf_y, int64_t n0, int64_t n1) {
                       fn(rows, M, w, qtype, row_bytes, K, yf, ldf_y, n0, n1);
@@ -185,7 +184,7 @@ int pf_qg_int8_quantize(int path, Addr x_addr, int64_t ldx, int64_t M, int64_t K
   if (K <= 0 || K % kUnit) return -3;
   auto quantize = path == kInt8Vnni ? avx512vnni::int8_quantize : avx2::int8_quantize;
   return pg::guarded("pipefill int8 quantize", [&] {
-    quantize(x_addr.as<const float>(), ldx, M, K, 0, q_addr.as<int8_t>(), K, dx_addr.as<float>(), K / kUnit,
+    quantize(x_addr.as<const float>(), ldx, M, K, kQ8_0, q_addr.as<int8_t>(), K, dx_addr.as<float>(), K / kUnit,
              nullptr);
   });
 }

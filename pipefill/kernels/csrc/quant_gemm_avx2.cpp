@@ -70,8 +70,6 @@ struct I256 {
   static ireg xor_(ireg a, ireg b) { return _mm256_xor_si256(a, b); }
   static ireg srli16(ireg a, int n) { return _mm256_srli_epi16(a, n); }
   static ireg slli16(ireg a, int n) { return _mm256_slli_epi16(a, n); }
-  template <int S>
-  static ireg shl(ireg a) { return _mm256_slli_epi32(a, S); }
   static ireg unpacklo64(ireg a, ireg b) { return _mm256_unpacklo_epi64(a, b); }
   static ireg unpackhi64(ireg a, ireg b) { return _mm256_unpackhi_epi64(a, b); }
   static ireg gather(const uint8_t* const* p, int off) {

@@ -24,8 +24,6 @@ struct V512Vnni {
   static ireg xor_(ireg a, ireg b) { return _mm512_xor_si512(a, b); }
   static ireg srli16(ireg a, int n) { return _mm512_srli_epi16(a, n); }
   static ireg slli16(ireg a, int n) { return _mm512_slli_epi16(a, n); }
-  template <int S>
-  static ireg shl(ireg a) { return _mm512_slli_epi32(a, S); }
   static ireg unpacklo64(ireg a, ireg b) { return _mm512_unpacklo_epi64(a, b); }
   static ireg unpackhi64(ireg a, ireg b) { return _mm512_unpackhi_epi64(a, b); }
   // Slot t: the 16 bytes at p[t] + off.

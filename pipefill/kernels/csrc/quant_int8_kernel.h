@@ -16,9 +16,10 @@
 // (kind: 0 = slot s is unit s, lo its codes 0..15 and hi 16..31; 1 = Q4_K/Q5_K's nibble order,
 // slots 0..3 are units 0, 2, 1, 3 of the group; 2 = Q6_K: lo holds codes 0..7 and 16..23 of a
 // slot's unit, hi 8..15 and 24..31, so that a lane never straddles two of its 16-weight scales).
-// Per 32-bit lane l of a group (16 lanes: slot l / 4), four float/int arrays give what the lane's
-// sum needs: dl = dx of its unit, nx = -(sum of its 8 codes q: 4 in lo, 4 in hi; the zero point
-// term, exact in int32), sl = dx * that sum (the offset term of Q4_1 and the K types' mins).
+// Per 32-bit lane l of a group (16 lanes: slot l / 4), three arrays give what the lane's sum
+// needs: dl = dx of its unit, nx = -zero * (the sum of its 8 codes q: 4 in lo, 4 in hi; the
+// zero point's term, exact in int32: the integer sum's start), sl = dx * that sum (the offset
+// term of Q4_1 and the K types' mins).
 // A row's K is padded to a whole number of groups with zero codes and zero scales.
 #pragma once
 #include <cstdint>
@@ -46,14 +47,20 @@ struct Int8Rows {
 // The activation layout a block type's kernel reads (see above).
 inline int int8_kind(int qtype) { return qtype == kQ4_K || qtype == kQ5_K ? 1 : qtype == kQ6_K ? 2 : 0; }
 
+// The zero point the kernels' unsigned codes hold (Q8_0: its codes + 128 on VNNI), or 0.
+inline int int8_zero(int qtype) {
+  return qtype == kQ4_0 ? 8 : qtype == kQ5_0 ? 16 : qtype == kQ6_K ? 32 : qtype == kQ8_0 ? 128 : 0;
+}
+
 namespace {
 
 // Unit of the group in slot s of layout `kind`.
 inline int slot_unit(int kind, int s) { return kind == 1 ? (s == 1 ? 2 : s == 2 ? 1 : s) : s; }
 
-// Natural codes nat[kp] and scales dx[kp / 32] of one row -> the layout of `kind` and the lane
-// arrays of row `r` of `rows`.
-inline void lay_out_row(const int8_t* nat, const float* dx, int kind, const Int8Rows& rows, int64_t r) {
+// Natural codes nat[kp] and scales dx[kp / 32] of one row -> the layout and the lane arrays of
+// `qtype`'s kernel, row `r` of `rows`.
+inline void lay_out_row(const int8_t* nat, const float* dx, int qtype, const Int8Rows& rows, int64_t r) {
+  const int kind = int8_kind(qtype), zero = int8_zero(qtype);
   const int64_t kp = rows.kp;
   int8_t* q = rows.q + r * kp;
   float* dl = rows.dl + r * (kp / 8);
@@ -78,7 +85,7 @@ inline void lay_out_row(const int8_t* nat, const float* dx, int kind, const Int8
         int32_t sum = 0;
         for (int j = 0; j < 4; ++j) sum += lo[4 * i + j] + hi[4 * i + j];
         const int64_t l = kLanesPerGroup * g + 4 * s + i;
-        nx[l] = -sum;
+        nx[l] = -zero * sum;
         dl[l] = dx[unit];
         sl[l] = dx[unit] * (float)sum;
       }
@@ -90,12 +97,12 @@ inline void lay_out_row(const int8_t* nat, const float* dx, int kind, const Int8
 // Each integer path's functions (namespaces avx2 and avx512vnni):
 // int8_quantize: rows [0, M) of x (float32, row stride ldx) -> natural codes nat (row stride
 // ldn) and scales dx (row stride ldd); where `rows` is given (ldn >= its kp), also zero padding
-// up to kp and the kernel layout of `kind` in *rows.
+// up to kp and the layout of `qtype`'s kernel in *rows.
 // int8_gemm_cols: columns [n0, n1) of y (row stride ldy, float32 sums, no bias) from the
 // quantized rows and W's rows n at w + n * row_bytes.
 #define PF_QUANT_INT8(ns)                                                                              \
   namespace ns {                                                                                       \
-  void int8_quantize(const float* x, int64_t ldx, int64_t M, int64_t K, int kind, int8_t* nat,         \
+  void int8_quantize(const float* x, int64_t ldx, int64_t M, int64_t K, int qtype, int8_t* nat,        \
                      int64_t ldn, float* dx, int64_t ldd, const Int8Rows* rows);                       \
   void int8_gemm_cols(const Int8Rows& a, int64_t M, const uint8_t* w, int qtype, int64_t row_bytes,    \
                       int64_t K, float* y, int64_t ldy, int64_t n0, int64_t n1);                       \

@@ -26,8 +26,7 @@ inline __m128i bytes16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_ca
 template <int QT>
 struct Int8Type {
   static constexpr int kKind = QT == kQ4_K || QT == kQ5_K ? 1 : QT == kQ6_K ? 2 : 0;
-  // log2 of the zero point held in the unsigned codes (Q8_0: its codes + 128), or -1.
-  static constexpr int kZeroShift = QT == kQ4_0 ? 3 : QT == kQ5_0 ? 4 : QT == kQ6_K ? 5 : QT == kQ8_0 ? 7 : -1;
+  static constexpr bool kZero = QT == kQ4_0 || QT == kQ5_0 || QT == kQ6_K || QT == kQ8_0;  // int8_zero
   static constexpr bool kOffset = Layout<QT>::kOffset;
 };
 
@@ -166,9 +165,7 @@ inline void int8_tile(const Int8Rows& a, int64_t m0, const uint8_t* row, int64_t
         if constexpr (kSigned) {
           isum = V::dot_signed(lo, hi, V::loadi(xq), V::loadi(xq + 64));
         } else {
-          ireg start = V::zeroi();
-          if constexpr (T::kZeroShift >= 0)
-            start = V::template shl<T::kZeroShift>(V::loadi(a.nx + rr * lanes_per_row + lane));
+          const ireg start = T::kZero ? V::loadi(a.nx + rr * lanes_per_row + lane) : V::zeroi();
           isum = V::dot(start, lo, hi, V::loadi(xq), V::loadi(xq + 64));
         }
         acc[r] = V::fmadd(V::cvt(isum), V::mul(dv, V::load(a.dl + rr * lanes_per_row + lane)), acc[r]);
@@ -201,7 +198,7 @@ void int8_gemm_cols_simd(const Int8Rows& a, int64_t M, const uint8_t* w, int qty
 }
 
 template <class V>
-void int8_quantize_simd(const float* x, int64_t ldx, int64_t M, int64_t K, int kind, int8_t* nat, int64_t ldn,
+void int8_quantize_simd(const float* x, int64_t ldx, int64_t M, int64_t K, int qtype, int8_t* nat, int64_t ldn,
                         float* dx, int64_t ldd, const Int8Rows* rows) {
   for (int64_t r = 0; r < M; ++r) {
     int8_t* q = nat + r * ldn;
@@ -210,7 +207,7 @@ void int8_quantize_simd(const float* x, int64_t ldx, int64_t M, int64_t K, int k
     if (rows) {
       std::memset(q + K, 0, (size_t)(rows->kp - K));
       for (int64_t b = K / kUnit; b < rows->kp / kUnit; ++b) d[b] = 0.0f;
-      lay_out_row(q, d, kind, *rows, r);
+      lay_out_row(q, d, qtype, *rows, r);
     }
   }
 }
@@ -221,9 +218,9 @@ void int8_quantize_simd(const float* x, int64_t ldx, int64_t M, int64_t K, int k
 // The path's int8_quantize and int8_gemm_cols (quant_int8_kernel.h) on its vector type V,
 // written inside its namespace by its translation unit.
 #define PF_QUANT_INT8_COLS(V)                                                                          \
-  void int8_quantize(const float* x, int64_t ldx, int64_t M, int64_t K, int kind, int8_t* nat,         \
+  void int8_quantize(const float* x, int64_t ldx, int64_t M, int64_t K, int qtype, int8_t* nat,        \
                      int64_t ldn, float* dx, int64_t ldd, const Int8Rows* rows) {                      \
-    int8_quantize_simd<V>(x, ldx, M, K, kind, nat, ldn, dx, ldd, rows);                                \
+    int8_quantize_simd<V>(x, ldx, M, K, qtype, nat, ldn, dx, ldd, rows);                               \
   }                                                                                                    \
   void int8_gemm_cols(const Int8Rows& a, int64_t M, const uint8_t* w, int qtype, int64_t row_bytes,    \
                       int64_t K, float* y, int64_t ldy, int64_t n0, int64_t n1) {                      \

@@ -28,12 +28,9 @@ import torch
 from pipefill.kernels import quant_gemm as qg
 from pipefill.kernels.gguf_blocks import BLOCK_TYPES, dequantize_reference, random_blocks
 
-Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 8, 12, 13, 14
-TYPES = [Q4_1, Q8_0, Q6_K, Q4_K, Q5_0, Q4_0, Q5_K]
-SHAPES = [(1, 576, 97), (1, 32, 1), (2, 96, 7), (3, 288, 49), (4, 64, 33), (5, 160, 3),
-          (7, 224, 11), (8, 32, 5), (9, 576, 13), (16, 96, 9), (17, 1536, 5), (33, 320, 7)]
-SHAPES_K = [(1, 640 * 4, 37), (1, 256, 1), (2, 512, 7), (3, 768, 33), (4, 256, 9),
-            (5, 1024, 3), (8, 256, 5), (9, 512, 13), (17, 2048, 5), (33, 256, 7)]
+from test_quant_gemm import Q4_0, Q4_1, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0, shapes
+
+TYPES = [Q4_1, Q8_0, Q6_K, Q4_K, Q5_0, Q4_0, Q5_K]  # the default model's first, then Gemma 3's
 
 
 def usable(path: str) -> None:
@@ -118,8 +115,7 @@ def test_quantization_is_round_to_nearest_in_blocks_of_32(path):
 @pytest.mark.parametrize("path", qg.INT8_PATHS)
 @pytest.mark.parametrize("qtype", TYPES, ids=lambda t: BLOCK_TYPES[t][0])
 def test_int8_gemm_against_float64(path, qtype):
-    shapes = SHAPES_K if BLOCK_TYPES[qtype][1] == 256 else SHAPES
-    for m, k, n in shapes:
+    for m, k, n in shapes(qtype):  # K not whole groups of 128 for the 32-weight types
         g = np.random.default_rng(7 * m + k + n + qtype)
         parts = [(random_blocks(qtype, n, k, g), qtype)]
         lin = linear(path, parts, k)

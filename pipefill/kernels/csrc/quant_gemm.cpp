@@ -136,19 +136,22 @@ std::tuple<bool, std::string> pf_qg_int8_supported(int path) {
   return {why == nullptr, why ? why : "ok"};
 }
 
-// One call's quantized activations: natural codes and scales, then the kernels' layout.
+// One call's quantized activations in the caller's scratch, every array 64-byte aligned (the
+// kernels' activation loads then never split a cache line): natural codes and scales, then the
+// kernels' layout.
 struct Int8Buffers {
-  std::vector<int8_t> nat, q;
-  std::vector<float> dx, dl, sl;
-  std::vector<int32_t> nx;
+  pg::ThreadScratch scratch;
+  int8_t* nat = nullptr;
+  float* dx = nullptr;
   Int8Rows rows(int64_t M, int64_t kp) {
-    nat.resize((size_t)(M * kp));
-    q.resize((size_t)(M * kp));
-    dx.resize((size_t)(M * kp / kUnit));
-    dl.resize((size_t)(M * kp / 8));
-    sl.resize((size_t)(M * kp / 8));
-    nx.resize((size_t)(M * kp / 8));
-    return {q.data(), dl.data(), sl.data(), nx.data(), kp};
+    const size_t codes = pg::align64((size_t)(M * kp)), scales = pg::align64((size_t)(M * kp / kUnit) * 4),
+                 lanes = pg::align64((size_t)(M * kp / 8) * 4);
+    char* base = static_cast<char*>(scratch.get(2 * codes + scales + 3 * lanes));
+    nat = reinterpret_cast<int8_t*>(base);
+    dx = reinterpret_cast<float*>(base + 2 * codes);
+    char* lane = base + 2 * codes + scales;
+    return {reinterpret_cast<int8_t*>(base + codes), reinterpret_cast<float*>(lane),
+            reinterpret_cast<float*>(lane + lanes), reinterpret_cast<int32_t*>(lane + 2 * lanes), kp};
   }
 };
 
@@ -169,7 +172,7 @@ int pf_qg_int8_gemm(int path, Addr x_addr, int x_dtype, int64_t ldx, Addr w_addr
                     N, K, std::max<int64_t>(1, 32768 / row_bytes),
                     [&](const float* xf, int64_t ldf) {
                       rows = buf.rows(M, kp);
-                      quantize(xf, ldf, M, K, qtype, buf.nat.data(), kp, buf.dx.data(), kp / kUnit, &rows);
+                      quantize(xf, ldf, M, K, qtype, buf.nat, kp, buf.dx, kp / kUnit, &rows);
                     },
                     [&](const float*, int64_t, float* yf, int64_t ldf_y, int64_t n0, int64_t n1) {
                       fn(rows, M, w, qtype, row_bytes, K, yf, ldf_y, n0, n1);

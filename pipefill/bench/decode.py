@@ -10,6 +10,8 @@ sampling, as on a last stage). Timed, interleaved per repetition:
 * torch    — the same stage with the packed copies switched off (F.linear everywhere);
 * general  — the packed GEMM, but every layer through the family's layer_forward instead of
              the lean decode path (model/decode_step.py): what the per-call overhead costs;
+* latent torch — a latent-attention model (DeepSeek) whose decode rows run on the latent
+             kernel (kernels/mla_attention.py): the same steps with them in torch (mla.absorbed);
 * engine   — pipefill's whole `Engine.generate` loop (front end, scheduler, stage process,
              sampling, detokenization) for 1 + S new tokens, timed as HF's is: per step
              (last token - first token) / S, a batch of equal prompts, the prefix cache off;
@@ -35,6 +37,7 @@ routers' own time (GEMM, softmax, top-k: torch ops) as a share of the step.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import logging
@@ -110,7 +113,9 @@ def run(ns: argparse.Namespace) -> int:
     bw = copy_bandwidth()
     hf = None if ns.no_hf else load_hf_model(source, dtype)
     print(f"{cpu_name()}, {args.layout.num_threads} threads, {dtype_name(dtype)} compute, "
-          f"weights {args.weight_dtype}; copy bandwidth {bw / 1e9:.1f} GB/s (read + write)")
+          f"weights {args.weight_dtype}; copy bandwidth {bw / 1e9:.1f} GB/s (read + write)"
+          + (f"; {executor.model.attention.describe()}"
+             if hasattr(executor.model.attention, "describe") else ""))
     cases = [(batch, context) for context in contexts for batch in batches]
     peer = start_peer(ns, resolve_model_path(args.model_path), args.layout.num_threads,
                       per_seq + 16)
@@ -228,8 +233,9 @@ def bench_cases(executor, cases: list[tuple[int, int]], pages_per_seq: int, step
         if part is not None:  # real memory behind every page the steps read (any layout)
             part.k.fill_(0.01)
             part.v.fill_(0.01)
-    times = {case: {"ours": [], "torch": [], "general": [], "routed_bytes": [], "peer": []}
-             for case in cases}
+    times = {case: {"ours": [], "torch": [], "general": [], "routed_bytes": [], "peer": [],
+                    "latent_torch": []} for case in cases}
+    latent_kernel = getattr(model.attention, "decode_isa", None) is not None
     for case in cases:
         _steps_ms(executor, *case, pages_per_seq, 2)  # warm-up (buffers of this batch size)
     for _ in range(reps):
@@ -243,6 +249,9 @@ def bench_cases(executor, cases: list[tuple[int, int]], pages_per_seq: int, step
             model.fast_decode = True
             if peer is not None and case[0] == 1:  # llama-cpp-python decodes one sequence
                 t["peer"].append(peer(case[1], steps))
+            if latent_kernel:
+                with _TorchLatentDecode(model):
+                    t["latent_torch"] += _steps_ms(executor, *case, pages_per_seq, steps)
     rows = [_row(model, cache, *case, times[case], bw) for case in cases]
     for row, case in zip(rows, cases):
         if times[case]["peer"]:
@@ -252,6 +261,21 @@ def bench_cases(executor, cases: list[tuple[int, int]], pages_per_seq: int, step
         for row in rows:
             row["router_ms"] = router_ms(model, row["batch"], reps * steps)
     return rows
+
+
+class _TorchLatentDecode:
+    """Runs a latent-attention model's decode rows in torch instead of on the latent kernel,
+    for the `latent torch` measurement."""
+
+    def __init__(self, model):
+        self.model = model
+
+    def __enter__(self):
+        self.saved = self.model.attention
+        self.model.attention = dataclasses.replace(self.saved, decode_isa=None)
+
+    def __exit__(self, *exc):
+        self.model.attention = self.saved
 
 
 def _steps_ms(executor, batch: int, context: int, pages_per_seq: int, n_steps: int,
@@ -306,7 +330,9 @@ def _row(model, cache, batch: int, context: int, times: dict, bw: float) -> dict
             "general_ms": statistics.median(times["general"]),
             "tok_per_s_per_request": 1e3 / ms, "tok_per_s": batch * 1e3 / ms,
             "weight_bytes": wbytes, "routed_expert_bytes": routed, "kv_bytes": kv, "gb_per_s": (wbytes + kv) / ms / 1e6,
-            "floor_ms": 1e3 * (wbytes + kv) / bw}
+            "floor_ms": 1e3 * (wbytes + kv) / bw,
+            **({"latent_torch_ms": statistics.median(times["latent_torch"])}
+               if times["latent_torch"] else {})}
 
 
 def equal_prompts(batch: int, context: int, vocab: int) -> torch.Tensor:
@@ -382,6 +408,9 @@ def print_row(row: dict) -> None:
         line += (f"  |  llama.cpp {row['llama_cpp_ms']:7.2f} ms/token "
                  f"[{_spread(row['llama_cpp_ms_all'])}]  pipefill tok/s / llama.cpp's "
                  f"{row['llama_cpp_ms'] / row['ms']:.2f}")
+    if "latent_torch_ms" in row:  # the latent kernel against torch on the same steps
+        line += (f"  latent attention in torch {row['latent_torch_ms']:7.2f} ms "
+                 f"({row['latent_torch_ms'] / row['ms']:4.2f}x)")
     if "hf_ms" in row:
         line += (f"  |  Engine.generate {row['engine_ms']:7.2f} ms/step "
                  f"[{_spread(row['engine_ms_all'])}]  HF generate {row['hf_ms']:7.2f} ms/step "

@@ -81,8 +81,17 @@ class ServerArgs:
     attention_backend: str = _flag(
         "Prefill/decode attention: auto (the best kernel the CPU runs: amx with AMX-BF16, "
         "avx512bf16 (vdpbf16ps), avx512 or avx2 (float32 compute); split SDPA where none "
-        "fits), or one of amx, avx512bf16, avx512, avx2, sdpa. The choice is logged at start.",
+        "fits), or one of amx, avx512bf16, avx512, avx2, sdpa. The choice is logged at start. "
+        "A latent-attention model (DeepSeek-V2/V3) attends in torch but for its decode rows, "
+        "which auto runs on the latent decode kernel (AVX-512, AVX2 or scalar by the CPU) and "
+        "sdpa in torch.",
         default="auto", choices=["auto", "amx", "avx512bf16", "avx512", "avx2", "sdpa"])
+    mla_prefill_attention: str = _flag(
+        "How a latent-attention model's (DeepSeek-V2/V3) prefill chunks attend: auto (each "
+        "chunk the cheaper, by its FLOPs and bytes at its prefix length, of decompressing "
+        "every head's keys and values and attending in the latent space; the rule is logged "
+        "once), decompressed or absorbed.",
+        default="auto", choices=["auto", "decompressed", "absorbed"])
     kv_cache_dtype: str = _flag(
         "KV-cache dtype: auto (the compute dtype), float32, bfloat16 (half the KV memory; "
         "the vector kernels widen it in registers, so a float32 model keeps float32 math), or "

@@ -173,11 +173,12 @@ class Kernels:
     decode_gemm_max_rows: int
     weight_dtype: str
     hide_cpu_flags: str
+    mla_prefill_attention: str = "auto"
 
     @staticmethod
     def of(args) -> "Kernels":
         return Kernels(args.attention_backend, args.prefill_gemm, args.decode_gemm_max_rows,
-                       args.weight_dtype, args.hide_cpu_flags)
+                       args.weight_dtype, args.hide_cpu_flags, args.mla_prefill_attention)
 
     def __post_init__(self) -> None:
         if self.decode_gemm_max_rows < 0:

@@ -176,10 +176,19 @@ def lookup_prefill(endpoint: m.Endpoint, timeout_s: float = 60.0,
 
 def check_compatible(info: m.PrefillInfo, *, page_size: int, kv_dtype: str,
                      model_fingerprint: str, backend: str, num_layers: int,
-                     kv_layout: str = "token-major") -> None:
+                     kv_layout: str = "token-major", kv_latent=()) -> None:
     """Raises ValueError naming the flag to change when this decode cannot take the prefill's
-    KV; also checks that the prefill stages' layers tile [0, num_layers)."""
+    KV; also checks that the prefill stages' layers tile [0, num_layers). kv_latent: this
+    decode's m.latent_layout (a latent-attention model's pages), checked first, with its
+    dtype: both sides must read a page's values alike."""
     s = info.stages[0]
+    mine = list(kv_latent)
+    if (s.kv_latent or mine) and (list(s.kv_latent), s.kv_dtype) != (mine, kv_dtype):
+        raise ValueError(f"the prefill server's KV pages hold "
+                         f"{m.describe_kv(list(s.kv_latent), s.kv_dtype)}, this decode's "
+                         f"{m.describe_kv(mine, kv_dtype)}: a pair must agree on the latent "
+                         "layout; start both with the same --model-path, --dtype and "
+                         "--kv-cache-dtype")
     if s.model_fingerprint != model_fingerprint or s.num_layers != num_layers:
         raise ValueError("the prefill server runs a different model: start both with the same "
                          "--model-path")

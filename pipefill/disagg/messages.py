@@ -56,6 +56,9 @@ class RegisterStage(_Msg):
     model_fingerprint: str
     backend: str  # "tcp" | "mooncake"
     kv_layout: str = "token-major"  # or "amx-packed": pages are moved as opaque bytes
+    # A latent-attention model's pages: [latent_dim, kv_lora_rank, qk_rope_head_dim] values a
+    # token and layer (latent_layout); [] for per-head keys and values.
+    kv_latent: list[int] = []
 
 
 class Ack(_Msg):
@@ -180,6 +183,21 @@ def decode(data: bytes) -> Message | None:
     except (msgspec.DecodeError, msgspec.ValidationError) as e:
         log.debug("not a disaggregation message: %s", e)
         return None
+
+
+def latent_layout(model_config) -> list[int]:
+    """What a latent-attention (MLA) model's KV pages hold per token and layer:
+    [latent_dim, kv_lora_rank, qk_rope_head_dim]; [] for a model with per-head K and V."""
+    mla = getattr(model_config, "mla", None)
+    return [] if mla is None else [mla.latent_dim, mla.kv_lora_rank, mla.qk_rope_head_dim]
+
+
+def describe_kv(latent: list[int], kv_dtype: str) -> str:
+    """A sentence's words for a side's KV pages (latent_layout and dtype)."""
+    if not latent:
+        return f"per-head keys and values in {kv_dtype}"
+    return (f"a latent of {latent[0]} {kv_dtype} values a token (kv_lora_rank {latent[1]} + "
+            f"rope {latent[2]})")
 
 
 def model_fingerprint(model_config) -> str:

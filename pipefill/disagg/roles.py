@@ -99,7 +99,8 @@ class PrefillStagePD(PrefillRole):
         kv_heads, head_dim = page_dims(executor.cache)
         reg = self.sender.registration(pp_size=args.pp_size, num_layers=cfg.num_layers,
                                        num_kv_heads=kv_heads, head_dim=head_dim,
-                                       model_fingerprint=m.model_fingerprint(cfg))
+                                       model_fingerprint=m.model_fingerprint(cfg),
+                                       kv_latent=m.latent_layout(cfg))
         register_stage(m.Endpoint(host, disagg.bootstrap_port), reg, secret=secret)
 
     def after_forward(self, plan) -> None:
@@ -423,7 +424,8 @@ class DecodeStagePD(DecodeRole):
         check_compatible(info, page_size=self.kv.page_size, kv_dtype=dtype_name(self.kv.dtype),
                          model_fingerprint=m.model_fingerprint(self.cfg),
                          backend=self.disagg.transfer_backend,
-                         num_layers=self.cfg.num_layers, kv_layout=self.kv.layout)
+                         num_layers=self.cfg.num_layers, kv_layout=self.kv.layout,
+                         kv_latent=m.latent_layout(self.cfg))
         self.receiver.connect(key, info, timeout_s=deadline.remaining(),
                               decode_layer_ranges=self.layer_ranges)
 

@@ -63,12 +63,14 @@ class KVSender:
         self.endpoint = m.Endpoint(host, self._listener.port)
 
     def registration(self, *, pp_size: int, num_layers: int, num_kv_heads: int, head_dim: int,
-                     model_fingerprint: str) -> m.RegisterStage:
+                     model_fingerprint: str, kv_latent: list[int] | None = None
+                     ) -> m.RegisterStage:
         from pipefill.base.platform import dtype_name
         return m.RegisterStage(self.rank, pp_size, self.kv.layer_start, self.kv.layer_end,
                                num_layers, self.endpoint, self.kv.page_size,
                                dtype_name(self.kv.dtype), num_kv_heads, head_dim,
-                               model_fingerprint, self.data.name, self.kv.layout)
+                               model_fingerprint, self.data.name, self.kv.layout,
+                               kv_latent or [])
 
     # ---- the caller's side: never blocks on the network
     def open_room(self, room: int, sends_final: bool = False) -> None:

@@ -98,13 +98,17 @@ def _check_stage(s: m.RegisterStage, n: int) -> None:
     for name in ("page_size", "num_kv_heads", "head_dim", "num_layers"):
         if getattr(s, name) <= 0:
             raise ValueError(f"stage {s.rank}'s {name} is {getattr(s, name)}, not positive")
+    latent = s.kv_latent
+    if latent and (len(latent) != 3 or min(latent) <= 0 or latent[0] != latent[1] + latent[2]):
+        raise ValueError(f"stage {s.rank}'s kv_latent {latent!r:.40} is not [latent_dim, "
+                         "kv_lora_rank, rope] with latent_dim = kv_lora_rank + rope")
 
 
 def _check_agrees(s: m.RegisterStage, first: m.RegisterStage) -> None:
     """Every stage describes the same model and KV pages (the decode checks stage 0's against
     its own)."""
     for name in ("model_fingerprint", "num_layers", "page_size", "kv_dtype", "kv_layout",
-                 "backend", "num_kv_heads", "head_dim"):
+                 "backend", "num_kv_heads", "head_dim", "kv_latent"):
         if getattr(s, name) != getattr(first, name):
             raise ValueError(f"stage {s.rank}'s {name} {getattr(s, name)!r:.40} differs from "
                              f"stage 0's {getattr(first, name)!r:.40}")

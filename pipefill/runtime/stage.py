@@ -13,6 +13,7 @@ from pipefill.kv.tiers import build_stage_kv
 from pipefill.model.attention import (QuantVectorAttention, backend_attention, choose_backend,
                                        resolve_kv_dtype, uses_packed_cache)
 from pipefill.model.layers import FusedOps, elementwise_ops
+from pipefill.model.mla import LatentAttention, choose_latent_attention
 from pipefill.model.loader import (WeightSource, keeps_blocks, load_stage_weights,
                                    pack_stage_weights, reorder_prefill_weights,
                                    resolve_weight_dtype)
@@ -95,6 +96,8 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
         cache = KVCache(len(info.layers), num_pages, args.page_size,
                         *stacked_kv_shape(kv_specs), device)
     attention = backend_attention(backend, flags, kv_dtype, args.page_size)
+    if cfg.mla is not None:  # (ARCHITECTURE.md, 'The latent KV cache (MLA)')
+        attention = choose_latent_attention(args.kernels, kv_dtype, device, flags)
     # Chosen by the model's widths, not the rank's: every rank of a stage takes the same
     # kernels (and the same decode path), so their residual streams stay equal to the bit.
     ops = elementwise_ops(model_cfg, device, dtype, flags)
@@ -137,6 +140,8 @@ def _decode_note(backend: str, attention) -> str:
     """Where decode rows attend when another kernel than the backend's takes them."""
     if isinstance(attention, QuantVectorAttention):  # (ARCHITECTURE.md, 'The KV room')
         return " (widening the quantized cache's codes in the kernel)"
+    if isinstance(attention, LatentAttention):
+        return f" ({attention.describe()})"
     if not hasattr(attention, "isa") or backend not in ("amx", "sdpa"):
         return ""
     if backend == "sdpa":  # an int8 cache (ARCHITECTURE.md, 'The KV room')

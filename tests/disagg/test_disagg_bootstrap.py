@@ -18,9 +18,10 @@ EP = m.Endpoint("127.0.0.1", 1)
 
 
 def stage(rank, *, pp=2, layers=((0, 15), (15, 30)), page=64, dtype="bfloat16", fp="smol",
-          backend="tcp"):
+          backend="tcp", latent=()):
     ls, le = layers[rank]
-    return m.RegisterStage(rank, pp, ls, le, 30, EP, page, dtype, 3, 64, fp, backend)
+    return m.RegisterStage(rank, pp, ls, le, 30, EP, page, dtype, 3, 64, fp, backend,
+                           "token-major", list(latent))
 
 
 MINE = dict(page_size=64, kv_dtype="bfloat16", model_fingerprint="smol", backend="tcp",
@@ -57,6 +58,37 @@ def test_mismatch_is_a_sentence_naming_the_flag(field, value, flag):
     info = m.PrefillInfo([stage(0), stage(1)])
     with pytest.raises(ValueError, match=flag):
         check_compatible(info, **{**MINE, field: value})
+
+
+V3_LATENT = [576, 512, 64]  # DeepSeek-V3: kv_lora_rank + qk_rope_head_dim
+
+
+@pytest.mark.parametrize("latent,dtype", [([544, 512, 32], "bfloat16"), ([], "bfloat16"),
+                                          (V3_LATENT, "float32")])
+def test_a_latent_layout_mismatch_is_refused_with_a_sentence(latent, dtype):
+    """A pair of latent-attention servers agrees on the latent's width, its split into
+    kv_lora_rank and rope, and its dtype; a latent prefill and a per-head decode do not
+    pair either. Checked before the model's fingerprint, so the sentence says why."""
+    info = m.PrefillInfo([stage(0, latent=V3_LATENT), stage(1, latent=V3_LATENT)])
+    check_compatible(info, **MINE, kv_latent=V3_LATENT)
+    with pytest.raises(ValueError, match="must agree on the latent layout") as e:
+        check_compatible(info, **{**MINE, "kv_dtype": dtype, "model_fingerprint": "other"},
+                         kv_latent=latent)
+    assert "a latent of 576 bfloat16 values a token (kv_lora_rank 512 + rope 64)" in str(e.value)
+    per_head = m.PrefillInfo([stage(0), stage(1)])
+    with pytest.raises(ValueError, match="per-head keys and values in bfloat16, this decode's "
+                                         "a latent of 576"):
+        check_compatible(per_head, **MINE, kv_latent=V3_LATENT)
+
+
+def test_a_broken_latent_registration_is_refused():
+    from pipefill.disagg.validate import check_prefill_info
+    for bad in ([576, 512], [576, 500, 64], [0, 0, 0]):
+        with pytest.raises(ValueError, match="is not \\[latent_dim, kv_lora_rank, rope\\]"):
+            check_prefill_info(m.PrefillInfo([stage(0, latent=bad), stage(1, latent=bad)]), 30)
+    with pytest.raises(ValueError, match="kv_latent .* differs from stage 0's"):
+        check_prefill_info(m.PrefillInfo([stage(0, latent=V3_LATENT), stage(1)]), 30)
+    assert m.latent_layout(None) == []
 
 
 def test_stages_must_tile_the_layers():

@@ -5,8 +5,9 @@ tokens identical. Odd shapes: 3 heads, head sizes 10 + 6 (rope) and 14 (value), 
 groups of which 1 is searched, a correction bias, a dense first layer and yarn with mscale and
 mscale_all_dim; V2 without q LoRA, greedy and group-limited routing. Chunked and dynamically
 chunked prefill, pipelines of 1 and 2 stages with uneven partitions, a prefix-cache hit; the
-absorbed attention (decode) against the decompressed one (prefill); the pool's KV bytes per
-token are the latent's."""
+absorbed attention (decode) against the decompressed one (prefill), and a prefill forced
+down each; the pool's KV bytes per token are the latent's; a PD pair refuses a decode whose
+latent layout differs."""
 import json
 import logging
 import random
@@ -59,12 +60,13 @@ MODELS = {
 }
 
 
-def save_deepseek(kind: str, path, seed: int = 1, models: dict = MODELS) -> str:
+def save_deepseek(kind: str, path, seed: int = 1, models: dict = MODELS,
+                  **changes) -> str:
     import transformers
     from transformers import AutoModelForCausalLM
     cls, kw = models[kind]
     torch.manual_seed(seed)
-    config = getattr(transformers, cls)(**COMMON, **kw)
+    config = getattr(transformers, cls)(**COMMON, **{**kw, **changes})
     model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     with torch.no_grad():
         for name, p in model.named_parameters():
@@ -108,6 +110,20 @@ def test_one_stage_matches_hf(kind, chunk, deepseek_models):
     with track(Engine(path, dtype="float32", page_size=PAGE, chunked_prefill_size=chunk,
                       threads_per_stage=1)) as engine:
         check(engine, ref, chunk)
+        assert_prefix_hit_matches(engine, PROMPT, ref[1], PAGE)
+
+
+@pytest.mark.parametrize("prefill,backend", [
+    ("absorbed", "auto"), pytest.param("decompressed", "sdpa", marks=pytest.mark.slow)])
+def test_prefill_forced_down_each_path_matches_hf(prefill, backend, deepseek_models):
+    """--mla-prefill-attention forces every chunk down one path (auto mostly decompresses
+    these chunks of 37: test_one_stage_matches_hf); decode rows on the latent kernel (auto)
+    or in torch (sdpa)."""
+    path, ref = deepseek_models["v3"]
+    with track(Engine(path, dtype="float32", page_size=PAGE, chunked_prefill_size=37,
+                      threads_per_stage=1, mla_prefill_attention=prefill,
+                      attention_backend=backend)) as engine:
+        check(engine, ref, 37)
         assert_prefix_hit_matches(engine, PROMPT, ref[1], PAGE)
 
 
@@ -296,3 +312,11 @@ def test_pd_pair_moves_latent_pages(deepseek_models, tmp_path):
         assert not isinstance(first, Exception), first
         assert not isinstance(outs, Exception), outs
         assert outs[0].output_ids == want
+        # A decode whose latent layout (kv_lora_rank 17, not 21) or dtype differs from the
+        # prefill's is refused at start-up with a sentence.
+        other = save_deepseek("v3", tmp_path / "rank17", kv_lora_rank=17)
+        for model, dtype in ((other, "float32"), (path, "bfloat16")):
+            with pytest.raises(Exception, match="must agree on the latent layout"):
+                track(Engine(model, disaggregation_mode="decode",
+                             disaggregation_prefill_bootstrap=f"127.0.0.1:{port}",
+                             **{**common, "dtype": dtype}))

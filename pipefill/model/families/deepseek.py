@@ -41,7 +41,7 @@ from pipefill.model.families.deepseek_gguf import (GGUF_LAYER_NAMES, check_tenso
 from pipefill.model.families.llama import LlamaFamily
 from pipefill.model.gguf_file import gguf_layer_name
 from pipefill.model.layers import linear, rms_norm
-from pipefill.model.mla import LatentUp, latent_attention, write_latent
+from pipefill.model.mla import LatentAttention, LatentUp, latent_attention, write_latent
 from pipefill.model.moe import Experts, MoEBlock, RouterSpec, SharedExpert
 from pipefill.model.rope import apply_rope_, yarn_mscale
 
@@ -240,8 +240,10 @@ class DeepSeekFamily(ModelFamily):
             q_nope, q_pe, residual = q_nope[rows], q_pe[rows], residual[rows]
             if residual.shape[0] == 0:  # no logits this step (a chunk before a prompt's last)
                 return x.new_empty((0, cfg.hidden_size)), residual
+        how = (model.attention if isinstance(model.attention, LatentAttention)
+               else LatentAttention())  # a stage built without one (tests): torch
         attn = latent_attention(q_nope, q_pe, k_cache, v_cache, seqs, w.up, mla.latent_dim,
-                                mla.softmax_scale)
+                                mla.softmax_scale, how)
         packed, large = w.packed or {}, w.prefill or {}
         out = linear(attn.reshape(attn.shape[0], -1), w.o_proj, None, packed.get("o_proj"),
                      large.get("o_proj"))

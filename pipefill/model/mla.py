@@ -128,18 +128,20 @@ def log_prefill_rule(shape: LatentShape) -> None:
 
 
 def latent_attention(q_nope, q_pe, k_cache, v_cache, seqs: list[SeqMeta], up: LatentUp,
-                     latent_dim: int, scale: float,
-                     how: LatentAttention = LatentAttention()) -> torch.Tensor:
+                     latent_dim: int, scale: float, how: LatentAttention = LatentAttention(),
+                     derived: dict | None = None) -> torch.Tensor:
     """q_nope [T, H, nope], q_pe [T, H, rope] (rotated), packed over `seqs`, whose latents
     are in the cache already -> [T, H, v]. A sequence's C query rows are its last C tokens
     of prefix_len + C: one row (a decode step) attends absorbed, on the kernel where `how`
-    has one (every such row of the step in one call); more take how.prefill_path."""
+    has one (every such row of the step in one call); more take how.prefill_path.
+    derived: the forward's ForwardMeta.derived, where the kernel's slot index is kept for
+    the next layers."""
     out = q_nope.new_empty(q_nope.shape[0], up.num_heads, up.v_dim)
     if how.decode_isa is not None and k_cache.dtype in mla_attention.CACHE_DTYPES:
         singles = [seq for seq in seqs if seq.num_new == 1]
         if singles:
-            rows = torch.tensor([seq.row_start for seq in singles], dtype=torch.long)
-            out[rows] = absorbed_decode(q_nope[rows], q_pe[rows], k_cache, v_cache, singles,
+            rows, index = decode_index(singles, {} if derived is None else derived)
+            out[rows] = absorbed_decode(q_nope[rows], q_pe[rows], k_cache, v_cache, index,
                                         up, scale, how.decode_isa)
             seqs = [seq for seq in seqs if seq.num_new != 1]
     for seq in seqs:
@@ -154,15 +156,28 @@ def latent_attention(q_nope, q_pe, k_cache, v_cache, seqs: list[SeqMeta], up: La
     return out
 
 
-def absorbed_decode(q_nope, q_pe, k_cache, v_cache, seqs: list[SeqMeta], up: LatentUp,
-                    scale: float, isa: str) -> torch.Tensor:
+def decode_index(singles: list[SeqMeta], derived: dict):
+    """(rows, (slots, offsets)) of one-row sequences: their rows in the packed batch and the
+    kernel's index of their latents, built once per forward (kept in `derived` under the
+    sequences' identity: a trimmed last layer passes others)."""
+    key = ("latent decode", tuple((id(s.read_slots), s.row_start, s.prefix_len)
+                                  for s in singles))
+    if key not in derived:
+        rows = torch.tensor([seq.row_start for seq in singles], dtype=torch.long)
+        derived[key] = rows, slot_index([_first_slots(seq.read_slots, seq.prefix_len + 1)
+                                         for seq in singles]), singles  # singles: keep ids
+    return derived[key][:2]
+
+
+def absorbed_decode(q_nope, q_pe, k_cache, v_cache, index, up: LatentUp, scale: float,
+                    isa: str) -> torch.Tensor:
     """One query row per sequence ([B, H, nope], [B, H, rope]) attended absorbed on the C++
-    kernel, every sequence in one call -> [B, H, v]: the query into the latent space through
-    W_uk and the kernel's latent sums out through W_uv are torch GEMMs."""
+    kernel, every sequence in one call -> [B, H, v]; index: their latents' (slots, offsets)
+    (decode_index). The query into the latent space through W_uk and the kernel's latent
+    sums out through W_uv are torch GEMMs."""
     q_latent = torch.bmm(q_nope.transpose(0, 1), up.w_uk)  # [H, B, rank]
     q = torch.cat([q_latent, q_pe.transpose(0, 1)], dim=-1).transpose(0, 1)  # [B, H, D]
-    slots, offsets = slot_index([_first_slots(seq.read_slots, seq.prefix_len + 1)
-                                 for seq in seqs])
+    slots, offsets = index
     summed = mla_attention.decode_attention(q, k_cache, v_cache, slots, offsets,
                                             up.kv_b.shape[1], scale, isa)  # [B, H, rank]
     out = torch.bmm(summed.transpose(0, 1).to(q_nope.dtype), up.w_uv.transpose(1, 2))

@@ -7,7 +7,7 @@ layers themselves are the family's (model/family.py): its layer weights and its 
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
@@ -32,6 +32,9 @@ class ForwardMeta:
     # Where the window layers keep pages of their own (kv.cache.WindowedKVCache): the same
     # sequences over their window pages, which those layers read and write instead of `seqs`.
     window_seqs: list[SeqMeta] | None = None
+    # What a family derives from the plan once for all the forward's layers (the latent
+    # decode kernel's slot index: model/mla.py), filled on first use.
+    derived: dict = field(default_factory=dict)
 
 
 @dataclass

@@ -10,7 +10,7 @@ from pipefill.kernels import mla_attention
 from pipefill.kernels.kv_quant_attention import slot_index
 from pipefill.model.attention import SeqMeta
 from pipefill.model.mla import (LatentAttention, LatentUp, absorbed, absorbed_decode,
-                                latent_attention, read_latent, write_latent)
+                                decode_index, latent_attention, read_latent, write_latent)
 
 SLOTS = 6000
 TABLE = torch.zeros(1, dtype=torch.int32)  # page tables: not read on these paths
@@ -38,9 +38,11 @@ def _setup(heads, nope, rope, v, rank, lens, dtype, seed):
     return up, k_cache, v_cache, reads, q_nope, q_pe, width
 
 
-def _decode_seqs(reads, lens):
-    return [SeqMeta(b, 1, n - 1, slice(0, 0), read, TABLE)
+def _decode_index(reads, lens):
+    """The kernel's (slots, offsets) for one decode row per sequence (mla.decode_index)."""
+    seqs = [SeqMeta(b, 1, n - 1, slice(0, 0), read, TABLE)
             for b, (read, n) in enumerate(zip(reads, lens))]
+    return decode_index(seqs, {})[1]
 
 
 @pytest.mark.parametrize("isa", mla_attention.ISAS)
@@ -55,7 +57,7 @@ def test_kernel_equals_absorbed_in_torch(isa, cache, heads, nope, rope, v, rank,
     _usable(isa)
     up, k_cache, v_cache, reads, q_nope, q_pe, width = _setup(heads, nope, rope, v, rank, lens,
                                                               cache, sum(lens) + heads)
-    got = absorbed_decode(q_nope, q_pe, k_cache, v_cache, _decode_seqs(reads, lens), up, 0.3,
+    got = absorbed_decode(q_nope, q_pe, k_cache, v_cache, _decode_index(reads, lens), up, 0.3,
                           isa)
     assert got.shape == (len(lens), heads, v) and got.dtype == torch.float32
     for b, read in enumerate(reads):
@@ -74,7 +76,7 @@ def test_kernel_in_bfloat16_compute(isa):
                                                               torch.bfloat16, 5)
     up = LatentUp(up.kv_b.to(torch.bfloat16), 20, 32, 24)
     q_nope, q_pe = q_nope.to(torch.bfloat16), q_pe.to(torch.bfloat16)
-    got = absorbed_decode(q_nope, q_pe, k_cache, v_cache, _decode_seqs(reads, lens), up, 0.2,
+    got = absorbed_decode(q_nope, q_pe, k_cache, v_cache, _decode_index(reads, lens), up, 0.2,
                           isa)
     assert got.dtype == torch.bfloat16
     for b, read in enumerate(reads):
@@ -101,7 +103,8 @@ def test_raw_kernel_is_softmax_over_the_latents():
 
 def test_decode_rows_on_the_kernel_beside_a_prefill_chunk():
     """latent_attention with a kernel path: the step's one-row sequences in one call, a
-    prefill chunk's rows in torch, each row where it belongs; the same as torch alone."""
+    prefill chunk's rows in torch, each row where it belongs; the same as torch alone, layer
+    after layer of one forward."""
     isa = mla_attention.decode_isa()
     if isa is None:
         pytest.skip("the latent decode kernel does not run here")
@@ -117,13 +120,38 @@ def test_decode_rows_on_the_kernel_beside_a_prefill_chunk():
             SeqMeta(11, 1, 119, c[119:], c, TABLE)]
     q_nope, q_pe = torch.randn(12, 3, 10, generator=gen), torch.randn(12, 3, 6, generator=gen)
     torch_only = latent_attention(q_nope, q_pe, k_cache, v_cache, seqs, up, 28, 0.3)
-    kernel = latent_attention(q_nope, q_pe, k_cache, v_cache, seqs, up, 28, 0.3,
-                              LatentAttention(decode_isa=isa))
-    torch.testing.assert_close(kernel, torch_only, rtol=1e-5, atol=1e-5)
+    derived = {}  # one forward's: the second layer reuses the first's slot index
+    for _ in range(2):
+        kernel = latent_attention(q_nope, q_pe, k_cache, v_cache, seqs, up, 28, 0.3,
+                                  LatentAttention(decode_isa=isa), derived)
+        torch.testing.assert_close(kernel, torch_only, rtol=1e-5, atol=1e-5)
+    assert len(derived) == 1
 
 
 def test_hidden_cpu_flags_rule_paths_out():
+    """--hide-cpu-flags: the paths that need a hidden flag are not chosen (the baseline build
+    never needs one); with every path disabled, torch attends."""
     assert mla_attention.hidden_isas(None) == ()
-    assert mla_attention.hidden_isas(frozenset({"avx2", "fma"})) == ("avx512",)
-    assert set(mla_attention.hidden_isas(frozenset())) == {"avx512", "avx2"}
-    assert mla_attention.decode_isa(("avx512", "avx2", "scalar")) is None
+    assert mla_attention.hidden_isas(frozenset({"avx2", "fma"})) == ("avx512bf16", "avx512")
+    assert mla_attention.hidden_isas(frozenset({"avx512f", "avx512bw", "avx512vl", "avx2",
+                                                "fma"})) == ("avx512bf16",)
+    assert set(mla_attention.hidden_isas(frozenset())) == {"avx512bf16", "avx512", "avx2"}
+    assert mla_attention.decode_isa(mla_attention.ISAS) is None
+
+
+def test_a_stage_takes_the_path_its_flags_allow():
+    """choose_latent_attention (what build_stage gives a latent model): the best path the
+    trusted CPU flags allow; torch under --attention-backend sdpa or for a cache the kernel
+    does not read; --mla-prefill-attention carried to the prefill."""
+    from pipefill.base.platform import usable_cpu_flags
+    from pipefill.config.sections import Kernels
+    from pipefill.model.mla import choose_latent_attention
+    cpu = torch.device("cpu")
+    auto = Kernels("auto", "torch", 32, "auto", "", "absorbed")
+    best = choose_latent_attention(auto, torch.bfloat16, cpu, usable_cpu_flags())
+    assert best == LatentAttention("absorbed", mla_attention.decode_isa())
+    smaller = choose_latent_attention(auto, torch.float32, cpu, usable_cpu_flags("avx512f"))
+    assert smaller.decode_isa in ("avx2", "scalar", None)
+    sdpa = Kernels("sdpa", "torch", 32, "auto", "", "auto")
+    assert choose_latent_attention(sdpa, torch.float32, cpu).decode_isa is None
+    assert choose_latent_attention(auto, torch.float16, cpu).decode_isa is None

@@ -243,7 +243,7 @@ class DeepSeekFamily(ModelFamily):
         how = (model.attention if isinstance(model.attention, LatentAttention)
                else LatentAttention())  # a stage built without one (tests): torch
         attn = latent_attention(q_nope, q_pe, k_cache, v_cache, seqs, w.up, mla.latent_dim,
-                                mla.softmax_scale, how)
+                                mla.softmax_scale, how, meta.derived)
         packed, large = w.packed or {}, w.prefill or {}
         out = linear(attn.reshape(attn.shape[0], -1), w.o_proj, None, packed.get("o_proj"),
                      large.get("o_proj"))

@@ -293,7 +293,8 @@ def test_host_tier_and_storage_carry_the_latent(deepseek_models, tmp_path):
 @pytest.mark.slow
 def test_pd_pair_moves_latent_pages(deepseek_models, tmp_path):
     """A prefill Engine and a decode Engine (PP 2 on the prefill): the decode's greedy tokens
-    are HF's after the latent pages crossed over."""
+    are HF's after the latent pages crossed over; a decode whose latent layout or KV dtype
+    differs is refused at start-up with a sentence."""
     from pipefill import PDInfo
     from pipefill.base.platform import free_port
     from pipefill.disagg.launch import write_secret_file

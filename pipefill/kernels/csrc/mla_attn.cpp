@@ -1,7 +1,8 @@
 // Glue of the absorbed latent decode attention (mla_attn_kernel.h): the cpuid/XCR0 check of the
-// ISA asked for (the vector builds' ids, and kAvx512Bf16 for the avx512bf16 one), argument checks, the cut of each sequence into parts, the parts over torch's
-// threads (each with its own scratch) and their merge. Takes addresses and sizes
-// (pipefill/kernels/mla_attention.py checks the tensors).
+// ISA asked for (the vector builds' ids of glue_vector_isa.h, and kAvx512Bf16), argument
+// checks, the cut of each sequence into parts, the parts over torch's threads (each with its
+// own scratch) and their merge. Takes addresses and sizes (pipefill/kernels/mla_attention.py
+// checks the tensors).
 #include "glue.h"
 
 #include <cmath>

@@ -90,7 +90,7 @@ class ServerArgs:
         "How a latent-attention model's (DeepSeek-V2/V3) prefill chunks attend: auto (each "
         "chunk the cheaper, by its FLOPs and bytes at its prefix length, of decompressing "
         "every head's keys and values and attending in the latent space; the rule is logged "
-        "once), decompressed or absorbed.",
+        "once), decompressed or absorbed. Other models attend per head and ignore it.",
         default="auto", choices=["auto", "decompressed", "absorbed"])
     kv_cache_dtype: str = _flag(
         "KV-cache dtype: auto (the compute dtype), float32, bfloat16 (half the KV memory; "

@@ -32,13 +32,14 @@ ISAS = ("avx512bf16", "avx512", "avx2", "scalar")  # preference order
 _ISA_CODE = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3}
 _BASE = ["-O3", "-std=c++17", "-fPIC", "-fno-exceptions"]
 _AVX512 = ["-mavx2", "-mfma", "-mavx512f", "-mavx512bw", "-mavx512vl"]
-# Register width in floats and token (or latent value) rows per register block: AVX-512 12
-# accumulators of one register, AVX2 12 of two (16 heads), the baseline 8 of four.
+# Register width in floats and token (or latent value) rows per register block, a divisor of
+# the 32-token block and of DeepSeek's 512 latent values (no tail rows): AVX-512 16
+# accumulators of one register, AVX2 8 of two (16 heads), the baseline 8 of four.
 _ISA_FLAGS = {"scalar": _BASE + ["-DPF_MLA_WIDTH=4", "-DPF_MLA_ROWS=2"],
-              "avx2": _BASE + ["-mavx2", "-mfma", "-DPF_MLA_WIDTH=8", "-DPF_MLA_ROWS=6"],
-              "avx512": _BASE + _AVX512 + ["-DPF_MLA_WIDTH=16", "-DPF_MLA_ROWS=12"],
+              "avx2": _BASE + ["-mavx2", "-mfma", "-DPF_MLA_WIDTH=8", "-DPF_MLA_ROWS=4"],
+              "avx512": _BASE + _AVX512 + ["-DPF_MLA_WIDTH=16", "-DPF_MLA_ROWS=16"],
               "avx512bf16": _BASE + _AVX512 + ["-mavx512bf16", "-DPF_MLA_WIDTH=16",
-                                               "-DPF_MLA_ROWS=12"]}
+                                               "-DPF_MLA_ROWS=16"]}
 _CPU_FLAGS = {"avx512bf16": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
               "avx512": ("avx512f", "avx512bw", "avx512vl"), "avx2": ("avx2", "fma")}
 _HEADER = CSRC / "mla_attn_kernel.h"

@@ -63,7 +63,9 @@ def test_kernel_equals_absorbed_in_torch(isa, cache, heads, nope, rope, v, rank,
     for b, read in enumerate(reads):
         latent = read_latent(k_cache, v_cache, read, width, torch.float32)
         want = absorbed(q_nope[b:b + 1], q_pe[b:b + 1], latent, up, 0.3)
-        torch.testing.assert_close(got[b:b + 1], want, rtol=2e-5, atol=2e-5)
+        # float32 sums in another order: scores of ~25 (576-term dots) carry ~1e-5 of it
+        # into the softmax.
+        torch.testing.assert_close(got[b:b + 1], want, rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("isa", mla_attention.ISAS)

@@ -79,7 +79,8 @@ def test_gguf_blocks_match_transformers(gguf_path, hf_model, chunk, max_rows, hi
         assert_pages_free(engine)
     ref_lp, ref = hf_reference(hf_model, prompt, 64)
     diff = (torch.tensor(out.prompt_logprobs) - ref_lp).abs()
-    int8 = chunk == 64 and not hide and qg.choose_int8()[0] is not None
+    # 128-row chunks: the prompt's last 16 rows (400 = 3 x 128 + 16) run the decode kernel too.
+    int8 = not hide and qg.choose_int8()[0] is not None
     bounds = (INT8_MAX_DLP, INT8_MEAN_DLP) if int8 else (1e-3, 1e-4)
     assert diff.max().item() < bounds[0] and diff.mean().item() < bounds[1], (
         diff.max(), diff.mean())

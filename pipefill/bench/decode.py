@@ -121,7 +121,7 @@ def run(ns: argparse.Namespace) -> int:
                       per_seq + 16)
     try:
         rows = bench_cases(executor, cases, pages_per_seq, ns.steps, ns.reps, bw,
-                           peer_steps_ms(peer, source.config.vocab_size))
+                           peer_steps_ms(peer, source.config.vocab_size, max(contexts)))
     finally:
         if peer is not None:
             peer.close()
@@ -213,12 +213,12 @@ class _TorchLinears:
         self.model.w.lm_head_packed = self.saved[1]
 
 
-def peer_steps_ms(peer, vocab_size: int):
-    """(context, steps) -> the llama.cpp peer's ms per greedy step after `context` tokens of a
-    fixed random prompt, or None without a peer."""
+def peer_steps_ms(peer, vocab_size: int, longest: int):
+    """(context, steps) -> the llama.cpp peer's ms per greedy step after `context` (at most
+    `longest`) tokens of a fixed random prompt, or None without a peer."""
     if peer is None:
         return None
-    prompt = [100 + (7919 * i) % (min(vocab_size, peer.n_vocab) - 100) for i in range(1 << 20)]
+    prompt = [100 + (7919 * i) % (min(vocab_size, peer.n_vocab) - 100) for i in range(longest)]
     return lambda context, steps: peer.decode_ms_per_token(prompt[:context], steps)
 
 

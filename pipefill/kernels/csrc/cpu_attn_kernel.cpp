@@ -180,7 +180,6 @@ inline vh to_bf16(vf x) {  // round to nearest even, like torch's .to(bfloat16) 
 // (one rounding), then rounded to nearest even to bf16 when the inner loops read bf16.
 typedef float v16f __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef int8_t v16c __attribute__((vector_size(16)));
 typedef uint8_t v16b __attribute__((vector_size(16)));
 typedef uint16_t v16s __attribute__((vector_size(32)));
 
@@ -188,10 +187,17 @@ typedef uint16_t v16s __attribute__((vector_size(32)));
 // (the 7 magnitude bits moved to the half's exponent and mantissa, e4m3's subnormals are
 // halves' subnormals), widened by vcvtph2ps. The fp8 caller's scale is 256 x the row's (exact).
 inline v16f widen16(__m128i codes, int kind) {
-  if (kind == kInt8) {
-    v16c c;
-    std::memcpy(&c, &codes, 16);
-    return __builtin_convertvector(c, v16f);
+  if (kind == kInt8) {  // vpmovsxbd + vcvtdq2ps (GCC scalarizes a convertvector from int8)
+#if PF_ATTN_WIDTH == 16
+    return (v16f)_mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(codes));
+#else
+    const __m256 lo = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(codes));
+    const __m256 hi = _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(_mm_unpackhi_epi64(codes, codes)));
+    v16f r;
+    std::memcpy(&r, &lo, 32);
+    std::memcpy(reinterpret_cast<char*>(&r) + 32, &hi, 32);
+    return r;
+#endif
   }
   v16b b;
   std::memcpy(&b, &codes, 16);

@@ -142,8 +142,8 @@ void merge_parts(const pa::Params& p) {
 
 // Per-thread kernel scratch for items of `qtile` queries of a group of G heads, head dim D.
 struct ScratchLayout {
-  size_t q_bytes, o_bytes, m_bytes, l_bytes, s_bytes, p_bytes, kv_bytes, total;
-  // quantized: room for one step's widened K and V (float32 at most)
+  size_t q_bytes, o_bytes, m_bytes, l_bytes, s_bytes, p_bytes, kv_bytes, scale_bytes, total;
+  // quantized: room for one step's widened K and V (float32 at most) and their row scales
   ScratchLayout(int64_t qtile, int64_t G, int64_t D, bool quantized) {
     const int64_t rows = pa::rows_pad(qtile, G);
     q_bytes = o_bytes = pg::align64(rows * D * 4);
@@ -152,7 +152,8 @@ struct ScratchLayout {
     s_bytes = pg::align64(pa::kMaxRows * pa::kStep * 4);
     p_bytes = pg::align64(pa::kMaxRows * pa::kStep * 2);
     kv_bytes = quantized ? pg::align64(pa::kStep * D * 4) : 0;
-    total = q_bytes + o_bytes + m_bytes + l_bytes + s_bytes + p_bytes + 2 * kv_bytes;
+    scale_bytes = quantized ? pg::align64(2 * pa::kStep * 4) : 0;
+    total = q_bytes + o_bytes + m_bytes + l_bytes + s_bytes + p_bytes + 2 * kv_bytes + scale_bytes;
   }
   pa::Scratch thread_scratch() const {  // the calling thread's buffer, grown when needed
     thread_local pg::ThreadScratch scratch;
@@ -167,6 +168,8 @@ struct ScratchLayout {
     char* kv = base + q_bytes + o_bytes + m_bytes + l_bytes + s_bytes + p_bytes;
     s.kq = kv_bytes ? kv : nullptr;
     s.vq = kv_bytes ? kv + kv_bytes : nullptr;
+    s.ks = kv_bytes ? reinterpret_cast<float*>(kv + 2 * kv_bytes) : nullptr;
+    s.vs = kv_bytes ? s.ks + pa::kStep : nullptr;
     return s;
   }
 };

@@ -166,6 +166,17 @@ inline void store_rows(float* dst, int64_t ld, __m256 (*acc)[2]) {
     _mm256_storeu_ps(dst + r * ld + 8, acc[r][1]);
   }
 }
+
+// store_rows with column j multiplied by col[j] (a quantized cache's key scales; null: none).
+template <int R>
+inline void store_rows_scaled(float* dst, int64_t ld, __m256 (*acc)[2], const float* col) {
+  if (!col) return store_rows<R>(dst, ld, acc);
+  const __m256 c0 = _mm256_loadu_ps(col), c1 = _mm256_loadu_ps(col + 8);
+  for (int r = 0; r < R; ++r) {
+    _mm256_storeu_ps(dst + r * ld, _mm256_mul_ps(acc[r][0], c0));
+    _mm256_storeu_ps(dst + r * ld + 8, _mm256_mul_ps(acc[r][1], c1));
+  }
+}
 #endif
 
 inline vh to_bf16(vf x) {  // round to nearest even, like torch's .to(bfloat16) (no NaN here)
@@ -176,8 +187,10 @@ inline vh to_bf16(vf x) {  // round to nearest even, like torch's .to(bfloat16) 
 
 
 // ---- Quantized caches (int8, fp8_e4m3): one step's rows widened into the packed layout ----
-// The values are those torch's dequantize gives (kernels/kv_quant.py): code x scale in float32
-// (one rounding), then rounded to nearest even to bf16 when the inner loops read bf16.
+// Only the codes are widened (exactly: int8 codes and e4m3 values / 256 have at most 8
+// significant bits, so bf16 holds them and the bf16 word is the float's top half); the row
+// scales (kernels/kv_quant.py) go to Scratch::ks/vs and are applied once per score (K) and per
+// probability (V), not once per value.
 typedef float v16f __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
 typedef uint8_t v16b __attribute__((vector_size(16)));
@@ -216,21 +229,22 @@ inline v16f widen16(__m128i codes, int kind) {
 #endif
 }
 
-// Two 16-float vectors as 16 bf16 pairs (e in each dword's low half, o in its high half),
-// rounded to nearest even like torch's .to(bfloat16) (no NaN or subnormal here).
+// Two 16-float vectors of widened codes as 16 bf16 pairs (e in each dword's low half, o in its
+// high half): the floats' top halves, exact for these values (see above).
 inline void store_bf16_pairs(char* dst, v16f e, v16f o) {
-#if PF_ATTN_BF16DOT
-  // vcvtne2ps2bf16: words 0-15 e, 16-31 o; vpermw interleaves them.
-  const __m512i both = (__m512i)_mm512_cvtne2ps_pbh((__m512)o, (__m512)e);
-  const __m512i idx = _mm512_set_epi16(31, 15, 30, 14, 29, 13, 28, 12, 27, 11, 26, 10, 25, 9, 24, 8, 23, 7, 22,
-                                       6, 21, 5, 20, 4, 19, 3, 18, 2, 17, 1, 16, 0);
-  _mm512_storeu_si512(dst, _mm512_permutexvar_epi16(idx, both));
-#else
-  const v16u ue = (v16u)e, uo = (v16u)o;
-  const v16u re = ue + 0x7fffu + ((ue >> 16) & 1u), ro = uo + 0x7fffu + ((uo >> 16) & 1u);
-  const v16u w = (re >> 16) | (ro & 0xffff0000u);
+  const v16u w = ((v16u)e >> 16) | ((v16u)o & 0xffff0000u);
   std::memcpy(dst, &w, 64);
-#endif
+}
+
+// A widened (even, odd) pair of 16-value rows into the packed scratch (bf16 or float32).
+template <bool KVB>
+inline void store_pair(char* dst, v16f e, v16f o) {
+  if (KVB) {
+    store_bf16_pairs(dst, e, o);
+  } else {
+    std::memcpy(dst, &e, 64);
+    std::memcpy(dst + 64, &o, 64);
+  }
 }
 
 // In-register transpose of 16 rows of 16 bytes (four rounds of unpacks, SSE2): afterwards x[k]
@@ -256,7 +270,7 @@ inline void transpose16x16(__m128i* x) {
   }
 }
 
-// The scale of each row (256 x it for fp8, see widen16); 0 past the first n rows.
+// The scale of a row (256 x it for fp8, see widen16).
 inline float row_scale(const char* row, int64_t D, int kind) {
   float s;
   std::memcpy(&s, row + D, 4);
@@ -267,10 +281,6 @@ inline float row_scale(const char* row, int64_t D, int kind) {
 // pair, 16 tokens' (even, odd) values; codes go through the transpose as bytes.
 template <int D, bool KVB>
 void widen_k_group(const char* const* rows, int n, int kind, char* dst) {
-  float sc[16];
-  for (int t = 0; t < 16; ++t) sc[t] = t < n ? row_scale(rows[t], D, kind) : 0.0f;
-  v16f scale;
-  std::memcpy(&scale, sc, 64);
   for (int blk = 0; blk < D / 16; ++blk) {
     __m128i x[16];
     for (int t = 0; t < 16; ++t)
@@ -278,14 +288,8 @@ void widen_k_group(const char* const* rows, int n, int kind, char* dst) {
     transpose16x16(x);
     for (int k = 0; k < 8; ++k) {  // x[k]: dim 16 blk + kRev4[k] (even), x[k + 8]: the next dim
       const int d = 16 * blk + kRev4[k];
-      const v16f e = widen16(x[k], kind) * scale, o = widen16(x[k + 8], kind) * scale;
       const int64_t off = (d / 32) * 512 + ((d % 32) / 2) * 32;
-      if (KVB) {
-        store_bf16_pairs(dst + off * 2, e, o);
-      } else {
-        std::memcpy(dst + off * 4, &e, 64);
-        std::memcpy(dst + off * 4 + 64, &o, 64);
-      }
+      store_pair<KVB>(dst + off * (KVB ? 2 : 4), widen16(x[k], kind), widen16(x[k + 8], kind));
     }
   }
 }
@@ -296,21 +300,14 @@ template <int D, bool KVB>
 void widen_v_group(const char* const* rows, int n, int kind, char* dst) {
   for (int tp = 0; tp < 16; ++tp) {
     const int t = 2 * tp;
-    const float s0 = t < n ? row_scale(rows[t], D, kind) : 0.0f;
-    const float s1 = t + 1 < n ? row_scale(rows[t + 1], D, kind) : 0.0f;
     for (int dc = 0; dc < D / 16; ++dc) {
-      const v16f e = t < n ? widen16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[t] + 16 * dc)), kind) * s0
+      const v16f e = t < n ? widen16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[t] + 16 * dc)), kind)
                            : v16f{};
       const v16f o = t + 1 < n
-                         ? widen16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[t + 1] + 16 * dc)), kind) * s1
+                         ? widen16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(rows[t + 1] + 16 * dc)), kind)
                          : v16f{};
       const int64_t off = (int64_t)dc * 512 + tp * 32;
-      if (KVB) {
-        store_bf16_pairs(dst + off * 2, e, o);
-      } else {
-        std::memcpy(dst + off * 4, &e, 64);
-        std::memcpy(dst + off * 4 + 64, &o, 64);
-      }
+      store_pair<KVB>(dst + off * (KVB ? 2 : 4), e, o);
     }
   }
 }
@@ -409,7 +406,10 @@ struct Kernel {
     for (int t = 0; t < nstep; ++t) {
       kr[t] = quant_row(p.k, kv0 + t);
       vr[t] = quant_row(p.v, kv0 + t);
+      s.ks[t] = row_scale(kr[t], D, p.kv_quant);
+      s.vs[t] = row_scale(vr[t], D, p.kv_quant);
     }
+    for (int t = nstep; t < NB; ++t) s.ks[t] = s.vs[t] = 0.0f;  // padding keys: score 0, p 0
     for (int64_t t = kv0 + NB; t < kv0 + 2 * NB && t < kv_hi; ++t) {
       const char* k = quant_row(p.k, t);
       const char* v = quant_row(p.v, t);
@@ -438,9 +438,10 @@ struct Kernel {
   static constexpr int NG = kChains / (R * NV) < 4 ? kChains / (R * NV) : 4;
   static constexpr int NDC = NG < D / 16 ? NG : D / 16;
 
-  // S[R, 16 * N] (row stride NB) = Q_block K^T for N 16-token groups kg[0..N).
+  // S[R, 16 * N] (row stride NB) = Q_block K^T for N 16-token groups kg[0..N), each column
+  // times its key's scale ks[column] (a quantized cache; null: none, x 1 is exact).
   template <int N>
-  void qk_groups(int b, const char* const* kg, float* S) const {
+  void qk_groups(int b, const char* const* kg, float* S, const float* ks) const {
 #if PF_ATTN_BF16DOT
     vf acc[N][R];
     for (int n = 0; n < N; ++n)
@@ -455,8 +456,10 @@ struct Kernel {
         for (int n = 0; n < N; ++n) acc[n][r] = (vf)_mm512_dpbf16_ps((__m512)acc[n][r], qb, kr[n]);
       }
     }
-    for (int n = 0; n < N; ++n)
-      for (int r = 0; r < R; ++r) storef(S + r * NB + 16 * n, acc[n][r]);
+    for (int n = 0; n < N; ++n) {
+      const vf sc = ks ? loadf(ks + 16 * n) : splat(1.0f);
+      for (int r = 0; r < R; ++r) storef(S + r * NB + 16 * n, acc[n][r] * sc);
+    }
 #elif PF_ATTN_WIDTH == 8
     static_assert(N == 1, "AVX2 keeps one 16-token group per pass");
     // R rows x 16 tokens = 2R ymm accumulators; per dim two K vectors and one broadcast per
@@ -466,7 +469,7 @@ struct Kernel {
     const float* q = static_cast<const float*>(s.q) + (int64_t)R * b * D;
     for (int j = 0; j < D / 2; ++j)
       fma_row<KVB, R>(acc, kg[0] + ((j / 16) * 512 + (j % 16) * 32) * kEsz, q + 2 * j, D);
-    store_rows<R>(S, NB, acc);
+    store_rows_scaled<R>(S, NB, acc, ks);
 #else
     vf acc[N][R][NV];
     for (int n = 0; n < N; ++n)
@@ -486,8 +489,10 @@ struct Kernel {
         }
     }
     for (int n = 0; n < N; ++n)
-      for (int r = 0; r < R; ++r)
-        for (int h = 0; h < NV; ++h) storef(S + r * NB + 16 * n + h * W, acc[n][r][h]);
+      for (int h = 0; h < NV; ++h) {
+        const vf sc = ks ? loadf(ks + 16 * n + h * W) : splat(1.0f);
+        for (int r = 0; r < R; ++r) storef(S + r * NB + 16 * n + h * W, acc[n][r][h] * sc);
+      }
 #endif
   }
 
@@ -495,19 +500,23 @@ struct Kernel {
   // The last groups (a decode step of 33-63 keys has 3) go in one pass too: one group alone is
   // R chains, latency-bound at decode's R = 4.
   void qk_block(int b, const char* const* kg, int groups) const {
+    const float* ks = p.kv_quant ? s.ks : nullptr;
     int j = 0;
-    for (; j + NG <= groups; j += NG) qk_groups<NG>(b, kg + j, s.s + 16 * j);
+    for (; j + NG <= groups; j += NG) qk_groups<NG>(b, kg + j, s.s + 16 * j, ks ? ks + 16 * j : ks);
+    const float* kt = ks ? ks + 16 * j : ks;
     switch (groups - j) {  // < NG (the N below only keep N <= NG instantiated)
-      case 3: qk_groups<(NG > 3 ? 3 : 1)>(b, kg + j, s.s + 16 * j); break;
-      case 2: qk_groups<(NG > 2 ? 2 : 1)>(b, kg + j, s.s + 16 * j); break;
-      case 1: qk_groups<1>(b, kg + j, s.s + 16 * j); break;
+      case 3: qk_groups<(NG > 3 ? 3 : 1)>(b, kg + j, s.s + 16 * j, kt); break;
+      case 2: qk_groups<(NG > 2 ? 2 : 1)>(b, kg + j, s.s + 16 * j, kt); break;
+      case 1: qk_groups<1>(b, kg + j, s.s + 16 * j, kt); break;
       default: break;
     }
   }
 
   // One row of ncol scores: columns > lim masked; softmax'd in place (and as bf16 into prow).
   // The row's sum stays a vector (s.l[r * W ..]) until the epilogue: no reduction per step.
-  void softmax_row(float* srow, uint16_t* prow, int ncol, int lim, int r) const {
+  // vs (a quantized cache's value scales; null: none): the probabilities P V reads are p x vs,
+  // the sum is of p.
+  void softmax_row(float* srow, uint16_t* prow, int ncol, int lim, int r, const float* vs) const {
     if (lim < ncol - 1)
       for (int x = lim + 1; x < ncol; ++x) srow[x] = kNegInf;
     vf mx0 = splat(kNegInf), mx1 = mx0;
@@ -536,13 +545,15 @@ struct Kernel {
     for (; x + 32 <= ncol; x += 32) {  // two vectors -> 32 bf16 in one rounding instruction
       const vf p0 = exp2v<3>(loadf(srow + x) * c - m);
       const vf p1 = exp2v<3>(loadf(srow + x + 16) * c - m);
-      _mm512_storeu_si512(prow + x, (__m512i)_mm512_cvtne2ps_pbh((__m512)p1, (__m512)p0));
       sum += p0 + p1;
+      const vf w0 = vs ? p0 * loadf(vs + x) : p0, w1 = vs ? p1 * loadf(vs + x + 16) : p1;
+      _mm512_storeu_si512(prow + x, (__m512i)_mm512_cvtne2ps_pbh((__m512)w1, (__m512)w0));
     }
     if (x < ncol) {
       const vf p0 = exp2v<3>(loadf(srow + x) * c - m);
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + x), (__m256i)_mm512_cvtneps_pbh((__m512)p0));
       sum += p0;
+      const vf w0 = vs ? p0 * loadf(vs + x) : p0;
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(prow + x), (__m256i)_mm512_cvtneps_pbh((__m512)w0));
     }
 #else
     // float32: the step's sum is added to lane 0 in lane order, the summation order of the
@@ -551,7 +562,7 @@ struct Kernel {
     vf step = vf{};
     for (x = 0; x < ncol; x += W) {
       const vf pv = exp2v<6>(loadf(srow + x) * c - m);
-      storef(srow + x, pv);
+      storef(srow + x, vs ? pv * loadf(vs + x) : pv);
       step += pv;
     }
     float t = 0.f;
@@ -663,7 +674,8 @@ struct Kernel {
             std::memset(srow, 0, ncol * 4);
             std::memset(prow, 0, ncol * 2);
           } else {
-            softmax_row(srow, prow, ncol, (int)(lim < ncol - 1 ? lim : ncol - 1), r);
+            softmax_row(srow, prow, ncol, (int)(lim < ncol - 1 ? lim : ncol - 1), r,
+                        p.kv_quant ? s.vs : nullptr);
           }
         }
         pv_block(b, s.s, s.p, vg, ncol / 2);

@@ -5,9 +5,10 @@
 //
 // A quantized cache (int8 or fp8_e4m3, pipefill/kernels/kv_quant.py) is instead the token-major
 // KVCache layer [num_pages * page_size, Hkv, D + 4]: per (token, kv head) D one-byte codes and
-// the row's float32 scale. Each step's keys are widened (codes x scale, then rounded to the
-// compute dtype: bf16 for bf16 q, else float32) into per-thread scratch in the packed layout
-// below, which the same inner loops then read.
+// the row's float32 scale. Each step's codes are widened (exactly, to bf16 for bf16 q, else
+// float32) into per-thread scratch in the packed layout below, which the same inner loops then
+// read; the row scales are folded in where it costs one multiply per key, not per value: each
+// score is multiplied by its key's scale and each probability by its value's scale.
 //
 // Cache layout: the AMX kernel's packed paged layout (see amx_kernel.cpp), per (page, kv head):
 //   K: [page_size/16][D/32][16 dim pairs][16 tokens][2]
@@ -53,7 +54,9 @@ struct Scratch {
   float* s;   // [kMaxRows, kStep] scores, probabilities in place
   uint16_t* p;  // [kMaxRows, kStep] bf16 probabilities (avx512bf16)
   void* kq;     // quantized cache only: one step's widened K, then V, packed ([kStep, D] each,
-  void* vq;     // bf16 or float32 as kv_bf16 says)
+  void* vq;     // bf16 or float32 as kv_bf16 says), the codes' values without their row scales:
+  float* ks;    // [kStep] the step's K row scales, applied to the scores,
+  float* vs;    // [kStep] and V row scales, applied to the probabilities
 };
 
 constexpr int kMaxRows = 8;  // rows per register block (avx512: 8, avx2: 6; decode: 4)

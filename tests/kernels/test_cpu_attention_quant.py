@@ -180,3 +180,29 @@ def test_quantized_cache_needs_its_page_size():
         ca.chunk_attention(isa, q, kq, kq.clone(), table, 3, 0.125)
     with pytest.raises(ValueError, match="needs its page_size"):
         ca.write_kv(kq, kq.clone(), q.float(), q.float(), table, 0)
+
+
+@pytest.mark.parametrize("quant", QUANT)
+@pytest.mark.parametrize("isa,q_dtype", COMBOS)
+def test_every_code_widens_exactly(isa, q_dtype, quant):
+    """One key per KV head whose value row holds 64 of the 256 codes (fp8: every code but the
+    two NaNs, subnormals and negative zero included): the output is that row, code x scale,
+    bit for bit on the float32 kernels (p = 1 and the scale applied once) and within bf16
+    rounding on bf16 ones."""
+    dtype, D, ps, hkv = QUANT[quant], 64, 32, 4
+    codes = torch.arange(256, dtype=torch.int16).to(torch.uint8).reshape(hkv, D)
+    if quant == "fp8_e4m3":
+        codes[codes & 0x7f == 0x7f] = 0x00
+    rows = torch.zeros(ps, hkv, D + 4, dtype=torch.uint8)
+    rows[0, :, :D] = codes
+    rows[0, :, D:] = torch.tensor([0.75, 3.0, 1e-3, 40.0]).view(torch.uint8).reshape(hkv, 4)
+    vq = rows.view(dtype)
+    kq = torch.zeros_like(rows).view(dtype)
+    q = torch.zeros(1, hkv, D, dtype=q_dtype)
+    out = ca.chunk_attention(isa, q, kq, vq, torch.zeros(1, dtype=torch.int32), 0, 0.125,
+                             page_size=ps)
+    want = dequantize(vq.view(torch.uint8)[0].view(dtype), torch.float32)
+    if q_dtype == torch.float32:
+        assert torch.equal(out[0], want)
+    else:
+        assert ((out[0].float() - want).abs() <= 2 ** -7 * want.abs()).all()  # two roundings

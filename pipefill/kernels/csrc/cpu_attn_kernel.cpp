@@ -193,8 +193,6 @@ inline vh to_bf16(vf x) {  // round to nearest even, like torch's .to(bfloat16) 
 // probability (V), not once per value.
 typedef float v16f __attribute__((vector_size(64)));
 typedef uint32_t v16u __attribute__((vector_size(64)));
-typedef uint8_t v16b __attribute__((vector_size(16)));
-typedef uint16_t v16s __attribute__((vector_size(32)));
 
 // 16 codes -> 16 floats, exactly: int8 as integers; e4m3 as the IEEE halves of value / 256
 // (the 7 magnitude bits moved to the half's exponent and mantissa, e4m3's subnormals are
@@ -212,16 +210,15 @@ inline v16f widen16(__m128i codes, int kind) {
     return r;
 #endif
   }
-  v16b b;
-  std::memcpy(&b, &codes, 16);
-  const v16s w = __builtin_convertvector(b, v16s);
-  const v16s h = ((w << 7) & (uint16_t)0x3f80) | ((w << 8) & (uint16_t)0x8000);
+  // Sign-extended to words, shifted by 7: bits 7-13 the magnitude, bit 15 the sign (bit 14,
+  // a copy of the sign, is masked off).
+  const __m256i h = _mm256_and_si256(_mm256_slli_epi16(_mm256_cvtepi8_epi16(codes), 7),
+                                     _mm256_set1_epi16((short)0xbf80));
 #if PF_ATTN_WIDTH == 16
-  return (v16f)_mm512_cvtph_ps((__m256i)h);
+  return (v16f)_mm512_cvtph_ps(h);
 #else
-  const __m256i hv = (__m256i)h;
-  const __m256 lo = _mm256_cvtph_ps(_mm256_castsi256_si128(hv));
-  const __m256 hi = _mm256_cvtph_ps(_mm256_extracti128_si256(hv, 1));
+  const __m256 lo = _mm256_cvtph_ps(_mm256_castsi256_si128(h));
+  const __m256 hi = _mm256_cvtph_ps(_mm256_extracti128_si256(h, 1));
   v16f r;
   std::memcpy(&r, &lo, 32);
   std::memcpy(reinterpret_cast<char*>(&r) + 32, &hi, 32);

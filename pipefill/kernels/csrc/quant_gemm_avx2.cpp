@@ -8,6 +8,10 @@
 #include "fp8_gemm_simd.h"
 #include "quant_int8_simd.h"
 
+#ifndef AR
+#define AR 4
+#define AC 1
+#endif
 namespace pipefill_quant {
 namespace avx2 {
 namespace {
@@ -56,7 +60,7 @@ struct V256 {
 struct I256 {
   using ireg = __m256i;
   using reg = __m256;
-  static constexpr int kSlots = 2, kRows = 4;
+  static constexpr int kSlots = 2, kRows = AR, kCols = AC;
   // vpmaddubsw saturates its int16 pair sums: Q8_0's codes (up to 255 with + 128) would
   // overflow them, so Q8_0 multiplies |code| by the activation with the code's sign instead.
   static constexpr bool kSignedQ8 = true;

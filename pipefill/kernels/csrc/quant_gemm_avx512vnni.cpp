@@ -5,6 +5,10 @@
 // kernel: quant_int8_simd.h; the activations' layout: quant_int8_kernel.h.
 #include "quant_int8_simd.h"
 
+#ifndef XR
+#define XR 8
+#define XC 1
+#endif
 namespace pipefill_quant {
 namespace avx512vnni {
 namespace {
@@ -12,7 +16,7 @@ namespace {
 struct V512Vnni {
   using ireg = __m512i;
   using reg = __m512;
-  static constexpr int kSlots = 4, kRows = 8;
+  static constexpr int kSlots = 4, kRows = XR, kCols = XC;
   static constexpr bool kSignedQ8 = false;  // Q8_0's codes + 128, their zero point 128
   static ireg zeroi() { return _mm512_setzero_si512(); }
   static reg zero() { return _mm512_setzero_ps(); }

@@ -46,7 +46,7 @@ struct Unpacker {
   __m256 dm;
   float d[16], m[16];  // K types: the super-block's scale and offset per 16 weights
 
-  void start(int64_t g) {
+  __attribute__((always_inline)) void start(int64_t g) {
     if constexpr (L::kWeights == 32) {
       uint32_t halves[4];
       for (int s = 0; s < 4; ++s) {
@@ -64,7 +64,7 @@ struct Unpacker {
   }
 
   // lo, hi: the chunk's codes (unsigned); dv, mv: per lane the scale d and the offset m.
-  void chunk(int c, ireg& lo, ireg& hi, reg& dv, reg& mv) const {
+  __attribute__((always_inline)) void chunk(int c, ireg& lo, ireg& hi, reg& dv, reg& mv) const {
     float dh[2 * kS], mh[2 * kS];
     const uint8_t* p[kS];
     int shift[kS] = {};
@@ -136,64 +136,96 @@ struct Unpacker {
   }
 };
 
-template <class V, int QT, int R>
-inline void int8_tile(const Int8Rows& a, int64_t m0, const uint8_t* row, int64_t K, float* y, int64_t ldy) {
+// A tile of R rows x C columns (weight rows row, row + row_bytes, ...) over all of K. Per group
+// and chunk, the C columns' blocks are unpacked once (codes, scales in registers) and every row
+// loads its activations once (codes lo and hi, dl, nx or sl: one record, quant_int8_kernel.h)
+// for all C columns: R C integer dot products then R C float scalings out of R loads of a record
+// and C unpackings. One float32 sum a (row, column): the block scale's term and the offset's
+// added into it in k order, lanes reduced at the end.
+template <class V, int QT, int R, int C>
+inline void int8_tile(const Int8Rows& a, int64_t m0, const uint8_t* row, int64_t row_bytes, int64_t K, float* y,
+                      int64_t ldy) {
   using T = Int8Type<QT>;
   using reg = typename V::reg;
   using ireg = typename V::ireg;
   constexpr int kChunks = 4 / V::kSlots;
   constexpr bool kSigned = QT == kQ8_0 && V::kSignedQ8;
-  reg acc[R], off[R];
-  for (int r = 0; r < R; ++r) acc[r] = off[r] = V::zero();
-  Unpacker<V, QT> up;
-  up.row = row;
-  up.units = K / kUnit;
-  const int64_t lanes_per_row = a.kp / 8, groups = a.kp / kGroup;
+  reg acc[R][C];
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) acc[r][c] = V::zero();
+  Unpacker<V, QT> up[C];
+  for (int c = 0; c < C; ++c) {
+    up[c].row = row + c * row_bytes;
+    up[c].units = K / kUnit;
+  }
   const int64_t group_bytes = Layout<QT>::kBytes * kGroup / Layout<QT>::kWeights;
-  for (int64_t g = 0; g < groups; ++g) {
-    _mm_prefetch(reinterpret_cast<const char*>(row + (g + 8) * group_bytes), _MM_HINT_T0);
-    up.start(g);
-    for (int c = 0; c < kChunks; ++c) {
-      ireg lo, hi;
-      reg dv, mv;
-      up.chunk(c, lo, hi, dv, mv);
-      const int64_t xo = g * kGroup + c * 16 * V::kSlots, lane = g * kLanesPerGroup + c * 4 * V::kSlots;
+  const uint8_t* rec = a.at(0, m0);
+  const int64_t rec_step = a.M * kRecBytes;  // one group's records of all M rows
+  for (int64_t g = 0; g < a.groups; ++g, rec += rec_step) {
+    for (int c = 0; c < C; ++c) {
+      _mm_prefetch(reinterpret_cast<const char*>(up[c].row + (g + 8) * group_bytes), _MM_HINT_T0);
+      up[c].start(g);
+    }
+    for (int ch = 0; ch < kChunks; ++ch) {
+      ireg lo[C], hi[C];
+      reg dv[C], mv[C];
+      for (int c = 0; c < C; ++c) up[c].chunk(ch, lo[c], hi[c], dv[c], mv[c]);
+      const int xo = 16 * V::kSlots * ch, lo4 = 4 * 4 * V::kSlots * ch;  // bytes into the codes, the lanes
       for (int r = 0; r < R; ++r) {
-        const int64_t rr = m0 + r;
-        const int8_t* xq = a.q + rr * a.kp + xo;
-        ireg isum;
-        if constexpr (kSigned) {
-          isum = V::dot_signed(lo, hi, V::loadi(xq), V::loadi(xq + 64));
-        } else {
-          const ireg start = T::kZero ? V::loadi(a.nx + rr * lanes_per_row + lane) : V::zeroi();
-          isum = V::dot(start, lo, hi, V::loadi(xq), V::loadi(xq + 64));
+        const uint8_t* p = rec + r * kRecBytes;
+        const ireg xlo = V::loadi(p + kRecLo + xo), xhi = V::loadi(p + kRecHi + xo);
+        const reg dl = V::load(reinterpret_cast<const float*>(p + kRecDl + lo4));
+        for (int c = 0; c < C; ++c) {
+          ireg isum;
+          if constexpr (kSigned) {
+            isum = V::dot_signed(lo[c], hi[c], xlo, xhi);
+          } else {
+            const ireg start = T::kZero ? V::loadi(p + kRecExtra + lo4) : V::zeroi();
+            isum = V::dot(start, lo[c], hi[c], xlo, xhi);
+          }
+          acc[r][c] = V::fmadd(V::cvt(isum), V::mul(dv[c], dl), acc[r][c]);
+          if constexpr (T::kOffset)
+            acc[r][c] = V::fmadd(mv[c], V::load(reinterpret_cast<const float*>(p + kRecExtra + lo4)), acc[r][c]);
         }
-        acc[r] = V::fmadd(V::cvt(isum), V::mul(dv, V::load(a.dl + rr * lanes_per_row + lane)), acc[r]);
-        if constexpr (T::kOffset) off[r] = V::fmadd(mv, V::load(a.sl + rr * lanes_per_row + lane), off[r]);
       }
     }
   }
-  for (int r = 0; r < R; ++r) y[r * ldy] = V::sum(acc[r], off[r]);
+  for (int r = 0; r < R; ++r)
+    for (int c = 0; c < C; ++c) y[r * ldy + c] = V::sum(acc[r][c], V::zero());
 }
 
-template <class V, int QT, int R>
-inline void int8_rows_tile(const Int8Rows& a, int64_t m0, const uint8_t* row, int64_t K, float* y, int64_t ldy,
-                           int64_t rows) {
+// The tile for `rows` (1..R) rows.
+template <class V, int QT, int R, int C>
+inline void int8_rows_tile(const Int8Rows& a, int64_t m0, const uint8_t* row, int64_t row_bytes, int64_t K,
+                           float* y, int64_t ldy, int64_t rows) {
   if constexpr (R > 1) {
-    if (rows < R) return int8_rows_tile<V, QT, R - 1>(a, m0, row, K, y, ldy, rows);
+    if (rows < R) return int8_rows_tile<V, QT, R - 1, C>(a, m0, row, row_bytes, K, y, ldy, rows);
   }
-  int8_tile<V, QT, R>(a, m0, row, K, y, ldy);
+  int8_tile<V, QT, R, C>(a, m0, row, row_bytes, K, y, ldy);
 }
 
+// Columns [n0, n1) in tiles of V::kCols columns x V::kRows rows: the row tiles of a column
+// tile follow each other, so the ones after the first find its blocks in L1; the records of
+// all M rows are read once per column tile and stay cached (quant_int8_kernel.h).
 template <class V>
 void int8_gemm_cols_simd(const Int8Rows& a, int64_t M, const uint8_t* w, int qtype, int64_t row_bytes, int64_t K,
                          float* y, int64_t ldy, int64_t n0, int64_t n1) {
   with_type(qtype, [&](auto t) {
     constexpr int QT = decltype(t)::value;
-    for (int64_t n = n0; n < n1; ++n)
-      for (int64_t m0 = 0; m0 < M; m0 += V::kRows)  // tiles after the first find the row in L1
-        int8_rows_tile<V, QT, V::kRows>(a, m0, w + n * row_bytes, K, y + m0 * ldy + n, ldy,
-                                        M - m0 < V::kRows ? M - m0 : V::kRows);
+    for (int64_t n = n0; n < n1; n += V::kCols) {
+      const bool whole = n1 - n >= V::kCols;
+      for (int64_t m0 = 0; m0 < M; m0 += V::kRows) {
+        const int64_t rows = M - m0 < V::kRows ? M - m0 : V::kRows;
+        const uint8_t* row = w + n * row_bytes;
+        float* yt = y + m0 * ldy + n;
+        if (whole) {
+          int8_rows_tile<V, QT, V::kRows, V::kCols>(a, m0, row, row_bytes, K, yt, ldy, rows);
+        } else {
+          for (int64_t c = 0; c < n1 - n; ++c)
+            int8_rows_tile<V, QT, V::kRows, 1>(a, m0, row + c * row_bytes, row_bytes, K, yt + c, ldy, rows);
+        }
+      }
+    }
   });
 }
 
@@ -205,8 +237,9 @@ void int8_quantize_simd(const float* x, int64_t ldx, int64_t M, int64_t K, int q
     float* d = dx + r * ldd;
     for (int64_t b = 0; b < K / kUnit; ++b) d[b] = V::quantize32(x + r * ldx + b * kUnit, q + b * kUnit);
     if (rows) {
-      std::memset(q + K, 0, (size_t)(rows->kp - K));
-      for (int64_t b = K / kUnit; b < rows->kp / kUnit; ++b) d[b] = 0.0f;
+      const int64_t kp = rows->groups * kGroup;
+      std::memset(q + K, 0, (size_t)(kp - K));
+      for (int64_t b = K / kUnit; b < kp / kUnit; ++b) d[b] = 0.0f;
       lay_out_row(q, d, qtype, *rows, r);
     }
   }

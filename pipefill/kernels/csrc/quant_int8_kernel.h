@@ -49,14 +49,32 @@ struct Int8Rows {
   uint8_t* rec;
   int64_t M;
   int64_t groups;
+  // The unit-lane layout (the 32-weight types, below): `full` steps of `wide` units, then one
+  // of `last` units (0: none).
+  int wide = 0;
+  int64_t full = 0;
+  int last = 0;
   uint8_t* at(int64_t g, int64_t r) const { return rec + (g * M + r) * kRecBytes; }
 };
+
+// The 32-weight types (Q4_0, Q4_1, Q5_0, Q8_0) take the unit-lane layout instead: a step of W
+// units (W = 16 on zmm, 8 on ymm) puts unit u0 + g (W / 4) + s in 32-bit lane 4 s + g of its
+// registers (s: the 128-bit slot, g = 0..3), one unit a lane, so a row's eight integer dot
+// products over the step (32 codes a lane) land in one int32 register that needs one float
+// scaling for W units (the group records need one per 4 units). A row's record for a step: eight
+// code registers X_0..X_7 (X_i lane L: codes 4 i..4 i + 3 of L's unit for i < 4, 16 + 4 (i - 4)..
+// for i >= 4), then dl, then nx or sl per lane (now over the unit's 32 codes): 40 W bytes,
+// step-major and row-minor as the groups'. Units past K have zero codes and scales.
+constexpr int kUnitRec = 40;  // record bytes per lane of a step
+
+inline int64_t unit_step_units(const Int8Rows& a) { return a.full * a.wide + a.last; }
 
 // Bytes of the scratch int8_scratch lays out for M rows of K (padded to kp): natural codes,
 // scales, records, each 64-byte aligned.
 inline size_t align64_bytes(size_t n) { return (n + 63) / 64 * 64; }
 inline size_t int8_scratch_bytes(int64_t M, int64_t kp) {
-  return align64_bytes((size_t)(M * kp)) + align64_bytes((size_t)(M * kp / kUnit) * 4) + (size_t)(M * kp / kGroup) * kRecBytes;
+  const size_t groups = (size_t)(M * kp / kGroup) * kRecBytes, lanes = (size_t)(M * (kp / kUnit + 16)) * kUnitRec;
+  return align64_bytes((size_t)(M * kp)) + align64_bytes((size_t)(M * kp / kUnit) * 4) + (groups > lanes ? groups : lanes);
 }
 
 // The natural codes [M, kp], scales [M, kp / 32] and records of int8_scratch_bytes(M, kp) at
@@ -120,6 +138,41 @@ inline void lay_out_row(const int8_t* nat, const float* dx, int qtype, const Int
   }
 }
 
+// The unit-lane layout of a row (the 32-weight types): steps of a.wide units, the last of
+// a.last, from the natural codes nat (units of 32) and scales dx of K weights.
+inline void lay_out_row_units(const int8_t* nat, const float* dx, int64_t K, int qtype, const Int8Rows& a, int64_t r) {
+  const int zero = int8_zero(qtype);
+  const int64_t units = K / kUnit;
+  uint8_t* step = a.rec;
+  for (int64_t j = 0, u0 = 0; j < a.full + (a.last ? 1 : 0); ++j) {
+    const int W = j < a.full ? a.wide : a.last;
+    uint8_t* rec = step + r * kUnitRec * W;
+    float* dl = reinterpret_cast<float*>(rec + 32 * W);
+    int32_t* nx = reinterpret_cast<int32_t*>(rec + 36 * W);
+    float* sl = reinterpret_cast<float*>(rec + 36 * W);
+    for (int lane = 0; lane < W; ++lane) {
+      const int64_t u = u0 + (lane % 4) * (W / 4) + lane / 4;
+      int32_t sum = 0;
+      for (int i = 0; i < 8; ++i) {
+        int8_t* x = reinterpret_cast<int8_t*>(rec + 4 * W * i + 4 * lane);
+        const int c0 = i < 4 ? 4 * i : 16 + 4 * (i - 4);
+        for (int k = 0; k < 4; ++k) {
+          x[k] = u < units ? nat[32 * u + c0 + k] : 0;
+          sum += x[k];
+        }
+      }
+      const float d = u < units ? dx[u] : 0.0f;
+      dl[lane] = d;
+      if (zero)
+        nx[lane] = -zero * sum;
+      else
+        sl[lane] = d * (float)sum;
+    }
+    u0 += W;
+    step += a.M * kUnitRec * W;
+  }
+}
+
 }  // namespace
 
 // Each integer path's functions (namespaces avx2 and avx512vnni):
@@ -131,7 +184,7 @@ inline void lay_out_row(const int8_t* nat, const float* dx, int qtype, const Int
 #define PF_QUANT_INT8(ns)                                                                              \
   namespace ns {                                                                                       \
   void int8_quantize(const float* x, int64_t ldx, int64_t M, int64_t K, int qtype, int8_t* nat,        \
-                     int64_t ldn, float* dx, int64_t ldd, const Int8Rows* rows);                       \
+                     int64_t ldn, float* dx, int64_t ldd, Int8Rows* rows);                             \
   void int8_gemm_cols(const Int8Rows& a, int64_t M, const uint8_t* w, int qtype, int64_t row_bytes,    \
                       int64_t K, float* y, int64_t ldy, int64_t n0, int64_t n1);                       \
   }

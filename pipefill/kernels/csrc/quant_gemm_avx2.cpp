@@ -1,6 +1,7 @@
 // AVX2 + FMA quantized decode GEMM: 16 weights to two ymm of float32, up to 4 rows per tile
 // (16 ymm: 8 accumulators, 4 weights, the scales, an activation). Its integer path
-// (quant_int8_simd.h): half a group's codes in two ymm, vpmaddubsw + vpmaddwd, 4 rows a tile. Entered only after the glue's
+// (quant_int8_simd.h): half a group's codes in two ymm (or a step of 8 blocks in 8), vpmaddubsw +
+// vpmaddwd, 4 rows a tile. Entered only after the glue's
 // cpuid/XCR0 check for AVX2 and FMA (and F16C for the FP8 path). The kernels: quant_gemm_simd.h
 // (GGUF blocks), fp8_gemm_simd.h (FP8 with block scales); layouts: quant_gemm_kernel.h,
 // fp8_gemm_kernel.h.

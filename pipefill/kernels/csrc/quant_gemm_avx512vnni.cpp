@@ -1,6 +1,7 @@
 // AVX-512 VNNI integer path of the quantized decode GEMM: a group's 128 codes in two zmm (four
 // 128-bit slots each), vpdpbusd (unsigned codes x signed activations -> int32, no saturation),
-// up to 8 rows per tile (16 float sums + the group's 4 registers + temporaries < 32 zmm).
+// up to 8 rows per tile (8 float sums, 8 int32 sums, a step's 8 code registers and 2 of scales
+// < 32 zmm); the unit-lane kernel's half step (8 blocks) on ymm.
 // Entered only after the glue's cpuid/XCR0 check for AVX-512 F/BW/VL and AVX512_VNNI. The
 // kernel: quant_int8_simd.h; the activations' layout: quant_int8_kernel.h.
 #include "quant_int8_simd.h"

@@ -3,13 +3,29 @@
 // quant_gemm_avx512vnni.cpp (V: zmm, four slots, vpdpbusd). Layouts and arithmetic:
 // quant_int8_kernel.h (the activations), quant_gemm_kernel.h (the blocks).
 //
-// Per group of 128 weights and register's worth of slots (a "chunk": the whole group on zmm,
-// half of it on ymm), the blocks' codes are unpacked once into the lo and hi registers as
-// unsigned bytes (the zero point left in: its term comes from the activations' sums, exactly)
-// and the block scales into float lanes; then every row of the tile adds its integer dot
-// products into one int32 register (the zero point's -zero * sum(q) as its start), converts it
-// and adds it times d dx into its float sum (and, for offset types, m times dx sum(q) into a
-// second one). So a tile of rows reads and unpacks each block once.
+// Two kernels, both reading each weight block once per tile of rows (V::kRows: 8 on zmm, 4 on
+// ymm) and each row's quantized activations once per column, with one pointer a tile (the
+// records of quant_int8_kernel.h: a tile's rows of one group or step are consecutive):
+// * the group kernel (the K types, and the 32-weight types on rows too short for the other):
+//   per group of 128 weights and register's worth of slots (a "chunk": the whole group on zmm,
+//   half of it on ymm), the blocks' codes are unpacked once into the lo and hi registers as
+//   unsigned bytes (the zero point left in: its term comes from the activations' sums, exactly)
+//   and the block scales into float lanes; then every row of the tile adds its integer dot
+//   products into one int32 register (the zero point's -zero * sum(q) as its start), converts
+//   it and adds it times d dx into its float sum (and, for offset types, m times dx sum(q)).
+//   Per row and group: 2 dot products and 3-4 float operations on 16 lanes of which only 4
+//   hold distinct scales.
+// * the unit-lane kernel (the 32-weight types): a step's blocks are transposed in registers so
+//   that each lane holds one block, and a row's 8 dot products over the step need one float
+//   scaling for 16 blocks: per row and 128 weights, 2 dot products and under 1 float operation.
+// Why this blocking: a decode call reads every weight once from memory (the bytes that set its
+// time at M = 1), so the columns run one at a time, all row tiles of a column back to back (the
+// second tile finds the column's blocks in L1), and the activations, quantized once a call into
+// records of 2 (groups) or 1.25 (unit lanes) bytes a weight a row, are what every column
+// re-reads: for 8 rows of K = 1536 that is 15-24 KB, which stays in L1 (L2 for larger M or K)
+// across the columns. Blocking two or three columns a tile (sharing the records' loads)
+// measured no faster: a tile is bound by its integer and float operations, not by its loads,
+// which is what the unit lanes cut.
 #pragma once
 #include <immintrin.h>
 

@@ -32,7 +32,10 @@ even) and multiplies the blocks' integer codes by them with integer dot products
 each block's float scales once per block (and its offset, Q4_1's m and the K types' mins,
 through the activation block's sum; zero points through the same sums, exactly in int32). The
 dequantization is no longer the work: a block is unpacked once for all rows of a tile and each
-row adds two integer dot products and three float operations per 128 weights. Paths:
+row adds two integer dot products per 128 weights, and three float operations per 128 (K types,
+short rows) or per 512 (the 32-weight types on rows of at least 1024 weights on zmm, 512 on
+ymm: their blocks transposed into one lane each, csrc/quant_int8_simd.h, which says why the
+blocking suits the caches). Paths:
 ``avx512vnni`` (vpdpbusd on zmm, 8 rows a tile) and ``avx2`` (vpmaddubsw + vpmaddwd on ymm, 4
 rows), chosen from cpuid; ``disable`` turns them off by ``int8`` (both), ``int8-<path>``, or
 the float path their build includes (``avx512`` or ``avx2``); --hide-cpu-flags avx512_vnni

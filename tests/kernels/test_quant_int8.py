@@ -125,6 +125,25 @@ def test_int8_gemm_against_float64(path, qtype):
         check(lin, x.bfloat16(), parts, path, k, out_dtype=torch.bfloat16)
 
 
+# Rows long enough for the 32-weight types' unit-lane layout (csrc/quant_int8_kernel.h): whole
+# steps of 16 units (zmm) or 8 (ymm), then none, a half step (zmm) or a whole one for the rest;
+# M around the row tiles. K = 544 stays on the group records on both paths (too much padding).
+UNIT_LANE_SHAPES = [(1, 1088, 5), (4, 1280, 3), (8, 1056, 7), (9, 1024, 4), (16, 512, 3),
+                    (3, 2080, 2), (5, 544, 3)]
+
+
+@pytest.mark.parametrize("path", qg.INT8_PATHS)
+@pytest.mark.parametrize("qtype", [Q4_1, Q8_0, Q5_0, Q4_0], ids=lambda t: BLOCK_TYPES[t][0])
+def test_int8_unit_lanes_against_float64(path, qtype):
+    for m, k, n in UNIT_LANE_SHAPES:
+        g = np.random.default_rng(5 * m + k + n + qtype)
+        parts = [(random_blocks(qtype, n, k, g), qtype)]
+        lin = linear(path, parts, k)
+        x = torch.from_numpy(g.standard_normal((m, k)).astype(np.float32))
+        x[:, -32:] *= 40  # the last unit (in the last step) of another scale
+        check(lin, x, parts, path, k)
+
+
 @pytest.mark.parametrize("path", qg.INT8_PATHS)
 def test_int8_mixed_parts_bias_and_bind(path):
     """A layer of stacked matrices of several types (one call each, on out's columns), with a

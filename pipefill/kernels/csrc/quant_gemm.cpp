@@ -136,23 +136,12 @@ std::tuple<bool, std::string> pf_qg_int8_supported(int path) {
   return {why == nullptr, why ? why : "ok"};
 }
 
-// One call's quantized activations in the caller's scratch, every array 64-byte aligned (the
-// kernels' activation loads then never split a cache line): natural codes and scales, then the
-// kernels' layout.
+// One call's quantized activations in the caller's scratch (quant_int8_kernel.h's layout).
 struct Int8Buffers {
   pg::ThreadScratch scratch;
   int8_t* nat = nullptr;
   float* dx = nullptr;
-  Int8Rows rows(int64_t M, int64_t kp) {
-    const size_t codes = pg::align64((size_t)(M * kp)), scales = pg::align64((size_t)(M * kp / kUnit) * 4),
-                 lanes = pg::align64((size_t)(M * kp / 8) * 4);
-    char* base = static_cast<char*>(scratch.get(2 * codes + scales + 3 * lanes));
-    nat = reinterpret_cast<int8_t*>(base);
-    dx = reinterpret_cast<float*>(base + 2 * codes);
-    char* lane = base + 2 * codes + scales;
-    return {reinterpret_cast<int8_t*>(base + codes), reinterpret_cast<float*>(lane),
-            reinterpret_cast<float*>(lane + lanes), reinterpret_cast<int32_t*>(lane + 2 * lanes), kp};
-  }
+  Int8Rows rows(int64_t M, int64_t kp) { return int8_scratch(scratch.get(int8_scratch_bytes(M, kp)), M, kp, nat, dx); }
 };
 
 // The GEMM on GGUF blocks with int8 activations (arguments as pf_qg_gemm's; path: kInt8*).

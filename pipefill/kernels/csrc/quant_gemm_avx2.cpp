@@ -1,6 +1,7 @@
 // AVX2 + FMA quantized decode GEMM: 16 weights to two ymm of float32, up to 4 rows per tile
 // (16 ymm: 8 accumulators, 4 weights, the scales, an activation). Its integer path
-// (quant_int8_simd.h): half a group's codes in two ymm, vpmaddubsw + vpmaddwd, 4 rows a tile. Entered only after the glue's
+// (quant_int8_simd.h): half a group's codes in two ymm (or a step of 8 blocks in 8), vpmaddubsw +
+// vpmaddwd, 4 rows a tile. Entered only after the glue's
 // cpuid/XCR0 check for AVX2 and FMA (and F16C for the FP8 path). The kernels: quant_gemm_simd.h
 // (GGUF blocks), fp8_gemm_simd.h (FP8 with block scales); layouts: quant_gemm_kernel.h,
 // fp8_gemm_kernel.h.
@@ -52,83 +53,12 @@ struct V256 {
   }
 };
 
-// The integer path's ymm: two 128-bit slots a register.
-struct I256 {
-  using ireg = __m256i;
-  using reg = __m256;
-  static constexpr int kSlots = 2, kRows = 4;
-  // vpmaddubsw saturates its int16 pair sums: Q8_0's codes (up to 255 with + 128) would
-  // overflow them, so Q8_0 multiplies |code| by the activation with the code's sign instead.
+// The integer path's ymm (quant_int8_simd.h's I256Ops): Q8_0 on signed codes (vpmaddubsw
+// would saturate on its codes + 128), no half-width step.
+struct I256 : I256Ops {
+  using Half = I256;
+  static constexpr int kRows = 4;
   static constexpr bool kSignedQ8 = true;
-  static ireg zeroi() { return _mm256_setzero_si256(); }
-  static reg zero() { return _mm256_setzero_ps(); }
-  static ireg set1(char v) { return _mm256_set1_epi8(v); }
-  static ireg loadi(const void* p) { return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)); }
-  static reg load(const float* p) { return _mm256_loadu_ps(p); }
-  static ireg and_(ireg a, ireg b) { return _mm256_and_si256(a, b); }
-  static ireg or_(ireg a, ireg b) { return _mm256_or_si256(a, b); }
-  static ireg xor_(ireg a, ireg b) { return _mm256_xor_si256(a, b); }
-  static ireg srli16(ireg a, int n) { return _mm256_srli_epi16(a, n); }
-  static ireg slli16(ireg a, int n) { return _mm256_slli_epi16(a, n); }
-  static ireg unpacklo64(ireg a, ireg b) { return _mm256_unpacklo_epi64(a, b); }
-  static ireg unpackhi64(ireg a, ireg b) { return _mm256_unpackhi_epi64(a, b); }
-  static ireg gather(const uint8_t* const* p, int off) {
-    return _mm256_inserti128_si256(_mm256_castsi128_si256(bytes16(p[0] + off)), bytes16(p[1] + off), 1);
-  }
-  static ireg srlv(ireg a, const int* sh) { return _mm256_srlv_epi64(a, _mm256_set_epi64x(sh[1], sh[1], sh[0], sh[0])); }
-  static ireg slot_dwords(const uint32_t* v) { return _mm256_set_epi32(v[1], v[1], v[1], v[1], v[0], v[0], v[0], v[0]); }
-  static ireg fifth_bits(ireg spread, int first) {
-    const __m128i i128 = _mm_set_epi64x(0x0101010101010101ll * (first + 1), 0x0101010101010101ll * first);
-    const ireg bytes = _mm256_shuffle_epi8(spread, _mm256_broadcastsi128_si256(i128));
-    const ireg sel = _mm256_set1_epi64x((long long)0x8040201008040201ull);
-    return _mm256_slli_epi16(_mm256_min_epu8(_mm256_and_si256(bytes, sel), _mm256_set1_epi8(1)), 4);
-  }
-  static reg lanes(const float* h) {
-    return _mm256_permutevar8x32_ps(_mm256_castps128_ps256(_mm_loadu_ps(h)), _mm256_set_epi32(3, 3, 2, 2, 1, 1, 0, 0));
-  }
-  // Lane l = v[2 (2 c + l / 4) + odd]: chunk c's slot's d (odd 0) or m (odd 1).
-  static reg slot_lanes(__m256 v, int c, int odd) {
-    const __m256i idx = _mm256_add_epi32(_mm256_set_epi32(2, 2, 2, 2, 0, 0, 0, 0), _mm256_set1_epi32(4 * c + odd));
-    return _mm256_permutevar8x32_ps(v, idx);
-  }
-  // Codes up to 63: a pair of products is at most 2 * 63 * 127 and the lo + hi sum of two pairs
-  // 32,004, inside int16.
-  static ireg dot(ireg start, ireg lo, ireg hi, ireg xlo, ireg xhi) {
-    const ireg pairs = _mm256_add_epi16(_mm256_maddubs_epi16(lo, xlo), _mm256_maddubs_epi16(hi, xhi));
-    return _mm256_add_epi32(start, _mm256_madd_epi16(pairs, _mm256_set1_epi16(1)));
-  }
-  // Signed codes: |code| (at most 128) x activation with the code's sign; each pair at most
-  // 2 * 128 * 127, so lo and hi are widened apart.
-  static ireg dot_signed(ireg lo, ireg hi, ireg xlo, ireg xhi) {
-    const ireg one = _mm256_set1_epi16(1);
-    const ireg a = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(lo), _mm256_sign_epi8(xlo, lo)), one);
-    const ireg b = _mm256_madd_epi16(_mm256_maddubs_epi16(_mm256_abs_epi8(hi), _mm256_sign_epi8(xhi, hi)), one);
-    return _mm256_add_epi32(a, b);
-  }
-  static reg cvt(ireg a) { return _mm256_cvtepi32_ps(a); }
-  static reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
-  static reg fmadd(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
-  static float sum(reg a, reg b) { return V256::sum(a, b); }
-  static float quantize32(const float* x, int8_t* q) {
-    const reg sign = _mm256_set1_ps(-0.0f);
-    reg v[4], amax = zero();
-    for (int i = 0; i < 4; ++i) {
-      v[i] = _mm256_loadu_ps(x + 8 * i);
-      amax = _mm256_max_ps(amax, _mm256_andnot_ps(sign, v[i]));
-    }
-    __m128 m = _mm_max_ps(_mm256_castps256_ps128(amax), _mm256_extractf128_ps(amax, 1));
-    m = _mm_max_ps(m, _mm_movehl_ps(m, m));
-    m = _mm_max_ss(m, _mm_shuffle_ps(m, m, 1));
-    const float d = _mm_cvtss_f32(m) / 127.0f, id = d != 0.0f ? 1.0f / d : 0.0f;
-    const reg s = _mm256_set1_ps(id);
-    __m256i n[4];
-    for (int i = 0; i < 4; ++i) n[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], s));
-    // packs interleave the 128-bit halves: dwords come out as 0, 4, 1, 5, 2, 6, 3, 7.
-    const __m256i packed = _mm256_packs_epi16(_mm256_packs_epi32(n[0], n[1]), _mm256_packs_epi32(n[2], n[3]));
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(q),
-                        _mm256_permutevar8x32_epi32(packed, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7)));
-    return d;
-  }
 };
 
 }  // namespace

@@ -1,6 +1,7 @@
 // AVX-512 VNNI integer path of the quantized decode GEMM: a group's 128 codes in two zmm (four
 // 128-bit slots each), vpdpbusd (unsigned codes x signed activations -> int32, no saturation),
-// up to 8 rows per tile (16 float sums + the group's 4 registers + temporaries < 32 zmm).
+// up to 8 rows per tile (8 float sums, 8 int32 sums, a step's 8 code registers and 2 of scales
+// < 32 zmm); the unit-lane kernel's half step (8 blocks) on ymm.
 // Entered only after the glue's cpuid/XCR0 check for AVX-512 F/BW/VL and AVX512_VNNI. The
 // kernel: quant_int8_simd.h; the activations' layout: quant_int8_kernel.h.
 #include "quant_int8_simd.h"
@@ -9,9 +10,20 @@ namespace pipefill_quant {
 namespace avx512vnni {
 namespace {
 
+// The half step (ymm: 8 units) of the unit-lane kernel: the AVX2 ops with vpdpbusd on ymm.
+struct V256Vnni : I256Ops {
+  using Half = V256Vnni;
+  static constexpr bool kSignedQ8 = false;  // Q8_0's codes + 128, their zero point 128
+  static ireg dot(ireg start, ireg lo, ireg hi, ireg xlo, ireg xhi) {
+    return _mm256_dpbusd_epi32(_mm256_dpbusd_epi32(start, lo, xlo), hi, xhi);
+  }
+  static ireg dot_signed(ireg, ireg, ireg, ireg) { return zeroi(); }  // not used (kSignedQ8 false)
+};
+
 struct V512Vnni {
   using ireg = __m512i;
   using reg = __m512;
+  using Half = V256Vnni;
   static constexpr int kSlots = 4, kRows = 8;
   static constexpr bool kSignedQ8 = false;  // Q8_0's codes + 128, their zero point 128
   static ireg zeroi() { return _mm512_setzero_si512(); }
@@ -59,6 +71,27 @@ struct V512Vnni {
                                          _mm512_set1_epi32(odd));
     return _mm512_permutexvar_ps(idx, _mm512_castps256_ps512(v));
   }
+  static ireg addi(ireg a, ireg b) { return _mm512_add_epi32(a, b); }
+  static ireg srli32(ireg a, int n) { return _mm512_srl_epi32(a, _mm_cvtsi32_si128(n)); }
+  static ireg dwords(const uint32_t* v) {
+    return _mm512_setr_epi32((int)v[0], (int)v[1], (int)v[2], (int)v[3], (int)v[4], (int)v[5], (int)v[6], (int)v[7],
+                             (int)v[8], (int)v[9], (int)v[10], (int)v[11], (int)v[12], (int)v[13], (int)v[14],
+                             (int)v[15]);
+  }
+  static reg halves_low(ireg v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)); }
+  static void transpose4(ireg* r) {
+    const ireg t0 = _mm512_unpacklo_epi32(r[0], r[1]), t1 = _mm512_unpackhi_epi32(r[0], r[1]);
+    const ireg t2 = _mm512_unpacklo_epi32(r[2], r[3]), t3 = _mm512_unpackhi_epi32(r[2], r[3]);
+    r[0] = _mm512_unpacklo_epi64(t0, t2);
+    r[1] = _mm512_unpackhi_epi64(t0, t2);
+    r[2] = _mm512_unpacklo_epi64(t1, t3);
+    r[3] = _mm512_unpackhi_epi64(t1, t3);
+  }
+  static ireg lane_bits(ireg bits, int first) {
+    const ireg idx = _mm512_broadcast_i32x4(_mm_setr_epi32(0, 0x04040404, 0x08080808, 0x0c0c0c0c));
+    const ireg low = _mm512_shuffle_epi8(srli32(bits, first), idx);
+    return _mm512_slli_epi16(_mm512_min_epu8(_mm512_and_si512(low, _mm512_set1_epi32(0x08040201)), _mm512_set1_epi8(1)), 4);
+  }
   static ireg dot(ireg start, ireg lo, ireg hi, ireg xlo, ireg xhi) {
     return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, lo, xlo), hi, xhi);
   }
@@ -67,6 +100,8 @@ struct V512Vnni {
   static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
   static reg fmadd(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
   static float sum(reg a, reg b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
+  // a with the half step's sums h added to its low 8 lanes.
+  static reg add_half(reg a, __m256 h) { return _mm512_add_ps(a, _mm512_zextps256_ps512(h)); }
   // 32 floats -> int8 codes round(x / d) (nearest even), d = amax / 127 returned.
   static float quantize32(const float* x, int8_t* q) {
     const reg a = _mm512_loadu_ps(x), b = _mm512_loadu_ps(x + 16);

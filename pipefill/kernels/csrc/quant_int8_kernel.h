@@ -16,11 +16,17 @@
 // (kind: 0 = slot s is unit s, lo its codes 0..15 and hi 16..31; 1 = Q4_K/Q5_K's nibble order,
 // slots 0..3 are units 0, 2, 1, 3 of the group; 2 = Q6_K: lo holds codes 0..7 and 16..23 of a
 // slot's unit, hi 8..15 and 24..31, so that a lane never straddles two of its 16-weight scales).
-// Per 32-bit lane l of a group (16 lanes: slot l / 4), three arrays give what the lane's sum
-// needs: dl = dx of its unit, nx = -zero * (the sum of its 8 codes q: 4 in lo, 4 in hi; the
-// zero point's term, exact in int32: the integer sum's start), sl = dx * that sum (the offset
-// term of Q4_1 and the K types' mins).
+// Per 32-bit lane l of a group (16 lanes: slot l / 4), two arrays give what the lane's sum
+// needs: dl = dx of its unit, and either nx = -zero * (the sum of its 8 codes q: 4 in lo, 4 in
+// hi; the zero point's term, exact in int32: the integer sum's start) for the types with a zero
+// point, or sl = dx * that sum (the offset term of Q4_1 and the K types' mins); no type has both.
 // A row's K is padded to a whole number of groups with zero codes and zero scales.
+//
+// Records: one row's share of one group is one 256-byte record (lo codes, hi codes, dl, then nx
+// or sl: 64 bytes each), stored group-major and row-minor: record (g, r) at rec + (g M + r) 256.
+// A tile of rows then finds a group's activations at one address plus constant offsets (one
+// pointer, no per-row address arithmetic), in consecutive lines; all M rows' records (2 bytes a
+// weight a row: 24 KB for 8 rows of K = 1536) stay in L1/L2 while a task's columns stream by.
 #pragma once
 #include <cstdint>
 #include <cstring>
@@ -34,15 +40,53 @@ constexpr int kLanesPerGroup = 16;  // 32-bit lanes of a group's sums
 
 inline int64_t padded_k(int64_t K) { return (K + kGroup - 1) / kGroup * kGroup; }
 
-// A call's quantized activations in the kernels' layout: row r's codes at q + r * kp, its lane
-// arrays at dl/sl/nx + r * (kp / 8).
+constexpr int kRecBytes = 256;  // one record: codes lo, codes hi, dl, nx or sl
+constexpr int kRecLo = 0, kRecHi = 64, kRecDl = 128, kRecExtra = 192;
+
+// A call's quantized activations in the kernels' layout (records, above) for M rows of
+// `groups` groups of 128.
 struct Int8Rows {
-  int8_t* q;
-  float* dl;
-  float* sl;
-  int32_t* nx;
-  int64_t kp;
+  uint8_t* rec;
+  int64_t M;
+  int64_t groups;
+  // The unit-lane layout (the 32-weight types, below): `full` steps of `wide` units, then one
+  // of `last` units (0: none).
+  int wide = 0;
+  int64_t full = 0;
+  int last = 0;
+  uint8_t* at(int64_t g, int64_t r) const { return rec + (g * M + r) * kRecBytes; }
 };
+
+// The 32-weight types (Q4_0, Q4_1, Q5_0, Q8_0) take the unit-lane layout instead: a step of W
+// units (W = 16 on zmm, 8 on ymm) puts unit u0 + g (W / 4) + s in 32-bit lane 4 s + g of its
+// registers (s: the 128-bit slot, g = 0..3), one unit a lane, so a row's eight integer dot
+// products over the step (32 codes a lane) land in one int32 register that needs one float
+// scaling for W units (the group records need one per 4 units). A row's record for a step: eight
+// code registers X_0..X_7 (X_i lane L: codes 4 i..4 i + 3 of L's unit for i < 4, 16 + 4 (i - 4)..
+// for i >= 4), then dl, then nx or sl per lane (now over the unit's 32 codes): 40 W bytes,
+// step-major and row-minor as the groups'. Units past K have zero codes and scales.
+constexpr int kUnitRec = 40;  // record bytes per lane of a step
+
+inline int64_t unit_step_units(const Int8Rows& a) { return a.full * a.wide + a.last; }
+
+// Bytes of the scratch int8_scratch lays out for M rows of K (padded to kp): natural codes,
+// scales, records, each 64-byte aligned.
+inline size_t align64_bytes(size_t n) { return (n + 63) / 64 * 64; }
+inline size_t int8_scratch_bytes(int64_t M, int64_t kp) {
+  const size_t groups = (size_t)(M * kp / kGroup) * kRecBytes, lanes = (size_t)(M * (kp / kUnit + 16)) * kUnitRec;
+  return align64_bytes((size_t)(M * kp)) + align64_bytes((size_t)(M * kp / kUnit) * 4) + (groups > lanes ? groups : lanes);
+}
+
+// The natural codes [M, kp], scales [M, kp / 32] and records of int8_scratch_bytes(M, kp) at
+// base (64-byte aligned).
+inline Int8Rows int8_scratch(void* base, int64_t M, int64_t kp, int8_t*& nat, float*& dx) {
+  char* p = static_cast<char*>(base);
+  nat = reinterpret_cast<int8_t*>(p);
+  p += align64_bytes((size_t)(M * kp));
+  dx = reinterpret_cast<float*>(p);
+  p += align64_bytes((size_t)(M * kp / kUnit) * 4);
+  return {reinterpret_cast<uint8_t*>(p), M, kp / kGroup};
+}
 
 // The activation layout a block type's kernel reads (see above).
 inline int int8_kind(int qtype) { return qtype == kQ4_K || qtype == kQ5_K ? 1 : qtype == kQ6_K ? 2 : 0; }
@@ -57,21 +101,20 @@ namespace {
 // Unit of the group in slot s of layout `kind`.
 inline int slot_unit(int kind, int s) { return kind == 1 ? (s == 1 ? 2 : s == 2 ? 1 : s) : s; }
 
-// Natural codes nat[kp] and scales dx[kp / 32] of one row -> the layout and the lane arrays of
-// `qtype`'s kernel, row `r` of `rows`.
+// Natural codes nat[kp] and scales dx[kp / 32] of one row -> the records of `qtype`'s kernel,
+// row `r` of `rows`.
 inline void lay_out_row(const int8_t* nat, const float* dx, int qtype, const Int8Rows& rows, int64_t r) {
   const int kind = int8_kind(qtype), zero = int8_zero(qtype);
-  const int64_t kp = rows.kp;
-  int8_t* q = rows.q + r * kp;
-  float* dl = rows.dl + r * (kp / 8);
-  float* sl = rows.sl + r * (kp / 8);
-  int32_t* nx = rows.nx + r * (kp / 8);
-  for (int64_t g = 0; g < kp / kGroup; ++g)
+  for (int64_t g = 0; g < rows.groups; ++g) {
+    uint8_t* rec = rows.at(g, r);
+    float* dl = reinterpret_cast<float*>(rec + kRecDl);
+    int32_t* nx = reinterpret_cast<int32_t*>(rec + kRecExtra);
+    float* sl = reinterpret_cast<float*>(rec + kRecExtra);
     for (int s = 0; s < 4; ++s) {
       const int64_t unit = 4 * g + slot_unit(kind, s);
       const int8_t* src = nat + 32 * unit;
-      int8_t* lo = q + kGroup * g + 16 * s;
-      int8_t* hi = lo + 64;
+      int8_t* lo = reinterpret_cast<int8_t*>(rec + kRecLo) + 16 * s;
+      int8_t* hi = reinterpret_cast<int8_t*>(rec + kRecHi) + 16 * s;
       if (kind == 2) {
         std::memcpy(lo, src, 8);
         std::memcpy(lo + 8, src + 16, 8);
@@ -84,12 +127,50 @@ inline void lay_out_row(const int8_t* nat, const float* dx, int qtype, const Int
       for (int i = 0; i < 4; ++i) {
         int32_t sum = 0;
         for (int j = 0; j < 4; ++j) sum += lo[4 * i + j] + hi[4 * i + j];
-        const int64_t l = kLanesPerGroup * g + 4 * s + i;
-        nx[l] = -zero * sum;
+        const int l = 4 * s + i;
         dl[l] = dx[unit];
-        sl[l] = dx[unit] * (float)sum;
+        if (zero)
+          nx[l] = -zero * sum;
+        else
+          sl[l] = dx[unit] * (float)sum;
       }
     }
+  }
+}
+
+// The unit-lane layout of a row (the 32-weight types): steps of a.wide units, the last of
+// a.last, from the natural codes nat (units of 32) and scales dx of K weights.
+inline void lay_out_row_units(const int8_t* nat, const float* dx, int64_t K, int qtype, const Int8Rows& a, int64_t r) {
+  const int zero = int8_zero(qtype);
+  const int64_t units = K / kUnit;
+  uint8_t* step = a.rec;
+  for (int64_t j = 0, u0 = 0; j < a.full + (a.last ? 1 : 0); ++j) {
+    const int W = j < a.full ? a.wide : a.last;
+    uint8_t* rec = step + r * kUnitRec * W;
+    float* dl = reinterpret_cast<float*>(rec + 32 * W);
+    int32_t* nx = reinterpret_cast<int32_t*>(rec + 36 * W);
+    float* sl = reinterpret_cast<float*>(rec + 36 * W);
+    for (int lane = 0; lane < W; ++lane) {
+      const int64_t u = u0 + (lane % 4) * (W / 4) + lane / 4;
+      int32_t sum = 0;
+      for (int i = 0; i < 8; ++i) {
+        int8_t* x = reinterpret_cast<int8_t*>(rec + 4 * W * i + 4 * lane);
+        const int c0 = i < 4 ? 4 * i : 16 + 4 * (i - 4);
+        for (int k = 0; k < 4; ++k) {
+          x[k] = u < units ? nat[32 * u + c0 + k] : 0;
+          sum += x[k];
+        }
+      }
+      const float d = u < units ? dx[u] : 0.0f;
+      dl[lane] = d;
+      if (zero)
+        nx[lane] = -zero * sum;
+      else
+        sl[lane] = d * (float)sum;
+    }
+    u0 += W;
+    step += a.M * kUnitRec * W;
+  }
 }
 
 }  // namespace
@@ -103,7 +184,7 @@ inline void lay_out_row(const int8_t* nat, const float* dx, int qtype, const Int
 #define PF_QUANT_INT8(ns)                                                                              \
   namespace ns {                                                                                       \
   void int8_quantize(const float* x, int64_t ldx, int64_t M, int64_t K, int qtype, int8_t* nat,        \
-                     int64_t ldn, float* dx, int64_t ldd, const Int8Rows* rows);                       \
+                     int64_t ldn, float* dx, int64_t ldd, Int8Rows* rows);                             \
   void int8_gemm_cols(const Int8Rows& a, int64_t M, const uint8_t* w, int qtype, int64_t row_bytes,    \
                       int64_t K, float* y, int64_t ldy, int64_t n0, int64_t n1);                       \
   }

@@ -68,6 +68,10 @@ def add_parser(sub) -> None:
     p.add_argument("--hf-max-tokens", type=int, default=16384,
                    help="skip HF where batch x context exceeds this (its prefill is slow)")
     p.add_argument("--json", metavar="FILE", help="write every number to this JSON file")
+    p.add_argument("--compare-tp-size", metavar="LIST", default="",
+                   help="also time Engine.generate's batch-1 decode step at each --context "
+                        "with --tp-size N (comma-separated; usable cores // N threads per "
+                        "rank) against --tp-size 1 on all the stage's threads, alternating")
     add_peer_flags(p)
     server_args_parser_group(p, skip=("max_total_tokens",))
     p.set_defaults(run=run)
@@ -92,6 +96,8 @@ def _timed(fn) -> float:
 def run(ns: argparse.Namespace) -> int:
     batches = parse_ints(ns.batch, "--batch")
     contexts = parse_ints(ns.context, "--context")
+    tp_sizes = (parse_ints(ns.compare_tp_size, "--compare-tp-size", minimum=2)
+                if ns.compare_tp_size.strip() else [])
     if ns.steps < 1 or ns.reps < 1:
         raise ValueError("--steps and --reps must be at least 1")
     args = server_args_from_namespace(ns)
@@ -139,10 +145,13 @@ def run(ns: argparse.Namespace) -> int:
                                               ns.steps, ns.reps, source.config.vocab_size))
     for row in rows:
         print_row(row)
+    tp_rows = compare_tp(engine_args, tp_sizes, contexts, ns.steps, ns.reps,
+                         source.config.vocab_size)
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump({"cpu": cpu_name(), "threads": args.layout.num_threads,
-                       "args": args.flags(), "copy_bytes_per_s": bw, "rows": rows}, f, indent=2)
+                       "args": args.flags(), "copy_bytes_per_s": bw, "rows": rows,
+                       "tp_rows": tp_rows}, f, indent=2)
         print(f"wrote {ns.json}")
     return 0
 
@@ -390,6 +399,42 @@ def generate_vs_hf(engine, hf, batch: int, context: int, steps: int, reps: int,
     return {"engine_ms": statistics.median(ms["engine"]), "engine_ms_all": ms["engine"],
             "hf_ms": statistics.median(ms["hf"]), "hf_ms_all": ms["hf"],
             "engine_over_hf": statistics.median(ratios) if ratios else None}
+
+
+def compare_tp(engine_args, sizes: list[int], contexts: list[int], steps: int, reps: int,
+                vocab: int) -> list[dict]:
+    """Batch-1 decode steps of Engine.generate at --tp-size 1 (the stage's threads) against
+    each of `sizes` (threads split over the ranks), A B per repetition at every context: the
+    TP ranks' step has two all-reduces a layer and the logits' gather where TP 1 has none."""
+    rows = []
+    threads = engine_args.layout.num_threads
+    for size in sizes:
+        tp_args = engine_args.replace(tp_size=size, threads_per_stage=max(1, threads // size))
+        with Engine(**engine_args.flags()) as whole, Engine(**tp_args.flags()) as split:
+            for context in contexts:
+                ids = equal_prompts(1, context, vocab)
+                engine_decode_ms(whole, ids, 1), engine_decode_ms(split, ids, 1)  # warm-up
+                ms = {"tp1": [], "tp": []}
+                for _ in range(reps):
+                    ms["tp1"].append(engine_decode_ms(whole, ids, steps))
+                    ms["tp"].append(engine_decode_ms(split, ids, steps))
+                row = {"tp_size": size, "context": context, "threads_tp1": threads,
+                       "threads_per_rank": tp_args.layout.num_threads,
+                       "tp1_ms": statistics.median(ms["tp1"]), "tp1_ms_all": ms["tp1"],
+                       "tp_ms": statistics.median(ms["tp"]), "tp_ms_all": ms["tp"],
+                       "tp_over_tp1": statistics.median(
+                           t / w for t, w in zip(ms["tp"], ms["tp1"]))}
+                print_tp_row(row)
+                rows.append(row)
+    return rows
+
+
+def print_tp_row(row: dict) -> None:
+    print(f"batch   1 context {row['context']:>6}: Engine.generate --tp-size 1 "
+          f"({row['threads_tp1']} threads) {row['tp1_ms']:7.2f} ms/step "
+          f"[{_spread(row['tp1_ms_all'])}]  --tp-size {row['tp_size']} "
+          f"({row['threads_per_rank']} per rank) {row['tp_ms']:7.2f} ms/step "
+          f"[{_spread(row['tp_ms_all'])}]  TP/TP1 {row['tp_over_tp1']:.2f}", flush=True)
 
 
 def print_row(row: dict) -> None:

@@ -89,16 +89,52 @@ def head_shares(num_heads: int, num_kv_heads: int, size: int) -> list[tuple[rang
 MLP_GRAIN = 16
 
 
-def mlp_shares(width: int, size: int) -> list[range]:
-    """The MLP's intermediate columns of each rank: ceil/floor shares, in units of
-    MLP_GRAIN where the width is a multiple of it and has at least one unit per rank."""
+def mlp_shares(width: int, size: int, attention: list[float] | None = None) -> list[range]:
+    """The MLP's intermediate columns of each rank, in units of MLP_GRAIN where the width is
+    a multiple of it and has at least one unit per rank. `attention`: each rank's attention
+    weights in MLP columns (its q/k/v/o rows over 3 x hidden, see attention_columns). Equal
+    (or None): ceil/floor shares. Unequal (heads split by whole GQA groups, 6:3 for 9 heads
+    over 3 KV heads): a rank with fewer heads takes more columns, so every rank holds (and
+    multiplies a token by) the same weight, the largest-remainder rounding of that split."""
     grain = MLP_GRAIN if width % MLP_GRAIN == 0 and width // MLP_GRAIN >= size else 1
-    return [range(r.start * grain, r.stop * grain) for r in shares(width // grain, size)]
+    units = width // grain
+    if attention is None or len(set(attention)) == 1:
+        return [range(r.start * grain, r.stop * grain) for r in shares(units, size)]
+    counts = balanced_counts(units, [a / grain for a in attention])
+    out, start = [], 0
+    for count in counts:
+        out.append(range(start * grain, (start + count) * grain))
+        start += count
+    out[-1] = range(out[-1].start, width)  # the remainder of a non-grain width
+    return out
+
+
+def balanced_counts(units: int, fixed: list[float]) -> list[int]:
+    """`units` shared out so that fixed[r] + count[r] is as even as whole units allow, every
+    rank one unit at least (it keeps an MLP to run)."""
+    level = (units + sum(fixed)) / len(fixed)
+    want = [max(1.0, level - f) for f in fixed]
+    scale = units / sum(want)  # the clamp at one unit leaves the others a little less
+    want = [w * scale for w in want]
+    counts = [max(1, int(w)) for w in want]
+    by_remainder = sorted(range(len(want)), key=lambda r: want[r] - int(want[r]), reverse=True)
+    for r in by_remainder[:units - sum(counts)]:
+        counts[r] += 1
+    while sum(counts) > units:  # clamps pushed past the total: take from the largest
+        counts[counts.index(max(counts))] -= 1
+    return counts
+
+
+def attention_columns(cfg: ModelConfig, q_heads: int, kv_heads: int) -> float:
+    """A rank's q/k/v/o weights in MLP columns (each column is gate + up + down: 3 x hidden)."""
+    return 2 * (q_heads + kv_heads) * cfg.head_dim / 3
 
 
 def tp_shard(cfg: ModelConfig, rank: int, size: int) -> TPShard:
-    q, kv = head_shares(cfg.num_heads, cfg.num_kv_heads, size)[rank]
-    return TPShard(rank, size, q, kv, mlp_shares(cfg.intermediate_size, size)[rank],
+    heads = head_shares(cfg.num_heads, cfg.num_kv_heads, size)
+    attention = [attention_columns(cfg, len(q), len(kv)) for q, kv in heads]
+    q, kv = heads[rank]
+    return TPShard(rank, size, q, kv, mlp_shares(cfg.intermediate_size, size, attention)[rank],
                    shares(cfg.vocab_size, size)[rank])
 
 

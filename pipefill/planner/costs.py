@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 from pipefill.base.partition import partition_layers
 from pipefill.model.config import ModelConfig
+from pipefill.model.tensor_parallel import head_shares
 from pipefill.planner.hardware import BYTES_OF, Hardware, Link
 
 # What crosses a stage border per token: the hidden state and the residual stream.
@@ -139,9 +140,14 @@ class LayoutCosts:
         self.kv_bytes = BYTES_OF[precision.kv]
 
     # -- time --------------------------------------------------------------------------------
-    def shard(self, count: int) -> float:
-        """The share of `count` heads the busiest TP rank computes (uneven splits round up)."""
-        return math.ceil(count / self.layout.tp) / count
+    def shard(self, kind: LayerKind) -> float:
+        """The share of the layer's query heads the busiest TP rank attends with: the ranks'
+        own split (model/tensor_parallel.head_shares: whole GQA groups, 6 of 9 heads at TP 2
+        over 3 KV heads), or ceil shares of a latent's heads."""
+        if kind.kv_heads == 0:
+            return math.ceil(kind.heads / self.layout.tp) / kind.heads
+        split = head_shares(kind.heads, kind.kv_heads, self.layout.tp)
+        return max(len(q) for q, _ in split) / kind.heads
 
     def kv_share(self, kind: LayerKind) -> float:
         """The share of a token's cached values one rank keeps: its KV heads (one at least,
@@ -158,7 +164,7 @@ class LayoutCosts:
         gemm = max(2 * size * active / tp / self.gemm_rate,
                    touched / tp * self.weight_bytes / self.memory_bandwidth)
         attention = max(
-            2 * kind.attention_width * self.shard(kind.heads)
+            2 * kind.attention_width * self.shard(kind)
             * keys_seen(size, history, kind.window) / self.attention_rate,
             (history + size) * kind.kv_values * self.kv_share(kind) * self.kv_bytes
             / self.memory_bandwidth)

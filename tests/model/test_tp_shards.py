@@ -12,8 +12,9 @@ from conftest import save_tiny_model
 from pipefill.config import ServerArgs, StageInfo, resolve
 from pipefill.model.families.llama import LLAMA
 from pipefill.model.loader import WeightSource
-from pipefill.model.tensor_parallel import (ShardedSource, TPOps, check_tensor_parallel,
-                                            head_shares, mlp_shares, shares, tp_shard)
+from pipefill.model.tensor_parallel import (MLP_GRAIN, ShardedSource, TPOps,
+                                            check_tensor_parallel, head_shares, mlp_shares,
+                                            shares, tp_shard)
 from pipefill.runtime.stage import build_stage
 
 
@@ -53,6 +54,25 @@ def test_head_shares(heads):
             assert h // group == kv.start + i // local_group
 
 
+def test_mlp_shares_even_out_the_ranks_weights():
+    """SmolLM2-135M's shape at TP 2: 6 and 3 query heads (whole GQA groups), so the rank with
+    fewer heads takes more MLP columns; every rank holds the same weight to a grain, and the
+    shares cover the width once, in order."""
+    cfg = SimpleNamespace(num_heads=9, num_kv_heads=3, head_dim=64, hidden_size=576,
+                          intermediate_size=1536, vocab_size=49152)
+    split = [tp_shard(cfg, r, 2) for r in range(2)]
+    assert [s.mlp for s in split] == [range(0, 688), range(688, 1536)]
+    weights = [2 * (len(s.q_heads) + len(s.kv_heads)) * 64 + 3 * len(s.mlp) for s in split]
+    assert abs(weights[0] - weights[1]) <= 3 * MLP_GRAIN
+    for width, attention in [(1536, [341.3, 170.7, 170.7]), (130, [1, 2, 3, 4]),
+                             (32, [500.0, 0.0]), (3, [5.0, 0.0])]:
+        got = mlp_shares(width, len(attention), attention)
+        assert [c for r in got for c in r] == list(range(width))
+        assert all(len(r) >= 1 for r in got)
+    # Equal attention: the plain ceil/floor shares.
+    assert mlp_shares(80, 3, [4.0] * 3) == mlp_shares(80, 3)
+
+
 @pytest.fixture(scope="module")
 def odd_llama(tmp_path_factory):
     """6 query heads over 2 KV heads, MLP width 130 (ranks of 33 and 32 columns at TP 4)."""
@@ -82,7 +102,7 @@ def test_slices_sum_to_the_whole_layer(odd_llama):
         full_k = source.load(name + "self_attn.k_proj.weight")
         assert torch.equal(k, full_k[shard.kv_heads.start * cfg.head_dim:][:cfg.head_dim])
         assert sharded.config.num_heads == len(shard.q_heads)
-        assert sharded.config.intermediate_size == (33 if rank < 2 else 32)
+        assert sharded.config.intermediate_size == len(shard.mlp)
     torch.testing.assert_close(o_sum, x_attn @ source.load(name + "self_attn.o_proj.weight").T)
     torch.testing.assert_close(down_sum,
                                x_mlp @ source.load(name + "mlp.down_proj.weight").T)
@@ -210,12 +230,18 @@ def on_ranks(size: int, work):
     return out
 
 
-@pytest.fixture(scope="module")
-def lean_llama(tmp_path_factory):
+# (query heads, KV heads, hidden, MLP width): 6 over 2 (3 and 3 heads at TP 2), and
+# SmolLM2-135M's 9 over 3 (6 and 3 heads, so MLP shares of 208 and 368 columns).
+LEAN_SHAPES = {"6q2kv": (6, 2, 384, 288), "9q3kv": (9, 3, 576, 576)}
+
+
+@pytest.fixture(scope="module", params=LEAN_SHAPES)
+def lean_llama(request, tmp_path_factory):
     """Heads of 64 and 32-token pages: the vector attention kernels, so decode steps take the
     lean path (model/decode_step.py)."""
-    return save_tiny_model("llama", tmp_path_factory.mktemp("tp-lean"), num_attention_heads=6,
-                           num_key_value_heads=2, hidden_size=384, intermediate_size=288)
+    q, kv, hidden, width = LEAN_SHAPES[request.param]
+    return save_tiny_model("llama", tmp_path_factory.mktemp("tp-lean"), num_attention_heads=q,
+                           num_key_value_heads=kv, hidden_size=hidden, intermediate_size=width)
 
 
 def test_lean_decode_path_on_shards_matches_one_rank(lean_llama):

@@ -7,7 +7,8 @@ import torch
 
 from test_moe_family import MOE, save_moe
 from pipefill.model.families.moe import MOE as MOE_FAMILY
-from pipefill.model.loader import WeightSource, load_stage_weights
+from pipefill.kernels.prefill_gemm import onednn_status
+from pipefill.model.loader import WeightSource, load_stage_weights, reorder_prefill_weights
 from pipefill.model.tensor_parallel import (ShardedSource, check_tensor_parallel,
                                             resolve_moe_split, tp_shard)
 
@@ -23,8 +24,13 @@ def models(tmp_path_factory):
             for k in MOE}
 
 
-def sparse_block(source, layer: int):
+def sparse_block(source, layer: int, onednn: bool = False):
+    """Layer `layer`'s sparse block; onednn: its experts moved into oneDNN's layout, as a
+    stage's prefill keeps them (kernels.prefill_gemm.experts_in_onednn_layout)."""
     weights = load_stage_weights(source, range(layer, layer + 1), False, False, torch.float32)
+    if onednn:
+        reorder_prefill_weights(weights, source.family, 64, experts_only=True)
+        assert weights.layers[0].moe.experts.linears[0].plain is None
     return weights.layers[0].moe
 
 
@@ -42,7 +48,8 @@ def test_rank_slices_sum_to_the_whole_layer(models, kind, size, split):
     held, partials = [], []
     for rank in range(size):
         shard = tp_shard(cfg, rank, size, split)
-        block = sparse_block(ShardedSource(source, shard), layer)
+        # The shards' experts in oneDNN's layout (where it runs here), the whole layer plain.
+        block = sparse_block(ShardedSource(source, shard), layer, onednn_status()[0])
         assert torch.equal(block.router, whole.router)  # the same routing on every rank
         held.append(range(block.experts.first, block.experts.first + block.experts.num_experts))
         if split == "expert":
@@ -50,8 +57,12 @@ def test_rank_slices_sum_to_the_whole_layer(models, kind, size, split):
         else:
             assert held[-1] == range(cfg.moe.num_experts)
             assert block.experts.width == len(shard.expert_cols) < cfg.moe.expert_width
+        if split == "expert" and rank == size - 1:  # one less than the first ranks
+            assert block.experts.num_experts == cfg.moe.num_experts // size
         if whole.shared is not None:
-            assert block.shared.down.shape[1] == len(shard.shared_cols)
+            down = block.shared.prefill.get("down")
+            width = down.in_features if down is not None else block.shared.down.shape[1]
+            assert width == len(shard.shared_cols) < cfg.moe.shared_width
         partials.append(block(x))
     if split == "expert":  # every expert on exactly one rank
         assert [e for r in held for e in r] == list(range(cfg.moe.num_experts))
@@ -67,3 +78,46 @@ def test_auto_split_and_refusals(models):
         check_tensor_parallel(cfg, MOE_FAMILY, 4, "expert")
     with pytest.raises(ValueError, match="larger than the model's 4 attention heads"):
         check_tensor_parallel(cfg, MOE_FAMILY, 8, "width")
+
+
+@pytest.fixture(scope="module")
+def lean_qwen3_moe(tmp_path_factory):
+    """Heads of 64: the vector attention kernels, so decode steps take the lean path."""
+    return save_moe("qwen3_moe", tmp_path_factory.mktemp("lean"), num_attention_heads=4,
+                    num_key_value_heads=2, head_dim=64, hidden_size=128, num_hidden_layers=3)
+
+
+@pytest.mark.parametrize("split", ["width", "expert"])
+def test_lean_decode_path_on_moe_shards_matches_one_rank(lean_qwen3_moe, split):
+    """Two ranks (threads) against one: a prefill, then greedy decode steps whose sparse
+    layers run on the lean path with the ranks' sum after the experts."""
+    from test_tp_shards import ThreadGroup, on_ranks
+    from pipefill.base.plan import SampleSpec, SeqWork, StepPlan
+    from pipefill.config import ServerArgs, StageInfo, resolve
+    from pipefill.runtime.stage import build_stage
+    source = WeightSource(lean_qwen3_moe)
+    args = resolve(ServerArgs(model_path=lean_qwen3_moe, dtype="float32", page_size=32,
+                              max_total_tokens=512, threads_per_stage=1), source.config)
+    layers = range(source.config.num_layers)
+    group = ThreadGroup(2)
+    ranks = on_ranks(2, lambda r: build_stage(args.replace(tp_size=2, tp_moe_split=split),
+                                              source, StageInfo(0, 1, layers, r, 2),
+                                              comm=group.rank(r)))
+    whole = build_stage(args, source, StageInfo(0, 1, layers))
+    if whole.model._decode is None:
+        pytest.skip("no fused ops or vector attention kernel here: no lean decode path")
+    spec = SampleSpec(0.0, 1.0, -1, 0, 0, None)
+
+    def logits(ex, ids, start):
+        plan = StepPlan(-1, [SeqWork("s", start, start + len(ids), ids, [0, 1], spec)])
+        return ex.logits(plan, ex.forward(plan, None)[0])[1]
+
+    ids, start = [(7 * i) % 500 for i in range(40)], 0
+    for _ in range(4):
+        ref = logits(whole, ids, start)
+        got = on_ranks(2, lambda r: logits(ranks[r], ids, start))
+        assert torch.equal(got[0], got[1])  # every rank gathers the same logits
+        torch.testing.assert_close(got[0], ref, rtol=0, atol=1e-4)
+        start += len(ids)
+        ids = [int(ref[-1].argmax())]
+    assert all(len(ex.model._decode.buffers) == 1 for ex in ranks)  # the lean path ran

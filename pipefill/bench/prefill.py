@@ -241,9 +241,9 @@ def run(ns: argparse.Namespace) -> int:
     if not ns.no_split:
         from pipefill.bench.time_split import prefill_time_split
         split_cfg = max((c for c in configs if c.args.pp_size == 1 and c.args.tp_size == 1),
-                        key=lambda c: c.args.layout.num_threads)
-        for row in rows:
-            if row["config"] == split_cfg.name:
+                        key=lambda c: c.args.layout.num_threads, default=None)
+        for row in rows:  # no split where every configuration is tensor-parallel
+            if split_cfg is not None and row["config"] == split_cfg.name:
                 args = split_cfg.args
                 if args.chunked_prefill_size == "auto":  # the C0 auto chose in the timed run
                     args = args.replace(chunked_prefill_size=row["chunk_sizes"][0])

@@ -35,7 +35,8 @@ import torch
 from pipefill.model.config import ModelConfig
 from pipefill.model.family import ModelFamily
 
-# The families that run tensor parallel so far (their layer_forward and decode runner call
+# The families that run tensor parallel so far (DeepSeek's FFN is cut as the MoE family's, but
+# its latent attention is not split: the family is refused) (their layer_forward and decode runner call
 # the stage model's tp_sum); their checkpoints' split tensors by Hugging Face name suffix:
 # (which split, the dimension cut: 0 rows of a column-parallel matrix, 1 columns of a
 # row-parallel one).
@@ -50,6 +51,10 @@ SPLITS = {
     "mlp.shared_expert.gate_proj.weight": ("shared", 0),
     "mlp.shared_expert.up_proj.weight": ("shared", 0),
     "mlp.shared_expert.down_proj.weight": ("shared", 1),
+    # DeepSeekMoE's (ungated) shared experts, one MLP of their summed width.
+    "mlp.shared_experts.gate_proj.weight": ("shared", 0),
+    "mlp.shared_experts.up_proj.weight": ("shared", 0),
+    "mlp.shared_experts.down_proj.weight": ("shared", 1),
 }
 # A routed expert's matrices (Qwen's names, Mixtral's w1/w3/w2) -> the dimension a width
 # split cuts.

@@ -35,9 +35,9 @@ import torch
 from pipefill.model.config import ModelConfig
 from pipefill.model.family import ModelFamily
 
-# The families that run tensor parallel so far (DeepSeek's FFN is cut as the MoE family's, but
-# its latent attention is not split: the family is refused) (their layer_forward and decode runner call
-# the stage model's tp_sum); their checkpoints' split tensors by Hugging Face name suffix:
+# The families that run tensor parallel so far (their layer_forward and decode runner call
+# the stage model's tp_sum; DeepSeek's FFN is cut as theirs, but its latent attention is not
+# split, so the family is refused); their checkpoints' split tensors by Hugging Face name suffix:
 # (which split, the dimension cut: 0 rows of a column-parallel matrix, 1 columns of a
 # row-parallel one).
 TP_FAMILIES = ("llama", "moe")
@@ -184,13 +184,15 @@ def check_tensor_parallel(cfg: ModelConfig, family: ModelFamily, tp_size: int,
 
 
 def check_moe_split(cfg: ModelConfig, tp_size: int, moe_split: str) -> None:
-    moe = cfg.moe
-    if moe_split == "expert" and moe.num_experts < tp_size:
+    """Every rank needs an expert (split by expert) or columns of each (by width, and of a
+    shared expert either way)."""
+    moe, split = cfg.moe, resolve_moe_split(moe_split, cfg, tp_size)[0]
+    if split == "expert" and moe.num_experts < tp_size:
         raise ValueError(f"--tp-moe-split expert: the model's {moe.num_experts} experts are "
                          f"fewer than --tp-size {tp_size} ranks; use --tp-moe-split width")
-    if moe_split == "width" and tp_size > moe.expert_width:
-        raise ValueError(f"--tp-size {tp_size} is larger than the experts' width "
-                         f"{moe.expert_width}")
+    width = min(moe.expert_width if split == "width" else tp_size, moe.shared_width or tp_size)
+    if tp_size > width:
+        raise ValueError(f"--tp-size {tp_size} is larger than the experts' width {width}")
 
 
 class ShardedSource:

@@ -12,8 +12,9 @@ from pipefill.model.loader import WeightSource, load_stage_weights, reorder_pref
 from pipefill.model.tensor_parallel import (ShardedSource, check_tensor_parallel,
                                             resolve_moe_split, tp_shard)
 
-# Qwen3-MoE: 5 experts of width 40 (experts 3 + 2 at TP 2; columns 32 + 8, MLP_GRAIN units);
-# Qwen2-MoE: 7 experts of width 33 with a shared expert of width 48; Mixtral: 3 experts.
+# Qwen3-MoE: 5 experts of width 40 (experts 3 + 2 at TP 2; columns 14 + 13 + 13 at TP 3);
+# Qwen2-MoE: 7 experts of width 33 (17 + 16 columns at TP 2) with a shared expert of width 48
+# (32 + 16: MLP_GRAIN units); Mixtral: 3 experts of width 40.
 SHAPES = {"qwen3_moe": dict(moe_intermediate_size=40), "qwen2_moe": dict(moe_intermediate_size=33),
           "mixtral": dict(intermediate_size=40)}
 

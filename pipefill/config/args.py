@@ -205,9 +205,9 @@ class ServerArgs:
     tp_moe_split: str = _flag(
         "How --tp-size splits a mixture-of-experts layer's routed experts (the router is on "
         "every rank): width (every rank a share of every expert's intermediate columns) or "
-        "expert (every rank a share of the experts, whole); auto: width, which ran faster in "
-        "prefill and decode (bench prefill --compare-tp-size, ARCHITECTURE.md 'Tensor "
-        "parallelism inside a stage'). A shared expert is split by width either way.",
+        "expert (every rank a share of the experts, whole); auto: expert, which ran faster in "
+        "prefill and as fast in decode (README), or width where there are fewer experts than "
+        "ranks. The choice is logged at start. A shared expert is split by width either way.",
         default="auto", choices=["auto", "width", "expert"])
     pp_layer_partition: str | None = _flag(
         "Layers per stage, comma-separated (e.g. 7,7,8,8); must have --pp-size entries summing "

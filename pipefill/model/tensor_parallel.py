@@ -63,7 +63,7 @@ EXPERT_DIM = {"gate_proj": 0, "up_proj": 0, "w1": 0, "w3": 0, "down_proj": 1, "w
 # How the routed experts are split over a stage's ranks (--tp-moe-split); the default, "auto",
 # is DEFAULT_MOE_SPLIT where the model has at least one expert per rank, else "width".
 MOE_SPLITS = ("width", "expert")
-DEFAULT_MOE_SPLIT = "width"
+DEFAULT_MOE_SPLIT = "expert"
 
 
 def shares(n: int, parts: int) -> list[range]:
@@ -133,7 +133,7 @@ def resolve_moe_split(requested: str, cfg: ModelConfig, size: int) -> tuple[str,
         return requested, "requested"
     if DEFAULT_MOE_SPLIT == "expert" and cfg.moe is not None and cfg.moe.num_experts < size:
         return "width", f"fewer experts ({cfg.moe.num_experts}) than ranks"
-    return DEFAULT_MOE_SPLIT, "the default (faster in bench prefill and decode)"
+    return DEFAULT_MOE_SPLIT, "the default: faster in prefill, as fast in decode"
 
 
 def tp_shard(cfg: ModelConfig, rank: int, size: int, moe_split: str = "width") -> TPShard:

@@ -73,6 +73,8 @@ def test_rank_slices_sum_to_the_whole_layer(models, kind, size, split):
 def test_auto_split_and_refusals(models):
     cfg = WeightSource(models["mixtral"]).config  # 3 experts
     assert resolve_moe_split("expert", cfg, 4)[0] == "expert"
+    assert resolve_moe_split("width", cfg, 2)[0] == "width"
+    assert resolve_moe_split("auto", cfg, 2)[0] == "expert"  # the default, measured (README)
     assert resolve_moe_split("auto", cfg, 4)[0] == "width"  # 3 experts: never expert at TP 4
     check_tensor_parallel(cfg, MOE_FAMILY, 2, "expert")
     with pytest.raises(ValueError, match="3 experts are fewer than --tp-size 4 ranks"):

@@ -70,7 +70,7 @@ def check_tp_settings(args: ServerArgs, source: WeightSource) -> None:
     parallelism inside a stage')."""
     if args.layout.tp_size == 1:  # the layout checks the flag itself (at least 1)
         return
-    check_tensor_parallel(source.config, source.family, args.tp_size)
+    check_tensor_parallel(source.config, source.family, args.tp_size, args.tp_moe_split)
     if args.disagg.enabled:
         raise ValueError(f"--tp-size {args.tp_size} does not run with --disaggregation-mode "
                          "yet: serve PD roles with --tp-size 1")

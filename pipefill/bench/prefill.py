@@ -71,6 +71,11 @@ def add_parser(sub) -> None:
                         "usable cores with each of these --tp-size values (comma-separated, "
                         "e.g. 2), named <configuration>-tp<N>: tensor parallelism inside a "
                         "stage beside pipeline parallelism")
+    p.add_argument("--compare-tp-moe-split", metavar="LIST", default="",
+                   help="time every tensor-parallel configuration (--tp-size or "
+                        "--compare-tp-size) once with each of these --tp-moe-split values "
+                        "(comma-separated: width, expert) in its place, named "
+                        "<configuration>-<value>, in turn in every repetition")
     add_peer_flags(p)
     server_args_parser_group(p, skip=("pp_size",))
     p.set_defaults(run=run)
@@ -147,6 +152,19 @@ def tp_variants(configs: list[Config], values: str) -> list[Config]:
             if c.args.pp_size * t * c.args.layout.num_threads <= cores]
 
 
+def moe_split_variants(configs: list[Config], values: str) -> list[Config]:
+    """The configurations with each tensor-parallel one replaced by one per --tp-moe-split
+    value of `values` (none given: the configurations as they are)."""
+    if not values.strip():
+        return configs
+    tp = [c for c in configs if c.args.tp_size > 1]
+    if not tp:
+        raise ValueError("--compare-tp-moe-split needs a tensor-parallel configuration: pass "
+                         "--tp-size or --compare-tp-size")
+    return [c for c in configs if c.args.tp_size == 1] + flag_variants(
+        tp, "tp_moe_split", values, ("width", "expert"))
+
+
 def gemm_variants(configs: list[Config], values: str) -> list[Config]:
     """Every configuration again with each --prefill-gemm value of `values`."""
     from pipefill.kernels.prefill_gemm import CHOICES
@@ -200,6 +218,7 @@ def run(ns: argparse.Namespace) -> int:
     configs = configs + gemm_variants(base, ns.compare_prefill_gemm) \
         + weight_variants(base, ns.compare_weight_dtype) \
         + tp_variants(base, ns.compare_tp_size)
+    configs = moe_split_variants(configs, ns.compare_tp_moe_split)
     dtype = resolve_dtype(args.dtype)
     threads = len(os.sched_getaffinity(0)) if len(configs) > 1 else \
         args.layout.num_threads
@@ -222,9 +241,9 @@ def run(ns: argparse.Namespace) -> int:
     if not ns.no_split:
         from pipefill.bench.time_split import prefill_time_split
         split_cfg = max((c for c in configs if c.args.pp_size == 1 and c.args.tp_size == 1),
-                        key=lambda c: c.args.layout.num_threads)
-        for row in rows:
-            if row["config"] == split_cfg.name:
+                        key=lambda c: c.args.layout.num_threads, default=None)
+        for row in rows:  # no split where every configuration is tensor-parallel
+            if split_cfg is not None and row["config"] == split_cfg.name:
                 args = split_cfg.args
                 if args.chunked_prefill_size == "auto":  # the C0 auto chose in the timed run
                     args = args.replace(chunked_prefill_size=row["chunk_sizes"][0])

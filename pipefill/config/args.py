@@ -200,7 +200,15 @@ class ServerArgs:
         "do not divide; KV heads fewer than ranks are replicated) and MLP width, and its own "
         "KV heads' cache; the ranks of a stage sum their partial outputs twice a layer "
         "(shared-memory all-reduce, gloo where it is unavailable). CPU and one node only, "
-        "dense Llama/Mistral/Qwen2/Qwen3 models only; NCCL/CUDA is not done.", default=1)
+        "Llama/Mistral/Qwen2/Qwen3 and the Qwen2-MoE/Qwen3-MoE/Mixtral models (not "
+        "DeepSeek's latent attention); NCCL/CUDA is not done.", default=1)
+    tp_moe_split: str = _flag(
+        "How --tp-size splits a mixture-of-experts layer's routed experts (the router is on "
+        "every rank): width (every rank a share of every expert's intermediate columns) or "
+        "expert (every rank a share of the experts, whole); auto: expert, which ran faster in "
+        "prefill and as fast in decode (README), or width where there are fewer experts than "
+        "ranks. The choice is logged at start. A shared expert is split by width either way.",
+        default="auto", choices=["auto", "width", "expert"])
     pp_layer_partition: str | None = _flag(
         "Layers per stage, comma-separated (e.g. 7,7,8,8); must have --pp-size entries summing "
         "to the model's layer count. Default: equal shares, the remainder on the last stages.",

@@ -21,6 +21,13 @@ class MoEConfig:
     num_groups: int = 1  # experts split into this many groups ...
     topk_groups: int = 1  # ... of which the best this many are searched
     routed_scale: float = 1.0  # the routed experts' weights multiplied by this
+    # Tensor parallelism split by expert: the global ids of the experts this rank holds
+    # (model/tensor_parallel.py); None: all of them.
+    local_experts: range | None = None
+
+    @property
+    def held_experts(self) -> range:
+        return range(self.num_experts) if self.local_experts is None else self.local_experts
 
 
 @dataclass(frozen=True)

@@ -159,6 +159,7 @@ class DecodeRunner:
         self._check(lib.pf_add_rms_norm(*res, *calls.post_norm), "add_rms_norm")
         if calls.moe is not None:
             out.copy_(calls.moe(buf.x))
+            self.model.tp_sum(out)
             return
         calls.gate_up()
         self._check(lib.pf_silu_mul(*buf.silu), "silu_mul")

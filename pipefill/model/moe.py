@@ -78,6 +78,9 @@ class Experts:
     num_experts: int = field(init=False)
     width: int = field(init=False)
     linears: tuple[ExpertLinears, ExpertLinears] = field(init=False)
+    # The router's id of expert 0 here: a tensor-parallel rank split by expert holds the
+    # experts first .. first + num_experts - 1 only (model/tensor_parallel.py).
+    first: int = field(default=0, kw_only=True)
 
     def __post_init__(self):
         if self.down is None:  # held quantized: `held` sets the fields
@@ -158,9 +161,14 @@ def group_by_expert(ids: torch.Tensor, num_experts: int
 
 def experts_forward(x: torch.Tensor, weights: torch.Tensor, ids: torch.Tensor,
                     experts: Experts) -> torch.Tensor:
-    """sum over the chosen experts e of weight_e * down_e(silu(gate_e(x)) * up_e(x))."""
-    k = ids.shape[1]
-    order, counts = group_by_expert(ids, experts.num_experts)
+    """sum over the chosen experts e of weight_e * down_e(silu(gate_e(x)) * up_e(x)), over
+    the experts held here (all of them but on a rank split by expert: its own experts'
+    slots are a contiguous run of the sorted ones, the rest contribute zeros)."""
+    k, first = ids.shape[1], experts.first
+    order, counts = group_by_expert(ids, first + experts.num_experts)
+    skipped = sum(counts[:first])
+    counts = counts[first:first + experts.num_experts]
+    order = order[skipped:skipped + sum(counts)]
     token = order // k
     rows = x.index_select(0, token)
     out_rows = torch.empty_like(rows)

@@ -16,10 +16,18 @@ than ranks, each KV head goes to a run of ranks (ceil/floor shares of the ranks)
 split its group's query heads (ceil/floor again) and each keep a copy of that KV head. Either
 way every rank's query heads map onto its KV heads in equal groups, so the attention kernels
 see an ordinary GQA layer.
+
+Mixture-of-experts layers: the router is whole on every rank (the same routing everywhere),
+and the routed experts are split one of two ways (`MOE_SPLITS`): by width, every rank holding
+a ceil/floor share of every expert's intermediate columns (cut as the dense MLP's), or by
+expert, every rank holding whole experts, a contiguous ceil/floor share of them, and running
+only its experts' rows. Either way a rank's output is a partial sum of the layer's, summed by
+the MLP's all-reduce. A shared expert is always split by width.
 """
 from __future__ import annotations
 
 import dataclasses
+import re
 from dataclasses import dataclass
 
 import torch
@@ -28,10 +36,11 @@ from pipefill.model.config import ModelConfig
 from pipefill.model.family import ModelFamily
 
 # The families that run tensor parallel so far (their layer_forward and decode runner call
-# the stage model's tp_sum); their checkpoints' split tensors by Hugging Face name suffix:
+# the stage model's tp_sum; DeepSeek's FFN is cut as theirs, but its latent attention is not
+# split, so the family is refused); their checkpoints' split tensors by Hugging Face name suffix:
 # (which split, the dimension cut: 0 rows of a column-parallel matrix, 1 columns of a
 # row-parallel one).
-TP_FAMILIES = ("llama",)
+TP_FAMILIES = ("llama", "moe")
 SPLITS = {
     "self_attn.q_proj.weight": ("q", 0), "self_attn.q_proj.bias": ("q", 0),
     "self_attn.k_proj.weight": ("kv", 0), "self_attn.k_proj.bias": ("kv", 0),
@@ -39,7 +48,22 @@ SPLITS = {
     "self_attn.o_proj.weight": ("q", 1),
     "mlp.gate_proj.weight": ("mlp", 0), "mlp.up_proj.weight": ("mlp", 0),
     "mlp.down_proj.weight": ("mlp", 1),
+    "mlp.shared_expert.gate_proj.weight": ("shared", 0),
+    "mlp.shared_expert.up_proj.weight": ("shared", 0),
+    "mlp.shared_expert.down_proj.weight": ("shared", 1),
+    # DeepSeekMoE's (ungated) shared experts, one MLP of their summed width.
+    "mlp.shared_experts.gate_proj.weight": ("shared", 0),
+    "mlp.shared_experts.up_proj.weight": ("shared", 0),
+    "mlp.shared_experts.down_proj.weight": ("shared", 1),
 }
+# A routed expert's matrices (Qwen's names, Mixtral's w1/w3/w2) -> the dimension a width
+# split cuts.
+EXPERT_MATRIX = re.compile(r"\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w3|w2)\.weight$")
+EXPERT_DIM = {"gate_proj": 0, "up_proj": 0, "w1": 0, "w3": 0, "down_proj": 1, "w2": 1}
+# How the routed experts are split over a stage's ranks (--tp-moe-split); the default, "auto",
+# is DEFAULT_MOE_SPLIT where the model has at least one expert per rank, else "width".
+MOE_SPLITS = ("width", "expert")
+DEFAULT_MOE_SPLIT = "expert"
 
 
 def shares(n: int, parts: int) -> list[range]:
@@ -62,11 +86,17 @@ class TPShard:
     kv_heads: range  # global KV head ids (shared with other ranks when replicated)
     mlp: range  # global columns of the MLP's intermediate width
     vocab: range  # rows of the embedding and the LM head
+    moe_split: str = "width"  # how the routed experts are split (MOE_SPLITS)
+    experts: range = range(0)  # global ids of the routed experts this rank runs
+    expert_cols: range = range(0)  # columns of each routed expert's width it holds
+    shared_cols: range = range(0)  # columns of the shared expert's width it holds
 
     def rows(self, split: str, head_dim: int) -> range:
         """The checkpoint rows (or columns) of a split tensor this rank keeps."""
-        if split in ("mlp", "vocab"):
-            return self.mlp if split == "mlp" else self.vocab
+        named = {"mlp": self.mlp, "vocab": self.vocab, "expert": self.expert_cols,
+                 "shared": self.shared_cols}
+        if split in named:
+            return named[split]
         heads = self.q_heads if split == "q" else self.kv_heads
         return range(heads.start * head_dim, heads.stop * head_dim)
 
@@ -130,35 +160,75 @@ def attention_columns(cfg: ModelConfig, q_heads: int, kv_heads: int) -> float:
     return 2 * (q_heads + kv_heads) * cfg.head_dim / 3
 
 
-def tp_shard(cfg: ModelConfig, rank: int, size: int) -> TPShard:
+def resolve_moe_split(requested: str, cfg: ModelConfig, size: int) -> tuple[str, str]:
+    """(the routed experts' split, why): `requested` unless "auto", which takes
+    DEFAULT_MOE_SPLIT where every rank gets an expert, else the width split."""
+    if requested != "auto":
+        return requested, "requested"
+    if DEFAULT_MOE_SPLIT == "expert" and cfg.moe is not None and cfg.moe.num_experts < size:
+        return "width", f"fewer experts ({cfg.moe.num_experts}) than ranks"
+    return DEFAULT_MOE_SPLIT, "the default: faster in prefill, as fast in decode"
+
+
+def tp_shard(cfg: ModelConfig, rank: int, size: int, moe_split: str = "width") -> TPShard:
     heads = head_shares(cfg.num_heads, cfg.num_kv_heads, size)
     attention = [attention_columns(cfg, len(q), len(kv)) for q, kv in heads]
     q, kv = heads[rank]
-    return TPShard(rank, size, q, kv, mlp_shares(cfg.intermediate_size, size, attention)[rank],
-                   shares(cfg.vocab_size, size)[rank])
+    shard = TPShard(rank, size, q, kv, mlp_shares(cfg.intermediate_size, size, attention)[rank],
+                    shares(cfg.vocab_size, size)[rank])
+    moe = cfg.moe
+    if moe is None:
+        return shard
+    by_expert = moe_split == "expert"
+    return dataclasses.replace(
+        shard, moe_split=moe_split,
+        experts=shares(moe.num_experts, size)[rank] if by_expert else range(moe.num_experts),
+        expert_cols=(range(moe.expert_width) if by_expert
+                     else mlp_shares(moe.expert_width, size)[rank]),
+        shared_cols=mlp_shares(moe.shared_width, size)[rank] if moe.shared_width else range(0))
 
 
 def shard_config(cfg: ModelConfig, shard: TPShard) -> ModelConfig:
-    """The config a rank's layers run: its heads and MLP width, everything else the model's."""
+    """The config a rank's layers run: its heads, MLP width and experts (their ids and
+    widths), everything else the model's."""
+    moe = cfg.moe and dataclasses.replace(
+        cfg.moe, expert_width=len(shard.expert_cols), shared_width=len(shard.shared_cols),
+        local_experts=shard.experts)
     return dataclasses.replace(cfg, num_heads=len(shard.q_heads),
                                num_kv_heads=len(shard.kv_heads),
-                               intermediate_size=len(shard.mlp))
+                               intermediate_size=len(shard.mlp), moe=moe)
 
 
-def check_tensor_parallel(cfg: ModelConfig, family: ModelFamily, tp_size: int) -> None:
+def check_tensor_parallel(cfg: ModelConfig, family: ModelFamily, tp_size: int,
+                          moe_split: str = "auto") -> None:
     """A sentence (ValueError) for a model --tp-size cannot split."""
     if tp_size == 1:
         return
-    if family.name not in TP_FAMILIES or cfg.moe is not None or cfg.mla is not None:
-        raise ValueError(f"--tp-size {tp_size}: tensor parallelism runs the dense Llama, "
-                         f"Mistral, Qwen2 and Qwen3 families so far, not {cfg.model_type} "
-                         "(use --pp-size to spread it over processes)")
+    if family.name not in TP_FAMILIES or cfg.mla is not None:
+        raise ValueError(f"--tp-size {tp_size}: tensor parallelism runs the Llama, Mistral, "
+                         "Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE and Mixtral families so far, not "
+                         f"{cfg.model_type} (DeepSeek's latent attention is not split; use "
+                         "--pp-size to spread it over processes)")
+    if cfg.moe is not None:
+        check_moe_split(cfg, tp_size, moe_split)
     if tp_size > cfg.num_heads:
         raise ValueError(f"--tp-size {tp_size} is larger than the model's {cfg.num_heads} "
                          "attention heads: every rank needs at least one head")
     if tp_size > cfg.intermediate_size:
         raise ValueError(f"--tp-size {tp_size} is larger than the model's MLP width "
                          f"{cfg.intermediate_size}")
+
+
+def check_moe_split(cfg: ModelConfig, tp_size: int, moe_split: str) -> None:
+    """Every rank needs an expert (split by expert) or columns of each (by width, and of a
+    shared expert either way)."""
+    moe, split = cfg.moe, resolve_moe_split(moe_split, cfg, tp_size)[0]
+    if split == "expert" and moe.num_experts < tp_size:
+        raise ValueError(f"--tp-moe-split expert: the model's {moe.num_experts} experts are "
+                         f"fewer than --tp-size {tp_size} ranks; use --tp-moe-split width")
+    width = min(moe.expert_width if split == "width" else tp_size, moe.shared_width or tp_size)
+    if tp_size > width:
+        raise ValueError(f"--tp-size {tp_size} is larger than the experts' width {width}")
 
 
 class ShardedSource:
@@ -177,6 +247,10 @@ class ShardedSource:
         """(dimension, kept indices) of a split tensor; None for a whole one."""
         if name in (self.family.embed_name, self.family.lm_head_name):
             return 0, self.shard.vocab
+        expert = EXPERT_MATRIX.search(name)
+        if expert is not None:  # whole experts under the expert split
+            return ((EXPERT_DIM[expert.group(1)], self.shard.expert_cols)
+                    if self.shard.moe_split == "width" else None)
         for suffix, (split, dim) in SPLITS.items():
             if name.endswith(suffix):
                 return dim, self.shard.rows(split, self.head_dim)

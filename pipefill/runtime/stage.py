@@ -18,7 +18,7 @@ from pipefill.model.loader import (WeightSource, keeps_blocks, load_stage_weight
                                    pack_stage_weights, reorder_prefill_weights,
                                    resolve_weight_dtype)
 from pipefill.model.stage_model import StageModel
-from pipefill.model.tensor_parallel import ShardedSource, TPOps, tp_shard
+from pipefill.model.tensor_parallel import ShardedSource, TPOps, resolve_moe_split, tp_shard
 from pipefill.runtime.executor import StageExecutor
 from pipefill.base.platform import cpu_vendor, dtype_name, resolve_dtype, usable_cpu_flags
 
@@ -36,6 +36,10 @@ def available_memory_bytes() -> int | None:
     return None
 
 
+def spans(r: range) -> str:
+    return f"{r.start}-{r.stop - 1}"
+
+
 def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
                 device: torch.device = torch.device("cpu"), comm=None) -> StageExecutor:
     """The stage's executor. With tensor parallelism (info.tp_size > 1) this process is one
@@ -43,13 +47,17 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
     own KV heads, and `comm` sums and gathers over the stage's ranks (runtime/tp.TPLink)."""
     model_cfg, tp = source.config, None
     if info.tp_size > 1:
-        shard = tp_shard(source.config, info.tp_rank, info.tp_size)
+        split, why = resolve_moe_split(args.tp_moe_split, source.config, info.tp_size)
+        shard = tp_shard(source.config, info.tp_rank, info.tp_size, split)
         tp = TPOps(comm, shard, source.config.vocab_size)
         source = ShardedSource(source, shard)
         log.info("stage %d TP rank %d/%d: query heads %s, KV heads %s, MLP columns %s, "
                  "vocabulary rows %s", info.rank, info.tp_rank, info.tp_size,
-                 *(f"{r.start}-{r.stop - 1}" for r in (shard.q_heads, shard.kv_heads,
-                                                       shard.mlp, shard.vocab)))
+                 *(spans(r) for r in (shard.q_heads, shard.kv_heads, shard.mlp, shard.vocab)))
+        if model_cfg.moe is not None:
+            log.info("stage %d TP rank %d/%d: experts split by %s (%s): experts %s, their "
+                     "columns %s", info.rank, info.tp_rank, info.tp_size, split, why,
+                     spans(shard.experts), spans(shard.expert_cols))
     cfg = source.config
     flags = usable_cpu_flags(args.hide_cpu_flags)
     dtype = resolve_dtype(args.dtype, flags)

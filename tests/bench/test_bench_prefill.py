@@ -205,3 +205,23 @@ def test_bench_prefill_compares_tp_sizes(tmp_path):
     assert tp["tp_size"] == 2 and sum(tp["chunk_sizes"]) == 200
     assert tp["scaling_efficiency"] == pytest.approx(
         rows["pp1-t1"]["pipefill"]["ttft_s"] / (2 * tp["pipefill"]["ttft_s"]))
+
+
+@pytest.mark.slow
+def test_bench_prefill_compares_moe_splits_in_turn(tmp_path):
+    """--compare-tp-moe-split width,expert times each TP configuration once per split (a
+    mixture-of-experts model) in its place; without a TP configuration it is refused."""
+    from test_moe_family import save_moe
+    model = save_moe("qwen3_moe", tmp_path / "model")
+    out = tmp_path / "bench.json"
+    cmd = [sys.executable, "-m", "pipefill.cli.main", "bench", "prefill", "--model-path", model,
+           "--input-len", "100", "--reps", "1", "--no-hf", "--no-split", "--dtype", "float32",
+           "--threads-per-stage", "1", "--compare-tp-moe-split", "width,expert"]
+    proc = subprocess.run(cmd + ["--compare-tp-size", "2", "--json", str(out)],
+                          capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = {r["config"]: r for r in json.loads(out.read_text())["rows"]}
+    assert sorted(rows) == ["pp1-t1", "pp1-t1-tp2-expert", "pp1-t1-tp2-width"]
+    assert "experts split by expert" in proc.stderr and "experts split by width" in proc.stderr
+    bad = subprocess.run(cmd, capture_output=True, text=True, timeout=600)
+    assert bad.returncode == 2 and "needs a tensor-parallel configuration" in bad.stderr

@@ -178,9 +178,9 @@ def test_refusals(tmp_path):
     check_tensor_parallel(cfg, LLAMA, 4)  # 4 heads: fine
     with pytest.raises(ValueError, match="larger than the model's 4 attention heads"):
         check_tensor_parallel(cfg, LLAMA, 5)
-    from pipefill.model.families.moe import MOE
-    with pytest.raises(ValueError, match="dense Llama, Mistral, Qwen2 and Qwen3"):
-        check_tensor_parallel(cfg, MOE, 2)
+    from pipefill.model.families.gemma3 import GEMMA3
+    with pytest.raises(ValueError, match="Qwen3-MoE and Mixtral families so far, not"):
+        check_tensor_parallel(cfg, GEMMA3, 2)
     for flags, match in [(dict(tp_size=0), "--tp-size must be at least 1"),
                          (dict(tp_size=2, device="cuda"), "--device cpu only"),
                          (dict(tp_size=2, pp_size=2, nnodes=2, dist_init_addr="h:1"),

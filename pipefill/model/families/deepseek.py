@@ -173,7 +173,7 @@ class DeepSeekFamily(ModelFamily):
         names += [p + "mlp.gate.weight"]
         if cfg.moe.topk_method == "noaux_tc":
             names.append(p + "mlp.gate.e_score_correction_bias")
-        for e in range(cfg.moe.num_experts):
+        for e in cfg.moe.held_experts:
             names += expert_names(layer, e)
         if cfg.moe.shared_width:
             names += shared_names(layer)
@@ -210,7 +210,9 @@ class DeepSeekFamily(ModelFamily):
 
     def load_sparse_mlp(self, cfg: ModelConfig, layer: int, read: WeightReader) -> dict:
         moe, p = cfg.moe, f"model.layers.{layer}.mlp."
-        experts = Experts.read(read, [expert_names(layer, e) for e in range(moe.num_experts)])
+        held = moe.held_experts  # a tensor-parallel rank split by expert: its own
+        experts = Experts.read(read, [expert_names(layer, e) for e in held])
+        experts.first = held.start
         shared = None
         if moe.shared_width:
             gate, up, down = shared_names(layer)

@@ -87,7 +87,7 @@ class MoEFamily(LlamaFamily):
         if not cfg.is_sparse(layer):
             return super().mlp_tensor_names(cfg, layer)
         names = [router_name(cfg, layer)]
-        for e in range(cfg.moe.num_experts):
+        for e in cfg.moe.held_experts:
             names += expert_names(cfg, layer, e)
         if cfg.moe.shared_width:
             p = f"model.layers.{layer}.mlp."
@@ -99,8 +99,9 @@ class MoEFamily(LlamaFamily):
         if not cfg.is_sparse(layer):
             return super().load_mlp(cfg, layer, read)
         moe = cfg.moe
-        experts = Experts.read(read, [expert_names(cfg, layer, e)
-                                      for e in range(moe.num_experts)])
+        held = moe.held_experts  # a tensor-parallel rank split by expert: its own
+        experts = Experts.read(read, [expert_names(cfg, layer, e) for e in held])
+        experts.first = held.start
         shared = None
         if moe.shared_width:
             p = f"model.layers.{layer}.mlp."

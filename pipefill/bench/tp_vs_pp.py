@@ -12,8 +12,9 @@ rendezvous, the warm-up forward, the control traffic), measured once per layout.
 
 Formulas (S prompt tokens, H hidden size, L layers, P stages, b bytes per value of --dtype):
 - TP2: every sum is a ring all-reduce of 2 ranks, in which each rank sends its S x H
-  partial once: 2 x (2L + 1) x S x H x b on the wire (two sums a layer, one for the
-  embedding; the brief's 4 S H L is one rank's share without the embedding);
+  partial once: 2 x (2L - 1) x S x H x b on the wire, both ways: two sums a layer and one for
+  the embedding, less the last layer's two, which cover only the rows whose logits are kept
+  (StageModel's trim). One rank sends half of it, about the usual 4 S H L;
 - PP: each boundary carries the hidden state in --dtype and the residual in float32
   (runtime/p2p.frame_layout): S x H x (P - 1) x (b + 4).
 
@@ -102,8 +103,8 @@ def formula_bytes(layout: str, tokens: int, hidden: int, layers: int,
                   dtype_bytes: int, stages: int = 2) -> int:
     """Bytes one prefill of `tokens` should put on the link, both directions, payload only
     (module docstring)."""
-    if layout == "TP2":
-        return 2 * (2 * layers + 1) * tokens * hidden * dtype_bytes
+    if layout == "TP2":  # the last layer's two sums are a row's: left out
+        return 2 * (2 * layers - 1) * tokens * hidden * dtype_bytes
     if layout == "PP2":
         return tokens * hidden * (stages - 1) * (dtype_bytes + 4)
     raise ValueError(f"unknown layout {layout!r}")
@@ -182,7 +183,8 @@ def measure(ns: argparse.Namespace, rates: list[str]) -> dict:
                 row["ms"].append(ttft_s * 1000)
                 row["bytes"].append(nbytes - overhead[layout])
                 print(f"{rate} {layout} rep {rep + 1}: TTFT {ttft_s * 1000:.1f} ms, "
-                      f"{nbytes / 1e6:.1f} MB on the wire", flush=True)
+                      f"{nbytes / 1e6:.1f} MB on the wire (the launch's own "
+                      f"{overhead[layout] / 1e6:.1f} MB included)", flush=True)
     return rows
 
 

@@ -49,10 +49,11 @@ def test_rates_in_tc_units():
 
 def test_formulas_for_the_default_model_at_8192_tokens():
     s, h, layers = 8192, 576, 30
-    # TP2: each of the 2L + 1 sums sends every rank's S x H bf16 partial once (ring of 2).
-    assert formula_bytes("TP2", s, h, layers, 2) == 2 * 61 * s * h * 2 == 1_151_336_448
-    # The brief's 4 S H L is one rank's share, without the embedding's sum.
-    assert formula_bytes("TP2", s, h, layers, 2) // 2 - s * h * 2 == 4 * s * h * layers
+    # TP2: each of the 2L - 1 whole sums (2 a layer, 1 for the embedding, less the last
+    # layer's, which are a row's) sends every rank's S x H bf16 partial once (ring of 2).
+    assert formula_bytes("TP2", s, h, layers, 2) == 2 * 59 * s * h * 2 == 1_113_587_712
+    # One rank's share is the usual 4 S H L less one sum.
+    assert formula_bytes("TP2", s, h, layers, 2) // 2 + s * h * 2 == 4 * s * h * layers
     # PP2: one boundary, hidden in bf16 and residual in float32.
     assert formula_bytes("PP2", s, h, layers, 2) == s * h * 6 == 28_311_552
     assert formula_bytes("PP2", s, h, layers, 4, stages=4) == 3 * s * h * 8

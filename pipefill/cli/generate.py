@@ -25,6 +25,9 @@ def add_parser(sub) -> None:
     p.add_argument("--sampling-seed", type=int, default=None, help="per-request sampling seed")
     p.add_argument("--output-json", metavar="FILE",
                    help="also write the prompt ids, output ids, text and metrics here")
+    p.add_argument("--ignore-eos", action="store_true", help="generate past the end token")
+    p.add_argument("--prompt-logprobs", action="store_true",
+                   help="--output-json also holds each prompt token's log-probability")
     server_args_parser_group(p)
     p.set_defaults(run=run)
 
@@ -52,7 +55,9 @@ def run(ns: argparse.Namespace) -> int:
             prompt = [rng.randrange(vocab) for _ in range(ns.input_len)]
         out = engine.generate([prompt], max_new_tokens=ns.max_new_tokens,
                               temperature=ns.temperature, top_p=ns.top_p, top_k=ns.top_k,
-                              seed=ns.sampling_seed)[0]
+                              seed=ns.sampling_seed,
+                              return_prompt_logprobs=ns.prompt_logprobs,
+                              ignore_eos=ns.ignore_eos)[0]
         if args.trace_dir:
             t = engine.write_trace("generate")
             print(f"trace: {t['json']} (timeline {t.get('png')}): bubble ratio "
@@ -62,7 +67,8 @@ def run(ns: argparse.Namespace) -> int:
         with open(ns.output_json, "w") as f:
             json.dump({"prompt_ids": prompt if isinstance(prompt, list) else None,
                        "output_ids": out.output_ids, "text": out.text,
-                       "finish_reason": out.finish_reason, "metrics": m}, f)
+                       "finish_reason": out.finish_reason, "metrics": m,
+                       "prompt_logprobs": out.prompt_logprobs}, f)
     print(out.text)
     print("---")
     speed = f"{m['decode_tok_per_s']:.1f} tok/s" if m["decode_tok_per_s"] else "n/a"

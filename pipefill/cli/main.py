@@ -32,6 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     from pipefill.bench import decode_gemm as bench_decode_gemm
     from pipefill.bench import prefill as bench_prefill
     from pipefill.bench import serving as bench_serving
+    from pipefill.bench import tp_vs_pp as bench_tp_vs_pp
     from pipefill.cli import generate, plan, serve_pd, sim
     from pipefill.server import main as serve
     parser = argparse.ArgumentParser(
@@ -56,6 +57,7 @@ def build_parser() -> argparse.ArgumentParser:
     bench_make_model.add_parser(bench)
     bench_allreduce.add_parser(bench)
     bench_link.add_parser(bench)
+    bench_tp_vs_pp.add_parser(bench)
     sim.add_parser(sub)
     plan.add_parser(sub)
     return parser

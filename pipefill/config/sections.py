@@ -83,9 +83,6 @@ class Layout:
     def __post_init__(self) -> None:
         _at_least(self.pp_size, 1, "--pp-size")
         _at_least(self.tp_size, 1, "--tp-size")
-        if self.tp_size > 1 and self.nnodes > 1:
-            raise ValueError("--tp-size > 1 runs on one node (--nnodes 1) for now: the ranks of "
-                             "a stage share memory for their all-reduce")
         if self.tp_size > 1 and self.device != "cpu":
             raise ValueError(f"--tp-size > 1 runs on --device cpu only for now (NCCL between "
                              f"the ranks of a stage is not written), not --device {self.device}")
@@ -96,9 +93,12 @@ class Layout:
             raise ValueError("--pp-async-batch-depth must be >= 0")
         if self.nnodes < 1 or not 0 <= self.node_rank < self.nnodes:
             raise ValueError(f"--node-rank must be in [0, --nnodes) = [0, {self.nnodes})")
-        if self.pp_size % self.nnodes:
+        if self.tp_size == 1 and self.pp_size % self.nnodes:
             raise ValueError(f"--pp-size {self.pp_size} must be a multiple of --nnodes "
                              f"{self.nnodes}: every node runs the same number of stages")
+        if self.world_size % self.nnodes:
+            raise ValueError(f"--pp-size x --tp-size = {self.world_size} processes must be a "
+                             f"multiple of --nnodes {self.nnodes}: every node runs as many")
         if self.nnodes > 1 and not self.dist_init_addr:
             raise ValueError("--nnodes > 1 needs --dist-init-addr HOST:PORT of node 0")
         if self.dist_init_addr is not None:
@@ -130,7 +130,26 @@ class Layout:
 
     def local_process(self, stage: int, tp_rank: int) -> int:
         """A process's index among this node's processes: the core set it is pinned to."""
-        return (stage - self.local_ranks.start) * self.tp_size + tp_rank
+        return stage * self.tp_size + tp_rank - self.node_rank * self.processes_per_node
+
+    def node_of(self, stage: int, tp_rank: int) -> int:
+        """The node that runs a process. The processes, stage by stage and TP rank by TP rank,
+        are dealt to the nodes in equal consecutive blocks: a stage's TP ranks share a node
+        when --pp-size is a multiple of --nnodes, and are spread over nodes otherwise
+        (ARCHITECTURE.md, 'Tensor parallelism inside a stage')."""
+        return (stage * self.tp_size + tp_rank) // self.processes_per_node
+
+    def tp_spans_nodes(self, stage: int) -> bool:
+        """Whether stage `stage`'s TP ranks run on more than one node (no shared memory)."""
+        return len({self.node_of(stage, t) for t in range(self.tp_size)}) > 1
+
+    @property
+    def local_processes(self) -> list[tuple[int, int]]:
+        """(stage, TP rank) of this node's processes: the stages' TP leaders first, in stage
+        order, then the other TP ranks."""
+        mine = [(s, t) for s in range(self.pp_size) for t in range(self.tp_size)
+                if self.node_of(s, t) == self.node_rank]
+        return sorted(mine, key=lambda p: (p[1] > 0, p))
 
     @property
     def layer_counts(self) -> list[int]:
@@ -138,14 +157,11 @@ class Layout:
         return [len(r) for r in self.ranges]
 
     @property
-    def stages_per_node(self) -> int:
-        return self.pp_size // self.nnodes
-
-    @property
     def local_ranks(self) -> range:
-        """Global stage ranks that run on this node."""
-        n = self.stages_per_node
-        return range(self.node_rank * n, (self.node_rank + 1) * n)
+        """Global stage ranks whose TP leader runs on this node (none on a node that runs
+        only other TP ranks)."""
+        n, tp = self.processes_per_node, self.tp_size
+        return range(-(-self.node_rank * n // tp), -(-(self.node_rank + 1) * n // tp))
 
     @property
     def max_inflight(self) -> int:
@@ -154,7 +170,7 @@ class Layout:
 
     @property
     def processes_per_node(self) -> int:
-        return self.stages_per_node * self.tp_size
+        return self.world_size // self.nnodes
 
     @property
     def num_threads(self) -> int:

@@ -187,39 +187,35 @@ class StageGroup:
 
 
 def spawn_local_stages(args: ServerArgs, model_file: str, addrs: Addresses):
-    """This node's stage processes: the stages' TP leaders first, in stage order (procs[i]
-    is stage local_ranks[i]), then the other TP ranks of each stage."""
+    """This node's stage processes (Layout.local_processes): the stages' TP leaders first, in
+    stage order (procs[i] is stage local_ranks[i]), then the other TP ranks."""
     # A fresh interpreter per stage (not multiprocessing): the user's main module is never
     # re-imported, and no thread-pool state is inherited through fork.
-    local = args.layout.local_ranks
-    return ([_spawn(args, model_file, rank, addrs) for rank in local]
-            + [_spawn(args, model_file, rank, addrs, t) for rank in local
-               for t in range(1, args.layout.tp_size)])
+    return [_spawn(args, model_file, rank, addrs, t)
+            for rank, t in args.layout.local_processes]
 
 
 def process_names(layout) -> list[str]:
     """Names of this node's stage processes, in spawn_local_stages's order."""
-    return ([process_name(rank) for rank in layout.local_ranks]
-            + [process_name(rank, t) for rank in layout.local_ranks
-               for t in range(1, layout.tp_size)])
+    return [process_name(rank, t) for rank, t in layout.local_processes]
 
 
 def run_node_stages(args: ServerArgs, model_file: str) -> int:
     """Nodes other than 0: run this node's stages until they exit; their reports go to node 0."""
     addrs = Addresses.fresh(args)
     procs = spawn_local_stages(args, model_file, addrs)
-    local = args.layout.local_ranks
-    log.info("node %d: running stages %d-%d; waiting for them to finish", args.node_rank,
-             local.start, local.stop - 1)
+    names = process_names(args.layout)
+    log.info("node %d: running %s; waiting for them to finish", args.node_rank,
+             ", ".join(names))
     try:
         codes = [p.wait() for p in procs]
     except KeyboardInterrupt:
         for p in procs:
             p.terminate()
         codes = [p.wait() for p in procs]
-    for rank, code in zip(local, codes):
+    for name, code in zip(names, codes):
         if code:
-            log.error("stage %d %s", rank, _exit_cause(code))
+            log.error("%s %s", name, _exit_cause(code))
     return 0 if not any(codes) else 1
 
 

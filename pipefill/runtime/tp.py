@@ -12,7 +12,8 @@ A broadcast is two gloo broadcasts over the stage's group: a header of four int6
 bytes, body bytes, rows, kind), then one frame laid out as the pipeline's
 (runtime/p2p.frame_layout: the PipeMessage body in msgpack, then hidden and residual).
 The sums go through the shared-memory group of the stage's ranks (comm/shm.py), or through
-gloo where that cannot be set up (a sentence in the log says why).
+gloo where that cannot be set up (a sentence in the log says why) or where the stage's ranks
+run on different nodes (Layout.node_of).
 """
 from __future__ import annotations
 
@@ -50,17 +51,23 @@ class TPLink:
         self.group = groups[stage]
         self.specs = [(hidden_size, dtype), (hidden_size, torch.float32)]
         self.codec = BodyCodec(PipeMessage)
+        self._header = torch.zeros(4, dtype=torch.int64)
+        self._frame = torch.empty(0, dtype=torch.uint8)
         self.shm, self.backend = None, "gloo"
+        if layout.tp_spans_nodes(stage):  # every rank of the group sees the same layout
+            self.backend = "gloo (the stage's TP ranks are on different nodes)"
+        else:
+            self._try_shared_memory(hide_cpu_flags)
+
+    def _try_shared_memory(self, hide_cpu_flags: str) -> None:
         try:
             # A peer that died is seen at once (its pid is watched); a long wait is a rank
             # still loading its weights before the warm-up forward, or a slow machine.
-            self.shm = ShmGroup(tp_rank, self.size, f"tp{stage}", group=self.group,
+            self.shm = ShmGroup(self.tp_rank, self.size, f"tp{self.stage}", group=self.group,
                                 timeout_s=SUM_TIMEOUT_S, hide_cpu_flags=hide_cpu_flags)
             self.backend = f"shared memory ({self.shm.isa})"
         except RuntimeError as e:  # every rank raises alike (the rendezvous agrees)
-            log.warning("stage %d: TP all-reduce over gloo: %s", stage, e)
-        self._header = torch.zeros(4, dtype=torch.int64)
-        self._frame = torch.empty(0, dtype=torch.uint8)
+            log.warning("stage %d: TP all-reduce over gloo: %s", self.stage, e)
 
     def all_reduce_(self, tensor: torch.Tensor) -> torch.Tensor:
         """Sums `tensor` over the stage's ranks, in place; every rank gets the same bits."""

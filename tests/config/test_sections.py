@@ -77,3 +77,26 @@ def test_secrets_stay_out_of_the_sections_repr():
 def test_sections_check_their_flags_when_the_args_are_made(kwargs, match):
     with pytest.raises(ValueError, match=match):
         ServerArgs(**kwargs)
+
+
+@pytest.mark.parametrize("pp, tp, nnodes, expected", [
+    # (stage, TP rank) per node; TP ranks share a node when --pp-size divides over the nodes.
+    (2, 1, 2, [[(0, 0)], [(1, 0)]]),
+    (2, 2, 2, [[(0, 0), (0, 1)], [(1, 0), (1, 1)]]),
+    (1, 2, 2, [[(0, 0)], [(0, 1)]]),
+    (1, 4, 2, [[(0, 0), (0, 1)], [(0, 2), (0, 3)]]),
+    (2, 2, 4, [[(0, 0)], [(0, 1)], [(1, 0)], [(1, 1)]]),
+])
+def test_processes_are_dealt_to_nodes_in_blocks(pp, tp, nnodes, expected):
+    for node, procs in enumerate(expected):
+        layout = ServerArgs(pp_size=pp, tp_size=tp, nnodes=nnodes, node_rank=node,
+                            dist_init_addr="h:1").layout
+        assert layout.local_processes == procs
+        assert list(layout.local_ranks) == [s for s, t in procs if t == 0]
+        assert [layout.local_process(s, t) for s, t in procs] == list(range(len(procs)))
+        assert layout.tp_spans_nodes(0) == (pp % nnodes != 0)  # as the blocks above show
+
+
+def test_tp_across_nodes_needs_as_many_processes_on_each():
+    with pytest.raises(ValueError, match="3 processes must be a multiple of --nnodes 2"):
+        ServerArgs(tp_size=3, nnodes=2, dist_init_addr="h:1")

@@ -4,6 +4,7 @@ greedy tokens identical) through chunked prefill and batched decode, on a model 
 and 3 KV heads: TP 2 (uneven: 2 and 1 KV heads), TP 4 (uneven query shares, a KV head replicated),
 PP 2 x TP 2; the Qwen families' bias and q/k norms at TP 2; the CLI's refusals; a killed
 rank failing its stage's requests fast."""
+import json
 import os
 import random
 import subprocess
@@ -112,3 +113,36 @@ def test_killed_tp_rank_fails_its_requests_and_leaves_no_process(odd_llama):
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+@pytest.mark.slow
+def test_tp2_across_two_nodes_matches_tp1(odd_llama, tmp_path):
+    """One stage, its two TP ranks launched as two nodes on 127.0.0.1: their sums go over
+    gloo (the log says so), and the results are TP 1's."""
+    from pipefill.base.platform import free_port
+    common = ["generate", "--model-path", odd_llama, "--dtype", "float32", "--page-size",
+              str(PAGE), "--chunked-prefill-size", "37", "--tp-size", "2", "--nnodes", "2",
+              "--dist-init-addr", f"127.0.0.1:{free_port()}", "--input-len", "90",
+              "--max-new-tokens", str(NEW_TOKENS), "--ignore-eos", "--threads-per-stage", "1",
+              "--log-level", "info"]
+    node1 = subprocess.Popen([sys.executable, "-m", "pipefill.cli.main", *common,
+                              "--node-rank", "1"], stderr=subprocess.PIPE, text=True)
+    node0 = subprocess.Popen([sys.executable, "-m", "pipefill.cli.main", *common,
+                              "--node-rank", "0", "--prompt-logprobs", "--output-json",
+                              str(tmp_path / "out.json")], stderr=subprocess.PIPE, text=True)
+    try:
+        err0 = node0.communicate(timeout=180)[1]
+        err1 = node1.communicate(timeout=30)[1]
+    finally:
+        for p in (node0, node1):
+            p.kill()
+    assert node0.returncode == 0 and node1.returncode == 0, err0 + err1
+    assert "TP all-reduce over gloo (the stage's TP ranks are on different nodes)" in err1
+    got = json.load(open(tmp_path / "out.json"))
+    with track(Engine(odd_llama, dtype="float32", page_size=PAGE, threads_per_stage=1,
+                      chunked_prefill_size=37)) as engine:
+        ref = engine.generate([got["prompt_ids"]], max_new_tokens=NEW_TOKENS, ignore_eos=True,
+                              return_prompt_logprobs=True)[0]
+    assert got["output_ids"] == ref.output_ids
+    diff = torch.tensor(got["prompt_logprobs"]) - torch.tensor(ref.prompt_logprobs)
+    assert diff.abs().max().item() < 1e-4

@@ -68,8 +68,12 @@ def test_tp4_uneven_heads_replicated_kv_matches_tp1(odd_llama, references):
 
 
 @pytest.mark.slow
-def test_pp2_tp2_matches_tp1(odd_llama, references):
-    assert_tp_matches_tp1(odd_llama, references, tp_size=2, pp_size=2)
+@pytest.mark.parametrize("transport", ["per_rank", "leader"])
+def test_pp2_tp2_matches_tp1(odd_llama, references, transport):
+    """Both stage transports; chunks of 37 rows share out unevenly (19 and 18), the decode
+    steps' 2 rows one each."""
+    assert_tp_matches_tp1(odd_llama, references, tp_size=2, pp_size=2,
+                          tp_stage_transport=transport)
 
 
 @pytest.mark.slow

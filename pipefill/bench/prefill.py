@@ -71,6 +71,10 @@ def add_parser(sub) -> None:
                         "usable cores with each of these --tp-size values (comma-separated, "
                         "e.g. 2), named <configuration>-tp<N>: tensor parallelism inside a "
                         "stage beside pipeline parallelism")
+    p.add_argument("--compare-tp-stage-transport", metavar="LIST", default="",
+                   help="also time every configuration with --pp-size > 1 and --tp-size > 1 "
+                        "with each of these --tp-stage-transport values (comma-separated: "
+                        "per_rank, leader), named <configuration>-<value>")
     add_peer_flags(p)
     server_args_parser_group(p, skip=("pp_size",))
     p.set_defaults(run=run)
@@ -160,6 +164,13 @@ def weight_variants(configs: list[Config], values: str) -> list[Config]:
     return flag_variants(configs, "weight_dtype", values, WEIGHT_DTYPES)
 
 
+def transport_variants(configs: list[Config], values: str) -> list[Config]:
+    """The configurations with stages of several TP ranks again with each
+    --tp-stage-transport value of `values`."""
+    staged = [c for c in configs if c.args.pp_size > 1 and c.args.tp_size > 1]
+    return flag_variants(staged, "tp_stage_transport", values, ("per_rank", "leader"))
+
+
 def flag_variants(configs: list[Config], flag: str, values: str,
                   choices: tuple[str, ...]) -> list[Config]:
     """Every configuration again with each value of `values` (comma-separated) for `flag`,
@@ -199,7 +210,8 @@ def run(ns: argparse.Namespace) -> int:
     base = configs
     configs = configs + gemm_variants(base, ns.compare_prefill_gemm) \
         + weight_variants(base, ns.compare_weight_dtype) \
-        + tp_variants(base, ns.compare_tp_size)
+        + tp_variants(base, ns.compare_tp_size) \
+        + transport_variants(base, ns.compare_tp_stage_transport)
     dtype = resolve_dtype(args.dtype)
     threads = len(os.sched_getaffinity(0)) if len(configs) > 1 else \
         args.layout.num_threads

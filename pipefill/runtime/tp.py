@@ -6,11 +6,15 @@ micro-batches from the previous stage (or schedules them, on stage 0), sends the
 the last stage computes the results. Before it runs anything on its layers or pages it
 broadcasts the same thing to its peers (`TPLink.share_*`), which run it too (`run_tp_peer`);
 inside the layers the ranks meet twice a layer in `all_reduce_`. A peer never talks to
-another stage or to the front end, except to report its own failure.
+another stage or to the front end, except to report its own failure and, under the per-rank
+stage transport, to pass its share of the activations' rows to its peer of the next stage.
 
 A broadcast is two gloo broadcasts over the stage's group: a header of four int64 (frame
 bytes, body bytes, rows, kind), then one frame laid out as the pipeline's
 (runtime/p2p.frame_layout: the PipeMessage body in msgpack, then hidden and residual).
+Under the per-rank stage transport a received micro-batch's rows come split over the ranks
+(p2p.row_share: the leader's in its Pipe frame, each peer's from its own SliceLink): the
+leader broadcasts the plan alone and the ranks gather the rows (`gather_rows`).
 The sums go through the shared-memory group of the stage's ranks (comm/shm.py), or through
 gloo where that cannot be set up (a sentence in the log says why).
 """

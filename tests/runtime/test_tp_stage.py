@@ -116,3 +116,32 @@ def test_killed_tp_rank_fails_its_requests_and_leaves_no_process(odd_llama):
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+LONG = [_rng.randrange(512) for _ in range(300)]
+SHARED = LONG[:200] + [7, 8, 9]
+
+
+def long_then_shared(path, **flags):
+    """LONG (with its prompt logprobs), then SHARED (its first 200 tokens from the prefix
+    cache): prompt logprobs (None for SHARED), greedy tokens and metrics of each."""
+    with track(Engine(path, dtype="float32", page_size=PAGE, threads_per_stage=1,
+                      **flags)) as engine:
+        outs = [engine.generate([p], max_new_tokens=NEW_TOKENS, ignore_eos=True,
+                                return_prompt_logprobs=p is LONG)[0] for p in (LONG, SHARED)]
+        assert_pages_free(engine)
+    return [(torch.tensor(o.prompt_logprobs) if o.prompt_logprobs else None, o.output_ids,
+             o.metrics) for o in outs]
+
+
+@pytest.mark.slow
+def test_pp2_tp2_per_rank_dynamic_chunks_and_a_prefix_hit(odd_llama):
+    """The per-rank stage transport under dynamic chunking (chunks of changing, odd sizes
+    shared out over the ranks) and a prefix-cache hit, against one rank with fixed chunks."""
+    refs = long_then_shared(odd_llama, chunked_prefill_size=64)
+    outs = long_then_shared(odd_llama, chunked_prefill_size=64, enable_dynamic_chunking=True,
+                            pp_size=2, tp_size=2, tp_stage_transport="per_rank")
+    assert (outs[0][0] - refs[0][0]).abs().max().item() < 1e-4
+    assert [ids for _, ids, _ in outs] == [ids for _, ids, _ in refs]
+    assert sum(outs[0][2]["chunk_sizes"]) == len(LONG)
+    assert outs[1][2]["cached_tokens"] == 200 // PAGE * PAGE

@@ -203,11 +203,11 @@ class ServerArgs:
         "dense Llama/Mistral/Qwen2/Qwen3 models only; NCCL/CUDA is not done.", default=1)
     tp_stage_transport: str = _flag(
         "How a micro-batch's activations go from a stage to the next under --pp-size > 1 with "
-        "--tp-size > 1: per_rank (each TP rank sends its 1/tp_size of the rows to the same "
-        "rank of the next stage, whose ranks all-gather them in shared memory; the plan goes "
-        "between the leaders) or leader (the leader sends them whole and the next stage's "
-        "leader broadcasts them to its ranks over gloo).", default="per_rank",
-        choices=["per_rank", "leader"])
+        "--tp-size > 1: leader (the leader sends them whole and the next stage's leader "
+        "broadcasts them to its ranks over gloo; measured the faster so far) or per_rank (each "
+        "TP rank sends its 1/tp_size of the rows to the same rank of the next stage, whose "
+        "ranks all-gather them in shared memory; half the gloo bytes at TP 2).",
+        default="leader", choices=["leader", "per_rank"])
     pp_layer_partition: str | None = _flag(
         "Layers per stage, comma-separated (e.g. 7,7,8,8); must have --pp-size entries summing "
         "to the model's layer count. Default: equal shares, the remainder on the last stages.",

@@ -76,6 +76,10 @@ def add_parser(sub) -> None:
                         "--compare-tp-size) once with each of these --tp-moe-split values "
                         "(comma-separated: width, expert) in its place, named "
                         "<configuration>-<value>, in turn in every repetition")
+    p.add_argument("--compare-tp-stage-transport", metavar="LIST", default="",
+                   help="also time every configuration with --pp-size > 1 and --tp-size > 1 "
+                        "with each of these --tp-stage-transport values (comma-separated: "
+                        "per_rank, leader), named <configuration>-<value>")
     add_peer_flags(p)
     server_args_parser_group(p, skip=("pp_size",))
     p.set_defaults(run=run)
@@ -178,6 +182,13 @@ def weight_variants(configs: list[Config], values: str) -> list[Config]:
     return flag_variants(configs, "weight_dtype", values, WEIGHT_DTYPES)
 
 
+def transport_variants(configs: list[Config], values: str) -> list[Config]:
+    """The configurations with stages of several TP ranks again with each
+    --tp-stage-transport value of `values`."""
+    staged = [c for c in configs if c.args.pp_size > 1 and c.args.tp_size > 1]
+    return flag_variants(staged, "tp_stage_transport", values, ("per_rank", "leader"))
+
+
 def flag_variants(configs: list[Config], flag: str, values: str,
                   choices: tuple[str, ...]) -> list[Config]:
     """Every configuration again with each value of `values` (comma-separated) for `flag`,
@@ -217,7 +228,8 @@ def run(ns: argparse.Namespace) -> int:
     base = configs
     configs = configs + gemm_variants(base, ns.compare_prefill_gemm) \
         + weight_variants(base, ns.compare_weight_dtype) \
-        + tp_variants(base, ns.compare_tp_size)
+        + tp_variants(base, ns.compare_tp_size) \
+        + transport_variants(base, ns.compare_tp_stage_transport)
     configs = moe_split_variants(configs, ns.compare_tp_moe_split)
     dtype = resolve_dtype(args.dtype)
     threads = len(os.sched_getaffinity(0)) if len(configs) > 1 else \

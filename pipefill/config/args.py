@@ -199,7 +199,8 @@ class ServerArgs:
         "rank holds its share of every layer's attention heads (uneven shares where the heads "
         "do not divide; KV heads fewer than ranks are replicated) and MLP width, and its own "
         "KV heads' cache; the ranks of a stage sum their partial outputs twice a layer "
-        "(shared-memory all-reduce, gloo where it is unavailable). CPU and one node only, "
+        "(shared-memory all-reduce; gloo where it is unavailable or the ranks are on different "
+        "nodes). CPU only, "
         "Llama/Mistral/Qwen2/Qwen3 and the Qwen2-MoE/Qwen3-MoE/Mixtral models (not "
         "DeepSeek's latent attention); NCCL/CUDA is not done.", default=1)
     tp_moe_split: str = _flag(
@@ -209,6 +210,13 @@ class ServerArgs:
         "prefill and as fast in decode (README), or width where there are fewer experts than "
         "ranks. The choice is logged at start. A shared expert is split by width either way.",
         default="auto", choices=["auto", "width", "expert"])
+    tp_stage_transport: str = _flag(
+        "How a micro-batch's activations go from a stage to the next under --pp-size > 1 with "
+        "--tp-size > 1: leader (the leader sends them whole and the next stage's leader "
+        "broadcasts them to its ranks over gloo; measured the faster so far) or per_rank (each "
+        "TP rank sends its 1/tp_size of the rows to the same rank of the next stage, whose "
+        "ranks all-gather them in shared memory; half the gloo bytes at TP 2).",
+        default="leader", choices=["leader", "per_rank"])
     pp_layer_partition: str | None = _flag(
         "Layers per stage, comma-separated (e.g. 7,7,8,8); must have --pp-size entries summing "
         "to the model's layer count. Default: equal shares, the remainder on the last stages.",

@@ -24,6 +24,10 @@ class Activations:
     # After a last stage that computed only the logit rows (StageModel.trims): those rows, in
     # plan order, instead of every row.
     logit_rows_only: bool = False
+    # Under the per-rank stage transport: these are this TP rank's rows (p2p.row_share) of a
+    # micro-batch of this many rows, which the stage's ranks gather before the forward
+    # (ARCHITECTURE.md, 'Tensor parallelism inside a stage'). 0: every row is here.
+    share_of: int = 0
 
 
 def build_meta(plan: StepPlan, page_size: int, device: torch.device,
@@ -125,7 +129,7 @@ class StageExecutor:
         sequences) and the forward seconds."""
         t0 = time.perf_counter()
         if self.tp is not None:
-            self.tp.share_forward(plan, acts)
+            acts = self.tp.share_forward(plan, acts)  # whole again under the per-rank transport
         if not plan.seqs:  # cache copies only (a storage fetch for a request that waits)
             self.kv.without_forward(plan.page_ops)
             return None, time.perf_counter() - t0

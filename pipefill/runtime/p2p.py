@@ -302,12 +302,27 @@ def tensor_at(frame: torch.Tensor, offset: int, rows: int, width: int,
     return frame[offset:offset + nbytes].view(dtype).view(rows, width)
 
 
+def row_share(rows: int, tp_rank: int, tp_size: int) -> range:
+    """The rows of a micro-batch's activations that TP rank `tp_rank` sends to its peer of the
+    next stage under the per-rank transport: runs of ceil(rows / tp_size) in rank order, the
+    last ones shorter or empty (the receivers gather them padded to that length)."""
+    each = -(-rows // tp_size)
+    return range(min(tp_rank * each, rows), min((tp_rank + 1) * each, rows))
+
+
+def plan_rows(msg: PipeMessage) -> int:
+    return sum(w.num_tokens for w in msg.plan.seqs)
+
+
 class Pipe:
-    """A stage's channels: activations to/from its neighbours, results last -> first."""
+    """A stage's channels: activations to/from its neighbours, results last -> first.
+    tp_share (tp_rank, tp_size): the per-rank stage transport, where this leader sends and
+    receives only its TP rank's rows (row_share) and its TP peers the rest (SliceLink)."""
 
     def __init__(self, rank: int, size: int, hidden_size: int, dtype: torch.dtype,
-                 device: torch.device, meta_group=None, pair_groups=None):
-        self.rank, self.size = rank, size
+                 device: torch.device, meta_group=None, pair_groups=None,
+                 tp_share: tuple[int, int] | None = None):
+        self.rank, self.size, self.tp_share = rank, size, tp_share
         specs = [(hidden_size, dtype), (hidden_size, torch.float32)]
 
         def channel(peer, tag, outbound, name, tensor_specs=()):
@@ -327,11 +342,20 @@ class Pipe:
 
     def send_forward(self, msg: PipeMessage, acts: Activations | None) -> SendHandle:
         tensors = [] if acts is None else [acts.hidden, acts.residual]
+        if tensors and self.tp_share is not None:
+            rows = row_share(acts.hidden.shape[0], *self.tp_share)
+            tensors = [t[rows.start:rows.stop] for t in tensors]
         return self.to_next.send(msg, tensors)
 
     def recv_forward(self) -> tuple[PipeMessage, Activations | None]:
         msg, tensors = self.from_prev.recv()
-        return msg, (Activations(*tensors) if tensors else None)
+        if not tensors:
+            return msg, None
+        if self.tp_share is None:
+            return msg, Activations(*tensors)
+        total = plan_rows(msg)
+        _check_share(tensors, total, *self.tp_share, self.rank - 1)
+        return msg, Activations(*tensors, share_of=total)
 
     def post_local(self, msg: PipeMessage) -> None:
         """Puts a control message into this stage's own inbound queue, behind what has
@@ -352,3 +376,50 @@ class Pipe:
         for ch in (self.to_next, self.results_out):
             if ch is not None:
                 ch.flush()
+
+
+def _check_share(tensors: list[torch.Tensor], total: int, tp_rank: int, tp_size: int,
+                 sender: int) -> None:
+    expected = len(row_share(total, tp_rank, tp_size))
+    if tensors[0].shape[0] != expected:
+        raise WireError(f"stage {sender} TP rank {tp_rank} sent {tensors[0].shape[0]} rows of a "
+                        f"{total}-row micro-batch, not its share of {expected}")
+
+
+class SliceLink:
+    """A TP peer's part of the per-rank stage transport (ARCHITECTURE.md, 'Tensor parallelism
+    inside a stage'): its rows of each micro-batch's activations (row_share) to the same TP
+    rank of the next stage, and its rows from the previous stage's. The plans travel between
+    the leaders (Pipe) and reach the peers in their leader's broadcast; each slice names its
+    plan's step, which the receiver checks. prev_peer / next_peer: global ranks, None at the
+    pipeline's ends."""
+
+    def __init__(self, prev_peer: int | None, next_peer: int | None, tp_rank: int,
+                 tp_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device):
+        self.tp_rank, self.tp_size, self.prev_peer = tp_rank, tp_size, prev_peer
+        specs = [(hidden_size, dtype), (hidden_size, torch.float32)]
+        self.to_next = None if next_peer is None else _Channel(
+            next_peer, _FORWARD_TAG, True, PipeMessage, specs, None, None, device,
+            "pipefill-send-share")
+        self.from_prev = None if prev_peer is None else _Channel(
+            prev_peer, _FORWARD_TAG, False, PipeMessage, specs, None, None, device,
+            "pipefill-recv-share")
+
+    def send(self, step_id: int, acts: Activations) -> SendHandle:
+        rows = row_share(acts.hidden.shape[0], self.tp_rank, self.tp_size)
+        return self.to_next.send(PipeMessage(None, control=("share", step_id)),
+                                 [t[rows.start:rows.stop] for t in (acts.hidden, acts.residual)])
+
+    def recv(self, msg: PipeMessage) -> Activations:
+        """This rank's rows of the micro-batch `msg` (its leader's broadcast) carries."""
+        body, tensors = self.from_prev.recv()
+        if body.control != ("share", msg.plan.step_id) or not tensors:
+            raise WireError(f"rank {self.prev_peer} sent {body.control} where rows of step "
+                            f"{msg.plan.step_id} were due")
+        total = plan_rows(msg)
+        _check_share(tensors, total, self.tp_rank, self.tp_size, self.prev_peer)
+        return Activations(*tensors, share_of=total)
+
+    def flush(self) -> None:
+        if self.to_next is not None:
+            self.to_next.flush()

@@ -6,11 +6,15 @@ micro-batches from the previous stage (or schedules them, on stage 0), sends the
 the last stage computes the results. Before it runs anything on its layers or pages it
 broadcasts the same thing to its peers (`TPLink.share_*`), which run it too (`run_tp_peer`);
 inside the layers the ranks meet twice a layer in `all_reduce_`. A peer never talks to
-another stage or to the front end, except to report its own failure.
+another stage or to the front end, except to report its own failure and, under the per-rank
+stage transport, to pass its share of the activations' rows to its peer of the next stage.
 
 A broadcast is two gloo broadcasts over the stage's group: a header of four int64 (frame
 bytes, body bytes, rows, kind), then one frame laid out as the pipeline's
 (runtime/p2p.frame_layout: the PipeMessage body in msgpack, then hidden and residual).
+Under the per-rank stage transport a received micro-batch's rows come split over the ranks
+(p2p.row_share: the leader's in its Pipe frame, each peer's from its own SliceLink): the
+leader broadcasts the plan alone and the ranks gather the rows (`gather_rows`).
 The sums go through the shared-memory group of the stage's ranks (comm/shm.py), or through
 gloo where that cannot be set up (a sentence in the log says why) or where the stage's ranks
 run on different nodes (Layout.node_of).
@@ -32,7 +36,7 @@ from pipefill.runtime.p2p import HEADER_BYTES, frame_layout, tensor_at
 
 log = logging.getLogger(__name__)
 
-_FORWARD, _PAGE_OPS, _STOP = 0, 1, 2
+_FORWARD, _PAGE_OPS, _STOP, _FORWARD_SHARED = 0, 1, 2, 3
 SUM_TIMEOUT_S = 3600.0
 
 
@@ -87,10 +91,29 @@ class TPLink:
 
     # ---- the leader ------------------------------------------------------------------------
 
-    def share_forward(self, plan: StepPlan, acts: Activations | None) -> None:
+    def gather_rows(self, acts: Activations) -> Activations:
+        """The whole micro-batch from every rank's rows of it (p2p.row_share, per-rank
+        transport): one all-gather per tensor, each rank's rows padded to the longest share."""
+        total = acts.share_of
+        each = -(-total // self.size)
+        whole = []
+        for part in (acts.hidden, acts.residual):
+            if part.shape[0] != each:
+                padded = part.new_zeros(each, part.shape[1])
+                padded[:part.shape[0]] = part
+                part = padded
+            whole.append(self.all_gather(part.contiguous()).view(-1, part.shape[1])[:total])
+        return Activations(*whole)
+
+    def share_forward(self, plan: StepPlan, acts: Activations | None) -> Activations | None:
+        """Shares a forward with the peers; returns the whole activations to run it on."""
         tensors = [] if acts is None else [acts.hidden, acts.residual]
         assert not tensors or acts.residual is not None, "activations come with their residual"
+        if acts is not None and acts.share_of:  # the peers got theirs from the previous stage
+            self._send(_FORWARD_SHARED, PipeMessage(plan), [])
+            return self.gather_rows(acts)
         self._send(_FORWARD, PipeMessage(plan), tensors)
+        return acts
 
     def share_page_ops(self, ops: PageOps) -> None:
         self._send(_PAGE_OPS, PipeMessage(None, control=("page_ops",), page_ops=ops), [])
@@ -137,13 +160,19 @@ class TPLink:
             self.shm.close()
 
 
-def run_tp_peer(executor, link: TPLink) -> None:
-    """A TP peer's loop: does what its leader shares, until the leader's stop."""
+def run_tp_peer(executor, link: TPLink, slices=None) -> None:
+    """A TP peer's loop: does what its leader shares, until the leader's stop. slices
+    (p2p.SliceLink): the per-rank stage transport, this rank's rows from the previous stage
+    and to the next."""
     while True:
         kind, msg, acts = link.receive()
         if kind == _STOP:
+            if slices is not None:
+                slices.flush()
             executor.kv.close()
             return
+        if kind == _FORWARD_SHARED:
+            acts = link.gather_rows(slices.recv(msg))
         if kind == _PAGE_OPS:
             executor.kv.without_forward(msg.page_ops)
             continue
@@ -153,3 +182,6 @@ def run_tp_peer(executor, link: TPLink) -> None:
         acts = executor.forward(plan, acts)[0]
         if executor.model.is_last and plan.step_id >= 0:  # the leader's results() gathers
             executor.logits(plan, acts)
+        elif slices is not None and slices.to_next is not None and plan.step_id >= 0 \
+                and acts is not None:  # what the leader's loop sends on, in the same order
+            slices.send(plan.step_id, acts)

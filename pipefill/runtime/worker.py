@@ -140,11 +140,16 @@ def _run_stage(args: ServerArgs, model_file: str, rank: int, channel: StageChann
             log.info("%s: TP all-reduce over %s", name, tp.backend)
         executor = build_stage(args, source, info, device, tp)
         cfg = source.config
-        pipe = None
+        pipe, slices = None, None
+        per_rank = args.pp_size > 1 and layout.tp_size > 1 and \
+            args.tp_stage_transport == "per_rank"
         if args.pp_size > 1 and info.is_tp_leader:
             from pipefill.runtime.p2p import Pipe
             pipe = Pipe(rank, args.pp_size, cfg.hidden_size, resolve_dtype(args.dtype),
-                        device, *groups)
+                        device, *groups, tp_share=(0, layout.tp_size) if per_rank else None)
+        elif per_rank:
+            slices = share_link(layout, info, cfg.hidden_size, resolve_dtype(args.dtype),
+                                device)
         role = make_pd_role(args, executor, info, cfg, pipe) if info.is_tp_leader else None
         del source  # the file reader (GGUF metadata: ~220 MB RSS for the default model)
         release_freed_memory()
@@ -159,7 +164,7 @@ def _run_stage(args: ServerArgs, model_file: str, rank: int, channel: StageChann
         dist.barrier(group=groups[0])  # every process loaded before stage 0 says ready
     if not info.is_tp_leader:  # runs what its leader shares, nothing else
         from pipefill.runtime.tp import run_tp_peer
-        return run_guarded(name, channel, lambda: run_tp_peer(executor, tp))
+        return run_guarded(name, channel, lambda: run_tp_peer(executor, tp, slices))
     executor.tp = tp
     tracer = StageTracer(rank, args.trace_dir is not None)
     heartbeat = stage_heartbeat(addrs.folder if addrs is not None else None, rank)
@@ -176,6 +181,16 @@ def _run_stage(args: ServerArgs, model_file: str, rank: int, channel: StageChann
     return run_guarded(f"stage {rank}", channel,
                        lambda: run_later_stage(executor, pipe, channel, tracer, role,
                                                heartbeat))
+
+
+def share_link(layout, info, hidden_size: int, dtype, device):
+    """A TP peer's channels of the per-rank stage transport: to and from the same TP rank of
+    the neighbouring stages."""
+    from pipefill.runtime.p2p import SliceLink
+    prev_peer = layout.global_rank(info.rank - 1, info.tp_rank) if not info.is_first else None
+    next_peer = layout.global_rank(info.rank + 1, info.tp_rank) if not info.is_last else None
+    return SliceLink(prev_peer, next_peer, info.tp_rank, layout.tp_size, hidden_size, dtype,
+                     device)
 
 
 def release_freed_memory() -> None:

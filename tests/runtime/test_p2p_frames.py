@@ -116,3 +116,15 @@ def test_one_send_per_message_and_results_batched():
     # Results: the first alone (its send was held), the other four queued meanwhile: one send.
     assert last["sends"] == {"200": 2}, last
     assert first["results"] == list(range(NUM_RESULTS))
+
+
+def test_row_shares_cover_every_row_once_in_rank_order():
+    """The per-rank stage transport's shares: each row once, in order, at most one short
+    share then empty ones, so padding each to the first's length and gathering in rank order
+    gives the rows back."""
+    from pipefill.runtime.p2p import row_share
+    for rows in (0, 1, 2, 5, 37, 4097):
+        for size in (1, 2, 3, 4):
+            shares = [row_share(rows, r, size) for r in range(size)]
+            assert [i for s in shares for i in s] == list(range(rows))
+            assert all(len(s) == -(-rows // size) for s in shares if s.stop < rows)

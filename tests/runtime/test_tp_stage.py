@@ -69,8 +69,12 @@ def test_tp4_uneven_heads_replicated_kv_matches_tp1(odd_llama, references):
 
 
 @pytest.mark.slow
-def test_pp2_tp2_matches_tp1(odd_llama, references):
-    assert_tp_matches_tp1(odd_llama, references, tp_size=2, pp_size=2)
+@pytest.mark.parametrize("transport", ["per_rank", "leader"])
+def test_pp2_tp2_matches_tp1(odd_llama, references, transport):
+    """Both stage transports; chunks of 37 rows share out unevenly (19 and 18), the decode
+    steps' 2 rows one each."""
+    assert_tp_matches_tp1(odd_llama, references, tp_size=2, pp_size=2,
+                          tp_stage_transport=transport)
 
 
 @pytest.mark.slow
@@ -146,3 +150,32 @@ def test_tp2_across_two_nodes_matches_tp1(odd_llama, tmp_path):
     assert got["output_ids"] == ref.output_ids
     diff = torch.tensor(got["prompt_logprobs"]) - torch.tensor(ref.prompt_logprobs)
     assert diff.abs().max().item() < 1e-4
+
+
+LONG = [_rng.randrange(512) for _ in range(300)]
+SHARED = LONG[:200] + [7, 8, 9]
+
+
+def long_then_shared(path, **flags):
+    """LONG (with its prompt logprobs), then SHARED (its first 200 tokens from the prefix
+    cache): prompt logprobs (None for SHARED), greedy tokens and metrics of each."""
+    with track(Engine(path, dtype="float32", page_size=PAGE, threads_per_stage=1,
+                      **flags)) as engine:
+        outs = [engine.generate([p], max_new_tokens=NEW_TOKENS, ignore_eos=True,
+                                return_prompt_logprobs=p is LONG)[0] for p in (LONG, SHARED)]
+        assert_pages_free(engine)
+    return [(torch.tensor(o.prompt_logprobs) if o.prompt_logprobs else None, o.output_ids,
+             o.metrics) for o in outs]
+
+
+@pytest.mark.slow
+def test_pp2_tp2_per_rank_dynamic_chunks_and_a_prefix_hit(odd_llama):
+    """The per-rank stage transport under dynamic chunking (chunks of changing, odd sizes
+    shared out over the ranks) and a prefix-cache hit, against one rank with fixed chunks."""
+    refs = long_then_shared(odd_llama, chunked_prefill_size=64)
+    outs = long_then_shared(odd_llama, chunked_prefill_size=64, enable_dynamic_chunking=True,
+                            pp_size=2, tp_size=2, tp_stage_transport="per_rank")
+    assert (outs[0][0] - refs[0][0]).abs().max().item() < 1e-4
+    assert [ids for _, ids, _ in outs] == [ids for _, ids, _ in refs]
+    assert sum(outs[0][2]["chunk_sizes"]) == len(LONG)
+    assert outs[1][2]["cached_tokens"] == 200 // PAGE * PAGE

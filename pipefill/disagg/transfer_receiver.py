@@ -35,7 +35,7 @@ class KVReceiver:
         # 'KV heads across TP sizes').
         self.kv, self.secret = StageTensors.of(kv), secret
         self.name = f"decode-{kv.layer_start}-{os.getpid()}-{os.urandom(3).hex()}"
-        self.data = make_data_path(backend, kv, host, staging_bytes)
+        self.data = make_data_path(backend, self.kv, host, staging_bytes)
         self._p = Peers(timing, clock)
 
         def released(room: int, pages: list[int]) -> None:

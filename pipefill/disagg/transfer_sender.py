@@ -46,7 +46,7 @@ class KVSender:
         # sizes'): every chunk gives each decode rank exactly its heads.
         self.kv, self.rank, self.secret = StageTensors.of(kv), rank, secret
         self.name = f"prefill-{rank}-{os.getpid()}"
-        self.data = make_data_path(backend, kv, host)
+        self.data = make_data_path(backend, self.kv, host)
         self._p = Peers(timing, clock)
         self.rooms = PrefillRooms(rank, timing.bootstrap_timeout_s, release,
                                   claim_timeout_s=timing.claim_timeout_s,

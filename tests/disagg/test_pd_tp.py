@@ -8,6 +8,7 @@ TP 1 and TP 1 -> TP 2 over tcp, TP 2 -> TP 4 (a KV head on two decode ranks) and
 -> TP 2 over Mooncake (slow)."""
 from __future__ import annotations
 
+import os
 import random
 
 import pytest
@@ -59,6 +60,10 @@ def run_pair(model, secret, prefill_flags: dict, decode_flags: dict):
     try:
         with track(Engine(model, disaggregation_mode="decode", cluster_secret_file=secret,
                           **COMMON, **decode_flags)) as decode:
+            # The leaders mapped their peers' KV files at start-up: no name is left behind.
+            pids = prefill.stage_pids() + decode.stage_pids()
+            assert not [n for n in os.listdir("/dev/shm")
+                        if n.startswith("pipefill-kv-") and int(n.split("-")[2]) in pids]
             rooms = [PDInfo(next(_rooms), "127.0.0.1", port) for _ in PROMPTS]
             call = dict(max_new_tokens=NEW_TOKENS, ignore_eos=True, logprobs=True, pd=rooms)
             first, outs, _ = both(lambda: prefill.generate(PROMPTS, **call),

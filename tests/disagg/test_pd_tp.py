@@ -118,3 +118,36 @@ def test_prefill_tp2_into_decode_tp4_over_mooncake(model, secret, reference):
 def test_prefill_pp2_tp2_into_decode_tp1_over_mooncake(model, secret, reference):
     assert_same(run_pair(model, secret, dict(tp_size=2, pp_size=2, **MOONCAKE), MOONCAKE),
                 reference)
+
+
+@pytest.mark.slow
+def test_pipefill_serve_tp2_prefill_behind_the_router(tmp_path):
+    """`pipefill serve` at --tp-size 2 (prefill) and 1 (decode) behind the unmodified
+    sglang-router: greedy text and every logprob are a colocated server's."""
+    from test_pd_router import (client, completion, free_port, spawn_router, spawn_server,
+                                stop, wait_healthy, wait_pages_free)
+    from pipefill.model.loader import WeightSource, resolve_model_path
+    from pipefill.model.tokenizer import load_tokenizer
+    path = save_tiny_model("llama", tmp_path / "m", vocab_size=49152,
+                           max_position_embeddings=4096, **SHAPE)
+    load_tokenizer(WeightSource(resolve_model_path(None))).hf.save_pretrained(path)
+    bport, procs, urls = free_port(), {}, {}
+    try:
+        procs["prefill"], urls["prefill"] = spawn_server(
+            path, "--tp-size", "2", "--disaggregation-mode", "prefill",
+            "--disaggregation-bootstrap-port", str(bport))
+        procs["decode"], urls["decode"] = spawn_server(path, "--disaggregation-mode", "decode")
+        procs["ref"], urls["ref"] = spawn_server(path)
+        for name in list(procs):
+            wait_healthy(procs[name], urls[name])
+        procs["router"], urls["router"] = spawn_router(urls["prefill"], bport, urls["decode"])
+        wait_healthy(procs["router"], urls["router"], "/readiness", 60)
+        for prompt in ["The capital of France is", "word " * 150]:  # 150: three chunks
+            got = completion(client(urls["router"]), prompt)
+            want = completion(client(urls["ref"]), prompt)
+            assert got[0] == want[0] and len(got[1]) == 12
+            assert got[1] == pytest.approx(want[1], abs=1e-4)
+        wait_pages_free(urls["prefill"], 10)
+        wait_pages_free(urls["decode"], 10)
+    finally:
+        stop(*procs.values())

@@ -96,9 +96,9 @@ class PrefillStagePD(PrefillRole):
         secret = disagg.secret()
         host = node_host(args.host)
         kv = stage_kv or KVTensors.from_cache(executor.cache, layer_start)
-        self.sender = KVSender(kv, rank,
-                               release=self._released, backend=disagg.transfer_backend,
-                               host=host, timing=Timing.of(disagg), secret=secret)
+        self.sender = KVSender(kv, rank, release=self._released,
+                               backend=disagg.transfer_backend, host=host,
+                               timing=Timing.of(disagg), secret=secret)
         # The pages' head size: half a latent for MLA (KVSpec); the heads: the stage's.
         head_dim = page_dims(executor.cache)[1]
         reg = self.sender.registration(pp_size=args.pp_size, num_layers=cfg.num_layers,

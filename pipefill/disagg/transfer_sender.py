@@ -39,8 +39,9 @@ class KVSender:
     A decode is known by its connection (its DecodeHello's id plus a number per connection):
     another connection cannot take over its name, its rooms, or where its KV goes."""
 
-    def __init__(self, kv: KVTensors | StageTensors, rank: int, *, release: Callable[[int, list[int]], None],
-                 backend: str = "tcp", host: str = "127.0.0.1", port: int = 0,
+    def __init__(self, kv: KVTensors | StageTensors, rank: int, *,
+                 release: Callable[[int, list[int]], None], backend: str = "tcp",
+                 host: str = "127.0.0.1", port: int = 0,
                  timing: Timing = Timing(), secret: bytes | None = None, clock=time.monotonic):
         # A TP stage's ranks' KV, each with its heads (ARCHITECTURE.md, 'KV heads across TP
         # sizes'): every chunk gives each decode rank exactly its heads.

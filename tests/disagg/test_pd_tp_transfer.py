@@ -2,7 +2,7 @@
 sizes'), on threads of this process over real sockets: a prefill stage whose ranks hold
 [[0, 1], [2]] of 3 KV heads sends a room, chunk by chunk, to a decode stage of another head
 map; every decode rank's pages end up holding exactly its heads, byte for byte, over tcp and
-Mooncake (staged, and written straight into each rank's pages). A decode whose head map the
+Mooncake (slow: staged, and written straight into each rank's pages). A decode whose head map the
 prefill cannot serve is refused at connect, with a sentence."""
 from __future__ import annotations
 
@@ -63,8 +63,9 @@ CASES = [
     (PREFILL_MAP, PREFILL_MAP),            # same TP: whole pages
 ]
 IDS = ["tp2-tp1", "tp1-tp2", "tp2-tp4", "tp2-tp2"]
-BACKENDS = ["tcp"] + [pytest.param(b, marks=pytest.mark.skipif(
-    not have_mooncake(), reason="mooncake-transfer-engine-non-cuda is not installed"))
+# Mooncake's engines take seconds to start and stop: slow.
+BACKENDS = ["tcp"] + [pytest.param(b, marks=[pytest.mark.slow, pytest.mark.skipif(
+    not have_mooncake(), reason="mooncake-transfer-engine-non-cuda is not installed")])
     for b in ("mooncake-staged", "mooncake-direct")]
 
 

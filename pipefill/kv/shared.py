@@ -32,8 +32,10 @@ class SharedEmpty:
     """torch.empty whose tensors live in files under `folder` (CPU only). files: (path, shape,
     dtype name) of each, in creation order."""
 
-    def __init__(self, tag: str, folder: str = SHM_DIR):
-        self.folder = folder
+    def __init__(self, tag: str, folder: str = SHM_DIR, processes: int = 1):
+        """processes: how many processes of the node fill `folder` alike (each checks the
+        room for all of them: the files are sparse, so free space shrinks only as they fill)."""
+        self.folder, self.processes = folder, processes
         self.prefix = f"pipefill-kv-{os.getpid()}-{secrets.token_hex(4)}-{tag}"
         self.files: list[tuple[str, list[int], str]] = []
         self.nbytes = 0
@@ -42,13 +44,13 @@ class SharedEmpty:
         assert device is None or torch.device(device).type == "cpu", "shared KV is CPU memory"
         numel = math.prod(shape)
         self.nbytes += numel * dtype.itemsize
-        free = shm_free_bytes(self.folder)
+        free, need = shm_free_bytes(self.folder), self.nbytes * self.processes
         # Writing past a full tmpfs kills the process (SIGBUS): a sentence instead, up front.
-        if self.nbytes > free:
-            raise ValueError(f"the KV pool of a TP rank under PD lives in {self.folder}, which "
-                             f"has {free / 2**30:.1f} GiB free for its "
-                             f"{self.nbytes / 2**30:.1f} GiB: lower --max-total-tokens or give "
-                             f"{self.folder} more room")
+        if need > free:
+            raise ValueError(f"under PD with --tp-size the KV pools live in {self.folder}: "
+                             f"about {need / 2**30:.1f} GiB for {self.processes} stage "
+                             f"process(es) of this node, but it has {free / 2**30:.1f} GiB "
+                             f"free: lower --max-total-tokens or give {self.folder} more room")
         path = os.path.join(self.folder, f"{self.prefix}-{len(self.files)}")
         tensor = torch.from_file(path, shared=True, size=numel, dtype=dtype).view(*shape)
         self.files.append((path, list(shape), dtype_name(dtype)))

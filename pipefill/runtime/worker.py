@@ -140,7 +140,8 @@ def _run_stage(args: ServerArgs, model_file: str, rank: int, channel: StageChann
             log.info("%s: TP all-reduce over %s", name, tp.backend)
         if args.disagg.enabled and layout.tp_size > 1:  # the leader moves every rank's KV
             from pipefill.kv.shared import SharedEmpty
-            shared_kv = SharedEmpty(f"stage{rank}-tp{tp_rank}")
+            shared_kv = SharedEmpty(f"stage{rank}-tp{tp_rank}",
+                                    processes=layout.processes_per_node)
         executor, rank_kv = build_with_shared_kv(args, source, info, device, tp, shared_kv)
         cfg = source.config
         pipe = None

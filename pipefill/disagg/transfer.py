@@ -24,6 +24,7 @@ from pipefill.disagg.heads import pieces, whole_source
 from pipefill.disagg.rooms import Liveness
 
 BACKENDS = ("tcp", "mooncake")
+MAX_CUTS = 1024  # decode ranks' head sets a sender remembers how to cut
 
 
 @dataclass
@@ -183,6 +184,8 @@ class StageTensors:
         heads are cut from (heads.pieces)."""
         key = tuple(dst_heads)
         if key not in self._cuts:
+            if len(self._cuts) >= MAX_CUTS:  # decodes of ever new head maps: start over
+                self._cuts.clear()
             src = whole_source(self.head_map, dst_heads)
             self._cuts[key] = src if src is not None else pieces(self.head_map, dst_heads)
         return self._cuts[key]

@@ -26,6 +26,7 @@ class GenerateOutput:
     finish_reason: str | None
     num_prompt_tokens: int
     metrics: dict = field(default_factory=dict)  # ttft_s, e2e_s, chunk_sizes, decode_tok_per_s
+    token_logprobs: list[float] | None = None  # each output token's logprob, when asked
 
 
 @dataclass
@@ -41,6 +42,7 @@ class _Pending:
     done_at: float | None = None
     done: RequestOutput | None = None
     prompt_logprobs: list[float] | None = None
+    token_logprobs: list[float] = field(default_factory=list)
     chunk_sizes: list[int] | None = None
     cached_tokens: int = 0
 
@@ -56,6 +58,7 @@ class _Pending:
         if out.new_token_ids and self.first_token_at is None:
             self.first_token_at = now
         self.output_ids += out.new_token_ids
+        self.token_logprobs += out.token_logprobs or []
         self.prompt_logprobs = out.prompt_logprobs or self.prompt_logprobs
         self.chunk_sizes = out.chunk_sizes or self.chunk_sizes
         self.cached_tokens = out.cached_tokens or self.cached_tokens
@@ -132,21 +135,23 @@ class Engine:
                  top_p: float = 1.0, top_k: int = -1, seed: int | None = None,
                  return_prompt_logprobs: bool = False, ignore_eos: bool = False,
                  priority: int | list[int] = 0, show_progress: bool | None = None,
-                 pd: PDInfo | list[PDInfo] | None = None) -> list[GenerateOutput]:
+                 pd: PDInfo | list[PDInfo] | None = None,
+                 logprobs: bool = False) -> list[GenerateOutput]:
         """priority: one for every prompt, or a list (--schedule-policy priority: larger
         first). show_progress: a bar per prompt longer than one chunk while it prefills
         (tokens done, tokens/s, the ETA from the chunk cost model) on stderr; None = when
         stderr is a terminal. pd: on a PD role (disaggregation_mode prefill or decode), each
         prompt's room, the same on the prefill and the decode (a list, one per prompt): the
         prefill computes the first token and hands it to the decode with the KV; the decode
-        continues from it (ARCHITECTURE.md, 'Prefill/decode disaggregation')."""
+        continues from it (ARCHITECTURE.md, 'Prefill/decode disaggregation'). logprobs: each
+        output token's logprob in GenerateOutput.token_logprobs."""
         self._require_stages()
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             raise ValueError("prompts must be a list of strings or a list of token-id lists")
         rooms = self._rooms(pd, len(prompts))
         params = SamplingParams(max_new_tokens, temperature, top_p, top_k, seed, ignore_eos,
                                 self.tokenizer.eos_token_ids if self.tokenizer else (),
-                                return_prompt_logprobs)
+                                return_prompt_logprobs, 0 if logprobs else None)
         try:
             encoded, priorities, params = self._at_the_door(prompts, params, priority, rooms)
         except ValueError as e:  # none of the call's prompts runs: their decodes hear it
@@ -244,7 +249,8 @@ class Engine:
                    "decode_tok_per_s": (len(p.output_ids) - 1) / decode_s
                    if decode_s > 0 and len(p.output_ids) > 1 else None}
         return GenerateOutput(p.output_ids, text, p.prompt_logprobs, p.done.finish_reason,
-                              p.num_prompt_tokens, metrics)
+                              p.num_prompt_tokens, metrics,
+                              p.token_logprobs if p.token_logprobs else None)
 
     def stage_pids(self) -> list[int]:
         """Process ids of this node's stage processes, by rank (memory reports read /proc)."""

@@ -71,9 +71,6 @@ def check_tp_settings(args: ServerArgs, source: WeightSource) -> None:
     if args.layout.tp_size == 1:  # the layout checks the flag itself (at least 1)
         return
     check_tensor_parallel(source.config, source.family, args.tp_size, args.tp_moe_split)
-    if args.disagg.enabled:
-        raise ValueError(f"--tp-size {args.tp_size} does not run with --disaggregation-mode "
-                         "yet: serve PD roles with --tp-size 1")
     if source.fp8:
         raise ValueError(f"--tp-size {args.tp_size} does not read FP8 checkpoints yet")
     if args.weight_dtype in ("gguf", "fp8"):

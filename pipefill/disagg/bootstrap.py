@@ -24,6 +24,7 @@ import time
 
 from pipefill.disagg import channel as ch
 from pipefill.disagg.handshake import AuthenticationFailed
+from pipefill.disagg.heads import check_pairing, head_map_of
 from pipefill.disagg import messages as m
 from pipefill.disagg.validate import check_tiling
 
@@ -176,11 +177,14 @@ def lookup_prefill(endpoint: m.Endpoint, timeout_s: float = 60.0,
 
 def check_compatible(info: m.PrefillInfo, *, page_size: int, kv_dtype: str,
                      model_fingerprint: str, backend: str, num_layers: int,
-                     kv_layout: str = "token-major", kv_latent=()) -> None:
+                     kv_layout: str = "token-major", kv_latent=(),
+                     kv_heads: list[list[int]] | None = None) -> None:
     """Raises ValueError naming the flag to change when this decode cannot take the prefill's
     KV; also checks that the prefill stages' layers tile [0, num_layers). kv_latent: this
     decode's m.latent_layout (a latent-attention model's pages), checked first, with its
-    dtype: both sides must read a page's values alike."""
+    dtype: both sides must read a page's values alike. kv_heads: this decode stage's TP
+    ranks' KV heads (disagg/heads.py; None: not checked), which every prefill stage's ranks
+    must be able to give."""
     s = info.stages[0]
     mine = list(kv_latent)
     if (s.kv_latent or mine) and (list(s.kv_latent), s.kv_dtype) != (mine, kv_dtype):
@@ -206,4 +210,13 @@ def check_compatible(info: m.PrefillInfo, *, page_size: int, kv_dtype: str,
     if s.backend != backend:
         raise ValueError(f"the prefill server uses --disaggregation-transfer-backend "
                          f"{s.backend}, this decode {backend}: use the same on both")
+    if kv_heads is not None:
+        mine_heads = len(set().union(*map(set, kv_heads)))
+        for st in info.stages:
+            try:
+                check_pairing(head_map_of(st.kv_heads, st.num_kv_heads), kv_heads,
+                              st.num_kv_heads, mine_heads)
+            except ValueError as e:
+                raise ValueError(f"the prefill server's stage {st.rank} cannot give this "
+                                 f"decode's TP ranks their KV heads: {e}") from None
     check_tiling(info.stages, num_layers)

@@ -59,6 +59,9 @@ class RegisterStage(_Msg):
     # A latent-attention model's pages: [latent_dim, kv_lora_rank, qk_rope_head_dim] values a
     # token and layer (latent_layout); [] for per-head keys and values.
     kv_latent: list[int] = []
+    # The stage's TP ranks' KV heads (disagg/heads.py): [[0, 1], [2]] for 3 KV heads at TP 2;
+    # []: one rank with all num_kv_heads (the model's).
+    kv_heads: list[list[int]] = []
 
 
 class Ack(_Msg):
@@ -84,7 +87,7 @@ class DecodeHello(_Msg):
     decode_id: str  # unique per decode stage process, for logs and the prefill's peer table
     layer_start: int
     layer_end: int
-    page_bytes: int  # bytes of one page of one layer of K (or V)
+    page_bytes: int  # bytes of one page of one layer of K (or V), every KV head of the model
     mooncake_session: str = ""  # "host:rpc_port" of the decode's Mooncake engine
     k_ptrs: list[int] = []  # per decode layer: base address of its registered K (mooncake)
     v_ptrs: list[int] = []
@@ -93,6 +96,10 @@ class DecodeHello(_Msg):
     kv_pages: int = 0
     staging_base: int = 0
     staging_bytes: int = 0
+    # The decode stage's TP ranks' KV heads (as RegisterStage's): what each rank's pages hold,
+    # the order of the pages' bytes in a chunk, and of k_ptrs/v_ptrs (rank after rank).
+    kv_heads: list[list[int]] = []
+    num_kv_heads: int = 0  # of the decode's model (0: not said)
 
 
 class RoomBootstrap(_Msg):
@@ -105,7 +112,8 @@ class RoomBootstrap(_Msg):
 
 class KVChunk(_Msg):
     """Pages [page_offset, page_offset + num_pages) of the request, layers [layer_start,
-    layer_end): with tcp, nbytes of page data follow, per layer K then V, pages in order."""
+    layer_end): with tcp, nbytes of page data follow, per layer K then V, per decode TP rank
+    (DecodeHello.kv_heads) its pages in order, each with that rank's heads."""
     room: int
     nonce: int
     rank: int  # prefill stage

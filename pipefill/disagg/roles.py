@@ -31,7 +31,7 @@ from pipefill.disagg.bootstrap import check_compatible, register_stage
 from pipefill.disagg.connector import (BAD_ANSWER, Deadline, PeerError, PrefillConnector,
                                        as_peer_error, lookup)
 from pipefill.disagg.decode_rooms import DecodePipelineRooms
-from pipefill.disagg.transfer import KVTensors, Timing
+from pipefill.disagg.transfer import KVTensors, StageTensors, Timing
 from pipefill.disagg.transfer_receiver import KVReceiver
 from pipefill.disagg.transfer_sender import KVSender
 from pipefill.disagg.validate import check_final_meta, check_prefill_info, parse_bootstraps
@@ -82,7 +82,10 @@ class PrefillStagePD(PrefillRole):
     """A prefill stage's role. to_first: how a later stage reports to stage 0 (stage 0 reports
     to its own queue, taken at the next poll)."""
 
-    def __init__(self, args, executor, rank: int, layer_start: int, cfg, to_first=None):
+    def __init__(self, args, executor, rank: int, layer_start: int, cfg, to_first=None,
+                 stage_kv: StageTensors | None = None):
+        """stage_kv: a TP stage's ranks' KV (runtime/tp.py maps the peers'); None: this
+        process's cache is the stage's."""
         super().__init__(num_stages=args.pp_size)
         self.rank, self.page_size = rank, args.page_size
         self._own_reports: queue.SimpleQueue = queue.SimpleQueue()  # stage 0
@@ -92,13 +95,15 @@ class PrefillStagePD(PrefillRole):
         disagg = args.disagg
         secret = disagg.secret()
         host = node_host(args.host)
-        self.sender = KVSender(KVTensors.from_cache(executor.cache, layer_start), rank,
-                               release=self._released, backend=disagg.transfer_backend,
-                               host=host, timing=Timing.of(disagg), secret=secret)
-        # The pages' own heads and head size: one head of half a latent for MLA (KVSpec).
-        kv_heads, head_dim = page_dims(executor.cache)
+        kv = stage_kv or KVTensors.from_cache(executor.cache, layer_start)
+        self.sender = KVSender(kv, rank, release=self._released,
+                               backend=disagg.transfer_backend, host=host,
+                               timing=Timing.of(disagg), secret=secret)
+        # The pages' head size: half a latent for MLA (KVSpec); the heads: the stage's.
+        head_dim = page_dims(executor.cache)[1]
         reg = self.sender.registration(pp_size=args.pp_size, num_layers=cfg.num_layers,
-                                       num_kv_heads=kv_heads, head_dim=head_dim,
+                                       num_kv_heads=self.sender.kv.num_kv_heads,
+                                       head_dim=head_dim,
                                        model_fingerprint=m.model_fingerprint(cfg),
                                        kv_latent=m.latent_layout(cfg))
         register_stage(m.Endpoint(host, disagg.bootstrap_port), reg, secret=secret)
@@ -183,13 +188,15 @@ class DecodeStagePD(DecodeRole):
     waits in `_awaiting_connect` until the connect ends, then is asked for or failed with the
     connect's status (502/504) and sentence."""
 
-    def __init__(self, args, executor, cfg, info=None, to_first=None):
+    def __init__(self, args, executor, cfg, info=None, to_first=None,
+                 stage_kv: StageTensors | None = None):
         super().__init__()
         self.args, self.cfg, self.executor = args, cfg, executor
         self.disagg = disagg = args.disagg
         self.rank = info.rank if info is not None else 0
         self.secret = disagg.secret()
-        self.kv = KVTensors.from_cache(executor.cache, info.layers.start if info else 0)
+        self.kv = stage_kv or StageTensors.of(
+            KVTensors.from_cache(executor.cache, info.layers.start if info else 0))
         # The whole decode pipeline's layers: a prefill stage learns how many decode stages
         # will bootstrap each room from it.
         self.layer_ranges = [(r.start, r.stop) for r in args.layout.ranges]
@@ -253,11 +260,11 @@ class DecodeStagePD(DecodeRole):
         admitted = self.admit(scheduler)
         if admitted:  # replay the frees first: the new pages may be ones freed since the plan
             ops = scheduler.kv.drain_ops()
-            self.executor.kv.without_forward(ops)
+            self.executor.apply_page_ops(ops)  # on this stage's TP ranks too
             self._down_page_ops = ops  # the later stages replay them before the allocations
         for a in admitted:
             r, pd = a.request, a.pd
-            self.executor.kv.owners.allocate(r.rid, r.pages)
+            self.executor.own_pages(r.rid, r.pages)
             self._send_down(["expect", pd.room, r.rid, list(r.pages), pd.host, pd.port,
                              len(r.prompt_ids)])
             self.pipeline.open(pd.room)
@@ -359,7 +366,7 @@ class DecodeStagePD(DecodeRole):
             if a is None:
                 return
             log.debug(TIMELINE, room, "decode-ready", time.time())
-            self.executor.kv.owners.mark_written(a.request.pages)
+            self.executor.pages_written(a.request.pages)
             self._send_down(["ready", list(a.request.pages)])
             f = res.final
             seed = int.from_bytes(f.sampling_state, "little") if f.sampling_state else None
@@ -425,7 +432,7 @@ class DecodeStagePD(DecodeRole):
                          model_fingerprint=m.model_fingerprint(self.cfg),
                          backend=self.disagg.transfer_backend,
                          num_layers=self.cfg.num_layers, kv_layout=self.kv.layout,
-                         kv_latent=m.latent_layout(self.cfg))
+                         kv_latent=m.latent_layout(self.cfg), kv_heads=self.kv.head_map)
         self.receiver.connect(key, info, timeout_s=deadline.remaining(),
                               decode_layer_ranges=self.layer_ranges)
 
@@ -436,13 +443,13 @@ class DecodeStagePD(DecodeRole):
         for op in ops:
             if op[0] == "expect":
                 _, room, rid, pages, host, port, num_prompt_tokens = op
-                self.executor.kv.owners.allocate(rid, pages)
+                self.executor.own_pages(rid, pages)
                 asked = _Asked(room, pages, num_prompt_tokens)
                 error = self._ask(f"{host}:{port}", m.Endpoint(host, port), asked)
                 if error is not None:
                     self._unasked_later(asked.room, error)
             elif op[0] == "ready":
-                self.executor.kv.owners.mark_written(op[1])
+                self.executor.pages_written(op[1])
             elif op[0] == "drop":
                 with self._lock:  # not while a connect worker asks for the room
                     if self._forget_connect_waiter(op[1]):

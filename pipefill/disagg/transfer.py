@@ -20,36 +20,43 @@ from typing import Callable
 import torch
 
 from pipefill.disagg import channel as ch
+from pipefill.disagg.heads import pieces, whole_source
 from pipefill.disagg.rooms import Liveness
 
 BACKENDS = ("tcp", "mooncake")
+MAX_CUTS = 1024  # decode ranks' head sets a sender remembers how to cut
 
 
 @dataclass
 class KVTensors:
-    """One stage's KV cache, global layers [layer_start, layer_start + num_layers): k and v are
-    [num_layers_here, ...] with one page of one layer contiguous: token-major [layers,
-    num_pages * page_size, kv_heads, head_dim] (KVCache) or AMX-packed [layers, num_pages,
-    kv_heads, page_size, head_dim] (AmxKVCache). Pages move as opaque bytes, so both ends must
-    use the same layout (checked at bootstrap)."""
+    """One TP rank's KV cache of a stage, global layers [layer_start, layer_start +
+    num_layers): k and v are [num_layers_here, ...] with one page of one layer contiguous:
+    token-major [layers, num_pages * page_size, kv_heads, head_dim] (KVCache) or AMX-packed
+    [layers, num_pages, kv_heads, page_size, head_dim] (AmxKVCache). `heads`: the global KV
+    head ids the rank holds, in its order (empty: every head of the tensors, 0..kv_heads-1).
+    Pages move as bytes, so both ends must use the same layout (checked at bootstrap)."""
     k: torch.Tensor
     v: torch.Tensor
     page_size: int
     layer_start: int = 0
     num_pages: int = 0  # 0: k.shape[1] // page_size (token-major)
     layout: str = "token-major"
+    heads: tuple[int, ...] = ()
 
     def __post_init__(self):
         assert self.k.shape == self.v.shape and self.k.is_contiguous() and self.v.is_contiguous()
         if not self.num_pages:
             self.num_pages = self.k.shape[1] // self.page_size
+        self.heads = tuple(self.heads) or tuple(range(self.k.shape[2]))
+        assert len(self.heads) == self.k.shape[2], "one head id per KV head of the tensors"
         self._bytes = {}
 
     @staticmethod
-    def from_cache(cache, layer_start: int) -> "KVTensors":
+    def from_cache(cache, layer_start: int, heads=()) -> "KVTensors":
         """A stage's KVCache or AmxKVCache."""
         layout = "amx-packed" if cache.k.dim() == 5 else "token-major"
-        return KVTensors(cache.k, cache.v, cache.page_size, layer_start, cache.num_pages, layout)
+        return KVTensors(cache.k, cache.v, cache.page_size, layer_start, cache.num_pages, layout,
+                         tuple(heads))
 
     @property
     def num_layers(self) -> int:
@@ -71,6 +78,19 @@ class KVTensors:
     def page_bytes(self) -> int:
         return self.page_elems * self.k.element_size()
 
+    @property
+    def head_axis(self) -> int:
+        """The heads' axis inside one page (page_shape)."""
+        return 0 if self.layout == "amx-packed" else 1
+
+    def page_shape(self, num_heads: int) -> tuple[int, ...]:
+        """One page of one layer with num_heads heads: [page_size, heads, row] token-major,
+        [heads, page_size, row] packed (row: the head's stored width)."""
+        row = self.k.shape[-1]
+        if self.layout == "amx-packed":
+            return (num_heads, self.page_size, row)
+        return (self.page_size, num_heads, row)
+
     def local(self, t: torch.Tensor, layer: int) -> torch.Tensor:
         return t[layer - self.layer_start]
 
@@ -84,6 +104,101 @@ class KVTensors:
             flat = self.local(t, layer).reshape(-1).view(torch.uint8)
             self._bytes[key] = memoryview(flat.numpy())
         return self._bytes[key]
+
+
+class StageTensors:
+    """One stage's KV over its TP ranks (ARCHITECTURE.md, 'KV heads across TP sizes'): ranks[r]
+    is rank r's KVTensors (the leader's own cache, and its peers' mapped from shared memory).
+    What crosses for a decode stage is, per layer, K then V, then per decode rank its pages
+    with exactly its heads (`gather`); a decode writes each rank's into that rank's pages.
+
+    page_bytes is a page of one layer of K with every KV head of the model, the same on both
+    sides whatever their TP sizes (the handshake compares it)."""
+
+    def __init__(self, ranks: list[KVTensors]):
+        first = ranks[0]
+        for r in ranks:
+            assert (r.layer_start, r.num_layers, r.page_size, r.num_pages, r.dtype, r.layout,
+                    r.k.shape[-1]) == (first.layer_start, first.num_layers, first.page_size,
+                                       first.num_pages, first.dtype, first.layout,
+                                       first.k.shape[-1]), "a stage's ranks differ"
+        self.ranks = ranks
+        self.head_map = [list(r.heads) for r in ranks]
+        self.num_kv_heads = len(set().union(*map(set, self.head_map)))
+        self.head_page_bytes = first.page_bytes // len(first.heads)
+        self.k, self.v = first.k, first.v  # the leader's own (device, dtype)
+        for name in ("page_size", "layer_start", "layer_end", "num_layers", "num_pages",
+                     "dtype", "layout"):
+            setattr(self, name, getattr(first, name))
+        self._cuts: dict[tuple[int, ...], int | list] = {}
+
+    @staticmethod
+    def of_ranks(cache, layer_start: int, tensors, head_map: list[list[int]]) -> "StageTensors":
+        """A TP stage's: `cache` the leader's own, tensors[r] rank r's (k, v), with the
+        cache's layout and geometry, head_map[r] its heads (heads.tp_head_map)."""
+        own = KVTensors.from_cache(cache, layer_start)
+        return StageTensors([KVTensors(k, v, own.page_size, layer_start, own.num_pages,
+                                       own.layout, tuple(heads))
+                             for (k, v), heads in zip(tensors, head_map, strict=True)])
+
+    @staticmethod
+    def of(kv) -> "StageTensors":
+        """kv as a stage's tensors (a lone KVTensors: one rank)."""
+        return kv if isinstance(kv, StageTensors) else StageTensors([kv])
+
+    @property
+    def page_bytes(self) -> int:
+        return self.head_page_bytes * self.num_kv_heads
+
+    def rank_page_bytes(self, head_map: list[list[int]]) -> list[int]:
+        """Bytes of one page of one layer of K of each rank of a stage with head_map."""
+        return [self.head_page_bytes * len(hs) for hs in head_map]
+
+    def gather(self, dst_map: list[list[int]], which: str, layer: int, idx: torch.Tensor,
+               out: torch.Tensor) -> None:
+        """Pages idx of one layer's K or V (which: "k" or "v") for every rank of a decode
+        stage with head map dst_map, rank after rank, each page with that rank's heads: into
+        `out`, uint8 of n * sum(rank_page_bytes(dst_map)) bytes."""
+        n, at = len(idx), 0
+        for dst_heads in dst_map:
+            nbytes = n * self.head_page_bytes * len(dst_heads)
+            block = out[at:at + nbytes].view(self.dtype)
+            at += nbytes
+            cut = self._cut(dst_heads)
+            if isinstance(cut, int):  # one rank's pages as they are
+                r = self.ranks[cut]
+                torch.index_select(r.pages(getattr(r, which), layer), 0, idx,
+                                   out=block.view(n, r.page_elems))
+                continue
+            dst = block.view(n, *self.ranks[0].page_shape(len(dst_heads)))
+            axis = 1 + self.ranks[0].head_axis
+            for p in cut:
+                r = self.ranks[p.src]
+                src = r.pages(getattr(r, which), layer).view(r.num_pages,
+                                                             *r.page_shape(len(r.heads)))
+                dst.narrow(axis, p.dst_at, p.count).copy_(
+                    src.narrow(axis, p.src_at, p.count).index_select(0, idx))
+
+    def _cut(self, dst_heads: list[int]):
+        """The prefill rank whose pages a decode rank takes whole (an int), or the pieces its
+        heads are cut from (heads.pieces)."""
+        key = tuple(dst_heads)
+        if key not in self._cuts:
+            if len(self._cuts) >= MAX_CUTS:  # decodes of ever new head maps: start over
+                self._cuts.clear()
+            src = whole_source(self.head_map, dst_heads)
+            self._cuts[key] = src if src is not None else pieces(self.head_map, dst_heads)
+        return self._cuts[key]
+
+    def scatter(self, which: str, layer: int, idx: torch.Tensor, block: torch.Tensor) -> None:
+        """The inverse on the decode: `block` (uint8) holds pages idx of one layer's K or V for
+        each of this stage's ranks in turn; each rank's go into its own pages."""
+        n, at = len(idx), 0
+        for r in self.ranks:
+            nbytes = n * r.page_bytes
+            part = block[at:at + nbytes].view(self.dtype).view(n, r.page_elems)
+            r.pages(getattr(r, which), layer).index_copy_(0, idx, part)
+            at += nbytes
 
 
 def make_data_path(backend: str, kv: KVTensors, host: str, staging_bytes: int | None = None):

@@ -32,6 +32,7 @@ import torch
 
 from pipefill.disagg import messages as m
 from pipefill.disagg.channel import Channel
+from pipefill.disagg.heads import head_map_of, whole_source
 from pipefill.disagg.transfer_tcp import runs
 
 log = logging.getLogger(__name__)
@@ -76,28 +77,32 @@ def pair_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
 ADDRESS_LIMIT = 1 << 64
 
 
-def declared_ranges(hello: m.DecodeHello, page_bytes: int) -> list[tuple[int, int]]:
-    """[start, end) of every buffer the decode declared for one-sided writes: each layer's K
-    and V (kv_pages pages each) and its staging region."""
-    layer_bytes = hello.kv_pages * page_bytes
-    out = [(p, p + layer_bytes) for p in (*hello.k_ptrs, *hello.v_ptrs)]
+def declared_ranges(hello: m.DecodeHello, rank_bytes: list[int]) -> list[tuple[int, int]]:
+    """[start, end) of every buffer the decode declared for one-sided writes: each TP rank's
+    K and V of each layer (kv_pages pages each of rank_bytes[rank] bytes; pointers rank after
+    rank) and its staging region."""
+    n = hello.layer_end - hello.layer_start
+    out = [(p, p + hello.kv_pages * rank_bytes[i // n])
+           for ptrs in (hello.k_ptrs, hello.v_ptrs) for i, p in enumerate(ptrs)]
     if hello.staging_bytes:
         out.append((hello.staging_base, hello.staging_base + hello.staging_bytes))
     return sorted(out)
 
 
-def check_hello(hello: m.DecodeHello, page_bytes: int) -> str | None:
-    """Why a decode's Mooncake buffers cannot be written (a sentence), or None."""
+def check_hello(hello: m.DecodeHello, rank_bytes: list[int]) -> str | None:
+    """Why a decode's Mooncake buffers cannot be written (a sentence), or None. rank_bytes:
+    a page of one layer of K on each of its TP ranks."""
     if not hello.mooncake_session:
         return ("the decode did not publish a Mooncake session (is it running "
                 "--disaggregation-transfer-backend mooncake?)")
     n = hello.layer_end - hello.layer_start
-    if n < 1 or len(hello.k_ptrs) != n or len(hello.v_ptrs) != n:
+    want = n * len(rank_bytes)
+    if n < 1 or len(hello.k_ptrs) != want or len(hello.v_ptrs) != want:
         return (f"the decode declared {len(hello.k_ptrs)} K and {len(hello.v_ptrs)} V buffers "
-                f"for its {n} layers")
+                f"for its {n} layers on {len(rank_bytes)} TP ranks")
     if hello.kv_pages < 1 or hello.staging_bytes < 0:
         return "the decode declared no KV pages (or a negative staging region)"
-    ranges = declared_ranges(hello, page_bytes)
+    ranges = declared_ranges(hello, rank_bytes)
     if any(start <= 0 or end > ADDRESS_LIMIT for start, end in ranges):
         return "the decode declared a buffer outside the address space"
     if any(a[1] > b[0] for a, b in zip(ranges, ranges[1:])):
@@ -106,15 +111,16 @@ def check_hello(hello: m.DecodeHello, page_bytes: int) -> str | None:
 
 
 def check_bootstrap(hello: m.DecodeHello, msg: m.RoomBootstrap, layers: tuple[int, int],
-                    page_bytes: int) -> str | None:
+                    rank_bytes: list[int]) -> str | None:
     """Why a room's destination cannot be written (a sentence), or None: its pages must be
     among the decode's declared pages, its staging region inside the declared one, sized for
-    the room's pages of this stage's `layers` (the layers the two stages share)."""
+    the room's pages of this stage's `layers` (the layers the two stages share) on every
+    decode TP rank."""
     if msg.dst_pages and max(msg.dst_pages) >= hello.kv_pages:
         return (f"room {msg.room} names page {max(msg.dst_pages)}; the decode declared "
                 f"{hello.kv_pages} pages")
     if msg.staging_addr:
-        size = len(msg.dst_pages) * 2 * (layers[1] - layers[0]) * page_bytes
+        size = len(msg.dst_pages) * 2 * (layers[1] - layers[0]) * sum(rank_bytes)
         base = hello.staging_base
         if not base <= msg.staging_addr <= msg.staging_addr + size <= base + hello.staging_bytes:
             return (f"room {msg.room}'s staging region ({size} bytes at {msg.staging_addr:#x}) "
@@ -134,11 +140,11 @@ class Bounds:
         return i >= 0 and nbytes >= 0 and addr + nbytes <= self.ends[i]
 
 
-def check_writes(hello: m.DecodeHello, page_bytes: int,
+def check_writes(hello: m.DecodeHello, rank_bytes: list[int],
                  writes: list[tuple[int, int, int]]) -> None:
     """Raises TransferFailed unless every (src, dst, nbytes) lands inside a buffer the decode
     declared: the last guard before bytes leave for another machine's memory."""
-    bounds = Bounds(declared_ranges(hello, page_bytes))
+    bounds = Bounds(declared_ranges(hello, rank_bytes))
     for _, dst, nbytes in writes:
         if not bounds.contains(dst, nbytes):
             raise TransferFailed(f"a {nbytes}-byte write at {dst:#x} falls outside the buffers "
@@ -191,13 +197,15 @@ class MooncakeDataPath:
     one_sided = True
 
     def __init__(self, kv, host: str = "127.0.0.1", staging_bytes: int | None = None):
-        self.kv = kv
+        self.kv = kv  # a StageTensors: every TP rank's K and V is registered
         self.engine = _engine(host)
         self.session = f"{host}:{self.engine.get_rpc_port()}"
-        for t in (kv.k, kv.v):
-            self._register(t)
+        for rank in kv.ranks:
+            for t in (rank.k, rank.v):
+                self._register(t)
         if staging_bytes is None:
-            staging_bytes = int(2 * kv.k.numel() * kv.k.element_size() * STAGING_FRACTION)
+            kv_bytes = sum(2 * r.k.numel() * r.k.element_size() for r in kv.ranks)
+            staging_bytes = int(kv_bytes * STAGING_FRACTION)
         self.staging_bytes = staging_bytes
         self._staging: torch.Tensor | None = None  # registered on first use (decode only)
         self._arena = Arena(staging_bytes)
@@ -215,21 +223,24 @@ class MooncakeDataPath:
         kv = self.kv
         staging = self._staging_buffer()
         return {"mooncake_session": self.session,
-                "k_ptrs": [kv.k[i].data_ptr() for i in range(kv.num_layers)],
-                "v_ptrs": [kv.v[i].data_ptr() for i in range(kv.num_layers)],
+                "k_ptrs": [r.k[i].data_ptr() for r in kv.ranks for i in range(kv.num_layers)],
+                "v_ptrs": [r.v[i].data_ptr() for r in kv.ranks for i in range(kv.num_layers)],
                 "kv_pages": kv.num_pages,
                 "staging_base": staging.data_ptr() if staging is not None else 0,
                 "staging_bytes": self.staging_bytes if staging is not None else 0}
 
-    def payload_bytes(self, num_pages: int, num_layers: int) -> int:
+    def payload_bytes(self, num_pages: int, num_layers: int, head_map=None) -> int:
         return 0
 
+    def _rank_bytes(self, hello: m.DecodeHello) -> list[int]:
+        return self.kv.rank_page_bytes(head_map_of(hello.kv_heads, self.kv.num_kv_heads))
+
     def check_hello(self, hello: m.DecodeHello) -> str | None:
-        return check_hello(hello, self.kv.page_bytes)
+        return check_hello(hello, self._rank_bytes(hello))
 
     def check_bootstrap(self, hello: m.DecodeHello, msg: m.RoomBootstrap,
                         layers: tuple[int, int]) -> str | None:
-        return check_bootstrap(hello, msg, layers, self.kv.page_bytes)
+        return check_bootstrap(hello, msg, layers, self._rank_bytes(hello))
 
     def _staging_buffer(self) -> torch.Tensor | None:
         """The decode's staging region, allocated and registered once (None: staging off)."""
@@ -247,7 +258,7 @@ class MooncakeDataPath:
         pages are not fragmented or the arena is full: then the sender writes into them)."""
         if not fragmented(dst_pages):
             return {}
-        pb, out = self.kv.page_bytes, {}
+        pb, out = sum(r.page_bytes for r in self.kv.ranks), {}
         staging = self._staging_buffer()
         with self._lock:
             for stage, (ls, le) in stages.items():
@@ -271,70 +282,83 @@ class MooncakeDataPath:
 
     # ---- prefill side
     def send(self, conn: Channel, header: m.KVChunk, src_pages: list[int], dst_pages: list[int],
-             hello: m.DecodeHello, staging_addr: int = 0) -> None:
+             hello: m.DecodeHello, head_map: list[list[int]], staging_addr: int = 0) -> None:
+        """head_map: the decode stage's TP ranks' KV heads; each rank gets exactly its own."""
         if not hello.mooncake_session:
             raise TransferFailed("the decode did not publish a Mooncake session (is it running "
                                  "--disaggregation-transfer-backend mooncake?)")
+        sources = [whole_source(self.kv.head_map, hs) for hs in head_map]
         if staging_addr:
-            self._send_staged(header, src_pages, hello, staging_addr)
-        elif len(pair_runs(src_pages, dst_pages)) > len(runs(dst_pages)):
-            self._send_gathered(header, src_pages, dst_pages, hello)
+            self._send_staged(header, src_pages, hello, head_map, staging_addr)
+        elif None in sources or len(pair_runs(src_pages, dst_pages)) > len(runs(dst_pages)):
+            self._send_gathered(header, src_pages, dst_pages, hello, head_map)
         else:
-            self._send_direct(header, src_pages, dst_pages, hello)
+            self._send_direct(header, src_pages, dst_pages, hello, sources)
         conn.send(header)
 
-    def _send_direct(self, header, src_pages, dst_pages, hello) -> None:
-        """Runs consecutive on both sides, straight from the KV tensors."""
-        kv, pb = self.kv, self.kv.page_bytes
-        writes = []
-        pairs = pair_runs(src_pages, dst_pages)
+    def _send_direct(self, header, src_pages, dst_pages, hello, sources) -> None:
+        """Runs consecutive on both sides, straight from the KV tensors: each decode rank's
+        from the prefill rank with exactly its heads (sources)."""
+        pairs, n = pair_runs(src_pages, dst_pages), hello.layer_end - hello.layer_start
+        writes, rank_bytes = [], [self.kv.ranks[s].page_bytes for s in sources]
         for layer in range(header.layer_start, header.layer_end):
-            for t, ptrs in ((kv.k, hello.k_ptrs), (kv.v, hello.v_ptrs)):
-                base, dbase = kv.local(t, layer).data_ptr(), ptrs[layer - hello.layer_start]
-                writes += [(base + s * pb, dbase + d * pb, count * pb) for s, d, count in pairs]
-        self._write(hello, writes)
+            for which, ptrs in (("k", hello.k_ptrs), ("v", hello.v_ptrs)):
+                for r, src in enumerate(sources):
+                    rank, pb = self.kv.ranks[src], rank_bytes[r]
+                    base = rank.local(getattr(rank, which), layer).data_ptr()
+                    dbase = ptrs[r * n + layer - hello.layer_start]
+                    writes += [(base + s * pb, dbase + d * pb, count * pb)
+                               for s, d, count in pairs]
+        self._write(hello, writes, rank_bytes)
 
-    def _send_gathered(self, header, src_pages, dst_pages, hello) -> None:
-        """Source pages gathered layer group by layer group; one write per destination run."""
-        pb, n, dst_runs = self.kv.page_bytes, len(src_pages), runs(dst_pages)
-        for layers, buf in self._gather(header, src_pages):
+    def _send_gathered(self, header, src_pages, dst_pages, hello, head_map) -> None:
+        """Source pages gathered (and cut to each decode rank's heads) layer group by layer
+        group; one write per destination run and rank."""
+        n, dst_runs = len(src_pages), runs(dst_pages)
+        rank_bytes = self.kv.rank_page_bytes(head_map)
+        nl, per_page = hello.layer_end - hello.layer_start, sum(rank_bytes)
+        for layers, buf in self._gather(header, src_pages, head_map):
             writes, base = [], buf.data_ptr()
             for i, layer in enumerate(layers):
                 for j, ptrs in enumerate((hello.k_ptrs, hello.v_ptrs)):
-                    block = base + (2 * i + j) * n * pb
-                    dbase = ptrs[layer - hello.layer_start]
-                    writes += [(block + at * pb, dbase + first * pb, count * pb)
-                               for at, first, count in dst_runs]
-            self._write(hello, writes)
+                    block = base + (2 * i + j) * n * per_page
+                    for r, pb in enumerate(rank_bytes):
+                        dbase = ptrs[r * nl + layer - hello.layer_start]
+                        writes += [(block + at * pb, dbase + first * pb, count * pb)
+                                   for at, first, count in dst_runs]
+                        block += n * pb
+            self._write(hello, writes, rank_bytes)
 
-    def _send_staged(self, header, src_pages, hello, staging_addr: int) -> None:
+    def _send_staged(self, header, src_pages, hello, head_map, staging_addr: int) -> None:
         """The chunk as one block (per layer group) at its offset in the room's region."""
-        n, pb = len(src_pages), self.kv.page_bytes
+        rank_bytes = self.kv.rank_page_bytes(head_map)
+        n, pb = len(src_pages), sum(rank_bytes)
         at = staging_addr + header.page_offset * 2 * (header.layer_end - header.layer_start) * pb
-        for layers, buf in self._gather(header, src_pages):
+        for layers, buf in self._gather(header, src_pages, head_map):
             nbytes = 2 * len(layers) * n * pb
             block = at + (layers[0] - header.layer_start) * 2 * n * pb
             self._write(hello, [(buf.data_ptr() + o, block + o, min(WRITE_PIECE, nbytes - o))
-                                for o in range(0, nbytes, WRITE_PIECE)])
+                                for o in range(0, nbytes, WRITE_PIECE)], rank_bytes)
         self.num_staged_chunks += 1
 
-    def _gather(self, header, src_pages):
-        """Yields (layers, buffer holding [layer][K, V][page] of those layers)."""
+    def _gather(self, header, src_pages, head_map):
+        """Yields (layers, buffer holding [layer][K, V][decode rank][page] of those
+        layers), each decode rank's pages with its heads."""
         kv, n = self.kv, len(src_pages)
         if n == 0:
             return
         idx = torch.tensor(src_pages, dtype=torch.long, device=kv.k.device)
-        layer_bytes = 2 * n * kv.page_bytes
+        block_bytes = n * sum(kv.rank_page_bytes(head_map))
+        layer_bytes = 2 * block_bytes
         per_group = max(1, GATHER_BYTES // layer_bytes)
         buf = self._gather_buffer(min(per_group, header.layer_end - header.layer_start) *
                                   layer_bytes)
         for first in range(header.layer_start, header.layer_end, per_group):
             layers = list(range(first, min(first + per_group, header.layer_end)))
-            out = buf[:len(layers) * layer_bytes].view(kv.dtype).view(len(layers), 2, n,
-                                                                       kv.page_elems)
             for i, layer in enumerate(layers):
-                for j, t in enumerate((kv.k, kv.v)):
-                    torch.index_select(kv.pages(t, layer), 0, idx, out=out[i, j])
+                for j, which in enumerate(("k", "v")):
+                    at = (2 * i + j) * block_bytes
+                    kv.gather(head_map, which, layer, idx, buf[at:at + block_bytes])
             _sync(buf)
             yield layers, buf
 
@@ -348,8 +372,9 @@ class MooncakeDataPath:
             self._register(buf)
         return buf
 
-    def _write(self, hello: m.DecodeHello, writes: list[tuple[int, int, int]]) -> None:
-        check_writes(hello, self.kv.page_bytes, writes)
+    def _write(self, hello: m.DecodeHello, writes: list[tuple[int, int, int]],
+               rank_bytes: list[int]) -> None:
+        check_writes(hello, rank_bytes, writes)
         for i in range(0, len(writes), MAX_BATCH):
             part = writes[i:i + MAX_BATCH]
             ret = self.engine.batch_transfer_sync_write(
@@ -361,18 +386,20 @@ class MooncakeDataPath:
 
     # ---- decode side: the notice of a completed write
     def receive(self, conn: Channel, header: m.KVChunk, dst_pages: list[int]) -> None:
-        """Direct writes are already in place; a staged chunk is scattered into its pages."""
+        """Direct writes are already in place; a staged chunk is scattered into its pages,
+        each TP rank's into its own."""
         with self._lock:
             region = self._regions.get((header.room, header.layer_start))
         if region is None or region[0] != header.nonce or not dst_pages:
             return
         kv, n = self.kv, len(dst_pages)
         nlayers = header.layer_end - header.layer_start
-        start = region[1] + header.page_offset * 2 * nlayers * kv.page_bytes
-        block = self._staging[start:start + 2 * nlayers * n * kv.page_bytes]
-        block = block.view(kv.dtype).view(nlayers, 2, n, kv.page_elems)
+        block_bytes = n * sum(r.page_bytes for r in kv.ranks)
+        start = region[1] + header.page_offset * 2 * nlayers * (block_bytes // n)
+        block = self._staging[start:start + 2 * nlayers * block_bytes]
         idx = torch.tensor(dst_pages, dtype=torch.long, device=kv.k.device)
         for i in range(nlayers):
-            for j, t in enumerate((kv.k, kv.v)):
-                kv.pages(t, header.layer_start + i).index_copy_(0, idx, block[i, j])
+            for j, which in enumerate(("k", "v")):
+                at = (2 * i + j) * block_bytes
+                kv.scatter(which, header.layer_start + i, idx, block[at:at + block_bytes])
         _sync(block)  # the region may be written again as soon as the room ends

@@ -16,7 +16,7 @@ from typing import Callable
 from pipefill.disagg import channel as ch
 from pipefill.disagg import messages as m
 from pipefill.disagg.decode_rooms import DecodeRooms, RoomResult
-from pipefill.disagg.transfer import KVTensors, Peers, Timing, make_data_path
+from pipefill.disagg.transfer import KVTensors, Peers, StageTensors, Timing, make_data_path
 
 log = logging.getLogger(__name__)
 
@@ -27,13 +27,15 @@ class KVReceiver:
     """Decode stage side. `release(room, pages)` gets back the pages of every room that does not
     succeed; on success they belong to the caller (RoomResult.pages)."""
 
-    def __init__(self, kv: KVTensors, *, release: Callable[[int, list[int]], None],
+    def __init__(self, kv: KVTensors | StageTensors, *, release: Callable[[int, list[int]], None],
                  backend: str = "tcp", host: str = "127.0.0.1", timing: Timing = Timing(),
                  secret: bytes | None = None, clock=time.monotonic,
                  staging_bytes: int | None = None):
-        self.kv, self.secret = kv, secret
+        # A TP stage's ranks' KV: each rank's pages take exactly its heads (ARCHITECTURE.md,
+        # 'KV heads across TP sizes').
+        self.kv, self.secret = StageTensors.of(kv), secret
         self.name = f"decode-{kv.layer_start}-{os.getpid()}-{os.urandom(3).hex()}"
-        self.data = make_data_path(backend, kv, host, staging_bytes)
+        self.data = make_data_path(backend, self.kv, host, staging_bytes)
         self._p = Peers(timing, clock)
 
         def released(room: int, pages: list[int]) -> None:
@@ -57,7 +59,8 @@ class KVReceiver:
         threads while its loop asks for rooms of prefills already connected)."""
         ranges = decode_layer_ranges or [(self.kv.layer_start, self.kv.layer_end)]
         hello = m.DecodeHello(self.name, self.kv.layer_start, self.kv.layer_end,
-                              self.kv.page_bytes, **self.data.hello_fields())
+                              self.kv.page_bytes, **self.data.hello_fields(),
+                              kv_heads=self.kv.head_map, num_kv_heads=self.kv.num_kv_heads)
         stages, expected = {}, {}
         for s in info.stages:
             ls, le = max(s.layer_start, self.kv.layer_start), min(s.layer_end, self.kv.layer_end)

@@ -21,7 +21,8 @@ import msgspec
 from pipefill.disagg import channel as ch
 from pipefill.disagg import messages as m
 from pipefill.disagg.prefill_rooms import Item, PrefillRooms
-from pipefill.disagg.transfer import KVTensors, Peers, Timing, make_data_path
+from pipefill.disagg.heads import check_pairing, head_map_of
+from pipefill.disagg.transfer import KVTensors, Peers, StageTensors, Timing, make_data_path
 
 log = logging.getLogger(__name__)
 
@@ -38,18 +39,22 @@ class KVSender:
     A decode is known by its connection (its DecodeHello's id plus a number per connection):
     another connection cannot take over its name, its rooms, or where its KV goes."""
 
-    def __init__(self, kv: KVTensors, rank: int, *, release: Callable[[int, list[int]], None],
-                 backend: str = "tcp", host: str = "127.0.0.1", port: int = 0,
+    def __init__(self, kv: KVTensors | StageTensors, rank: int, *,
+                 release: Callable[[int, list[int]], None], backend: str = "tcp",
+                 host: str = "127.0.0.1", port: int = 0,
                  timing: Timing = Timing(), secret: bytes | None = None, clock=time.monotonic):
-        self.kv, self.rank, self.secret = kv, rank, secret
+        # A TP stage's ranks' KV, each with its heads (ARCHITECTURE.md, 'KV heads across TP
+        # sizes'): every chunk gives each decode rank exactly its heads.
+        self.kv, self.rank, self.secret = StageTensors.of(kv), rank, secret
         self.name = f"prefill-{rank}-{os.getpid()}"
-        self.data = make_data_path(backend, kv, host)
+        self.data = make_data_path(backend, self.kv, host)
         self._p = Peers(timing, clock)
         self.rooms = PrefillRooms(rank, timing.bootstrap_timeout_s, release,
                                   claim_timeout_s=timing.claim_timeout_s,
                                   max_room_pages=ROOM_PAGES_PER_POOL * kv.num_pages)
         self._conn_ids = itertools.count(1)
         self.hellos: dict[str, m.DecodeHello] = {}
+        self.head_maps: dict[str, list[list[int]]] = {}  # per decode: its ranks' KV heads
         self._queue: queue.Queue = queue.Queue()  # Items from the caller
         self._outboxes: dict[str, queue.Queue] = {}  # per decode: (item, dest) to send, in order
         self.bytes_sent = 0
@@ -70,7 +75,7 @@ class KVSender:
                                num_layers, self.endpoint, self.kv.page_size,
                                dtype_name(self.kv.dtype), num_kv_heads, head_dim,
                                model_fingerprint, self.data.name, self.kv.layout,
-                               kv_latent or [])
+                               kv_latent or [], self.kv.head_map)
 
     # ---- the caller's side: never blocks on the network
     def open_room(self, room: int, sends_final: bool = False) -> None:
@@ -129,13 +134,14 @@ class KVSender:
                 log.error("decode %s has %d-byte pages, this stage %d: refused", hello.decode_id,
                           hello.page_bytes, self.kv.page_bytes)
                 return
-            why = self.data.check_hello(hello)
+            why = self._check_heads(hello) or self.data.check_hello(hello)
             if why is not None:
                 log.error("decode %s refused: %s", hello.decode_id, why)
                 return
             peer = f"{hello.decode_id}#{next(self._conn_ids)}"
             with self._p.lock:
                 self._p.conns[peer], self.hellos[peer] = conn, hello
+                self.head_maps[peer] = self._head_map(hello)
                 self._p.liveness.seen(peer, self._p.clock())
                 # One sending thread per decode: a slow or stalled decode delays only itself.
                 box = self._outboxes[peer] = queue.Queue()
@@ -149,6 +155,18 @@ class KVSender:
             conn.close()
             if peer is not None and self._p.conns.get(peer) is conn:
                 self._peer_dead(peer)
+
+    def _head_map(self, hello: m.DecodeHello) -> list[list[int]]:
+        return head_map_of(hello.kv_heads, self.kv.num_kv_heads)
+
+    def _check_heads(self, hello: m.DecodeHello) -> str | None:
+        """Why this stage cannot give the decode's TP ranks their KV heads, or None."""
+        try:
+            check_pairing(self.kv.head_map, self._head_map(hello), self.kv.num_kv_heads,
+                          hello.num_kv_heads or None)
+        except ValueError as e:
+            return str(e)
+        return None
 
     def _serve_refusals(self, conn: ch.Channel, msg) -> None:
         """The prefill HTTP server's connection (rejects.RejectNotifier): RejectRoom messages
@@ -219,6 +237,7 @@ class KVSender:
             if not self.rooms.begin_send(item.room):
                 return  # failed or dropped meanwhile: its pages are already released
             conn, hello = self._p.conns.get(dest.peer), self.hellos.get(dest.peer)
+            head_map = self.head_maps.get(dest.peer)
         ok, dead = False, False
         try:
             if conn is None:
@@ -226,7 +245,7 @@ class KVSender:
             if item.final is not None:
                 conn.send(msgspec.structs.replace(item.final, room=item.room, nonce=dest.nonce))
             else:
-                self._send_chunk(conn, item, dest, hello)
+                self._send_chunk(conn, item, dest, hello, head_map)
             ok = True
         except ch.ConnectionClosed:
             dead = True
@@ -239,27 +258,30 @@ class KVSender:
             self._peer_dead(dest.peer)
         self._p.send(notices)
 
-    def _send_chunk(self, conn, item: Item, dest, hello: m.DecodeHello) -> None:
+    def _send_chunk(self, conn, item: Item, dest, hello: m.DecodeHello,
+                    head_map: list[list[int]]) -> None:
         ls = max(self.kv.layer_start, hello.layer_start)
         le = min(self.kv.layer_end, hello.layer_end)
         n, end = len(item.src_pages), item.page_offset + len(item.src_pages)
         if end > len(dest.dst_pages):
             raise ValueError(f"the request has more pages here ({end}) than the decode "
                              f"allocated ({len(dest.dst_pages)})")
-        nbytes = self.data.payload_bytes(n, le - ls)
+        nbytes = self.data.payload_bytes(n, le - ls, head_map)
         header = m.KVChunk(item.room, dest.nonce, self.rank, item.chunk_id, item.page_offset, n,
                            ls, le, nbytes, item.is_last)
         dst = dest.dst_pages[item.page_offset:end]
         if dest.staging_addr:  # only a one-sided data path's decode hands out staging
-            self.data.send(conn, header, item.src_pages, dst, hello, dest.staging_addr)
+            self.data.send(conn, header, item.src_pages, dst, hello, head_map,
+                           dest.staging_addr)
         else:
-            self.data.send(conn, header, item.src_pages, dst, hello)
-        self.bytes_sent += 2 * n * (le - ls) * self.kv.page_bytes
+            self.data.send(conn, header, item.src_pages, dst, hello, head_map)
+        self.bytes_sent += 2 * n * (le - ls) * sum(self.kv.rank_page_bytes(head_map))
 
     def _peer_dead(self, peer: str) -> None:
         with self._p.lock:
             conn = self._p.conns.pop(peer, None)
             self.hellos.pop(peer, None)
+            self.head_maps.pop(peer, None)
             box = self._outboxes.pop(peer, None)
             if box is not None:
                 box.put(None)

@@ -2,7 +2,8 @@
 pages into a staging buffer and writes frames of FRAME_BYTES or more; the receiver reads each
 run of consecutive destination pages straight into the KV tensors (recv_into, no copy).
 
-Payload order: for each layer, K then V, the chunk's pages in request order. With a cluster
+Payload order: for each layer, K then V, and in each for every decode TP rank its pages in
+request order, each with that rank's KV heads (transfer.StageTensors.gather). With a cluster
 secret the channel follows the payload with its MAC, and the receiver checks it before the
 chunk counts (channel.py)."""
 from __future__ import annotations
@@ -33,14 +34,17 @@ class TcpDataPath:
     one_sided = False
 
     def __init__(self, kv):
-        self.kv = kv
+        self.kv = kv  # a StageTensors
         self._local = threading.local()  # a staging buffer per sending thread
 
     def hello_fields(self) -> dict:
         return {}
 
-    def payload_bytes(self, num_pages: int, num_layers: int) -> int:
-        return 2 * num_layers * num_pages * self.kv.page_bytes
+    def payload_bytes(self, num_pages: int, num_layers: int,
+                      head_map: list[list[int]] | None = None) -> int:
+        """A chunk's bytes for a decode stage with head_map (None: this stage's own)."""
+        per_page = sum(self.kv.rank_page_bytes(head_map or self.kv.head_map))
+        return 2 * num_layers * num_pages * per_page
 
     def check_hello(self, hello: m.DecodeHello) -> str | None:
         return None  # the decode reads the bytes into its own pages itself
@@ -52,12 +56,12 @@ class TcpDataPath:
         return None
 
     def send(self, conn: Channel, header: m.KVChunk, src_pages: list[int], dst_pages: list[int],
-             hello: m.DecodeHello) -> None:
+             hello: m.DecodeHello, head_map: list[list[int]]) -> None:
         idx = torch.tensor(src_pages, dtype=torch.long)
-        kv, n = self.kv, len(src_pages)
-        blocks = [(t, layer) for layer in range(header.layer_start, header.layer_end)
-                  for t in (kv.k, kv.v)]
-        block_bytes = n * kv.page_bytes
+        kv = self.kv
+        blocks = [(which, layer) for layer in range(header.layer_start, header.layer_end)
+                  for which in ("k", "v")]
+        block_bytes = len(src_pages) * sum(kv.rank_page_bytes(head_map))
         per_frame = max(1, FRAME_BYTES // max(block_bytes, 1))
         staging = getattr(self._local, "staging", None)
         if staging is None or staging.numel() < per_frame * block_bytes:
@@ -67,10 +71,9 @@ class TcpDataPath:
         def payload(write) -> None:
             for first in range(0, len(blocks), per_frame):
                 group = blocks[first:first + per_frame]
-                for i, (t, layer) in enumerate(group):
-                    out = staging[i * block_bytes:(i + 1) * block_bytes]
-                    out = out.view(kv.dtype).view(n, kv.page_elems)
-                    torch.index_select(kv.pages(t, layer), 0, idx, out=out)
+                for i, (which, layer) in enumerate(group):
+                    kv.gather(head_map, which, layer, idx,
+                              staging[i * block_bytes:(i + 1) * block_bytes])
                 write(memoryview(staging[:len(group) * block_bytes].numpy()))
 
         conn.send(header, payload if header.nbytes else None)
@@ -82,10 +85,11 @@ class TcpDataPath:
             conn.recv_payload(self._destinations(header, dst_pages))
 
     def _destinations(self, header: m.KVChunk, dst_pages: list[int]):
-        """The byte views of the destination pages, in payload order."""
-        kv, pb = self.kv, self.kv.page_bytes
+        """The byte views of the destination pages, in payload order: each TP rank's own."""
+        dst_runs = runs(dst_pages)
         for layer in range(header.layer_start, header.layer_end):
-            for t in (kv.k, kv.v):
-                view = kv.byte_view(t, layer)
-                for _, first, count in runs(dst_pages):
-                    yield view[first * pb:(first + count) * pb]
+            for which in ("k", "v"):
+                for rank in self.kv.ranks:
+                    view, pb = rank.byte_view(getattr(rank, which), layer), rank.page_bytes
+                    for _, first, count in dst_runs:
+                        yield view[first * pb:(first + count) * pb]

@@ -11,6 +11,7 @@ import math
 import re
 
 from pipefill.disagg import messages as m
+from pipefill.disagg.heads import MAX_KV_HEADS, check_head_map, head_map_of
 
 MAX_HOST_CHARS = 253  # the longest DNS name
 # A DNS name, an IPv4 address or an IPv6 address (bracketed or not): no spaces, no control
@@ -98,6 +99,11 @@ def _check_stage(s: m.RegisterStage, n: int) -> None:
     for name in ("page_size", "num_kv_heads", "head_dim", "num_layers"):
         if getattr(s, name) <= 0:
             raise ValueError(f"stage {s.rank}'s {name} is {getattr(s, name)}, not positive")
+    if s.num_kv_heads > MAX_KV_HEADS:
+        raise ValueError(f"stage {s.rank}'s num_kv_heads is {s.num_kv_heads} (at most "
+                         f"{MAX_KV_HEADS} are taken)")
+    check_head_map(head_map_of(s.kv_heads, s.num_kv_heads), s.num_kv_heads,
+                   f"stage {s.rank}'s kv_heads")
     latent = s.kv_latent
     if latent and (len(latent) != 3 or min(latent) <= 0 or latent[0] != latent[1] + latent[2]):
         raise ValueError(f"stage {s.rank}'s kv_latent {latent!r:.40} is not [latent_dim, "
@@ -108,7 +114,7 @@ def _check_agrees(s: m.RegisterStage, first: m.RegisterStage) -> None:
     """Every stage describes the same model and KV pages (the decode checks stage 0's against
     its own)."""
     for name in ("model_fingerprint", "num_layers", "page_size", "kv_dtype", "kv_layout",
-                 "backend", "num_kv_heads", "head_dim", "kv_latent"):
+                 "backend", "num_kv_heads", "head_dim", "kv_latent", "kv_heads"):
         if getattr(s, name) != getattr(first, name):
             raise ValueError(f"stage {s.rank}'s {name} {getattr(s, name)!r:.40} differs from "
                              f"stage 0's {getattr(first, name)!r:.40}")

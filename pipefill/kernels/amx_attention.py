@@ -144,11 +144,11 @@ class AmxKVCache:
     window = None  # one cache for every layer (models with windows take the sdpa path)
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype = torch.bfloat16):
+                 head_dim: int, dtype: torch.dtype = torch.bfloat16, empty=torch.empty):
         check_geometry(page_size, head_dim, dtype)
         shape = (num_layers, num_pages, num_kv_heads, page_size, head_dim)
-        self.k = torch.empty(shape, dtype=dtype)
-        self.v = torch.empty(shape, dtype=dtype)
+        self.k = empty(shape, dtype=dtype)  # empty: torch.empty or kv/shared.SharedEmpty
+        self.v = empty(shape, dtype=dtype)
         self.page_size = page_size
         self.num_pages = num_pages
         self.num_kv_heads = num_kv_heads

@@ -16,11 +16,12 @@ class KVCache:
     window = None  # the window layers' own cache (WindowedKVCache); None: one for all layers
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
-                 head_dim: int, dtype: torch.dtype, device=None):
+                 head_dim: int, dtype: torch.dtype, device=None, empty=torch.empty):
+        """empty: torch.empty, or kv/shared.SharedEmpty (a TP rank of a PD stage)."""
         shape = (num_layers, num_pages * page_size, num_kv_heads, stored_dim(head_dim, dtype))
         # torch.empty does not touch memory: pages become resident only when written.
-        self.k = torch.empty(shape, dtype=dtype, device=device)
-        self.v = torch.empty(shape, dtype=dtype, device=device)
+        self.k = empty(shape, dtype=dtype, device=device)
+        self.v = empty(shape, dtype=dtype, device=device)
         self.page_size = page_size
         self.num_pages = num_pages
 

@@ -117,6 +117,19 @@ class StageExecutor:
             self.tp.share_page_ops(ops)
         self.kv.without_forward(ops)
 
+    def own_pages(self, rid: str, pages: list[int]) -> None:
+        """Pages a PD decode allocated to a request outside any plan (its KV comes from the
+        prefill), on this stage's TP ranks too."""
+        if self.tp is not None:
+            self.tp.share_owners(("allocate", rid, list(pages)))
+        self.kv.owners.allocate(rid, pages)
+
+    def pages_written(self, pages: list[int]) -> None:
+        """Pages a PD transfer filled: readable from now on, on every TP rank."""
+        if self.tp is not None:
+            self.tp.share_owners(("written", list(pages)))
+        self.kv.owners.mark_written(pages)
+
     def close(self) -> None:
         """At stop: the stage's other TP ranks stop too; pending storage writes finish."""
         if self.tp is not None:

@@ -41,10 +41,12 @@ def spans(r: range) -> str:
 
 
 def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
-                device: torch.device = torch.device("cpu"), comm=None) -> StageExecutor:
+                device: torch.device = torch.device("cpu"), comm=None,
+                kv_empty=torch.empty) -> StageExecutor:
     """The stage's executor. With tensor parallelism (info.tp_size > 1) this process is one
     rank of the stage: it loads its slices only (model.tensor_parallel), its KV pool holds its
-    own KV heads, and `comm` sums and gathers over the stage's ranks (runtime/tp.TPLink)."""
+    own KV heads, and `comm` sums and gathers over the stage's ranks (runtime/tp.TPLink).
+    kv_empty allocates the KV tensors (kv/shared.SharedEmpty for a TP rank of a PD stage)."""
     model_cfg, tp = source.config, None
     if info.tp_size > 1:
         split, why = resolve_moe_split(args.tp_moe_split, source.config, info.tp_size)
@@ -91,7 +93,7 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
     if uses_packed_cache(backend, kv_dtype):  # the kernels' packed layout (bf16 or float32)
         from pipefill.kernels.amx_attention import AmxKVCache
         cache = AmxKVCache(len(info.layers), num_pages, args.page_size,
-                           *stacked_kv_shape(kv_specs))
+                           *stacked_kv_shape(kv_specs), empty=kv_empty)
     elif frees_window_pages(args, cfg.has_windows):
         cache = WindowedKVCache([s.window is not None for s in kv_specs], num_pages,
                                 args.page_size, *stacked_kv_shape(kv_specs), device)
@@ -102,7 +104,7 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
             log.info("stage %d: the sliding-window layers keep every token's KV (PD and the "
                      "host and storage tiers move whole pages of every layer)", info.rank)
         cache = KVCache(len(info.layers), num_pages, args.page_size,
-                        *stacked_kv_shape(kv_specs), device)
+                        *stacked_kv_shape(kv_specs), device, empty=kv_empty)
     attention = backend_attention(backend, flags, kv_dtype, args.page_size)
     if cfg.mla is not None:  # (ARCHITECTURE.md, 'The latent KV cache (MLA)')
         attention = choose_latent_attention(args.kernels, kv_dtype, device, flags)

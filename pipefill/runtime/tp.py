@@ -36,7 +36,7 @@ from pipefill.runtime.p2p import HEADER_BYTES, frame_layout, tensor_at
 
 log = logging.getLogger(__name__)
 
-_FORWARD, _PAGE_OPS, _STOP, _FORWARD_SHARED = 0, 1, 2, 3
+_FORWARD, _PAGE_OPS, _STOP, _FORWARD_SHARED, _OWNERS = 0, 1, 2, 3, 4
 SUM_TIMEOUT_S = 3600.0
 
 
@@ -118,6 +118,11 @@ class TPLink:
     def share_page_ops(self, ops: PageOps) -> None:
         self._send(_PAGE_OPS, PipeMessage(None, control=("page_ops",), page_ops=ops), [])
 
+    def share_owners(self, op: tuple) -> None:
+        """A PD decode's page bookkeeping outside the plans: ("allocate", rid, pages) or
+        ("written", pages)."""
+        self._send(_OWNERS, PipeMessage(None, control=("owners", *op)), [])
+
     def share_stop(self) -> None:
         self._send(_STOP, PipeMessage(None, control=("stop",)), [])
 
@@ -150,6 +155,15 @@ class TPLink:
                             for offset, (width, dtype) in zip(offsets, self.specs))
         return kind, msg, Activations(hidden, residual)
 
+    def gather_objects(self, obj) -> list:
+        """Every rank's `obj` (small, picklable), in rank order, on every rank."""
+        out = [None] * self.size
+        dist.all_gather_object(out, obj, group=self.group)
+        return out
+
+    def barrier(self) -> None:
+        dist.barrier(group=self.group)
+
     def _buffer(self, nbytes: int) -> torch.Tensor:
         if self._frame.numel() < nbytes:
             self._frame = torch.empty(1 << (nbytes - 1).bit_length(), dtype=torch.uint8)
@@ -158,6 +172,30 @@ class TPLink:
     def close(self) -> None:
         if self.shm is not None:
             self.shm.close()
+
+
+def map_stage_kv(link: TPLink, shared, cache) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+    """PD under TP (ARCHITECTURE.md, 'KV heads across TP sizes'): every rank's KV files
+    (kv/shared.SharedEmpty) reach the leader, which maps its peers' K and V; then every rank
+    removes its files' names. The leader gets [(k, v)] per rank, its own first; a peer None."""
+    from pipefill.kv.shared import map_shared
+    files = link.gather_objects(shared.files)
+    try:
+        if link.tp_rank != 0:
+            return None
+        return [(cache.k, cache.v)] + [tuple(map_shared(*f) for f in rank_files)
+                                       for rank_files in files[1:]]
+    finally:
+        link.barrier()  # the leader holds every mapping (or failed): the names may go
+        shared.unlink()
+
+
+def apply_owners(owners, op) -> None:
+    """A leader's share_owners on a peer's page owners."""
+    if op[0] == "allocate":
+        owners.allocate(op[1], op[2])
+    else:
+        owners.mark_written(op[1])
 
 
 def run_tp_peer(executor, link: TPLink, slices=None) -> None:
@@ -175,6 +213,9 @@ def run_tp_peer(executor, link: TPLink, slices=None) -> None:
             acts = link.gather_rows(slices.recv(msg))
         if kind == _PAGE_OPS:
             executor.kv.without_forward(msg.page_ops)
+            continue
+        if kind == _OWNERS:
+            apply_owners(executor.kv.owners, msg.control[1:])
             continue
         plan = msg.plan
         if plan.step_id < 0 and plan.seqs:  # a scratch prefill on pages lent by stage 0

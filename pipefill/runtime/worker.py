@@ -115,10 +115,10 @@ def _run_stage(args: ServerArgs, model_file: str, rank: int, channel: StageChann
     from pipefill.model.loader import WeightSource
     from pipefill.base.platform import (keep_freed_memory_for_reuse, place_stage,
                                         resolve_dtype)
-    from pipefill.runtime.stage import build_stage
     from pipefill.runtime.trace import StageTracer
 
     name = process_name(rank, tp_rank)
+    shared_kv = None  # a TP rank of a PD stage: its KV files (kv/shared.py)
     try:
         layout = args.layout
         place_stage(layout.local_process(rank, tp_rank), layout.processes_per_node,
@@ -138,7 +138,11 @@ def _run_stage(args: ServerArgs, model_file: str, rank: int, channel: StageChann
             tp = TPLink(layout, rank, tp_rank, source.config.hidden_size,
                         resolve_dtype(args.dtype), args.hide_cpu_flags)
             log.info("%s: TP all-reduce over %s", name, tp.backend)
-        executor = build_stage(args, source, info, device, tp)
+        if args.disagg.enabled and layout.tp_size > 1:  # the leader moves every rank's KV
+            from pipefill.kv.shared import SharedEmpty
+            shared_kv = SharedEmpty(f"stage{rank}-tp{tp_rank}",
+                                    processes=layout.processes_per_node)
+        executor, rank_kv = build_with_shared_kv(args, source, info, device, tp, shared_kv)
         cfg = source.config
         pipe, slices = None, None
         per_rank = args.pp_size > 1 and layout.tp_size > 1 and \
@@ -150,11 +154,14 @@ def _run_stage(args: ServerArgs, model_file: str, rank: int, channel: StageChann
         elif per_rank:
             slices = share_link(layout, info, cfg.hidden_size, resolve_dtype(args.dtype),
                                 device)
-        role = make_pd_role(args, executor, info, cfg, pipe) if info.is_tp_leader else None
+        role = (make_pd_role(args, executor, info, cfg, pipe, rank_kv) if info.is_tp_leader
+                else None)
         del source  # the file reader (GGUF metadata: ~220 MB RSS for the default model)
         release_freed_memory()
     except Exception as e:  # noqa: BLE001 - start-up errors become one sentence
         log.debug("start-up failed", exc_info=True)
+        if shared_kv is not None:
+            shared_kv.unlink()
         if args.node_rank > 0:  # node 0's front end may be the unreachable part: say it here
             log.error("%s could not start: %s", name, e)
         channel.report("fatal", f"{name} could not start: {e}")
@@ -193,6 +200,18 @@ def share_link(layout, info, hidden_size: int, dtype, device):
                      device)
 
 
+def build_with_shared_kv(args: ServerArgs, source, info, device, tp, shared_kv):
+    """(executor, every rank's (k, v) on a PD stage's TP leader, else None): with shared_kv
+    (kv/shared.SharedEmpty) the KV pool lives in files the leader maps (ARCHITECTURE.md, 'KV
+    heads across TP sizes')."""
+    from pipefill.runtime.stage import build_stage
+    if shared_kv is None:
+        return build_stage(args, source, info, device, tp), None
+    from pipefill.runtime.tp import map_stage_kv
+    executor = build_stage(args, source, info, device, tp, kv_empty=shared_kv)
+    return executor, map_stage_kv(tp, shared_kv, executor.cache)
+
+
 def release_freed_memory() -> None:
     """Hands the heap memory that loading freed (float32 tensors of the dequantized file,
     their bf16 casts) back to the OS: glibc keeps freed heap for reuse, and ~60 MB of it would
@@ -202,17 +221,26 @@ def release_freed_memory() -> None:
         trim(0)
 
 
-def make_pd_role(args: ServerArgs, executor, info, cfg, pipe):
+def make_pd_role(args: ServerArgs, executor, info, cfg, pipe, rank_kv=None):
     """The stage's PD disaggregation role (pipefill.scheduler.role): NullRole, or one of
-    pipefill.disagg.roles. A later stage's role reports to stage 0 through the pipe."""
+    pipefill.disagg.roles. A later stage's role reports to stage 0 through the pipe. rank_kv:
+    under TP, every rank's (k, v), mapped by the leader (runtime/tp.map_stage_kv)."""
     if not args.disagg.enabled:
         return NullRole()
     # Imported here: the transfer plane costs every stage's start-up, and most serve no PD.
+    from pipefill.disagg.heads import tp_head_map
     from pipefill.disagg.roles import DecodeStagePD, PrefillStagePD
+    from pipefill.disagg.transfer import StageTensors
     to_first = report_to_first(pipe) if info.rank > 0 else None
+    stage_kv = None
+    if rank_kv is not None:
+        stage_kv = StageTensors.of_ranks(executor.cache, info.layers.start, rank_kv,
+                                         tp_head_map(cfg.num_heads, cfg.num_kv_heads,
+                                                     args.tp_size))
     if args.disagg.mode is DisaggMode.DECODE:
-        return DecodeStagePD(args, executor, cfg, info, to_first)
-    return PrefillStagePD(args, executor, info.rank, info.layers.start, cfg, to_first)
+        return DecodeStagePD(args, executor, cfg, info, to_first, stage_kv)
+    return PrefillStagePD(args, executor, info.rank, info.layers.start, cfg, to_first,
+                          stage_kv)
 
 
 def make_first_stage_loop(args, cfg, executor, channel, pipe, tracer, policy, role=None,

@@ -283,8 +283,8 @@ def mooncake_hello(**changes) -> m.DecodeHello:
     ({"k_ptrs": [0, K0]}, "outside the address space"),
     ({"v_ptrs": [V0, (1 << 64) - PB]}, "outside the address space")])
 def test_mooncake_hello_with_bad_buffers_is_refused(changes, needle):
-    assert check_hello(mooncake_hello(), PB) is None
-    why = check_hello(mooncake_hello(**changes), PB)
+    assert check_hello(mooncake_hello(), [PB]) is None
+    why = check_hello(mooncake_hello(**changes), [PB])
     assert why is not None and needle in why
 
 
@@ -297,18 +297,18 @@ def test_mooncake_hello_with_bad_buffers_is_refused(changes, needle):
     ([0, 1], K0, "is not inside")])
 def test_mooncake_room_pages_and_staging_must_be_the_decodes_own(pages, staging, needle):
     msg = m.RoomBootstrap(ROOM, 1, pages, 1, staging)
-    why = check_bootstrap(mooncake_hello(), msg, (2, 4), PB)  # two layers of K and V
+    why = check_bootstrap(mooncake_hello(), msg, (2, 4), [PB])  # two layers of K and V
     assert why == needle if needle is None else needle in why
 
 
 def test_mooncake_writes_outside_the_declared_buffers_never_leave():
     hello = mooncake_hello()
-    check_writes(hello, PB, [(1, K0, 100 * PB), (1, V0 + 100 * PB + 99 * PB, PB),
-                             (1, STAGING + 5, (1 << 20) - 5)])
+    check_writes(hello, [PB], [(1, K0, 100 * PB), (1, V0 + 100 * PB + 99 * PB, PB),
+                               (1, STAGING + 5, (1 << 20) - 5)])
     for dst, n in ((K0 + 99 * PB, 2 * PB), (K0 - 1, 2), (STAGING + (1 << 20), 1),
                    (0x40000000, 8), (K0, -1)):
         with pytest.raises(TransferFailed, match="outside the buffers"):
-            check_writes(hello, PB, [(1, K0, PB), (1, dst, n)])
+            check_writes(hello, [PB], [(1, K0, PB), (1, dst, n)])
 
 
 # ------------------------------------------------------------------ servers and secrets

@@ -21,7 +21,7 @@ import torch
 from conftest import wait_until
 from pipefill.disagg import messages as m
 from pipefill.disagg.bootstrap import BootstrapServer, lookup_prefill, register_stage
-from pipefill.disagg.transfer import KVTensors, Timing
+from pipefill.disagg.transfer import KVTensors, StageTensors, Timing
 from pipefill.disagg.transfer_receiver import KVReceiver
 from pipefill.disagg.transfer_sender import KVSender
 from pipefill.kv.pool import PagePool
@@ -66,6 +66,8 @@ class Pool:
 
 
 def assert_pages_equal(src: KVTensors, src_pages, dst: KVTensors, dst_pages):
+    # A sender's or receiver's kv is a StageTensors: here of one rank.
+    src, dst = (StageTensors.of(t).ranks[0] for t in (src, dst))
     for layer in range(src.layer_start, src.layer_end):
         for a, b in ((src.k, dst.k), (src.v, dst.v)):
             assert torch.equal(src.pages(a, layer)[src_pages], dst.pages(b, layer)[dst_pages])
@@ -165,7 +167,7 @@ def test_decode_pipeline_of_two_stages(decode_split, backend):
                 for layer in range(max(kv.layer_start, sender.kv.layer_start),
                                    min(kv.layer_end, sender.kv.layer_end)):
                     for a, b in ((sender.kv.k, kv.k), (sender.kv.v, kv.v)):
-                        assert torch.equal(sender.kv.pages(a, layer)[pages],
+                        assert torch.equal(sender.kv.ranks[0].pages(a, layer)[pages],
                                            kv.pages(b, layer)[dst])
         assert wait_until(lambda: all(p.clean() for p in src_pools))
         if backend == "mooncake":  # 2 chunks per (prefill stage, decode stage) pair, staged

@@ -244,8 +244,9 @@ class ServerArgs:
         "keeps the secret out of the process list. Alternative to --cluster-secret.",
         default=None)
     device: str = _flag(
-        "cpu, or cuda (NCCL between stages; one GPU per stage). The cuda path is written but "
-        "has never run on a GPU: expect it to fail, and a warning says so at start.",
+        "cpu, or cuda (NCCL between stages; one GPU per stage). One stage on one GPU has run "
+        "once (an H200); NCCL between stages has never run on a GPU: expect it to fail, and "
+        "a warning says so at start.",
         default="cpu", choices=["cpu", "cuda"])
     trace_dir: str | None = _flag(
         "Write a Chrome-trace/Perfetto JSON and a PNG timeline of the stages here.",

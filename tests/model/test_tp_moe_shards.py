@@ -94,36 +94,12 @@ def lean_qwen3_moe(tmp_path_factory):
 def test_lean_decode_path_on_moe_shards_matches_one_rank(lean_qwen3_moe, split):
     """Two ranks (threads) against one: a prefill, then greedy decode steps whose sparse
     layers run on the lean path with the ranks' sum after the experts."""
-    from test_tp_shards import ThreadGroup, on_ranks
-    from pipefill.base.plan import SampleSpec, SeqWork, StepPlan
-    from pipefill.config import ServerArgs, StageInfo, resolve
-    from pipefill.runtime.stage import build_stage
+    from test_tp_shards import assert_lean_decode_on_two_ranks
+    from pipefill.config import ServerArgs, resolve
     source = WeightSource(lean_qwen3_moe)
     args = resolve(ServerArgs(model_path=lean_qwen3_moe, dtype="float32", page_size=32,
                               max_total_tokens=512, threads_per_stage=1), source.config)
-    layers = range(source.config.num_layers)
-    group = ThreadGroup(2)
-    ranks = on_ranks(2, lambda r: build_stage(args.replace(tp_size=2, tp_moe_split=split),
-                                              source, StageInfo(0, 1, layers, r, 2),
-                                              comm=group.rank(r)))
-    whole = build_stage(args, source, StageInfo(0, 1, layers))
-    if whole.model._decode is None:
-        pytest.skip("no fused ops or vector attention kernel here: no lean decode path")
-    spec = SampleSpec(0.0, 1.0, -1, 0, 0, None)
-
-    def logits(ex, ids, start):
-        plan = StepPlan(-1, [SeqWork("s", start, start + len(ids), ids, [0, 1], spec)])
-        return ex.logits(plan, ex.forward(plan, None)[0])[1]
-
-    ids, start = [(7 * i) % 500 for i in range(40)], 0
-    for _ in range(4):
-        ref = logits(whole, ids, start)
-        got = on_ranks(2, lambda r: logits(ranks[r], ids, start))
-        assert torch.equal(got[0], got[1])  # every rank gathers the same logits
-        torch.testing.assert_close(got[0], ref, rtol=0, atol=1e-4)
-        start += len(ids)
-        ids = [int(ref[-1].argmax())]
-    assert all(len(ex.model._decode.buffers) == 1 for ex in ranks)  # the lean path ran
+    assert_lean_decode_on_two_ranks(args, source, tp_moe_split=split)
 
 
 @pytest.mark.parametrize("split", ["width", "expert"])

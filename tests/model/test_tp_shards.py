@@ -59,7 +59,7 @@ def test_mlp_shares_even_out_the_ranks_weights():
     fewer heads takes more MLP columns; every rank holds the same weight to a grain, and the
     shares cover the width once, in order."""
     cfg = SimpleNamespace(num_heads=9, num_kv_heads=3, head_dim=64, hidden_size=576,
-                          intermediate_size=1536, vocab_size=49152)
+                          intermediate_size=1536, vocab_size=49152, moe=None)
     split = [tp_shard(cfg, r, 2) for r in range(2)]
     assert [s.mlp for s in split] == [range(0, 688), range(688, 1536)]
     weights = [2 * (len(s.q_heads) + len(s.kv_heads)) * 64 + 3 * len(s.mlp) for s in split]
@@ -183,8 +183,8 @@ def test_refusals(tmp_path):
         check_tensor_parallel(cfg, GEMMA3, 2)
     for flags, match in [(dict(tp_size=0), "--tp-size must be at least 1"),
                          (dict(tp_size=2, device="cuda"), "--device cpu only"),
-                         (dict(tp_size=2, pp_size=2, nnodes=2, dist_init_addr="h:1"),
-                          "one node")]:
+                         (dict(tp_size=3, pp_size=1, nnodes=2, dist_init_addr="h:1"),
+                          "processes must be a multiple of --nnodes")]:
         with pytest.raises(ValueError, match=match):
             ServerArgs(**flags).layout
 
@@ -248,14 +248,20 @@ def test_lean_decode_path_on_shards_matches_one_rank(lean_llama):
     """Two ranks (threads) against one: a prefill of 40 tokens, then greedy decode steps at
     batch 1; the ranks' decode steps run the lean path on their shard weights, with the sums
     in it, and the logits agree with the single rank's."""
-    from pipefill.base.plan import SampleSpec, SeqWork, StepPlan
     page = 32
     source = WeightSource(lean_llama)
     args = resolve(ServerArgs(model_path=lean_llama, dtype="float32", page_size=page,
                               max_total_tokens=512, threads_per_stage=1), source.config)
+    assert_lean_decode_on_two_ranks(args, source)
+
+
+def assert_lean_decode_on_two_ranks(args, source, **tp_flags):
+    """Two ranks (threads, with tp_flags) against one stage holding every layer: a 40-token
+    prefill, then greedy decode steps at batch 1 on the lean path, logits within 1e-4."""
+    from pipefill.base.plan import SampleSpec, SeqWork, StepPlan
     layers = range(source.config.num_layers)
     group = ThreadGroup(2)
-    ranks = on_ranks(2, lambda r: build_stage(args.replace(tp_size=2), source,
+    ranks = on_ranks(2, lambda r: build_stage(args.replace(tp_size=2, **tp_flags), source,
                                               StageInfo(0, 1, layers, r, 2),
                                               comm=group.rank(r)))
     whole = build_stage(args, source, StageInfo(0, 1, layers))

@@ -17,9 +17,9 @@ from pipefill import Engine, PDInfo
 from pipefill.base.platform import free_port
 from pipefill.disagg.launch import write_secret_file
 
-from conftest import assert_pages_free, save_tiny_model, track, wait_until
+from conftest import save_tiny_model, track, wait_until
 from test_disagg_transfer import have_mooncake
-from test_pd_engine import both
+from test_pd_engine import both, pages_free
 
 PAGE = 16
 SHAPE = dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=96,
@@ -74,15 +74,6 @@ def run_pair(model, secret, prefill_flags: dict, decode_flags: dict):
             return [(o.output_ids, o.token_logprobs) for o in outs]
     finally:
         prefill.shutdown()
-
-
-def pages_free(*engines) -> bool:
-    try:
-        for e in engines:
-            assert_pages_free(e)
-    except AssertionError:
-        return False
-    return True
 
 
 def assert_same(got, want) -> None:

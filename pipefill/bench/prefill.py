@@ -64,7 +64,7 @@ def add_parser(sub) -> None:
                         "values (comma-separated: torch, onednn), in turn with it in every "
                         "repetition, named <configuration>-<value>")
     p.add_argument("--compare-weight-dtype", metavar="LIST", default="",
-                   help="likewise for --weight-dtype values (comma-separated, e.g. auto,gguf: "
+                   help="likewise for --weight-dtype values (comma-separated, e.g. bfloat16,gguf: "
                         "a GGUF file dequantized against its blocks kept quantized)")
     p.add_argument("--compare-tp-size", metavar="LIST", default="",
                    help="also time every configuration whose processes then still fit the "

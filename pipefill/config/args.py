@@ -51,8 +51,12 @@ class ServerArgs:
         "bfloat16, float16 or float32.", default="auto",
         choices=["auto", "bfloat16", "float16", "float32"])
     weight_dtype: str = _flag(
-        "Dtype of the weight matrices: auto (= --dtype: a GGUF file is dequantized at load; an "
-        "FP8 checkpoint keeps its FP8 weights as fp8 does where the FP8 decode GEMM has a "
+        "Dtype of the weight matrices: auto (= --dtype, except that a GGUF file keeps its blocks "
+        "as gguf does where the quantized decode GEMM has a vector path on this CPU (int8 "
+        "VNNI/AVX2 or float AVX-512/AVX2) for every block type of the stage's matrices, on a "
+        "CPU stage, without --tp-size and without an explicit --dtype float32; else it is "
+        "dequantized at load; the choice, its reason and the bytes a decode step reads either "
+        "way are logged; an FP8 checkpoint keeps its FP8 weights as fp8 does where the FP8 decode GEMM has a "
         "vector path on this CPU, else is dequantized at load), "
         "gguf (a .gguf file's Q4_0/Q4_1/Q5_0/Q8_0/Q4_K/Q5_K/Q6_K linear layers and LM head stay "
         "in their blocks: decode dequantizes them in registers, prefill per call, so the stage "

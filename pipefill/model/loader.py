@@ -18,6 +18,7 @@ from pipefill.kernels import fp8_blocks
 from pipefill.kernels.gguf_blocks import supports, type_name
 from pipefill.kernels.prefill_gemm import ROW_GRAIN, OneDnnLinear
 from pipefill.kernels.quant_gemm import QuantLinear, choose_isa
+from pipefill.model.auto_weights import AutoFacts, auto_keeps_gguf
 from pipefill.model.config import ModelConfig
 from pipefill.model.families import family_for_gguf, family_for_hf_config, family_of
 from pipefill.model.family import ModelFamily
@@ -293,19 +294,21 @@ def resolve_weight_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
 
 
 def keeps_blocks(name: str, source: WeightSource, device: str = "cpu",
-                 disable: tuple[str, ...] = ()) -> tuple[bool, str]:
+                 disable: tuple[str, ...] = (), auto: AutoFacts | None = None
+                 ) -> tuple[bool, str]:
     """Whether --weight-dtype `name` keeps GGUF blocks or FP8 weights quantized -> (keeps,
-    why), the reason logged at start. For a GGUF file auto dequantizes (as before) until the
-    quantized path is measured faster on a quiet machine; gguf needs a GGUF file and a CPU
-    stage (ValueError otherwise). FP8 checkpoints: keeps_fp8."""
+    why), the reason logged at start. For a GGUF file auto follows auto_weights's rule on
+    `auto` (the stage's facts: gather_facts); gguf needs a GGUF file and a CPU stage
+    (ValueError otherwise). FP8 checkpoints: keeps_fp8."""
     if getattr(source, "fp8", False):
         return keeps_fp8(name, device, disable)
     if name == "fp8":
         raise ValueError(f"--weight-dtype fp8 needs an FP8 checkpoint (config.json's "
                          f"quantization_config with quant_method fp8), got {source.path}")
+    if name == "auto" and source.gguf is not None:
+        return auto_keeps_gguf(auto) if auto else (False, "auto: the stage decides on its facts")
     if name != "gguf":
-        return False, ("auto: dequantized until the quantized kernels are measured faster"
-                       if name == "auto" else f"{name} requested")
+        return False, ("auto: not a GGUF file" if name == "auto" else f"{name} requested")
     if source.gguf is None:
         raise ValueError(f"--weight-dtype gguf needs a .gguf model file, got {source.path}")
     if device != "cpu":

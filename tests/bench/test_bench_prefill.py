@@ -175,12 +175,12 @@ def test_bench_prefill_compares_weight_dtypes_in_turn(tmp_path):
     out = tmp_path / "bench.json"
     cmd = [sys.executable, "-m", "pipefill.cli.main", "bench", "prefill", "--model-path", model,
            "--input-len", "100", "--reps", "1", "--no-hf", "--no-split", "--json", str(out)]
-    proc = subprocess.run(cmd + ["--compare-weight-dtype", "auto,gguf"],
+    proc = subprocess.run(cmd + ["--compare-weight-dtype", "bfloat16,gguf"],
                           capture_output=True, text=True, timeout=1200)
     assert proc.returncode == 0, proc.stderr[-3000:]
     base = json.loads(out.read_text())["rows"][0]["config"]
     assert [r["config"] for r in json.loads(out.read_text())["rows"]] == \
-        [base, f"{base}-auto", f"{base}-gguf"]
+        [base, f"{base}-bfloat16", f"{base}-gguf"]
     assert "GGUF blocks kept quantized (--weight-dtype gguf, requested)" in proc.stderr
     assert "GGUF weights dequantized at load" in proc.stderr
     bad = subprocess.run(cmd + ["--compare-weight-dtype", "int4"], capture_output=True,

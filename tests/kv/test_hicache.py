@@ -162,6 +162,19 @@ def test_small_pool_engine_equals_no_cache(model, pp):
         assert stage["host_slots_total"] == stats["host_slots_total"]
 
 
+@pytest.mark.slow
+def test_gemma_small_pool_engine_equals_no_cache(tmp_path):
+    """Gemma 3 with 7-token windows through the host tier: with the tier on, the window layers
+    keep every token's KV (frees_window_pages), so host pages carry them whole and a hit from
+    L2 reads the window keys a cold run computes."""
+    from test_gemma3_family import save_gemma
+    path = save_gemma("irregular", tmp_path / "gemma")
+    on, stats = run_engine(path, enable_hierarchical_cache=True)
+    off, _ = run_engine(path, disable_radix_cache=True)
+    assert on == off
+    assert stats["host_loaded_pages"] > 0 and stats["cache_hit_tokens_host"] > 0
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 def test_packed_cache_pages_round_trip_through_the_kernel_layout(dtype):
     """AmxKVCache.read_pages/write_pages (token-major, for storage) against the vector

@@ -14,7 +14,7 @@ the integer path's int8 activations would not give: auto dequantizes there too.
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
@@ -54,24 +54,32 @@ def auto_keeps_gguf(f: AutoFacts) -> tuple[bool, str]:
 
 
 def _decide(f: AutoFacts) -> tuple[bool, str]:
-    if f.device != "cpu":
-        return False, f"the quantized kernels run on CPU stages, not --device {f.device}"
-    if f.tp_size > 1:
-        return False, f"--tp-size {f.tp_size} does not keep blocks yet"
-    if not f.types:
-        return False, "the file's matrices are plain floats, no blocks to keep"
-    if f.unreadable:
-        return False, f"no quantized kernel reads {', '.join(f.unreadable)}"
-    if f.dtype_flag == "float32":
-        return False, ("--dtype float32 asks for float32 arithmetic (the integer decode path "
-                       "rounds activations to int8; --weight-dtype gguf keeps blocks anyway)")
-    if f.dtype not in (torch.float32, torch.bfloat16):
-        return False, f"the quantized kernels take float32 or bfloat16, not {f.dtype_flag}"
+    refused = refusal(f)
+    if refused is not None:
+        return False, refused
     if f.int8 is not None:
         return True, f"decode reads fewer bytes, on the integer path ({f.int8})"
     if f.float_isa in VECTOR_ISAS:
         return True, f"decode reads fewer bytes, on the float path ({f.float_isa})"
     return False, f"no vector path of the quantized decode GEMM here ({f.float_isa})"
+
+
+def refusal(f: AutoFacts) -> str | None:
+    """Why auto dequantizes whatever the kernels could do, or None (they decide)."""
+    if f.device != "cpu":
+        return f"the quantized kernels run on CPU stages, not --device {f.device}"
+    if f.tp_size > 1:
+        return f"--tp-size {f.tp_size} does not keep blocks yet"
+    if not f.types:
+        return "the file's matrices are plain floats, no blocks to keep"
+    if f.unreadable:
+        return f"no quantized kernel reads {', '.join(f.unreadable)}"
+    if f.dtype_flag == "float32":
+        return ("--dtype float32 asks for float32 arithmetic (the integer decode path rounds "
+                "activations to int8; --weight-dtype gguf keeps blocks anyway)")
+    if f.dtype not in (torch.float32, torch.bfloat16):
+        return f"the quantized kernels take float32 or bfloat16, not {f.dtype_flag}"
+    return None
 
 
 def gather_facts(source, names: list[str], device: str, dtype_flag: str, dtype: torch.dtype,
@@ -102,5 +110,8 @@ def gather_facts(source, names: list[str], device: str, dtype_flag: str, dtype: 
         else:
             unreadable.add(type_name(qtype))
             block += rows * cols * dtype.itemsize
-    return AutoFacts(tuple(sorted(types)), tuple(sorted(unreadable)), choose_isa(disable)[0],
-                     choose_int8(disable)[0], device, dtype_flag, dtype, tp_size, block, dense)
+    facts = AutoFacts(tuple(sorted(types)), tuple(sorted(unreadable)), "not asked", None,
+                      device, dtype_flag, dtype, tp_size, block, dense)
+    if refusal(facts) is not None:  # decided without the kernels: no build at start
+        return facts
+    return replace(facts, float_isa=choose_isa(disable)[0], int8=choose_int8(disable)[0])

@@ -1,14 +1,13 @@
 """Gemma 3 through a PD pair (ARCHITECTURE.md, 'Window pages', 'Prefill/decode
 disaggregation'): a tiny random Gemma 3 whose 7-token windows are shorter than the prompt, in
 float32, prefilled by a prefill Engine in chunks and continued by a decode Engine, gives the
-tokens and prompt logprobs of one plain Engine. With PD on, the window layers keep every
+greedy tokens of one plain Engine (a PD pair serves no prompt logprobs). With PD on, the window layers keep every
 token's KV (frees_window_pages), so the pair moves whole pages of every layer."""
 from __future__ import annotations
 
 import random
 
 import pytest
-import torch
 
 from pipefill import Engine, PDInfo
 from pipefill.base.platform import free_port
@@ -29,8 +28,7 @@ PROMPTS = [[_rng.randrange(512) for _ in range(n)] for n in (90, 45)]  # 3 and 2
 def test_gemma_through_pd_equals_one_engine(tmp_path):
     model = save_gemma("irregular", tmp_path / "gemma")
     with track(Engine(model, **COMMON)) as plain:
-        want = plain.generate(PROMPTS, max_new_tokens=16, ignore_eos=True,
-                              return_prompt_logprobs=True)
+        want = plain.generate(PROMPTS, max_new_tokens=16, ignore_eos=True)
     secret = write_secret_file(str(tmp_path))
     port = free_port()
     with track(Engine(model, disaggregation_mode="prefill", disaggregation_bootstrap_port=port,
@@ -39,14 +37,11 @@ def test_gemma_through_pd_equals_one_engine(tmp_path):
                          **COMMON)) as decode:
         rooms = [PDInfo(301, "127.0.0.1", port), PDInfo(302, "127.0.0.1", port)]
         first, outs, _ = both(
-            lambda: prefill.generate(PROMPTS, max_new_tokens=16, ignore_eos=True, pd=rooms,
-                                     return_prompt_logprobs=True),
+            lambda: prefill.generate(PROMPTS, max_new_tokens=16, ignore_eos=True, pd=rooms),
             lambda: decode.generate(PROMPTS, max_new_tokens=16, ignore_eos=True, pd=rooms))
         assert not isinstance(first, Exception), first
         assert not isinstance(outs, Exception), outs
         for w, f, out in zip(want, first, outs):
             assert out.output_ids == w.output_ids
-            assert f.output_ids == w.output_ids[:1]
-            diff = (torch.tensor(f.prompt_logprobs) - torch.tensor(w.prompt_logprobs)).abs()
-            assert diff.max().item() < 1e-4, diff.max()
+            assert f.output_ids == w.output_ids[:1]  # the prefill computes the first token
         assert wait_until(lambda: pages_free(prefill, decode))

@@ -63,6 +63,10 @@ def test_facts_of_the_default_q4_1_file():
     head = cfg.vocab_size * cfg.hidden_size
     assert whole.dense_bytes - first.dense_bytes == 2 * head
     assert whole.block_bytes - first.block_bytes == head * 34 // 32
+    # Decided without the kernels (no build at start): an explicit --dtype float32.
+    exact = gather_facts(source, tensor_names(cfg, layers, True, True), "cpu", "float32",
+                         torch.float32)
+    assert exact.float_isa == "not asked" and not auto_keeps_gguf(exact)[0]
 
 
 def first_two_layers(source: WeightSource, **kw):

@@ -191,8 +191,8 @@ def measure(ns: argparse.Namespace, rates: list[str]) -> dict:
 def launch(ns: argparse.Namespace, layout: str, tokens: int, port: int) -> tuple[float, int]:
     """One `pipefill generate` per namespace: (TTFT in s, bytes the link carried)."""
     argv = [sys.executable, "-m", "pipefill.cli.main", "generate", "--input-len", str(tokens),
-            "--max-new-tokens", "1", "--max-model-len", str(tokens + 1), "--dtype", ns.dtype, "--threads-per-stage",
-            str(ns.threads_per_stage), *LAYOUTS[layout], "--nnodes", "2",
+            "--max-new-tokens", "1", "--max-model-len", str(tokens + 1), "--dtype", ns.dtype,
+            "--threads-per-stage", str(ns.threads_per_stage), *LAYOUTS[layout], "--nnodes", "2",
             "--dist-init-addr", f"{IP[0]}:{port}"]
     if ns.model_path:
         argv += ["--model-path", ns.model_path]

@@ -3,7 +3,8 @@ are cut out of the prefill ranks' (ARCHITECTURE.md, 'Prefill/decode disaggregati
 across TP sizes').
 
 A head map lists, per TP rank of a stage in rank order, the global KV head ids its pages hold,
-ascending: [[0, 1], [2]] for 3 KV heads at TP 2, [[0], [0]] for 1 KV head replicated at TP 2,
+ascending: [[0, 1], [2]] for 3 KV heads at TP 2 split by whole groups ([[0, 1], [1, 2]] split
+by query heads), [[0], [0]] for 1 KV head replicated at TP 2,
 [[0, 1, 2]] at TP 1. Both sides send theirs in the handshake (RegisterStage, DecodeHello). The
 bytes of one decode rank's page are its heads in its order, each head taken from one prefill
 rank that holds it (`pieces`); pure functions, tested without processes.
@@ -18,9 +19,12 @@ MAX_RANKS = 1024  # a stage's TP ranks named in a handshake: more is not a real 
 MAX_KV_HEADS = 1 << 14  # a model's KV heads a peer may claim (a map of them is built)
 
 
-def tp_head_map(num_heads: int, num_kv_heads: int, tp_size: int) -> list[list[int]]:
-    """The head map of a stage run at --tp-size tp_size (model/tensor_parallel.head_shares)."""
-    return [list(kv) for _, kv in head_shares(num_heads, num_kv_heads, tp_size)]
+def tp_head_map(num_heads: int, num_kv_heads: int, tp_size: int,
+                split: str = "groups") -> list[list[int]]:
+    """The head map of a stage run at --tp-size tp_size with its heads split by `split`
+    (model/tensor_parallel.head_shares; "queries" puts a straddled group's KV head on both of
+    its ranks: [[0, 1], [1, 2]] for 9 heads over 3 KV heads at TP 2)."""
+    return [list(kv) for _, kv in head_shares(num_heads, num_kv_heads, tp_size, split)]
 
 
 def whole(num_kv_heads: int) -> list[list[int]]:

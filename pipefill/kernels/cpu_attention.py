@@ -140,8 +140,11 @@ def chunk_attention(isa: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                     page_table: torch.Tensor, prefix_len: int, scale: float,
                     k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
                     out: torch.Tensor | None = None, qtile: int = 0,
-                    kv_split: int = 0, page_size: int = 0) -> torch.Tensor:
+                    kv_split: int = 0, page_size: int = 0,
+                    q_first: torch.Tensor | None = None) -> torch.Tensor:
     """Causal (bottom-right) attention of q [C, Hq, D] over cached tokens [0, prefix_len + C).
+    q_first (int32 [Hkv + 1], query_head_offsets): KV head g serves query heads
+    [q_first[g], q_first[g + 1]), groups of unequal sizes; None: equal groups.
 
     kv_split (split KV, for decode and small chunks that fit one q-tile): 0 = auto (parts of
     1024 keys once the context exceeds 2048, so every thread works on one sequence), < 0 = never,
@@ -155,7 +158,19 @@ def chunk_attention(isa: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     if k_new is not None:
         write_kv(k_cache, v_cache, k_new, v_new, page_table, prefix_len, page_size)
     return ext.chunk_attention(ISA_ID[isa], q, k_cache, v_cache, page_table, int(prefix_len),
-                               float(scale), out, int(qtile), int(kv_split), int(page_size))
+                               float(scale), out, int(qtile), int(kv_split), int(page_size),
+                               q_first)
+
+
+def query_head_offsets(q_per_kv: tuple[int, ...]) -> torch.Tensor | None:
+    """The kernels' q_first for KV heads serving q_per_kv[g] query heads each, in order: int32
+    [Hkv + 1] running offsets; None for () (equal groups, the kernels' own layout)."""
+    if not q_per_kv:
+        return None
+    offsets = [0]
+    for n in q_per_kv:
+        offsets.append(offsets[-1] + n)
+    return torch.tensor(offsets, dtype=torch.int32)
 
 
 def decode_tables(page_tables: list[torch.Tensor],
@@ -174,16 +189,17 @@ def decode_tables(page_tables: list[torch.Tensor],
 def decode_attention(isa: str, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                      lens: torch.Tensor, scale: float, out: torch.Tensor,
-                     page_size: int = 0) -> torch.Tensor:
+                     page_size: int = 0, q_first: torch.Tensor | None = None) -> torch.Tensor:
     """One decode step of a layer: row b of q/k_new/v_new [B, H, D] is sequence b's new token
     at position lens[b]; its K/V go into the cache (converted to the cache dtype), then out[b] =
     its attention over tokens [0, lens[b] + 1). All (sequence, kv head, split part) items share
     one pool of threads; each is computed as chunk_attention computes it (same split parts).
-    A quantized cache (page_size given) gets each new row quantized as kv_quant.quantize does."""
+    A quantized cache (page_size given) gets each new row quantized as kv_quant.quantize does.
+    q_first: as chunk_attention's."""
     if isa not in ISA_ID:
         raise ValueError(f"unknown kernel {isa!r} (choose from {', '.join(ISAS)})")
     _load().decode_attention(ISA_ID[isa], q, k_new, v_new, k_cache, v_cache, tables, lens,
-                             float(scale), out, int(page_size))
+                             float(scale), out, int(page_size), q_first)
     return out
 
 

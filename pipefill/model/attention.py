@@ -196,8 +196,11 @@ _STRENGTH = {"amx": "the CPU has AMX-BF16", "avx512bf16": "the CPU has AVX512-BF
 
 @dataclass
 class VectorAttention:
-    """The attention callable of a vector kernel; it packs the new K/V into its cache itself."""
+    """The attention callable of a vector kernel; it packs the new K/V into its cache itself.
+    q_first: the kernels' map of unequal query groups (cpu_attention.query_head_offsets of the
+    rank's ModelConfig.q_per_kv), None for equal ones."""
     isa: str
+    q_first: torch.Tensor | None = None
 
     def __call__(self, q, k, v, k_cache, v_cache, seqs: list[SeqMeta], scale: float):
         out = torch.empty_like(q)
@@ -212,7 +215,7 @@ class VectorAttention:
         """One sequence's rows (any count, the name is for the decode path's use) into out."""
         from pipefill.kernels.cpu_attention import chunk_attention
         chunk_attention(self.isa, q, k_cache, v_cache, seq.page_table, seq.prefix_len, scale,
-                        k_new=k, v_new=v, out=out)
+                        k_new=k, v_new=v, out=out, q_first=self.q_first)
 
     @staticmethod
     def decode_tables(seqs: list[SeqMeta]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -225,7 +228,8 @@ class VectorAttention:
         in one call: its K/V into the cache, its attention into out. Same bits as decode_one
         per sequence."""
         from pipefill.kernels.cpu_attention import decode_attention
-        decode_attention(self.isa, q, k, v, k_cache, v_cache, *tables, scale, out)
+        decode_attention(self.isa, q, k, v, k_cache, v_cache, *tables, scale, out,
+                         q_first=self.q_first)
 
     @staticmethod
     def profiled():
@@ -242,12 +246,13 @@ class QuantVectorAttention(VectorAttention):
     def decode_one(self, q, k, v, k_cache, v_cache, seq: SeqMeta, scale: float, out) -> None:
         from pipefill.kernels.cpu_attention import chunk_attention
         chunk_attention(self.isa, q, k_cache, v_cache, seq.page_table, seq.prefix_len, scale,
-                        k_new=k, v_new=v, out=out, page_size=self.page_size)
+                        k_new=k, v_new=v, out=out, page_size=self.page_size,
+                        q_first=self.q_first)
 
     def decode_batch(self, q, k, v, k_cache, v_cache, tables, scale: float, out) -> None:
         from pipefill.kernels.cpu_attention import decode_attention
         decode_attention(self.isa, q, k, v, k_cache, v_cache, *tables, scale, out,
-                         page_size=self.page_size)
+                         page_size=self.page_size, q_first=self.q_first)
 
 
 @dataclass
@@ -302,6 +307,24 @@ class QuantSdpaAttention:
         return profiled("pipefill::attention")
 
 
+@dataclass
+class PerKVHead:
+    """A torch attention path (paged_attention) over a TP rank's unequal query groups
+    (ModelConfig.q_per_kv): one call per local KV head, over its query heads and its slice of
+    the token-major cache, as an ordinary GQA layer of one KV head."""
+    inner: object
+    q_per_kv: tuple[int, ...]
+
+    def __call__(self, q, k, v, k_cache, v_cache, seqs: list[SeqMeta], scale: float, **kw):
+        outs, first = [], 0
+        for g, count in enumerate(self.q_per_kv):
+            kv = slice(g, g + 1)
+            outs.append(self.inner(q[:, first:first + count], k[:, kv], v[:, kv],
+                                   k_cache[:, kv], v_cache[:, kv], seqs, scale, **kw))
+            first += count
+        return torch.cat(outs, dim=1)
+
+
 def _write_packed(pack, k_cache, v_cache, k, v, seqs: list[SeqMeta]) -> None:
     for seq in seqs:
         rows = slice(seq.row_start, seq.row_start + seq.num_new)
@@ -322,6 +345,8 @@ def kv_writer(attention):
         return partial(_write_packed, pack)
     if attention is paged_attention or isinstance(attention, QuantSdpaAttention):
         return write_kv
+    if isinstance(attention, PerKVHead):  # every KV head at once, as the inner path writes
+        return kv_writer(attention.inner)
     return None
 
 
@@ -362,10 +387,12 @@ def _last(slots):
 
 
 def cpu_paged_attention(isa: str, kv_dtype: torch.dtype | None = None,
-                        page_size: int = 0) -> VectorAttention:
+                        page_size: int = 0, q_per_kv: tuple[int, ...] = ()) -> VectorAttention:
+    from pipefill.kernels.cpu_attention import query_head_offsets
+    q_first = query_head_offsets(q_per_kv)
     if kv_dtype is not None and is_quantized(kv_dtype):
-        return QuantVectorAttention(isa, page_size)
-    return VectorAttention(isa)
+        return QuantVectorAttention(isa, q_first, page_size)
+    return VectorAttention(isa, q_first)
 
 
 def uses_packed_cache(backend: str, kv_dtype: torch.dtype) -> bool:
@@ -375,19 +402,24 @@ def uses_packed_cache(backend: str, kv_dtype: torch.dtype) -> bool:
 
 
 def backend_attention(backend: str, flags: frozenset[str] | None = None,
-                      kv_dtype: torch.dtype | None = None, page_size: int = 0):
+                      kv_dtype: torch.dtype | None = None, page_size: int = 0,
+                      q_per_kv: tuple[int, ...] = ()):
     """(q, k, v, k_cache, v_cache, seqs, scale) -> out for a backend choose_backend returned
     (flags: the CPU flags to trust, as there; kv_dtype: the cache's, where it may be quantized;
-    page_size: the cache's, which a vector kernel over a quantized cache needs)."""
+    page_size: the cache's, which a vector kernel over a quantized cache needs; q_per_kv: a TP
+    rank's unequal query groups, ModelConfig.q_per_kv)."""
     if backend == "sdpa":
+        if q_per_kv:  # one KV head a call (the int8 decode kernel's batched entry is not used)
+            return PerKVHead(paged_attention, q_per_kv)
         isa = native_decode_isa(kv_dtype, flags) if kv_dtype == torch.int8 else None
         return paged_attention if isa is None else QuantSdpaAttention(isa)
     if backend == "amx":
+        assert not q_per_kv, "choose_backend refuses AMX for unequal query groups"
         from pipefill.kernels.cpu_attention import kernel_available
         if kernel_available("avx512bf16", flags)[0]:
             return AmxAttention()
         return amx_paged_attention
-    return cpu_paged_attention(backend, kv_dtype, page_size)
+    return cpu_paged_attention(backend, kv_dtype, page_size, q_per_kv)
 
 
 def resolve_kv_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
@@ -400,10 +432,13 @@ def resolve_kv_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
 
 
 def _unfit(backend: str, dtype, kv_dtype, head_dim: int, page_size: int, device,
-           flags) -> str | None:
+           flags, unequal_groups: bool = False) -> str | None:
     """Why `backend` cannot serve this stage, or None."""
     if device.type != "cpu":
         return f"device is {device.type}"
+    if unequal_groups and backend == "amx":
+        return ("this TP rank's KV heads serve unequal query groups (a straddled GQA group), "
+                "which the AMX kernel does not take (the vector kernels do)")
     quantized = is_quantized(kv_dtype)  # (ARCHITECTURE.md, 'The KV room')
     if quantized and backend == "amx":
         return (f"the KV cache is {dtype_name(kv_dtype)} (quantized), which the AMX kernel does "
@@ -435,12 +470,14 @@ def _unfit(backend: str, dtype, kv_dtype, head_dim: int, page_size: int, device,
 def choose_backend(requested: str, dtype: torch.dtype, head_dim: int, page_size: int,
                    device: torch.device, kv_dtype: torch.dtype | None = None,
                    flags: frozenset[str] | None = None,
-                   windowed: bool = False, latent: bool = False) -> tuple[str, str]:
+                   windowed: bool = False, latent: bool = False,
+                   unequal_groups: bool = False) -> tuple[str, str]:
     """-> (backend, why). auto: the first of KERNEL_BACKENDS that fits the dtypes, the shapes and
     the CPU (flags: the CPU flags to trust, default all), else sdpa with every reason. A named
     kernel that does not fit is a ValueError with the reason. windowed: the model has
     sliding-window layers, which only sdpa bounds; latent: its layers attend from a latent
-    KV cache (model/mla.py), which only the torch path reads."""
+    KV cache (model/mla.py), which only the torch path reads; unequal_groups: a TP rank's
+    query groups differ in size (ModelConfig.q_per_kv), which AMX does not take."""
     kv_dtype = dtype if kv_dtype is None else kv_dtype
     if latent and is_quantized(kv_dtype):
         raise ValueError(f"--kv-cache-dtype: the model keeps a latent KV cache (MLA), which is "
@@ -460,7 +497,8 @@ def choose_backend(requested: str, dtype: torch.dtype, head_dim: int, page_size:
         return "sdpa", why
     reasons = []
     for backend in (KERNEL_BACKENDS if requested == "auto" else (requested,)):
-        why = _unfit(backend, dtype, kv_dtype, head_dim, page_size, device, flags)
+        why = _unfit(backend, dtype, kv_dtype, head_dim, page_size, device, flags,
+                     unequal_groups)
         if why is None:
             return backend, "requested" if requested != "auto" else _STRENGTH[backend]
         if requested != "auto":

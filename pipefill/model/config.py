@@ -100,6 +100,9 @@ class ModelConfig:
     # Multi-head latent attention (DeepSeek); then head_dim is the rotary part's width
     # (what StageModel's rope tables are built for) and num_kv_heads is not used.
     mla: MLAConfig | None = None
+    # A TP rank's query heads per KV head where they differ (model/tensor_parallel.local_groups:
+    # a straddled GQA group); (): num_heads / num_kv_heads each.
+    q_per_kv: tuple[int, ...] = ()
 
     def window_of(self, layer: int) -> int | None:
         """The tokens layer `layer` attends to (its query's own included); None: all."""

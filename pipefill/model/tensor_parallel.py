@@ -10,12 +10,15 @@ down give a partial sum of the full output, and the ranks sum them (the stage mo
 rank looks up only the ids in its rows (zeros elsewhere) and the ranks sum the rows, and each
 rank's head gives its share of the logits, which the ranks gather (`TPOps`).
 
-Heads: with at least as many KV heads as ranks, the KV heads are split (ceil/floor shares)
-and each rank takes the query heads of its KV heads, whole GQA groups. With fewer KV heads
-than ranks, each KV head goes to a run of ranks (ceil/floor shares of the ranks), which
-split its group's query heads (ceil/floor again) and each keep a copy of that KV head. Either
-way every rank's query heads map onto its KV heads in equal groups, so the attention kernels
-see an ordinary GQA layer.
+Heads, one of two splits (`HEAD_SPLITS`, chosen by `choose_head_split`). "groups": with at
+least as many KV heads as ranks, the KV heads are split (ceil/floor shares) and each rank takes
+the query heads of its KV heads, whole GQA groups; with fewer KV heads than ranks, each KV head
+goes to a run of ranks (ceil/floor shares of the ranks), which split its group's query heads
+(ceil/floor again) and each keep a copy of that KV head. Every rank's query heads then map onto
+its KV heads in equal groups. "queries": the query heads are split ceil/floor and each rank
+holds the KV heads its query heads read, a KV head whose group straddles two ranks on both
+(9 heads over 3 KV heads at TP 2: heads 0-4 on KV heads 0-1, heads 5-8 on KV heads 1-2), so a
+rank's groups may differ in size (`TPShard.q_per_kv`, which the attention kernels take).
 
 Mixture-of-experts layers: the router is whole on every rank (the same routing everywhere),
 and the routed experts are split one of two ways (`MOE_SPLITS`): by width, every rank holding
@@ -90,6 +93,8 @@ class TPShard:
     experts: range = range(0)  # global ids of the routed experts this rank runs
     expert_cols: range = range(0)  # columns of each routed expert's width it holds
     shared_cols: range = range(0)  # columns of the shared expert's width it holds
+    head_split: str = "groups"  # HEAD_SPLITS
+    q_per_kv: tuple[int, ...] = ()  # query heads per local KV head where unequal (local_groups)
 
     def rows(self, split: str, head_dim: int) -> range:
         """The checkpoint rows (or columns) of a split tensor this rank keeps."""
@@ -101,7 +106,26 @@ class TPShard:
         return range(heads.start * head_dim, heads.stop * head_dim)
 
 
-def head_shares(num_heads: int, num_kv_heads: int, size: int) -> list[tuple[range, range]]:
+# How a stage's query heads are split over its ranks (module docstring); choose_head_split
+# takes "queries" where it makes the busiest rank cheaper, else "groups" (no unequal groups).
+HEAD_SPLITS = ("groups", "queries")
+# The prompt the head split is costed at: 8K tokens, whose queries see 4K keys on average.
+SPLIT_PROMPT_TOKENS = 8192
+# "queries" must make the busiest rank this much cheaper: a KV head copied for nothing costs
+# cache memory and an attention call per rank.
+SPLIT_MIN_GAIN = 0.01
+
+
+def head_shares(num_heads: int, num_kv_heads: int, size: int,
+                split: str = "groups") -> list[tuple[range, range]]:
+    """(query heads, KV heads) of each of `size` ranks under `split` (HEAD_SPLITS)."""
+    if split == "queries":
+        return query_head_shares(num_heads, num_kv_heads, size)
+    assert split == "groups", split
+    return group_head_shares(num_heads, num_kv_heads, size)
+
+
+def group_head_shares(num_heads: int, num_kv_heads: int, size: int) -> list[tuple[range, range]]:
     """(query heads, KV heads) of each of `size` ranks, whole GQA groups per rank."""
     group = num_heads // num_kv_heads
     if size <= num_kv_heads:
@@ -112,6 +136,54 @@ def head_shares(num_heads: int, num_kv_heads: int, size: int) -> list[tuple[rang
         for q in shares(group, len(ranks)):
             out.append((range(kv * group + q.start, kv * group + q.stop), range(kv, kv + 1)))
     return out
+
+
+def query_head_shares(num_heads: int, num_kv_heads: int, size: int) -> list[tuple[range, range]]:
+    """(query heads, KV heads) of each of `size` ranks: ceil/floor shares of the query heads,
+    each rank with the KV heads they read (a straddled group's KV head on both ranks)."""
+    group = num_heads // num_kv_heads
+    return [(q, range(q.start // group, (q.stop - 1) // group + 1))
+            for q in shares(num_heads, size)]
+
+
+def local_groups(q_heads: range, kv_heads: range, group: int) -> tuple[int, ...]:
+    """The rank's query heads per local KV head, in order (its query heads are consecutive);
+    () where they are equal (an ordinary GQA layer to the kernels)."""
+    counts = tuple(sum(1 for h in q_heads if h // group == kv) for kv in kv_heads)
+    return () if len(set(counts)) == 1 else counts
+
+
+def rank_costs(cfg: ModelConfig, size: int, split: str,
+               prompt_tokens: int = SPLIT_PROMPT_TOKENS) -> list[float]:
+    """Each rank's multiply-adds for one prompt token of a layer under `split`: its q/k/v/o
+    rows and MLP columns (mlp_shares evens these out), and its query heads' attention (q.k
+    and p.v, head_dim each) over the prompt's mean keys, half of it (causal)."""
+    heads = head_shares(cfg.num_heads, cfg.num_kv_heads, size, split)
+    attention = [attention_columns(cfg, len(q), len(kv)) for q, kv in heads]
+    mlp = mlp_shares(cfg.intermediate_size, size, attention)
+    keys = prompt_tokens / 2
+    return [3 * cfg.hidden_size * (a + len(m)) + len(q) * 2 * cfg.head_dim * keys
+            for a, m, (q, _) in zip(attention, mlp, heads)]
+
+
+def choose_head_split(cfg: ModelConfig, size: int) -> tuple[str, str]:
+    """(the head split, why): "queries" where its busiest rank costs at least SPLIT_MIN_GAIN
+    less than under "groups" (rank_costs at SPLIT_PROMPT_TOKENS), else "groups"."""
+    if size == 1 or cfg.mla is not None or size > cfg.num_heads:
+        return "groups", ("one rank" if size == 1 else "latent attention" if cfg.mla is not None
+                          else "more ranks than query heads")
+    groups, queries = (max(rank_costs(cfg, size, s)) for s in HEAD_SPLITS)
+    mean = sum(rank_costs(cfg, size, "groups")) / size
+    costs = (f"busiest rank {groups / mean:.2f}x the mean by whole groups, "
+             f"{queries / mean:.2f}x by query heads, at a {SPLIT_PROMPT_TOKENS}-token prompt")
+    if queries < groups * (1 - SPLIT_MIN_GAIN):
+        return "queries", costs
+    return "groups", costs
+
+
+def stage_head_shares(cfg: ModelConfig, size: int) -> list[tuple[range, range]]:
+    """Each rank's (query heads, KV heads) as tp_shard gives them (choose_head_split's)."""
+    return head_shares(cfg.num_heads, cfg.num_kv_heads, size, choose_head_split(cfg, size)[0])
 
 
 # The fused elementwise kernels take widths in multiples of this (model/layers.py): an MLP
@@ -170,12 +242,16 @@ def resolve_moe_split(requested: str, cfg: ModelConfig, size: int) -> tuple[str,
     return DEFAULT_MOE_SPLIT, "the default: faster in prefill, as fast in decode"
 
 
-def tp_shard(cfg: ModelConfig, rank: int, size: int, moe_split: str = "width") -> TPShard:
-    heads = head_shares(cfg.num_heads, cfg.num_kv_heads, size)
+def tp_shard(cfg: ModelConfig, rank: int, size: int, moe_split: str = "width",
+             head_split: str | None = None) -> TPShard:
+    """What rank `rank` of `size` holds; head_split None: choose_head_split's."""
+    head_split = head_split or choose_head_split(cfg, size)[0]
+    heads = head_shares(cfg.num_heads, cfg.num_kv_heads, size, head_split)
     attention = [attention_columns(cfg, len(q), len(kv)) for q, kv in heads]
     q, kv = heads[rank]
     shard = TPShard(rank, size, q, kv, mlp_shares(cfg.intermediate_size, size, attention)[rank],
-                    shares(cfg.vocab_size, size)[rank])
+                    shares(cfg.vocab_size, size)[rank], head_split=head_split,
+                    q_per_kv=local_groups(q, kv, cfg.num_heads // cfg.num_kv_heads))
     moe = cfg.moe
     if moe is None:
         return shard
@@ -195,7 +271,7 @@ def shard_config(cfg: ModelConfig, shard: TPShard) -> ModelConfig:
         cfg.moe, expert_width=len(shard.expert_cols), shared_width=len(shard.shared_cols),
         local_experts=shard.experts)
     return dataclasses.replace(cfg, num_heads=len(shard.q_heads),
-                               num_kv_heads=len(shard.kv_heads),
+                               num_kv_heads=len(shard.kv_heads), q_per_kv=shard.q_per_kv,
                                intermediate_size=len(shard.mlp), moe=moe)
 
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 
 from pipefill.base.partition import partition_layers
 from pipefill.model.config import ModelConfig
-from pipefill.model.tensor_parallel import head_shares
+from pipefill.model.tensor_parallel import choose_head_split, head_shares
 from pipefill.planner.hardware import BYTES_OF, Hardware, Link
 
 # What crosses a stage border per token: the hidden state and the residual stream.
@@ -121,6 +121,7 @@ class LayoutCosts:
 
     def __init__(self, cfg: ModelConfig, hw: Hardware, layout: Layout, precision: Precision):
         self.cfg, self.hw, self.layout, self.precision = cfg, hw, layout, precision
+        self.head_split = choose_head_split(cfg, layout.tp)[0]  # as the ranks split heads
         kinds = layer_kinds(cfg)
         costs = [k.fixed_weights + k.top_k * k.expert_weights for k in kinds]
         self.stage_layers = partition_layers(cfg.num_layers, layout.pp, costs=costs)
@@ -140,21 +141,25 @@ class LayoutCosts:
         self.kv_bytes = BYTES_OF[precision.kv]
 
     # -- time --------------------------------------------------------------------------------
+    def _head_shares(self, kind: LayerKind) -> list[tuple[range, range]]:
+        """The ranks' own split (model/tensor_parallel.choose_head_split: 5 and 4 of 9 heads
+        at TP 2 over 3 KV heads, the straddled KV head on both ranks)."""
+        return head_shares(kind.heads, kind.kv_heads, self.layout.tp, self.head_split)
+
     def shard(self, kind: LayerKind) -> float:
         """The share of the layer's query heads the busiest TP rank attends with: the ranks'
-        own split (model/tensor_parallel.head_shares: whole GQA groups, 6 of 9 heads at TP 2
-        over 3 KV heads), or ceil shares of a latent's heads."""
+        own split (_head_shares), or ceil shares of a latent's heads."""
         if kind.kv_heads == 0:
             return math.ceil(kind.heads / self.layout.tp) / kind.heads
-        split = head_shares(kind.heads, kind.kv_heads, self.layout.tp)
-        return max(len(q) for q, _ in split) / kind.heads
+        return max(len(q) for q, _ in self._head_shares(kind)) / kind.heads
 
     def kv_share(self, kind: LayerKind) -> float:
         """The share of a token's cached values one rank keeps: its KV heads (one at least,
-        replicated when fewer than ranks), or the whole latent."""
+        replicated when fewer than ranks or where a group straddles two ranks), or the whole
+        latent."""
         if kind.kv_heads == 0:
             return 1.0
-        return max(1, math.ceil(kind.kv_heads / self.layout.tp)) / kind.kv_heads
+        return max(len(kv) for _, kv in self._head_shares(kind)) / kind.kv_heads
 
     def layer_seconds(self, kind: LayerKind, size: int, history: int, link: Link) -> float:
         tp = self.layout.tp

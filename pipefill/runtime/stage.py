@@ -19,7 +19,8 @@ from pipefill.model.loader import (WeightSource, keeps_blocks, load_stage_weight
                                    pack_stage_weights, reorder_prefill_weights,
                                    resolve_weight_dtype, tensor_names)
 from pipefill.model.stage_model import StageModel
-from pipefill.model.tensor_parallel import ShardedSource, TPOps, resolve_moe_split, tp_shard
+from pipefill.model.tensor_parallel import (ShardedSource, TPOps, choose_head_split,
+                                            resolve_moe_split, tp_shard)
 from pipefill.runtime.executor import StageExecutor
 from pipefill.base.platform import cpu_vendor, dtype_name, resolve_dtype, usable_cpu_flags
 
@@ -54,9 +55,12 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
         shard = tp_shard(source.config, info.tp_rank, info.tp_size, split)
         tp = TPOps(comm, shard, source.config.vocab_size)
         source = ShardedSource(source, shard)
-        log.info("stage %d TP rank %d/%d: query heads %s, KV heads %s, MLP columns %s, "
-                 "vocabulary rows %s", info.rank, info.tp_rank, info.tp_size,
-                 *(spans(r) for r in (shard.q_heads, shard.kv_heads, shard.mlp, shard.vocab)))
+        log.info("stage %d TP rank %d/%d: query heads %s, KV heads %s%s, MLP columns %s, "
+                 "vocabulary rows %s; heads split by %s (%s)", info.rank, info.tp_rank,
+                 info.tp_size, spans(shard.q_heads), spans(shard.kv_heads),
+                 f" (query heads per KV head {list(shard.q_per_kv)})" if shard.q_per_kv else "",
+                 spans(shard.mlp), spans(shard.vocab), shard.head_split,
+                 choose_head_split(model_cfg, info.tp_size)[1])
         if model_cfg.moe is not None:
             log.info("stage %d TP rank %d/%d: experts split by %s (%s): experts %s, their "
                      "columns %s", info.rank, info.tp_rank, info.tp_size, split, why,
@@ -94,7 +98,8 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
         weights = weights_to(weights, device)
     backend, why = choose_backend(args.attention_backend, dtype, cfg.head_dim, args.page_size,
                                   device, kv_dtype, flags, cfg.has_windows,
-                                  latent=cfg.mla is not None)
+                                  latent=cfg.mla is not None,
+                                  unequal_groups=bool(cfg.q_per_kv))
     if uses_packed_cache(backend, kv_dtype):  # the kernels' packed layout (bf16 or float32)
         from pipefill.kernels.amx_attention import AmxKVCache
         cache = AmxKVCache(len(info.layers), num_pages, args.page_size,
@@ -110,7 +115,7 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
                      "host and storage tiers move whole pages of every layer)", info.rank)
         cache = KVCache(len(info.layers), num_pages, args.page_size,
                         *stacked_kv_shape(kv_specs), device, empty=kv_empty)
-    attention = backend_attention(backend, flags, kv_dtype, args.page_size)
+    attention = backend_attention(backend, flags, kv_dtype, args.page_size, cfg.q_per_kv)
     if cfg.mla is not None:  # (ARCHITECTURE.md, 'The latent KV cache (MLA)')
         attention = choose_latent_attention(args.kernels, kv_dtype, device, flags)
     # Chosen by the model's widths, not the rank's: every rank of a stage takes the same

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 from pipefill.chunking.progress import shape_coefficients
 from pipefill.config import DisaggMode, ServerArgs
+from pipefill.model.tensor_parallel import choose_head_split
 from pipefill.runtime.heartbeat import stage_heartbeat
 from pipefill.runtime.ipc import Addresses, StageChannel
 from pipefill.runtime.loop import (FirstStageLoop, report_to_first, run_guarded,
@@ -236,7 +237,8 @@ def make_pd_role(args: ServerArgs, executor, info, cfg, pipe, rank_kv=None):
     if rank_kv is not None:
         stage_kv = StageTensors.of_ranks(executor.cache, info.layers.start, rank_kv,
                                          tp_head_map(cfg.num_heads, cfg.num_kv_heads,
-                                                     args.tp_size))
+                                                     args.tp_size,
+                                                     choose_head_split(cfg, args.tp_size)[0]))
     if args.disagg.mode is DisaggMode.DECODE:
         return DecodeStagePD(args, executor, cfg, info, to_first, stage_kv)
     return PrefillStagePD(args, executor, info.rank, info.layers.start, cfg, to_first,

@@ -1,5 +1,6 @@
 """Tensor parallelism's shares, in one process: the heads and MLP columns of each rank (uneven
-shares, whole GQA groups, KV heads replicated below the rank count), the checkpoint slices a
+shares, whole GQA groups, KV heads replicated below the rank count, query heads split with a
+straddled group's KV head on both ranks, and the rule that picks the split), the checkpoint slices a
 rank reads (their partial products sum to the whole layer's), each rank's KV pool holding only
 its own KV heads, and the refusals."""
 import threading
@@ -13,7 +14,8 @@ from pipefill.config import ServerArgs, StageInfo, resolve
 from pipefill.model.families.llama import LLAMA
 from pipefill.model.loader import WeightSource
 from pipefill.model.tensor_parallel import (MLP_GRAIN, ShardedSource, TPOps,
-                                            check_tensor_parallel, head_shares, mlp_shares,
+                                            check_tensor_parallel, choose_head_split,
+                                            head_shares, local_groups, mlp_shares, rank_costs,
                                             shares, tp_shard)
 from pipefill.runtime.stage import build_stage
 
@@ -54,16 +56,67 @@ def test_head_shares(heads):
             assert h // group == kv.start + i // local_group
 
 
+# SmolLM2-135M's shape (head_dim 64, 30 layers).
+SMOLLM2 = SimpleNamespace(num_heads=9, num_kv_heads=3, head_dim=64, hidden_size=576,
+                          intermediate_size=1536, vocab_size=49152, moe=None, mla=None)
+
+
+# (query heads, KV heads, ranks) -> each rank's (query heads, KV heads) split by query heads
+QUERY_HEADS = {
+    (9, 3, 2): [(range(0, 5), range(0, 2)), (range(5, 9), range(1, 3))],  # SmolLM2: 5:4
+    (8, 2, 3): [(range(0, 3), range(0, 1)), (range(3, 6), range(0, 2)),
+                (range(6, 8), range(1, 2))],
+    (6, 6, 4): HEADS[(6, 6, 4)],  # MHA: the same as by whole groups
+}
+
+
+@pytest.mark.parametrize("heads", QUERY_HEADS, ids=[f"{q}q{kv}kv-tp{n}" for q, kv, n in QUERY_HEADS])
+def test_query_head_shares_keep_the_kv_heads_their_queries_read(heads):
+    q_heads, kv_heads, ranks = heads
+    got = head_shares(q_heads, kv_heads, ranks, "queries")
+    assert got == QUERY_HEADS[heads]
+    assert [h for q, _ in got for h in q] == list(range(q_heads))
+    group = q_heads // kv_heads
+    for q, kv in got:
+        per_kv = local_groups(q, kv, group) or (len(q) // len(kv),) * len(kv)
+        assert sum(per_kv) == len(q) and min(per_kv) >= 1
+        first = 0  # local query heads [first, first + n) read local KV head i
+        for i, n in enumerate(per_kv):
+            assert all(h // group == kv.start + i for h in q[first:first + n])
+            first += n
+    assert local_groups(range(0, 5), range(0, 2), 3) == (3, 2)
+    assert local_groups(range(5, 9), range(1, 3), 3) == (1, 3)
+    assert local_groups(range(0, 6), range(0, 2), 3) == ()  # equal: plain GQA
+
+
+def test_head_split_rule_takes_query_heads_where_the_busiest_rank_gains():
+    """SmolLM2 at TP 2: whole groups give 6 and 3 heads, query heads 5 and 4 (a KV head on
+    both ranks), whose busiest rank is cheaper; at TP 3 (3 heads each either way) and where the
+    split cannot improve it, whole groups (no KV head copied)."""
+    split, why = choose_head_split(SMOLLM2, 2)
+    assert split == "queries" and "1.19x" in why and "1.07x" in why
+    assert max(rank_costs(SMOLLM2, 2, "queries")) < max(rank_costs(SMOLLM2, 2, "groups"))
+    assert choose_head_split(SMOLLM2, 3)[0] == "groups"
+    assert choose_head_split(SMOLLM2, 1)[0] == "groups"
+    six_two = SimpleNamespace(**{**vars(SMOLLM2), "num_heads": 6, "num_kv_heads": 2})
+    assert choose_head_split(six_two, 2)[0] == "groups"  # 3 and 3 either way
+    assert choose_head_split(six_two, 4)[0] == "groups"  # 2, 1, 2, 1: ties with 2, 2, 1, 1
+    eight_two = SimpleNamespace(**{**vars(SMOLLM2), "num_heads": 8, "num_kv_heads": 2})
+    assert choose_head_split(eight_two, 3)[0] == "queries"  # 3, 3, 2 against 2, 2, 4
+    assert tp_shard(SMOLLM2, 1, 2).q_per_kv == (1, 3)
+
+
 def test_mlp_shares_even_out_the_ranks_weights():
-    """SmolLM2-135M's shape at TP 2: 6 and 3 query heads (whole GQA groups), so the rank with
-    fewer heads takes more MLP columns; every rank holds the same weight to a grain, and the
+    """SmolLM2-135M's shape at TP 2 split by whole groups: 6 and 3 query heads, so the rank with
+    fewer heads takes more MLP columns; by query heads (its split) 5 and 4 heads over 2 KV
+    heads each, columns near even. Every rank holds the same weight to a grain, and the
     shares cover the width once, in order."""
-    cfg = SimpleNamespace(num_heads=9, num_kv_heads=3, head_dim=64, hidden_size=576,
-                          intermediate_size=1536, vocab_size=49152, moe=None)
-    split = [tp_shard(cfg, r, 2) for r in range(2)]
-    assert [s.mlp for s in split] == [range(0, 688), range(688, 1536)]
-    weights = [2 * (len(s.q_heads) + len(s.kv_heads)) * 64 + 3 * len(s.mlp) for s in split]
-    assert abs(weights[0] - weights[1]) <= 3 * MLP_GRAIN
+    for head_split, want in [("groups", [range(0, 688), range(688, 1536)]),
+                             (None, [range(0, 752), range(752, 1536)])]:
+        split = [tp_shard(SMOLLM2, r, 2, head_split=head_split) for r in range(2)]
+        assert [s.mlp for s in split] == want
+        weights = [2 * (len(s.q_heads) + len(s.kv_heads)) * 64 + 3 * len(s.mlp) for s in split]
+        assert abs(weights[0] - weights[1]) <= 3 * MLP_GRAIN
     for width, attention in [(1536, [341.3, 170.7, 170.7]), (130, [1, 2, 3, 4]),
                              (32, [500.0, 0.0]), (3, [5.0, 0.0])]:
         got = mlp_shares(width, len(attention), attention)
@@ -231,7 +284,7 @@ def on_ranks(size: int, work):
 
 
 # (query heads, KV heads, hidden, MLP width): 6 over 2 (3 and 3 heads at TP 2), and
-# SmolLM2-135M's 9 over 3 (6 and 3 heads, so MLP shares of 208 and 368 columns).
+# SmolLM2-135M's 9 over 3 (5 and 4 heads, KV head 1 on both ranks: unequal groups).
 LEAN_SHAPES = {"6q2kv": (6, 2, 384, 288), "9q3kv": (9, 3, 576, 576)}
 
 
@@ -255,17 +308,35 @@ def test_lean_decode_path_on_shards_matches_one_rank(lean_llama):
     assert_lean_decode_on_two_ranks(args, source)
 
 
-def assert_lean_decode_on_two_ranks(args, source, **tp_flags):
-    """Two ranks (threads, with tp_flags) against one stage holding every layer: a 40-token
-    prefill, then greedy decode steps at batch 1 on the lean path, logits within 1e-4."""
+def test_tp3_query_split_on_kernels_and_sdpa_matches_one_rank(tmp_path):
+    """8 query heads over 2 KV heads at TP 3, split by query heads (3, 3, 2; rank 1's heads
+    read KV heads 0 and 1, one and two of them): prefill and greedy decode steps on the
+    vector kernel (heads of 64, the lean decode path) and on sdpa, within 1e-4 of one rank."""
+    path = save_tiny_model("llama", tmp_path / "m", num_attention_heads=8,
+                           num_key_value_heads=2, hidden_size=512, intermediate_size=256,
+                           num_hidden_layers=2)
+    source = WeightSource(path)
+    assert tp_shard(source.config, 1, 3).q_per_kv == (1, 2)
+    args = resolve(ServerArgs(model_path=path, dtype="float32", page_size=32,
+                              max_total_tokens=512, threads_per_stage=1), source.config)
+    assert_lean_decode_on_two_ranks(args, source, size=3)
+    assert_lean_decode_on_two_ranks(args.replace(attention_backend="sdpa"), source, size=3,
+                                    lean=False)
+
+
+def assert_lean_decode_on_two_ranks(args, source, size: int = 2, lean: bool = True,
+                                    **tp_flags):
+    """`size` ranks (threads, with tp_flags) against one stage holding every layer: a 40-token
+    prefill, then greedy decode steps at batch 1 (on the lean path where `lean`), logits
+    within 1e-4."""
     from pipefill.base.plan import SampleSpec, SeqWork, StepPlan
     layers = range(source.config.num_layers)
-    group = ThreadGroup(2)
-    ranks = on_ranks(2, lambda r: build_stage(args.replace(tp_size=2, **tp_flags), source,
-                                              StageInfo(0, 1, layers, r, 2),
-                                              comm=group.rank(r)))
+    group = ThreadGroup(size)
+    ranks = on_ranks(size, lambda r: build_stage(args.replace(tp_size=size, **tp_flags), source,
+                                                 StageInfo(0, 1, layers, r, size),
+                                                 comm=group.rank(r)))
     whole = build_stage(args, source, StageInfo(0, 1, layers))
-    if whole.model._decode is None:
+    if lean and whole.model._decode is None:
         pytest.skip("no fused ops or vector attention kernel here: no lean decode path")
     spec = SampleSpec(0.0, 1.0, -1, 0, 0, None)
 
@@ -276,9 +347,10 @@ def assert_lean_decode_on_two_ranks(args, source, **tp_flags):
     ids, start = [(7 * i) % 500 for i in range(40)], 0
     for _ in range(4):
         ref = logits(whole, ids, start)
-        got = on_ranks(2, lambda r: logits(ranks[r], ids, start))
-        assert torch.equal(got[0], got[1])  # every rank gathers the same logits
+        got = on_ranks(size, lambda r: logits(ranks[r], ids, start))
+        assert all(torch.equal(got[0], g) for g in got)  # every rank gathers the same logits
         torch.testing.assert_close(got[0], ref, rtol=0, atol=1e-4)
         start += len(ids)
         ids = [int(ref[-1].argmax())]
-    assert all(len(ex.model._decode.buffers) == 1 for ex in ranks)  # the lean path ran
+    if lean:
+        assert all(len(ex.model._decode.buffers) == 1 for ex in ranks)  # the lean path ran

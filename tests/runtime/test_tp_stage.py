@@ -1,7 +1,8 @@
 """Tensor parallelism inside a stage with real processes (one per rank, real gloo groups and
 the shared-memory all-reduce): float32 against one rank (prompt logprobs within 1e-4,
 greedy tokens identical) through chunked prefill and batched decode, on a model with 6 query
-and 3 KV heads: TP 2 (uneven: 2 and 1 KV heads), TP 4 (uneven query shares, a KV head replicated),
+and 3 KV heads: TP 2 (split by query heads, 3 and 3, KV head 1 on both ranks: unequal groups on
+the sdpa path), TP 4 (uneven query shares, a KV head replicated),
 PP 2 x TP 2; the Qwen families' bias and q/k norms at TP 2; the CLI's refusals; a killed
 rank failing its stage's requests fast."""
 import json
@@ -27,8 +28,8 @@ SHAPE = dict(num_attention_heads=6, num_key_value_heads=3, hidden_size=96,
 
 @pytest.fixture(scope="module")
 def odd_llama(tmp_path_factory):
-    """6 query heads over 3 KV heads (TP 2: 4 and 2 query heads; TP 4: KV head 0 on two
-    ranks), MLP width 160: at TP 4 ranks of 48, 48, 32 and 32
+    """6 query heads over 3 KV heads (TP 2: 3 and 3 query heads over KV heads 0-1 and 1-2;
+    TP 4: KV head 0 on two ranks), MLP width 160: at TP 4 ranks of 48, 48, 32 and 32
     columns, widths the fused kernels take."""
     return save_tiny_model("llama", tmp_path_factory.mktemp("tp-llama"), **SHAPE)
 

@@ -103,11 +103,13 @@ int64_t choose_kv_part(int64_t kv_split, int64_t C, int64_t qtile, int64_t keys)
 
 // Row i (kv head g, row r) of p's output = the parts' (O, m, l) merged in part order:
 // O = sum_j 2^(m_j - m) O_j / sum_j 2^(m_j - m) l_j. Plain C++ (this file has no ISA flags);
-// the same arithmetic whichever thread merges a row.
+// the same arithmetic whichever thread merges a row. Rows of a kv head with fewer query heads
+// than p.group (q_first) are slots the kernel left unused: skipped.
 void merge_row(const pa::Params& p, int64_t i) {
-  const int64_t G = p.group, D = p.head_dim, M = p.C * G, np = p.nparts;
+  const int64_t D = p.head_dim, M = p.C * p.group, np = p.nparts;
   float acc[128];
-  const int64_t g = i / M, r = i % M, t = r / G, h = r % G;
+  const int64_t g = i / M, r = i % M, G = pa::group_of(p, g), t = r / G, h = r % G;
+  if (r >= p.C * G) return;
   const float* part0 = p.partial + (g * np * M + r) * (D + 2);
   const int64_t stride = M * (D + 2);
   float mx = -__builtin_inff();
@@ -122,7 +124,8 @@ void merge_row(const pa::Params& p, int64_t i) {
     for (int64_t d = 0; d < D; ++d) acc[d] += w * pj[d];
   }
   const float inv = 1.0f / l;
-  char* dst = static_cast<char*>(p.out) + ((t) * p.o_st + (g * G + h) * p.o_sh) * (p.q_bf16 ? 2 : 4);
+  const int64_t head = pa::first_q_head(p, g) + h;
+  char* dst = static_cast<char*>(p.out) + ((t) * p.o_st + head * p.o_sh) * (p.q_bf16 ? 2 : 4);
   for (int64_t d = 0; d < D; ++d) {
     const float x = acc[d] * inv;
     if (p.q_bf16) {
@@ -138,6 +141,27 @@ void merge_parts(const pa::Params& p) {
   at::parallel_for(0, p.num_kv_heads * p.C * p.group, 16, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) merge_row(p, i);
   });
+}
+
+// The query heads of each kv head: (largest group, q_first's data or null). q_first: int32
+// [Hkv + 1] ascending offsets from 0 to Hq, every group at least one head; absent: equal groups.
+std::pair<int64_t, const int32_t*> head_groups(const c10::optional<torch::Tensor>& q_first, int64_t Hq,
+                                               int64_t Hkv) {
+  if (!q_first.has_value()) {
+    TORCH_CHECK(Hq % Hkv == 0, "q heads (", Hq, ") must be a multiple of kv heads (", Hkv, ")");
+    return {Hq / Hkv, nullptr};
+  }
+  const torch::Tensor& f = *q_first;
+  TORCH_CHECK(f.dim() == 1 && f.size(0) == Hkv + 1 && f.scalar_type() == torch::kInt && f.is_contiguous(),
+              "q_first: expected a contiguous int32 [", Hkv + 1, "], got ", f.sizes());
+  const int32_t* first = f.data_ptr<int32_t>();
+  TORCH_CHECK(first[0] == 0 && first[Hkv] == Hq, "q_first must run from 0 to the ", Hq, " q heads");
+  int64_t G = 0;
+  for (int64_t g = 0; g < Hkv; ++g) {
+    TORCH_CHECK(first[g + 1] > first[g], "q_first: kv head ", g, " has no query head");
+    G = std::max<int64_t>(G, first[g + 1] - first[g]);
+  }
+  return {G, first};
 }
 
 // Per-thread kernel scratch for items of `qtile` queries of a group of G heads, head dim D.
@@ -226,7 +250,6 @@ Shapes check_inputs(int64_t isa, const torch::Tensor& q, const torch::Tensor& kc
   TORCH_CHECK(sh.q_bf16 || q.scalar_type() == torch::kFloat, "q: expected bfloat16 or float32");
   if (isa == 0)
     TORCH_CHECK(sh.q_bf16 && sh.kv_bf16, "the avx512bf16 kernel needs bfloat16 q and a bfloat16 or quantized KV cache");
-  TORCH_CHECK(q.size(1) % sh.Hkv == 0, "q heads (", q.size(1), ") must be a multiple of kv heads (", sh.Hkv, ")");
   check_tokens(q, "q", q.size(1), sh.D, q.scalar_type());
   return sh;
 }
@@ -234,11 +257,11 @@ Shapes check_inputs(int64_t isa, const torch::Tensor& q, const torch::Tensor& kc
 // out[C, Hq, D] = causal attention of q (positions [L, L + C)) over cached tokens [0, L + C).
 torch::Tensor chunk_attention(int64_t isa, torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor pt,
                               int64_t L, double scale, c10::optional<torch::Tensor> out_opt, int64_t qtile,
-                              int64_t kv_split, int64_t page_size) {
+                              int64_t kv_split, int64_t page_size, c10::optional<torch::Tensor> q_first) {
   const auto [P, Hkv, ps, D, q_bf16, kv_bf16, kv_quant] = check_inputs(isa, q, kc, vc, "C", page_size);
   const int64_t C = q.size(0), Hq = q.size(1);
   TORCH_CHECK(L >= 0, "prefix_len must be >= 0");
-  const int64_t G = Hq / Hkv;
+  const auto [G, heads] = head_groups(q_first, Hq, Hkv);
   torch::Tensor out;
   if (out_opt.has_value()) {
     out = *out_opt;
@@ -268,6 +291,7 @@ torch::Tensor chunk_attention(int64_t isa, torch::Tensor q, torch::Tensor kc, to
   p.num_kv_heads = Hkv;
   p.head_dim = D;
   p.group = G;
+  p.q_first = heads;
   p.C = C;
   p.L = L;
   p.qtile = qtile;
@@ -416,7 +440,7 @@ void check_decode_tables(const torch::Tensor& tables, const torch::Tensor& lens,
 // so the bits equal B chunk_attention calls at any thread count.
 void decode_attention(int64_t isa, torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor kc,
                       torch::Tensor vc, torch::Tensor tables, torch::Tensor lens, double scale, torch::Tensor out,
-                      int64_t page_size) {
+                      int64_t page_size, c10::optional<torch::Tensor> q_first) {
   const auto [P, Hkv, ps, D, q_bf16, kv_bf16, kv_quant] = check_inputs(isa, q, kc, vc, "B", page_size);
   const int64_t B = q.size(0), Hq = q.size(1);
   check_tokens(k, "k_new", Hkv, D, q.scalar_type());
@@ -426,7 +450,8 @@ void decode_attention(int64_t isa, torch::Tensor q, torch::Tensor k, torch::Tens
               " rows each, got ", k.size(0), ", ", v.size(0), ", ", out.size(0));
   check_decode_tables(tables, lens, B, ps, P);
   if (B == 0) return;
-  const int64_t G = Hq / Hkv, W = tables.size(1);
+  const auto [G, heads] = head_groups(q_first, Hq, Hkv);
+  const int64_t W = tables.size(1);
   const int64_t* L = lens.data_ptr<int64_t>();
 
   std::vector<pa::Params> seqs(B);
@@ -447,6 +472,7 @@ void decode_attention(int64_t isa, torch::Tensor q, torch::Tensor k, torch::Tens
     p.num_kv_heads = Hkv;
     p.head_dim = D;
     p.group = G;
+    p.q_first = heads;
     p.C = 1;
     p.L = L[b];
     p.qtile = 1;  // chunk_attention's min(max(1, 128 / G), C) for C = 1
@@ -503,10 +529,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("chunk_attention", &chunk_attention, "fused causal chunk attention (vector kernels)", py::arg("isa"),
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("page_table"), py::arg("prefix_len"),
         py::arg("scale"), py::arg("out") = py::none(), py::arg("qtile") = 0, py::arg("kv_split") = 0,
-        py::arg("page_size") = 0, py::call_guard<py::gil_scoped_release>());
+        py::arg("page_size") = 0, py::arg("q_first") = py::none(), py::call_guard<py::gil_scoped_release>());
   m.def("decode_attention", &decode_attention,
         "one decode step of a layer for all sequences: KV write + attention (vector kernels)", py::arg("isa"),
         py::arg("q"), py::arg("k_new"), py::arg("v_new"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("page_tables"), py::arg("prefix_lens"), py::arg("scale"), py::arg("out"),
-        py::arg("page_size") = 0, py::call_guard<py::gil_scoped_release>());
+        py::arg("page_size") = 0, py::arg("q_first") = py::none(), py::call_guard<py::gil_scoped_release>());
 }

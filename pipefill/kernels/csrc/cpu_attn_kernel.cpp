@@ -315,19 +315,20 @@ struct Kernel {
   static constexpr int64_t kEsz = KVB ? 2 : 4;
   const Params& p;
   const Scratch& s;
-  int64_t G, g, part, t0, base_pos, kend, kv_lo, kv_hi, head_off, page_stride;
+  int64_t G, g, q0, part, t0, base_pos, kend, kv_lo, kv_hi, head_off, page_stride;
   int M, nblk;
   float c;
   int64_t kend_b[2048 / R + 1];
 
   Kernel(const Params& p_, const Scratch& s_, int64_t item) : p(p_), s(s_) {
-    G = p.group;
     const int64_t Hkv = p.num_kv_heads, ps = p.page_size;
     const int64_t ntiles = (p.C + p.qtile - 1) / p.qtile;
     part = item % p.nparts;
     const int64_t rest = item / p.nparts;
     const int64_t ti = ntiles - 1 - rest / Hkv;  // longest (last) q-tiles first
     g = rest % Hkv;
+    G = group_of(p, g);
+    q0 = first_q_head(p, g);
     t0 = ti * p.qtile;
     const int64_t nt = p.C - t0 < p.qtile ? p.C - t0 : p.qtile;
     M = (int)(nt * G);
@@ -352,7 +353,7 @@ struct Kernel {
   const char* q_row_src(int r, int64_t g) const {
     const int64_t t = r / G, h = r % G;
     const int64_t esz = p.q_bf16 ? 2 : 4;
-    return static_cast<const char*>(p.q) + ((t0 + t) * p.q_st + (g * G + h) * p.q_sh) * esz;
+    return static_cast<const char*>(p.q) + ((t0 + t) * p.q_st + (q0 + h) * p.q_sh) * esz;
   }
 
   // Q rows (padding rows zero): bf16 as given for the bf16 kernel, else float32.
@@ -682,7 +683,7 @@ struct Kernel {
 
   // Split KV: the unnormalised O rows, running max and sum of this part, for the glue to merge.
   void epilogue_part() const {
-    float* dst = p.partial + (g * p.nparts + part) * M * (D + 2);
+    float* dst = p.partial + (g * p.nparts + part) * p.C * p.group * (D + 2);
     for (int r = 0; r < M; ++r, dst += D + 2) {
       std::memcpy(dst, s.o + (int64_t)r * D, D * 4);
       dst[D] = s.m[r];
@@ -695,7 +696,7 @@ struct Kernel {
     const int64_t esz = p.q_bf16 ? 2 : 4;
     for (int r = 0; r < M; ++r) {
       const int64_t t = r / G, h = r % G;
-      char* dst = static_cast<char*>(p.out) + ((t0 + t) * p.o_st + (g * G + h) * p.o_sh) * esz;
+      char* dst = static_cast<char*>(p.out) + ((t0 + t) * p.o_st + (q0 + h) * p.o_sh) * esz;
       const float inv = 1.0f / hsum(loadf(s.l + (int64_t)r * W));
       const float* orow = s.o + (int64_t)r * D;
       for (int d = 0; d < D; d += W) {

@@ -31,11 +31,16 @@ struct Params {
   const void* k;  // packed layer cache [num_pages, Hkv, page_size * D]
   const void* v;
   const int32_t* page_table;
-  int64_t page_size, num_kv_heads, head_dim, group;  // group = Hq / Hkv
+  int64_t page_size, num_kv_heads, head_dim, group;  // group = Hq / Hkv; the largest with q_first
+  // Unequal groups (a TP rank holding part of a KV head's query heads, ARCHITECTURE.md 'Tensor
+  // parallelism inside a stage'): kv head g serves query heads [q_first[g], q_first[g + 1]);
+  // null: equal groups, kv head g serves [g * group, (g + 1) * group).
+  const int32_t* q_first;
   int64_t C, L;   // queries at positions [L, L + C)
   int64_t qtile;  // query tokens per work item
   // Split KV (flash-decoding, one q-tile only): keys [i * kv_part, (i + 1) * kv_part) are part i
-  // of nparts (1 = no split); part results go to partial [Hkv, nparts, C * group, D + 2]
+  // of nparts (1 = no split); part results go to partial [Hkv, nparts, C * group, D + 2] (a
+  // smaller group's rows first, the rest unused)
   // (unnormalised O, max in the log2 domain, sum), merged by the glue in part order.
   int64_t kv_part, nparts;
   float* partial;
@@ -64,6 +69,9 @@ constexpr int kLanes = 16;   // floats per row of Scratch::l (the widest vector)
 
 // Scratch rows: a multiple of every block height (4, 6, 8), so whole blocks always fit.
 inline int64_t rows_pad(int64_t qtile, int64_t group) { return (qtile * group + 23) / 24 * 24; }
+
+inline int64_t group_of(const Params& p, int64_t g) { return p.q_first ? p.q_first[g + 1] - p.q_first[g] : p.group; }
+inline int64_t first_q_head(const Params& p, int64_t g) { return p.q_first ? p.q_first[g] : g * p.group; }
 
 inline int64_t num_items(const Params& p) { return p.num_kv_heads * ((p.C + p.qtile - 1) / p.qtile) * p.nparts; }
 

@@ -110,9 +110,10 @@ def pieces(prefill: list[list[int]], dst_heads: list[int]) -> list[Piece]:
 
 
 def whole_source(prefill: list[list[int]], dst_heads: list[int]) -> int | None:
-    """The prefill rank whose pages are exactly the decode rank's (same heads, same order):
-    its pages cross as they are, with no cutting. None when the heads must be cut."""
-    cut = pieces(prefill, dst_heads)
-    if len(cut) == 1 and cut[0].src_at == 0 and len(prefill[cut[0].src]) == len(dst_heads):
-        return cut[0].src
+    """The first prefill rank whose pages are exactly the decode rank's (same heads, same
+    order): its pages cross as they are, with no cutting (at equal TP with a straddled KV head
+    on two ranks, each decode rank's own prefill rank). None when the heads must be cut."""
+    for r, hs in enumerate(prefill):
+        if list(hs) == list(dst_heads):
+            return r
     return None

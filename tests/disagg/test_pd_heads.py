@@ -23,6 +23,19 @@ def test_tp_head_maps(heads, kv_heads, tp, want):
     assert tp_head_map(heads, kv_heads, tp) == want
 
 
+def test_query_split_maps_keep_a_straddled_head_on_both_ranks():
+    """Split by query heads (9 over 3 KV heads at TP 2: heads 0-4 and 5-8) KV head 1 is on
+    both prefill ranks: a valid map; a TP 1 decode takes heads 0-1 from rank 0 and head 2 from
+    rank 1, a whole-groups TP 2 decode rank 0 takes rank 0's pages whole."""
+    prefill = tp_head_map(9, 3, 2, "queries")
+    assert prefill == [[0, 1], [1, 2]]
+    check_pairing(prefill, [[0, 1, 2]], 3)
+    assert pieces(prefill, [0, 1, 2]) == [Piece(0, 0, 0, 2), Piece(1, 1, 2, 1)]
+    assert whole_source(prefill, [0, 1]) == 0
+    assert pieces(prefill, [2]) == [Piece(1, 1, 0, 1)]
+    assert whole_source(prefill, [1, 2]) == 1
+
+
 def test_three_heads_over_two_prefill_ranks_into_one_decode_rank():
     prefill = [[0, 1], [2]]
     assert pieces(prefill, [0, 1, 2]) == [Piece(0, 0, 0, 2), Piece(1, 0, 2, 1)]

@@ -49,6 +49,21 @@ def test_unequal_groups_match_float64(q_per_kv, L, C):
     assert (out.double() - ref).abs().max().item() < 5e-6 * max(1.0, ref.abs().max().item())
 
 
+@pytest.mark.skipif(not ca.kernel_available("avx512bf16")[0], reason="no avx512bf16 kernel here")
+@pytest.mark.parametrize("q_per_kv", GROUPS)
+def test_bf16_kernel_takes_unequal_groups(q_per_kv):
+    L, C = 70, 33
+    q, k, v, kc, vc, table = _setup(L, C, q_per_kv)
+    q, k, v = (t.to(torch.bfloat16) for t in (q, k, v))
+    kc, vc = kc.to(torch.bfloat16), vc.to(torch.bfloat16)
+    ca.write_kv(kc, vc, k[:L], v[:L], table, 0)
+    out = ca.chunk_attention("avx512bf16", q, kc, vc, table, L, 0.125, k_new=k[L:],
+                             v_new=v[L:], q_first=ca.query_head_offsets(q_per_kv))
+    ref = _reference(q, k, v, L, q_per_kv)
+    rounding = (ref.to(torch.bfloat16).double() - ref).abs().max().item()
+    assert (out.double() - ref).abs().max().item() <= 1.5 * rounding + 2e-3
+
+
 @pytest.mark.parametrize("q_per_kv", GROUPS)
 def test_batched_decode_equals_chunks_bit_for_bit(q_per_kv):
     lens, D = [40, 2100, 0], 64

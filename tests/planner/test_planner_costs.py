@@ -88,6 +88,17 @@ def test_tp_adds_two_allreduces_a_layer():
     assert costs.chunk_seconds(0, 1024, 0) == pytest.approx(30 * 2 * ring)
 
 
+def test_tp_costs_follow_the_ranks_head_split():
+    """SmolLM2-135M at TP 2 splits its 9 heads 5:4 (model/tensor_parallel.choose_head_split):
+    the busiest rank attends with 5 of 9 heads and keeps 2 of the 3 KV heads (one of them a
+    copy); at TP 3, 3 heads and one KV head each."""
+    two, three = (LayoutCosts(SMOLLM2, H20, Layout(1, tp), BF16) for tp in (2, 3))
+    kind = layer_kinds(SMOLLM2)[0]
+    assert two.head_split == "queries" and three.head_split == "groups"
+    assert two.shard(kind) == pytest.approx(5 / 9) and two.kv_share(kind) == pytest.approx(2 / 3)
+    assert three.shard(kind) == pytest.approx(3 / 9) and three.kv_share(kind) == pytest.approx(1 / 3)
+
+
 def test_link_bytes_follow_the_formulas():
     """TP: two rings a layer, 2(n-1)/n of S*H activations each; PP: hidden state and
     residual, S*H each, across a stage border."""

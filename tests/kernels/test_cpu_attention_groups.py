@@ -1,6 +1,7 @@
 """The vector attention kernels with unequal query groups per KV head (q_first: a TP rank
 holding part of a KV head's query heads, as SmolLM2's 9 heads over 3 KV heads split 5:4):
-chunks and decode rows against a float64 reference, the batched decode step equal to
+chunks and decode rows against a float64 reference (a bf16 and an int8 cache too), the
+batched decode step equal to
 per-sequence chunks bit for bit, and bad maps refused with a sentence."""
 import pytest
 import torch
@@ -62,6 +63,29 @@ def test_bf16_kernel_takes_unequal_groups(q_per_kv):
     ref = _reference(q, k, v, L, q_per_kv)
     rounding = (ref.to(torch.bfloat16).double() - ref).abs().max().item()
     assert (out.double() - ref).abs().max().item() <= 1.5 * rounding + 2e-3
+
+
+@pytest.mark.parametrize("q_per_kv", GROUPS)
+def test_int8_cache_takes_unequal_groups(q_per_kv):
+    """A quantized (token-major) cache: the same map, against float64 over its dequantized
+    values, a prefill chunk after a prefix and a split-KV decode row."""
+    from pipefill.kernels.kv_quant import dequantize, stored_dim
+    gen, hkv, ps, D = torch.Generator().manual_seed(5), len(q_per_kv), 64, 64
+    for L, C in [(70, 33), (2100, 1)]:
+        n = L + C
+        table = torch.randperm(n // ps + 2, generator=gen).to(torch.int32)
+        kq, vq = (torch.zeros(len(table) * ps, hkv, stored_dim(D, torch.int8), dtype=torch.int8)
+                  for _ in range(2))
+        k, v = torch.randn(n, hkv, D, generator=gen), torch.randn(n, hkv, D, generator=gen)
+        q = torch.randn(C, sum(q_per_kv), D, generator=gen)
+        ca.write_kv(kq, vq, k, v, table, 0, page_size=ps)
+        out = ca.chunk_attention(ISA, q, kq, vq, table, L, 0.125, page_size=ps,
+                                 q_first=ca.query_head_offsets(q_per_kv))
+        pos = torch.arange(n)
+        slots = table.long()[pos // ps] * ps + pos % ps
+        keys, values = (dequantize(c[slots], torch.float32) for c in (kq, vq))
+        ref = _reference(q, keys, values, L, q_per_kv)
+        assert (out.double() - ref).abs().max().item() < 5e-6 * max(1.0, ref.abs().max().item())
 
 
 @pytest.mark.parametrize("q_per_kv", GROUPS)

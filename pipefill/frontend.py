@@ -20,7 +20,7 @@ from pipefill.kernels.prefill_gemm import choose_prefill_gemm
 from pipefill.model.attention import choose_backend, resolve_kv_dtype
 from pipefill.model.loader import (WeightSource, keeps_blocks, resolve_model_path,
                                    resolve_weight_dtype)
-from pipefill.model.tensor_parallel import check_tensor_parallel
+from pipefill.model.tensor_parallel import check_tensor_parallel, has_unequal_groups
 from pipefill.model.tokenizer import read_chat_template
 from pipefill.base.plan import NewRequest, PDInfo, RequestOutput, SamplingParams, is_room_in_use
 from pipefill.base.platform import cpu_vendor, resolve_dtype, usable_cpu_flags
@@ -58,7 +58,8 @@ def prepare(args: ServerArgs) -> tuple[ServerArgs, WeightSource]:
         choose_backend(args.attention_backend, dtype, source.config.head_dim, args.page_size,
                        torch.device(args.device), resolve_kv_dtype(args.kv_cache_dtype, dtype),
                        usable_cpu_flags(args.hide_cpu_flags), source.config.has_windows,
-                       latent=source.config.mla is not None)
+                       latent=source.config.mla is not None,
+                       unequal_groups=has_unequal_groups(source.config, args.tp_size))
     if args.prefill_gemm == "onednn":  # likewise
         dtype = resolve_dtype(args.dtype, usable_cpu_flags(args.hide_cpu_flags))
         choose_prefill_gemm("onednn", dtype, resolve_weight_dtype(args.weight_dtype, dtype),

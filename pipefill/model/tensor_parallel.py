@@ -181,9 +181,14 @@ def choose_head_split(cfg: ModelConfig, size: int) -> tuple[str, str]:
     return "groups", costs
 
 
-def stage_head_shares(cfg: ModelConfig, size: int) -> list[tuple[range, range]]:
-    """Each rank's (query heads, KV heads) as tp_shard gives them (choose_head_split's)."""
-    return head_shares(cfg.num_heads, cfg.num_kv_heads, size, choose_head_split(cfg, size)[0])
+def has_unequal_groups(cfg: ModelConfig, size: int) -> bool:
+    """Whether some rank's query groups differ in size under the split tp_shard takes (the
+    AMX kernel does not take such a rank)."""
+    if size == 1 or cfg.mla is not None:
+        return False
+    group = cfg.num_heads // cfg.num_kv_heads
+    return any(local_groups(q, kv, group) for q, kv in
+               head_shares(cfg.num_heads, cfg.num_kv_heads, size, choose_head_split(cfg, size)[0]))
 
 
 # The fused elementwise kernels take widths in multiples of this (model/layers.py): an MLP

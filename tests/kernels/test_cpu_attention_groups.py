@@ -121,3 +121,10 @@ def test_bad_maps_are_sentences(offsets, sentence):
     with pytest.raises(RuntimeError, match=sentence):
         ca.chunk_attention(ISA, q, kc, vc, table, 0, 0.125, k_new=k, v_new=v,
                            q_first=torch.tensor(offsets, dtype=torch.int32))
+
+
+def test_amx_is_refused_for_unequal_groups():
+    from pipefill.model.attention import choose_backend
+    with pytest.raises(ValueError, match="unequal query groups .* which the AMX kernel does not"):
+        choose_backend("amx", torch.bfloat16, 64, 64, torch.device("cpu"),
+                       unequal_groups=True)

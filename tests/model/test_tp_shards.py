@@ -15,7 +15,7 @@ from pipefill.model.families.llama import LLAMA
 from pipefill.model.loader import WeightSource
 from pipefill.model.tensor_parallel import (MLP_GRAIN, ShardedSource, TPOps,
                                             check_tensor_parallel, choose_head_split,
-                                            head_shares, local_groups, mlp_shares, rank_costs,
+                                            has_unequal_groups, head_shares, local_groups, mlp_shares, rank_costs,
                                             shares, tp_shard)
 from pipefill.runtime.stage import build_stage
 
@@ -104,6 +104,8 @@ def test_head_split_rule_takes_query_heads_where_the_busiest_rank_gains():
     eight_two = SimpleNamespace(**{**vars(SMOLLM2), "num_heads": 8, "num_kv_heads": 2})
     assert choose_head_split(eight_two, 3)[0] == "queries"  # 3, 3, 2 against 2, 2, 4
     assert tp_shard(SMOLLM2, 1, 2).q_per_kv == (1, 3)
+    assert has_unequal_groups(SMOLLM2, 2) and not has_unequal_groups(SMOLLM2, 3)
+    assert has_unequal_groups(eight_two, 3) and not has_unequal_groups(six_two, 2)
 
 
 def test_mlp_shares_even_out_the_ranks_weights():

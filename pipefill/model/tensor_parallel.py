@@ -201,8 +201,9 @@ def mlp_shares(width: int, size: int, attention: list[float] | None = None) -> l
     a multiple of it and has at least one unit per rank. `attention`: each rank's attention
     weights in MLP columns (its q/k/v/o rows over 3 x hidden, see attention_columns). Equal
     (or None): ceil/floor shares. Unequal (heads split by whole GQA groups, 6:3 for 9 heads
-    over 3 KV heads; 5:4 by query heads, a little): a rank with fewer heads takes more columns, so every rank holds (and
-    multiplies a token by) the same weight, the largest-remainder rounding of that split."""
+    over 3 KV heads; 5:4 by query heads, a little): a rank with fewer heads takes more
+    columns, so every rank holds (and multiplies a token by) the same weight, the
+    largest-remainder rounding of that split."""
     grain = MLP_GRAIN if width % MLP_GRAIN == 0 and width // MLP_GRAIN >= size else 1
     units = width // grain
     if attention is None or len(set(attention)) == 1:

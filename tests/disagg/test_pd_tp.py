@@ -2,7 +2,8 @@
 processes: a prefill Engine and a decode Engine in this process, each with its own stage
 processes (one per TP rank), paired through the prefill's bootstrap service. The model has 6
 query and 3 KV heads, split by query heads at TP 2 (3 and 3; the ranks hold KV heads 0-1 and
-1-2, head 1 on both), and the decode's ranks take them cut differently; prompts of several chunks (37 tokens, pages of 16) cross chunk by chunk.
+1-2, head 1 on both), and the decode's ranks take them cut differently; prompts of several
+chunks (37 tokens, pages of 16) cross chunk by chunk.
 Greedy tokens and every token's logprob (float32) must be one colocated TP 1 engine's: TP 2 ->
 TP 1 and TP 1 -> TP 2 over tcp, TP 2 -> TP 4 (a KV head on two decode ranks) and PP 2 x TP 2
 -> TP 2 over Mooncake (slow)."""

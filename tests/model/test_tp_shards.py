@@ -15,8 +15,8 @@ from pipefill.model.families.llama import LLAMA
 from pipefill.model.loader import WeightSource
 from pipefill.model.tensor_parallel import (MLP_GRAIN, ShardedSource, TPOps,
                                             check_tensor_parallel, choose_head_split,
-                                            has_unequal_groups, head_shares, local_groups, mlp_shares, rank_costs,
-                                            shares, tp_shard)
+                                            has_unequal_groups, head_shares, local_groups,
+                                            mlp_shares, rank_costs, shares, tp_shard)
 from pipefill.runtime.stage import build_stage
 
 
@@ -70,7 +70,8 @@ QUERY_HEADS = {
 }
 
 
-@pytest.mark.parametrize("heads", QUERY_HEADS, ids=[f"{q}q{kv}kv-tp{n}" for q, kv, n in QUERY_HEADS])
+@pytest.mark.parametrize("heads", QUERY_HEADS,
+                         ids=[f"{q}q{kv}kv-tp{n}" for q, kv, n in QUERY_HEADS])
 def test_query_head_shares_keep_the_kv_heads_their_queries_read(heads):
     q_heads, kv_heads, ranks = heads
     got = head_shares(q_heads, kv_heads, ranks, "queries")

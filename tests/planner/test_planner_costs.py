@@ -95,8 +95,10 @@ def test_tp_costs_follow_the_ranks_head_split():
     two, three = (LayoutCosts(SMOLLM2, H20, Layout(1, tp), BF16) for tp in (2, 3))
     kind = layer_kinds(SMOLLM2)[0]
     assert two.head_split == "queries" and three.head_split == "groups"
-    assert two.shard(kind) == pytest.approx(5 / 9) and two.kv_share(kind) == pytest.approx(2 / 3)
-    assert three.shard(kind) == pytest.approx(3 / 9) and three.kv_share(kind) == pytest.approx(1 / 3)
+    assert two.shard(kind) == pytest.approx(5 / 9)
+    assert two.kv_share(kind) == pytest.approx(2 / 3)
+    assert three.shard(kind) == pytest.approx(3 / 9)
+    assert three.kv_share(kind) == pytest.approx(1 / 3)
 
 
 def test_link_bytes_follow_the_formulas():

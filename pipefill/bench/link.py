@@ -25,24 +25,19 @@ import datetime
 import json
 import os
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 
 import torch
 import torch.distributed as dist
 
 from pipefill.base.plan import PipeMessage, StepResult
-from pipefill.bench.netdelay import (DelayLink, add_namespaces, delete_namespaces,
-                                     in_namespace, measure)
+from pipefill.bench.netdelay import (DelayLink, NodePair, finish_nodes, generate_across,
+                                     generate_argv, measure, namespaces, start_on_node)
 from pipefill.runtime.executor import Activations
 from pipefill.runtime.p2p import Pipe
 
-TAG = f"pfl{os.getpid() % 100000}"
-NS = (f"{TAG}a", f"{TAG}b")
-TUN = (f"{TAG}ta", f"{TAG}tb")
-TUN_IP = ("10.79.0.1", "10.79.0.2")
+NODES = NodePair.of_this_process("pfl", "t", "10.79.0")  # TUN devices
 BASE_PORT = 29600
 RUN_TIMEOUT_S = 900
 
@@ -85,14 +80,8 @@ def check(ns: argparse.Namespace) -> None:
 
 def run(ns: argparse.Namespace) -> int:
     check(ns)
-    reason = add_namespaces(NS)
-    if reason is not None:
-        delete_namespaces(NS)
-        raise ValueError(f"cannot create network namespaces: {reason}")
-    try:
+    with namespaces(NODES.ns):
         rows = measure_links(ns)
-    finally:
-        delete_namespaces(NS)
     report(ns, rows)
     return 0
 
@@ -103,8 +92,10 @@ def measure_links(ns: argparse.Namespace) -> dict[float, dict]:
     ports = iter(range(BASE_PORT, BASE_PORT + 1000, 2))
     for rep in range(1 if ns.p2p else ns.reps):
         for delay, row in rows.items():
-            with DelayLink(NS, TUN, TUN_IP, delay_ms=delay, rate_gbit=ns.rate_gbit):
-                row["rtt_ms"].append(measure(NS, TUN_IP[1], next(ports), 8 << 20)["rtt_ms"])
+            with DelayLink(NODES.ns, NODES.iface, NODES.ip, delay_ms=delay,
+                           rate_gbit=ns.rate_gbit):
+                row["rtt_ms"].append(measure(NODES.ns, NODES.ip[1], next(ports),
+                                             8 << 20)["rtt_ms"])
                 if ns.p2p:
                     row["ms"] += [s * 1000 for s in run_p2p(ns, next(ports))]
                     row["chunks"] = ns.chunks
@@ -115,52 +106,23 @@ def measure_links(ns: argparse.Namespace) -> dict[float, dict]:
     return rows
 
 
-def _start(node: int, argv: list[str]) -> subprocess.Popen:
-    return subprocess.Popen(in_namespace(NS[node], TUN[node], argv), stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-
-
-def _finish(procs: list[subprocess.Popen], what: str) -> list[str]:
-    outs = []
-    try:
-        for p in procs:
-            out = p.communicate(timeout=RUN_TIMEOUT_S)[0]
-            if p.returncode:
-                raise RuntimeError(f"{what} failed (exit {p.returncode}): {out[-2000:]}")
-            outs.append(out)
-    finally:
-        for p in procs:
-            p.kill()
-            p.wait()
-    return outs
-
-
 def run_prefill(ns: argparse.Namespace, port: int) -> tuple[float, int]:
     """One `pipefill generate` per namespace, PP2 across the link: (TTFT in s, chunks)."""
-    argv = [sys.executable, "-m", "pipefill.cli.main", "generate", "--input-len",
-            str(ns.input_len), "--max-new-tokens", "1", "--chunked-prefill-size",
-            str(ns.chunked_prefill_size), "--dtype", ns.dtype, "--threads-per-stage",
-            str(ns.threads_per_stage), "--pp-size", "2", "--nnodes", "2",
-            "--dist-init-addr", f"{TUN_IP[0]}:{port}"]
-    if ns.model_path:
-        argv += ["--model-path", ns.model_path]
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "out.json")
-        node1 = _start(1, argv + ["--node-rank", "1"])
-        node0 = _start(0, argv + ["--node-rank", "0", "--output-json", out])
-        _finish([node0, node1], "the PP2 prefill")
-        with open(out) as f:
-            metrics = json.load(f)["metrics"]
+    argv = generate_argv(NODES, port, ns.input_len, ns.dtype, ns.threads_per_stage,
+                         ns.model_path, "--chunked-prefill-size", str(ns.chunked_prefill_size),
+                         "--pp-size", "2")
+    metrics = generate_across(NODES, argv, "the PP2 prefill", RUN_TIMEOUT_S)
     return metrics["ttft_s"], len(metrics["chunk_sizes"])
 
 
 def run_p2p(ns: argparse.Namespace, port: int) -> list[float]:
     """Seconds per round of ns.chunks micro-batches over the link, warm-up round left out."""
-    spec = json.dumps({"addr": f"{TUN_IP[0]}:{port}", "rounds": ns.reps + 1,
+    spec = json.dumps({"addr": f"{NODES.ip[0]}:{port}", "rounds": ns.reps + 1,
                        "chunks": ns.chunks, "rows": ns.chunk_size, "hidden": ns.hidden_size,
                        "compute_s": ns.compute_ms / 1000})
     argv = [sys.executable, "-m", "pipefill.bench.link"]
-    outs = _finish([_start(r, argv + [str(r), spec]) for r in (0, 1)], "the p2p run")
+    outs = finish_nodes([start_on_node(NODES, r, argv + [str(r), spec]) for r in (0, 1)],
+                        "the p2p run", RUN_TIMEOUT_S)
     return json.loads(outs[0].strip().splitlines()[-1])[1:]
 
 

@@ -19,7 +19,9 @@ from __future__ import annotations
 
 import argparse
 import collections
+import contextlib
 import fcntl
+import json
 import os
 import select
 import shutil
@@ -28,6 +30,7 @@ import statistics
 import struct
 import subprocess
 import sys
+import tempfile
 import time
 from dataclasses import dataclass
 
@@ -86,6 +89,37 @@ def forward(fd_a: int, fd_b: int, delay_s: float, rate_bps: float) -> None:
             _release(d, now)
 
 
+@dataclass(frozen=True)
+class NodePair:
+    """Two network namespaces standing for two nodes, one interface and address each (the
+    bench's TUN devices or veth ends): `pipefill bench link` and `pipefill bench tp-vs-pp`."""
+    ns: tuple[str, str]
+    iface: tuple[str, str]
+    ip: tuple[str, str]
+
+    @classmethod
+    def of_this_process(cls, prefix: str, kind: str, subnet: str) -> NodePair:
+        """Names that carry this process's id, so two runs at once do not collide (an
+        interface name has at most 15 characters); addresses subnet.1 and subnet.2."""
+        tag = f"{prefix}{os.getpid() % 100000}"
+        return cls((f"{tag}a", f"{tag}b"), (f"{tag}{kind}a", f"{tag}{kind}b"),
+                   (f"{subnet}.1", f"{subnet}.2"))
+
+
+@contextlib.contextmanager
+def namespaces(names):
+    """The namespaces for the with-block, deleted after it with what was moved into them
+    (veth ends, TUN devices, qdiscs); a ValueError with the reason where they cannot be
+    created."""
+    try:
+        reason = add_namespaces(names)
+        if reason is not None:
+            raise ValueError(f"cannot create network namespaces: {reason}")
+        yield
+    finally:
+        delete_namespaces(names)
+
+
 def add_namespaces(names) -> str | None:
     """Creates network namespaces with their loopback up; a reason it cannot, or None. Needs
     root (CAP_SYS_ADMIN and CAP_NET_ADMIN)."""
@@ -108,6 +142,59 @@ def in_namespace(ns: str, iface: str, argv: list[str]) -> list[str]:
     """argv run inside namespace `ns`, with gloo on `iface` (inside a namespace the host name
     resolves to no address of it)."""
     return ["ip", "netns", "exec", ns, "env", f"GLOO_SOCKET_IFNAME={iface}", *argv]
+
+
+def generate_argv(pair: NodePair, port: int, input_len: int, dtype: str, threads: int,
+                  model_path: str | None, *extra: str) -> list[str]:
+    """A one-token `pipefill generate` of `input_len` tokens over both nodes, node 0 the
+    rendezvous (--node-rank is added per node), with room for the token (--max-model-len
+    prompt + 1, so a prompt as long as the model's limit runs)."""
+    argv = [sys.executable, "-m", "pipefill.cli.main", "generate", "--input-len", str(input_len),
+            "--max-new-tokens", "1", "--max-model-len", str(input_len + 1), "--dtype", dtype,
+            "--threads-per-stage", str(threads), *extra, "--nnodes", "2",
+            "--dist-init-addr", f"{pair.ip[0]}:{port}"]
+    return argv + (["--model-path", model_path] if model_path else [])
+
+
+def start_on_node(pair: NodePair, node: int, argv: list[str]) -> subprocess.Popen:
+    # Output into a file, not a pipe: the stage processes inherit it, and a full pipe would
+    # block them while we wait for the other node.
+    log = tempfile.TemporaryFile(mode="w+")
+    proc = subprocess.Popen(in_namespace(pair.ns[node], pair.iface[node], argv), stdout=log,
+                            stderr=subprocess.STDOUT, text=True)
+    proc.log = log
+    return proc
+
+
+def finish_nodes(procs: list[subprocess.Popen], what: str, timeout_s: float) -> list[str]:
+    """Each process's output once it ended; a RuntimeError with the end of a failed one's.
+    Whatever still runs is killed either way."""
+    outs = []
+    try:
+        for p in procs:
+            p.wait(timeout=timeout_s)
+            p.log.seek(0)
+            outs.append(p.log.read())
+            if p.returncode:
+                raise RuntimeError(f"{what} failed (exit {p.returncode}): {outs[-1][-2000:]}")
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+            p.log.close()
+    return outs
+
+
+def generate_across(pair: NodePair, argv: list[str], what: str, timeout_s: float) -> dict:
+    """Runs generate_argv's command on both nodes: node 0's metrics (its --output-json)."""
+    with tempfile.TemporaryDirectory() as tmp:
+        out = os.path.join(tmp, "out.json")
+        node1 = start_on_node(pair, 1, argv + ["--node-rank", "1"])
+        node0 = start_on_node(pair, 0, argv + ["--node-rank", "0", "--output-json", out])
+        finish_nodes([node0, node1], what, timeout_s)
+        with open(out) as f:
+            return json.load(f)["metrics"]
 
 
 @dataclass
@@ -198,7 +285,6 @@ def _probe(ip: str, port: int, nbytes: int) -> None:
 
 def measure(ns: tuple[str, str], ip_b: str, port: int, nbytes: int = 256 << 20) -> dict:
     """RTT and goodput from namespace ns[0] to a probe server at ip_b in ns[1]."""
-    import json
     srv = subprocess.Popen(["ip", "netns", "exec", ns[1], sys.executable, __file__, "--serve",
                             ip_b, str(port)], stdout=subprocess.PIPE, text=True)
     try:

@@ -30,15 +30,10 @@ import os
 import shutil
 import statistics
 import subprocess
-import sys
-import tempfile
 
-from pipefill.bench.netdelay import add_namespaces, delete_namespaces, in_namespace
+from pipefill.bench.netdelay import NodePair, generate_across, generate_argv, namespaces
 
-TAG = f"ptv{os.getpid() % 100000}"
-NS = (f"{TAG}a", f"{TAG}b")
-IFACE = (f"{TAG}va", f"{TAG}vb")
-IP = ("10.81.0.1", "10.81.0.2")
+NODES = NodePair.of_this_process("ptv", "v", "10.81.0")  # the veth pair's ends
 BASE_PORT = 29700
 RUN_TIMEOUT_S = 1800
 LAYOUTS = {"PP2": ["--pp-size", "2"], "TP2": ["--tp-size", "2"]}
@@ -118,11 +113,8 @@ def _ip(*args: str) -> None:
 
 def make_link() -> None:
     """The veth pair between the namespaces, addresses up (no rate limit yet)."""
-    reason = add_namespaces(NS)
-    if reason is not None:
-        raise ValueError(f"cannot create network namespaces: {reason}")
-    _ip("link", "add", IFACE[0], "type", "veth", "peer", "name", IFACE[1])
-    for ns, iface, ip in zip(NS, IFACE, IP):
+    _ip("link", "add", NODES.iface[0], "type", "veth", "peer", "name", NODES.iface[1])
+    for ns, iface, ip in zip(NODES.ns, NODES.iface, NODES.ip):
         _ip("link", "set", iface, "netns", ns)
         _ip("-n", ns, "addr", "add", f"{ip}/24", "dev", iface)
         _ip("-n", ns, "link", "set", iface, "up")
@@ -132,7 +124,7 @@ def set_rate(rate: str) -> None:
     """tbf at `rate` on both ends. The bucket holds 1 ms of the rate (at least 64 KB, more
     than a frame) so the limiter can keep pace at 10 Gbit/s; the queue 50 ms."""
     burst = max(64 << 10, int(parse_rate(rate) / 8 / 1000))
-    for ns, iface in zip(NS, IFACE):
+    for ns, iface in zip(NODES.ns, NODES.iface):
         r = subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "replace", "dev", iface,
                             "root", "tbf", "rate", rate, "burst", str(burst), "latency",
                             "50ms"], capture_output=True, text=True)
@@ -143,7 +135,7 @@ def set_rate(rate: str) -> None:
 def wire_bytes() -> int:
     """Bytes both ends of the veth pair have sent so far."""
     total = 0
-    for ns, iface in zip(NS, IFACE):
+    for ns, iface in zip(NODES.ns, NODES.iface):
         out = subprocess.run(["ip", "-j", "-s", "-n", ns, "link", "show", iface],
                              capture_output=True, text=True, check=True).stdout
         total += json.loads(out)[0]["stats64"]["tx"]["bytes"]
@@ -153,11 +145,9 @@ def wire_bytes() -> int:
 def run(ns: argparse.Namespace) -> int:
     rates = check(ns)
     hidden, layers = model_shape(ns.model_path)
-    try:
+    with namespaces(NODES.ns):  # the veth pair and its qdiscs go with them
         make_link()
         rows = measure(ns, rates)
-    finally:
-        delete_namespaces(NS)  # the veth pair and its qdiscs go with them
     report(ns, rates, rows, hidden, layers)
     return 0
 
@@ -190,49 +180,13 @@ def measure(ns: argparse.Namespace, rates: list[str]) -> dict:
 
 def launch(ns: argparse.Namespace, layout: str, tokens: int, port: int) -> tuple[float, int]:
     """One `pipefill generate` per namespace: (TTFT in s, bytes the link carried)."""
-    argv = [sys.executable, "-m", "pipefill.cli.main", "generate", "--input-len", str(tokens),
-            "--max-new-tokens", "1", "--max-model-len", str(tokens + 1), "--dtype", ns.dtype,
-            "--threads-per-stage", str(ns.threads_per_stage), *LAYOUTS[layout], "--nnodes", "2",
-            "--dist-init-addr", f"{IP[0]}:{port}"]
-    if ns.model_path:
-        argv += ["--model-path", ns.model_path]
-    if ns.chunked_prefill_size:
-        argv += ["--chunked-prefill-size", str(ns.chunked_prefill_size)]
+    chunk = (["--chunked-prefill-size", str(ns.chunked_prefill_size)]
+             if ns.chunked_prefill_size else [])
+    argv = generate_argv(NODES, port, tokens, ns.dtype, ns.threads_per_stage, ns.model_path,
+                         *LAYOUTS[layout], *chunk)
     before = wire_bytes()
-    with tempfile.TemporaryDirectory() as tmp:
-        out = os.path.join(tmp, "out.json")
-        node1 = _start(1, argv + ["--node-rank", "1"])
-        node0 = _start(0, argv + ["--node-rank", "0", "--output-json", out])
-        _finish([node0, node1], f"the {layout} prefill")
-        with open(out) as f:
-            ttft_s = json.load(f)["metrics"]["ttft_s"]
+    ttft_s = generate_across(NODES, argv, f"the {layout} prefill", RUN_TIMEOUT_S)["ttft_s"]
     return ttft_s, wire_bytes() - before
-
-
-def _start(node: int, argv: list[str]) -> subprocess.Popen:
-    # Through a file, not a pipe: the stage processes inherit it, and a full pipe would
-    # block them while we wait for node 0.
-    log = tempfile.TemporaryFile(mode="w+")
-    proc = subprocess.Popen(in_namespace(NS[node], IFACE[node], argv), stdout=log,
-                            stderr=subprocess.STDOUT, text=True)
-    proc.log = log
-    return proc
-
-
-def _finish(procs: list[subprocess.Popen], what: str) -> None:
-    try:
-        for p in procs:
-            p.wait(timeout=RUN_TIMEOUT_S)
-            if p.returncode:
-                p.log.seek(0)
-                raise RuntimeError(f"{what} failed (exit {p.returncode}): "
-                                   f"{p.log.read()[-2000:]}")
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
-            p.log.close()
 
 
 def _median(values: list[float]) -> str:

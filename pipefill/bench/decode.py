@@ -32,7 +32,9 @@ read + write bytes per second). The engine loop around a step (scheduler, pipes)
 A mixture-of-experts model's step reads, besides attention, KV and head, each sparse layer's
 router and shared expert and only the distinct routed experts its rows chose: those are
 counted from the routing each timed step took (the mean over steps), and the row adds the
-routers' own time (GEMM, softmax, top-k: torch ops) as a share of the step.
+routers' own time (GEMM, softmax, top-k: torch ops) as a share of the step. Where --tp-size
+(or a --compare-tp-size) splits the experts by expert (--tp-moe-split), the row also gives
+what each rank reads of them from the same routing: only the distinct experts it holds.
 """
 from __future__ import annotations
 
@@ -50,6 +52,7 @@ from pipefill.bench.prefill import add_peer_flags, load_hf_model, parse_ints, st
 from pipefill.config import resolve, server_args_from_namespace, server_args_parser_group
 from pipefill.engine import Engine
 from pipefill.model.loader import WeightSource, resolve_model_path
+from pipefill.model.tensor_parallel import resolve_moe_split, tp_shard
 from pipefill.base.platform import cpu_name, dtype_name, resolve_dtype
 from pipefill.runtime.stage import StageInfo, build_stage
 from pipefill.base.plan import SampleSpec, SeqWork, StepPlan
@@ -127,7 +130,9 @@ def run(ns: argparse.Namespace) -> int:
                       per_seq + 16)
     try:
         rows = bench_cases(executor, cases, pages_per_seq, ns.steps, ns.reps, bw,
-                           peer_steps_ms(peer, source.config.vocab_size, max(contexts)))
+                           peer_steps_ms(peer, source.config.vocab_size, max(contexts)),
+                           expert_shares(args.tp_moe_split, source.config,
+                                         [args.tp_size, *tp_sizes]))
     finally:
         if peer is not None:
             peer.close()
@@ -181,11 +186,36 @@ def weight_bytes(model, packed: bool) -> int:
     return total
 
 
-def routed_bytes(model) -> int:
+def expert_shares(requested: str, cfg, tp_sizes: list[int]) -> dict[int, list[range]]:
+    """{TP size: each rank's expert ids} for the sizes above 1 whose ranks hold whole experts
+    (--tp-moe-split expert, or auto where it resolves to it); {} for a dense model."""
+    if cfg.moe is None:
+        return {}
+    return {size: [tp_shard(cfg, rank, size, "expert").experts for rank in range(size)]
+            for size in sorted(set(tp_sizes)) if size > 1
+            and resolve_moe_split(requested, cfg, size)[0] == "expert"}
+
+
+def routed_bytes(model, experts: range | None = None) -> int:
     """Bytes of the routed experts the last step read: in each sparse layer, every distinct
-    expert its rows chose, once (the routing the step actually took)."""
-    return sum(layer.moe.expert_bytes_read(layer.moe.last_ids) for layer in model.w.layers
-               if getattr(layer, "moe", None) is not None and layer.moe.last_ids is not None)
+    expert its rows chose, once (the routing the step actually took), of those in `experts`
+    (a TP rank's own under the expert split), by default the ones the layer holds."""
+    total = 0
+    for layer in model.w.layers:
+        moe = getattr(layer, "moe", None)
+        if moe is None or moe.last_ids is None:
+            continue
+        first, ids = moe.experts.first, moe.last_ids
+        held = range(first, first + moe.experts.num_experts) if experts is None else experts
+        total += moe.expert_bytes_read(ids[(ids >= held.start) & (ids < held.stop)])
+    return total
+
+
+def routed_bytes_by_rank(model, shares: dict[int, list[range]]) -> dict:
+    """The last step's routed expert bytes: "stage" (this stage, every expert it holds) and,
+    per TP size of `shares`, what each rank would read of its own experts."""
+    return {"stage": routed_bytes(model),
+            **{size: [routed_bytes(model, r) for r in ranks] for size, ranks in shares.items()}}
 
 
 def _moe_copies(block) -> list[tuple[object, str]]:
@@ -232,11 +262,12 @@ def peer_steps_ms(peer, vocab_size: int, longest: int):
 
 
 def bench_cases(executor, cases: list[tuple[int, int]], pages_per_seq: int, steps: int,
-                reps: int, bw: float, peer=None) -> list[dict]:
+                reps: int, bw: float, peer=None, shares: dict | None = None) -> list[dict]:
     """One row per (batch, context) case. Each repetition times every case in turn (and in a
     case: packed GEMM, torch, general path, and at batch 1 the llama.cpp peer where there is
     one), so a drift of the machine's speed reaches all cases alike and the batch-B / batch-1
-    ratios compare steps timed minutes apart at most."""
+    ratios compare steps timed minutes apart at most. shares: expert_shares's, for the
+    routed expert bytes per rank."""
     cache, model = executor.cache, executor.model
     for part in (cache, cache.window):  # the window layers' own pages too, where kept apart
         if part is not None:  # real memory behind every page the steps read (any layout)
@@ -250,7 +281,8 @@ def bench_cases(executor, cases: list[tuple[int, int]], pages_per_seq: int, step
     for _ in range(reps):
         for case in cases:
             t = times[case]
-            t["ours"] += _steps_ms(executor, *case, pages_per_seq, steps, t["routed_bytes"])
+            t["ours"] += _steps_ms(executor, *case, pages_per_seq, steps, t["routed_bytes"],
+                                   shares or {})
             with _TorchLinears(model):
                 t["torch"] += _steps_ms(executor, *case, pages_per_seq, steps)
             model.fast_decode = False  # the general layer code (before the lean decode path)
@@ -288,10 +320,10 @@ class _TorchLatentDecode:
 
 
 def _steps_ms(executor, batch: int, context: int, pages_per_seq: int, n_steps: int,
-              routed: list | None = None) -> list[float]:
+              routed: list | None = None, shares: dict | None = None) -> list[float]:
     """Milliseconds of each of n_steps greedy decode steps of `batch` sequences at `context`
     cached tokens (forward + LM head + sampling, as on a last stage); each step's routed
-    expert bytes (routed_bytes) appended to `routed` where given."""
+    expert bytes (routed_bytes_by_rank over `shares`) appended to `routed` where given."""
     tables = [list(range(i * pages_per_seq, (i + 1) * pages_per_seq)) for i in range(batch)]
     times = []
     for s in range(n_steps):
@@ -304,7 +336,7 @@ def _steps_ms(executor, batch: int, context: int, pages_per_seq: int, n_steps: i
         executor.results(plan, acts)
         times.append(1e3 * (time.perf_counter() - t0))
         if routed is not None:
-            routed.append(routed_bytes(executor.model))
+            routed.append(routed_bytes_by_rank(executor.model, shares or {}))
     return times
 
 
@@ -331,7 +363,10 @@ def _row(model, cache, batch: int, context: int, times: dict, bw: float) -> dict
     kv = batch * context * sum(s.bytes_per_token for s in model.family.kv_specs(
         cfg, range(model.num_layers), cache.k.dtype))  # the latent's, for MLA
     # The routed experts a step read, from the routing the timed steps took (0: dense).
-    routed = statistics.mean(times["routed_bytes"]) if times["routed_bytes"] else 0.0
+    steps = times["routed_bytes"]
+    routed = statistics.mean(s["stage"] for s in steps) if steps else 0.0
+    per_rank = {size: [statistics.mean(s[size][r] for s in steps) for r in range(size)]
+                for size in (steps[0] if steps else {}) if size != "stage"}
     wbytes = weight_bytes(model, packed=True) + routed
     ms = statistics.median(times["ours"])
     return {"batch": batch, "context": context, "ms": ms,
@@ -341,7 +376,8 @@ def _row(model, cache, batch: int, context: int, times: dict, bw: float) -> dict
             "weight_bytes": wbytes, "routed_expert_bytes": routed, "kv_bytes": kv, "gb_per_s": (wbytes + kv) / ms / 1e6,
             "floor_ms": 1e3 * (wbytes + kv) / bw,
             **({"latent_torch_ms": statistics.median(times["latent_torch"])}
-               if times["latent_torch"] else {})}
+               if times["latent_torch"] else {}),
+            **({"routed_expert_bytes_per_rank": per_rank} if per_rank else {})}
 
 
 def equal_prompts(batch: int, context: int, vocab: int) -> torch.Tensor:
@@ -447,7 +483,7 @@ def print_row(row: dict) -> None:
             f"({row['general_ms'] / row['ms']:4.2f}x)")
     if "router_ms" in row:  # a mixture-of-experts model: what the floor's experts are
         line += (f"  routed experts {row['routed_expert_bytes'] / 1e6:.0f} MB/step (distinct "
-                 f"experts touched)  router {row['router_ms']:.3f} ms "
+                 f"experts touched){_per_rank(row)}  router {row['router_ms']:.3f} ms "
                  f"({100 * row['router_ms'] / row['ms']:.1f}% of the step)")
     if "llama_cpp_ms" in row:
         line += (f"  |  llama.cpp {row['llama_cpp_ms']:7.2f} ms/token "
@@ -461,6 +497,13 @@ def print_row(row: dict) -> None:
                  f"[{_spread(row['engine_ms_all'])}]  HF generate {row['hf_ms']:7.2f} ms/step "
                  f"[{_spread(row['hf_ms_all'])}]  engine/HF {_ratio(row['engine_over_hf'])}")
     print(line, flush=True)
+
+
+def _per_rank(row: dict) -> str:
+    """What each rank reads of the routed experts under the expert split, per TP size."""
+    return "".join(f"; per rank at --tp-size {size} split by expert (its own experts): "
+                   + " / ".join(f"{b / 1e6:.0f}" for b in ranks) + " MB/step"
+                   for size, ranks in row.get("routed_expert_bytes_per_rank", {}).items())
 
 
 def _spread(values: list[float]) -> str:

@@ -1,5 +1,7 @@
 """`pipefill bench decode --compare-tp-size`: its refusal, and (slow) a tiny run that times the
-batch-1 step at TP 1 and TP 2 (no timing is checked: only that both ran and were recorded)."""
+batch-1 step at TP 1 and TP 2 (no timing is checked: only that both ran and were recorded);
+the routed expert bytes a mixture-of-experts step reads, whole and per rank of the expert
+split."""
 from __future__ import annotations
 
 import json
@@ -8,9 +10,12 @@ import subprocess
 import sys
 
 import pytest
+import torch
 
-from conftest import save_tiny_model
+from conftest import save_tiny_model, single_stage
+from pipefill.bench.decode import _steps_ms, expert_shares
 from pipefill.cli.main import main
+from test_moe_family import save_moe
 
 
 @pytest.mark.parametrize("value", ["1", "2,x"])
@@ -36,3 +41,27 @@ def test_a_tiny_tp_comparison_prints_and_records_a_row_per_context(tmp_path):
     rows = json.loads((tmp_path / "r.json").read_text())["tp_rows"]
     assert [(row["tp_size"], row["context"]) for row in rows] == [(2, 16), (2, 40)]
     assert all(row["tp_ms"] > 0 and row["tp1_ms"] > 0 for row in rows)
+
+
+def test_routed_expert_bytes_count_each_ranks_own_experts(tmp_path):
+    """Under --tp-moe-split expert a rank reads only the distinct experts it holds: from one
+    step's routing, each rank's figure counts the chosen experts in its share, and the
+    ranks' figures add up to the whole stage's (the shares do not overlap)."""
+    path = save_moe("qwen2_moe", tmp_path / "m")  # 7 experts, top-3, two sparse layers
+    ex = single_stage(path, "float32")
+    cfg = ex.model.cfg
+    assert expert_shares("expert", cfg, [1, 2, 3]) == {
+        2: [range(0, 4), range(4, 7)], 3: [range(0, 3), range(3, 5), range(5, 7)]}
+    assert expert_shares("width", cfg, [2]) == {}
+    shares = expert_shares("auto", cfg, [2])  # auto takes the expert split here
+    routed: list = []
+    _steps_ms(ex, 8, 16, 2, 1, routed, shares)  # 8 rows: experts on both ranks' sides
+    sparse = [layer.moe for layer in ex.model.w.layers if layer.moe is not None]
+    per_expert = sparse[0].experts.expert_bytes(decode=True)
+    chosen = [set(torch.unique(m.last_ids).tolist()) for m in sparse]
+    got = routed[0]
+    assert got["stage"] == per_expert * sum(len(c) for c in chosen)
+    for rank, experts in enumerate(shares[2]):
+        own = sum(len(c & set(experts)) for c in chosen)
+        assert got[2][rank] == per_expert * own
+    assert sum(got[2]) == got["stage"] and max(got[2]) < got["stage"]

@@ -2,7 +2,10 @@
 
 "Needed" is computed from the model config and the flags, per stage: the weight matrices in
 the compute dtype (norms in float32), the decode GEMM's packed copies when that path runs on
-this CPU, and the KV of the prompt's pages at the KV dtype; "pool" is the same with the whole
+this CPU — or, where the stage keeps a GGUF file's blocks (--weight-dtype gguf, or auto where
+its rule keeps them: model/auto_weights.py), the matrices as blocks and no packed copies, since
+the quantized linear layers are their own decode copies — and the KV of the prompt's pages at
+the KV dtype; "pool" is the same with the whole
 allocated KV pool instead of the prompt's pages (the pool is allocated lazily: pages become
 resident only when written, so the prompt's KV is the bar and the pool is an upper bound).
 
@@ -21,11 +24,13 @@ from pipefill.base.platform import resolve_dtype, usable_cpu_flags
 from pipefill.chunking.startup import first_chunk_size
 from pipefill.config import Kernels, Layout, ServerArgs
 from pipefill.kernels import decode_gemm
+from pipefill.kernels.quant_gemm import hidden_int8_paths
 from pipefill.kv.cache import frees_window_pages
 from pipefill.model.attention import resolve_kv_dtype
+from pipefill.model.auto_weights import AutoFacts, gather_facts
 from pipefill.model.config import ModelConfig
 from pipefill.model.families import family_of
-from pipefill.model.loader import resolve_weight_dtype
+from pipefill.model.loader import keeps_blocks, resolve_weight_dtype, tensor_names
 
 
 def proc_status_bytes(pid: int, field: str) -> int:
@@ -97,10 +102,39 @@ def packs_decode_weights(layout: Layout, kernels: Kernels) -> bool:
     return decode_gemm.choose_isa(dtype, weight_dtype, disable)[0] is not None
 
 
+def gguf_stage_facts(args: ServerArgs, source, layers: range, first: bool, last: bool
+                     ) -> tuple[bool, str, AutoFacts | None]:
+    """(keeps, why, facts) of a stage of a GGUF `source`: whether it keeps the file's blocks
+    under args.weight_dtype, asked as build_stage asks (auto: the rule on the stage's facts),
+    and, where it may keep them, its matrices' bytes in blocks and dequantized."""
+    disable = decode_gemm.hidden_isas(args.hide_cpu_flags) + hidden_int8_paths(
+        args.hide_cpu_flags)
+    facts = None
+    if args.weight_dtype in ("auto", "gguf"):
+        dtype = resolve_dtype(args.dtype, usable_cpu_flags(args.hide_cpu_flags))
+        facts = gather_facts(source, tensor_names(source.config, layers, first, last),
+                             args.layout.device, args.dtype, dtype, args.tp_size, disable)
+    keeps, why = keeps_blocks(args.weight_dtype, source, args.layout.device, disable,
+                              facts if args.weight_dtype == "auto" else None)
+    return keeps, why, facts
+
+
+def blocks_change(cfg: ModelConfig, facts: AutoFacts, first: bool, last: bool,
+                  dtype: torch.dtype) -> int:
+    """Bytes a stage that keeps blocks holds more than stage_weight_bytes counts (negative:
+    fewer): its matrices in blocks instead of the compute dtype; where one stage holds the
+    embedding and its tied head, the embedding stays whole beside the head's blocks."""
+    change = facts.block_bytes - facts.dense_bytes
+    if first and last and cfg.tie_word_embeddings:
+        change += cfg.vocab_size * cfg.hidden_size * dtype.itemsize
+    return change
+
+
 def stage_needs(args: ServerArgs, cfg: ModelConfig, prompt_tokens: int,
-                pool_tokens: int) -> list[dict]:
+                pool_tokens: int, source=None) -> list[dict]:
     """Per stage of resolved args: weights, packed copies, KV of the prompt and of the
-    allocated pool, bytes."""
+    allocated pool, bytes. `source`: the model's WeightSource, for a GGUF file's blocks
+    (without it, every matrix counts dequantized)."""
     layout, kernels, page_size = args.layout, args.kernels, args.cache.page_size
     dtype = resolve_dtype(layout.dtype, usable_cpu_flags(kernels.hide_cpu_flags))
     kv_dtype = resolve_kv_dtype(args.cache.kv_cache_dtype, dtype)
@@ -114,12 +148,20 @@ def stage_needs(args: ServerArgs, cfg: ModelConfig, prompt_tokens: int,
     for rank, layers in enumerate(layout.ranges):
         first, last = rank == 0, rank == layout.pp_size - 1
         specs = family_of(cfg).kv_specs(cfg, layers, kv_dtype)
-        rows.append({
-            "rank": rank,
-            "weights": stage_weight_bytes(cfg, len(layers), first, last, dtype),
-            "packed": stage_packed_bytes(cfg, len(layers), last, weight_dtype) if packed else 0,
-            "kv_prompt": prompt_kv_bytes(specs, prompt_tokens, page_size, held),
-            "kv_pool": pool_tokens * sum(s.bytes_per_token for s in specs)})
+        row = {"rank": rank,
+               "weights": stage_weight_bytes(cfg, len(layers), first, last, dtype),
+               "packed": stage_packed_bytes(cfg, len(layers), last, weight_dtype)
+               if packed else 0,
+               "kv_prompt": prompt_kv_bytes(specs, prompt_tokens, page_size, held),
+               "kv_pool": pool_tokens * sum(s.bytes_per_token for s in specs)}
+        if source is not None and source.gguf is not None:
+            keeps, row["blocks_why"], facts = gguf_stage_facts(args, source, layers, first,
+                                                               last)
+            row["blocks"] = keeps
+            if keeps:
+                row["weights"] += blocks_change(cfg, facts, first, last, dtype)
+                row["packed"] = 0
+        rows.append(row)
     return rows
 
 
@@ -174,8 +216,10 @@ def format_report(mem: dict) -> str:
     per_stage = ", ".join(f"stage {s['rank']} {mib(s['peak_rss']):.0f} MiB "
                           f"(x{s['ratio_prompt']:.2f})" for s in mem["stages"])
     return (f"peak RSS of the stages {mib(mem['total_peak_rss']):.0f} MiB [{per_stage}]; "
-            f"weights {mib(mem['total_weights']):.0f} + packed {mib(mem['total_packed']):.0f} "
-            f"MiB; KV of the prompt {mib(mem['total_kv_prompt']):.0f} MiB -> "
+            f"weights {mib(mem['total_weights']):.0f}"
+            f"{' (GGUF blocks kept)' if any(s.get('blocks') for s in mem['stages']) else ''}"
+            f" + packed {mib(mem['total_packed']):.0f} MiB; KV of the prompt "
+            f"{mib(mem['total_kv_prompt']):.0f} MiB -> "
             f"x{mem['ratio_prompt']:.2f} of weights + prompt KV "
             f"({mib(w + mem['total_kv_prompt']):.0f} MiB); allocated pool "
             f"{mib(mem['total_kv_pool']):.0f} MiB -> x{mem['ratio_pool']:.2f}; "

@@ -243,7 +243,7 @@ def run(ns: argparse.Namespace) -> int:
     peer = start_peer(ns, resolve_model_path(args.model_path), threads, need + 16)
     hf = None if ns.no_hf else load_hf_model(source, dtype)
     try:
-        rows = run_configs(configs, hf, source.config, prompts, ns.reps, peak, peer)
+        rows = run_configs(configs, hf, source, prompts, ns.reps, peak, peer)
     finally:
         if peer is not None:
             peer.close()
@@ -292,9 +292,10 @@ def run_compare_chunking(ns, args, source, lengths, pp_sizes) -> int:
     return 0
 
 
-def run_configs(configs: list[Config], hf, cfg, prompts: dict, reps: int, peak: float,
+def run_configs(configs: list[Config], hf, source, prompts: dict, reps: int, peak: float,
                 peer=None):
     from pipefill.engine import Engine
+    cfg = source.config
     engines = {}
     try:
         load_peaks = {}  # each stage's peak RSS while it started (loading the weights)
@@ -337,7 +338,7 @@ def run_configs(configs: list[Config], hf, cfg, prompts: dict, reps: int, peak: 
                        "threads_per_stage": c.args.layout.num_threads,
                        "chunk_sizes": chunks[c.name],
                        "pipefill": summary(times[c.name], flops, peak, n),
-                       "memory": stage_memory(engines[c.name], c.args, cfg, n, engine_peak,
+                       "memory": stage_memory(engines[c.name], c.args, source, n, engine_peak,
                                               load_peaks[c.name], rss_before[c.name]),
                        "trace": traces.get(c.name)}
                 if hf_row:
@@ -357,11 +358,13 @@ def run_configs(configs: list[Config], hf, cfg, prompts: dict, reps: int, peak: 
             e.shutdown()
 
 
-def stage_memory(engine, args: ServerArgs, cfg, n: int, engine_peak: int,
+def stage_memory(engine, args: ServerArgs, source, n: int, engine_peak: int,
                  load_peaks: list[int], rss_before: list[int]) -> dict:
-    """Peak RSS of the engine's stage processes since the last reset, beside weights + KV,
-    with each stage's RSS before this length and its peak while it started."""
-    needs = stage_needs(args, cfg, n, engine.kv_capacity_tokens)
+    """Peak RSS of the engine's stage processes since the last reset, beside weights + KV
+    (a GGUF file's blocks where the stages keep them), with each stage's RSS before this
+    length and its peak while it started."""
+    cfg = source.config
+    needs = stage_needs(args, cfg, n, engine.kv_capacity_tokens, source=source)
     peaks = [proc_status_bytes(pid, "VmHWM") for pid in engine.stage_pids()]
     report = memory_report(needs, peaks, engine_peak)
     for stage, load_peak, before in zip(report["stages"], load_peaks, rss_before):

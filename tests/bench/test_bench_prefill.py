@@ -10,8 +10,9 @@ import torch
 from conftest import FAMILIES, save_tiny_model
 from pipefill.bench.memory import memory_report, stage_needs, stage_weight_bytes
 from pipefill.config import make_server_args, resolve
+from pipefill.kernels import quant_gemm
 from pipefill.kernels.prefill_gemm import onednn_status
-from pipefill.model.loader import WeightSource, load_stage_weights
+from pipefill.model.loader import WeightSource, load_stage_weights, resolve_model_path
 
 pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
@@ -20,7 +21,7 @@ def weight_nbytes(w) -> int:
     """Bytes of the distinct tensors a stage holds (a tied head counted once)."""
     seen, total = set(), 0
     tensors = [getattr(layer, f) for layer in w.layers for f in layer.__dataclass_fields__
-               if f != "packed"] + [w.embed, w.final_norm, w.lm_head]
+               if f not in ("packed", "prefill")] + [w.embed, w.final_norm, w.lm_head]
     for t in tensors:
         if t is not None and t.data_ptr() not in seen:
             seen.add(t.data_ptr())
@@ -37,6 +38,35 @@ def test_weight_bytes_match_the_loaded_stage(tmp_path, family, dtype):
                                 (range(2, 4), False, True)):
         w = load_stage_weights(source, layers, first, last, dtype)
         assert stage_weight_bytes(cfg, len(layers), first, last, dtype) == weight_nbytes(w)
+
+
+def test_weight_bytes_of_a_gguf_file_count_what_each_stage_keeps():
+    """The default model's GGUF file, a stage of 2 layers and one of 28: gguf counts the
+    matrices as the blocks a loaded stage holds (they are their own decode copies: nothing
+    packed), bfloat16 dequantized with packed copies, and auto what model/auto_weights.py's
+    rule picks: blocks where the quantized GEMM has a vector path here, dequantized once
+    --hide-cpu-flags hides them."""
+    source = WeightSource(resolve_model_path(None))
+
+    def needs(**kw):
+        args = resolve(make_server_args(source.path, dtype="bfloat16", pp_size=2,
+                                        pp_layer_partition="2,28", **kw), source.config)
+        return stage_needs(args, source.config, 64, 1024, source=source)
+    gguf, plain = needs(weight_dtype="gguf"), needs(weight_dtype="bfloat16")
+    held = load_stage_weights(source, range(2), True, False, torch.bfloat16, blocks=True)
+    quantized = sum(q.nbytes for layer in held.layers for q in layer.packed.values())
+    assert gguf[0]["weights"] == weight_nbytes(held) + quantized
+    assert [(n["blocks"], n["packed"]) for n in gguf] == [(True, 0), (True, 0)]
+    assert not any(n["blocks"] for n in plain) and all(n["packed"] > 0 for n in plain)
+    assert sum(n["weights"] for n in gguf) < 0.5 * sum(n["weights"] for n in plain)
+    vector = quant_gemm.choose_int8()[0] or quant_gemm.choose_isa()[0] in ("avx512", "avx2")
+    auto = needs(weight_dtype="auto")
+    assert [n["blocks"] for n in auto] == [bool(vector)] * 2
+    assert [n["weights"] for n in auto] == [n["weights"] for n in (gguf if vector else plain)]
+    assert all(n["blocks_why"].startswith("auto: ") for n in auto)
+    hidden = needs(weight_dtype="auto", hide_cpu_flags="avx512f,avx2")
+    assert [(n["blocks"], n["weights"]) for n in hidden] == \
+        [(False, n["weights"]) for n in plain]
 
 
 def test_kv_bytes_count_whole_pages_of_each_stage_layers(tmp_path):

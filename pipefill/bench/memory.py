@@ -102,15 +102,16 @@ def packs_decode_weights(layout: Layout, kernels: Kernels) -> bool:
     return decode_gemm.choose_isa(dtype, weight_dtype, disable)[0] is not None
 
 
-def gguf_stage_facts(args: ServerArgs, source, layers: range, first: bool, last: bool
-                     ) -> tuple[bool, str, AutoFacts | None]:
-    """(keeps, why, facts) of a stage of a GGUF `source`: whether it keeps the file's blocks
-    under args.weight_dtype, asked as build_stage asks (auto: the rule on the stage's facts),
-    and, where it may keep them, its matrices' bytes in blocks and dequantized."""
+def stage_blocks(args: ServerArgs, source, layers: range, first: bool, last: bool
+                 ) -> tuple[bool, str, AutoFacts | None]:
+    """(keeps, why, facts) of a stage: whether it keeps the file's GGUF blocks or FP8 codes
+    under args.weight_dtype, asked as build_stage asks (auto on a GGUF file: the rule of
+    model/auto_weights.py on the stage's facts), and, for a GGUF file that may keep them, the
+    facts: its matrices' bytes in blocks and dequantized."""
     disable = decode_gemm.hidden_isas(args.hide_cpu_flags) + hidden_int8_paths(
         args.hide_cpu_flags)
     facts = None
-    if args.weight_dtype in ("auto", "gguf"):
+    if source.gguf is not None and args.weight_dtype in ("auto", "gguf"):
         dtype = resolve_dtype(args.dtype, usable_cpu_flags(args.hide_cpu_flags))
         facts = gather_facts(source, tensor_names(source.config, layers, first, last),
                              args.layout.device, args.dtype, dtype, args.tp_size, disable)
@@ -155,8 +156,7 @@ def stage_needs(args: ServerArgs, cfg: ModelConfig, prompt_tokens: int,
                "kv_prompt": prompt_kv_bytes(specs, prompt_tokens, page_size, held),
                "kv_pool": pool_tokens * sum(s.bytes_per_token for s in specs)}
         if source is not None and source.gguf is not None:
-            keeps, row["blocks_why"], facts = gguf_stage_facts(args, source, layers, first,
-                                                               last)
+            keeps, row["blocks_why"], facts = stage_blocks(args, source, layers, first, last)
             row["blocks"] = keeps
             if keeps:
                 row["weights"] += blocks_change(cfg, facts, first, last, dtype)

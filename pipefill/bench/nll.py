@@ -7,6 +7,10 @@ and cut to --tokens; each engine scores every token after the first given the on
 in one cold prefill (pipefill's prompt logprobs; llama.cpp's logits of every row). What a
 quantized path costs in accuracy shows as the gap between the rows: the quantization of the
 weights themselves is in every row alike, since every engine reads the same file.
+
+A --weight-dtypes value that gives the stages the same weights as an earlier one (auto keeps
+the blocks where gguf would, or dequantizes into what bfloat16 would: model/auto_weights.py)
+is not run again; the output says which it equals.
 """
 from __future__ import annotations
 
@@ -27,8 +31,9 @@ def add_parser(sub) -> None:
     p.add_argument("--text", default=str(DEFAULT_TEXT),
                    help="a UTF-8 text file to score (default: the repository's ARCHITECTURE.md)")
     p.add_argument("--tokens", type=int, default=4096, help="score this many tokens of it")
-    p.add_argument("--weight-dtypes", default="auto,gguf",
-                   help="comma-separated --weight-dtype values, one engine each in turn")
+    p.add_argument("--weight-dtypes", default="bfloat16,gguf",
+                   help="comma-separated --weight-dtype values, one engine each in turn (one "
+                        "that resolves to the same weights as an earlier one is not run again)")
     add_peer_flags(p)
     server_args_parser_group(p, skip=("weight_dtype",))
     p.set_defaults(run=run)
@@ -42,11 +47,16 @@ def run(ns: argparse.Namespace) -> int:
     if ns.tokens < 2:
         raise ValueError("--tokens must be at least 2 (the first token is not scored)")
     path = resolve_model_path(server_args_from_namespace(ns).model_path)
-    ids = text_ids(ns.text, load_tokenizer(WeightSource(path)), ns.tokens)
+    source = WeightSource(path)
+    ids = text_ids(ns.text, load_tokenizer(source), ns.tokens)
     args = server_args_from_namespace(ns).replace(
         model_path=path, max_model_len=len(ids) + 1, disable_radix_cache=True)
-    rows = []
-    for weight_dtype in [w for w in ns.weight_dtypes.split(",") if w]:
+    rows, same = [], []
+    for weight_dtype, twin in weight_choices(args, source, ns.weight_dtypes.split(",")):
+        if twin is not None:
+            same.append(f"--weight-dtype {weight_dtype} gives the stages the same weights as "
+                        f"--weight-dtype {twin} here: not run again")
+            continue
         with Engine(**args.replace(weight_dtype=weight_dtype).flags()) as engine:
             out = engine.generate([ids], max_new_tokens=1, return_prompt_logprobs=True)[0]
         rows.append((f"pipefill --weight-dtype {weight_dtype}",
@@ -64,7 +74,33 @@ def run(ns: argparse.Namespace) -> int:
     for name, nll in rows:
         print(f"{name:>42}: mean NLL {nll:.4f} nats/token ({100 * (nll / base - 1):+.2f}% "
               f"against {rows[-1][0]})")
+    for line in same:
+        print(line)
     return 0
+
+
+def weight_choices(args, source, names: list[str]) -> list[tuple[str, str | None]]:
+    """Each --weight-dtypes value with the earlier value whose weights it resolves to, or None
+    where it is the first of its kind: per stage, the blocks kept or the dtype the matrices
+    are dequantized into, as build_stage decides (bench/memory.stage_blocks)."""
+    from pipefill.base.platform import dtype_name, resolve_dtype, usable_cpu_flags
+    from pipefill.bench.memory import stage_blocks
+    from pipefill.config import resolve
+    from pipefill.model.loader import resolve_weight_dtype
+
+    seen: dict[tuple, str] = {}
+    out = []
+    for name in [n.strip() for n in names if n.strip()]:
+        stages = resolve(args.replace(weight_dtype=name), source.config)
+        dtype = resolve_dtype(stages.dtype, usable_cpu_flags(stages.hide_cpu_flags))
+        kept = tuple(
+            "blocks" if stage_blocks(stages, source, layers, rank == 0,
+                                     rank == len(stages.layout.ranges) - 1)[0]
+            else dtype_name(resolve_weight_dtype(name, dtype))
+            for rank, layers in enumerate(stages.layout.ranges))
+        out.append((name, seen.get(kept)))
+        seen.setdefault(kept, name)
+    return out
 
 
 def text_ids(path: str, tokenizer, tokens: int) -> list[int]:

@@ -5,9 +5,9 @@ the compute dtype (norms in float32), the decode GEMM's packed copies when that 
 this CPU — or, where the stage keeps a GGUF file's blocks (--weight-dtype gguf, or auto where
 its rule keeps them: model/auto_weights.py), the matrices as blocks and no packed copies, since
 the quantized linear layers are their own decode copies — and the KV of the prompt's pages at
-the KV dtype; "pool" is the same with the whole
-allocated KV pool instead of the prompt's pages (the pool is allocated lazily: pages become
-resident only when written, so the prompt's KV is the bar and the pool is an upper bound).
+the KV dtype; "pool" is the same with the whole allocated KV pool instead of the prompt's
+pages (the pool is allocated lazily: pages become resident only when written, so the prompt's
+KV is the bar and the pool is an upper bound).
 
 Peak RSS is each stage process's VmHWM (/proc/<pid>/status). Before a measurement the peak is
 reset to the current RSS (`5` into /proc/<pid>/clear_refs), so a length's peak covers that

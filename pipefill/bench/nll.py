@@ -100,6 +100,8 @@ def weight_choices(args, source, names: list[str]) -> list[tuple[str, str | None
             for rank, layers in enumerate(stages.layout.ranges))
         out.append((name, seen.get(kept)))
         seen.setdefault(kept, name)
+    if not out:
+        raise ValueError("--weight-dtypes needs at least one value, such as bfloat16,gguf")
     return out
 
 

@@ -50,3 +50,5 @@ def test_bad_text_and_token_counts_are_sentences(tmp_path, capsys):
     assert "cannot read it as UTF-8 text" in capsys.readouterr().err
     assert main(["bench", "nll", "--tokens", "1"]) == 2
     assert "--tokens must be at least 2" in capsys.readouterr().err
+    assert main(["bench", "nll", "--tokens", "8", "--weight-dtypes", ","]) == 2
+    assert "--weight-dtypes needs at least one value" in capsys.readouterr().err

@@ -712,6 +712,256 @@ struct Kernel {
   }
 };
 
+#if PF_ATTN_WIDTH == 16
+// ---- Decode over an int8 cache with bf16 q: integer dot products, no scratch widening ----
+// (ARCHITECTURE.md, 'The KV room', quantized pages.) One query token of G <= 4 heads reads each
+// K and V row once, in registers, for all its heads. Scores: q in int16 per head (|q| max ->
+// 32767, an error of max|q| / 65534 per value, far below q's own bf16 rounding), K codes
+// transposed 8 rows x 16 dwords at a time and widened to int16, vpmaddwd into int32 (exact).
+// Values: per step the weights p x scale_v of a head in int16 against the step's largest
+// (an error of 1 / 65534 of it per weight, where the bf16 kernel rounds p to 8 bits), two
+// tokens' codes interleaved per dim, vpmaddwd into int32 (exact), the sums taken into the
+// float32 output once per step. Float32 q keeps the widening path (its tolerance is float32's).
+alignas(64) const int8_t kZeroRow[128 + 4] = {};
+
+inline __m512i madd_acc(__m512i acc, __m512i a, __m512i b) { return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b)); }
+
+// 8 rows of 16 dwords -> x[2e]: dword e of rows 0..7 (low 256 bits), dword 4 + e (high);
+// x[2e + 1]: dwords 8 + e and 12 + e.
+inline void transpose8x16(__m512i* x) {
+  __m512i t[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm512_unpacklo_epi32(x[2 * i], x[2 * i + 1]);
+    t[2 * i + 1] = _mm512_unpackhi_epi32(x[2 * i], x[2 * i + 1]);
+  }
+  __m512i r[8];  // r[4i + e], 128-bit chunk k: dword 4k + e of rows 4i .. 4i + 3
+  for (int i = 0; i < 2; ++i) {
+    r[4 * i] = _mm512_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm512_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm512_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm512_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  const __m512i lo = _mm512_setr_epi64(0, 1, 8, 9, 2, 3, 10, 11), hi = _mm512_setr_epi64(4, 5, 12, 13, 6, 7, 14, 15);
+  for (int e = 0; e < 4; ++e) {
+    x[2 * e] = _mm512_permutex2var_epi64(r[e], lo, r[4 + e]);
+    x[2 * e + 1] = _mm512_permutex2var_epi64(r[e], hi, r[4 + e]);
+  }
+}
+
+template <int D, int R>
+struct Int8Decode {
+  const Params& p;
+  const Scratch& s;
+  int64_t g, part, kv_lo, kv_hi;
+  alignas(64) int16_t q16[R][D];  // q in int16, per head
+  float qs[R];                    // its scale times softmax scale x log2(e)
+  float m[R], l[R], wscale[R];
+
+  Int8Decode(const Params& p_, const Scratch& s_, int64_t item) : p(p_), s(s_) {
+    part = item % p.nparts;
+    g = (item / p.nparts) % p.num_kv_heads;  // one q-tile: C = 1
+    kv_lo = part * p.kv_part;
+    const int64_t kend = p.L + 1;
+    kv_hi = p.nparts > 1 && kv_lo + p.kv_part < kend ? kv_lo + p.kv_part : kend;
+    const float c = p.scale * 1.4426950408889634f;
+    for (int r = 0; r < R; ++r) {
+      const uint16_t* src = reinterpret_cast<const uint16_t*>(static_cast<const char*>(p.q) + (g * R + r) * p.q_sh * 2);
+      float qf[D], amax = 0.0f;
+      for (int d = 0; d < D; ++d) {
+        const uint32_t u = (uint32_t)src[d] << 16;
+        std::memcpy(&qf[d], &u, 4);
+        amax = qf[d] > amax ? qf[d] : -qf[d] > amax ? -qf[d] : amax;
+      }
+      const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
+      for (int d = 0; d < D; ++d) {
+        const float x = __builtin_rintf(qf[d] * inv);
+        q16[r][d] = (int16_t)(x > 32767.0f ? 32767.0f : x < -32767.0f ? -32767.0f : x);
+      }
+      qs[r] = amax > 0.0f ? c / inv : 0.0f;
+      m[r] = kNegInf;
+      l[r] = 0.0f;
+    }
+    std::memset(s.o, 0, sizeof(float) * R * D);
+  }
+
+  const char* row(const void* base, int64_t tok) const {
+    const int64_t ps = p.page_size, slot = (int64_t)p.page_table[tok / ps] * ps + tok % ps;
+    return static_cast<const char*>(base) + (slot * p.num_kv_heads + g) * (D + 4);
+  }
+
+  // S[r * NB + 0..16) = scores of 16 keys (rows[t]) for every head, in the log2 domain.
+  void score16(const char* const* rows, const float* ks, float* S) const {
+    __m512i acc[2][R];
+    for (int half = 0; half < 2; ++half) {
+      for (int r = 0; r < R; ++r) acc[half][r] = _mm512_setzero_si512();
+      for (int blk = 0; blk < D / 64; ++blk) {
+        __m512i x[8];
+        for (int i = 0; i < 8; ++i) x[i] = _mm512_loadu_si512(rows[8 * half + i] + 64 * blk);
+        transpose8x16(x);
+        for (int e = 0; e < 8; ++e) {
+          // x[e]: 8 keys' dims 4j .. 4j + 3 (low half), 4j + 16 .. (high half)
+          const int j = 16 * blk + (e % 2 ? 8 : 0) + e / 2;
+          const __m512i lo = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(x[e]));
+          const __m512i hi = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(x[e], 1));
+          for (int r = 0; r < R; ++r) {
+            int64_t q0, q1;
+            std::memcpy(&q0, &q16[r][4 * j], 8);
+            std::memcpy(&q1, &q16[r][4 * j + 16], 8);
+            acc[half][r] = madd_acc(acc[half][r], lo, _mm512_set1_epi64(q0));
+            acc[half][r] = madd_acc(acc[half][r], hi, _mm512_set1_epi64(q1));
+          }
+        }
+      }
+    }
+    // lanes 2t and 2t + 1 of acc[half] hold key 8 half + t's two partial sums
+    const __m512i even = _mm512_setr_epi32(0, 2, 4, 6, 8, 10, 12, 14, 16, 18, 20, 22, 24, 26, 28, 30);
+    const __m512i odd = _mm512_setr_epi32(1, 3, 5, 7, 9, 11, 13, 15, 17, 19, 21, 23, 25, 27, 29, 31);
+    const __m512 kscale = _mm512_loadu_ps(ks);
+    for (int r = 0; r < R; ++r) {
+      const __m512i sum = _mm512_add_epi32(_mm512_permutex2var_epi32(acc[0][r], even, acc[1][r]),
+                                           _mm512_permutex2var_epi32(acc[0][r], odd, acc[1][r]));
+      _mm512_storeu_ps(S + r * NB, _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps(sum), kscale), _mm512_set1_ps(qs[r])));
+    }
+  }
+
+  // Row r's scores of the step (n real keys of ncol) -> online softmax; the weights p x vs in
+  // int16 (w16, against their largest, wscale[r]); O rescaled to the new max.
+  void softmax(int r, int n, int ncol, const float* vs, int16_t* w16) {
+    float* srow = s.s + r * NB;
+    for (int x = n; x < ncol; ++x) srow[x] = kNegInf;
+    vf mx = splat(kNegInf);
+    for (int x = 0; x < ncol; x += 16) mx = vmax(mx, loadf(srow + x));
+    const float top = hmax(mx), mnew = top > m[r] ? top : m[r];
+    const float alpha = __builtin_exp2f(m[r] - mnew);
+    float* orow = s.o + r * D;
+    if (alpha != 1.0f)
+      for (int d = 0; d < D; d += 16) storef(orow + d, loadf(orow + d) * alpha);
+    m[r] = mnew;
+    vf sum = vf{}, wmax = vf{};
+    for (int x = 0; x < ncol; x += 16) {
+      const vf pv = exp2v<6>(loadf(srow + x) - mnew);
+      sum += pv;
+      const vf w = pv * loadf(vs + x);
+      storef(srow + x, w);
+      wmax = vmax(wmax, w);
+    }
+    l[r] = l[r] * alpha + hsum(sum);
+    const float wm = hmax(wmax), k = wm > 0.0f ? 32767.0f / wm : 0.0f;
+    wscale[r] = wm / 32767.0f;
+    for (int x = 0; x < ncol; x += 16) {
+      const __m512i wi = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_mul_ps((__m512)loadf(srow + x), _mm512_set1_ps(k)),
+                                                          _mm512_set1_ps(32767.0f)));
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w16 + r * NB + x), _mm512_cvtepi32_epi16(wi));
+    }
+  }
+
+  // O[r] += wscale[r] * sum_t w16[r][t] * V codes[t], two keys per vpmaddwd.
+  void pv(const char* const* vr, int ncol, const int16_t* w16) const {
+    for (int blk = 0; blk < D / 64; ++blk) {
+      __m512i acc[R][4];
+      for (int r = 0; r < R; ++r)
+        for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_setzero_si512();
+      for (int t = 0; t < ncol; t += 2) {
+        const __m512i a = _mm512_loadu_si512(vr[t] + 64 * blk), b = _mm512_loadu_si512(vr[t + 1] + 64 * blk);
+        const __m512i lo = _mm512_unpacklo_epi8(a, b), hi = _mm512_unpackhi_epi8(a, b);
+        // x[i] dword lanes: dims 0-7 | 16-23 (x0), 32-39 | 48-55 (x1), 8-15 | 24-31 (x2), 40-47 | 56-63 (x3)
+        const __m512i x[4] = {_mm512_cvtepi8_epi16(_mm512_castsi512_si256(lo)),
+                              _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(lo, 1)),
+                              _mm512_cvtepi8_epi16(_mm512_castsi512_si256(hi)),
+                              _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(hi, 1))};
+        for (int r = 0; r < R; ++r) {
+          int32_t wp;
+          std::memcpy(&wp, w16 + r * NB + t, 4);
+          const __m512i w = _mm512_set1_epi32(wp);
+          for (int i = 0; i < 4; ++i) acc[r][i] = madd_acc(acc[r][i], x[i], w);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m512 ws = _mm512_set1_ps(wscale[r]);
+        __m512 f[4];
+        for (int i = 0; i < 4; ++i) f[i] = _mm512_mul_ps(_mm512_cvtepi32_ps(acc[r][i]), ws);
+        const __m512 nat[4] = {_mm512_shuffle_f32x4(f[0], f[2], 0x44), _mm512_shuffle_f32x4(f[0], f[2], 0xee),
+                               _mm512_shuffle_f32x4(f[1], f[3], 0x44), _mm512_shuffle_f32x4(f[1], f[3], 0xee)};
+        float* orow = s.o + r * D + 64 * blk;
+        for (int i = 0; i < 4; ++i) _mm512_storeu_ps(orow + 16 * i, _mm512_add_ps(_mm512_loadu_ps(orow + 16 * i), nat[i]));
+      }
+    }
+  }
+
+  void run() {
+    const char* kr[NB];
+    const char* vr[NB];
+    alignas(64) float ks[NB], vs[NB];
+    int16_t* w16 = reinterpret_cast<int16_t*>(s.p);  // [R, NB]
+    const char* zero = reinterpret_cast<const char*>(kZeroRow);
+    for (int64_t kv0 = kv_lo; kv0 < kv_hi; kv0 += NB) {
+      const int n = (int)(kv_hi - kv0 < NB ? kv_hi - kv0 : NB), ncol = (n + 15) / 16 * 16;
+      for (int t = 0; t < n; ++t) {
+        kr[t] = row(p.k, kv0 + t);
+        vr[t] = row(p.v, kv0 + t);
+        std::memcpy(&ks[t], kr[t] + D, 4);
+        std::memcpy(&vs[t], vr[t] + D, 4);
+      }
+      for (int t = n; t < ncol; ++t) {
+        kr[t] = vr[t] = zero;
+        ks[t] = vs[t] = 0.0f;
+      }
+      for (int64_t t = kv0 + NB; t < kv0 + 2 * NB && t < kv_hi; ++t) {  // the next step, to L2
+        const char* k = row(p.k, t);
+        const char* v = row(p.v, t);
+        __builtin_prefetch(k, 0, 2);
+        __builtin_prefetch(k + D + 3, 0, 2);
+        __builtin_prefetch(v, 0, 2);
+        __builtin_prefetch(v + D + 3, 0, 2);
+      }
+      for (int x = 0; x < ncol; x += 16) score16(kr + x, ks + x, s.s + x);
+      for (int r = 0; r < R; ++r) softmax(r, n, ncol, vs, w16);
+      pv(vr, ncol, w16);
+    }
+    epilogue();
+  }
+
+  void epilogue() const {
+    if (p.nparts > 1) {
+      float* dst = p.partial + (g * p.nparts + part) * R * (D + 2);
+      for (int r = 0; r < R; ++r, dst += D + 2) {
+        std::memcpy(dst, s.o + r * D, D * 4);
+        dst[D] = m[r];
+        dst[D + 1] = l[r];
+      }
+      return;
+    }
+    for (int r = 0; r < R; ++r) {
+      char* dst = static_cast<char*>(p.out) + (g * R + r) * p.o_sh * 2;
+      const float inv = 1.0f / l[r];
+      for (int d = 0; d < D; d += 16) {
+        const vh hb = to_bf16(loadf(s.o + r * D + d) * inv);
+        std::memcpy(dst + d * 2, &hb, sizeof(vh));
+      }
+    }
+  }
+};
+
+template <int D, int R>
+void run_int8_decode(const Params& p, int64_t item, const Scratch& s) {
+  Int8Decode<D, R> k(p, s, item);
+  k.run();
+}
+
+// The integer decode path takes one bf16 query token of at most 4 heads per KV head.
+inline bool int8_decode(const Params& p) { return p.kv_quant == kInt8 && p.q_bf16 && p.C == 1 && p.group <= 4; }
+
+template <int D>
+void run_int8_decode_g(const Params& p, int64_t item, const Scratch& s) {
+  switch (p.group) {
+    case 1: return run_int8_decode<D, 1>(p, item, s);
+    case 2: return run_int8_decode<D, 2>(p, item, s);
+    case 3: return run_int8_decode<D, 3>(p, item, s);
+    default: return run_int8_decode<D, 4>(p, item, s);
+  }
+}
+#endif
+
 template <int D, bool KVB, int RB>
 void run_r(const Params& p, int64_t item, const Scratch& s) {
   Kernel<D, KVB, RB> k(p, s, item);
@@ -723,6 +973,9 @@ void run_r(const Params& p, int64_t item, const Scratch& s) {
 // blocks of 8 would compute 5 padding rows of 8. Rows are computed alike in either block size.
 template <int D, bool KVB>
 void run_d(const Params& p, int64_t item, const Scratch& s) {
+#if PF_ATTN_WIDTH == 16
+  if (int8_decode(p)) return run_int8_decode_g<D>(p, item, s);
+#endif
   const int64_t rows = (p.C < p.qtile ? p.C : p.qtile) * p.group;
   if (kRows > 4 && rows <= 4) run_r<D, KVB, 4>(p, item, s);
   else run_r<D, KVB, kRows>(p, item, s);

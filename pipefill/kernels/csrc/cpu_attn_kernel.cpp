@@ -69,6 +69,7 @@ inline float hsum(vf v) {
 }
 #endif
 inline vf vmax(vf a, vf b) { return a > b ? a : b; }
+inline vf vmin(vf a, vf b) { return a < b ? a : b; }
 
 // Polynomial for 2^f, f in [-1/2, 1/2].
 template <int DEG>
@@ -712,19 +713,20 @@ struct Kernel {
   }
 };
 
-#if PF_ATTN_WIDTH == 16
 // ---- Decode over an int8 cache with bf16 q: integer dot products, no scratch widening ----
 // (ARCHITECTURE.md, 'The KV room', quantized pages.) One query token of G <= 4 heads reads each
 // K and V row once, in registers, for all its heads. Scores: q in int16 per head (|q| max ->
 // 32767, an error of max|q| / 65534 per value, far below q's own bf16 rounding), K codes
-// transposed 8 rows x 16 dwords at a time and widened to int16, vpmaddwd into int32 (exact).
-// Values: per step the weights p x scale_v of a head in int16 against the step's largest
-// (an error of 1 / 65534 of it per weight, where the bf16 kernel rounds p to 8 bits), two
-// tokens' codes interleaved per dim, vpmaddwd into int32 (exact), the sums taken into the
+// transposed as dwords (8 keys x 4 dims a lane group) and widened to int16, vpmaddwd into int32
+// (exact). Values: per step the weights p x scale_v of a head in int16 against the step's
+// largest (an error of 1 / 65534 of it per weight, where the bf16 kernel rounds p to 8 bits),
+// two keys' codes interleaved per dim, vpmaddwd into int32 (exact), the sums taken into the
 // float32 output once per step. Float32 q keeps the widening path (its tolerance is float32's).
 alignas(64) const int8_t kZeroRow[128 + 4] = {};
 
-inline __m512i madd_acc(__m512i acc, __m512i a, __m512i b) { return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b)); }
+#if PF_ATTN_WIDTH == 16
+typedef __m512i ivec;
+inline ivec madd_acc(ivec acc, ivec a, ivec b) { return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b)); }
 
 // 8 rows of 16 dwords -> x[2e]: dword e of rows 0..7 (low 256 bits), dword 4 + e (high);
 // x[2e + 1]: dwords 8 + e and 12 + e.
@@ -747,6 +749,29 @@ inline void transpose8x16(__m512i* x) {
     x[2 * e + 1] = _mm512_permutex2var_epi64(r[e], hi, r[4 + e]);
   }
 }
+#else
+typedef __m256i ivec;
+inline ivec madd_acc(ivec acc, ivec a, ivec b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
+
+// 8 rows of 8 dwords -> x[e]: dword e of rows 0..7.
+inline void transpose8x8(__m256i* x) {
+  __m256i t[8], r[8];
+  for (int i = 0; i < 4; ++i) {
+    t[2 * i] = _mm256_unpacklo_epi32(x[2 * i], x[2 * i + 1]);
+    t[2 * i + 1] = _mm256_unpackhi_epi32(x[2 * i], x[2 * i + 1]);
+  }
+  for (int i = 0; i < 2; ++i) {  // r[4i + e], 128-bit lane k: dword 4k + e of rows 4i .. 4i + 3
+    r[4 * i] = _mm256_unpacklo_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 1] = _mm256_unpackhi_epi64(t[4 * i], t[4 * i + 2]);
+    r[4 * i + 2] = _mm256_unpacklo_epi64(t[4 * i + 1], t[4 * i + 3]);
+    r[4 * i + 3] = _mm256_unpackhi_epi64(t[4 * i + 1], t[4 * i + 3]);
+  }
+  for (int e = 0; e < 4; ++e) {
+    x[e] = _mm256_permute2x128_si256(r[e], r[4 + e], 0x20);
+    x[4 + e] = _mm256_permute2x128_si256(r[e], r[4 + e], 0x31);
+  }
+}
+#endif
 
 template <int D, int R>
 struct Int8Decode {
@@ -789,26 +814,29 @@ struct Int8Decode {
     return static_cast<const char*>(base) + (slot * p.num_kv_heads + g) * (D + 4);
   }
 
-  // S[r * NB + 0..16) = scores of 16 keys (rows[t]) for every head, in the log2 domain.
+  int64_t qpat(int r, int j) const {  // q's dims 4j .. 4j + 3 as one int64
+    int64_t x;
+    std::memcpy(&x, &q16[r][4 * j], 8);
+    return x;
+  }
+
+#if PF_ATTN_WIDTH == 16
+  // S[r * NB + 0..16) = the scores of 16 keys (rows[t]) for every head, in the log2 domain.
   void score16(const char* const* rows, const float* ks, float* S) const {
     __m512i acc[2][R];
-    for (int half = 0; half < 2; ++half) {
+    for (int half = 0; half < 2; ++half) {  // keys 8 half .. 8 half + 7
       for (int r = 0; r < R; ++r) acc[half][r] = _mm512_setzero_si512();
       for (int blk = 0; blk < D / 64; ++blk) {
         __m512i x[8];
         for (int i = 0; i < 8; ++i) x[i] = _mm512_loadu_si512(rows[8 * half + i] + 64 * blk);
         transpose8x16(x);
-        for (int e = 0; e < 8; ++e) {
-          // x[e]: 8 keys' dims 4j .. 4j + 3 (low half), 4j + 16 .. (high half)
+        for (int e = 0; e < 8; ++e) {  // x[e]: 8 keys' dims 4j .. 4j + 3 (low half), 4j + 16 .. (high)
           const int j = 16 * blk + (e % 2 ? 8 : 0) + e / 2;
           const __m512i lo = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(x[e]));
           const __m512i hi = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(x[e], 1));
           for (int r = 0; r < R; ++r) {
-            int64_t q0, q1;
-            std::memcpy(&q0, &q16[r][4 * j], 8);
-            std::memcpy(&q1, &q16[r][4 * j + 16], 8);
-            acc[half][r] = madd_acc(acc[half][r], lo, _mm512_set1_epi64(q0));
-            acc[half][r] = madd_acc(acc[half][r], hi, _mm512_set1_epi64(q1));
+            acc[half][r] = madd_acc(acc[half][r], lo, _mm512_set1_epi64(qpat(r, j)));
+            acc[half][r] = madd_acc(acc[half][r], hi, _mm512_set1_epi64(qpat(r, j + 4)));
           }
         }
       }
@@ -824,38 +852,12 @@ struct Int8Decode {
     }
   }
 
-  // Row r's scores of the step (n real keys of ncol) -> online softmax; the weights p x vs in
-  // int16 (w16, against their largest, wscale[r]); O rescaled to the new max.
-  void softmax(int r, int n, int ncol, const float* vs, int16_t* w16) {
-    float* srow = s.s + r * NB;
-    for (int x = n; x < ncol; ++x) srow[x] = kNegInf;
-    vf mx = splat(kNegInf);
-    for (int x = 0; x < ncol; x += 16) mx = vmax(mx, loadf(srow + x));
-    const float top = hmax(mx), mnew = top > m[r] ? top : m[r];
-    const float alpha = __builtin_exp2f(m[r] - mnew);
-    float* orow = s.o + r * D;
-    if (alpha != 1.0f)
-      for (int d = 0; d < D; d += 16) storef(orow + d, loadf(orow + d) * alpha);
-    m[r] = mnew;
-    vf sum = vf{}, wmax = vf{};
-    for (int x = 0; x < ncol; x += 16) {
-      const vf pv = exp2v<6>(loadf(srow + x) - mnew);
-      sum += pv;
-      const vf w = pv * loadf(vs + x);
-      storef(srow + x, w);
-      wmax = vmax(wmax, w);
-    }
-    l[r] = l[r] * alpha + hsum(sum);
-    const float wm = hmax(wmax), k = wm > 0.0f ? 32767.0f / wm : 0.0f;
-    wscale[r] = wm / 32767.0f;
-    for (int x = 0; x < ncol; x += 16) {
-      const __m512i wi = _mm512_cvtps_epi32(_mm512_min_ps(_mm512_mul_ps((__m512)loadf(srow + x), _mm512_set1_ps(k)),
-                                                          _mm512_set1_ps(32767.0f)));
-      _mm256_storeu_si256(reinterpret_cast<__m256i*>(w16 + r * NB + x), _mm512_cvtepi32_epi16(wi));
-    }
+  // 16 floats -> 16 int16 (round to nearest even; |x| <= 32767)
+  static void store_w16(int16_t* dst, vf x) {
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(dst), _mm512_cvtepi32_epi16(_mm512_cvtps_epi32((__m512)x)));
   }
 
-  // O[r] += wscale[r] * sum_t w16[r][t] * V codes[t], two keys per vpmaddwd.
+  // O[r] += wscale[r] * sum_t w16[r][t] * V codes[t] over keys [0, ncol), two keys per vpmaddwd.
   void pv(const char* const* vr, int ncol, const int16_t* w16) const {
     for (int blk = 0; blk < D / 64; ++blk) {
       __m512i acc[R][4];
@@ -864,7 +866,7 @@ struct Int8Decode {
       for (int t = 0; t < ncol; t += 2) {
         const __m512i a = _mm512_loadu_si512(vr[t] + 64 * blk), b = _mm512_loadu_si512(vr[t + 1] + 64 * blk);
         const __m512i lo = _mm512_unpacklo_epi8(a, b), hi = _mm512_unpackhi_epi8(a, b);
-        // x[i] dword lanes: dims 0-7 | 16-23 (x0), 32-39 | 48-55 (x1), 8-15 | 24-31 (x2), 40-47 | 56-63 (x3)
+        // x[i], dword lanes: dims 0-7 | 16-23 (x0), 32-39 | 48-55 (x1), 8-15 | 24-31 (x2), 40-47 | 56-63 (x3)
         const __m512i x[4] = {_mm512_cvtepi8_epi16(_mm512_castsi512_si256(lo)),
                               _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(lo, 1)),
                               _mm512_cvtepi8_epi16(_mm512_castsi512_si256(hi)),
@@ -887,6 +889,103 @@ struct Int8Decode {
       }
     }
   }
+#else
+  // AVX2: as above in 8-key groups and 32-byte blocks of dims.
+  void score16(const char* const* rows, const float* ks, float* S) const {
+    for (int half = 0; half < 2; ++half) {  // keys 8 half .. 8 half + 7
+      __m256i acc[R][2];                    // keys 0-3, 4-7 of the half: lanes 2t, 2t + 1
+      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+      for (int blk = 0; blk < D / 32; ++blk) {
+        __m256i x[8];
+        for (int i = 0; i < 8; ++i) x[i] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(rows[8 * half + i] + 32 * blk));
+        transpose8x8(x);
+        for (int e = 0; e < 8; ++e) {  // x[e]: 8 keys' dims 4j .. 4j + 3
+          const int j = 8 * blk + e;
+          const __m256i lo = _mm256_cvtepi8_epi16(_mm256_castsi256_si128(x[e]));
+          const __m256i hi = _mm256_cvtepi8_epi16(_mm256_extracti128_si256(x[e], 1));
+          for (int r = 0; r < R; ++r) {
+            const __m256i q = _mm256_set1_epi64x(qpat(r, j));
+            acc[r][0] = madd_acc(acc[r][0], lo, q);
+            acc[r][1] = madd_acc(acc[r][1], hi, q);
+          }
+        }
+      }
+      const __m256 kscale = _mm256_loadu_ps(ks + 8 * half);
+      for (int r = 0; r < R; ++r) {  // hadd: keys 0 1 4 5 | 2 3 6 7, put in order
+        const __m256i sum = _mm256_permute4x64_epi64(_mm256_hadd_epi32(acc[r][0], acc[r][1]), 0xd8);
+        _mm256_storeu_ps(S + r * NB + 8 * half,
+                         _mm256_mul_ps(_mm256_mul_ps(_mm256_cvtepi32_ps(sum), kscale), _mm256_set1_ps(qs[r])));
+      }
+    }
+  }
+
+  static void store_w16(int16_t* dst, vf x) {
+    const __m256i w = _mm256_cvtps_epi32((__m256)x);  // packs: lanes 0-3 of w, 0-3 of 0, 4-7 of w, ...
+    const __m256i packed = _mm256_permute4x64_epi64(_mm256_packs_epi32(w, w), 0xd8);
+    _mm_storeu_si128(reinterpret_cast<__m128i*>(dst), _mm256_castsi256_si128(packed));
+  }
+
+  // 16 dims at a time: two keys' codes interleaved (xmm), widened to 8 + 8 dword lanes.
+  void pv(const char* const* vr, int ncol, const int16_t* w16) const {
+    for (int dc = 0; dc < D / 16; ++dc) {
+      __m256i acc[R][2];
+      for (int r = 0; r < R; ++r) acc[r][0] = acc[r][1] = _mm256_setzero_si256();
+      for (int t = 0; t < ncol; t += 2) {
+        const __m128i a = _mm_loadu_si128(reinterpret_cast<const __m128i*>(vr[t] + 16 * dc));
+        const __m128i b = _mm_loadu_si128(reinterpret_cast<const __m128i*>(vr[t + 1] + 16 * dc));
+        const __m256i x0 = _mm256_cvtepi8_epi16(_mm_unpacklo_epi8(a, b));  // dims 0-7
+        const __m256i x1 = _mm256_cvtepi8_epi16(_mm_unpackhi_epi8(a, b));  // dims 8-15
+        for (int r = 0; r < R; ++r) {
+          int32_t wp;
+          std::memcpy(&wp, w16 + r * NB + t, 4);
+          const __m256i w = _mm256_set1_epi32(wp);
+          acc[r][0] = madd_acc(acc[r][0], x0, w);
+          acc[r][1] = madd_acc(acc[r][1], x1, w);
+        }
+      }
+      for (int r = 0; r < R; ++r) {
+        const __m256 ws = _mm256_set1_ps(wscale[r]);
+        float* orow = s.o + r * D + 16 * dc;
+        for (int i = 0; i < 2; ++i)
+          _mm256_storeu_ps(orow + 8 * i, _mm256_add_ps(_mm256_loadu_ps(orow + 8 * i),
+                                                       _mm256_mul_ps(_mm256_cvtepi32_ps(acc[r][i]), ws)));
+      }
+    }
+  }
+#endif
+
+  // Row r's scores of the step (n real keys of ncol) -> online softmax; the weights p x vs in
+  // int16 (w16, against their largest, wscale[r]); O rescaled to the new max.
+  void softmax(int r, int n, int ncol, const float* vs, int16_t* w16) {
+    float* srow = s.s + r * NB;
+    for (int x = n; x < ncol; ++x) srow[x] = kNegInf;
+    vf mx = splat(kNegInf);
+    for (int x = 0; x < ncol; x += W) mx = vmax(mx, loadf(srow + x));
+    const float top = hmax(mx), mnew = top > m[r] ? top : m[r];
+    const float alpha = __builtin_exp2f(m[r] - mnew);
+    float* orow = s.o + r * D;
+    if (alpha != 1.0f)
+      for (int d = 0; d < D; d += W) storef(orow + d, loadf(orow + d) * alpha);
+    m[r] = mnew;
+    vf sum = vf{}, wmax = vf{};
+    for (int x = 0; x < ncol; x += W) {
+      const vf pv = exp2v<6>(loadf(srow + x) - mnew);
+      sum += pv;
+      const vf w = pv * loadf(vs + x);
+      storef(srow + x, w);
+      wmax = vmax(wmax, w);
+    }
+    l[r] = l[r] * alpha + hsum(sum);
+    const float wm = hmax(wmax), k = wm > 0.0f ? 32767.0f / wm : 0.0f;
+    wscale[r] = wm / 32767.0f;
+    for (int x = 0; x < ncol; x += 16) {
+      vf a = loadf(srow + x) * k, b = W == 8 ? loadf(srow + x + 8) * k : vf{};
+      a = vmax(vmin(a, splat(32767.0f)), splat(0.0f));
+      b = vmax(vmin(b, splat(32767.0f)), splat(0.0f));
+      store_w16(w16 + r * NB + x, a);
+      if (W == 8) store_w16(w16 + r * NB + x + 8, b);
+    }
+  }
 
   void run() {
     const char* kr[NB];
@@ -902,7 +1001,7 @@ struct Int8Decode {
         std::memcpy(&ks[t], kr[t] + D, 4);
         std::memcpy(&vs[t], vr[t] + D, 4);
       }
-      for (int t = n; t < ncol; ++t) {
+      for (int t = n; t < ncol; ++t) {  // padding keys: zero codes, score -inf (softmax), weight 0
         kr[t] = vr[t] = zero;
         ks[t] = vs[t] = 0.0f;
       }
@@ -934,7 +1033,7 @@ struct Int8Decode {
     for (int r = 0; r < R; ++r) {
       char* dst = static_cast<char*>(p.out) + (g * R + r) * p.o_sh * 2;
       const float inv = 1.0f / l[r];
-      for (int d = 0; d < D; d += 16) {
+      for (int d = 0; d < D; d += W) {
         const vh hb = to_bf16(loadf(s.o + r * D + d) * inv);
         std::memcpy(dst + d * 2, &hb, sizeof(vh));
       }
@@ -960,7 +1059,7 @@ void run_int8_decode_g(const Params& p, int64_t item, const Scratch& s) {
     default: return run_int8_decode<D, 4>(p, item, s);
   }
 }
-#endif
+
 
 template <int D, bool KVB, int RB>
 void run_r(const Params& p, int64_t item, const Scratch& s) {
@@ -973,9 +1072,7 @@ void run_r(const Params& p, int64_t item, const Scratch& s) {
 // blocks of 8 would compute 5 padding rows of 8. Rows are computed alike in either block size.
 template <int D, bool KVB>
 void run_d(const Params& p, int64_t item, const Scratch& s) {
-#if PF_ATTN_WIDTH == 16
   if (int8_decode(p)) return run_int8_decode_g<D>(p, item, s);
-#endif
   const int64_t rows = (p.C < p.qtile ? p.C : p.qtile) * p.group;
   if (kRows > 4 && rows <= 4) run_r<D, KVB, 4>(p, item, s);
   else run_r<D, KVB, kRows>(p, item, s);

@@ -773,16 +773,21 @@ inline void transpose8x8(__m256i* x) {
 }
 #endif
 
-template <int D, int R>
-struct Int8Decode {
+// KIND kInt8 (bf16 q) as above; kFp8 (AVX-512 only, bf16 or float32 q): the same transposes,
+// the codes widened exactly in registers (IEEE halves of value / 256, as widen16) and float32
+// FMAs against q as given; the weights p x scale_v stay float32.
+template <int D, int R, int KIND>
+struct QuantDecode {
+  static constexpr bool kI8 = KIND == kInt8;
   const Params& p;
   const Scratch& s;
   int64_t g, part, kv_lo, kv_hi;
-  alignas(64) int16_t q16[R][D];  // q in int16, per head
-  float qs[R];                    // its scale times softmax scale x log2(e)
+  alignas(64) int16_t q16[kI8 ? R : 1][D];  // int8: q in int16, per head
+  alignas(64) float qf[kI8 ? 1 : R][D];     // fp8: q in float32
+  float qs[R];  // q's scale (int8; fp8: 1) times softmax scale x log2(e)
   float m[R], l[R], wscale[R];
 
-  Int8Decode(const Params& p_, const Scratch& s_, int64_t item) : p(p_), s(s_) {
+  QuantDecode(const Params& p_, const Scratch& s_, int64_t item) : p(p_), s(s_) {
     part = item % p.nparts;
     g = (item / p.nparts) % p.num_kv_heads;  // one q-tile: C = 1
     kv_lo = part * p.kv_part;
@@ -790,21 +795,32 @@ struct Int8Decode {
     kv_hi = p.nparts > 1 && kv_lo + p.kv_part < kend ? kv_lo + p.kv_part : kend;
     const float c = p.scale * 1.4426950408889634f;
     for (int r = 0; r < R; ++r) {
-      const uint16_t* src = reinterpret_cast<const uint16_t*>(static_cast<const char*>(p.q) + (g * R + r) * p.q_sh * 2);
-      float qf[D], amax = 0.0f;
+      const char* src = static_cast<const char*>(p.q) + (g * R + r) * p.q_sh * (p.q_bf16 ? 2 : 4);
+      float x[D], amax = 0.0f;
       for (int d = 0; d < D; ++d) {
-        const uint32_t u = (uint32_t)src[d] << 16;
-        std::memcpy(&qf[d], &u, 4);
-        amax = qf[d] > amax ? qf[d] : -qf[d] > amax ? -qf[d] : amax;
+        if (p.q_bf16) {
+          uint16_t h;
+          std::memcpy(&h, src + 2 * d, 2);
+          const uint32_t u = (uint32_t)h << 16;
+          std::memcpy(&x[d], &u, 4);
+        } else {
+          std::memcpy(&x[d], src + 4 * d, 4);
+        }
+        amax = x[d] > amax ? x[d] : -x[d] > amax ? -x[d] : amax;
+      }
+      m[r] = kNegInf;
+      l[r] = 0.0f;
+      if (!kI8) {
+        std::memcpy(qf[kI8 ? 0 : r], x, sizeof x);
+        qs[r] = c;
+        continue;
       }
       const float inv = amax > 0.0f ? 32767.0f / amax : 0.0f;
       for (int d = 0; d < D; ++d) {
-        const float x = __builtin_rintf(qf[d] * inv);
-        q16[r][d] = (int16_t)(x > 32767.0f ? 32767.0f : x < -32767.0f ? -32767.0f : x);
+        const float y = __builtin_rintf(x[d] * inv);
+        q16[kI8 ? r : 0][d] = (int16_t)(y > 32767.0f ? 32767.0f : y < -32767.0f ? -32767.0f : y);
       }
       qs[r] = amax > 0.0f ? c / inv : 0.0f;
-      m[r] = kNegInf;
-      l[r] = 0.0f;
     }
     std::memset(s.o, 0, sizeof(float) * R * D);
   }
@@ -816,13 +832,78 @@ struct Int8Decode {
 
   int64_t qpat(int r, int j) const {  // q's dims 4j .. 4j + 3 as one int64
     int64_t x;
-    std::memcpy(&x, &q16[r][4 * j], 8);
+    std::memcpy(&x, &q16[kI8 ? r : 0][4 * j], 8);
     return x;
   }
 
 #if PF_ATTN_WIDTH == 16
+  // 32 fp8 codes -> 32 IEEE halves of value / 256 (as widen16).
+  static __m512i fp8_halves(__m256i codes) {
+    return _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(codes), 7), _mm512_set1_epi16((short)0xbf80));
+  }
+
+  // fp8: S[r * NB + 0..16) = the scores of 16 keys; acc[i] lanes 4t + u: key 4i + t's dims = u mod 4.
+  void score16_fp8(const char* const* rows, const float* ks, float* S) const {
+    __m512 acc[4][R];
+    for (int i = 0; i < 4; ++i)
+      for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps();
+    for (int half = 0; half < 2; ++half) {
+      for (int blk = 0; blk < D / 64; ++blk) {
+        __m512i x[8];
+        for (int i = 0; i < 8; ++i) x[i] = _mm512_loadu_si512(rows[8 * half + i] + 64 * blk);
+        transpose8x16(x);
+        for (int e = 0; e < 8; ++e) {
+          for (int hi = 0; hi < 2; ++hi) {  // 8 keys' dims 4j .. 4j + 3
+            const int j = 16 * blk + (e % 2 ? 8 : 0) + e / 2 + 4 * hi;
+            const __m512i h = fp8_halves(hi ? _mm512_extracti64x4_epi64(x[e], 1) : _mm512_castsi512_si256(x[e]));
+            const __m512 f0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h));        // keys 0-3
+            const __m512 f1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));  // keys 4-7
+            for (int r = 0; r < R; ++r) {
+              const __m512 q = _mm512_broadcast_f32x4(_mm_loadu_ps(&qf[kI8 ? 0 : r][4 * j]));
+              acc[2 * half][r] = _mm512_fmadd_ps(f0, q, acc[2 * half][r]);
+              acc[2 * half + 1][r] = _mm512_fmadd_ps(f1, q, acc[2 * half + 1][r]);
+            }
+          }
+        }
+      }
+    }
+    // per 128-bit lane k: the four sums of keys k, 4 + k, 8 + k, 12 + k, then in key order
+    const __m512i order = _mm512_setr_epi32(0, 4, 8, 12, 1, 5, 9, 13, 2, 6, 10, 14, 3, 7, 11, 15);
+    const __m512 kscale = _mm512_loadu_ps(ks);
+    for (int r = 0; r < R; ++r) {
+      const __m512 ab = _mm512_add_ps(_mm512_unpacklo_ps(acc[0][r], acc[1][r]), _mm512_unpackhi_ps(acc[0][r], acc[1][r]));
+      const __m512 cd = _mm512_add_ps(_mm512_unpacklo_ps(acc[2][r], acc[3][r]), _mm512_unpackhi_ps(acc[2][r], acc[3][r]));
+      const __m512 sum = _mm512_add_ps(_mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(1, 0, 1, 0)),
+                                       _mm512_shuffle_ps(ab, cd, _MM_SHUFFLE(3, 2, 3, 2)));
+      _mm512_storeu_ps(S + r * NB, _mm512_mul_ps(_mm512_mul_ps(_mm512_permutexvar_ps(order, sum), kscale),
+                                                 _mm512_set1_ps(qs[r])));
+    }
+  }
+
+  // fp8: O[r] += sum_t w[r][t] * V values[t] (w float32 in s.s), the codes widened per key.
+  void pv_fp8(const char* const* vr, int ncol) const {
+    for (int blk = 0; blk < D / 64; ++blk) {
+      __m512 acc[R][4];
+      for (int r = 0; r < R; ++r)
+        for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_loadu_ps(s.o + r * D + 64 * blk + 16 * i);
+      for (int t = 0; t < ncol; ++t) {
+        const __m512i codes = _mm512_loadu_si512(vr[t] + 64 * blk);
+        const __m512i h0 = fp8_halves(_mm512_castsi512_si256(codes)), h1 = fp8_halves(_mm512_extracti64x4_epi64(codes, 1));
+        const __m512 f[4] = {_mm512_cvtph_ps(_mm512_castsi512_si256(h0)), _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h0, 1)),
+                             _mm512_cvtph_ps(_mm512_castsi512_si256(h1)), _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h1, 1))};
+        for (int r = 0; r < R; ++r) {
+          const __m512 w = _mm512_set1_ps(s.s[r * NB + t]);
+          for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_fmadd_ps(w, f[i], acc[r][i]);
+        }
+      }
+      for (int r = 0; r < R; ++r)
+        for (int i = 0; i < 4; ++i) _mm512_storeu_ps(s.o + r * D + 64 * blk + 16 * i, acc[r][i]);
+    }
+  }
+
   // S[r * NB + 0..16) = the scores of 16 keys (rows[t]) for every head, in the log2 domain.
   void score16(const char* const* rows, const float* ks, float* S) const {
+    if (!kI8) return score16_fp8(rows, ks, S);
     __m512i acc[2][R];
     for (int half = 0; half < 2; ++half) {  // keys 8 half .. 8 half + 7
       for (int r = 0; r < R; ++r) acc[half][r] = _mm512_setzero_si512();
@@ -859,6 +940,7 @@ struct Int8Decode {
 
   // O[r] += wscale[r] * sum_t w16[r][t] * V codes[t] over keys [0, ncol), two keys per vpmaddwd.
   void pv(const char* const* vr, int ncol, const int16_t* w16) const {
+    if (!kI8) return pv_fp8(vr, ncol);
     for (int blk = 0; blk < D / 64; ++blk) {
       __m512i acc[R][4];
       for (int r = 0; r < R; ++r)
@@ -976,6 +1058,7 @@ struct Int8Decode {
       wmax = vmax(wmax, w);
     }
     l[r] = l[r] * alpha + hsum(sum);
+    if (!kI8) return;  // fp8: the float32 weights stay in s.s
     const float wm = hmax(wmax), k = wm > 0.0f ? 32767.0f / wm : 0.0f;
     wscale[r] = wm / 32767.0f;
     for (int x = 0; x < ncol; x += 16) {
@@ -998,8 +1081,8 @@ struct Int8Decode {
       for (int t = 0; t < n; ++t) {
         kr[t] = row(p.k, kv0 + t);
         vr[t] = row(p.v, kv0 + t);
-        std::memcpy(&ks[t], kr[t] + D, 4);
-        std::memcpy(&vs[t], vr[t] + D, 4);
+        ks[t] = row_scale(kr[t], D, KIND);  // fp8: 256 x (the codes widen to value / 256)
+        vs[t] = row_scale(vr[t], D, KIND);
       }
       for (int t = n; t < ncol; ++t) {  // padding keys: zero codes, score -inf (softmax), weight 0
         kr[t] = vr[t] = zero;
@@ -1031,33 +1114,50 @@ struct Int8Decode {
       return;
     }
     for (int r = 0; r < R; ++r) {
-      char* dst = static_cast<char*>(p.out) + (g * R + r) * p.o_sh * 2;
+      char* dst = static_cast<char*>(p.out) + (g * R + r) * p.o_sh * (p.q_bf16 ? 2 : 4);
       const float inv = 1.0f / l[r];
       for (int d = 0; d < D; d += W) {
-        const vh hb = to_bf16(loadf(s.o + r * D + d) * inv);
-        std::memcpy(dst + d * 2, &hb, sizeof(vh));
+        const vf x = loadf(s.o + r * D + d) * inv;
+        if (p.q_bf16) {
+          const vh hb = to_bf16(x);
+          std::memcpy(dst + d * 2, &hb, sizeof(vh));
+        } else {
+          storef(dst + d * 4, x);
+        }
       }
     }
   }
 };
 
-template <int D, int R>
-void run_int8_decode(const Params& p, int64_t item, const Scratch& s) {
-  Int8Decode<D, R> k(p, s, item);
+template <int D, int R, int KIND>
+void run_quant_decode(const Params& p, int64_t item, const Scratch& s) {
+  QuantDecode<D, R, KIND> k(p, s, item);
   k.run();
 }
 
-// The integer decode path takes one bf16 query token of at most 4 heads per KV head.
-inline bool int8_decode(const Params& p) { return p.kv_quant == kInt8 && p.q_bf16 && p.C == 1 && p.group <= 4; }
+// The register decode paths take one query token of at most 4 heads per KV head: int8 with bf16
+// q, fp8 on AVX-512.
+inline bool quant_decode(const Params& p) {
+  if (p.C != 1 || p.group > 4) return false;
+  return (p.kv_quant == kInt8 && p.q_bf16) || (p.kv_quant == kFp8 && W == 16);
+}
+
+template <int D, int KIND>
+void run_quant_decode_g(const Params& p, int64_t item, const Scratch& s) {
+  switch (p.group) {
+    case 1: return run_quant_decode<D, 1, KIND>(p, item, s);
+    case 2: return run_quant_decode<D, 2, KIND>(p, item, s);
+    case 3: return run_quant_decode<D, 3, KIND>(p, item, s);
+    default: return run_quant_decode<D, 4, KIND>(p, item, s);
+  }
+}
 
 template <int D>
-void run_int8_decode_g(const Params& p, int64_t item, const Scratch& s) {
-  switch (p.group) {
-    case 1: return run_int8_decode<D, 1>(p, item, s);
-    case 2: return run_int8_decode<D, 2>(p, item, s);
-    case 3: return run_int8_decode<D, 3>(p, item, s);
-    default: return run_int8_decode<D, 4>(p, item, s);
-  }
+void run_quant_decode_k(const Params& p, int64_t item, const Scratch& s) {
+  if (p.kv_quant == kInt8) return run_quant_decode_g<D, kInt8>(p, item, s);
+#if PF_ATTN_WIDTH == 16
+  run_quant_decode_g<D, kFp8>(p, item, s);
+#endif
 }
 
 
@@ -1072,7 +1172,7 @@ void run_r(const Params& p, int64_t item, const Scratch& s) {
 // blocks of 8 would compute 5 padding rows of 8. Rows are computed alike in either block size.
 template <int D, bool KVB>
 void run_d(const Params& p, int64_t item, const Scratch& s) {
-  if (int8_decode(p)) return run_int8_decode_g<D>(p, item, s);
+  if (quant_decode(p)) return run_quant_decode_k<D>(p, item, s);
   const int64_t rows = (p.C < p.qtile ? p.C : p.qtile) * p.group;
   if (kRows > 4 && rows <= 4) run_r<D, KVB, 4>(p, item, s);
   else run_r<D, KVB, kRows>(p, item, s);

@@ -99,7 +99,7 @@ DECODE_LENS = [100, 0, 2100, 63, 1]  # unaligned, empty, split KV, a step edge, 
 
 @pytest.mark.parametrize("quant", QUANT)
 @pytest.mark.parametrize("isa,q_dtype", COMBOS)
-@pytest.mark.parametrize("G,hkv,D", [(3, 3, 64), (1, 2, 128)])
+@pytest.mark.parametrize("G,hkv,D", [(3, 3, 64), (1, 2, 128), (4, 2, 64), (2, 1, 128)])
 def test_batched_decode_over_quantized_cache(isa, q_dtype, quant, G, hkv, D):
     """One decode step of sequences of different lengths: each new row quantized exactly as
     kv_quant.quantize does, and the attention equal to the per-sequence chunk calls (bits) and
@@ -140,6 +140,30 @@ def test_batched_decode_over_quantized_cache(isa, q_dtype, quant, G, hkv, D):
         values = _dequantized(vq, tables[b], L + 1, ps, torch.float32).double()
         want = reference_attention(q[b:b + 1].double(), keys, values, L, scale)
         assert (out[b:b + 1].double() - want).abs().max().item() <= _tolerance(want, q_dtype)
+
+
+@pytest.mark.parametrize("quant", QUANT)
+@pytest.mark.parametrize("isa,q_dtype", COMBOS)
+def test_sharp_decode_over_quantized_cache(isa, q_dtype, quant):
+    """A decode query whose softmax is peaked (q x 8: a few keys hold most of the weight, the
+    rest span many octaves below them) and keys with rows of very different scales: the
+    register decode paths round q and the weights against their largest values, so this is
+    where they would lose most; still float64 attention within q's rounding."""
+    L, G, hkv, D, ps = 700, 3, 3, 64, 64
+    gen = torch.Generator().manual_seed(11)
+    npages, table = _pages(L + 1, ps, gen)
+    kq = _quant_cache(npages, ps, hkv, D, QUANT[quant], gen)
+    vq = _quant_cache(npages, ps, hkv, D, QUANT[quant], gen)
+    spread = torch.exp(torch.randn(L + 1, hkv, 1, generator=gen) * 2)  # row scales over ~e^+-6
+    k = torch.randn(L + 1, hkv, D, generator=gen) * spread
+    v = torch.randn(L + 1, hkv, D, generator=gen) * spread
+    ca.write_kv(kq, vq, k, v, table, 0, page_size=ps)
+    q = (torch.randn(1, hkv * G, D, generator=gen) * 8).to(q_dtype)
+    out = ca.chunk_attention(isa, q, kq, vq, table, L, D ** -0.5, page_size=ps)
+    keys = _dequantized(kq, table, L + 1, ps, torch.float32).double()
+    values = _dequantized(vq, table, L + 1, ps, torch.float32).double()
+    ref = reference_attention(q.double(), keys, values, L, D ** -0.5)
+    assert (out.double() - ref).abs().max().item() <= _tolerance(ref, q_dtype)
 
 
 @pytest.mark.parametrize("quant", QUANT)

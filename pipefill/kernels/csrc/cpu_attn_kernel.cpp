@@ -726,7 +726,13 @@ alignas(64) const int8_t kZeroRow[128 + 4] = {};
 
 #if PF_ATTN_WIDTH == 16
 typedef __m512i ivec;
-inline ivec madd_acc(ivec acc, ivec a, ivec b) { return _mm512_add_epi32(acc, _mm512_madd_epi16(a, b)); }
+// acc + a . b in pairs; the empty asm keeps each accumulator a chain in one register (GCC
+// otherwise re-associates the integer sums into trees of products and spills them).
+inline ivec madd_acc(ivec acc, ivec a, ivec b) {
+  ivec r = _mm512_add_epi32(acc, _mm512_madd_epi16(a, b));
+  asm("" : "+v"(r));
+  return r;
+}
 
 // 8 rows of 16 dwords -> x[2e]: dword e of rows 0..7 (low 256 bits), dword 4 + e (high);
 // x[2e + 1]: dwords 8 + e and 12 + e.
@@ -751,7 +757,11 @@ inline void transpose8x16(__m512i* x) {
 }
 #else
 typedef __m256i ivec;
-inline ivec madd_acc(ivec acc, ivec a, ivec b) { return _mm256_add_epi32(acc, _mm256_madd_epi16(a, b)); }
+inline ivec madd_acc(ivec acc, ivec a, ivec b) {  // as the AVX-512 one
+  ivec r = _mm256_add_epi32(acc, _mm256_madd_epi16(a, b));
+  asm("" : "+v"(r));
+  return r;
+}
 
 // 8 rows of 8 dwords -> x[e]: dword e of rows 0..7.
 inline void transpose8x8(__m256i* x) {

@@ -23,6 +23,8 @@
 // A quantized cache (int8, fp8_e4m3; token-major rows of codes and a scale) is read by the same
 // loops: each step's K and V rows are widened once per item into L1 scratch in the packed layout
 // (K transposed as bytes first), exactly the values torch's dequantize gives in q's dtype.
+// Decode over one (int8 with bf16 q, or fp8 on AVX-512) reads the rows in registers instead:
+// QuantDecode below.
 #include <cstdint>
 #include <cstring>
 

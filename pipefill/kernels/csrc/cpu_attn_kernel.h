@@ -8,7 +8,9 @@
 // the row's float32 scale. Each step's codes are widened (exactly, to bf16 for bf16 q, else
 // float32) into per-thread scratch in the packed layout below, which the same inner loops then
 // read; the row scales are folded in where it costs one multiply per key, not per value: each
-// score is multiplied by its key's scale and each probability by its value's scale.
+// score is multiplied by its key's scale and each probability by its value's scale. Decode of
+// one query token (int8 with bf16 q; fp8 on AVX-512) reads the rows in registers instead
+// (QuantDecode in cpu_attn_kernel.cpp), using Scratch::o, s and p only.
 //
 // Cache layout: the AMX kernel's packed paged layout (see amx_kernel.cpp), per (page, kv head):
 //   K: [page_size/16][D/32][16 dim pairs][16 tokens][2]

@@ -404,16 +404,24 @@ struct Kernel {
   void widen_step(int64_t kv0, int nstep, const char** kg, const char** vg) const {
     const char* kr[NB];
     const char* vr[NB];
+    const int64_t stride = p.num_kv_heads * (D + 4);
+    const char* k0 = quant_row(p.k, kv0);  // the rest by steps within the page (no division)
+    const char* v0 = quant_row(p.v, kv0);
     for (int t = 0; t < nstep; ++t) {
-      kr[t] = quant_row(p.k, kv0 + t);
-      vr[t] = quant_row(p.v, kv0 + t);
+      const bool same_page = (kv0 % p.page_size) + t < p.page_size;
+      kr[t] = same_page ? k0 + t * stride : quant_row(p.k, kv0 + t);
+      vr[t] = same_page ? v0 + t * stride : quant_row(p.v, kv0 + t);
       s.ks[t] = row_scale(kr[t], D, p.kv_quant);
       s.vs[t] = row_scale(vr[t], D, p.kv_quant);
     }
     for (int t = nstep; t < NB; ++t) s.ks[t] = s.vs[t] = 0.0f;  // padding keys: score 0, p 0
-    for (int64_t t = kv0 + NB; t < kv0 + 2 * NB && t < kv_hi; ++t) {
-      const char* k = quant_row(p.k, t);
-      const char* v = quant_row(p.v, t);
+    const int64_t next = kv0 + NB;
+    const char* k1 = next < kv_hi ? quant_row(p.k, next) : nullptr;
+    const char* v1 = next < kv_hi ? quant_row(p.v, next) : nullptr;
+    for (int64_t t = next; t < next + NB && t < kv_hi; ++t) {
+      const bool same_page = (next % p.page_size) + (t - next) < p.page_size;
+      const char* k = same_page ? k1 + (t - next) * stride : quant_row(p.k, t);
+      const char* v = same_page ? v1 + (t - next) * stride : quant_row(p.v, t);
       __builtin_prefetch(k, 0, 2);
       __builtin_prefetch(k + D + 3, 0, 2);
       __builtin_prefetch(v, 0, 2);
@@ -837,11 +845,6 @@ struct QuantDecode {
     std::memset(s.o, 0, sizeof(float) * R * D);
   }
 
-  const char* row(const void* base, int64_t tok) const {
-    const int64_t ps = p.page_size, slot = (int64_t)p.page_table[tok / ps] * ps + tok % ps;
-    return static_cast<const char*>(base) + (slot * p.num_kv_heads + g) * (D + 4);
-  }
-
   int64_t qpat(int r, int j) const {  // q's dims 4j .. 4j + 3 as one int64
     int64_t x;
     std::memcpy(&x, &q16[kI8 ? r : 0][4 * j], 8);
@@ -1082,17 +1085,36 @@ struct QuantDecode {
     }
   }
 
+  // Byte offsets of the rows of keys [tok0, tok0 + n) in the layer caches (one division per
+  // call: a division per key cost more than the key's arithmetic).
+  void row_offsets(int64_t tok0, int n, int64_t* off) const {
+    const int64_t ps = p.page_size;
+    int64_t page = tok0 / ps, in_page = tok0 % ps;
+    for (int t = 0; t < n; ++t) {
+      off[t] = (((int64_t)p.page_table[page] * ps + in_page) * p.num_kv_heads + g) * (D + 4);
+      if (++in_page == ps) {
+        in_page = 0;
+        ++page;
+      }
+    }
+  }
+
   void run() {
     const char* kr[NB];
     const char* vr[NB];
+    int64_t offs[2][NB];  // this step's row offsets, the next step's
     alignas(64) float ks[NB], vs[NB];
     int16_t* w16 = reinterpret_cast<int16_t*>(s.p);  // [R, NB]
     const char* zero = reinterpret_cast<const char*>(kZeroRow);
-    for (int64_t kv0 = kv_lo; kv0 < kv_hi; kv0 += NB) {
+    const char* kbase = static_cast<const char*>(p.k);
+    const char* vbase = static_cast<const char*>(p.v);
+    row_offsets(kv_lo, (int)(kv_hi - kv_lo < NB ? kv_hi - kv_lo : NB), offs[0]);
+    for (int64_t kv0 = kv_lo, step = 0; kv0 < kv_hi; kv0 += NB, ++step) {
       const int n = (int)(kv_hi - kv0 < NB ? kv_hi - kv0 : NB), ncol = (n + 15) / 16 * 16;
+      const int64_t* off = offs[step % 2];
       for (int t = 0; t < n; ++t) {
-        kr[t] = row(p.k, kv0 + t);
-        vr[t] = row(p.v, kv0 + t);
+        kr[t] = kbase + off[t];
+        vr[t] = vbase + off[t];
         ks[t] = row_scale(kr[t], D, KIND);  // fp8: 256 x (the codes widen to value / 256)
         vs[t] = row_scale(vr[t], D, KIND);
       }
@@ -1100,13 +1122,16 @@ struct QuantDecode {
         kr[t] = vr[t] = zero;
         ks[t] = vs[t] = 0.0f;
       }
-      for (int64_t t = kv0 + NB; t < kv0 + 2 * NB && t < kv_hi; ++t) {  // the next step, to L2
-        const char* k = row(p.k, t);
-        const char* v = row(p.v, t);
-        __builtin_prefetch(k, 0, 2);
-        __builtin_prefetch(k + D + 3, 0, 2);
-        __builtin_prefetch(v, 0, 2);
-        __builtin_prefetch(v + D + 3, 0, 2);
+      if (kv0 + NB < kv_hi) {  // the next step's rows, to L2 while this one computes
+        const int nn = (int)(kv_hi - kv0 - NB < NB ? kv_hi - kv0 - NB : NB);
+        int64_t* next = offs[(step + 1) % 2];
+        row_offsets(kv0 + NB, nn, next);
+        for (int t = 0; t < nn; ++t) {
+          __builtin_prefetch(kbase + next[t], 0, 2);
+          __builtin_prefetch(kbase + next[t] + D + 3, 0, 2);
+          __builtin_prefetch(vbase + next[t], 0, 2);
+          __builtin_prefetch(vbase + next[t] + D + 3, 0, 2);
+        }
       }
       for (int x = 0; x < ncol; x += 16) score16(kr + x, ks + x, s.s + x);
       for (int r = 0; r < R; ++r) softmax(r, n, ncol, vs, w16);

@@ -23,7 +23,7 @@
 // A quantized cache (int8, fp8_e4m3; token-major rows of codes and a scale) is read by the same
 // loops: each step's K and V rows are widened once per item into L1 scratch in the packed layout
 // (K transposed as bytes first), exactly the values torch's dequantize gives in q's dtype.
-// Decode over one (int8 with bf16 q, or fp8 on AVX-512) reads the rows in registers instead:
+// Decode over one (int8 with bf16 q; on AVX-512 any) reads the rows in registers instead:
 // QuantDecode below.
 #include <cstdint>
 #include <cstring>
@@ -793,9 +793,12 @@ inline void transpose8x8(__m256i* x) {
 }
 #endif
 
-// KIND kInt8 (bf16 q) as above; kFp8 (AVX-512 only, bf16 or float32 q): the same transposes,
-// the codes widened exactly in registers (IEEE halves of value / 256, as widen16) and float32
-// FMAs against q as given; the weights p x scale_v stay float32.
+// KIND kInt8 (bf16 q) as above. kFp8 and kInt8Float (AVX-512 only; fp8, or int8 under float32
+// q, whose tolerance is float32's): the same transposes, the codes widened exactly in
+// registers (fp8 as IEEE halves of value / 256, as widen16) and float32 FMAs against q as
+// given; the weights p x scale_v stay float32.
+constexpr int kInt8Float = 3;
+
 template <int D, int R, int KIND>
 struct QuantDecode {
   static constexpr bool kI8 = KIND == kInt8;
@@ -803,8 +806,8 @@ struct QuantDecode {
   const Scratch& s;
   int64_t g, part, kv_lo, kv_hi;
   alignas(64) int16_t q16[kI8 ? R : 1][D];  // int8: q in int16, per head
-  alignas(64) float qf[kI8 ? 1 : R][D];     // fp8: q in float32
-  float qs[R];  // q's scale (int8; fp8: 1) times softmax scale x log2(e)
+  alignas(64) float qf[kI8 ? 1 : R][D];     // float path: q in float32
+  float qs[R];  // q's scale (int8; float path: 1) times softmax scale x log2(e)
   float m[R], l[R], wscale[R];
 
   QuantDecode(const Params& p_, const Scratch& s_, int64_t item) : p(p_), s(s_) {
@@ -857,8 +860,21 @@ struct QuantDecode {
     return _mm512_and_si512(_mm512_slli_epi16(_mm512_cvtepi8_epi16(codes), 7), _mm512_set1_epi16((short)0xbf80));
   }
 
-  // fp8: S[r * NB + 0..16) = the scores of 16 keys; acc[i] lanes 4t + u: key 4i + t's dims = u mod 4.
-  void score16_fp8(const char* const* rows, const float* ks, float* S) const {
+  // 32 codes -> their values (fp8: / 256) as floats: codes 0-15 in a, 16-31 in b.
+  static void widen32(__m256i codes, __m512& a, __m512& b) {
+    if (KIND == kFp8) {
+      const __m512i h = fp8_halves(codes);
+      a = _mm512_cvtph_ps(_mm512_castsi512_si256(h));
+      b = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));
+    } else {
+      a = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(codes)));
+      b = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(codes, 1)));
+    }
+  }
+
+  // float path: S[r * NB + 0..16) = the scores of 16 keys; acc[i] lanes 4t + u: key 4i + t's
+  // dims = u mod 4.
+  void score16_float(const char* const* rows, const float* ks, float* S) const {
     __m512 acc[4][R];
     for (int i = 0; i < 4; ++i)
       for (int r = 0; r < R; ++r) acc[i][r] = _mm512_setzero_ps();
@@ -870,9 +886,8 @@ struct QuantDecode {
         for (int e = 0; e < 8; ++e) {
           for (int hi = 0; hi < 2; ++hi) {  // 8 keys' dims 4j .. 4j + 3
             const int j = 16 * blk + (e % 2 ? 8 : 0) + e / 2 + 4 * hi;
-            const __m512i h = fp8_halves(hi ? _mm512_extracti64x4_epi64(x[e], 1) : _mm512_castsi512_si256(x[e]));
-            const __m512 f0 = _mm512_cvtph_ps(_mm512_castsi512_si256(h));        // keys 0-3
-            const __m512 f1 = _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h, 1));  // keys 4-7
+            __m512 f0, f1;  // keys 0-3, 4-7
+            widen32(hi ? _mm512_extracti64x4_epi64(x[e], 1) : _mm512_castsi512_si256(x[e]), f0, f1);
             for (int r = 0; r < R; ++r) {
               const __m512 q = _mm512_broadcast_f32x4(_mm_loadu_ps(&qf[kI8 ? 0 : r][4 * j]));
               acc[2 * half][r] = _mm512_fmadd_ps(f0, q, acc[2 * half][r]);
@@ -895,17 +910,17 @@ struct QuantDecode {
     }
   }
 
-  // fp8: O[r] += sum_t w[r][t] * V values[t] (w float32 in s.s), the codes widened per key.
-  void pv_fp8(const char* const* vr, int ncol) const {
+  // float path: O[r] += sum_t w[r][t] * V values[t] (w float32 in s.s), the codes widened per key.
+  void pv_float(const char* const* vr, int ncol) const {
     for (int blk = 0; blk < D / 64; ++blk) {
       __m512 acc[R][4];
       for (int r = 0; r < R; ++r)
         for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_loadu_ps(s.o + r * D + 64 * blk + 16 * i);
       for (int t = 0; t < ncol; ++t) {
         const __m512i codes = _mm512_loadu_si512(vr[t] + 64 * blk);
-        const __m512i h0 = fp8_halves(_mm512_castsi512_si256(codes)), h1 = fp8_halves(_mm512_extracti64x4_epi64(codes, 1));
-        const __m512 f[4] = {_mm512_cvtph_ps(_mm512_castsi512_si256(h0)), _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h0, 1)),
-                             _mm512_cvtph_ps(_mm512_castsi512_si256(h1)), _mm512_cvtph_ps(_mm512_extracti64x4_epi64(h1, 1))};
+        __m512 f[4];
+        widen32(_mm512_castsi512_si256(codes), f[0], f[1]);
+        widen32(_mm512_extracti64x4_epi64(codes, 1), f[2], f[3]);
         for (int r = 0; r < R; ++r) {
           const __m512 w = _mm512_set1_ps(s.s[r * NB + t]);
           for (int i = 0; i < 4; ++i) acc[r][i] = _mm512_fmadd_ps(w, f[i], acc[r][i]);
@@ -918,7 +933,7 @@ struct QuantDecode {
 
   // S[r * NB + 0..16) = the scores of 16 keys (rows[t]) for every head, in the log2 domain.
   void score16(const char* const* rows, const float* ks, float* S) const {
-    if (!kI8) return score16_fp8(rows, ks, S);
+    if (!kI8) return score16_float(rows, ks, S);
     __m512i acc[2][R];
     for (int half = 0; half < 2; ++half) {  // keys 8 half .. 8 half + 7
       for (int r = 0; r < R; ++r) acc[half][r] = _mm512_setzero_si512();
@@ -955,7 +970,7 @@ struct QuantDecode {
 
   // O[r] += wscale[r] * sum_t w16[r][t] * V codes[t] over keys [0, ncol), two keys per vpmaddwd.
   void pv(const char* const* vr, int ncol, const int16_t* w16) const {
-    if (!kI8) return pv_fp8(vr, ncol);
+    if (!kI8) return pv_float(vr, ncol);
     for (int blk = 0; blk < D / 64; ++blk) {
       __m512i acc[R][4];
       for (int r = 0; r < R; ++r)
@@ -1073,7 +1088,7 @@ struct QuantDecode {
       wmax = vmax(wmax, w);
     }
     l[r] = l[r] * alpha + hsum(sum);
-    if (!kI8) return;  // fp8: the float32 weights stay in s.s
+    if (!kI8) return;  // float path: the float32 weights stay in s.s
     const float wm = hmax(wmax), k = wm > 0.0f ? 32767.0f / wm : 0.0f;
     wscale[r] = wm / 32767.0f;
     for (int x = 0; x < ncol; x += 16) {
@@ -1173,10 +1188,10 @@ void run_quant_decode(const Params& p, int64_t item, const Scratch& s) {
 }
 
 // The register decode paths take one query token of at most 4 heads per KV head: int8 with bf16
-// q, fp8 on AVX-512.
+// q on every ISA, int8 with float32 q and fp8 on AVX-512.
 inline bool quant_decode(const Params& p) {
-  if (p.C != 1 || p.group > 4) return false;
-  return (p.kv_quant == kInt8 && p.q_bf16) || (p.kv_quant == kFp8 && W == 16);
+  if (p.kv_quant == kPacked || p.C != 1 || p.group > 4) return false;
+  return (p.kv_quant == kInt8 && p.q_bf16) || W == 16;
 }
 
 template <int D, int KIND>
@@ -1191,8 +1206,9 @@ void run_quant_decode_g(const Params& p, int64_t item, const Scratch& s) {
 
 template <int D>
 void run_quant_decode_k(const Params& p, int64_t item, const Scratch& s) {
-  if (p.kv_quant == kInt8) return run_quant_decode_g<D, kInt8>(p, item, s);
+  if (p.kv_quant == kInt8 && p.q_bf16) return run_quant_decode_g<D, kInt8>(p, item, s);
 #if PF_ATTN_WIDTH == 16
+  if (p.kv_quant == kInt8) return run_quant_decode_g<D, kInt8Float>(p, item, s);
   run_quant_decode_g<D, kFp8>(p, item, s);
 #endif
 }

@@ -9,7 +9,7 @@
 // float32) into per-thread scratch in the packed layout below, which the same inner loops then
 // read; the row scales are folded in where it costs one multiply per key, not per value: each
 // score is multiplied by its key's scale and each probability by its value's scale. Decode of
-// one query token (int8 with bf16 q; fp8 on AVX-512) reads the rows in registers instead
+// one query token (int8 with bf16 q; on AVX-512 any) reads the rows in registers instead
 // (QuantDecode in cpu_attn_kernel.cpp), using Scratch::o, s and p only.
 //
 // Cache layout: the AMX kernel's packed paged layout (see amx_kernel.cpp), per (page, kv head):

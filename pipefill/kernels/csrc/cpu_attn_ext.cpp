@@ -506,7 +506,7 @@ void decode_attention(int64_t isa, torch::Tensor q, torch::Tensor k, torch::Tens
     // The item of the part holding the new token (the last) writes its head's K/V first:
     // no other item reads that page, and the writer is the reader (the lines stay in this
     // core's cache instead of crossing from the thread that used to write every token).
-    if (item % p.nparts == p.nparts - 1) tokens.put(b, (item / p.nparts) % Hkv, p.page_table, L[b]);
+    if (pa::item_part(p, item) == p.nparts - 1) tokens.put(b, pa::item_tile_head(p, item) % Hkv, p.page_table, L[b]);
     run(p, item, s);
   });
   // Merge the split sequences' parts: Hkv * G rows each, one pool for all of them.

@@ -326,8 +326,8 @@ struct Kernel {
   Kernel(const Params& p_, const Scratch& s_, int64_t item) : p(p_), s(s_) {
     const int64_t Hkv = p.num_kv_heads, ps = p.page_size;
     const int64_t ntiles = (p.C + p.qtile - 1) / p.qtile;
-    part = item % p.nparts;
-    const int64_t rest = item / p.nparts;
+    part = item_part(p, item);
+    const int64_t rest = item_tile_head(p, item);
     const int64_t ti = ntiles - 1 - rest / Hkv;  // longest (last) q-tiles first
     g = rest % Hkv;
     G = group_of(p, g);
@@ -811,8 +811,8 @@ struct QuantDecode {
   float m[R], l[R], wscale[R];
 
   QuantDecode(const Params& p_, const Scratch& s_, int64_t item) : p(p_), s(s_) {
-    part = item % p.nparts;
-    g = (item / p.nparts) % p.num_kv_heads;  // one q-tile: C = 1
+    part = item_part(p, item);
+    g = item_tile_head(p, item) % p.num_kv_heads;  // one q-tile: C = 1
     kv_lo = part * p.kv_part;
     const int64_t kend = p.L + 1;
     kv_hi = p.nparts > 1 && kv_lo + p.kv_part < kend ? kv_lo + p.kv_part : kend;

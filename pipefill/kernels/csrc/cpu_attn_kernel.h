@@ -77,6 +77,12 @@ inline int64_t first_q_head(const Params& p, int64_t g) { return p.q_first ? p.q
 
 inline int64_t num_items(const Params& p) { return p.num_kv_heads * ((p.C + p.qtile - 1) / p.qtile) * p.nparts; }
 
+// An item's KV part, and its (q-tile, kv head) index (kv head = index % num_kv_heads). Split KV
+// items go part-major, every kv head of part 0 first: a quantized cache's rows of the heads
+// interleave (token-major), so the lines one head's item reads stay in L2 for the next head's.
+inline int64_t item_part(const Params& p, int64_t item) { return p.nparts > 1 ? item / p.num_kv_heads : 0; }
+inline int64_t item_tile_head(const Params& p, int64_t item) { return p.nparts > 1 ? item % p.num_kv_heads : item; }
+
 #define PF_ATTN_DECLARE(NS) \
   namespace NS {            \
   void run_item(const Params& p, int64_t item, const Scratch& s); \

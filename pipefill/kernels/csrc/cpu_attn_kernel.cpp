@@ -1188,9 +1188,10 @@ void run_quant_decode(const Params& p, int64_t item, const Scratch& s) {
 }
 
 // The register decode paths take one query token of at most 4 heads per KV head: int8 with bf16
-// q on every ISA, int8 with float32 q and fp8 on AVX-512.
+// q on every ISA, int8 with float32 q and fp8 on AVX-512. Their group size is a template
+// constant, so unequal query groups (q_first) take the widening path, which reads the map.
 inline bool quant_decode(const Params& p) {
-  if (p.kv_quant == kPacked || p.C != 1 || p.group > 4) return false;
+  if (p.kv_quant == kPacked || p.C != 1 || p.group > 4 || p.q_first) return false;
   return (p.kv_quant == kInt8 && p.q_bf16) || W == 16;
 }
 

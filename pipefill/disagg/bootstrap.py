@@ -178,13 +178,16 @@ def lookup_prefill(endpoint: m.Endpoint, timeout_s: float = 60.0,
 def check_compatible(info: m.PrefillInfo, *, page_size: int, kv_dtype: str,
                      model_fingerprint: str, backend: str, num_layers: int,
                      kv_layout: str = "token-major", kv_latent=(),
-                     kv_heads: list[list[int]] | None = None) -> None:
+                     kv_heads: list[list[int]] | None = None,
+                     window_layers: list[int] | None = None) -> None:
     """Raises ValueError naming the flag to change when this decode cannot take the prefill's
     KV; also checks that the prefill stages' layers tile [0, num_layers). kv_latent: this
     decode's m.latent_layout (a latent-attention model's pages), checked first, with its
     dtype: both sides must read a page's values alike. kv_heads: this decode stage's TP
     ranks' KV heads (disagg/heads.py; None: not checked), which every prefill stage's ranks
-    must be able to give."""
+    must be able to give. window_layers: the model's layers whose KV this decode keeps in window
+    pages (ARCHITECTURE.md, 'Window pages'; None: not checked); each prefill stage must keep
+    the same of its own layers there."""
     s = info.stages[0]
     mine = list(kv_latent)
     if (s.kv_latent or mine) and (list(s.kv_latent), s.kv_dtype) != (mine, kv_dtype):
@@ -219,4 +222,22 @@ def check_compatible(info: m.PrefillInfo, *, page_size: int, kv_dtype: str,
             except ValueError as e:
                 raise ValueError(f"the prefill server's stage {st.rank} cannot give this "
                                  f"decode's TP ranks their KV heads: {e}") from None
+    if window_layers is not None:
+        check_window_layers(info.stages, window_layers)
     check_tiling(info.stages, num_layers)
+
+
+def check_window_layers(stages, window_layers: list[int]) -> None:
+    """Both sides keep the same layers' KV in window pages, or none: a page crosses only for
+    the layers both address alike."""
+    for st in stages:
+        mine = [i for i in window_layers if st.layer_start <= i < st.layer_end]
+        if list(st.window_layers) != mine:
+            def say(layers):
+                return "in window pages freed outside the window" if layers else \
+                    "for every token"
+            raise ValueError(f"the prefill server's stage {st.rank} keeps the sliding-window "
+                             f"layers' KV {say(st.window_layers)}, this decode {say(mine)}: "
+                             "both must agree (window pages are off under the host and "
+                             "storage cache tiers, --disaggregation-transfer-backend mooncake "
+                             "and --tp-size above 1); start both alike")

@@ -45,6 +45,7 @@ class DecodeRoom:
     writes_in_flight: int = 0
     acks_pending: set[str] = field(default_factory=set)
     drain_deadline: float = 0.0
+    dst_window: list[int] = field(default_factory=list)  # window page per page, -1: none
 
     def complete(self) -> bool:
         n = len(self.dst_pages)
@@ -67,7 +68,9 @@ class DecodeRooms:
 
     def expect(self, room: int, nonce: int, dst_pages: list[int],
                stages: dict[str, tuple[int, int]], now: float, want_final: bool = True,
-               num_prompt_tokens: int | None = None) -> None:
+               num_prompt_tokens: int | None = None, dst_window: list[int] = ()) -> None:
+        """dst_window: with window layers that keep pages of their own, the window page of
+        each of dst_pages (-1: none), which the prefill stages' last chunks fill."""
         if room in self.live:
             raise ValueError(f"room {room} is already waiting for its KV (a repeated "
                              "bootstrap_room)")
@@ -75,7 +78,7 @@ class DecodeRooms:
             raise ValueError("a room needs at least one prefill stage")
         self.results.pop(room, None)
         self.live[room] = DecodeRoom(room, nonce, list(dst_pages), dict(stages), want_final,
-                                     num_prompt_tokens, now)
+                                     num_prompt_tokens, now, dst_window=list(dst_window))
 
     def begin_chunk(self, stage: str, msg: m.KVChunk) -> list[int] | None:
         """The destination pages of a valid chunk (a write into them is now in flight), or
@@ -95,6 +98,18 @@ class DecodeRooms:
             return None
         r.writes_in_flight += 1
         return r.dst_pages[msg.page_offset:end]
+
+    def window_dst(self, msg: m.KVChunk) -> tuple[list[int], str | None]:
+        """(the window pages a chunk begun here fills, None), or ([], why) when its window
+        pages are not the room's: the last chunk of each stage carries exactly the pages
+        whose window page is not -1, the others none (ARCHITECTURE.md, 'Window pages')."""
+        r = self.live[msg.room]
+        wanted = [i for i, p in enumerate(r.dst_window) if p != -1] if msg.is_last else []
+        if list(msg.window_pages) != wanted:
+            return [], (f"the prefill sent the window layers' KV of pages "
+                        f"{list(msg.window_pages)[:8]} where this decode holds window pages "
+                        f"for {wanted[:8]} (the two sides' window tables differ)")
+        return [r.dst_window[i] for i in wanted], None
 
     def end_chunk(self, stage: str, msg: m.KVChunk, now: float, ok: bool = True) -> None:
         r = self.live.get(msg.room)

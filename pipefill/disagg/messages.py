@@ -62,6 +62,9 @@ class RegisterStage(_Msg):
     # The stage's TP ranks' KV heads (disagg/heads.py): [[0, 1], [2]] for 3 KV heads at TP 2;
     # []: one rank with all num_kv_heads (the model's).
     kv_heads: list[list[int]] = []
+    # The stage's layers whose KV lives in window pages (ARCHITECTURE.md, 'Window pages'): they
+    # cross only for the pages the decode's window table names; []: every layer's every page.
+    window_layers: list[int] = []
 
 
 class Ack(_Msg):
@@ -100,6 +103,7 @@ class DecodeHello(_Msg):
     # the order of the pages' bytes in a chunk, and of k_ptrs/v_ptrs (rank after rank).
     kv_heads: list[list[int]] = []
     num_kv_heads: int = 0  # of the decode's model (0: not said)
+    window_layers: list[int] = []  # as RegisterStage's, the decode stage's
 
 
 class RoomBootstrap(_Msg):
@@ -108,6 +112,9 @@ class RoomBootstrap(_Msg):
     dst_pages: list[int]  # the decode's page ids for the prompt's pages, in order
     expected_bootstraps: int  # decode stages that will bootstrap this prefill stage for the room
     staging_addr: int = 0  # mooncake: the room's staging region for this stage's layers (0: none)
+    # With window layers (RegisterStage.window_layers): the decode's window page for each of
+    # dst_pages, -1 where it keeps none; the prefill sends those pages' window layers only.
+    dst_window_pages: list[int] = []
 
 
 class KVChunk(_Msg):
@@ -124,6 +131,9 @@ class KVChunk(_Msg):
     layer_end: int
     nbytes: int
     is_last: bool  # the stage has sent every page of the room
+    # The request's pages whose window layers' K/V follow the other layers' (last chunk only:
+    # exactly the pages of the room's dst_window_pages that are not -1).
+    window_pages: list[int] = []
 
 
 class FinalMeta(_Msg):

@@ -44,6 +44,7 @@ class Dest:
     dst_pages: Sequence[int]  # array("I"): 4 bytes a page, whatever the sender sent
     staging_addr: int = 0  # mooncake: where this decode stages the room's chunks (0: none)
     layers: tuple[int, int] | None = None  # the decode stage's layers (None: not known)
+    dst_window: Sequence[int] = ()  # its window page per page, -1: none (RoomBootstrap)
 
 
 @dataclass
@@ -55,6 +56,9 @@ class Item:
     src_pages: list[int] = field(default_factory=list)
     is_last: bool = False
     final: m.FinalMeta | None = None
+    # The last chunk of a model whose window layers keep pages of their own: the request's
+    # window table at the end of its prefill, -1 where freed ('Window pages').
+    window_src: list[int] | None = None
 
 
 @dataclass
@@ -152,6 +156,21 @@ def compact_pages(pages: list[int], limit: int | None) -> array:
     return array("I", pages)
 
 
+def compact_window(table: list[int], num_pages: int, windowed: bool) -> array:
+    """A RoomBootstrap's window table as array("q"), or Refused with a sentence."""
+    if not windowed:
+        if table:
+            raise Refused("a RoomBootstrap names window pages, but this prefill stage's "
+                          "window layers keep every token's KV (no window pages)", 400)
+        return array("q")
+    if len(table) != num_pages:
+        raise Refused(f"a RoomBootstrap's window table has {len(table)} entries for "
+                      f"{num_pages} pages: one a page (-1: no window page)", 400)
+    if min(table) < -1 or max(table) > MAX_PAGE_ID:
+        raise Refused("a RoomBootstrap's window table names a page id outside [-1, 2^32)", 400)
+    return array("q", table)
+
+
 def _overlap(a: tuple[int, int] | None, b: tuple[int, int] | None) -> bool:
     return a is not None and b is not None and max(a[0], b[0]) < min(a[1], b[1])
 
@@ -163,8 +182,12 @@ class PrefillRooms:
     decode stages (or whose layers one of them already takes) is refused."""
 
     def __init__(self, rank: int, bootstrap_timeout_s: float, release: Release,
-                 claim_timeout_s: float | None = None, max_room_pages: int | None = None):
+                 claim_timeout_s: float | None = None, max_room_pages: int | None = None,
+                 windowed: bool = False):
+        """windowed: the stage's window layers keep pages of their own: every bootstrap
+        carries a window table ('Window pages')."""
         self.rank = rank
+        self.windowed = windowed
         self.bootstrap_timeout_s = bootstrap_timeout_s
         # A room opened here must be claimed by its decode within this (the older flag,
         # when smaller, still bounds it).
@@ -208,6 +231,7 @@ class PrefillRooms:
             return [], [] if ok else [self._failed(peer, msg, reason, status)]
         try:
             pages = compact_pages(msg.dst_pages, self.max_room_pages)
+            window = compact_window(msg.dst_window_pages, len(pages), self.windowed)
             self._check_owner(self.live.get(msg.room), peer, msg, layers)
         except Refused as e:
             self.refusals.drop(f"RoomBootstrap of room {msg.room} from {peer}: {e.reason}")
@@ -221,7 +245,7 @@ class PrefillRooms:
             self.pending.add(peer, msg.room, len(pages))
         r = self._room(msg.room, now)
         r.expected = msg.expected_bootstraps
-        r.dests[peer] = Dest(peer, msg.nonce, pages, msg.staging_addr, layers)
+        r.dests[peer] = Dest(peer, msg.nonce, pages, msg.staging_addr, layers, window)
         notices = self._evict_pending()
         if msg.room not in self.live or not r.bootstrapped:
             return [], notices

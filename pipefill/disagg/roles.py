@@ -31,7 +31,7 @@ from pipefill.disagg.bootstrap import check_compatible, register_stage
 from pipefill.disagg.connector import (BAD_ANSWER, Deadline, PeerError, PrefillConnector,
                                        as_peer_error, lookup)
 from pipefill.disagg.decode_rooms import DecodePipelineRooms
-from pipefill.disagg.transfer import KVTensors, StageTensors, Timing
+from pipefill.disagg.transfer import StageTensors, Timing
 from pipefill.disagg.transfer_receiver import KVReceiver
 from pipefill.disagg.transfer_sender import KVSender
 from pipefill.disagg.validate import check_final_meta, check_prefill_info, parse_bootstraps
@@ -95,7 +95,8 @@ class PrefillStagePD(PrefillRole):
         disagg = args.disagg
         secret = disagg.secret()
         host = node_host(args.host)
-        kv = stage_kv or KVTensors.from_cache(executor.cache, layer_start)
+        kv = stage_kv or StageTensors.of_cache(executor.cache, layer_start)
+        self.sink = executor.cache.num_pages  # a window table's sink entry (kv/window.py)
         self.sender = KVSender(kv, rank, release=self._released,
                                backend=disagg.transfer_backend, host=host,
                                timing=Timing.of(disagg), secret=secret)
@@ -118,8 +119,11 @@ class PrefillStagePD(PrefillRole):
             is_last = w.sample is not None
             if is_last:
                 log.debug(TIMELINE, w.room, f"stage{self.rank}-last-forward-end", time.time())
+            window = None
+            if is_last and self.sender.kv.window is not None:  # 'Window pages'
+                window = [p if 0 <= p < self.sink else -1 for p in w.window_table]
             if p1 > p0 or is_last:
-                self.sender.send_pages(w.room, p0, w.page_table[p0:p1], is_last)
+                self.sender.send_pages(w.room, p0, w.page_table[p0:p1], is_last, window)
 
     def poll(self, scheduler) -> list:
         """Stage 0: its own sender's reports."""
@@ -148,6 +152,12 @@ class PrefillStagePD(PrefillRole):
                 [tuple(t) for t in top] if top is not None else None,
                 r.seed.to_bytes(4, "little")))
 
+    def stats(self) -> dict:
+        """Pages this stage's sender moved: of the global layers, and of the window layers."""
+        return {"kv_pages_sent": self.sender.pages_sent,
+                "kv_window_pages_sent": self.sender.window_pages_sent,
+                "kv_bytes_sent": self.sender.bytes_sent}
+
     def _released(self, room: int, pages: list[int]) -> None:
         log.debug(TIMELINE, room, f"stage{self.rank}-released", time.time())
         with self._lock:  # called from the sender's threads
@@ -168,6 +178,7 @@ class _Asked:
     room: int
     pages: list[int]
     num_prompt_tokens: int
+    window_pages: list[int] = ()  # the window page of each of pages (-1: none)
 
 
 class DecodeStagePD(DecodeRole):
@@ -195,8 +206,8 @@ class DecodeStagePD(DecodeRole):
         self.disagg = disagg = args.disagg
         self.rank = info.rank if info is not None else 0
         self.secret = disagg.secret()
-        self.kv = stage_kv or StageTensors.of(
-            KVTensors.from_cache(executor.cache, info.layers.start if info else 0))
+        self.kv = stage_kv or StageTensors.of_cache(executor.cache,
+                                                    info.layers.start if info else 0)
         # The whole decode pipeline's layers: a prefill stage learns how many decode stages
         # will bootstrap each room from it.
         self.layer_ranges = [(r.start, r.stop) for r in args.layout.ranges]
@@ -264,11 +275,11 @@ class DecodeStagePD(DecodeRole):
             self._down_page_ops = ops  # the later stages replay them before the allocations
         for a in admitted:
             r, pd = a.request, a.pd
-            self.executor.own_pages(r.rid, r.pages)
+            self.executor.own_pages(r.rid, r.pages, r.window_pages)
             self._send_down(["expect", pd.room, r.rid, list(r.pages), pd.host, pd.port,
-                             len(r.prompt_ids)])
+                             len(r.prompt_ids), list(r.window_pages)])
             self.pipeline.open(pd.room)
-            asked = _Asked(pd.room, list(r.pages), len(r.prompt_ids))
+            asked = _Asked(pd.room, list(r.pages), len(r.prompt_ids), list(r.window_pages))
             error = self._ask(f"{pd.host}:{pd.port}", m.Endpoint(pd.host, pd.port), asked)
             if error is not None:
                 self._fail_unasked(scheduler, pd.room, error, outputs)
@@ -366,8 +377,8 @@ class DecodeStagePD(DecodeRole):
             if a is None:
                 return
             log.debug(TIMELINE, room, "decode-ready", time.time())
-            self.executor.pages_written(a.request.pages)
-            self._send_down(["ready", list(a.request.pages)])
+            self.executor.pages_written(a.request.pages, a.request.window_pages)
+            self._send_down(["ready", list(a.request.pages), list(a.request.window_pages)])
             f = res.final
             seed = int.from_bytes(f.sampling_state, "little") if f.sampling_state else None
             outputs.append(self.kv_arrived(scheduler, room, f.first_token, f.logprob,
@@ -400,7 +411,8 @@ class DecodeStagePD(DecodeRole):
             # Only stage 0 overlaps prefill stage 0, the one that sends the final metadata.
             self.receiver.expect_room(asked.room, key, asked.pages,
                                       num_prompt_tokens=asked.num_prompt_tokens,
-                                      want_final=self.rank == 0)
+                                      want_final=self.rank == 0,
+                                      dst_window=asked.window_pages)
         except Exception as e:  # noqa: BLE001 - the request fails, not the stage
             log.warning("room %d: %s", asked.room, e)
             return PeerError(BAD_ANSWER, f"cannot take KV from the prefill server at "
@@ -432,9 +444,16 @@ class DecodeStagePD(DecodeRole):
                          model_fingerprint=m.model_fingerprint(self.cfg),
                          backend=self.disagg.transfer_backend,
                          num_layers=self.cfg.num_layers, kv_layout=self.kv.layout,
-                         kv_latent=m.latent_layout(self.cfg), kv_heads=self.kv.head_map)
+                         kv_latent=m.latent_layout(self.cfg), kv_heads=self.kv.head_map,
+                         window_layers=self._model_window_layers())
         self.receiver.connect(key, info, timeout_s=deadline.remaining(),
                               decode_layer_ranges=self.layer_ranges)
+
+    def _model_window_layers(self) -> list[int]:
+        """The model's layers whose KV lives in window pages here (every stage alike)."""
+        if self.kv.window is None:
+            return []
+        return [i for i in range(self.cfg.num_layers) if self.cfg.window_of(i) is not None]
 
     # ---- later stages ------------------------------------------------------------------------
 
@@ -442,14 +461,14 @@ class DecodeStagePD(DecodeRole):
         """A later stage, on its loop thread (in pipe order, after the message's page ops)."""
         for op in ops:
             if op[0] == "expect":
-                _, room, rid, pages, host, port, num_prompt_tokens = op
-                self.executor.own_pages(rid, pages)
-                asked = _Asked(room, pages, num_prompt_tokens)
+                _, room, rid, pages, host, port, num_prompt_tokens, window = op
+                self.executor.own_pages(rid, pages, window)
+                asked = _Asked(room, pages, num_prompt_tokens, window)
                 error = self._ask(f"{host}:{port}", m.Endpoint(host, port), asked)
                 if error is not None:
                     self._unasked_later(asked.room, error)
             elif op[0] == "ready":
-                self.executor.pages_written(op[1])
+                self.executor.pages_written(op[1], op[2])
             elif op[0] == "drop":
                 with self._lock:  # not while a connect worker asks for the room
                     if self._forget_connect_waiter(op[1]):

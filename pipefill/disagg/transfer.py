@@ -12,6 +12,7 @@ reading delays nothing but itself, and is dropped after the send timeout.
 """
 from __future__ import annotations
 
+import math
 import threading
 import time
 from dataclasses import dataclass
@@ -42,6 +43,10 @@ class KVTensors:
     num_pages: int = 0  # 0: k.shape[1] // page_size (token-major)
     layout: str = "token-major"
     heads: tuple[int, ...] = ()
+    # The model's layer ids of k's rows, where they are not layer_start on one by one (a
+    # windowed cache's global or window layers, 'Window pages'), and the stage's end then.
+    layers: tuple[int, ...] = ()
+    stage_end: int = 0
 
     def __post_init__(self):
         assert self.k.shape == self.v.shape and self.k.is_contiguous() and self.v.is_contiguous()
@@ -49,14 +54,35 @@ class KVTensors:
             self.num_pages = self.k.shape[1] // self.page_size
         self.heads = tuple(self.heads) or tuple(range(self.k.shape[2]))
         assert len(self.heads) == self.k.shape[2], "one head id per KV head of the tensors"
+        self.layers = tuple(self.layers) or tuple(range(self.layer_start,
+                                                        self.layer_start + self.k.shape[0]))
+        assert len(self.layers) == self.k.shape[0], "one layer id per row of the tensors"
+        self._row = {layer: i for i, layer in enumerate(self.layers)}
         self._bytes = {}
 
     @staticmethod
     def from_cache(cache, layer_start: int, heads=()) -> "KVTensors":
-        """A stage's KVCache or AmxKVCache."""
+        """A stage's KVCache or AmxKVCache (of a WindowedKVCache: its global layers)."""
         layout = "amx-packed" if cache.k.dim() == 5 else "token-major"
+        windowed = getattr(cache, "windowed", None)
+        if windowed is None:
+            return KVTensors(cache.k, cache.v, cache.page_size, layer_start, cache.num_pages,
+                             layout, tuple(heads))
         return KVTensors(cache.k, cache.v, cache.page_size, layer_start, cache.num_pages, layout,
-                         tuple(heads))
+                         tuple(heads), _layers_where(windowed, layer_start, False),
+                         layer_start + len(windowed))
+
+    @staticmethod
+    def window_of(cache, layer_start: int) -> "KVTensors | None":
+        """A WindowedKVCache's window layers, addressed by the window pool's ids (sink
+        included); None for any other cache."""
+        windowed = getattr(cache, "windowed", None)
+        if windowed is None:
+            return None
+        w = cache.window
+        return KVTensors(w.k, w.v, w.page_size, layer_start, w.num_pages, "token-major", (),
+                         _layers_where(windowed, layer_start, True),
+                         layer_start + len(windowed))
 
     @property
     def num_layers(self) -> int:
@@ -64,7 +90,11 @@ class KVTensors:
 
     @property
     def layer_end(self) -> int:
-        return self.layer_start + self.num_layers
+        return self.stage_end or self.layer_start + self.num_layers
+
+    def layers_in(self, start: int, end: int) -> list[int]:
+        """The layers of [start, end) that these tensors hold, in order."""
+        return [layer for layer in self.layers if start <= layer < end]
 
     @property
     def dtype(self) -> torch.dtype:
@@ -72,7 +102,7 @@ class KVTensors:
 
     @property
     def page_elems(self) -> int:
-        return self.k[0].numel() // self.num_pages
+        return math.prod(self.k.shape[1:]) // self.num_pages  # (a stage may hold no layer)
 
     @property
     def page_bytes(self) -> int:
@@ -92,7 +122,7 @@ class KVTensors:
         return (self.page_size, num_heads, row)
 
     def local(self, t: torch.Tensor, layer: int) -> torch.Tensor:
-        return t[layer - self.layer_start]
+        return t[self._row[layer]]
 
     def pages(self, t: torch.Tensor, layer: int) -> torch.Tensor:
         """[num_pages, page_elems] view of one layer of k or v."""
@@ -104,6 +134,10 @@ class KVTensors:
             flat = self.local(t, layer).reshape(-1).view(torch.uint8)
             self._bytes[key] = memoryview(flat.numpy())
         return self._bytes[key]
+
+
+def _layers_where(windowed, layer_start: int, window: bool) -> tuple[int, ...]:
+    return tuple(layer_start + i for i, w in enumerate(windowed) if w == window)
 
 
 class StageTensors:
@@ -128,9 +162,25 @@ class StageTensors:
         self.head_page_bytes = first.page_bytes // len(first.heads)
         self.k, self.v = first.k, first.v  # the leader's own (device, dtype)
         for name in ("page_size", "layer_start", "layer_end", "num_layers", "num_pages",
-                     "dtype", "layout"):
+                     "dtype", "layout", "layers", "layers_in"):
             setattr(self, name, getattr(first, name))
         self._cuts: dict[tuple[int, ...], int | list] = {}
+        # A windowed cache's window layers, addressed by window page ids ('Window pages'):
+        # they cross only for the pages the decode's window table names.
+        self.window: StageTensors | None = None
+
+    @staticmethod
+    def of_cache(cache, layer_start: int) -> "StageTensors":
+        """One process's stage cache; a WindowedKVCache's window layers as `window`."""
+        stage = StageTensors([KVTensors.from_cache(cache, layer_start)])
+        window = KVTensors.window_of(cache, layer_start)
+        if window is not None:
+            stage.window = StageTensors([window])
+        return stage
+
+    def window_layers(self) -> list[int]:
+        """The model's layer ids whose pages are window pages here ([] without)."""
+        return list(self.window.layers) if self.window is not None else []
 
     @staticmethod
     def of_ranks(cache, layer_start: int, tensors, head_map: list[list[int]]) -> "StageTensors":
@@ -207,6 +257,9 @@ def make_data_path(backend: str, kv: KVTensors, host: str, staging_bytes: int | 
         from pipefill.disagg.transfer_tcp import TcpDataPath
         return TcpDataPath(kv)
     if backend == "mooncake":
+        if kv.window is not None:
+            raise ValueError("mooncake moves whole pages of every layer: its stages keep the "
+                             "window layers' KV for every token (kv.cache.frees_window_pages)")
         from pipefill.disagg.transfer_mooncake import MooncakeDataPath
         return MooncakeDataPath(kv, host, staging_bytes)
     raise ValueError(f"--disaggregation-transfer-backend {backend!r}: one of {BACKENDS}")

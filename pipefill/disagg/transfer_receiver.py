@@ -60,7 +60,8 @@ class KVReceiver:
         ranges = decode_layer_ranges or [(self.kv.layer_start, self.kv.layer_end)]
         hello = m.DecodeHello(self.name, self.kv.layer_start, self.kv.layer_end,
                               self.kv.page_bytes, **self.data.hello_fields(),
-                              kv_heads=self.kv.head_map, num_kv_heads=self.kv.num_kv_heads)
+                              kv_heads=self.kv.head_map, num_kv_heads=self.kv.num_kv_heads,
+                              window_layers=self.kv.window_layers())
         stages, expected = {}, {}
         for s in info.stages:
             ls, le = max(s.layer_start, self.kv.layer_start), min(s.layer_end, self.kv.layer_end)
@@ -92,8 +93,10 @@ class KVReceiver:
             return bool(stages) and all(s in self._p.conns for s in stages)
 
     def expect_room(self, room: int, key: str, dst_pages: list[int], *,
-                    num_prompt_tokens: int | None = None, want_final: bool = True) -> int:
-        """Asks every stage of prefill `key` for the room's KV into dst_pages; the nonce."""
+                    num_prompt_tokens: int | None = None, want_final: bool = True,
+                    dst_window: list[int] = ()) -> int:
+        """Asks every stage of prefill `key` for the room's KV into dst_pages (and its window
+        layers' into dst_window, one entry a page, -1: none); the nonce."""
         if not self.connected(key):
             raise RuntimeError(f"not connected to every stage of prefill {key}: connect() "
                                "first (again after a stage was lost)")
@@ -101,12 +104,13 @@ class KVReceiver:
         with self._p.lock:
             stages, expected = self.prefills[key], self._expected[key]
             self.rooms.expect(room, nonce, dst_pages, stages, self._p.clock(), want_final,
-                              num_prompt_tokens)
+                              num_prompt_tokens, dst_window)
             # One-sided writes into fragmented pages go through a staging region per stage.
             staging = self.data.plan_room(room, nonce, stages, dst_pages) \
                 if self.data.one_sided else {}
         notices = [(st, m.RoomBootstrap(room, nonce, list(dst_pages), expected[st],
-                                        staging.get(st, 0))) for st in stages]
+                                        staging.get(st, 0), list(dst_window)))
+                   for st in stages]
         self._p.send(notices)
         return nonce
 
@@ -176,7 +180,15 @@ class KVReceiver:
     def _on_chunk(self, stage: str, conn: ch.Channel, msg: m.KVChunk) -> None:
         with self._p.lock:
             dst = self.rooms.begin_chunk(stage, msg)
-        expected = self.data.payload_bytes(msg.num_pages, msg.layer_end - msg.layer_start)
+            window_dst, why = self.rooms.window_dst(msg) if dst is not None else ([], None)
+            if why is not None:  # the room fails with the sentence; the stream stays in step
+                self.rooms.end_chunk(stage, msg, self._p.clock(), ok=False)
+                notices, dst = self.rooms.abort(msg.room, why, self._p.clock()), None
+                self._p.changed.notify_all()
+        if why is not None:
+            log.warning("room %d from %s: %s", msg.room, stage, why)
+            self._p.send(notices)
+        expected = self._payload_bytes(msg)
         if msg.nbytes != expected and dst is not None:
             with self._p.lock:
                 self.rooms.end_chunk(stage, msg, self._p.clock(), ok=False)
@@ -186,6 +198,9 @@ class KVReceiver:
         try:
             if dst is None:
                 _skip(conn, msg.nbytes)
+            elif window_dst:
+                self.data.receive(conn, msg, dst, window_dst)
+                ok = True
             else:
                 self.data.receive(conn, msg, dst)
                 ok = True
@@ -200,6 +215,15 @@ class KVReceiver:
                     self._free_staging(msg.room)
                     self._p.changed.notify_all()
             self._p.send(notices)
+
+    def _payload_bytes(self, msg: m.KVChunk) -> int:
+        """The bytes a chunk's pages take here: its layers', and the window layers' of the
+        window pages it names."""
+        ls, le = msg.layer_start, msg.layer_end
+        window = self.kv.window
+        num_window = len(window.layers_in(ls, le)) if window is not None else 0
+        return self.data.payload_bytes(msg.num_pages, len(self.kv.layers_in(ls, le))) + \
+            self.data.payload_bytes(len(msg.window_pages), num_window)
 
     def _on_control(self, stage: str, msg) -> None:
         now, notices = self._p.clock(), []

@@ -51,13 +51,15 @@ class KVSender:
         self._p = Peers(timing, clock)
         self.rooms = PrefillRooms(rank, timing.bootstrap_timeout_s, release,
                                   claim_timeout_s=timing.claim_timeout_s,
-                                  max_room_pages=ROOM_PAGES_PER_POOL * kv.num_pages)
+                                  max_room_pages=ROOM_PAGES_PER_POOL * kv.num_pages,
+                                  windowed=self.kv.window is not None)
         self._conn_ids = itertools.count(1)
         self.hellos: dict[str, m.DecodeHello] = {}
         self.head_maps: dict[str, list[list[int]]] = {}  # per decode: its ranks' KV heads
         self._queue: queue.Queue = queue.Queue()  # Items from the caller
         self._outboxes: dict[str, queue.Queue] = {}  # per decode: (item, dest) to send, in order
         self.bytes_sent = 0
+        self.pages_sent = self.window_pages_sent = 0  # pages of the global / window layers
         self._last_heartbeat = -float("inf")
         for target, name in ((self._dispatch, "dispatch"),
                              (lambda: self._p.run_ticker(self._tick), "tick")):
@@ -75,7 +77,7 @@ class KVSender:
                                num_layers, self.endpoint, self.kv.page_size,
                                dtype_name(self.kv.dtype), num_kv_heads, head_dim,
                                model_fingerprint, self.data.name, self.kv.layout,
-                               kv_latent or [], self.kv.head_map)
+                               kv_latent or [], self.kv.head_map, self.kv.window_layers())
 
     # ---- the caller's side: never blocks on the network
     def open_room(self, room: int, sends_final: bool = False) -> None:
@@ -83,10 +85,14 @@ class KVSender:
             self.rooms.open(room, self._p.clock(), sends_final)
 
     def send_pages(self, room: int, page_offset: int, src_pages: list[int],
-                   is_last: bool = False) -> None:
+                   is_last: bool = False, window_table: list[int] | None = None) -> None:
         """Queues the request's pages [page_offset, page_offset + len(src_pages)) of this
-        stage's layers (whole pages; the partial last page goes with is_last)."""
-        self._queue.put(Item(room, page_offset, page_offset, list(src_pages), is_last))
+        stage's layers (whole pages; the partial last page goes with is_last). window_table:
+        with is_last, where the window layers keep pages of their own, the request's window
+        table at the end of its prefill (-1 where freed): the pages the decode's table names
+        cross with this last chunk (ARCHITECTURE.md, 'Window pages')."""
+        self._queue.put(Item(room, page_offset, page_offset, list(src_pages), is_last,
+                             window_src=None if window_table is None else list(window_table)))
 
     def send_final(self, room: int, final: m.FinalMeta) -> None:
         self._queue.put(Item(room, final=final))
@@ -134,7 +140,8 @@ class KVSender:
                 log.error("decode %s has %d-byte pages, this stage %d: refused", hello.decode_id,
                           hello.page_bytes, self.kv.page_bytes)
                 return
-            why = self._check_heads(hello) or self.data.check_hello(hello)
+            why = self._check_heads(hello) or self._check_windows(hello) or \
+                self.data.check_hello(hello)
             if why is not None:
                 log.error("decode %s refused: %s", hello.decode_id, why)
                 return
@@ -167,6 +174,19 @@ class KVSender:
         except ValueError as e:
             return str(e)
         return None
+
+    def _check_windows(self, hello: m.DecodeHello) -> str | None:
+        """Why the decode's window layers (those whose KV lives in window pages) differ from
+        this stage's where their layers meet, or None."""
+        lo = max(self.kv.layer_start, hello.layer_start)
+        hi = min(self.kv.layer_end, hello.layer_end)
+        mine = [i for i in self.kv.window_layers() if lo <= i < hi]
+        theirs = [i for i in hello.window_layers if lo <= i < hi]
+        if mine == theirs:
+            return None
+        return (f"its layers {theirs} keep window pages, this stage's {mine} (window paging "
+                "must be on or off on both: the same --disaggregation-transfer-backend, "
+                "--tp-size and cache tiers)")
 
     def _serve_refusals(self, conn: ch.Channel, msg) -> None:
         """The prefill HTTP server's connection (rejects.RejectNotifier): RejectRoom messages
@@ -266,16 +286,40 @@ class KVSender:
         if end > len(dest.dst_pages):
             raise ValueError(f"the request has more pages here ({end}) than the decode "
                              f"allocated ({len(dest.dst_pages)})")
-        nbytes = self.data.payload_bytes(n, le - ls, head_map)
+        wanted, window_src = self._window_part(item, dest)
+        num_layers = len(self.kv.layers_in(ls, le))
+        num_window = len(self.kv.window.layers_in(ls, le)) if wanted else 0
+        nbytes = self.data.payload_bytes(n, num_layers, head_map) + \
+            self.data.payload_bytes(len(wanted), num_window, head_map)
         header = m.KVChunk(item.room, dest.nonce, self.rank, item.chunk_id, item.page_offset, n,
-                           ls, le, nbytes, item.is_last)
+                           ls, le, nbytes, item.is_last, wanted)
         dst = dest.dst_pages[item.page_offset:end]
         if dest.staging_addr:  # only a one-sided data path's decode hands out staging
             self.data.send(conn, header, item.src_pages, dst, hello, head_map,
                            dest.staging_addr)
+        elif wanted:
+            self.data.send(conn, header, item.src_pages, dst, hello, head_map, window_src)
         else:
             self.data.send(conn, header, item.src_pages, dst, hello, head_map)
-        self.bytes_sent += 2 * n * (le - ls) * sum(self.kv.rank_page_bytes(head_map))
+        self.bytes_sent += 2 * (n * num_layers + len(wanted) * num_window) * \
+            sum(self.kv.rank_page_bytes(head_map))
+        self.pages_sent += n
+        self.window_pages_sent += len(wanted)
+
+    def _window_part(self, item: Item, dest) -> tuple[list[int], list[int]]:
+        """(the request's pages whose window layers cross with this chunk, their window
+        pages here): on the last chunk, the pages the decode's window table names, each of
+        which must still hold its window page here (ARCHITECTURE.md, 'Window pages')."""
+        if not item.is_last or self.kv.window is None:
+            return [], []
+        wanted = [i for i, p in enumerate(dest.dst_window) if p != -1]
+        table = item.window_src or []
+        freed = [i for i in wanted if i >= len(table) or table[i] == -1]
+        if freed:
+            raise ValueError(f"the decode asks for the window layers' KV of pages {freed[:8]}, "
+                             "which this prefill no longer holds (the two sides' window tables "
+                             "differ)")
+        return wanted, [table[i] for i in wanted]
 
     def _peer_dead(self, peer: str) -> None:
         with self._p.lock:

@@ -3,7 +3,9 @@ pages into a staging buffer and writes frames of FRAME_BYTES or more; the receiv
 run of consecutive destination pages straight into the KV tensors (recv_into, no copy).
 
 Payload order: for each layer, K then V, and in each for every decode TP rank its pages in
-request order, each with that rank's KV heads (transfer.StageTensors.gather). With a cluster
+request order, each with that rank's KV heads (transfer.StageTensors.gather); where the window
+layers keep pages of their own, the global layers so, then the window layers over the window
+pages the chunk names (KVChunk.window_pages; ARCHITECTURE.md, 'Window pages'). With a cluster
 secret the channel follows the payload with its MAC, and the receiver checks it before the
 chunk counts (channel.py)."""
 from __future__ import annotations
@@ -56,40 +58,60 @@ class TcpDataPath:
         return None
 
     def send(self, conn: Channel, header: m.KVChunk, src_pages: list[int], dst_pages: list[int],
-             hello: m.DecodeHello, head_map: list[list[int]]) -> None:
+             hello: m.DecodeHello, head_map: list[list[int]],
+             window_src: list[int] = ()) -> None:
+        """window_src: the window pages of the pages the chunk's window_pages name (the
+        window layers' part of the payload, after the global layers')."""
+        parts = [(self.kv, src_pages)]
+        if window_src:
+            parts.append((self.kv.window, window_src))
+        frames = [self._frames(kv, pages, header, head_map) for kv, pages in parts]
+
+        def payload(write) -> None:
+            for frame in frames:
+                frame(write)
+
+        conn.send(header, payload if header.nbytes else None)
+
+    def _frames(self, kv, src_pages: list[int], header: m.KVChunk, head_map):
+        """Writes one part's pages (kv's layers of the chunk), a frame of blocks at a time."""
         idx = torch.tensor(src_pages, dtype=torch.long)
-        kv = self.kv
-        blocks = [(which, layer) for layer in range(header.layer_start, header.layer_end)
+        blocks = [(which, layer) for layer in kv.layers_in(header.layer_start, header.layer_end)
                   for which in ("k", "v")]
         block_bytes = len(src_pages) * sum(kv.rank_page_bytes(head_map))
         per_frame = max(1, FRAME_BYTES // max(block_bytes, 1))
-        staging = getattr(self._local, "staging", None)
-        if staging is None or staging.numel() < per_frame * block_bytes:
-            staging = self._local.staging = torch.empty(per_frame * block_bytes,
-                                                        dtype=torch.uint8)
 
-        def payload(write) -> None:
+        def write_frames(write) -> None:
+            staging = getattr(self._local, "staging", None)
+            if staging is None or staging.numel() < per_frame * block_bytes:
+                staging = self._local.staging = torch.empty(per_frame * block_bytes,
+                                                            dtype=torch.uint8)
             for first in range(0, len(blocks), per_frame):
                 group = blocks[first:first + per_frame]
                 for i, (which, layer) in enumerate(group):
                     kv.gather(head_map, which, layer, idx,
                               staging[i * block_bytes:(i + 1) * block_bytes])
                 write(memoryview(staging[:len(group) * block_bytes].numpy()))
+        return write_frames
 
-        conn.send(header, payload if header.nbytes else None)
-
-    def receive(self, conn: Channel, header: m.KVChunk, dst_pages: list[int]) -> None:
-        """Reads the chunk's page bytes into its destination pages; raises (and the chunk does
-        not count) when they fail their MAC."""
+    def receive(self, conn: Channel, header: m.KVChunk, dst_pages: list[int],
+                window_dst: list[int] = ()) -> None:
+        """Reads the chunk's page bytes into its destination pages (and the window layers'
+        into window_dst); raises (and the chunk does not count) when they fail their MAC."""
         if header.nbytes:
-            conn.recv_payload(self._destinations(header, dst_pages))
+            parts = [(self.kv, dst_pages)]
+            if window_dst:
+                parts.append((self.kv.window, window_dst))
+            conn.recv_payload(view for kv, pages in parts
+                              for view in self._destinations(kv, header, pages))
 
-    def _destinations(self, header: m.KVChunk, dst_pages: list[int]):
+    @staticmethod
+    def _destinations(kv, header: m.KVChunk, dst_pages: list[int]):
         """The byte views of the destination pages, in payload order: each TP rank's own."""
         dst_runs = runs(dst_pages)
-        for layer in range(header.layer_start, header.layer_end):
+        for layer in kv.layers_in(header.layer_start, header.layer_end):
             for which in ("k", "v"):
-                for rank in self.kv.ranks:
+                for rank in kv.ranks:
                     view, pb = rank.byte_view(getattr(rank, which), layer), rank.page_bytes
                     for _, first, count in dst_runs:
                         yield view[first * pb:(first + count) * pb]

@@ -242,6 +242,12 @@ class KVManager:
             return []
         return self.window.slide(r, start, end, len(r.prompt_ids))
 
+    def admit_received(self, r) -> None:
+        """A windowed model's window pages for a prompt whose KV comes from elsewhere (PD
+        decode; kv/window.py)."""
+        if self.window is not None:
+            self.window.admit_received(r)
+
     def insert(self, r, tokens_upto, end: int) -> None:
         """Puts r's whole pages of tokens [0, end) into the cache as soon as their chunk is
         scheduled (see RadixCache.insert for why that is safe) and moves r's lock down."""

@@ -54,6 +54,17 @@ def covered_pages(window_pages: list[int], page_size: int, window: int) -> int:
     return 0
 
 
+def received_window(num_pages: int, num_tokens: int, page_size: int, window: int) -> list[bool]:
+    """Which of a prompt's num_pages pages a request whose num_tokens prompt tokens were
+    computed elsewhere (a PD decode) keeps window pages for: the window its decode from
+    num_tokens on reads, and the window before the prompt's last cacheable page boundary (kept
+    for the tree, as a request that computed its prompt keeps it). A prefill holds both at its
+    end (ARCHITECTURE.md, 'Window pages')."""
+    first_read = keep_from(num_tokens, page_size, window) // page_size
+    prompt_window = window_before((num_tokens - 1) // page_size, page_size, window)
+    return [i >= first_read or i in prompt_window for i in range(num_pages)]
+
+
 def window_pages_for(cache, page_size: int, window: int | None) -> "WindowPages | None":
     """Stage 0's window pool for its stage cache where the window layers keep pages of their
     own (kv.cache.WindowedKVCache), as many pages as the other pool; None otherwise."""
@@ -78,6 +89,13 @@ class WindowPages:
         live = window_before(len(tree_window), self.page_size, self.window)
         r.window_pages = [p if i in live else NO_PAGE for i, p in enumerate(tree_window)]
         self.pool.retain([p for p in r.window_pages if p != NO_PAGE])
+
+    def admit_received(self, r) -> None:
+        """r's prompt KV comes from elsewhere into r.pages (PD decode): window pages for the
+        pages received_window names, NO_PAGE for the others."""
+        keep = received_window(len(r.pages), len(r.prompt_ids), self.page_size, self.window)
+        held = iter(self.pool.allocate(sum(keep)))
+        r.window_pages = [next(held) if k else NO_PAGE for k in keep]
 
     def slide(self, r, start: int, end: int, prompt_tokens: int) -> list[int]:
         """Before r computes tokens [start, end): its window pages that no query from `start`

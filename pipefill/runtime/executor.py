@@ -117,18 +117,23 @@ class StageExecutor:
             self.tp.share_page_ops(ops)
         self.kv.without_forward(ops)
 
-    def own_pages(self, rid: str, pages: list[int]) -> None:
+    def own_pages(self, rid: str, pages: list[int], window_pages=()) -> None:
         """Pages a PD decode allocated to a request outside any plan (its KV comes from the
-        prefill), on this stage's TP ranks too."""
+        prefill), on this stage's TP ranks too; window_pages: its window table ('Window
+        pages'; -1: none), which only a stage of one rank has."""
         if self.tp is not None:
             self.tp.share_owners(("allocate", rid, list(pages)))
         self.kv.owners.allocate(rid, pages)
+        if self.kv.window_owners is not None:
+            self.kv.window_owners.allocate(rid, [p for p in window_pages if p != -1])
 
-    def pages_written(self, pages: list[int]) -> None:
+    def pages_written(self, pages: list[int], window_pages=()) -> None:
         """Pages a PD transfer filled: readable from now on, on every TP rank."""
         if self.tp is not None:
             self.tp.share_owners(("written", list(pages)))
         self.kv.owners.mark_written(pages)
+        if self.kv.window_owners is not None:
+            self.kv.window_owners.mark_written([p for p in window_pages if p != -1])
 
     def close(self) -> None:
         """At stop: the stage's other TP ranks stop too; pending storage writes finish."""

@@ -173,7 +173,7 @@ class FirstStageLoop:
                 "running": len(self.scheduler.running), "waiting": len(self.scheduler.waiting),
                 "inflight_micro_batches": len(self.inflight),
                 "page_size": self.scheduler.cfg.page_size, **self.scheduler.kv.stats(),
-                **window_owner_stats(self.executor),
+                **window_owner_stats(self.executor), **self.role.stats(),
                 "chunking": info, "prefill": [p.as_list() for p in prefill]}
 
     # ---- schedule / run / update -------------------------------------------------------------

@@ -21,6 +21,7 @@ The loop calls (every stage; stage 0 only where a scheduler is named):
   after_update(scheduler, outputs) stage 0: a micro-batch's outputs
   on_kv_done(scheduler, event)     stage 0: a later stage's (room, rank) report, via the pipe
   on_control(ops)                  a later stage: room operations from stage 0
+  stats() -> dict                  stage 0: the role's counters for the stats report
 """
 from __future__ import annotations
 
@@ -84,6 +85,9 @@ class NullRole:
 
     def on_control(self, ops) -> None:
         pass
+
+    def stats(self) -> dict:
+        return {}
 
 
 @dataclass

@@ -373,6 +373,7 @@ class Scheduler:
         if not self.kv.admit(r, [], self._headroom(r)):
             return False
         self.kv.grow(r, len(r.prompt_ids))
+        self.kv.admit_received(r)
         r.admitted_at = next(self._admissions)
         self.running[r.rid] = r
         return True

@@ -11,7 +11,8 @@ from pipefill.kv.cache import WindowedKVCache
 from pipefill.kv.pool import PagePool
 from pipefill.kv.radix import RadixCache
 from pipefill.kv.tiers import StageKV
-from pipefill.kv.window import NO_PAGE, WindowPages, covered_pages, keep_from, window_before
+from pipefill.kv.window import (NO_PAGE, WindowPages, covered_pages, keep_from,
+                                 received_window, window_before)
 from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig
 
 PAGE, WINDOW, CHUNK = 4, 10, 8
@@ -188,3 +189,40 @@ def test_scratch_pages_are_free_in_both_pools():
     s.kv.give_back(pages)
     s.kv.window.pool.release(taken)
     assert s.pool.num_used == 0 == s.kv.window.pool.num_used
+
+
+@pytest.mark.parametrize("prompt_len,chunk", [(3, CHUNK), (9, CHUNK), (37, CHUNK), (40, CHUNK),
+                                              (41, 3), (90, 6 * WINDOW), (61, 16)])
+def test_a_prefill_ends_holding_every_window_page_a_pd_decode_asks_for(prompt_len, chunk):
+    """PD sends a window page only where the decode's table (received_window, from the prompt
+    length alone) has one; at its last chunk the prefill holds each of them, whatever its
+    chunks, and again after a prefix-cache hit on the same prompt."""
+    s, stage, inflight = make(chunk=chunk)
+    prompt = list(range(500, 500 + prompt_len))
+    tables = []
+
+    def on_plan(plan):
+        tables.extend(w.window_table for w in plan.seqs if w.sample is not None)
+
+    for rid in ("a", "b"):
+        s.add(NewRequest(rid, prompt, SamplingParams(max_new_tokens=1)))
+        run(s, stage, inflight, on_plan)
+    wanted = received_window(-(-prompt_len // PAGE), prompt_len, PAGE, WINDOW)
+    sink = s.kv.window.sink
+    for table in tables:
+        assert len(table) == len(wanted)
+        assert all(table[i] not in (NO_PAGE, sink) for i, w in enumerate(wanted) if w)
+    assert sum(wanted) < len(wanted) or prompt_len <= WINDOW + PAGE  # some pages stay home
+
+
+def test_a_pd_decode_admits_a_prompt_with_the_window_pages_it_reads():
+    s, _, _ = make(cache=False)
+    s.add(NewRequest("a", list(range(41)), SamplingParams(max_new_tokens=4)))
+    r = s.waiting.popleft()
+    assert s.admit_for_kv(r)
+    keep = received_window(len(r.pages), 41, PAGE, WINDOW)
+    assert [p != NO_PAGE for p in r.window_pages] == keep
+    # The decode from token 41 reads keys from 32 on, and the page boundary at 40 its window
+    # from 31 (page 7 on): the same window the prompt keeps for the tree.
+    assert [i for i, k in enumerate(keep) if k] == [7, 8, 9, 10]
+    assert s.kv.window.pool.num_used == 4

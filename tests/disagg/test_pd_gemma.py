@@ -28,16 +28,19 @@ PROMPTS = [[_rng.randrange(512) for _ in range(n)] for n in (90, 45)]  # 3 and 2
 
 
 @pytest.mark.slow
-def test_gemma_through_pd_equals_one_engine(tmp_path):
+@pytest.mark.parametrize("prefill_pp,decode_pp", [(1, 1), (2, 3)])
+def test_gemma_through_pd_equals_one_engine(tmp_path, prefill_pp, decode_pp):
+    """(2, 3): the decode's stages take their window layers from prefill stages split
+    elsewhere, a later stage's window pages announced down its pipe."""
     model = save_gemma("irregular", tmp_path / "gemma")
     with track(Engine(model, **COMMON)) as plain:
         want = plain.generate(PROMPTS, max_new_tokens=16, ignore_eos=True, logprobs=True)
     secret = write_secret_file(str(tmp_path))
     port = free_port()
     with track(Engine(model, disaggregation_mode="prefill", disaggregation_bootstrap_port=port,
-                      cluster_secret_file=secret, **COMMON)) as prefill, \
+                      cluster_secret_file=secret, pp_size=prefill_pp, **COMMON)) as prefill, \
             track(Engine(model, disaggregation_mode="decode", cluster_secret_file=secret,
-                         **COMMON)) as decode:
+                         pp_size=decode_pp, **COMMON)) as decode:
         rooms = [PDInfo(301, "127.0.0.1", port), PDInfo(302, "127.0.0.1", port)]
         first, outs, _ = both(
             lambda: prefill.generate(PROMPTS, max_new_tokens=16, ignore_eos=True, pd=rooms,
@@ -56,8 +59,10 @@ def test_gemma_through_pd_equals_one_engine(tmp_path):
     assert sent["window_pages_peak"] < sum(-(-len(p) // PAGE) for p in PROMPTS)
     assert got["window_pages_total"] > 0
     # Every page of the global layers crossed, the window layers' only where the decode keeps
-    # them: 4 of the 9 pages.
+    # them: 4 of the 9 pages, to each decode stage that prefill stage 0 serves.
     pages = [-(-len(p) // PAGE) for p in PROMPTS]
-    assert sent["kv_pages_sent"] == sum(pages)
-    assert sent["kv_window_pages_sent"] == sum(
-        sum(received_window(n, len(p), PAGE, WINDOW)) for n, p in zip(pages, PROMPTS)) == 4
+    num_dests = sent["kv_pages_sent"] // sum(pages)
+    assert num_dests >= 1 and sent["kv_pages_sent"] == num_dests * sum(pages)
+    assert sent["kv_window_pages_sent"] == num_dests * sum(
+        sum(received_window(n, len(p), PAGE, WINDOW)) for n, p in zip(pages, PROMPTS))
+    assert sent["kv_window_pages_sent"] == num_dests * 4

@@ -130,6 +130,9 @@ class CacheOp:
     page: int
     slot: int  # host slot (STORE, LOAD); -1 for storage copies
     key: str = ""  # storage copies: the page's chained key (hex), without the stage's suffix
+    # Host copies of a model whose window layers keep pages of their own: the window page the
+    # slot's window part comes from (STORE) or goes to (LOAD); -1: the slot holds none.
+    window_page: int = -1
 
 
 @dataclass

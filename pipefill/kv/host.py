@@ -19,6 +19,7 @@ import torch
 
 from pipefill.kernels.kv_quant import copyable
 from pipefill.kv.pool import CACHE_OWNER, PageIntegrityError, PageOwners
+from pipefill.kv.window import NO_PAGE
 from pipefill.base.plan import CacheOp, CopyKind
 
 
@@ -44,6 +45,7 @@ class HostDirector:
         self._free = list(range(num_slots - 1, -1, -1))
         self.ops: list[CacheOp] = []
         self.stored_pages = self.loaded_pages = self.dropped_pages = 0
+        self.stored_window_pages = self.loaded_window_pages = 0  # window parts among them
 
     @property
     def num_used(self) -> int:
@@ -61,9 +63,15 @@ class HostDirector:
         if len(self._free) < n:
             return False
         slots = [self._free.pop() for _ in range(n)]
-        self.ops += [CacheOp(CopyKind.STORE, p, s) for p, s in zip(node.pages, slots)]
+        # A windowed model's slot keeps the page's window part too, where the tree holds one
+        # (ARCHITECTURE.md, 'Window pages'): a hit restored from here reads its window keys.
+        window = [-1 if w == NO_PAGE else w for w in node.window or [NO_PAGE] * n]
+        self.ops += [CacheOp(CopyKind.STORE, p, s, window_page=w)
+                     for p, s, w in zip(node.pages, slots, window)]
         self.stored_pages += n
+        self.stored_window_pages += sum(w != -1 for w in window)
         node.host = slots
+        node.host_window = [w != -1 for w in window] if node.window is not None else None
         return True
 
     def _drop_copies_of_pool_pages(self, num_slots: int, tree) -> None:
@@ -78,16 +86,20 @@ class HostDirector:
                 break
             self._free += nd.host
             num_slots -= len(nd.host)
-            nd.host = None
+            nd.host = nd.host_window = None
 
     def on_drop(self, node) -> None:
         self._free += node.host
         self.dropped_pages += len(node.host)
 
-    def load(self, node, pages: list[int]) -> None:
-        """Host-only `node` comes back into L1 pool `pages` (already allocated)."""
-        self.ops += [CacheOp(CopyKind.LOAD, p, s) for p, s in zip(pages, node.host)]
+    def load(self, node, pages: list[int], window: list[int] | None = None) -> None:
+        """Host-only `node` comes back into L1 pool `pages` (already allocated), and its
+        slots' window parts into the window pages `window` (NO_PAGE where none)."""
+        window = [-1 if w == NO_PAGE else w for w in window or [NO_PAGE] * len(pages)]
+        self.ops += [CacheOp(CopyKind.LOAD, p, s, window_page=w)
+                     for p, s, w in zip(pages, node.host, window)]
         self.loaded_pages += len(pages)
+        self.loaded_window_pages += sum(w != -1 for w in window)
 
     def drain_ops(self) -> list[CacheOp]:
         ops, self.ops = self.ops, []
@@ -96,7 +108,9 @@ class HostDirector:
     def stats(self) -> dict:
         return {"host_slots_total": self.num_slots, "host_slots_used": self.num_used,
                 "host_stored_pages": self.stored_pages, "host_loaded_pages": self.loaded_pages,
-                "host_dropped_pages": self.dropped_pages}
+                "host_dropped_pages": self.dropped_pages,
+                "host_stored_window_pages": self.stored_window_pages,
+                "host_loaded_window_pages": self.loaded_window_pages}
 
 
 class HostTier:
@@ -109,59 +123,93 @@ class HostTier:
         k, _ = cache.page_blocks()  # [layers, num_pages, *page]
         # torch.empty: host pages become resident only when something is stored in them.
         self.buf = torch.empty((2, k.shape[0], num_slots, *k.shape[2:]), dtype=k.dtype)
+        # A WindowedKVCache's window layers: each slot's window part, by the same slot number.
+        self.window_buf = None
+        if cache.window is not None:
+            wk, _ = cache.window.page_blocks()
+            self.window_buf = torch.empty((2, wk.shape[0], num_slots, *wk.shape[2:]),
+                                          dtype=wk.dtype)
         self.num_slots = num_slots
         self._queue: queue.Queue = queue.Queue()
         self._cond = threading.Condition()
         self._issued = self._done = 0
         self._latest: dict[int, int] = {}  # pool page -> number of its latest copy
+        self._latest_window: dict[int, int] = {}  # window page -> number of its latest copy
         self.error: BaseException | None = None
         threading.Thread(target=self._run, name="host-tier copies", daemon=True).start()
 
-    def store(self, ops: list[CacheOp], owners: PageOwners) -> None:
+    def store(self, ops: list[CacheOp], owners: PageOwners,
+              window_owners: PageOwners | None = None) -> None:
         for op in ops:
             if op.page not in owners.written:
                 raise PageIntegrityError(f"host store of page {op.page}, never written")
+            if op.window_page != -1 and (window_owners is None or
+                                         op.window_page not in window_owners.written):
+                raise PageIntegrityError(f"host store of window page {op.window_page}, "
+                                         "never written")
         self._issue(CopyKind.STORE, ops)
 
-    def load(self, ops: list[CacheOp], owners: PageOwners) -> None:
+    def load(self, ops: list[CacheOp], owners: PageOwners,
+             window_owners: PageOwners | None = None) -> None:
         for op in ops:
             owners.allocate(CACHE_OWNER, [op.page])
         owners.mark_written([op.page for op in ops])
+        window = [op.window_page for op in ops if op.window_page != -1]
+        if window:
+            if window_owners is None:
+                raise PageIntegrityError("a host load of window pages on a stage without them")
+            window_owners.allocate(CACHE_OWNER, window)
+            window_owners.mark_written(window)
         self._issue(CopyKind.LOAD, ops)
 
     def _issue(self, kind: CopyKind, ops: list[CacheOp]) -> None:
         if not ops:
             return
+        with_window = [op for op in ops if op.window_page != -1]
         with self._cond:
             self._issued += 1
             for op in ops:
                 self._latest[op.page] = self._issued
+            for op in with_window:
+                self._latest_window[op.window_page] = self._issued
         self._queue.put((kind, torch.tensor([op.page for op in ops]),
-                         torch.tensor([op.slot for op in ops])))
+                         torch.tensor([op.slot for op in ops]),
+                         torch.tensor([op.window_page for op in with_window], dtype=torch.long),
+                         torch.tensor([op.slot for op in with_window], dtype=torch.long)))
 
     def _run(self) -> None:
-        k, v = self.cache.page_blocks()
         while True:
-            kind, pages, slots = self._queue.get()
+            kind, pages, slots, window_pages, window_slots = self._queue.get()
             try:
-                for pool_blocks, host in ((copyable(k), copyable(self.buf[0])),
-                                          (copyable(v), copyable(self.buf[1]))):
-                    if kind is CopyKind.STORE:
-                        host.index_copy_(1, slots, pool_blocks.index_select(1, pages))
-                    else:
-                        pool_blocks.index_copy_(1, pages, host.index_select(1, slots))
+                _copy(kind, self.cache, self.buf, pages, slots)
+                if len(window_pages) and self.window_buf is not None:
+                    _copy(kind, self.cache.window, self.window_buf, window_pages, window_slots)
             except BaseException as e:  # noqa: BLE001 - raised in the stage's thread by wait_for
                 self.error = e
             with self._cond:
                 self._done += 1
                 self._cond.notify_all()
 
-    def wait_for(self, pages) -> None:
+    def wait_for(self, pages, window_pages=()) -> None:
+        """Until every copy issued so far that touches these pool pages (or window pages) is
+        done."""
         with self._cond:
-            need = max((self._latest.get(p, 0) for p in pages), default=0)
+            need = max([self._latest.get(p, 0) for p in pages] +
+                       [self._latest_window.get(p, 0) for p in window_pages], default=0)
             self._cond.wait_for(lambda: self._done >= need)
         if self.error is not None:
             raise RuntimeError(f"a host-tier copy failed: {self.error}")
 
     def stats(self) -> dict:
         return {"host_slots_total": self.num_slots}
+
+
+def _copy(kind: CopyKind, cache, buf: torch.Tensor, pages: torch.Tensor,
+          slots: torch.Tensor) -> None:
+    """One batch of copies between a cache's pages and host slots of `buf`."""
+    k, v = cache.page_blocks()
+    for pool_blocks, host in ((copyable(k), copyable(buf[0])), (copyable(v), copyable(buf[1]))):
+        if kind is CopyKind.STORE:
+            host.index_copy_(1, slots, pool_blocks.index_select(1, pages))
+        else:
+            pool_blocks.index_copy_(1, pages, host.index_select(1, slots))

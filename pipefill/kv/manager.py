@@ -15,7 +15,9 @@ from pipefill.kv.pool import PagePool
 from pipefill.kv.storage import chain_page_keys
 from pipefill.base.plan import PageOps
 from pipefill.kv.radix import Node, RadixCache
-from pipefill.kv.window import WindowPages, covered_pages
+from pipefill.kv.window import NO_PAGE, WindowPages, covered_pages
+
+HOST_WINDOW = 0  # stands for a host copy's window part in a coverage check (any held page)
 
 
 @dataclass
@@ -75,13 +77,15 @@ class KVManager:
         return (len(m.pages) + m.num_host_pages) * self.page_size
 
     def _covered(self, m) -> int:
-        """Pages of a match that a windowed model may reuse (kv/window.covered_pages)."""
-        return covered_pages(m.window, self.page_size, self.window.window)
+        """Pages of a match that a windowed model may reuse (kv/window.covered_pages): its
+        window pages in the pool, then its host copies that hold a window part."""
+        held = m.window + [HOST_WINDOW if h else NO_PAGE for h in m.host_window]
+        return covered_pages(held, self.page_size, self.window.window)
 
     def _match(self, tokens: list[int]):
         """The cache's match of `tokens`, cut where a windowed model's window pages end."""
         m = self.cache.match(tokens)
-        if self.window is not None and self._covered(m) < len(m.pages):
+        if self.window is not None and self._covered(m) < len(m.pages) + m.num_host_pages:
             m = self.cache.match(tokens[:self._covered(m) * self.page_size])
         return m
 
@@ -103,8 +107,11 @@ class KVManager:
                 self.cache.unlock(node)
             return False
         if m is not None and m.host_nodes:
-            node = self._load_from_host(tokens, node)
-            loaded = self.cache.match(tokens).pages[len(cached):]
+            # Only what the match may reuse: a windowed model's is cut where its windows end.
+            matched = tokens[:(len(m.pages) + m.num_host_pages) * self.page_size]
+            node = self._load_from_host(matched, node)
+            m = self.cache.match(matched)
+            loaded = m.pages[len(cached):]
             self.counters.hit_tokens_host += len(loaded) * self.page_size
             cached += loaded
             need -= len(loaded)
@@ -134,13 +141,23 @@ class KVManager:
             m = self.cache.match(tokens)
         for host_node in m.host_nodes:
             pages = self.pool.allocate(host_node.num_pages)  # the tree's reference
-            self.host.load(host_node, pages)
-            self.cache.load(host_node, pages)
+            window = self._window_for_load(host_node)
+            self.host.load(host_node, pages, window)
+            self.cache.load(host_node, pages, window)
         node = m.host_nodes[-1] if m.host_nodes else m.node
         if node is not locked:
             self.cache.lock(node)
             self.cache.unlock(locked)
         return node
+
+    def _window_for_load(self, node) -> list[int] | None:
+        """A windowed model's window pages (the tree's references) for the slots of a host
+        node that hold a window part, NO_PAGE for the others; None without windows."""
+        if self.window is None:
+            return None
+        held = node.host_window or [False] * node.num_pages
+        fresh = iter(self.window.pool.allocate(sum(held)))
+        return [next(fresh) if h else NO_PAGE for h in held]
 
     def _fetch_from_storage(self, tokens: list[int], locked: Node, cached: list[int]
                             ) -> StorageFetch | None:

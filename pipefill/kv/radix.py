@@ -41,6 +41,8 @@ class Node:
     last_used: int = 0
     keys: list[bytes] | None = None  # chained storage keys, one per page (with a storage tier)
     window: list[int] | None = None  # window-pool pages, one per page (with a window pool)
+    # Per host slot: whether its copy holds the window layers' part too (with a window pool).
+    host_window: list[bool] | None = None
 
     @property
     def num_pages(self) -> int:
@@ -53,6 +55,7 @@ class Match:
     pages: list[int]  # L1 pages of the matched prefix, in order
     host_nodes: list[Node] = field(default_factory=list)  # after `node`: on the host only
     window: list[int] = field(default_factory=list)  # window pages of `pages` (window pool)
+    host_window: list[bool] = field(default_factory=list)  # of host_nodes' pages, in order
 
     @property
     def num_host_pages(self) -> int:
@@ -117,6 +120,7 @@ class RadixCache:
                 result.window += child.window or ()
             else:
                 result.host_nodes.append(child)
+                result.host_window += child.host_window or [False] * child.num_pages
         return result
 
     def _common_pages(self, node: Node, keys, at: int) -> int:
@@ -134,9 +138,11 @@ class RadixCache:
                       node.parent, None if node.host is None else node.host[:n],
                       lock=node.lock, last_used=node.last_used,
                       keys=None if node.keys is None else node.keys[:n],
-                      window=None if node.window is None else node.window[:n])
+                      window=None if node.window is None else node.window[:n],
+                      host_window=None if node.host_window is None else node.host_window[:n])
         node.keys = None if node.keys is None else node.keys[n:]
         node.window = None if node.window is None else node.window[n:]
+        node.host_window = None if node.host_window is None else node.host_window[n:]
         parent.children[self._first_key(node.key[cut:])] = node
         node.parent.children[self._first_key(parent.key)] = parent
         node.key = node.key[cut:]
@@ -191,12 +197,13 @@ class RadixCache:
             node, at = child, at + n
         return node
 
-    def load(self, node: Node, pages: list[int]) -> None:
+    def load(self, node: Node, pages: list[int], window: list[int] | None = None) -> None:
         """A host-only node is back in L1 in `pages` (allocated for the tree; its host copy
-        stays, so a later eviction needs no copy)."""
+        stays, so a later eviction needs no copy), with the window pages its host copy's
+        window parts go to (`window`, NO_PAGE where none; allocated for the tree)."""
         assert node.pages is None and len(pages) == len(node.host) and not node.lock
         node.pages = list(pages)
-        node.window = self._no_window(len(pages))
+        node.window = list(window) if window is not None else self._no_window(len(pages))
         self.num_pages += len(pages)
 
     def _no_window(self, num_pages: int) -> list[int] | None:
@@ -322,7 +329,7 @@ class RadixCache:
             assert n.pages is None and n.lock == 0, "dropping a node still in L1"
             if n.host is not None and self.host is not None:
                 self.host.on_drop(n)
-            n.host = None
+            n.host = n.host_window = None
             stack.extend(n.children.values())
 
     def nodes(self):

@@ -56,13 +56,13 @@ class StageKV:
         if self.storage is not None:
             self.storage.save(by_kind.get(CopyKind.SAVE_EVICTED, []))
         if self.host is not None:
-            self.host.store(by_kind.get(CopyKind.STORE, []), self.owners)
+            self.host.store(by_kind.get(CopyKind.STORE, []), self.owners, self.window_owners)
         self.owners.free(ops.freed)
         if self.window_owners is not None:
             self.window_owners.to_cache(ops.window_cached)
             self.window_owners.free(ops.window_freed)
         if self.host is not None:
-            self.host.load(by_kind.get(CopyKind.LOAD, []), self.owners)
+            self.host.load(by_kind.get(CopyKind.LOAD, []), self.owners, self.window_owners)
         if self.storage is not None:
             self._failed_fetches += self.storage.fetch(by_kind.get(CopyKind.FETCH, []),
                                                        self.owners)
@@ -70,12 +70,14 @@ class StageKV:
         if self.window_owners is not None:
             self.window_owners.replay_window(seqs, self.cache.page_size)
         if seqs:  # the forward overlaps the copies of other pages
-            self.wait_for({p for w in seqs for p in w.page_table})
+            self.wait_for({p for w in seqs for p in w.page_table},
+                          {p for w in seqs for p in w.window_table or ()})
 
-    def wait_for(self, pages) -> None:
-        """Until every host-tier copy issued so far that touches these pool pages is done."""
+    def wait_for(self, pages, window_pages=()) -> None:
+        """Until every host-tier copy issued so far that touches these pool pages (or window
+        pages) is done."""
         if self.host is not None:
-            self.host.wait_for(set(pages))
+            self.host.wait_for(set(pages), set(window_pages))
 
     def after_forward(self, ops: PageOps) -> None:
         """Pages the cache took over, and write-through saves of them."""

@@ -177,7 +177,7 @@ class StageExecutor:
         if pages is None:
             pages = list(range(-(-num_tokens // self.cache.page_size)))
         else:
-            self.kv.wait_for(pages)  # a host-tier copy out of a freed page finishes first
+            self.kv.wait_for(pages, pages)  # a host-tier copy out of a freed page finishes first
         plan = StepPlan(-1, [SeqWork("scratch", 0, num_tokens, [1] * num_tokens, pages)])
         acts = None
         if not self.model.is_first:

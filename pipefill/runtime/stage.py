@@ -111,9 +111,9 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
                  "than the %d-token window", info.rank, sum(cache.windowed), cfg.sliding_window)
     else:
         if cfg.has_windows:
-            log.info("stage %d: the sliding-window layers keep every token's KV (the host "
-                     "and storage tiers, and PD over mooncake or TP, move whole pages of "
-                     "every layer)", info.rank)
+            log.info("stage %d: the sliding-window layers keep every token's KV (the storage "
+                     "tier, and PD over mooncake or TP, move whole pages of every layer)",
+                     info.rank)
         cache = KVCache(len(info.layers), num_pages, args.page_size,
                         *stacked_kv_shape(kv_specs), device, empty=kv_empty)
     attention = backend_attention(backend, flags, kv_dtype, args.page_size, cfg.q_per_kv)

@@ -219,7 +219,7 @@ def run_tp_peer(executor, link: TPLink, slices=None) -> None:
             continue
         plan = msg.plan
         if plan.step_id < 0 and plan.seqs:  # a scratch prefill on pages lent by stage 0
-            executor.kv.wait_for(plan.seqs[0].page_table)
+            executor.kv.wait_for(plan.seqs[0].page_table, plan.seqs[0].page_table)
         acts = executor.forward(plan, acts)[0]
         if executor.model.is_last and plan.step_id >= 0:  # the leader's results() gathers
             executor.logits(plan, acts)

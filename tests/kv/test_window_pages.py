@@ -5,10 +5,12 @@ pool's own counters measured at every plan; the prefix cache's rule for windows.
 import pytest
 import torch
 
-from pipefill.base.plan import NewRequest, SamplingParams, SeqResult, StepResult
+from pipefill.base.plan import CacheOp, CopyKind, NewRequest, SamplingParams, SeqResult, \
+    StepResult
 from pipefill.chunking.policy import ChunkPolicy
 from pipefill.kv.cache import WindowedKVCache
-from pipefill.kv.pool import PagePool
+from pipefill.kv.host import HostDirector, HostTier
+from pipefill.kv.pool import CACHE_OWNER, PageOwners, PagePool
 from pipefill.kv.radix import RadixCache
 from pipefill.kv.tiers import StageKV
 from pipefill.kv.window import (NO_PAGE, WindowPages, covered_pages, keep_from,
@@ -226,3 +228,56 @@ def test_a_pd_decode_admits_a_prompt_with_the_window_pages_it_reads():
     # from 31 (page 7 on): the same window the prompt keeps for the tree.
     assert [i for i, k in enumerate(keep) if k] == [7, 8, 9, 10]
     assert s.kv.window.pool.num_used == 4
+
+
+def test_host_copies_keep_a_pages_window_part():
+    """The host tier's copy thread over a WindowedKVCache: a slot keeps its page's window
+    part where the STORE names one, and a LOAD puts it into the window page it names."""
+    cache = WindowedKVCache([True, False, True], 8, PAGE, 2, 16, torch.float32)
+    tier = HostTier(cache, 6)
+    owners, window_owners = PageOwners(8), PageOwners(8)
+    data, window = torch.randn(2, 1, 3, PAGE, 2, 16), torch.randn(2, 2, 2, PAGE, 2, 16)
+    owners.allocate("r", [1, 2, 3])
+    owners.check("r", [], [1, 2, 3])
+    window_owners.allocate("r", [5, 0])
+    window_owners.check("r", [], [5, 0])
+    cache.write_pages([1, 2, 3], data)
+    cache.window.write_pages([5, 0], window)
+    tier.store([CacheOp(CopyKind.STORE, 1, 4, window_page=5),
+                CacheOp(CopyKind.STORE, 2, 0, window_page=0),
+                CacheOp(CopyKind.STORE, 3, 2)], owners, window_owners)
+    owners.free([1, 2, 3])
+    window_owners.free([5, 0])
+    tier.load([CacheOp(CopyKind.LOAD, 6, 4, window_page=2),
+               CacheOp(CopyKind.LOAD, 7, 0, window_page=7),
+               CacheOp(CopyKind.LOAD, 0, 2)], owners, window_owners)
+    tier.wait_for([], [2, 7])
+    assert torch.equal(cache.read_pages([6, 7, 0]), data)
+    assert torch.equal(cache.window.read_pages([2, 7]), window)
+    assert window_owners.owner == {2: CACHE_OWNER, 7: CACHE_OWNER}
+    assert window_owners.written == {2, 7}
+
+
+def test_a_host_hit_restores_the_window_its_first_chunk_reads():
+    """A pool too small for three prompts: the first one's pages go to the host with their
+    window parts, and the same prompt again loads its prefix back, window pages included, up
+    to a boundary whose last window is whole; every stage's replay (window pages read only
+    once written) passes, and the window layers keep pages of their own all along."""
+    pool = PagePool(40)
+    window = WindowPages(PagePool(40), PAGE, WINDOW)
+    host = HostDirector(64)
+    tree = RadixCache(PAGE, pool, host=host, window_pool=window.pool)
+    s = Scheduler(SchedulerConfig(PAGE, CHUNK, 4, 4096, ()), pool, ChunkPolicy(CHUNK), tree,
+                  window=window)
+    cache = WindowedKVCache([True, False, True], 40, PAGE, 1, 4, torch.float32)
+    stage = StageKV(cache, HostTier(cache, 64))
+    prompts = [list(range(d * 1000, d * 1000 + 90)) for d in range(3)]
+    for rid, prompt in zip("abcA", prompts + prompts[:1]):
+        s.add(NewRequest(rid, prompt, SamplingParams(max_new_tokens=1)))
+        run(s, stage, 3)
+    stats = s.kv.stats()
+    assert stats["host_stored_window_pages"] > 0 and stats["host_loaded_window_pages"] > 0
+    assert stats["cache_hit_tokens_host"] >= 80  # the prompt's whole pages but its last
+    assert stage.window_owners.num_used == window.pool.num_used
+    pool.check_integrity()
+    window.pool.check_integrity()

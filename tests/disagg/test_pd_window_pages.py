@@ -1,0 +1,111 @@
+"""PD with sliding-window layers that keep pages of their own (ARCHITECTURE.md, 'Window
+pages'): a tcp sender and receiver in this process over WindowedKVCaches move the global
+layers of every page chunk by chunk and the window layers, with the last chunk, of exactly the
+pages the decode's window table names; a decode asking for a window page the prefill freed,
+or a pair whose window layers differ, is refused with a sentence."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import wait_until
+from pipefill.disagg import messages as m
+from pipefill.disagg.bootstrap import BootstrapServer, check_window_layers, lookup_prefill, \
+    register_stage
+from pipefill.disagg.prefill_rooms import Refused, compact_window
+from pipefill.disagg.transfer import StageTensors, Timing
+from pipefill.disagg.transfer_receiver import KVReceiver
+from pipefill.disagg.transfer_sender import KVSender
+from pipefill.kv.cache import WindowedKVCache
+
+PAGES, PAGE, HEADS, DIM = 24, 4, 2, 8
+WINDOWED = [False, True, True, False, True]  # layers 1, 2 and 4 slide
+ROOM = 4242
+FAST = Timing(bootstrap_timeout_s=20, waiting_timeout_s=20, heartbeat_interval_s=0.2,
+              heartbeat_max_misses=3)
+
+
+def cache(seed: int | None) -> WindowedKVCache:
+    c = WindowedKVCache(WINDOWED, PAGES, PAGE, HEADS, DIM, torch.float32)
+    g = torch.Generator().manual_seed(seed or 0)
+    for t in (c.k, c.v, c.window.k, c.window.v):
+        t.copy_(torch.randn(t.shape, generator=g) if seed is not None else torch.zeros(t.shape))
+    return c
+
+
+class Pair:
+    """A bootstrap service, a prefill stage's sender and a decode stage's receiver."""
+
+    def __init__(self):
+        self.src, self.dst = cache(1), cache(None)
+        self.released = []
+        self.service = BootstrapServer(port=0)
+        self.sender = KVSender(StageTensors.of_cache(self.src, 0), 0, timing=FAST,
+                               release=lambda room, pages: self.released.append(room))
+        self.receiver = KVReceiver(StageTensors.of_cache(self.dst, 0), timing=FAST,
+                                   release=lambda room, pages: None)
+        register_stage(self.service.endpoint, self.sender.registration(
+            pp_size=1, num_layers=len(WINDOWED), num_kv_heads=HEADS, head_dim=DIM,
+            model_fingerprint="tiny"))
+        self.receiver.connect("p", lookup_prefill(self.service.endpoint, 10))
+
+    def close(self):
+        self.receiver.close()
+        self.sender.close()
+        self.service.close()
+
+    def send(self, src_pages, src_window, dst_pages, dst_window):
+        """The request's pages in two chunks, its window table with the last."""
+        self.receiver.expect_room(ROOM, "p", dst_pages, want_final=False, dst_window=dst_window)
+        self.sender.open_room(ROOM)
+        self.sender.send_pages(ROOM, 0, src_pages[:3])
+        self.sender.send_pages(ROOM, 3, src_pages[3:], is_last=True, window_table=src_window)
+        return self.receiver.wait_room(ROOM, 30)
+
+
+@pytest.fixture
+def pair():
+    p = Pair()
+    yield p
+    p.close()
+
+
+def test_the_window_layers_cross_only_for_the_pages_the_decode_keeps(pair):
+    src, dst = [5, 9, 2, 14, 7, 11], [20, 3, 8, 1, 17, 6]
+    src_window = [-1, -1, 4, 12, 0, 19]  # pages 0 and 1 were freed on the prefill
+    dst_window = [-1, -1, -1, 10, 2, 21]  # the decode reads pages 3.. (page 2: not asked)
+    res = pair.send(src, src_window, dst, dst_window)
+    assert res.ok, res
+    k, dk = pair.src.per_layer()[0], pair.dst.per_layer()[0]
+    for layer, windowed in enumerate(WINDOWED):
+        a = k[layer].view(-1, PAGE, HEADS, DIM)
+        b = dk[layer].view(-1, PAGE, HEADS, DIM)
+        if not windowed:  # the global layers: every page
+            assert torch.equal(a[src], b[dst])
+            continue
+        assert torch.equal(a[[4, 12, 0, 19]][1:], b[[10, 2, 21]])
+        assert not b[[p for p in range(PAGES + 1) if p not in (10, 2, 21)]].any()
+    assert (pair.sender.pages_sent, pair.sender.window_pages_sent) == (6, 3)
+    page_bytes = PAGE * HEADS * DIM * 4
+    assert pair.sender.bytes_sent == 2 * page_bytes * (6 * 2 + 3 * 3)  # K and V
+    assert wait_until(lambda: pair.released == [ROOM])
+
+
+def test_a_decode_asking_for_a_freed_window_page_is_refused_with_a_sentence(pair):
+    res = pair.send([1, 2, 3, 4], [-1, 6, 7, 8], [9, 10, 11, 12], [5, 6, 7, 8])
+    assert not res.ok and "no longer holds" in res.reason, res
+    assert wait_until(lambda: pair.released == [ROOM])
+
+
+def test_window_tables_and_layers_that_do_not_match_are_refused():
+    with pytest.raises(Refused, match="one a page"):
+        compact_window([1, 2], 3, windowed=True)
+    with pytest.raises(Refused, match="keep every token"):
+        compact_window([1, -1, 2], 3, windowed=False)
+    assert list(compact_window([-1, 4, 5], 3, windowed=True)) == [-1, 4, 5]
+    stage = m.RegisterStage(0, 1, 0, 5, 5, m.Endpoint("h", 1), PAGE, "float32", HEADS, DIM,
+                            "tiny", "tcp", window_layers=[1, 2, 4])
+    check_window_layers([stage], [1, 2, 4])
+    with pytest.raises(ValueError, match="keeps the sliding-window layers' KV in window "
+                                         "pages.*this decode for every token"):
+        check_window_layers([stage], [])

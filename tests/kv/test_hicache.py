@@ -139,16 +139,18 @@ def workload():
     return [doc + [1, 2, 3] for doc in docs] + [doc + [4, 5] for doc in docs]
 
 
-def run_engine(path, **kw):
+def run_engine(path, logprobs: bool = False, **kw):
     """One prompt at a time (each doc is evicted by the next ones, then hit from L2), then
-    all at once with long outputs in a pool that cannot hold them (preemption)."""
+    all at once with long outputs in a pool that cannot hold them (preemption). logprobs:
+    returns the outputs (with their token logprobs) instead of their token ids."""
     with track(Engine(path, dtype="float32", page_size=16, threads_per_stage=1,
                       chunked_prefill_size=32, max_total_tokens=16 * 20, max_model_len=200,
                       **kw)) as e:
         prompts = workload()
-        outs = [e.generate([p], max_new_tokens=6, ignore_eos=True)[0] for p in prompts]
-        outs += e.generate(prompts[:3], max_new_tokens=60, ignore_eos=True)
-        return [o.output_ids for o in outs], e.stats()
+        outs = [e.generate([p], max_new_tokens=6, ignore_eos=True, logprobs=logprobs)[0]
+                for p in prompts]
+        outs += e.generate(prompts[:3], max_new_tokens=60, ignore_eos=True, logprobs=logprobs)
+        return outs if logprobs else [o.output_ids for o in outs], e.stats()
 
 
 @pytest.mark.parametrize("pp", [1, pytest.param(2, marks=pytest.mark.slow)])
@@ -164,15 +166,21 @@ def test_small_pool_engine_equals_no_cache(model, pp):
 
 @pytest.mark.slow
 def test_gemma_small_pool_engine_equals_no_cache(tmp_path):
-    """Gemma 3 with 7-token windows through the host tier: with the tier on, the window layers
-    keep every token's KV (frees_window_pages), so host pages carry them whole and a hit from
-    L2 reads the window keys a cold run computes."""
+    """Gemma 3 with 7-token windows through the host tier: the window layers keep pages of
+    their own, freed outside the window, and a host slot keeps its page's window part where the
+    tree held one (ARCHITECTURE.md, 'Window pages'), so a hit from L2 reads the window keys a
+    cold run computes: the same greedy tokens, token logprobs within 1e-4."""
     from test_gemma3_family import save_gemma
     path = save_gemma("irregular", tmp_path / "gemma")
-    on, stats = run_engine(path, enable_hierarchical_cache=True)
-    off, _ = run_engine(path, disable_radix_cache=True)
-    assert on == off
+    on, stats = run_engine(path, logprobs=True, enable_hierarchical_cache=True)
+    off, _ = run_engine(path, logprobs=True, disable_radix_cache=True)
+    assert [o.output_ids for o in on] == [o.output_ids for o in off]
+    for a, b in zip(on, off):
+        assert a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-4)
     assert stats["host_loaded_pages"] > 0 and stats["cache_hit_tokens_host"] > 0
+    assert stats["host_loaded_window_pages"] > 0  # window parts came back from the host
+    # The window layers freed their pages outside the window: fewer than the global layers'.
+    assert 0 < stats["window_pages_peak"] < stats["pages_peak"]
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])

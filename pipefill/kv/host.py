@@ -125,7 +125,7 @@ class HostTier:
         self.buf = torch.empty((2, k.shape[0], num_slots, *k.shape[2:]), dtype=k.dtype)
         # A WindowedKVCache's window layers: each slot's window part, by the same slot number.
         self.window_buf = None
-        if cache.window is not None:
+        if getattr(cache, "window", None) is not None:  # (AmxKVCache has none)
             wk, _ = cache.window.page_blocks()
             self.window_buf = torch.empty((2, wk.shape[0], num_slots, *wk.shape[2:]),
                                           dtype=wk.dtype)

@@ -186,7 +186,7 @@ class KVSender:
             return None
         return (f"its layers {theirs} keep window pages, this stage's {mine} (window paging "
                 "must be on or off on both: the same --disaggregation-transfer-backend, "
-                "--tp-size and cache tiers)")
+                "--tp-size and storage tier)")
 
     def _serve_refusals(self, conn: ch.Channel, msg) -> None:
         """The prefill HTTP server's connection (rejects.RejectNotifier): RejectRoom messages

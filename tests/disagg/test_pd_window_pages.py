@@ -109,3 +109,29 @@ def test_window_tables_and_layers_that_do_not_match_are_refused():
     with pytest.raises(ValueError, match="keeps the sliding-window layers' KV in window "
                                          "pages.*this decode for every token"):
         check_window_layers([stage], [])
+
+
+def test_a_prefill_stage_drops_a_decode_whose_window_layers_differ(caplog):
+    """A decode whose window layers keep every token (a plain KVCache: its hello names no
+    window layers) is refused by a prefill stage that keeps window pages, with a log line."""
+    from pipefill.kv.cache import KVCache
+    src = cache(1)
+    service = BootstrapServer(port=0)
+    sender = KVSender(StageTensors.of_cache(src, 0), 0, timing=FAST,
+                      release=lambda room, pages: None)
+    plain = KVCache(len(WINDOWED), PAGES, PAGE, HEADS, DIM, torch.float32)
+    receiver = KVReceiver(StageTensors.of_cache(plain, 0), timing=FAST,
+                          release=lambda room, pages: None)
+    try:
+        register_stage(service.endpoint, sender.registration(
+            pp_size=1, num_layers=len(WINDOWED), num_kv_heads=HEADS, head_dim=DIM,
+            model_fingerprint="tiny"))
+        info = lookup_prefill(service.endpoint, 10)
+        assert info.stages[0].window_layers == [1, 2, 4]
+        receiver.connect("p", info)
+        assert wait_until(lambda: not receiver.connected("p"), 10)
+        assert "keep window pages" in caplog.text
+    finally:
+        receiver.close()
+        sender.close()
+        service.close()

@@ -163,6 +163,9 @@ def _log_tiers(args: ServerArgs, cache, rank: int, slots: int) -> None:
               f"{args.hicache_storage_dir or args.hicache_mooncake_master})")
     k, _ = cache.page_blocks()
     page_bytes = 2 * k[:, 0].numel() * k.dtype.itemsize  # every layer's (none: 0)
+    if getattr(cache, "window", None) is not None:  # a slot keeps the window part too
+        wk, _ = cache.window.page_blocks()
+        page_bytes += 2 * wk[:, 0].numel() * wk.dtype.itemsize
     l1 = "off" if args.disable_radix_cache else f"on ({cache.num_pages} pool pages)"
     l2 = f"{slots} host pages, {slots * page_bytes / 2**30:.2f} GiB" if slots else "off"
     log.info("stage %d: prefix cache L1 %s, L2 %s, L3 %s", rank, l1, l2, l3)

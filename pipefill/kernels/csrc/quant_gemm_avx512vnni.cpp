@@ -26,7 +26,27 @@ struct V512Vnni {
   using Half = V256Vnni;
   static constexpr int kSlots = 4, kRows = 8;
   static constexpr bool kSignedQ8 = false;  // Q8_0's codes + 128, their zero point 128
+  static constexpr bool kPermuteQ4_1 = true;
   static ireg zeroi() { return _mm512_setzero_si512(); }
+  // A group of Q4_1 (4 blocks of 20 bytes: 20 dwords, block b's d | m << 16 in dword 5 b, its
+  // codes in dwords 5 b + 1..4) from the `bytes` left in the row at p (under 80: the row's
+  // last group, the missing blocks read as zeros): two loads and two dword permutes instead of
+  // four 16-byte loads, three inserts and four scalar loads. codes: slot s = block s's 16
+  // bytes; words: lane l = dword 5 (l / 4).
+  static void q4_1_group(const uint8_t* p, int64_t bytes, ireg& codes, ireg& words) {
+    ireg a, b;  // dwords 0..15 and 4..19
+    if (bytes >= 80) {
+      a = _mm512_loadu_si512(p);
+      b = _mm512_loadu_si512(p + 16);
+    } else {  // masked loads: no read past the row's end
+      a = _mm512_maskz_loadu_epi8(bytes >= 64 ? ~0ull : (1ull << bytes) - 1, p);
+      b = _mm512_maskz_loadu_epi8((1ull << (bytes - 16)) - 1, p + 16);
+    }
+    const ireg code_idx = _mm512_setr_epi32(1, 2, 3, 4, 6, 7, 8, 9, 11, 12, 13, 14, 28, 29, 30, 31);
+    const ireg word_idx = _mm512_setr_epi32(0, 0, 0, 0, 5, 5, 5, 5, 10, 10, 10, 10, 15, 15, 15, 15);
+    codes = _mm512_permutex2var_epi32(a, code_idx, b);
+    words = _mm512_permutex2var_epi32(a, word_idx, b);
+  }
   static reg zero() { return _mm512_setzero_ps(); }
   static ireg set1(char v) { return _mm512_set1_epi8(v); }
   static ireg loadi(const void* p) { return _mm512_loadu_si512(p); }
@@ -98,6 +118,7 @@ struct V512Vnni {
   static ireg dot_signed(ireg, ireg, ireg, ireg) { return zeroi(); }  // not used (kSignedQ8 false)
   static reg cvt(ireg a) { return _mm512_cvtepi32_ps(a); }
   static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
+  static reg add(reg a, reg b) { return _mm512_add_ps(a, b); }
   static reg fmadd(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
   static float sum(reg a, reg b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
   // a with the half step's sums h added to its low 8 lanes.

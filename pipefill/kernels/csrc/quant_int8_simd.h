@@ -46,6 +46,7 @@ struct I256Ops {
   using ireg = __m256i;
   using reg = __m256;
   static constexpr int kSlots = 2;
+  static constexpr bool kPermuteQ4_1 = false;  // Q4_1's groups gathered slot by slot
   static ireg zeroi() { return _mm256_setzero_si256(); }
   static reg zero() { return _mm256_setzero_ps(); }
   static ireg set1(char v) { return _mm256_set1_epi8(v); }
@@ -93,6 +94,7 @@ struct I256Ops {
   }
   static reg cvt(ireg a) { return _mm256_cvtepi32_ps(a); }
   static reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
+  static reg add(reg a, reg b) { return _mm256_add_ps(a, b); }
   static reg fmadd(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
   static float sum(reg a, reg b) {
     const __m256 v = _mm256_add_ps(a, b);
@@ -172,9 +174,15 @@ struct Unpacker {
   // exactly by F16C (both builds have it).
   __m256 dm;
   float d[16], m[16];  // K types: the super-block's scale and offset per 16 weights
+  // Q4_1 where V permutes dwords across two registers (kPermuteQ4_1): the group's codes (slot
+  // s: block s's 16 bytes) and per lane its block's d | m << 16, read by V::q4_1_group.
+  static constexpr bool kPermuted = QT == kQ4_1 && V::kPermuteQ4_1;
+  ireg codes, words;
 
   __attribute__((always_inline)) void start(int64_t g) {
-    if constexpr (L::kWeights == 32) {
+    if constexpr (kPermuted) {
+      V::q4_1_group(row + g * 4 * L::kBytes, (units - 4 * g) * L::kBytes, codes, words);
+    } else if constexpr (L::kWeights == 32) {
       uint32_t halves[4];
       for (int s = 0; s < 4; ++s) {
         const int64_t u = 4 * g + s;
@@ -192,6 +200,14 @@ struct Unpacker {
 
   // lo, hi: the chunk's codes (unsigned); dv, mv: per lane the scale d and the offset m.
   __attribute__((always_inline)) void chunk(int c, ireg& lo, ireg& hi, reg& dv, reg& mv) const {
+    if constexpr (kPermuted) {  // one chunk: the whole group
+      const ireg f = V::set1(0x0f);
+      lo = V::and_(codes, f);
+      hi = V::and_(V::srli16(codes, 4), f);
+      dv = V::halves_low(words);
+      mv = V::halves_low(V::srli32(words, 16));
+      return;
+    }
     float dh[2 * kS], mh[2 * kS];
     const uint8_t* p[kS];
     int shift[kS] = {};
@@ -404,8 +420,10 @@ inline void unit_rows_tile(const Int8Rows& a, int64_t m0, const uint8_t* row, in
 // A tile of R rows of one column (weight row `row`) of a K type over all of K. Per group and
 // chunk, the blocks are unpacked once (codes, scales in registers) and every row loads its
 // activations once (codes lo and hi, dl, nx or sl: one record, quant_int8_kernel.h): R integer
-// dot products then R float scalings per unpacking. One float32 sum a row: the block scale's
-// term and the offset's added into it in k order, lanes reduced at the end.
+// dot products then R float scalings per unpacking. Float32 sums a row, lanes reduced at the
+// end: the block scale's terms and the offset's apart where registers allow (kSplit), and on
+// tiles of few rows kA sets of them taking the groups in turn, so that a row's chain of
+// dependent FMAs (4 cycles each) does not bound the tile (at M = 1 it did: two per group).
 template <class V, int QT, int R>
 inline void int8_tile(const Int8Rows& a, int64_t m0, const uint8_t* row, int64_t K, float* y, int64_t ldy) {
   using T = Int8Type<QT>;
@@ -413,15 +431,18 @@ inline void int8_tile(const Int8Rows& a, int64_t m0, const uint8_t* row, int64_t
   using ireg = typename V::ireg;
   constexpr int kChunks = 4 / V::kSlots;
   constexpr bool kSigned = QT == kQ8_0 && V::kSignedQ8;
-  reg acc[R];
-  for (int r = 0; r < R; ++r) acc[r] = V::zero();
+  constexpr int kA = R <= V::kRows / 4 ? 2 : 1;
+  constexpr bool kSplit = T::kOffset && R <= V::kRows / 2;
+  reg acc[kA][R], off[kA][R];
+  for (int i = 0; i < kA; ++i)
+    for (int r = 0; r < R; ++r) acc[i][r] = off[i][r] = V::zero();
   Unpacker<V, QT> up;
   up.row = row;
   up.units = K / kUnit;
   const int64_t group_bytes = Layout<QT>::kBytes * kGroup / Layout<QT>::kWeights;
-  const uint8_t* rec = a.at(0, m0);
   const int64_t rec_step = a.M * kRecBytes;  // one group's records of all M rows
-  for (int64_t g = 0; g < a.groups; ++g, rec += rec_step) {
+  auto group = [&](int64_t g, reg* sum, reg* offset) __attribute__((always_inline)) {
+    const uint8_t* rec = a.at(g, m0);
     _mm_prefetch(reinterpret_cast<const char*>(row + (g + 8) * group_bytes), _MM_HINT_T0);
     up.start(g);
     for (int ch = 0; ch < kChunks; ++ch) {
@@ -438,13 +459,25 @@ inline void int8_tile(const Int8Rows& a, int64_t m0, const uint8_t* row, int64_t
         else
           isum = V::dot(T::kZero ? V::loadi(p + kRecExtra + lo4) : V::zeroi(), lo, hi, xlo, xhi);
         const reg dl = V::load(reinterpret_cast<const float*>(p + kRecDl + lo4));
-        acc[r] = V::fmadd(V::cvt(isum), V::mul(dv, dl), acc[r]);
-        if constexpr (T::kOffset)
-          acc[r] = V::fmadd(mv, V::load(reinterpret_cast<const float*>(p + kRecExtra + lo4)), acc[r]);
+        sum[r] = V::fmadd(V::cvt(isum), V::mul(dv, dl), sum[r]);
+        if constexpr (T::kOffset) {
+          reg& o = kSplit ? offset[r] : sum[r];
+          o = V::fmadd(mv, V::load(reinterpret_cast<const float*>(p + kRecExtra + lo4)), o);
+        }
       }
     }
+  };
+  int64_t g = 0;
+  for (; g + kA <= a.groups; g += kA)
+    for (int i = 0; i < kA; ++i) group(g + i, acc[i], off[i]);
+  for (; g < a.groups; ++g) group(g, acc[0], off[0]);
+  for (int r = 0; r < R; ++r) {
+    for (int i = 1; i < kA; ++i) {
+      acc[0][r] = V::add(acc[0][r], acc[i][r]);
+      off[0][r] = V::add(off[0][r], off[i][r]);
+    }
+    y[r * ldy] = V::sum(acc[0][r], off[0][r]);
   }
-  for (int r = 0; r < R; ++r) y[r * ldy] = V::sum(acc[r], V::zero());
 }
 
 // The tile for `rows` (1..R) rows.

@@ -26,26 +26,42 @@ struct V512Vnni {
   using Half = V256Vnni;
   static constexpr int kSlots = 4, kRows = 8;
   static constexpr bool kSignedQ8 = false;  // Q8_0's codes + 128, their zero point 128
-  static constexpr bool kPermuteQ4_1 = true;
+  static constexpr bool kPermuteGroups = true;  // permuted_group below
   static ireg zeroi() { return _mm512_setzero_si512(); }
-  // A group of Q4_1 (4 blocks of 20 bytes: 20 dwords, block b's d | m << 16 in dword 5 b, its
-  // codes in dwords 5 b + 1..4) from the `bytes` left in the row at p (under 80: the row's
-  // last group, the missing blocks read as zeros): two loads and two dword permutes instead of
-  // four 16-byte loads, three inserts and four scalar loads. codes: slot s = block s's 16
-  // bytes; words: lane l = dword 5 (l / 4).
-  static void q4_1_group(const uint8_t* p, int64_t bytes, ireg& codes, ireg& words) {
-    ireg a, b;  // dwords 0..15 and 4..19
-    if (bytes >= 80) {
-      a = _mm512_loadu_si512(p);
-      b = _mm512_loadu_si512(p + 16);
-    } else {  // masked loads: no read past the row's end
-      a = _mm512_maskz_loadu_epi8(bytes >= 64 ? ~0ull : (1ull << bytes) - 1, p);
-      b = _mm512_maskz_loadu_epi8((1ull << (bytes - 16)) - 1, p + 16);
+  // 64 bytes at p, of which only the first n (0..63: zeros after them) where n < 64: a masked
+  // load reads nothing past them (the row's last group).
+  static ireg load_upto(const uint8_t* p, int64_t n) {
+    return n >= 64 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(n > 0 ? (1ull << n) - 1 : 0, p);
+  }
+  // A group of Q4_1 or Q8_0 (4 blocks) from the `bytes` left in the row at p (fewer than a
+  // group's: the row's last one, its missing blocks read as zeros), by a few whole-register
+  // loads and permutes across two registers instead of 16-byte loads a block, inserts and
+  // scalar loads of the scales. Q4_1 (20-byte blocks: block b's d | m << 16 in dword 5 b, its
+  // codes in dwords 5 b + 1..4): c0 slot b = its 16 code bytes. Q8_0 (34-byte blocks: d in
+  // word 17 b, codes in words 17 b + 1..16): c0 slot b = its codes 0..15, c1 16..31.
+  // words: lane l = d (| m << 16) of block l / 4 in its low (high) 16 bits.
+  template <int QT>
+  static void permuted_group(const uint8_t* p, int64_t bytes, ireg& c0, ireg& c1, ireg& words) {
+    constexpr int64_t kGroupBytes = 4 * Layout<QT>::kBytes;
+    const bool whole = bytes >= kGroupBytes;
+    auto at = [&](int64_t off) { return whole ? _mm512_loadu_si512(p + off) : load_upto(p + off, bytes - off); };
+    if constexpr (QT == kQ4_1) {
+      const ireg a = at(0), b = at(16);  // dwords 0..15, 4..19
+      c0 = _mm512_permutex2var_epi32(a, _mm512_setr_epi32(1, 2, 3, 4, 6, 7, 8, 9, 11, 12, 13, 14, 28, 29, 30, 31), b);
+      words = _mm512_permutex2var_epi32(a, _mm512_setr_epi32(0, 0, 0, 0, 5, 5, 5, 5, 10, 10, 10, 10, 15, 15, 15, 15), b);
+    } else {
+      static_assert(QT == kQ8_0, "permuted groups: Q4_1 and Q8_0");
+      const ireg a = at(0), b = at(64), ha = at(8), hb = at(72);  // words 0..63, and 4..67
+      alignas(64) static constexpr uint16_t kLo[32] = {1, 2, 3, 4, 5, 6, 7, 8, 18, 19, 20, 21, 22, 23, 24, 25,
+                                                       35, 36, 37, 38, 39, 40, 41, 42, 52, 53, 54, 55, 56, 57, 58, 59};
+      alignas(64) static constexpr uint16_t kHi[32] = {5, 6, 7, 8, 9, 10, 11, 12, 22, 23, 24, 25, 26, 27, 28, 29,
+                                                       39, 40, 41, 42, 43, 44, 45, 46, 56, 57, 58, 59, 60, 61, 62, 63};
+      alignas(64) static constexpr uint16_t kD[32] = {0, 0, 0, 0, 0, 0, 0, 0, 17, 0, 17, 0, 17, 0, 17, 0,
+                                                      34, 0, 34, 0, 34, 0, 34, 0, 51, 0, 51, 0, 51, 0, 51, 0};
+      c0 = _mm512_permutex2var_epi16(a, _mm512_load_si512(kLo), b);
+      c1 = _mm512_permutex2var_epi16(ha, _mm512_load_si512(kHi), hb);
+      words = _mm512_permutex2var_epi16(a, _mm512_load_si512(kD), b);
     }
-    const ireg code_idx = _mm512_setr_epi32(1, 2, 3, 4, 6, 7, 8, 9, 11, 12, 13, 14, 28, 29, 30, 31);
-    const ireg word_idx = _mm512_setr_epi32(0, 0, 0, 0, 5, 5, 5, 5, 10, 10, 10, 10, 15, 15, 15, 15);
-    codes = _mm512_permutex2var_epi32(a, code_idx, b);
-    words = _mm512_permutex2var_epi32(a, word_idx, b);
   }
   static reg zero() { return _mm512_setzero_ps(); }
   static ireg set1(char v) { return _mm512_set1_epi8(v); }

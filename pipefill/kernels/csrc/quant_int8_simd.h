@@ -46,7 +46,7 @@ struct I256Ops {
   using ireg = __m256i;
   using reg = __m256;
   static constexpr int kSlots = 2;
-  static constexpr bool kPermuteQ4_1 = false;  // Q4_1's groups gathered slot by slot
+  static constexpr bool kPermuteGroups = false;  // Q4_1's and Q8_0's groups gathered slot by slot
   static ireg zeroi() { return _mm256_setzero_si256(); }
   static reg zero() { return _mm256_setzero_ps(); }
   static ireg set1(char v) { return _mm256_set1_epi8(v); }
@@ -174,14 +174,14 @@ struct Unpacker {
   // exactly by F16C (both builds have it).
   __m256 dm;
   float d[16], m[16];  // K types: the super-block's scale and offset per 16 weights
-  // Q4_1 where V permutes dwords across two registers (kPermuteQ4_1): the group's codes (slot
-  // s: block s's 16 bytes) and per lane its block's d | m << 16, read by V::q4_1_group.
-  static constexpr bool kPermuted = QT == kQ4_1 && V::kPermuteQ4_1;
-  ireg codes, words;
+  // Q4_1 and Q8_0 where V reads a group by whole-register loads and permutes
+  // (V::permuted_group): its codes (c0, and Q8_0's codes 16..31 in c1) and scale words.
+  static constexpr bool kPermuted = (QT == kQ4_1 || QT == kQ8_0) && V::kPermuteGroups;
+  ireg c0, c1, words;
 
   __attribute__((always_inline)) void start(int64_t g) {
     if constexpr (kPermuted) {
-      V::q4_1_group(row + g * 4 * L::kBytes, (units - 4 * g) * L::kBytes, codes, words);
+      V::template permuted_group<QT>(row + g * 4 * L::kBytes, (units - 4 * g) * L::kBytes, c0, c1, words);
     } else if constexpr (L::kWeights == 32) {
       uint32_t halves[4];
       for (int s = 0; s < 4; ++s) {
@@ -201,11 +201,16 @@ struct Unpacker {
   // lo, hi: the chunk's codes (unsigned); dv, mv: per lane the scale d and the offset m.
   __attribute__((always_inline)) void chunk(int c, ireg& lo, ireg& hi, reg& dv, reg& mv) const {
     if constexpr (kPermuted) {  // one chunk: the whole group
-      const ireg f = V::set1(0x0f);
-      lo = V::and_(codes, f);
-      hi = V::and_(V::srli16(codes, 4), f);
       dv = V::halves_low(words);
-      mv = V::halves_low(V::srli32(words, 16));
+      if constexpr (QT == kQ8_0) {  // codes + 128 (the unsigned operand)
+        lo = V::xor_(c0, V::set1((char)0x80));
+        hi = V::xor_(c1, V::set1((char)0x80));
+      } else {
+        const ireg f = V::set1(0x0f);
+        lo = V::and_(c0, f);
+        hi = V::and_(V::srli16(c0, 4), f);
+        mv = V::halves_low(V::srli32(words, 16));
+      }
       return;
     }
     float dh[2 * kS], mh[2 * kS];

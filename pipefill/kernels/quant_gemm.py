@@ -88,10 +88,11 @@ _INT8_BASE = {"avx512vnni": "avx512", "avx2": "avx2"}  # the float build each on
 INT8_CPU_FLAGS = {"avx512vnni": ("avx512_vnni", "avx512f", "avx512bw", "avx512vl", "f16c"),
                   "avx2": ("avx2", "fma", "f16c")}
 _INT8_HEADER, _INT8_SIMD = CSRC / "quant_int8_kernel.h", CSRC / "quant_int8_simd.h"
+_SIMD_COMMON = CSRC / "quant_simd_common.h"  # what the vector headers above share
 
 _EXT = IsaExtension("the quantized decode GEMM", functools.partial(
     build_isa_extension, "quant_gemm", "the quantized decode GEMM", ISA_FLAGS,
-    (_HEADER, _SIMD, _FP8_HEADER, _FP8_SIMD, _INT8_HEADER, _INT8_SIMD),
+    (_HEADER, _SIMD, _FP8_HEADER, _FP8_SIMD, _INT8_HEADER, _INT8_SIMD, _SIMD_COMMON),
     (GLUE_VECTOR_ISA, _HEADER, _FP8_HEADER, _INT8_HEADER)),
     _ISA_CODE, "pf_qg_isa_supported")
 

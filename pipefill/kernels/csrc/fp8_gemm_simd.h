@@ -17,6 +17,7 @@
 #include <algorithm>
 
 #include "fp8_gemm_kernel.h"
+#include "quant_simd_common.h"
 
 namespace pipefill_quant {
 namespace {
@@ -82,22 +83,15 @@ inline void fp8_tile(const float* x, int64_t ldx, const uint8_t* row, const floa
   for (int r = 0; r < R; ++r) y[r * ldy] = V::sum(acc[r][0], acc[r][1]);
 }
 
-template <class V, int R>
-inline void fp8_rows_tile(const float* x, int64_t ldx, const uint8_t* row, const float* srow, int64_t K, float* y,
-                          int64_t ldy, int64_t rows) {
-  if constexpr (R > 1) {
-    if (rows < R) return fp8_rows_tile<V, R - 1>(x, ldx, row, srow, K, y, ldy, rows);
-  }
-  fp8_tile<V, R>(x, ldx, row, srow, K, y, ldy);
-}
-
 template <class V>
 void fp8_gemm_cols_simd(const float* x, int64_t ldx, const uint8_t* w, const float* scale, const int32_t* scale_row,
                         int64_t lds, int64_t M, int64_t K, float* y, int64_t ldy, int64_t n0, int64_t n1) {
   for (int64_t n = n0; n < n1; ++n)
     for (int64_t m0 = 0; m0 < M; m0 += V::kRows)  // row tiles after the first read the row from L1
-      fp8_rows_tile<V, V::kRows>(x + m0 * ldx, ldx, w + n * K, scale + scale_row[n] * lds, K, y + m0 * ldy + n,
-                                 ldy, M - m0 < V::kRows ? M - m0 : V::kRows);
+      with_rows<V::kRows>(M - m0 < V::kRows ? M - m0 : V::kRows, [&](auto r) {
+        fp8_tile<V, decltype(r)::value>(x + m0 * ldx, ldx, w + n * K, scale + scale_row[n] * lds, K,
+                                        y + m0 * ldy + n, ldy);
+      });
 }
 
 // One unit's registers stored to out + at (float32 or bf16), its first `count` weights only.

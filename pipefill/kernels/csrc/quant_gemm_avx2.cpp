@@ -26,12 +26,7 @@ struct V256 {
   }
   static reg load(const float* p) { return _mm256_loadu_ps(p); }
   static reg fmadd(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
-  static float sum(reg a, reg b) {
-    const __m256 v = _mm256_add_ps(a, b);
-    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-  }
+  static float sum(reg a, reg b) { return sum256(a, b); }
   static void store(float* p, reg v) { _mm256_storeu_ps(p, v); }
   // Nearest even, as the AVX-512 path; packus keeps the 16 low bits (at most 0xffff each).
   static void store_bf16(uint16_t* p, reg v) {

@@ -74,10 +74,15 @@ struct V512Vnni {
   static ireg slli16(ireg a, int n) { return _mm512_slli_epi16(a, n); }
   static ireg unpacklo64(ireg a, ireg b) { return _mm512_unpacklo_epi64(a, b); }
   static ireg unpackhi64(ireg a, ireg b) { return _mm512_unpackhi_epi64(a, b); }
+  static ireg unpacklo32(ireg a, ireg b) { return _mm512_unpacklo_epi32(a, b); }
+  static ireg unpackhi32(ireg a, ireg b) { return _mm512_unpackhi_epi32(a, b); }
+  static ireg shuffle8(ireg a, __m128i idx) { return _mm512_shuffle_epi8(a, _mm512_broadcast_i32x4(idx)); }
+  static ireg min_u8(ireg a, ireg b) { return _mm512_min_epu8(a, b); }
+  static ireg set1_64(uint64_t v) { return _mm512_set1_epi64((long long)v); }
   // Slot t: the 16 bytes at p[t] + off.
   static ireg gather(const uint8_t* const* p, int off) {
-    const __m256i a = _mm256_inserti128_si256(_mm256_castsi128_si256(bytes16(p[0] + off)), bytes16(p[1] + off), 1);
-    const __m256i b = _mm256_inserti128_si256(_mm256_castsi128_si256(bytes16(p[2] + off)), bytes16(p[3] + off), 1);
+    const __m256i a = _mm256_inserti128_si256(_mm256_castsi128_si256(load16(p[0] + off)), load16(p[1] + off), 1);
+    const __m256i b = _mm256_inserti128_si256(_mm256_castsi128_si256(load16(p[2] + off)), load16(p[3] + off), 1);
     return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1);
   }
   // Slot t shifted right by sh[t] bits (per 64-bit element: the caller masks within bytes).
@@ -88,13 +93,6 @@ struct V512Vnni {
   static ireg slot_dwords(const uint32_t* v) {
     return _mm512_set_epi32(v[3], v[3], v[3], v[3], v[2], v[2], v[2], v[2], v[1], v[1], v[1], v[1], v[0], v[0],
                             v[0], v[0]);
-  }
-  // 0x10 in byte j of each slot where bit j of the slot's bytes first, first + 1 is set.
-  static ireg fifth_bits(ireg spread, int first) {
-    const __m128i idx = _mm_set_epi64x(0x0101010101010101ll * (first + 1), 0x0101010101010101ll * first);
-    const ireg bytes = _mm512_shuffle_epi8(spread, _mm512_broadcast_i32x4(idx));
-    const ireg sel = _mm512_set1_epi64((long long)0x8040201008040201ull);
-    return _mm512_slli_epi16(_mm512_min_epu8(_mm512_and_si512(bytes, sel), _mm512_set1_epi8(1)), 4);
   }
   // Lane l = h[l / 2] (the scale of the 16 weights lane l's codes belong to).
   static reg lanes(const float* h) {
@@ -115,19 +113,6 @@ struct V512Vnni {
                              (int)v[15]);
   }
   static reg halves_low(ireg v) { return _mm512_cvtph_ps(_mm512_cvtepi32_epi16(v)); }
-  static void transpose4(ireg* r) {
-    const ireg t0 = _mm512_unpacklo_epi32(r[0], r[1]), t1 = _mm512_unpackhi_epi32(r[0], r[1]);
-    const ireg t2 = _mm512_unpacklo_epi32(r[2], r[3]), t3 = _mm512_unpackhi_epi32(r[2], r[3]);
-    r[0] = _mm512_unpacklo_epi64(t0, t2);
-    r[1] = _mm512_unpackhi_epi64(t0, t2);
-    r[2] = _mm512_unpacklo_epi64(t1, t3);
-    r[3] = _mm512_unpackhi_epi64(t1, t3);
-  }
-  static ireg lane_bits(ireg bits, int first) {
-    const ireg idx = _mm512_broadcast_i32x4(_mm_setr_epi32(0, 0x04040404, 0x08080808, 0x0c0c0c0c));
-    const ireg low = _mm512_shuffle_epi8(srli32(bits, first), idx);
-    return _mm512_slli_epi16(_mm512_min_epu8(_mm512_and_si512(low, _mm512_set1_epi32(0x08040201)), _mm512_set1_epi8(1)), 4);
-  }
   static ireg dot(ireg start, ireg lo, ireg hi, ireg xlo, ireg xhi) {
     return _mm512_dpbusd_epi32(_mm512_dpbusd_epi32(start, lo, xlo), hi, xhi);
   }

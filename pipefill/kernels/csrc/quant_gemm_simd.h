@@ -13,11 +13,10 @@
 #include <immintrin.h>
 
 #include "quant_gemm_kernel.h"
+#include "quant_simd_common.h"
 
 namespace pipefill_quant {
 namespace {
-
-inline __m128i load16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
 
 inline __m128i low_nibbles(__m128i v) { return _mm_and_si128(v, _mm_set1_epi8(0x0f)); }
 
@@ -116,15 +115,6 @@ inline void tile(const float* x, int64_t ldx, const uint8_t* row, int64_t blocks
   for (int r = 0; r < R; ++r) y[r * ldy] = V::sum(acc[r][0], acc[r][1]);
 }
 
-template <class V, int QT, int R>
-inline void rows_tile(const float* x, int64_t ldx, const uint8_t* row, int64_t blocks, float* y, int64_t ldy,
-                      int64_t rows) {
-  if constexpr (R > 1) {
-    if (rows < R) return rows_tile<V, QT, R - 1>(x, ldx, row, blocks, y, ldy, rows);
-  }
-  tile<V, QT, R>(x, ldx, row, blocks, y, ldy);
-}
-
 template <class V, int QT>
 void run(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes, int64_t M, int64_t K, float* y,
          int64_t ldy, int64_t n0, int64_t n1) {
@@ -132,8 +122,9 @@ void run(const float* x, int64_t ldx, const uint8_t* w, int64_t row_bytes, int64
   for (int64_t n = n0; n < n1; ++n) {
     const uint8_t* row = w + n * row_bytes;
     for (int64_t m0 = 0; m0 < M; m0 += V::kRows)  // row tiles after the first read the row from L1
-      rows_tile<V, QT, V::kRows>(x + m0 * ldx, ldx, row, blocks, y + m0 * ldy + n, ldy,
-                                 M - m0 < V::kRows ? M - m0 : V::kRows);
+      with_rows<V::kRows>(M - m0 < V::kRows ? M - m0 : V::kRows, [&](auto r) {
+        tile<V, QT, decltype(r)::value>(x + m0 * ldx, ldx, row, blocks, y + m0 * ldy + n, ldy);
+      });
   }
 }
 

@@ -32,13 +32,12 @@
 #include <type_traits>
 
 #include "quant_int8_kernel.h"
+#include "quant_simd_common.h"
 
 namespace pipefill_quant {
 namespace {
 
 alignas(64) constexpr uint8_t kZeroBlock[64] = {};  // stands for the blocks past a row's end
-
-inline __m128i bytes16(const uint8_t* p) { return _mm_loadu_si128(reinterpret_cast<const __m128i*>(p)); }
 
 // The integer path's ymm ops, two 128-bit slots a register (AVX2; the VNNI build's half step
 // adds vpdpbusd on ymm): the AVX2 path's register type and the VNNI path's half step.
@@ -59,17 +58,16 @@ struct I256Ops {
   static ireg slli16(ireg a, int n) { return _mm256_slli_epi16(a, n); }
   static ireg unpacklo64(ireg a, ireg b) { return _mm256_unpacklo_epi64(a, b); }
   static ireg unpackhi64(ireg a, ireg b) { return _mm256_unpackhi_epi64(a, b); }
+  static ireg unpacklo32(ireg a, ireg b) { return _mm256_unpacklo_epi32(a, b); }
+  static ireg unpackhi32(ireg a, ireg b) { return _mm256_unpackhi_epi32(a, b); }
+  static ireg shuffle8(ireg a, __m128i idx) { return _mm256_shuffle_epi8(a, _mm256_broadcastsi128_si256(idx)); }
+  static ireg min_u8(ireg a, ireg b) { return _mm256_min_epu8(a, b); }
+  static ireg set1_64(uint64_t v) { return _mm256_set1_epi64x((long long)v); }
   static ireg gather(const uint8_t* const* p, int off) {
-    return _mm256_inserti128_si256(_mm256_castsi128_si256(bytes16(p[0] + off)), bytes16(p[1] + off), 1);
+    return _mm256_inserti128_si256(_mm256_castsi128_si256(load16(p[0] + off)), load16(p[1] + off), 1);
   }
   static ireg srlv(ireg a, const int* sh) { return _mm256_srlv_epi64(a, _mm256_set_epi64x(sh[1], sh[1], sh[0], sh[0])); }
   static ireg slot_dwords(const uint32_t* v) { return _mm256_set_epi32(v[1], v[1], v[1], v[1], v[0], v[0], v[0], v[0]); }
-  static ireg fifth_bits(ireg spread, int first) {
-    const __m128i i128 = _mm_set_epi64x(0x0101010101010101ll * (first + 1), 0x0101010101010101ll * first);
-    const ireg bytes = _mm256_shuffle_epi8(spread, _mm256_broadcastsi128_si256(i128));
-    const ireg sel = _mm256_set1_epi64x((long long)0x8040201008040201ull);
-    return _mm256_slli_epi16(_mm256_min_epu8(_mm256_and_si256(bytes, sel), _mm256_set1_epi8(1)), 4);
-  }
   // Lane l = v[2 (2 c + l / 4) + odd]: chunk c's slot's d (odd 0) or m (odd 1).
   static reg slot_lanes(__m256 v, int c, int odd) {
     const __m256i idx = _mm256_add_epi32(_mm256_set_epi32(2, 2, 2, 2, 0, 0, 0, 0), _mm256_set1_epi32(4 * c + odd));
@@ -96,12 +94,7 @@ struct I256Ops {
   static reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
   static reg add(reg a, reg b) { return _mm256_add_ps(a, b); }
   static reg fmadd(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
-  static float sum(reg a, reg b) {
-    const __m256 v = _mm256_add_ps(a, b);
-    const __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-    const __m128 t = _mm_add_ps(s, _mm_movehl_ps(s, s));
-    return _mm_cvtss_f32(_mm_add_ss(t, _mm_shuffle_ps(t, t, 1)));
-  }
+  static float sum(reg a, reg b) { return sum256(a, b); }
   static ireg addi(ireg a, ireg b) { return _mm256_add_epi32(a, b); }
   static ireg srli32(ireg a, int n) { return _mm256_srl_epi32(a, _mm_cvtsi32_si128(n)); }
   // Lane l = v[l] (a step's per-block words, unit-lane order).
@@ -112,22 +105,6 @@ struct I256Ops {
   static reg halves_low(ireg v) {
     const ireg low = _mm256_and_si256(v, _mm256_set1_epi32(0xffff));
     return _mm256_cvtph_ps(_mm_packus_epi32(_mm256_castsi256_si128(low), _mm256_extracti128_si256(low, 1)));
-  }
-  // In every 128-bit slot, the 4 x 4 dwords of r[0..3] transposed: r[i] dword g = old r[g] dword i.
-  static void transpose4(ireg* r) {
-    const ireg t0 = _mm256_unpacklo_epi32(r[0], r[1]), t1 = _mm256_unpackhi_epi32(r[0], r[1]);
-    const ireg t2 = _mm256_unpacklo_epi32(r[2], r[3]), t3 = _mm256_unpackhi_epi32(r[2], r[3]);
-    r[0] = _mm256_unpacklo_epi64(t0, t2);
-    r[1] = _mm256_unpackhi_epi64(t0, t2);
-    r[2] = _mm256_unpacklo_epi64(t1, t3);
-    r[3] = _mm256_unpackhi_epi64(t1, t3);
-  }
-  // 0x10 in byte k of a lane where bit first + k of the lane's dword in `bits` is set.
-  static ireg lane_bits(ireg bits, int first) {
-    const ireg low = _mm256_shuffle_epi8(srli32(bits, first), _mm256_setr_epi64x(0x0404040400000000ll, 0x0c0c0c0c08080808ll,
-                                                                                 0x0404040400000000ll, 0x0c0c0c0c08080808ll));
-    const ireg sel = _mm256_set1_epi32(0x08040201);
-    return _mm256_slli_epi16(_mm256_min_epu8(_mm256_and_si256(low, sel), _mm256_set1_epi8(1)), 4);
   }
   static float quantize32(const float* x, int8_t* q) {
     const reg sign = _mm256_set1_ps(-0.0f);
@@ -150,6 +127,39 @@ struct I256Ops {
     return d;
   }
 };
+
+// In every 128-bit slot, the 4 x 4 dwords of r[0..3] transposed: r[i] dword g = old r[g] dword i.
+template <class V>
+inline void transpose4(typename V::ireg* r) {
+  const auto t0 = V::unpacklo32(r[0], r[1]), t1 = V::unpackhi32(r[0], r[1]);
+  const auto t2 = V::unpacklo32(r[2], r[3]), t3 = V::unpackhi32(r[2], r[3]);
+  r[0] = V::unpacklo64(t0, t2);
+  r[1] = V::unpackhi64(t0, t2);
+  r[2] = V::unpacklo64(t1, t3);
+  r[3] = V::unpackhi64(t1, t3);
+}
+
+// 0x10 in every byte of v that has a bit of `sel` set, else 0 (a fifth bit moved to bit 4).
+template <class V>
+inline typename V::ireg bit4_where(typename V::ireg v, typename V::ireg sel) {
+  return V::slli16(V::min_u8(V::and_(v, sel), V::set1(1)), 4);
+}
+
+// 0x10 in byte j of each slot where bit j of the slot's bytes first, first + 1 (of `spread`,
+// V::slot_dwords) is set: the group kernel's Q5_0 fifth bits.
+template <class V>
+inline typename V::ireg fifth_bits(typename V::ireg spread, int first) {
+  const __m128i idx = _mm_set_epi64x(0x0101010101010101ll * (first + 1), 0x0101010101010101ll * first);
+  return bit4_where<V>(V::shuffle8(spread, idx), V::set1_64(0x8040201008040201ull));
+}
+
+// 0x10 in byte k of a lane where bit first + k of the lane's dword in `bits` is set: the unit
+// lanes' Q5_0 fifth bits.
+template <class V>
+inline typename V::ireg lane_bits(typename V::ireg bits, int first) {
+  const __m128i idx = _mm_setr_epi32(0, 0x04040404, 0x08080808, 0x0c0c0c0c);
+  return bit4_where<V>(V::shuffle8(V::srli32(bits, first), idx), V::set1_64(0x0804020108040201ull));
+}
 
 // What the integer kernels need to know of a block type.
 template <int QT>
@@ -257,8 +267,8 @@ struct Unpacker {
         uint32_t bits[kS];
         for (int t = 0; t < kS; ++t) std::memcpy(&bits[t], p[t] + 2, 4);
         const ireg spread = V::slot_dwords(bits);
-        lo = V::or_(lo, V::fifth_bits(spread, 0));
-        hi = V::or_(hi, V::fifth_bits(spread, 2));
+        lo = V::or_(lo, fifth_bits<V>(spread, 0));
+        hi = V::or_(hi, fifth_bits<V>(spread, 2));
       }
     } else {
       lo = V::and_(V::srlv(V::gather(p, 0), shift), f);
@@ -318,14 +328,14 @@ struct UnitStep {
         c[g] = V::gather(blk[g], 2);
         c[4 + g] = V::gather(blk[g], 18);
       }
-      V::transpose4(c);
-      V::transpose4(c + 4);
+      transpose4<V>(c);
+      transpose4<V>(c + 4);
       if constexpr (!V::kSignedQ8)
         for (int i = 0; i < 8; ++i) c[i] = V::xor_(c[i], V::set1((char)0x80));
     } else {
       ireg raw[4];
       for (int g = 0; g < 4; ++g) raw[g] = V::gather(blk[g], QT == kQ4_0 ? 2 : QT == kQ4_1 ? 4 : 6);
-      V::transpose4(raw);
+      transpose4<V>(raw);
       const ireg f = V::set1(0x0f);
       for (int i = 0; i < 4; ++i) {
         c[i] = V::and_(raw[i], f);
@@ -334,8 +344,8 @@ struct UnitStep {
       if constexpr (QT == kQ5_0) {
         const ireg bits = V::dwords(fifth);
         for (int i = 0; i < 4; ++i) {
-          c[i] = V::or_(c[i], V::lane_bits(bits, 4 * i));
-          c[4 + i] = V::or_(c[4 + i], V::lane_bits(bits, 16 + 4 * i));
+          c[i] = V::or_(c[i], lane_bits<V>(bits, 4 * i));
+          c[4 + i] = V::or_(c[4 + i], lane_bits<V>(bits, 16 + 4 * i));
         }
       }
     }
@@ -413,15 +423,6 @@ inline void unit_tile(const Int8Rows& a, int64_t m0, const uint8_t* row, int64_t
   for (int r = 0; r < R; ++r) y[r * ldy] = V::sum(acc[r], V::zero());
 }
 
-template <class V, int QT, int R>
-inline void unit_rows_tile(const Int8Rows& a, int64_t m0, const uint8_t* row, int64_t K, float* y, int64_t ldy,
-                           int64_t rows) {
-  if constexpr (R > 1) {
-    if (rows < R) return unit_rows_tile<V, QT, R - 1>(a, m0, row, K, y, ldy, rows);
-  }
-  unit_tile<V, QT, R>(a, m0, row, K, y, ldy);
-}
-
 // A tile of R rows of one column (weight row `row`) of a K type over all of K. Per group and
 // chunk, the blocks are unpacked once (codes, scales in registers) and every row loads its
 // activations once (codes lo and hi, dl, nx or sl: one record, quant_int8_kernel.h): R integer
@@ -485,16 +486,6 @@ inline void int8_tile(const Int8Rows& a, int64_t m0, const uint8_t* row, int64_t
   }
 }
 
-// The tile for `rows` (1..R) rows.
-template <class V, int QT, int R>
-inline void int8_rows_tile(const Int8Rows& a, int64_t m0, const uint8_t* row, int64_t K, float* y, int64_t ldy,
-                           int64_t rows) {
-  if constexpr (R > 1) {
-    if (rows < R) return int8_rows_tile<V, QT, R - 1>(a, m0, row, K, y, ldy, rows);
-  }
-  int8_tile<V, QT, R>(a, m0, row, K, y, ldy);
-}
-
 // Columns [n0, n1), one at a time, each in tiles of V::kRows rows: the tiles after a column's
 // first find its blocks in L1, and the records of all M rows, read in order once per tile, stay
 // in L1/L2 across the columns (quant_int8_kernel.h). Blocking over columns as well (2 or 3 a
@@ -508,13 +499,13 @@ void int8_gemm_cols_simd(const Int8Rows& a, int64_t M, const uint8_t* w, int qty
     for (int64_t n = n0; n < n1; ++n)
       for (int64_t m0 = 0; m0 < M; m0 += V::kRows) {
         const int64_t rows = M - m0 < V::kRows ? M - m0 : V::kRows;
-        if constexpr (Layout<QT>::kWeights == 32) {
-          if (a.wide) {
-            unit_rows_tile<V, QT, V::kRows>(a, m0, w + n * row_bytes, K, y + m0 * ldy + n, ldy, rows);
-            continue;
+        with_rows<V::kRows>(rows, [&](auto r) {
+          constexpr int R = decltype(r)::value;
+          if constexpr (Layout<QT>::kWeights == 32) {
+            if (a.wide) return unit_tile<V, QT, R>(a, m0, w + n * row_bytes, K, y + m0 * ldy + n, ldy);
           }
-        }
-        int8_rows_tile<V, QT, V::kRows>(a, m0, w + n * row_bytes, K, y + m0 * ldy + n, ldy, rows);
+          int8_tile<V, QT, R>(a, m0, w + n * row_bytes, K, y + m0 * ldy + n, ldy);
+        });
       }
   });
 }

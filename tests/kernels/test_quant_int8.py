@@ -127,9 +127,10 @@ def test_int8_gemm_against_float64(path, qtype):
 
 # Rows long enough for the 32-weight types' unit-lane layout (csrc/quant_int8_kernel.h): whole
 # steps of 16 units (zmm) or 8 (ymm), then none, a half step (zmm) or a whole one for the rest;
-# M around the row tiles. K = 544 stays on the group records on both paths (too much padding).
+# M around the row tiles. K = 544 stays on the group records on both paths (too much padding);
+# K = 1408 (44 units) ends in a whole step of 12 units on zmm (masked loads on the last).
 UNIT_LANE_SHAPES = [(1, 1088, 5), (4, 1280, 3), (8, 1056, 7), (9, 1024, 4), (16, 512, 3),
-                    (3, 2080, 2), (5, 544, 3)]
+                    (3, 2080, 2), (5, 544, 3), (2, 1408, 3)]
 
 
 @pytest.mark.parametrize("path", qg.INT8_PATHS)

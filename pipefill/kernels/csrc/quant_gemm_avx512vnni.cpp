@@ -63,6 +63,37 @@ struct V512Vnni {
       words = _mm512_permutex2var_epi16(a, _mm512_load_si512(kD), b);
     }
   }
+  // A unit-lane step of Q4_1 (16 blocks, 80 dwords: block b's d | m << 16 in dword 5 b, its codes
+  // in 5 b + 1..4) from the `bytes` left in the row at p (fewer than 320: the missing blocks read
+  // as zeros), lane 4 s + g holding block 4 g + s as UnitStep's gathers and transposes leave it:
+  // raw[i] = each lane's code dword i, words = its d | m << 16. Each register is three permutes
+  // across two registers, one per window of dwords [0, 32), [28, 60), [48, 80) (blocks 0..5,
+  // 6..11, 12..15), merged: 6 loads and 15 permutes for what took 16 scalar and 16 vector loads,
+  // 12 inserts and 8 unpacks.
+  static void q4_1_step(const uint8_t* p, int64_t bytes, ireg* raw, ireg& words) {
+    constexpr int kWindow[3] = {0, 28, 48};  // first dword of each
+    constexpr __mmask16 kLanes[3] = {0x1133, 0x6644, 0x8888};  // lanes whose block is in each
+    const ireg base[3] = {_mm512_setr_epi32(0, 20, 0, 0, 5, 25, 0, 0, 10, 0, 0, 0, 15, 0, 0, 0),
+                          _mm512_setr_epi32(0, 0, 12, 0, 0, 0, 17, 0, 0, 2, 22, 0, 0, 7, 27, 0),
+                          _mm512_setr_epi32(0, 0, 0, 12, 0, 0, 0, 17, 0, 0, 0, 22, 0, 0, 0, 27)};
+    const bool whole = bytes >= 320;
+    ireg lo[3], hi[3];
+    for (int w = 0; w < 3; ++w) {
+      const int64_t off = 4 * kWindow[w];
+      lo[w] = whole ? _mm512_loadu_si512(p + off) : load_upto(p + off, bytes - off);
+      hi[w] = whole ? _mm512_loadu_si512(p + off + 64) : load_upto(p + off + 64, bytes - off - 64);
+    }
+    auto dword = [&](int j) {  // dword j of every lane's block
+      ireg v = _mm512_setzero_si512();
+      for (int w = 0; w < 3; ++w) {
+        const ireg idx = _mm512_add_epi32(base[w], _mm512_set1_epi32(j));
+        v = _mm512_or_si512(v, _mm512_maskz_permutex2var_epi32(kLanes[w], lo[w], idx, hi[w]));
+      }
+      return v;
+    };
+    words = dword(0);
+    for (int i = 0; i < 4; ++i) raw[i] = dword(1 + i);
+  }
   static reg zero() { return _mm512_setzero_ps(); }
   static ireg set1(char v) { return _mm512_set1_epi8(v); }
   static ireg loadi(const void* p) { return _mm512_loadu_si512(p); }

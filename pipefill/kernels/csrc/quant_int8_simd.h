@@ -14,7 +14,10 @@
 //   products into one int32 register (the zero point's -zero * sum(q) as its start), converts
 //   it and adds it times d dx into its float sum (and, for offset types, m times dx sum(q)).
 //   Per row and group: 2 dot products and 3-4 float operations on 16 lanes of which only 4
-//   hold distinct scales.
+//   hold distinct scales. On zmm, Q4_1's and Q8_0's groups are read by whole-register loads
+//   and permutes across two registers (their blocks lie at 4- and 2-byte multiples), not 16
+//   bytes a block with inserts (V::permuted_group); a tile of 1 or 2 rows alternates two sets
+//   of float sums (and keeps the offset terms apart), so its FMA chain does not bound it.
 // * the unit-lane kernel (the 32-weight types): a step's blocks are transposed in registers so
 //   that each lane holds one block, and a row's 8 dot products over the step need one float
 //   scaling for 16 blocks: per row and 128 weights, 2 dot products and under 1 float operation.
@@ -310,6 +313,18 @@ struct UnitStep {
 
   __attribute__((always_inline)) void unpack(const uint8_t* row, int64_t units, int64_t u0) {
     using L = Layout<QT>;
+    if constexpr (QT == kQ4_1 && V::kPermuteGroups) {  // whole-register loads and permutes
+      ireg raw[4], words;
+      V::q4_1_step(row + u0 * L::kBytes, (units - u0) * L::kBytes, raw, words);
+      dv = V::halves_low(words);
+      mv = V::halves_low(V::srli32(words, 16));
+      const ireg f = V::set1(0x0f);
+      for (int i = 0; i < 4; ++i) {
+        c[i] = V::and_(raw[i], f);
+        c[4 + i] = V::and_(V::srli16(raw[i], 4), f);
+      }
+      return;
+    }
     const uint8_t* blk[4][kS];
     uint32_t word[kW], fifth[kW];
     const bool inside = u0 + kW <= units;  // no block past the row's end

@@ -21,6 +21,7 @@
 // * the unit-lane kernel (the 32-weight types): a step's blocks are transposed in registers so
 //   that each lane holds one block, and a row's 8 dot products over the step need one float
 //   scaling for 16 blocks: per row and 128 weights, 2 dot products and under 1 float operation.
+//   (Q4_1 on zmm: a step is read by whole-register loads and permutes, V::q4_1_step.)
 // Why this blocking: a decode call reads every weight once from memory (the bytes that set its
 // time at M = 1), so the columns run one at a time, all row tiles of a column back to back (the
 // second tile finds the column's blocks in L1), and the activations, quantized once a call into

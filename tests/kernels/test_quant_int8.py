@@ -58,7 +58,7 @@ def offsets(raw: np.ndarray, qtype: int) -> np.ndarray:
         return np.repeat(half(2), 32, axis=-1).reshape(n, -1)
     if name in ("Q4_K", "Q5_K"):
         s = b[..., 4:16]
-        lo, mid, hi = s[..., 0:4], s[..., 4:8], s[..., 8:12]
+        mid, hi = s[..., 4:8], s[..., 8:12]  # the mins' bits (bytes 0..3: the scales')
         mn = np.concatenate([mid & 63, (hi >> 4) | ((mid >> 6) << 4)], axis=-1).astype(np.float64)
         return np.repeat(-half(2) * mn, 32, axis=-1).reshape(n, -1)
     return np.zeros((n, raw.shape[1] // size * weights))
@@ -161,6 +161,26 @@ def test_int8_mixed_parts_bias_and_bind(path):
     out = torch.empty(m, 24)
     bound = lin.bind(x, out)
     assert torch.equal(bound(), lin(x))
+
+
+@pytest.mark.parametrize("path", qg.INT8_PATHS)
+def test_int8_bias_and_bf16_output_on_columns_split_over_threads(path):
+    """N well above a task's columns (Q8_0 rows of 64 weights: 68 bytes, ~480 columns a task
+    at least), on two threads: each task adds the bias to its own columns and rounds them."""
+    usable(path)
+    k, n, m = 64, 2500, 3
+    g = np.random.default_rng(11)
+    parts = [(random_blocks(Q8_0, n, k, g), Q8_0)]
+    bias = torch.from_numpy(g.standard_normal(n).astype(np.float32))
+    lin = linear(path, parts, k, bias)
+    x = torch.from_numpy(g.standard_normal((m, k)).astype(np.float32))
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        check(lin, x.bfloat16(), parts, path, k, bias, out_dtype=torch.bfloat16)
+        check(lin, x, parts, path, k, bias)
+    finally:
+        torch.set_num_threads(threads)
 
 
 def test_paths_are_chosen_and_turned_off():

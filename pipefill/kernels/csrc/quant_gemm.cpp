@@ -33,7 +33,8 @@ bool shape_ok(int qtype, int64_t row_bytes, int64_t K) {
 // y[M, N] (row stride ldy, float32 or bf16) = x[M, K] (row stride ldx, float32 or bf16) @ W^T
 // (+ bias float32 [N] or None), where cols(xf, ldxf, yf, ldyf, n0, n1) writes the float32 sums
 // of columns [n0, n1) from float32 x: bf16 x is widened first, bf16 y rounded last (after the
-// bias), and the columns are split over torch's pool, `grain` at least per task. prep(xf, ldf)
+// bias) by the task that computed the columns, which are split over torch's pool, `grain` at
+// least per task. prep(xf, ldf)
 // runs once before the columns (the integer path quantizes the activations there).
 template <class Prep, class Cols>
 int float_gemm(const char* what, Addr x_addr, int x_dtype, int64_t ldx, Addr bias_addr, Addr y_addr,
@@ -60,16 +61,20 @@ int float_gemm(const char* what, Addr x_addr, int x_dtype, int64_t ldx, Addr bia
       ldf_y = N;
     }
     prep(xf, ldf);
-    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { cols(xf, ldf, yf, ldf_y, n0, n1); });
-    for (int64_t m = 0; m < M; ++m) {
-      float* yr = yf + m * ldf_y;
-      if (bias)
-        for (int64_t n = 0; n < N; ++n) yr[n] += bias[n];
-      if (y_dtype == kBF16) {
-        uint16_t* out = y_addr.as<uint16_t>() + m * ldy;
-        for (int64_t n = 0; n < N; ++n) out[n] = yr[n] != yr[n] ? 0x7fc0 : pg::bf16_rne(yr[n]);
+    // Each task adds the bias to its own columns and rounds them while they are in its cache
+    // (M N elements, which would otherwise wait for one thread after the join).
+    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+      cols(xf, ldf, yf, ldf_y, n0, n1);
+      for (int64_t m = 0; m < M; ++m) {
+        float* yr = yf + m * ldf_y;
+        if (bias)
+          for (int64_t n = n0; n < n1; ++n) yr[n] += bias[n];
+        if (y_dtype == kBF16) {
+          uint16_t* out = y_addr.as<uint16_t>() + m * ldy;
+          for (int64_t n = n0; n < n1; ++n) out[n] = yr[n] != yr[n] ? 0x7fc0 : pg::bf16_rne(yr[n]);
+        }
       }
-    }
+    });
   });
 }
 

@@ -26,74 +26,7 @@ struct V512Vnni {
   using Half = V256Vnni;
   static constexpr int kSlots = 4, kRows = 8;
   static constexpr bool kSignedQ8 = false;  // Q8_0's codes + 128, their zero point 128
-  static constexpr bool kPermuteGroups = true;  // permuted_group below
   static ireg zeroi() { return _mm512_setzero_si512(); }
-  // 64 bytes at p, of which only the first n (0..63: zeros after them) where n < 64: a masked
-  // load reads nothing past them (the row's last group).
-  static ireg load_upto(const uint8_t* p, int64_t n) {
-    return n >= 64 ? _mm512_loadu_si512(p) : _mm512_maskz_loadu_epi8(n > 0 ? (1ull << n) - 1 : 0, p);
-  }
-  // A group of Q4_1 or Q8_0 (4 blocks) from the `bytes` left in the row at p (fewer than a
-  // group's: the row's last one, its missing blocks read as zeros), by a few whole-register
-  // loads and permutes across two registers instead of 16-byte loads a block, inserts and
-  // scalar loads of the scales. Q4_1 (20-byte blocks: block b's d | m << 16 in dword 5 b, its
-  // codes in dwords 5 b + 1..4): c0 slot b = its 16 code bytes. Q8_0 (34-byte blocks: d in
-  // word 17 b, codes in words 17 b + 1..16): c0 slot b = its codes 0..15, c1 16..31.
-  // words: lane l = d (| m << 16) of block l / 4 in its low (high) 16 bits.
-  template <int QT>
-  static void permuted_group(const uint8_t* p, int64_t bytes, ireg& c0, ireg& c1, ireg& words) {
-    constexpr int64_t kGroupBytes = 4 * Layout<QT>::kBytes;
-    const bool whole = bytes >= kGroupBytes;
-    auto at = [&](int64_t off) { return whole ? _mm512_loadu_si512(p + off) : load_upto(p + off, bytes - off); };
-    if constexpr (QT == kQ4_1) {
-      const ireg a = at(0), b = at(16);  // dwords 0..15, 4..19
-      c0 = _mm512_permutex2var_epi32(a, _mm512_setr_epi32(1, 2, 3, 4, 6, 7, 8, 9, 11, 12, 13, 14, 28, 29, 30, 31), b);
-      words = _mm512_permutex2var_epi32(a, _mm512_setr_epi32(0, 0, 0, 0, 5, 5, 5, 5, 10, 10, 10, 10, 15, 15, 15, 15), b);
-    } else {
-      static_assert(QT == kQ8_0, "permuted groups: Q4_1 and Q8_0");
-      const ireg a = at(0), b = at(64), ha = at(8), hb = at(72);  // words 0..63, and 4..67
-      alignas(64) static constexpr uint16_t kLo[32] = {1, 2, 3, 4, 5, 6, 7, 8, 18, 19, 20, 21, 22, 23, 24, 25,
-                                                       35, 36, 37, 38, 39, 40, 41, 42, 52, 53, 54, 55, 56, 57, 58, 59};
-      alignas(64) static constexpr uint16_t kHi[32] = {5, 6, 7, 8, 9, 10, 11, 12, 22, 23, 24, 25, 26, 27, 28, 29,
-                                                       39, 40, 41, 42, 43, 44, 45, 46, 56, 57, 58, 59, 60, 61, 62, 63};
-      alignas(64) static constexpr uint16_t kD[32] = {0, 0, 0, 0, 0, 0, 0, 0, 17, 0, 17, 0, 17, 0, 17, 0,
-                                                      34, 0, 34, 0, 34, 0, 34, 0, 51, 0, 51, 0, 51, 0, 51, 0};
-      c0 = _mm512_permutex2var_epi16(a, _mm512_load_si512(kLo), b);
-      c1 = _mm512_permutex2var_epi16(ha, _mm512_load_si512(kHi), hb);
-      words = _mm512_permutex2var_epi16(a, _mm512_load_si512(kD), b);
-    }
-  }
-  // A unit-lane step of Q4_1 (16 blocks, 80 dwords: block b's d | m << 16 in dword 5 b, its codes
-  // in 5 b + 1..4) from the `bytes` left in the row at p (fewer than 320: the missing blocks read
-  // as zeros), lane 4 s + g holding block 4 g + s as UnitStep's gathers and transposes leave it:
-  // raw[i] = each lane's code dword i, words = its d | m << 16. Each register is three permutes
-  // across two registers, one per window of dwords [0, 32), [28, 60), [48, 80) (blocks 0..5,
-  // 6..11, 12..15), merged: 6 loads and 15 permutes for what took 16 scalar and 16 vector loads,
-  // 12 inserts and 8 unpacks.
-  static void q4_1_step(const uint8_t* p, int64_t bytes, ireg* raw, ireg& words) {
-    constexpr int kWindow[3] = {0, 28, 48};  // first dword of each
-    constexpr __mmask16 kLanes[3] = {0x1133, 0x6644, 0x8888};  // lanes whose block is in each
-    const ireg base[3] = {_mm512_setr_epi32(0, 20, 0, 0, 5, 25, 0, 0, 10, 0, 0, 0, 15, 0, 0, 0),
-                          _mm512_setr_epi32(0, 0, 12, 0, 0, 0, 17, 0, 0, 2, 22, 0, 0, 7, 27, 0),
-                          _mm512_setr_epi32(0, 0, 0, 12, 0, 0, 0, 17, 0, 0, 0, 22, 0, 0, 0, 27)};
-    const bool whole = bytes >= 320;
-    ireg lo[3], hi[3];
-    for (int w = 0; w < 3; ++w) {
-      const int64_t off = 4 * kWindow[w];
-      lo[w] = whole ? _mm512_loadu_si512(p + off) : load_upto(p + off, bytes - off);
-      hi[w] = whole ? _mm512_loadu_si512(p + off + 64) : load_upto(p + off + 64, bytes - off - 64);
-    }
-    auto dword = [&](int j) {  // dword j of every lane's block
-      ireg v = _mm512_setzero_si512();
-      for (int w = 0; w < 3; ++w) {
-        const ireg idx = _mm512_add_epi32(base[w], _mm512_set1_epi32(j));
-        v = _mm512_or_si512(v, _mm512_maskz_permutex2var_epi32(kLanes[w], lo[w], idx, hi[w]));
-      }
-      return v;
-    };
-    words = dword(0);
-    for (int i = 0; i < 4; ++i) raw[i] = dword(1 + i);
-  }
   static reg zero() { return _mm512_setzero_ps(); }
   static ireg set1(char v) { return _mm512_set1_epi8(v); }
   static ireg loadi(const void* p) { return _mm512_loadu_si512(p); }
@@ -150,7 +83,6 @@ struct V512Vnni {
   static ireg dot_signed(ireg, ireg, ireg, ireg) { return zeroi(); }  // not used (kSignedQ8 false)
   static reg cvt(ireg a) { return _mm512_cvtepi32_ps(a); }
   static reg mul(reg a, reg b) { return _mm512_mul_ps(a, b); }
-  static reg add(reg a, reg b) { return _mm512_add_ps(a, b); }
   static reg fmadd(reg a, reg b, reg c) { return _mm512_fmadd_ps(a, b, c); }
   static float sum(reg a, reg b) { return _mm512_reduce_add_ps(_mm512_add_ps(a, b)); }
   // a with the half step's sums h added to its low 8 lanes.

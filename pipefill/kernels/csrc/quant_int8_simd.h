@@ -14,14 +14,10 @@
 //   products into one int32 register (the zero point's -zero * sum(q) as its start), converts
 //   it and adds it times d dx into its float sum (and, for offset types, m times dx sum(q)).
 //   Per row and group: 2 dot products and 3-4 float operations on 16 lanes of which only 4
-//   hold distinct scales. On zmm, Q4_1's and Q8_0's groups are read by whole-register loads
-//   and permutes across two registers (their blocks lie at 4- and 2-byte multiples), not 16
-//   bytes a block with inserts (V::permuted_group); a tile of 1 or 2 rows alternates two sets
-//   of float sums (and keeps the offset terms apart), so its FMA chain does not bound it.
+//   hold distinct scales.
 // * the unit-lane kernel (the 32-weight types): a step's blocks are transposed in registers so
 //   that each lane holds one block, and a row's 8 dot products over the step need one float
 //   scaling for 16 blocks: per row and 128 weights, 2 dot products and under 1 float operation.
-//   (Q4_1 on zmm: a step is read by whole-register loads and permutes, V::q4_1_step.)
 // Why this blocking: a decode call reads every weight once from memory (the bytes that set its
 // time at M = 1), so the columns run one at a time, all row tiles of a column back to back (the
 // second tile finds the column's blocks in L1), and the activations, quantized once a call into
@@ -49,7 +45,6 @@ struct I256Ops {
   using ireg = __m256i;
   using reg = __m256;
   static constexpr int kSlots = 2;
-  static constexpr bool kPermuteGroups = false;  // Q4_1's and Q8_0's groups gathered slot by slot
   static ireg zeroi() { return _mm256_setzero_si256(); }
   static reg zero() { return _mm256_setzero_ps(); }
   static ireg set1(char v) { return _mm256_set1_epi8(v); }
@@ -96,7 +91,6 @@ struct I256Ops {
   }
   static reg cvt(ireg a) { return _mm256_cvtepi32_ps(a); }
   static reg mul(reg a, reg b) { return _mm256_mul_ps(a, b); }
-  static reg add(reg a, reg b) { return _mm256_add_ps(a, b); }
   static reg fmadd(reg a, reg b, reg c) { return _mm256_fmadd_ps(a, b, c); }
   static float sum(reg a, reg b) { return sum256(a, b); }
   static ireg addi(ireg a, ireg b) { return _mm256_add_epi32(a, b); }
@@ -188,15 +182,9 @@ struct Unpacker {
   // exactly by F16C (both builds have it).
   __m256 dm;
   float d[16], m[16];  // K types: the super-block's scale and offset per 16 weights
-  // Q4_1 and Q8_0 where V reads a group by whole-register loads and permutes
-  // (V::permuted_group): its codes (c0, and Q8_0's codes 16..31 in c1) and scale words.
-  static constexpr bool kPermuted = (QT == kQ4_1 || QT == kQ8_0) && V::kPermuteGroups;
-  ireg c0, c1, words;
 
   __attribute__((always_inline)) void start(int64_t g) {
-    if constexpr (kPermuted) {
-      V::template permuted_group<QT>(row + g * 4 * L::kBytes, (units - 4 * g) * L::kBytes, c0, c1, words);
-    } else if constexpr (L::kWeights == 32) {
+    if constexpr (L::kWeights == 32) {
       uint32_t halves[4];
       for (int s = 0; s < 4; ++s) {
         const int64_t u = 4 * g + s;
@@ -214,19 +202,6 @@ struct Unpacker {
 
   // lo, hi: the chunk's codes (unsigned); dv, mv: per lane the scale d and the offset m.
   __attribute__((always_inline)) void chunk(int c, ireg& lo, ireg& hi, reg& dv, reg& mv) const {
-    if constexpr (kPermuted) {  // one chunk: the whole group
-      dv = V::halves_low(words);
-      if constexpr (QT == kQ8_0) {  // codes + 128 (the unsigned operand)
-        lo = V::xor_(c0, V::set1((char)0x80));
-        hi = V::xor_(c1, V::set1((char)0x80));
-      } else {
-        const ireg f = V::set1(0x0f);
-        lo = V::and_(c0, f);
-        hi = V::and_(V::srli16(c0, 4), f);
-        mv = V::halves_low(V::srli32(words, 16));
-      }
-      return;
-    }
     float dh[2 * kS], mh[2 * kS];
     const uint8_t* p[kS];
     int shift[kS] = {};
@@ -314,18 +289,6 @@ struct UnitStep {
 
   __attribute__((always_inline)) void unpack(const uint8_t* row, int64_t units, int64_t u0) {
     using L = Layout<QT>;
-    if constexpr (QT == kQ4_1 && V::kPermuteGroups) {  // whole-register loads and permutes
-      ireg raw[4], words;
-      V::q4_1_step(row + u0 * L::kBytes, (units - u0) * L::kBytes, raw, words);
-      dv = V::halves_low(words);
-      mv = V::halves_low(V::srli32(words, 16));
-      const ireg f = V::set1(0x0f);
-      for (int i = 0; i < 4; ++i) {
-        c[i] = V::and_(raw[i], f);
-        c[4 + i] = V::and_(V::srli16(raw[i], 4), f);
-      }
-      return;
-    }
     const uint8_t* blk[4][kS];
     uint32_t word[kW], fifth[kW];
     const bool inside = u0 + kW <= units;  // no block past the row's end
@@ -442,10 +405,8 @@ inline void unit_tile(const Int8Rows& a, int64_t m0, const uint8_t* row, int64_t
 // A tile of R rows of one column (weight row `row`) of a K type over all of K. Per group and
 // chunk, the blocks are unpacked once (codes, scales in registers) and every row loads its
 // activations once (codes lo and hi, dl, nx or sl: one record, quant_int8_kernel.h): R integer
-// dot products then R float scalings per unpacking. Float32 sums a row, lanes reduced at the
-// end: the block scale's terms and the offset's apart where registers allow (kSplit), and on
-// tiles of few rows kA sets of them taking the groups in turn, so that a row's chain of
-// dependent FMAs (4 cycles each) does not bound the tile (at M = 1 it did: two per group).
+// dot products then R float scalings per unpacking. One float32 sum a row: the block scale's
+// term and the offset's added into it in k order, lanes reduced at the end.
 template <class V, int QT, int R>
 inline void int8_tile(const Int8Rows& a, int64_t m0, const uint8_t* row, int64_t K, float* y, int64_t ldy) {
   using T = Int8Type<QT>;
@@ -453,18 +414,15 @@ inline void int8_tile(const Int8Rows& a, int64_t m0, const uint8_t* row, int64_t
   using ireg = typename V::ireg;
   constexpr int kChunks = 4 / V::kSlots;
   constexpr bool kSigned = QT == kQ8_0 && V::kSignedQ8;
-  constexpr int kA = R <= V::kRows / 4 ? 2 : 1;
-  constexpr bool kSplit = T::kOffset && R <= V::kRows / 2;
-  reg acc[kA][R], off[kA][R];
-  for (int i = 0; i < kA; ++i)
-    for (int r = 0; r < R; ++r) acc[i][r] = off[i][r] = V::zero();
+  reg acc[R];
+  for (int r = 0; r < R; ++r) acc[r] = V::zero();
   Unpacker<V, QT> up;
   up.row = row;
   up.units = K / kUnit;
   const int64_t group_bytes = Layout<QT>::kBytes * kGroup / Layout<QT>::kWeights;
+  const uint8_t* rec = a.at(0, m0);
   const int64_t rec_step = a.M * kRecBytes;  // one group's records of all M rows
-  auto group = [&](int64_t g, reg* sum, reg* offset) __attribute__((always_inline)) {
-    const uint8_t* rec = a.at(g, m0);
+  for (int64_t g = 0; g < a.groups; ++g, rec += rec_step) {
     _mm_prefetch(reinterpret_cast<const char*>(row + (g + 8) * group_bytes), _MM_HINT_T0);
     up.start(g);
     for (int ch = 0; ch < kChunks; ++ch) {
@@ -481,25 +439,13 @@ inline void int8_tile(const Int8Rows& a, int64_t m0, const uint8_t* row, int64_t
         else
           isum = V::dot(T::kZero ? V::loadi(p + kRecExtra + lo4) : V::zeroi(), lo, hi, xlo, xhi);
         const reg dl = V::load(reinterpret_cast<const float*>(p + kRecDl + lo4));
-        sum[r] = V::fmadd(V::cvt(isum), V::mul(dv, dl), sum[r]);
-        if constexpr (T::kOffset) {
-          reg& o = kSplit ? offset[r] : sum[r];
-          o = V::fmadd(mv, V::load(reinterpret_cast<const float*>(p + kRecExtra + lo4)), o);
-        }
+        acc[r] = V::fmadd(V::cvt(isum), V::mul(dv, dl), acc[r]);
+        if constexpr (T::kOffset)
+          acc[r] = V::fmadd(mv, V::load(reinterpret_cast<const float*>(p + kRecExtra + lo4)), acc[r]);
       }
     }
-  };
-  int64_t g = 0;
-  for (; g + kA <= a.groups; g += kA)
-    for (int i = 0; i < kA; ++i) group(g + i, acc[i], off[i]);
-  for (; g < a.groups; ++g) group(g, acc[0], off[0]);
-  for (int r = 0; r < R; ++r) {
-    for (int i = 1; i < kA; ++i) {
-      acc[0][r] = V::add(acc[0][r], acc[i][r]);
-      off[0][r] = V::add(off[0][r], off[i][r]);
-    }
-    y[r * ldy] = V::sum(acc[0][r], off[0][r]);
   }
+  for (int r = 0; r < R; ++r) y[r * ldy] = V::sum(acc[r], V::zero());
 }
 
 // Columns [n0, n1), one at a time, each in tiles of V::kRows rows: the tiles after a column's

@@ -189,17 +189,40 @@ def decode_tables(page_tables: list[torch.Tensor],
 def decode_attention(isa: str, q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
                      k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                      lens: torch.Tensor, scale: float, out: torch.Tensor,
-                     page_size: int = 0, q_first: torch.Tensor | None = None) -> torch.Tensor:
+                     page_size: int = 0, q_first: torch.Tensor | None = None,
+                     shared: tuple[int, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One decode step of a layer: row b of q/k_new/v_new [B, H, D] is sequence b's new token
     at position lens[b]; its K/V go into the cache (converted to the cache dtype), then out[b] =
     its attention over tokens [0, lens[b] + 1). All (sequence, kv head, split part) items share
     one pool of threads; each is computed as chunk_attention computes it (same split parts).
     A quantized cache (page_size given) gets each new row quantized as kv_quant.quantize does.
-    q_first: as chunk_attention's."""
+    q_first: as chunk_attention's. shared (head, parts int64 [B, 2], partials float32 [B, P, G,
+    D + 2]): KV head `head` is split by keys with another TP rank; this call computes only its
+    split parts [parts[b, 0], parts[b, 1]) (decode_parts gives each sequence's count, at least
+    2) and leaves their unmerged (O, max, sum) in `partials`, part order, out's rows of that head
+    untouched (merge_gathered fills them); the new token is written into this cache either way."""
     if isa not in ISA_ID:
         raise ValueError(f"unknown kernel {isa!r} (choose from {', '.join(ISAS)})")
+    head, parts, partials = shared if shared is not None else (-1, None, None)
     _load().decode_attention(ISA_ID[isa], q, k_new, v_new, k_cache, v_cache, tables, lens,
-                             float(scale), out, int(page_size), q_first)
+                             float(scale), out, int(page_size), q_first, int(head), parts,
+                             partials)
+    return out
+
+
+def decode_parts(lens: torch.Tensor) -> torch.Tensor:
+    """The split-KV parts of each sequence's decode step (int64 [B], 1 = not split) for prefix
+    lengths `lens` (int64 [B]), as decode_attention cuts them."""
+    return _load().decode_parts(lens)
+
+
+def merge_gathered(gathered: torch.Tensor, counts: torch.Tensor, out: torch.Tensor,
+                   first: int) -> torch.Tensor:
+    """A shared KV head's attention from every rank's partials: gathered float32 [ranks, B, P,
+    G, D + 2] (each rank's decode_attention `shared` partials), counts int64 [ranks, B] the
+    parts each rank computed, in part order rank after rank; writes out[b, first:first + G].
+    The same arithmetic in the same part order as one call computing every part."""
+    _load().merge_gathered(gathered, counts, out, int(first))
     return out
 
 

@@ -433,6 +433,95 @@ void check_decode_tables(const torch::Tensor& tables, const torch::Tensor& lens,
   }
 }
 
+// A KV head whose query group straddles two TP ranks, split by keys between them at decode
+// (ARCHITECTURE.md, 'Tensor parallelism inside a stage'): this rank computes only parts [lo, hi)
+// of head `head` for every sequence and leaves their (O, m, l) in `out` [B, P, G, D + 2], part
+// order, unmerged; the ranks gather them and merge_gathered merges them. head < 0: none.
+struct SharedHead {
+  int64_t head = -1;
+  const int64_t* range = nullptr;  // [B, 2]: lo, hi
+  float* out = nullptr;
+  int64_t slots = 0;  // P
+  bool skips(int64_t b, int64_t g, int64_t part) const {
+    return g == head && (part < range[2 * b] || part >= range[2 * b + 1]);
+  }
+};
+
+SharedHead check_shared(int64_t head, const c10::optional<torch::Tensor>& parts,
+                        const c10::optional<torch::Tensor>& out, const std::vector<pa::Params>& seqs,
+                        int64_t Hkv, int64_t G, int64_t D) {
+  SharedHead sh;
+  if (head < 0) return sh;
+  const int64_t B = seqs.size();
+  TORCH_CHECK(head < Hkv, "shared_head ", head, " is not one of the ", Hkv, " kv heads");
+  TORCH_CHECK(parts.has_value() && out.has_value(), "shared_head needs shared_parts and shared_out");
+  const torch::Tensor& r = *parts;
+  const torch::Tensor& o = *out;
+  TORCH_CHECK(r.scalar_type() == torch::kLong && r.is_contiguous() && r.dim() == 2 && r.size(0) == B &&
+                  r.size(1) == 2, "shared_parts: expected a contiguous int64 [", B, ", 2], got ", r.sizes());
+  TORCH_CHECK(o.scalar_type() == torch::kFloat && o.is_contiguous() && o.dim() == 4 && o.size(0) == B &&
+                  o.size(2) == G && o.size(3) == D + 2,
+              "shared_out: expected a contiguous float32 [", B, ", parts, ", G, ", ", D + 2, "], got ", o.sizes());
+  sh.head = head, sh.range = r.data_ptr<int64_t>(), sh.out = o.data_ptr<float>(), sh.slots = o.size(1);
+  for (int64_t b = 0; b < B; ++b) {
+    const int64_t lo = sh.range[2 * b], hi = sh.range[2 * b + 1];
+    TORCH_CHECK(seqs[b].nparts > 1, "shared_head: sequence ", b, " has ", seqs[b].L + 1,
+                " keys, too few to be split into parts");
+    TORCH_CHECK(0 <= lo && lo <= hi && hi <= seqs[b].nparts && hi - lo <= sh.slots, "shared_parts[", b,
+                "] = [", lo, ", ", hi, ") is not a range of at most ", sh.slots, " of its ", seqs[b].nparts,
+                " parts");
+  }
+  return sh;
+}
+
+// The shared head's parts this rank computed, from each sequence's partials into sh.out.
+void copy_shared(const SharedHead& sh, const std::vector<pa::Params>& seqs) {
+  for (size_t b = 0; b < seqs.size(); ++b) {
+    const pa::Params& p = seqs[b];
+    const int64_t rows = p.C * p.group * (p.head_dim + 2), lo = sh.range[2 * b], hi = sh.range[2 * b + 1];
+    const float* src = p.partial + (sh.head * p.nparts + lo) * rows;
+    std::copy(src, src + (hi - lo) * rows, sh.out + b * sh.slots * rows);
+  }
+}
+
+// The shared head's rows of out [B, Hq, D] (query heads [first, first + G)) from every rank's
+// parts: gathered [R, B, P, G, D + 2], counts [R, B] the parts rank r computed, in rank order
+// (rank r's parts follow rank r - 1's). merge_row's arithmetic in part order: the bits one
+// rank computing every part gets.
+void merge_gathered(torch::Tensor gathered, torch::Tensor counts, torch::Tensor out, int64_t first) {
+  TORCH_CHECK(gathered.scalar_type() == torch::kFloat && gathered.is_contiguous() && gathered.dim() == 5,
+              "gathered: expected a contiguous float32 [ranks, B, parts, G, D + 2], got ", gathered.sizes());
+  const int64_t R = gathered.size(0), B = gathered.size(1), P = gathered.size(2), G = gathered.size(3),
+                D = gathered.size(4) - 2;
+  TORCH_CHECK(counts.scalar_type() == torch::kLong && counts.is_contiguous() && counts.dim() == 2 &&
+                  counts.size(0) == R && counts.size(1) == B, "counts: expected a contiguous int64 [", R, ", ",
+              B, "], got ", counts.sizes());
+  TORCH_CHECK(D <= 128, "head_dim ", D, " is larger than 128");
+  check_tokens(out, "out", out.size(1), D, out.scalar_type());
+  TORCH_CHECK(out.size(0) == B && first >= 0 && first + G <= out.size(1), "out: expected [", B,
+              ", at least ", first + G, " heads, ", D, "], got ", out.sizes());
+  const int64_t* n = counts.data_ptr<int64_t>();
+  const int64_t part_floats = G * (D + 2);
+  std::vector<float> parts;
+  for (int64_t b = 0; b < B; ++b) {
+    parts.clear();
+    for (int64_t r = 0; r < R; ++r) {
+      TORCH_CHECK(n[r * B + b] >= 0 && n[r * B + b] <= P, "counts[", r, ", ", b, "] out of range");
+      const float* src = gathered.data_ptr<float>() + (r * B + b) * P * part_floats;
+      parts.insert(parts.end(), src, src + n[r * B + b] * part_floats);
+    }
+    pa::Params p{};
+    p.partial = parts.data();
+    p.nparts = parts.size() / part_floats;
+    TORCH_CHECK(p.nparts > 0, "sequence ", b, ": no part to merge");
+    p.C = 1, p.group = G, p.head_dim = D, p.num_kv_heads = 1, p.q_first = nullptr;
+    p.q_bf16 = out.scalar_type() == torch::kBFloat16;
+    p.o_st = out.stride(0), p.o_sh = out.stride(1);
+    p.out = static_cast<char*>(out.data_ptr()) + (b * p.o_st + first * p.o_sh) * out.element_size();
+    for (int64_t i = 0; i < G; ++i) merge_row(p, i);
+  }
+}
+
 // One decode step of a layer for B sequences (one new token each, at position prefix_lens[b]):
 // writes each token's K/V into its page slot, then out[b] = attention of q[b] over the
 // sequence's tokens [0, L_b + 1). Each sequence is the Params that chunk_attention builds for it
@@ -440,7 +529,8 @@ void check_decode_tables(const torch::Tensor& tables, const torch::Tensor& lens,
 // so the bits equal B chunk_attention calls at any thread count.
 void decode_attention(int64_t isa, torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor kc,
                       torch::Tensor vc, torch::Tensor tables, torch::Tensor lens, double scale, torch::Tensor out,
-                      int64_t page_size, c10::optional<torch::Tensor> q_first) {
+                      int64_t page_size, c10::optional<torch::Tensor> q_first, int64_t shared_head,
+                      c10::optional<torch::Tensor> shared_parts, c10::optional<torch::Tensor> shared_out) {
   const auto [P, Hkv, ps, D, q_bf16, kv_bf16, kv_quant] = check_inputs(isa, q, kc, vc, "B", page_size);
   const int64_t B = q.size(0), Hq = q.size(1);
   check_tokens(k, "k_new", Hkv, D, q.scalar_type());
@@ -486,6 +576,7 @@ void decode_attention(int64_t isa, torch::Tensor q, torch::Tensor k, torch::Tens
     if (p.nparts > 1) partial_floats += Hkv * p.nparts * G * (D + 2);
     order[b] = b;
   }
+  const SharedHead shared = check_shared(shared_head, shared_parts, shared_out, seqs, Hkv, G, D);
   thread_local std::vector<float> partial;  // reused across layers and steps
   partial.resize(partial_floats);
   for (int64_t b = 0; b < B; ++b)
@@ -506,8 +597,11 @@ void decode_attention(int64_t isa, torch::Tensor q, torch::Tensor k, torch::Tens
     // The item of the part holding the new token (the last) writes its head's K/V first:
     // no other item reads that page, and the writer is the reader (the lines stay in this
     // core's cache instead of crossing from the thread that used to write every token).
-    if (pa::item_part(p, item) == p.nparts - 1) tokens.put(b, pa::item_tile_head(p, item) % Hkv, p.page_table, L[b]);
-    run(p, item, s);
+    // A shared head's part left to the other rank still writes the token: each rank's pool
+    // keeps its own copy of that head.
+    const int64_t part = pa::item_part(p, item), head = pa::item_tile_head(p, item) % Hkv;
+    if (part == p.nparts - 1) tokens.put(b, head, p.page_table, L[b]);
+    if (!shared.skips(b, head, part)) run(p, item, s);
   });
   // Merge the split sequences' parts: Hkv * G rows each, one pool for all of them.
   std::vector<int64_t> split;
@@ -515,8 +609,10 @@ void decode_attention(int64_t isa, torch::Tensor q, torch::Tensor k, torch::Tens
     if (seqs[b].nparts > 1) split.push_back(b);
   const int64_t rows = Hkv * G;
   at::parallel_for(0, (int64_t)split.size() * rows, 16, [&](int64_t lo, int64_t hi) {
-    for (int64_t i = lo; i < hi; ++i) merge_row(seqs[split[i / rows]], i % rows);
+    for (int64_t i = lo; i < hi; ++i)
+      if ((i % rows) / G != shared.head) merge_row(seqs[split[i / rows]], i % rows);
   });
+  if (shared.head >= 0) copy_shared(shared, seqs);
 }
 
 }  // namespace
@@ -534,5 +630,20 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         "one decode step of a layer for all sequences: KV write + attention (vector kernels)", py::arg("isa"),
         py::arg("q"), py::arg("k_new"), py::arg("v_new"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("page_tables"), py::arg("prefix_lens"), py::arg("scale"), py::arg("out"),
-        py::arg("page_size") = 0, py::arg("q_first") = py::none(), py::call_guard<py::gil_scoped_release>());
+        py::arg("page_size") = 0, py::arg("q_first") = py::none(), py::arg("shared_head") = -1,
+        py::arg("shared_parts") = py::none(), py::arg("shared_out") = py::none(),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("merge_gathered", &merge_gathered, "a shared kv head's parts from every rank, merged into out",
+        py::arg("gathered"), py::arg("counts"), py::arg("out"), py::arg("first"),
+        py::call_guard<py::gil_scoped_release>());
+  m.def("decode_parts", [](torch::Tensor lens) {
+    TORCH_CHECK(lens.scalar_type() == torch::kLong && lens.dim() == 1 && lens.is_contiguous(),
+                "prefix_lens: expected a contiguous int64 [B]");
+    torch::Tensor out = torch::empty_like(lens);
+    for (int64_t b = 0; b < lens.size(0); ++b) {
+      const int64_t keys = lens.data_ptr<int64_t>()[b] + 1, part = choose_kv_part(0, 1, 1, keys);
+      out.data_ptr<int64_t>()[b] = part ? (keys + part - 1) / part : 1;
+    }
+    return out;
+  }, "the split-KV parts of each sequence's decode step (its prefix length + 1 keys)", py::arg("prefix_lens"));
 }

@@ -31,6 +31,7 @@ from dataclasses import dataclass
 import torch
 
 from pipefill.model.layers import FusedOps, rms_norm
+from pipefill.model.shared_head import SharedHeadDecode
 
 
 @dataclass
@@ -96,6 +97,8 @@ class DecodeRunner:
         self.code = fused_ops.dtype_code(model.dtype)
         self.buffers: dict[int, DecodeBuffers] = {}
         self._layer_caches = (None, None, [])  # (k_cache, v_cache, per-layer (k, v) views)
+        # A TP rank's straddled KV head, split by keys with the other rank over long contexts.
+        self.shared = SharedHeadDecode.build(model)
 
     @staticmethod
     def supports(model, qk_norm: bool = False) -> bool:
@@ -139,21 +142,22 @@ class DecodeRunner:
         rope = buf.rope + (cos.data_ptr(), sin.data_ptr())
         caches = self._caches(k_cache, v_cache)
         tables = self.model.attention.decode_tables(meta.seqs)  # once per step, every layer's
+        split = self.shared and self.shared.plan(tables[1])
         for calls, cache in zip(buf.calls, caches):
             out = buf.down if calls.next_norm is not None else torch.empty_like(buf.down)
-            self._layer(calls, buf, res, rope, tables, cache, out)
+            self._layer(calls, buf, res, rope, (tables, split), cache, out)
             if calls.next_norm is not None:
                 self._check(self.lib.pf_add_rms_norm(*res, *calls.next_norm), "add_rms_norm")
         return out, residual
 
-    def _layer(self, calls: LayerCalls, buf: DecodeBuffers, res, rope, tables, cache, out):
+    def _layer(self, calls: LayerCalls, buf: DecodeBuffers, res, rope, step, cache, out):
         """One layer from its normed input (buf.x) to `out`; the residual is updated in place."""
         lib = self.lib
         calls.qkv()
         if calls.qk_norm is not None:
             self._qk_norm(buf, *calls.qk_norm)
         self._check(lib.pf_rope(*rope), "rope")  # q and k heads (adjacent columns) in one pass
-        self._attend(buf, tables, cache)
+        self._attend(buf, step, cache)
         calls.o_proj()
         self.model.tp_sum(buf.o)  # tensor parallelism: the ranks' partial sums
         self._check(lib.pf_add_rms_norm(*res, *calls.post_norm), "add_rms_norm")
@@ -204,11 +208,15 @@ class DecodeRunner:
         if rc:
             raise RuntimeError(f"pipefill fused {op} failed (rc={rc})")
 
-    def _attend(self, buf: DecodeBuffers, tables, cache) -> None:
-        """Every sequence's KV write and attention in one kernel call (bits as decode_one's)."""
-        attend = self.model.attention
+    def _attend(self, buf: DecodeBuffers, step, cache) -> None:
+        """Every sequence's KV write and attention in one kernel call (bits as decode_one's);
+        step: (the decode tables, this step's shared-head split or None)."""
+        attend, (tables, split) = self.model.attention, step
         with attend.profiled():
-            attend.decode_batch(*buf.qkv_heads, *cache, tables, self.model.scale, buf.attn)
+            if split:
+                self.shared.attend(*buf.qkv_heads, *cache, tables, split, buf.attn)
+            else:
+                attend.decode_batch(*buf.qkv_heads, *cache, tables, self.model.scale, buf.attn)
 
     def _norm(self, residual, hidden, weight, out) -> None:
         rows, width = residual.shape

@@ -181,6 +181,29 @@ def choose_head_split(cfg: ModelConfig, size: int) -> tuple[str, str]:
     return "groups", costs
 
 
+@dataclass(frozen=True)
+class StraddledHead:
+    """The KV head whose query group two ranks share (TP 2 split by query heads: SmolLM2's KV
+    head 1, query heads 3-4 on rank 0 and 5 on rank 1). Each rank reads all of its keys for
+    its own query heads, so each reads 2 of the 3 KV heads where one process's threads share
+    3; at decode over a long context the two ranks split its keys instead
+    (model/shared_head.py)."""
+    local_kv: int  # its index among this rank's KV heads
+    group: int  # the model's query heads per KV head
+    peer_heads: int  # how many of its query heads the other rank holds
+    peer_first: bool  # the other rank's heads of the group come before this rank's (rank 1)
+
+
+def straddled_head(cfg: ModelConfig, shard: TPShard) -> StraddledHead | None:
+    """The rank's straddled KV head at TP 2 split by query heads (unequal groups), else None
+    (more ranks can straddle two heads a rank; not split by keys yet)."""
+    if shard.size != 2 or shard.head_split != "queries" or not shard.q_per_kv:
+        return None
+    local_kv = len(shard.kv_heads) - 1 if shard.rank == 0 else 0
+    group = cfg.num_heads // cfg.num_kv_heads
+    return StraddledHead(local_kv, group, group - shard.q_per_kv[local_kv], shard.rank == 1)
+
+
 def has_unequal_groups(cfg: ModelConfig, size: int) -> bool:
     """Whether some rank's query groups differ in size under the split tp_shard takes (the
     AMX kernel does not take such a rank)."""
@@ -386,9 +409,11 @@ class TPOps:
     stage's ranks: all_reduce_(t) in place, all_gather(t) -> [ranks, *t.shape], every rank the
     same bits (runtime/tp.py's TPLink)."""
 
-    def __init__(self, comm, shard: TPShard, vocab_size: int):
+    def __init__(self, comm, shard: TPShard, vocab_size: int,
+                 straddled: StraddledHead | None = None):
         self.comm, self.size = comm, shard.size
         self.vocab = shard.vocab
+        self.straddled = straddled  # the decode step may split its keys (shared_head.py)
         self.vocab_shares = shares(vocab_size, shard.size)
 
     def sum_(self, partial: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ from pipefill.model.loader import (WeightSource, keeps_blocks, load_stage_weight
                                    resolve_weight_dtype, tensor_names)
 from pipefill.model.stage_model import StageModel
 from pipefill.model.tensor_parallel import (ShardedSource, TPOps, choose_head_split,
-                                            resolve_moe_split, tp_shard)
+                                            resolve_moe_split, straddled_head, tp_shard)
 from pipefill.runtime.executor import StageExecutor
 from pipefill.base.platform import cpu_vendor, dtype_name, resolve_dtype, usable_cpu_flags
 
@@ -53,7 +53,8 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
     if info.tp_size > 1:
         split, why = resolve_moe_split(args.tp_moe_split, source.config, info.tp_size)
         shard = tp_shard(source.config, info.tp_rank, info.tp_size, split)
-        tp = TPOps(comm, shard, source.config.vocab_size)
+        tp = TPOps(comm, shard, source.config.vocab_size,
+                   straddled_head(source.config, shard))
         source = ShardedSource(source, shard)
         log.info("stage %d TP rank %d/%d: query heads %s, KV heads %s%s, MLP columns %s, "
                  "vocabulary rows %s; heads split by %s (%s)", info.rank, info.tp_rank,

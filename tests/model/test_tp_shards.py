@@ -357,3 +357,45 @@ def assert_lean_decode_on_two_ranks(args, source, size: int = 2, lean: bool = Tr
         ids = [int(ref[-1].argmax())]
     if lean:
         assert all(len(ex.model._decode.buffers) == 1 for ex in ranks)  # the lean path ran
+
+
+def test_straddled_head_is_split_by_keys_over_a_long_context(tmp_path):
+    """SmolLM2's heads (9 over 3 KV heads, 5:4 at TP 2): past MIN_PARTS split parts a decode
+    step's straddled KV head is read half by each rank (model/shared_head.py) and the logits
+    stay within 1e-4 of one rank's; below it, the plain path."""
+    from pipefill.base.plan import SampleSpec, SeqWork, StepPlan
+    from pipefill.kernels.cpu_attention import decode_parts
+    from pipefill.model.shared_head import MIN_PARTS
+    path = save_tiny_model("llama", tmp_path / "m", num_attention_heads=9, num_key_value_heads=3,
+                           hidden_size=576, intermediate_size=256, num_hidden_layers=2)
+    source = WeightSource(path)
+    page, prompt = 32, 1024 * MIN_PARTS + 5
+    args = resolve(ServerArgs(model_path=path, dtype="float32", page_size=page,
+                              max_total_tokens=prompt + 2 * page, threads_per_stage=1),
+                   source.config)
+    layers, group = range(source.config.num_layers), ThreadGroup(2)
+    ranks = on_ranks(2, lambda r: build_stage(args.replace(tp_size=2), source,
+                                              StageInfo(0, 1, layers, r, 2), comm=group.rank(r)))
+    whole = build_stage(args, source, StageInfo(0, 1, layers))
+    if whole.model._decode is None:
+        pytest.skip("no fused ops or vector attention kernel here: no lean decode path")
+    shared = [ex.model._decode.shared for ex in ranks]
+    assert all(s is not None for s in shared)
+    assert [s.s.peer_heads for s in shared] == [1, 2]  # head 5 on rank 1; 3-4 on rank 0
+    spec, table = SampleSpec(0.0, 1.0, -1, 0, 0, None), list(range(prompt // page + 2))
+
+    def logits(ex, ids, start):
+        plan = StepPlan(-1, [SeqWork("s", start, start + len(ids), ids, table, spec)])
+        return ex.logits(plan, ex.forward(plan, None)[0])[1]
+
+    ids, start = [(7 * i) % 500 for i in range(prompt - 3)], 0
+    for _ in range(4):  # the prefill, then three decode steps over 4 split parts
+        ref = logits(whole, ids, start)
+        got = on_ranks(2, lambda r: logits(ranks[r], ids, start))
+        assert torch.equal(got[0], got[1])
+        torch.testing.assert_close(got[0], ref, rtol=0, atol=1e-4)
+        start += len(ids)
+        ids = [int(ref[-1].argmax())]
+    lens = torch.tensor([start - 1])
+    assert int(decode_parts(lens)[0]) > MIN_PARTS and shared[0].plan(lens) is not None
+    assert shared[0].plan(torch.tensor([1024 * (MIN_PARTS - 1) - 1])) is None

@@ -221,6 +221,12 @@ class ServerArgs:
         "TP rank sends its 1/tp_size of the rows to the same rank of the next stage, whose "
         "ranks all-gather them in shared memory; half the gloo bytes at TP 2).",
         default="leader", choices=["leader", "per_rank"])
+    tp_decode_key_split: bool = _flag(
+        "At --tp-size 2 with query heads split 5:4 style (a KV head whose query group "
+        "straddles the two ranks, held by both), decode steps whose every sequence has more "
+        "than 2,048 cached tokens split that head's keys between the ranks (two small "
+        "all-gathers a layer; the same bits) instead of each rank reading all of them.",
+        default=True)
     pp_layer_partition: str | None = _flag(
         "Layers per stage, comma-separated (e.g. 7,7,8,8); must have --pp-size entries summing "
         "to the model's layer count. Default: equal shares, the remainder on the last stages.",

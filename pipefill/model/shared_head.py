@@ -29,6 +29,11 @@ import torch
 # The fewest split parts per sequence for which halving the shared head's reads pays for the
 # two gathers (measured on 2 Zen 4 cores: README, Benchmarks).
 MIN_PARTS = 3
+# The kernel's split-KV part (kAutoKvPart, kernels/csrc/cpu_attn_ext.cpp): a step over more than
+# two of them is cut into parts of this many keys. MIN_KEYS: the fewest keys (prefix + 1) a
+# sequence needs for MIN_PARTS parts, for the planner, which runs no kernel.
+KV_PART = 1024
+MIN_KEYS = max(2, MIN_PARTS - 1) * KV_PART + 1
 
 
 @dataclass

@@ -12,6 +12,10 @@ Per layer and TP rank, for a chunk of C tokens after H computed ones:
              2(n−1)/n·bytes/bandwidth over the links the ranks share.
 A stage boundary sends hidden state and residual, 2·C·hidden activations, per chunk; and a
 chunk costs each stage the hardware's fixed overhead besides.
+
+A decode step (decode_step_seconds) is the same terms at C = batch rows: each rank streams its
+weights and reads its KV share of every cached token, two all-reduces a layer (latency-bound
+at a few rows), stage after stage for one token; no chunk overhead.
 """
 from __future__ import annotations
 
@@ -20,6 +24,7 @@ from dataclasses import dataclass
 
 from pipefill.base.partition import partition_layers
 from pipefill.model.config import ModelConfig
+from pipefill.model.shared_head import MIN_KEYS
 from pipefill.model.tensor_parallel import choose_head_split, head_shares
 from pipefill.planner.hardware import BYTES_OF, Hardware, Link
 
@@ -160,6 +165,41 @@ class LayoutCosts:
         if kind.kv_heads == 0:
             return 1.0
         return max(len(kv) for _, kv in self._head_shares(kind)) / kind.kv_heads
+
+    def decode_kv_share(self, kind: LayerKind, keys: int) -> float:
+        """The share of a token's cached values one rank reads at decode: kv_share, except
+        where two ranks split a straddled KV head by keys (model/shared_head.py: TP 2 split by
+        query heads, past MIN_KEYS keys), which leaves each half of the heads."""
+        straddled = (self.layout.tp == 2 and self.head_split == "queries"
+                     and kind.kv_heads > 0 and keys >= MIN_KEYS)
+        return 0.5 if straddled else self.kv_share(kind)
+
+    def decode_layer_seconds(self, kind: LayerKind, rows: int, context: int,
+                             link: Link) -> float:
+        """One layer of a decode step of `rows` sequences at `context` cached tokens each."""
+        tp = self.layout.tp
+        touched = kind.fixed_weights + min(kind.num_experts, rows * kind.top_k) \
+            * kind.expert_weights
+        active = kind.fixed_weights + kind.top_k * kind.expert_weights
+        gemm = max(2 * rows * active / tp / self.gemm_rate,
+                   touched / tp * self.weight_bytes / self.memory_bandwidth)
+        keys = min(kind.window or context + 1, context + 1)
+        attention = max(
+            2 * kind.attention_width * self.shard(kind) * rows * keys / self.attention_rate,
+            rows * keys * kind.kv_values * self.decode_kv_share(kind, keys) * self.kv_bytes
+            / self.memory_bandwidth)
+        reduce = 2 * ring_allreduce_seconds(rows * self.cfg.hidden_size * self.act_bytes, tp,
+                                            link)
+        return gemm + attention + reduce
+
+    def decode_step_seconds(self, context: int, rows: int = 1) -> float:
+        """A decode step: every stage in turn (one token crosses them all) and its borders."""
+        total = 0.0
+        for stage, kinds in enumerate(self.stage_kinds):
+            link = tp_link(self.hw, self.layout, stage)
+            total += sum(n * self.decode_layer_seconds(kind, rows, context, link)
+                         for kind, n in kinds.items())
+        return total + (self.layout.pp - 1) * self.border_delay(rows)
 
     def layer_seconds(self, kind: LayerKind, size: int, history: int, link: Link) -> float:
         tp = self.layout.tp

@@ -53,8 +53,8 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
     if info.tp_size > 1:
         split, why = resolve_moe_split(args.tp_moe_split, source.config, info.tp_size)
         shard = tp_shard(source.config, info.tp_rank, info.tp_size, split)
-        tp = TPOps(comm, shard, source.config.vocab_size,
-                   straddled_head(source.config, shard))
+        straddled = straddled_head(source.config, shard) if args.tp_decode_key_split else None
+        tp = TPOps(comm, shard, source.config.vocab_size, straddled)
         source = ShardedSource(source, shard)
         log.info("stage %d TP rank %d/%d: query heads %s, KV heads %s%s, MLP columns %s, "
                  "vocabulary rows %s; heads split by %s (%s)", info.rank, info.tp_rank,

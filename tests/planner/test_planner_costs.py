@@ -165,3 +165,24 @@ def test_the_planner_imports_no_torch():
             names = [a.name for a in node.names] if isinstance(node, ast.Import) else \
                 [node.module or ""] if isinstance(node, ast.ImportFrom) else []
             assert not any(n.split(".")[0] in ("torch", "numpy") for n in names), path
+
+
+def test_decode_reads_the_straddled_heads_keys_split_past_min_keys():
+    """SmolLM2 at TP 2 (5:4 query heads): a rank reads 2 of the 3 KV heads at decode until the
+    ranks split the straddled head's keys (model/shared_head.py, past MIN_KEYS keys), then
+    half; one process's threads read them once. A decode step is bound by bytes: each rank
+    its half of the weights, so TP2 costs what two threads of one process cost but for the
+    all-reduces (latency-bound at one row) and the KV it reads beyond its half."""
+    from pipefill.model.shared_head import MIN_KEYS
+    cpu = replace(H20, memory_bandwidth=15e9, devices_are_cores=True)
+    tp2, tp1 = (LayoutCosts(SMOLLM2, cpu, lay, BF16) for lay in (Layout(1, 2), Layout(1, 1, 2)))
+    kind = layer_kinds(SMOLLM2)[0]
+    assert tp2.decode_kv_share(kind, MIN_KEYS - 1) == pytest.approx(2 / 3)
+    assert tp2.decode_kv_share(kind, MIN_KEYS) == 0.5
+    assert tp1.decode_kv_share(kind, MIN_KEYS) == 1.0
+    link = tp_link(cpu, tp2.layout, 0)
+    reduce = 30 * 2 * ring_allreduce_seconds(SMOLLM2.hidden_size * 2, 2, link)
+    assert tp2.decode_step_seconds(8192) == pytest.approx(tp1.decode_step_seconds(8192) + reduce)
+    kv_beyond = 30 * 512 * kind.kv_values * 2 * (2 / 3 - 1 / 2) / 15e9
+    assert tp2.decode_step_seconds(511) == pytest.approx(
+        tp1.decode_step_seconds(511) + reduce + kv_beyond)

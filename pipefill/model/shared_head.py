@@ -15,10 +15,10 @@ split-KV parts, and merge the two halves:
 3. the ranks gather those partials and merge them in part order (merge_gathered), the same
    arithmetic one rank computing every part does: the step's bits do not change.
 
-Two small all-gathers a layer cost more than they save over a short context, and the kernel
-splits a step into parts only past 2 x 1,024 keys: so a step takes this path only when every
-sequence's keys are split into at least MIN_PARTS parts, and both ranks decide alike from the
-plan's prefix lengths.
+The kernel splits a step into parts only past 2 x 1,024 keys, and over fewer keys half a head
+saves about what the two gathers cost: so a step takes this path only when every sequence's
+keys are split into at least MIN_PARTS parts, and both ranks decide alike from the plan's
+prefix lengths.
 """
 from __future__ import annotations
 
@@ -26,8 +26,10 @@ from dataclasses import dataclass
 
 import torch
 
-# The fewest split parts per sequence for which halving the shared head's reads pays for the
-# two gathers (measured on 2 Zen 4 cores: README, Benchmarks).
+# The fewest split parts per sequence for the split: the kernel's first split, 3 parts (2,049
+# to 3,072 keys). Half a head of 64 dims over 1,536 keys in bf16 is 384 KB a layer, about 30 us
+# at one core's ~13 GB/s, against two gathers of about 2 us each (`bench allreduce`: a token's
+# sum takes 2 us on 2 Zen 4 cores); below, the kernel runs a step as one part.
 MIN_PARTS = 3
 # The kernel's split-KV part (kAutoKvPart, kernels/csrc/cpu_attn_ext.cpp): a step over more than
 # two of them is cut into parts of this many keys. MIN_KEYS: the fewest keys (prefix + 1) a

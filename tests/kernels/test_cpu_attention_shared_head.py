@@ -90,6 +90,10 @@ def test_bad_shared_arguments_are_sentences():
     with pytest.raises(RuntimeError, match="shared_out: expected a contiguous float32"):
         ca.decode_attention(ISA, q, k, v, kc, vc, *step, 0.125, out,
                             shared=(1, torch.tensor([[0, 1]]), partial[..., :D]))
+    with pytest.raises(RuntimeError, match="needs equal query groups"):
+        ca.decode_attention(ISA, q[:, :8], k, v, kc, vc, *step, 0.125, out[:, :8],
+                            q_first=ca.query_head_offsets((3, 3, 2)),
+                            shared=(1, torch.tensor([[0, 1]]), partial))
     lens = [3000]
     q, k, v, kc, vc, tables = _cache(lens, torch.float32)
     with pytest.raises(RuntimeError, match=r"is not a range of at most 1 of its 3 parts"):

@@ -449,11 +449,13 @@ struct SharedHead {
 
 SharedHead check_shared(int64_t head, const c10::optional<torch::Tensor>& parts,
                         const c10::optional<torch::Tensor>& out, const std::vector<pa::Params>& seqs,
-                        int64_t Hkv, int64_t G, int64_t D) {
+                        int64_t Hkv, int64_t G, int64_t D, bool equal_groups) {
   SharedHead sh;
   if (head < 0) return sh;
   const int64_t B = seqs.size();
   TORCH_CHECK(head < Hkv, "shared_head ", head, " is not one of the ", Hkv, " kv heads");
+  // merge_gathered writes every one of the G rows: the shared head's group must be whole.
+  TORCH_CHECK(equal_groups, "shared_head needs equal query groups (no q_first)");
   TORCH_CHECK(parts.has_value() && out.has_value(), "shared_head needs shared_parts and shared_out");
   const torch::Tensor& r = *parts;
   const torch::Tensor& o = *out;
@@ -576,7 +578,7 @@ void decode_attention(int64_t isa, torch::Tensor q, torch::Tensor k, torch::Tens
     if (p.nparts > 1) partial_floats += Hkv * p.nparts * G * (D + 2);
     order[b] = b;
   }
-  const SharedHead shared = check_shared(shared_head, shared_parts, shared_out, seqs, Hkv, G, D);
+  const SharedHead shared = check_shared(shared_head, shared_parts, shared_out, seqs, Hkv, G, D, heads == nullptr);
   thread_local std::vector<float> partial;  // reused across layers and steps
   partial.resize(partial_floats);
   for (int64_t b = 0; b < B; ++b)

@@ -224,7 +224,7 @@ class ServerArgs:
     tp_decode_key_split: bool = _flag(
         "At --tp-size 2 with query heads split 5:4 style (a KV head whose query group "
         "straddles the two ranks, held by both), decode steps whose every sequence has more "
-        "than 2,048 cached tokens split that head's keys between the ranks (two small "
+        "than 3,072 cached tokens split that head's keys between the ranks (two small "
         "all-gathers a layer; the same bits) instead of each rank reading all of them.",
         default=True)
     pp_layer_partition: str | None = _flag(

@@ -15,10 +15,10 @@ split-KV parts, and merge the two halves:
 3. the ranks gather those partials and merge them in part order (merge_gathered), the same
    arithmetic one rank computing every part does: the step's bits do not change.
 
-The kernel splits a step into parts only past 2 x 1,024 keys, and over fewer keys half a head
-saves about what the two gathers cost: so a step takes this path only when every sequence's
-keys are split into at least MIN_PARTS parts, and both ranks decide alike from the plan's
-prefix lengths.
+The kernel splits a step into parts of 1,024 keys only past 2 x 1,024 keys, and over a few
+parts half a head saves about what the extra calls cost: so a step takes this path only when
+every sequence's keys are split into at least MIN_PARTS parts, and both ranks decide alike from
+the plan's prefix lengths.
 """
 from __future__ import annotations
 
@@ -26,11 +26,12 @@ from dataclasses import dataclass
 
 import torch
 
-# The fewest split parts per sequence for the split: the kernel's first split, 3 parts (2,049
-# to 3,072 keys). Half a head of 64 dims over 1,536 keys in bf16 is 384 KB a layer, about 30 us
-# at one core's ~13 GB/s, against two gathers of about 2 us each (`bench allreduce`: a token's
-# sum takes 2 us on 2 Zen 4 cores); below, the kernel runs a step as one part.
-MIN_PARTS = 3
+# The fewest split parts per sequence for the split. Half the straddled head saves 30 layers x
+# keys / 2 x 256 bytes (K and V of 64 bf16 dims) a step, about 0.3 us a key at one core's
+# ~13 GB/s (0.9 ms at 3,073 keys, 2.4 ms at 8,192), against two gathers of ~2 us (`bench
+# allreduce`) and about a dozen small torch calls a layer, ~0.5 ms a step: from 4 parts
+# (more than 3,072 keys) it pays.
+MIN_PARTS = 4
 # The kernel's split-KV part (kAutoKvPart, kernels/csrc/cpu_attn_ext.cpp): a step over more than
 # two of them is cut into parts of this many keys. MIN_KEYS: the fewest keys (prefix + 1) a
 # sequence needs for MIN_PARTS parts, for the planner, which runs no kernel.
@@ -62,6 +63,11 @@ class SharedHeadDecode:
                          else slice(self.heads - self.own, self.heads))
         self.width = max(self.own, straddled.peer_heads)  # what each rank sends, padded
         self.first_row = straddled.local_kv * straddled.group  # the group in the whole layout
+        # Where this rank's heads and the other rank's sit among the whole group's layout.
+        peer = straddled.peer_heads
+        self.own_slots = slice(peer, None) if straddled.peer_first else slice(0, self.heads)
+        self.peer_slots = slice(0, peer) if straddled.peer_first else slice(self.heads, None)
+        self._by_rows: dict[int, tuple] = {}
 
     @staticmethod
     def build(model):
@@ -88,24 +94,25 @@ class SharedHeadDecode:
     def attend(self, q, k, v, k_cache, v_cache, tables, step: StepSplit, out) -> None:
         """out [M, heads, D] = the rank's own heads' attention, as decode_batch gives it."""
         from pipefill.kernels.cpu_attention import decode_attention, merge_gathered
-        whole_q = self._whole_group(q)
-        whole_out = torch.empty_like(whole_q)
+        send, whole_q, whole_out = self._buffers(q)
+        send[:, :self.own].copy_(q[:, self.own_rows])
+        peer = self.comm.all_gather(send)[1 - self.rank, :, :self.s.peer_heads]
+        whole_q[:, self.own_slots].copy_(q)
+        whole_q[:, self.peer_slots].copy_(peer)
         decode_attention(self.model.attention.isa, whole_q, k, v, k_cache, v_cache, *tables,
                          self.model.scale, whole_out,
                          shared=(self.s.local_kv, step.ranges, step.partials))
         merge_gathered(self.comm.all_gather(step.partials), step.counts, whole_out,
                        self.first_row)
-        out.copy_(self._own(whole_out))
+        out.copy_(whole_out[:, self.own_slots])
 
-    def _whole_group(self, q: torch.Tensor) -> torch.Tensor:
-        """q [M, heads, D] with the other rank's query heads of the group added where they
-        belong: [M, heads + peer_heads, D], every KV head's group whole."""
+    def _buffers(self, q: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """(what this rank sends, q with the whole group [M, heads + peer_heads, D], the
+        attention of it), kept per row count: the step reuses them every layer."""
         rows = q.shape[0]
-        send = q.new_zeros(rows, self.width, q.shape[2])
-        send[:, :self.own] = q[:, self.own_rows]
-        peer = self.comm.all_gather(send)[1 - self.rank, :, :self.s.peer_heads]
-        return torch.cat([peer, q] if self.s.peer_first else [q, peer], dim=1)
-
-    def _own(self, whole: torch.Tensor) -> torch.Tensor:
-        peer = self.s.peer_heads
-        return whole[:, peer:] if self.s.peer_first else whole[:, :self.heads]
+        buffers = self._by_rows.get(rows)
+        if buffers is None:
+            whole = q.new_empty(rows, self.heads + self.s.peer_heads, q.shape[2])
+            buffers = self._by_rows[rows] = (q.new_zeros(rows, self.width, q.shape[2]), whole,
+                                             torch.empty_like(whole))
+        return buffers

@@ -367,7 +367,8 @@ def test_straddled_head_is_split_by_keys_over_a_long_context(tmp_path):
     from pipefill.kernels.cpu_attention import decode_parts
     from pipefill.model.shared_head import MIN_PARTS
     path = save_tiny_model("llama", tmp_path / "m", num_attention_heads=9, num_key_value_heads=3,
-                           hidden_size=576, intermediate_size=256, num_hidden_layers=2)
+                           hidden_size=576, intermediate_size=64, num_hidden_layers=1,
+                           max_position_embeddings=8192)
     source = WeightSource(path)
     page, prompt = 32, 1024 * MIN_PARTS + 5
     args = resolve(ServerArgs(model_path=path, dtype="float32", page_size=page,

@@ -205,17 +205,17 @@ def test_pp2_tp2_per_rank_dynamic_chunks_and_a_prefix_hit(odd_llama):
 
 @pytest.mark.slow
 def test_decode_key_split_over_a_long_context_matches_tp1(tmp_path):
-    """9 query heads over 3 KV heads at TP 2 (5:4, KV head 1 on both ranks), a 2,200-token
+    """9 query heads over 3 KV heads at TP 2 (5:4, KV head 1 on both ranks), a 3,200-token
     prompt: its decode steps split KV head 1's keys between the ranks (real processes, the
     shared-memory gathers); the greedy tokens equal one rank's and the key split turned off."""
     path = save_tiny_model("llama", tmp_path / "m", num_attention_heads=9,
                            num_key_value_heads=3, hidden_size=576, intermediate_size=256,
                            num_hidden_layers=2, max_position_embeddings=4096)
-    prompt = [_rng.randrange(512) for _ in range(2200)]
+    prompt = [_rng.randrange(512) for _ in range(3200)]
 
     def greedy(**flags):
         with track(Engine(path, dtype="float32", page_size=32, threads_per_stage=1,
-                          max_model_len=2400, **flags)) as engine:
+                          max_model_len=3400, **flags)) as engine:
             out = engine.generate([prompt], max_new_tokens=12, ignore_eos=True)[0]
             assert_pages_free(engine)
         return out.output_ids

@@ -359,6 +359,7 @@ def assert_lean_decode_on_two_ranks(args, source, size: int = 2, lean: bool = Tr
         assert all(len(ex.model._decode.buffers) == 1 for ex in ranks)  # the lean path ran
 
 
+@pytest.mark.slow  # a 4,101-token prefill three times over
 def test_straddled_head_is_split_by_keys_over_a_long_context(tmp_path):
     """SmolLM2's heads (9 over 3 KV heads, 5:4 at TP 2): past MIN_PARTS split parts a decode
     step's straddled KV head is read half by each rank (model/shared_head.py) and the logits

@@ -141,7 +141,7 @@ class AmxKVCache:
     torch.empty (pages become resident only when written). Within one (page, kv head) the
     page_size * head_dim values are in AMX tile order (see csrc/amx_kernel.cpp).
     """
-    window = None  # one cache for every layer (models with windows take the sdpa path)
+    window = None  # one cache for every layer (kv.cache.WindowedPackedCache splits them)
 
     def __init__(self, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype = torch.bfloat16, empty=torch.empty):
@@ -219,8 +219,8 @@ def check_geometry(page_size: int, head_dim: int, dtype: torch.dtype = torch.bfl
     # float32: the vector kernels' variant of the layout (pipefill.kernels.cpu_attention).
     if dtype not in (torch.bfloat16, torch.float32):
         raise ValueError(f"the packed KV cache is bfloat16 or float32, got {dtype}")
-    if head_dim not in (64, 128):
-        raise ValueError(f"AMX attention supports head_dim 64 or 128, got {head_dim}")
+    if head_dim not in (64, 128, 256):  # 256: the vector kernels only (AMX refuses it)
+        raise ValueError(f"the packed KV cache supports head_dim 64, 128 or 256, got {head_dim}")
     if page_size <= 0 or page_size % 32:
         raise ValueError(f"AMX attention needs page_size to be a multiple of 32, got {page_size}")
 

@@ -16,11 +16,13 @@ API (what the engine calls):
   ``[start, start + C)`` (converted to the cache dtype) and zeroes the rest of their 32-token
   group; a quantized cache (page_size given) gets the tokens' rows quantized (kv_quant.store).
 * ``chunk_attention(isa, q, k_cache, v_cache, page_table, prefix_len, scale, k_new=None,
-  v_new=None, out=None, qtile=0, kv_split=0, page_size=0) -> out`` — bottom-right causal attention of q
-  [C, Hq, D] (positions [L, L + C)) over cached tokens [0, L + C); decode (one q-tile) over a
-  long context splits the KV range into fixed parts merged by log-sum-exp (flash-decoding).
+  v_new=None, out=None, qtile=0, kv_split=0, page_size=0, q_first=None, window=0) -> out`` —
+  bottom-right causal attention of q [C, Hq, D] (positions [L, L + C)), head dim 64, 128 or
+  256, over cached tokens [0, L + C), or under a sliding window (the query at p sees (p -
+  window, p]) over the window's pages only; decode (one q-tile) over a long context splits the
+  KV range into fixed parts merged by log-sum-exp (flash-decoding).
 * ``decode_tables(page_tables, prefix_lens) -> (tables, lens)`` and ``decode_attention(isa, q,
-  k_new, v_new, k_cache, v_cache, tables, lens, scale, out, page_size=0)`` — one decode step of a layer for B
+  k_new, v_new, k_cache, v_cache, tables, lens, scale, out, page_size=0, window=0)`` — one decode step of a layer for B
   sequences in one call (each sequence's K/V write, then its attention; the tables are built
   once per step for all layers); bit-identical to B ``chunk_attention(..., k_new=, v_new=)`` calls.
 * ``read_kv(...)`` — tokens back in token-major order (tests).
@@ -141,10 +143,13 @@ def chunk_attention(isa: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
                     k_new: torch.Tensor | None = None, v_new: torch.Tensor | None = None,
                     out: torch.Tensor | None = None, qtile: int = 0,
                     kv_split: int = 0, page_size: int = 0,
-                    q_first: torch.Tensor | None = None) -> torch.Tensor:
+                    q_first: torch.Tensor | None = None, window: int = 0) -> torch.Tensor:
     """Causal (bottom-right) attention of q [C, Hq, D] over cached tokens [0, prefix_len + C).
     q_first (int32 [Hkv + 1], query_head_offsets): KV head g serves query heads
     [q_first[g], q_first[g + 1]), groups of unequal sizes; None: equal groups.
+    window (> 0, a sliding window): the query at position p sees keys (p - window, p] only,
+    and no page wholly before the first query's window is read (its table entry may be stale;
+    ARCHITECTURE.md, 'Window pages'); 0: the whole prefix.
 
     kv_split (split KV, for decode and small chunks that fit one q-tile): 0 = auto (parts of
     1024 keys once the context exceeds 2048, so every thread works on one sequence), < 0 = never,
@@ -159,7 +164,7 @@ def chunk_attention(isa: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
         write_kv(k_cache, v_cache, k_new, v_new, page_table, prefix_len, page_size)
     return ext.chunk_attention(ISA_ID[isa], q, k_cache, v_cache, page_table, int(prefix_len),
                                float(scale), out, int(qtile), int(kv_split), int(page_size),
-                               q_first)
+                               q_first, int(window))
 
 
 def query_head_offsets(q_per_kv: tuple[int, ...]) -> torch.Tensor | None:
@@ -190,14 +195,15 @@ def decode_attention(isa: str, q: torch.Tensor, k_new: torch.Tensor, v_new: torc
                      k_cache: torch.Tensor, v_cache: torch.Tensor, tables: torch.Tensor,
                      lens: torch.Tensor, scale: float, out: torch.Tensor,
                      page_size: int = 0, q_first: torch.Tensor | None = None,
+                     window: int = 0,
                      shared: tuple[int, torch.Tensor, torch.Tensor] | None = None) -> torch.Tensor:
     """One decode step of a layer: row b of q/k_new/v_new [B, H, D] is sequence b's new token
     at position lens[b]; its K/V go into the cache (converted to the cache dtype), then out[b] =
     its attention over tokens [0, lens[b] + 1). All (sequence, kv head, split part) items share
     one pool of threads; each is computed as chunk_attention computes it (same split parts).
     A quantized cache (page_size given) gets each new row quantized as kv_quant.quantize does.
-    q_first: as chunk_attention's. shared (head, parts int64 [B, 2], partials float32 [B, P, G,
-    D + 2]): KV head `head` is split by keys with another TP rank; this call computes only its
+    q_first, window: as chunk_attention's. shared (head, parts int64 [B, 2], partials float32
+    [B, P, G, D + 2]): KV head `head` is split by keys with another TP rank; this call computes only its
     split parts [parts[b, 0], parts[b, 1]) (decode_parts gives each sequence's count, at least
     2) and leaves their unmerged (O, max, sum) in `partials`, part order, out's rows of that head
     untouched (merge_gathered fills them); the new token is written into this cache either way."""
@@ -205,8 +211,8 @@ def decode_attention(isa: str, q: torch.Tensor, k_new: torch.Tensor, v_new: torc
         raise ValueError(f"unknown kernel {isa!r} (choose from {', '.join(ISAS)})")
     head, parts, partials = shared if shared is not None else (-1, None, None)
     _load().decode_attention(ISA_ID[isa], q, k_new, v_new, k_cache, v_cache, tables, lens,
-                             float(scale), out, int(page_size), q_first, int(head), parts,
-                             partials)
+                             float(scale), out, int(page_size), q_first, int(window), int(head),
+                             parts, partials)
     return out
 
 
@@ -223,7 +229,6 @@ def merge_gathered(gathered: torch.Tensor, counts: torch.Tensor, out: torch.Tens
     parts each rank computed, in part order rank after rank; writes out[b, first:first + G].
     The same arithmetic in the same part order as one call computing every part."""
     _load().merge_gathered(gathered, counts, out, int(first))
-    return out
 
 
 def read_kv(k_layer_cache: torch.Tensor, v_layer_cache: torch.Tensor, page_table: torch.Tensor,

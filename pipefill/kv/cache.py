@@ -4,11 +4,13 @@ A quantized cache (int8, fp8_e4m3) keeps each row's float32 scale after its code
 rows are head_dim + 4 wide (pipefill/kernels/kv_quant.py); whatever copies pages copies them.
 
 WindowedKVCache: a stage of a model with sliding-window layers, whose window layers keep their
-K/V in a second KVCache addressed by window page ids (ARCHITECTURE.md, 'Window pages')."""
+K/V in a second KVCache addressed by window page ids (ARCHITECTURE.md, 'Window pages');
+WindowedPackedCache: the same split over the vector kernels' packed layout (AmxKVCache)."""
 from __future__ import annotations
 
 import torch
 
+from pipefill.kernels.amx_attention import AmxKVCache
 from pipefill.kernels.kv_quant import copyable, stored_dim
 
 
@@ -63,13 +65,39 @@ class WindowedKVCache(KVCache):
         self.window = KVCache(num_window, num_pages + 1, page_size, num_kv_heads, head_dim,
                               dtype, device)
         self.windowed = tuple(windowed)
-        index = {True: iter(range(num_window)), False: iter(range(len(windowed) - num_window))}
-        at = [next(index[w]) for w in windowed]  # each layer's index in its own tensor
-        self._k = [(self.window.k if w else self.k)[i] for w, i in zip(windowed, at)]
-        self._v = [(self.window.v if w else self.v)[i] for w, i in zip(windowed, at)]
+        self._k, self._v = _layer_views(self, self.window, windowed)
 
     def per_layer(self):
         return self._k, self._v
+
+
+class WindowedPackedCache(AmxKVCache):
+    """WindowedKVCache's split for the vector kernels' packed layout: the global layers in
+    this AmxKVCache, the window layers in `window`, an AmxKVCache with the sink page past the
+    pool's; the kernels read a window layer's table only from its window's first page on."""
+
+    def __init__(self, windowed: list[bool], num_pages: int, page_size: int,
+                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, empty=torch.empty):
+        num_window = sum(windowed)
+        super().__init__(len(windowed) - num_window, num_pages, page_size, num_kv_heads,
+                         head_dim, dtype, empty)
+        self.window = AmxKVCache(num_window, num_pages + 1, page_size, num_kv_heads, head_dim,
+                                 dtype, empty)
+        self.windowed = tuple(windowed)
+        self._k, self._v = _layer_views(self, self.window, windowed)
+
+    def per_layer(self):
+        return self._k, self._v
+
+
+def _layer_views(whole, window, windowed: list[bool]) -> tuple[list, list]:
+    """Each stage layer's K and V: a window layer's from `window`, the rest from `whole`, each
+    at its index in its own stacked tensor."""
+    index = {True: iter(range(sum(windowed))), False: iter(range(windowed.count(False)))}
+    at = [next(index[w]) for w in windowed]
+    k = [(window.k if w else whole.k)[i] for w, i in zip(windowed, at)]
+    v = [(window.v if w else whole.v)[i] for w, i in zip(windowed, at)]
+    return k, v
 
 
 def frees_window_pages(args, has_windows: bool) -> bool:

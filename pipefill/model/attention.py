@@ -62,16 +62,19 @@ def attend_sequence(q, k, v, k_cache, v_cache, seq: SeqMeta, scale: float,
     """q [C, Hq, D], k/v [C, Hkv, D] of the new tokens (already written to the cache).
     window: each query sees only the last `window` keys up to its own position; native: the
     int8 decode kernel's path for a decode row (native_decode_isa), None: torch reads."""
+    decode = seq.num_new == 1 and seq.prefix_len > 0 and not q.is_cuda
     if window is not None and seq.prefix_len + seq.num_new > window:
+        if decode and native is not None:  # the kernel reads the window's rows only
+            end = seq.prefix_len + 1
+            return _native_decode(q, k_cache, v_cache,
+                                  _slot_range(seq.read_slots, end - window, end), scale, native)
         return _attend_window(q, k, v, k_cache, v_cache, seq, window, scale)
     if q.is_cuda:
         return _attend_cuda(q, load(k_cache, seq.read_slots, q.dtype),
                             load(v_cache, seq.read_slots, q.dtype), scale)
-    if seq.num_new == 1 and seq.prefix_len > 0:  # decode: one query sees every key
+    if decode:  # one query sees every key
         if native is not None:
-            from pipefill.kernels.kv_quant_attention import decode_attention, slot_index
-            return decode_attention(q, k_cache, v_cache, *slot_index([seq.read_slots]), scale,
-                                    native)
+            return _native_decode(q, k_cache, v_cache, seq.read_slots, scale, native)
         keys, values = load(k_cache, seq.read_slots, q.dtype), load(v_cache, seq.read_slots,
                                                                     q.dtype)
         return _flash_attend(q, keys, values, False, scale)[0]
@@ -80,6 +83,12 @@ def attend_sequence(q, k, v, k_cache, v_cache, seq: SeqMeta, scale: float,
     k_new, v_new = as_stored(k, k_cache.dtype), as_stored(v, v_cache.dtype)
     return split_attention(q, load(k_cache, prefix, q.dtype), load(v_cache, prefix, q.dtype),
                            k_new, v_new, scale)
+
+
+def _native_decode(q, k_cache, v_cache, slots, scale: float, isa: str) -> torch.Tensor:
+    """One decode row over the int8 cache rows `slots` on the C++ kernel (native_decode_isa)."""
+    from pipefill.kernels.kv_quant_attention import decode_attention, slot_index
+    return decode_attention(q, k_cache, v_cache, *slot_index([slots]), scale, isa)
 
 
 def native_decode_isa(kv_dtype: torch.dtype,
@@ -198,24 +207,27 @@ _STRENGTH = {"amx": "the CPU has AMX-BF16", "avx512bf16": "the CPU has AVX512-BF
 class VectorAttention:
     """The attention callable of a vector kernel; it packs the new K/V into its cache itself.
     q_first: the kernels' map of unequal query groups (cpu_attention.query_head_offsets of the
-    rank's ModelConfig.q_per_kv), None for equal ones."""
+    rank's ModelConfig.q_per_kv), None for equal ones. window: a sliding-window layer's, which
+    the kernels bound themselves, reading only the window's pages."""
     isa: str
     q_first: torch.Tensor | None = None
 
-    def __call__(self, q, k, v, k_cache, v_cache, seqs: list[SeqMeta], scale: float):
+    def __call__(self, q, k, v, k_cache, v_cache, seqs: list[SeqMeta], scale: float,
+                 window: int | None = None):
         out = torch.empty_like(q)
         with self.profiled():
             for seq in seqs:
                 rows = slice(seq.row_start, seq.row_start + seq.num_new)
                 self.decode_one(q[rows], k[rows], v[rows], k_cache, v_cache, seq, scale,
-                                out[rows])
+                                out[rows], window)
         return out
 
-    def decode_one(self, q, k, v, k_cache, v_cache, seq: SeqMeta, scale: float, out) -> None:
+    def decode_one(self, q, k, v, k_cache, v_cache, seq: SeqMeta, scale: float, out,
+                   window: int | None = None) -> None:
         """One sequence's rows (any count, the name is for the decode path's use) into out."""
         from pipefill.kernels.cpu_attention import chunk_attention
         chunk_attention(self.isa, q, k_cache, v_cache, seq.page_table, seq.prefix_len, scale,
-                        k_new=k, v_new=v, out=out, q_first=self.q_first)
+                        k_new=k, v_new=v, out=out, q_first=self.q_first, window=window or 0)
 
     @staticmethod
     def decode_tables(seqs: list[SeqMeta]) -> tuple[torch.Tensor, torch.Tensor]:
@@ -243,11 +255,12 @@ class QuantVectorAttention(VectorAttention):
     hold their page size, so it travels here."""
     page_size: int = 0
 
-    def decode_one(self, q, k, v, k_cache, v_cache, seq: SeqMeta, scale: float, out) -> None:
+    def decode_one(self, q, k, v, k_cache, v_cache, seq: SeqMeta, scale: float, out,
+                   window: int | None = None) -> None:
         from pipefill.kernels.cpu_attention import chunk_attention
         chunk_attention(self.isa, q, k_cache, v_cache, seq.page_table, seq.prefix_len, scale,
                         k_new=k, v_new=v, out=out, page_size=self.page_size,
-                        q_first=self.q_first)
+                        q_first=self.q_first, window=window or 0)
 
     def decode_batch(self, q, k, v, k_cache, v_cache, tables, scale: float, out) -> None:
         from pipefill.kernels.cpu_attention import decode_attention
@@ -373,7 +386,8 @@ def last_rows_attention(attention, writer, q, k, v, k_cache, v_cache, seqs: list
         return q.new_empty((0, *q.shape[1:])), rows
     compact = [SeqMeta(i, 1, s.prefix_len, s.write_slots, s.read_slots, s.page_table)
                for i, s in enumerate(lasts)]
-    windowed = {} if window is None else {"window": window}  # only the sdpa path takes one
+    # Paths that take no window (AMX, the latent cache's) are never chosen for windowed layers.
+    windowed = {} if window is None else {"window": window}
     return attention(q[rows], k[rows], v[rows], k_cache, v_cache, compact, scale,
                      **windowed), rows
 
@@ -431,11 +445,19 @@ def resolve_kv_dtype(name: str, dtype: torch.dtype) -> torch.dtype:
     return {"float32": torch.float32, "bfloat16": torch.bfloat16, **QUANT_KV_DTYPES}[name]
 
 
+# Head dims the kernels take: the vector kernels 256 too (Gemma 3), AMX not.
+_HEAD_DIMS = {"amx": (64, 128)}
+_VECTOR_HEAD_DIMS = (64, 128, 256)
+
+
 def _unfit(backend: str, dtype, kv_dtype, head_dim: int, page_size: int, device,
-           flags, unequal_groups: bool = False) -> str | None:
+           flags, unequal_groups: bool = False, windowed: bool = False) -> str | None:
     """Why `backend` cannot serve this stage, or None."""
     if device.type != "cpu":
         return f"device is {device.type}"
+    if windowed and backend == "amx":
+        return ("the model has sliding-window layers, which the AMX kernel does not bound "
+                "(the vector kernels do)")
     if unequal_groups and backend == "amx":
         return ("this TP rank's KV heads serve unequal query groups (a straddled GQA group), "
                 "which the AMX kernel does not take (the vector kernels do)")
@@ -450,8 +472,10 @@ def _unfit(backend: str, dtype, kv_dtype, head_dim: int, page_size: int, device,
             return f"the KV cache is {kv_dtype}, the kernel is bfloat16-only"
     elif dtype not in (torch.float32, torch.bfloat16):
         return f"dtype is {dtype}, the kernel takes float32 and bfloat16"
-    if head_dim not in (64, 128):
-        return f"head_dim is {head_dim}, the kernel supports 64 and 128"
+    dims = _HEAD_DIMS.get(backend, _VECTOR_HEAD_DIMS)
+    if head_dim not in dims:
+        return (f"head_dim is {head_dim}, the kernel supports "
+                f"{', '.join(map(str, dims[:-1]))} and {dims[-1]}")
     if page_size % 32:
         return f"--page-size {page_size} is not a multiple of 32"
     if backend == "amx":
@@ -475,9 +499,10 @@ def choose_backend(requested: str, dtype: torch.dtype, head_dim: int, page_size:
     """-> (backend, why). auto: the first of KERNEL_BACKENDS that fits the dtypes, the shapes and
     the CPU (flags: the CPU flags to trust, default all), else sdpa with every reason. A named
     kernel that does not fit is a ValueError with the reason. windowed: the model has
-    sliding-window layers, which only sdpa bounds; latent: its layers attend from a latent
-    KV cache (model/mla.py), which only the torch path reads; unequal_groups: a TP rank's
-    query groups differ in size (ModelConfig.q_per_kv), which AMX does not take."""
+    sliding-window layers, which the vector kernels bound (AMX does not); latent: its layers
+    attend from a latent KV cache (model/mla.py), which only the torch path reads;
+    unequal_groups: a TP rank's query groups differ in size (ModelConfig.q_per_kv), which AMX
+    does not take."""
     kv_dtype = dtype if kv_dtype is None else kv_dtype
     if latent and is_quantized(kv_dtype):
         raise ValueError(f"--kv-cache-dtype: the model keeps a latent KV cache (MLA), which is "
@@ -488,20 +513,26 @@ def choose_backend(requested: str, dtype: torch.dtype, head_dim: int, page_size:
     if requested != "auto" and requested not in KERNEL_BACKENDS:
         raise ValueError(f"--attention-backend {requested!r}: choose auto, "
                          f"{', '.join(KERNEL_BACKENDS)} or sdpa")
-    if windowed or latent:  # only sdpa (ARCHITECTURE.md, 'Model families')
-        why = ("the model attends from a latent KV cache (MLA), which the kernels do not read"
-               if latent else
-               "the model has sliding-window layers and the kernels attend to the whole prefix")
+    if latent:  # only sdpa (ARCHITECTURE.md, 'The latent KV cache (MLA)')
+        why = "the model attends from a latent KV cache (MLA), which the kernels do not read"
         if requested != "auto":
             raise ValueError(f"--attention-backend {requested} is not available: {why}")
         return "sdpa", why
     reasons = []
     for backend in (KERNEL_BACKENDS if requested == "auto" else (requested,)):
         why = _unfit(backend, dtype, kv_dtype, head_dim, page_size, device, flags,
-                     unequal_groups)
+                     unequal_groups, windowed)
         if why is None:
-            return backend, "requested" if requested != "auto" else _STRENGTH[backend]
+            return backend, _chosen_why(backend, requested, windowed)
         if requested != "auto":
             raise ValueError(f"--attention-backend {backend} is not available: {why}")
         reasons.append(f"{backend}: {why}")
     return "sdpa", "; ".join(reasons)
+
+
+def _chosen_why(backend: str, requested: str, windowed: bool) -> str:
+    """The log's reason for a kernel that fits; a model with windows is told where they go."""
+    why = "requested" if requested != "auto" else _STRENGTH[backend]
+    if windowed:  # (ARCHITECTURE.md, 'Window pages')
+        why += "; the kernel bounds the sliding windows, reading only their pages"
+    return why

@@ -8,7 +8,8 @@ import torch
 from pipefill.chunking.startup import first_chunk_size
 from pipefill.config import ServerArgs, StageInfo
 from pipefill.kernels.prefill_gemm import choose_prefill_gemm, experts_in_onednn_layout
-from pipefill.kv.cache import KVCache, WindowedKVCache, frees_window_pages, stacked_kv_shape
+from pipefill.kv.cache import (KVCache, WindowedKVCache, WindowedPackedCache, frees_window_pages,
+                               stacked_kv_shape)
 from pipefill.kv.tiers import build_stage_kv
 from pipefill.model.attention import (QuantVectorAttention, backend_attention, choose_backend,
                                        resolve_kv_dtype, uses_packed_cache)
@@ -101,22 +102,8 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
                                   device, kv_dtype, flags, cfg.has_windows,
                                   latent=cfg.mla is not None,
                                   unequal_groups=bool(cfg.q_per_kv))
-    if uses_packed_cache(backend, kv_dtype):  # the kernels' packed layout (bf16 or float32)
-        from pipefill.kernels.amx_attention import AmxKVCache
-        cache = AmxKVCache(len(info.layers), num_pages, args.page_size,
-                           *stacked_kv_shape(kv_specs), empty=kv_empty)
-    elif frees_window_pages(args, cfg.has_windows):
-        cache = WindowedKVCache([s.window is not None for s in kv_specs], num_pages,
-                                args.page_size, *stacked_kv_shape(kv_specs), device)
-        log.info("stage %d: %d sliding-window layers keep pages of their own, freed once older "
-                 "than the %d-token window", info.rank, sum(cache.windowed), cfg.sliding_window)
-    else:
-        if cfg.has_windows:
-            log.info("stage %d: the sliding-window layers keep every token's KV (the storage "
-                     "tier, and PD over mooncake or TP, move whole pages of every layer)",
-                     info.rank)
-        cache = KVCache(len(info.layers), num_pages, args.page_size,
-                        *stacked_kv_shape(kv_specs), device, empty=kv_empty)
+    cache = build_cache(args, cfg, kv_specs, num_pages, uses_packed_cache(backend, kv_dtype),
+                        device, kv_empty, info.rank)
     attention = backend_attention(backend, flags, kv_dtype, args.page_size, cfg.q_per_kv)
     if cfg.mla is not None:  # (ARCHITECTURE.md, 'The latent KV cache (MLA)')
         attention = choose_latent_attention(args.kernels, kv_dtype, device, flags)
@@ -156,6 +143,29 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
              "fused" if isinstance(ops, FusedOps) else "torch", num_pages, args.page_size,
              torch.get_num_threads())
     return executor
+
+
+def build_cache(args: ServerArgs, cfg, kv_specs, num_pages: int, packed: bool, device,
+                kv_empty, rank: int):
+    """The stage's KV cache: the kernels' packed layout (bf16 or float32) where `packed`, else
+    token-major; window layers in pages of their own where frees_window_pages says so
+    (ARCHITECTURE.md, 'Window pages')."""
+    shape = stacked_kv_shape(kv_specs)
+    if frees_window_pages(args, cfg.has_windows):
+        windowed = [s.window is not None for s in kv_specs]
+        log.info("stage %d: %d sliding-window layers keep pages of their own, freed once older "
+                 "than the %d-token window", rank, sum(windowed), cfg.sliding_window)
+        if packed:
+            return WindowedPackedCache(windowed, num_pages, args.page_size, *shape,
+                                       empty=kv_empty)
+        return WindowedKVCache(windowed, num_pages, args.page_size, *shape, device)
+    if cfg.has_windows:
+        log.info("stage %d: the sliding-window layers keep every token's KV (the storage "
+                 "tier, and PD over mooncake or TP, move whole pages of every layer)", rank)
+    if packed:
+        from pipefill.kernels.amx_attention import AmxKVCache
+        return AmxKVCache(len(kv_specs), num_pages, args.page_size, *shape, empty=kv_empty)
+    return KVCache(len(kv_specs), num_pages, args.page_size, *shape, device, empty=kv_empty)
 
 
 def _decode_note(backend: str, attention) -> str:

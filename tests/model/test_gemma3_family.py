@@ -18,6 +18,7 @@ from safetensors import safe_open
 from conftest import (assert_matches_hf, assert_pages_free, assert_prefix_hit_matches,
                       hf_reference, track)
 from pipefill import Engine
+from pipefill.kernels.cpu_attention import kernel_available
 from pipefill.kv.window import window_before
 from pipefill.model.attention import choose_backend
 from pipefill.model.loader import LANGUAGE_MODEL_PREFIXES, WeightSource, tensor_names
@@ -43,6 +44,12 @@ TEXT = {
     "pattern": dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
                     num_attention_heads=4, num_key_value_heads=2, head_dim=64,
                     sliding_window=20, sliding_window_pattern=3, max_position_embeddings=1024),
+    # Gemma 3 270M's attention: 4 query heads over 1 KV head of 256, scores by
+    # query_pre_attn_scalar^-0.5 apart from head_dim; window 20, shorter than a kernel page.
+    "kernels": dict(vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=3,
+                    num_attention_heads=4, num_key_value_heads=1, head_dim=256,
+                    sliding_window=20, query_pre_attn_scalar=200, sliding_window_pattern=3,
+                    max_position_embeddings=1024),
 }
 
 
@@ -146,12 +153,36 @@ def test_multimodal_checkpoint_is_read_as_its_language_model(tmp_path):
     assert torch.equal(source.load("model.layers.2.mlp.down_proj.weight"), stored)
 
 
-def test_attention_kernels_step_aside_for_windows():
-    backend, why = choose_backend("auto", torch.float32, 64, PAGE, torch.device("cpu"),
-                                  windowed=True)
-    assert backend == "sdpa" and "sliding-window" in why
-    with pytest.raises(ValueError, match="sliding-window layers"):
-        choose_backend("avx2", torch.float32, 64, PAGE, torch.device("cpu"), windowed=True)
+_VECTOR = [pytest.param(isa, marks=pytest.mark.skipif(
+    not kernel_available(isa)[0], reason=f"{isa} kernel cannot run here"))
+    for isa in ("avx512", "avx2")]
+
+
+@pytest.mark.parametrize("isa", _VECTOR)
+def test_vector_kernels_match_hf(isa, gemma_models):
+    """Head dim 256 and windows on a float32 vector kernel: chunks of 37 start mid-window,
+    the window pages are freed as the prompt goes, and a prefix hit reads the kept window."""
+    path, ref = gemma_models["kernels"]
+    with track(Engine(path, dtype="float32", page_size=32, chunked_prefill_size=37,
+                      attention_backend=isa, threads_per_stage=1)) as engine:
+        check(engine, ref, 37)
+        assert_prefix_hit_matches(engine, PROMPT, ref[1], 32)
+
+
+def test_kernels_take_windows_and_head_dim_256():
+    cpu = torch.device("cpu")
+    backend, why = choose_backend("auto", torch.float32, 256, 32, cpu, windowed=True)
+    if backend != "sdpa":
+        assert "the kernel bounds the sliding windows" in why
+    with pytest.raises(ValueError, match="amx is not available: the model has sliding-window "
+                                         "layers, which the AMX kernel does not bound"):
+        choose_backend("amx", torch.bfloat16, 64, 64, cpu, windowed=True)
+    with pytest.raises(ValueError, match="head_dim is 256, the kernel supports 64 and 128"):
+        choose_backend("amx", torch.bfloat16, 256, 64, cpu)
+    with pytest.raises(ValueError, match="head_dim is 96, the kernel supports 64, 128 and 256"):
+        choose_backend("avx2", torch.float32, 96, 64, cpu)
+    backend, why = choose_backend("auto", torch.float32, 256, PAGE, cpu, windowed=True)
+    assert backend == "sdpa" and f"--page-size {PAGE} is not a multiple of 32" in why
 
 
 @pytest.mark.parametrize("prefix,chunk,window,slots_as", [

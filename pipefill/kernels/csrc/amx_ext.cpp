@@ -72,6 +72,7 @@ torch::Tensor chunk_attention(torch::Tensor q, torch::Tensor kc, torch::Tensor v
   check_cache(vc, "v_cache");
   TORCH_CHECK(kc.sizes() == vc.sizes(), "k_cache and v_cache shapes differ");
   const int64_t P = kc.size(0), Hkv = kc.size(1), ps = kc.size(2), D = kc.size(3);
+  TORCH_CHECK(D == 64 || D == 128, "the AMX kernel takes head_dim 64 or 128, got ", D);
   TORCH_CHECK(q.dim() == 3 && q.size(2) == D, "q: expected [C, Hq, ", D, "], got ", q.sizes());
   const int64_t C = q.size(0), Hq = q.size(1);
   TORCH_CHECK(Hq % Hkv == 0, "q heads (", Hq, ") must be a multiple of kv heads (", Hkv, ")");

@@ -101,13 +101,22 @@ int64_t choose_kv_part(int64_t kv_split, int64_t C, int64_t qtile, int64_t keys)
   return keys > 2 * kAutoKvPart ? kAutoKvPart : 0;
 }
 
+// p's split KV (its L, C, qtile and window set): parts over the keys from the window's group
+// on, so a window's parts hold only keys its queries see.
+void split_kv(pa::Params& p, int64_t kv_split) {
+  p.kv_begin = pa::window_group(p.window, p.L);
+  const int64_t keys = p.L + p.C - p.kv_begin;
+  p.kv_part = choose_kv_part(kv_split, p.C, p.qtile, keys);
+  p.nparts = p.kv_part ? (keys + p.kv_part - 1) / p.kv_part : 1;
+}
+
 // Row i (kv head g, row r) of p's output = the parts' (O, m, l) merged in part order:
 // O = sum_j 2^(m_j - m) O_j / sum_j 2^(m_j - m) l_j. Plain C++ (this file has no ISA flags);
 // the same arithmetic whichever thread merges a row. Rows of a kv head with fewer query heads
 // than p.group (q_first) are slots the kernel left unused: skipped.
 void merge_row(const pa::Params& p, int64_t i) {
   const int64_t D = p.head_dim, M = p.C * p.group, np = p.nparts;
-  float acc[128];
+  float acc[pa::kMaxHeadDim];
   const int64_t g = i / M, r = i % M, G = pa::group_of(p, g), t = r / G, h = r % G;
   if (r >= p.C * G) return;
   const float* part0 = p.partial + (g * np * M + r) * (D + 2);
@@ -224,7 +233,7 @@ Shapes check_quant_cache(const torch::Tensor& c, int64_t page_size, const char* 
   TORCH_CHECK(page_size > 0 && page_size % 32 == 0 && c.size(0) % page_size == 0, what,
               ": page_size must be a positive multiple of 32 dividing the slots, got ", page_size);
   const int64_t D = c.size(2) - 4;
-  TORCH_CHECK(D == 64 || D == 128, what, ": head_dim must be 64 or 128, got ", D);
+  TORCH_CHECK(D == 64 || D == 128 || D == 256, what, ": head_dim must be 64, 128 or 256, got ", D);
   return Shapes{c.size(0) / page_size, c.size(1), page_size, D, false, false, quant_kind(c)};
 }
 
@@ -257,10 +266,12 @@ Shapes check_inputs(int64_t isa, const torch::Tensor& q, const torch::Tensor& kc
 // out[C, Hq, D] = causal attention of q (positions [L, L + C)) over cached tokens [0, L + C).
 torch::Tensor chunk_attention(int64_t isa, torch::Tensor q, torch::Tensor kc, torch::Tensor vc, torch::Tensor pt,
                               int64_t L, double scale, c10::optional<torch::Tensor> out_opt, int64_t qtile,
-                              int64_t kv_split, int64_t page_size, c10::optional<torch::Tensor> q_first) {
+                              int64_t kv_split, int64_t page_size, c10::optional<torch::Tensor> q_first,
+                              int64_t window) {
   const auto [P, Hkv, ps, D, q_bf16, kv_bf16, kv_quant] = check_inputs(isa, q, kc, vc, "C", page_size);
   const int64_t C = q.size(0), Hq = q.size(1);
   TORCH_CHECK(L >= 0, "prefix_len must be >= 0");
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: none), got ", window);
   const auto [G, heads] = head_groups(q_first, Hq, Hkv);
   torch::Tensor out;
   if (out_opt.has_value()) {
@@ -271,13 +282,15 @@ torch::Tensor chunk_attention(int64_t isa, torch::Tensor q, torch::Tensor kc, to
     out = torch::empty({C, Hq, D}, q.options());
   }
   if (C == 0) return out;
-  check_pages(pt, (L + C + ps - 1) / ps, P);
+  pa::Params p{};
+  p.window = window;
+  p.kv_begin = pa::window_group(window, L);  // no key before it is read: its page on must be real
+  check_pages(pt, (L + C + ps - 1) / ps, P, p.kv_begin / ps);
   // About 128 rows per item: each K/V step fetched serves all of them.
   if (qtile <= 0) qtile = std::max<int64_t>(1, 128 / G);
   qtile = std::min(qtile, C);
   TORCH_CHECK(qtile * G <= 2048, "qtile * group must be <= 2048");
 
-  pa::Params p{};
   p.q = q.data_ptr();
   p.q_st = q.stride(0);
   p.q_sh = q.stride(1);
@@ -299,8 +312,7 @@ torch::Tensor chunk_attention(int64_t isa, torch::Tensor q, torch::Tensor kc, to
   p.q_bf16 = q_bf16;
   p.kv_bf16 = kv_bf16;
   p.kv_quant = kv_quant;
-  p.kv_part = choose_kv_part(kv_split, C, qtile, L + C);
-  p.nparts = p.kv_part ? (L + C + p.kv_part - 1) / p.kv_part : 1;
+  split_kv(p, kv_split);
   torch::Tensor partial;
   if (p.nparts > 1) {
     partial = torch::empty({Hkv * p.nparts * C * G * (D + 2)}, torch::kFloat);
@@ -375,7 +387,7 @@ struct NewTokens {
   // One row as kv_quant.quantize writes it: s = max |x| / qmax (at least FLT_MIN), codes
   // x / s clamped to +-qmax, rounded half to even (int8) or to the nearest e4m3 value.
   void quantize_row(const char* src, char* dst) const {
-    float x[128];
+    float x[pa::kMaxHeadDim];
     for (int64_t d = 0; d < D; ++d) {
       if (src_f32) {
         std::memcpy(&x[d], src + 4 * d, 4);
@@ -408,8 +420,10 @@ struct NewTokens {
 };
 
 // Checks of decode_attention's per-step arguments: every table row covers its sequence's
-// tokens [0, L + 1) with pages in range, and no two sequences write into the same page.
-void check_decode_tables(const torch::Tensor& tables, const torch::Tensor& lens, int64_t B, int64_t ps, int64_t P) {
+// tokens [0, L + 1) with pages in range (from its window's first page on), and no two
+// sequences write into the same page.
+void check_decode_tables(const torch::Tensor& tables, const torch::Tensor& lens, int64_t B, int64_t ps, int64_t P,
+                         int64_t window) {
   TORCH_CHECK(tables.scalar_type() == torch::kInt32 && tables.dim() == 2 && tables.is_contiguous() &&
                   tables.size(0) == B,
               "page_tables: expected a contiguous int32 tensor [", B, ", pages], got ", tables.scalar_type(), " ",
@@ -424,7 +438,7 @@ void check_decode_tables(const torch::Tensor& tables, const torch::Tensor& lens,
     TORCH_CHECK(L[b] >= 0, "prefix_lens[", b, "] = ", L[b], " must be >= 0");
     const int64_t needed = L[b] / ps + 1;
     TORCH_CHECK(needed <= W, "page_tables row ", b, ": ", W, " pages, need ", needed, " for prefix_len ", L[b]);
-    for (int64_t i = 0; i < needed; ++i)
+    for (int64_t i = pa::window_group(window, L[b]) / ps; i < needed; ++i)
       TORCH_CHECK(t[b * W + i] >= 0 && t[b * W + i] < P, "page_tables[", b, ", ", i, "] = ", t[b * W + i],
                   " out of range [0, ", P, ")");
     for (int64_t c = 0; c < b; ++c)
@@ -531,16 +545,20 @@ void merge_gathered(torch::Tensor gathered, torch::Tensor counts, torch::Tensor 
 // so the bits equal B chunk_attention calls at any thread count.
 void decode_attention(int64_t isa, torch::Tensor q, torch::Tensor k, torch::Tensor v, torch::Tensor kc,
                       torch::Tensor vc, torch::Tensor tables, torch::Tensor lens, double scale, torch::Tensor out,
-                      int64_t page_size, c10::optional<torch::Tensor> q_first, int64_t shared_head,
-                      c10::optional<torch::Tensor> shared_parts, c10::optional<torch::Tensor> shared_out) {
+                      int64_t page_size, c10::optional<torch::Tensor> q_first, int64_t window,
+                      int64_t shared_head, c10::optional<torch::Tensor> shared_parts,
+                      c10::optional<torch::Tensor> shared_out) {
   const auto [P, Hkv, ps, D, q_bf16, kv_bf16, kv_quant] = check_inputs(isa, q, kc, vc, "B", page_size);
+  TORCH_CHECK(window >= 0, "window must be >= 0 (0: none), got ", window);
+  // A shared head's parts are cut over the whole prefix; no windowed model splits heads by TP.
+  TORCH_CHECK(window == 0 || shared_head < 0, "shared_head is not taken with a window");
   const int64_t B = q.size(0), Hq = q.size(1);
   check_tokens(k, "k_new", Hkv, D, q.scalar_type());
   check_tokens(v, "v_new", Hkv, D, q.scalar_type());
   check_tokens(out, "out", Hq, D, q.scalar_type());
   TORCH_CHECK(k.size(0) == B && v.size(0) == B && out.size(0) == B, "q, k_new, v_new and out need ", B,
               " rows each, got ", k.size(0), ", ", v.size(0), ", ", out.size(0));
-  check_decode_tables(tables, lens, B, ps, P);
+  check_decode_tables(tables, lens, B, ps, P, window);
   if (B == 0) return;
   const auto [G, heads] = head_groups(q_first, Hq, Hkv);
   const int64_t W = tables.size(1);
@@ -572,8 +590,8 @@ void decode_attention(int64_t isa, torch::Tensor q, torch::Tensor k, torch::Tens
     p.q_bf16 = q_bf16;
     p.kv_bf16 = kv_bf16;
     p.kv_quant = kv_quant;
-    p.kv_part = choose_kv_part(0, 1, 1, L[b] + 1);
-    p.nparts = p.kv_part ? (L[b] + 1 + p.kv_part - 1) / p.kv_part : 1;
+    p.window = window;
+    split_kv(p, 0);
     part_at[b] = partial_floats;
     if (p.nparts > 1) partial_floats += Hkv * p.nparts * G * (D + 2);
     order[b] = b;
@@ -586,7 +604,9 @@ void decode_attention(int64_t isa, torch::Tensor q, torch::Tensor k, torch::Tens
 
   const NewTokens tokens(kc, vc, k, v, ps);
   // Items of the sequences with the most keys per item first, so the last items are short.
-  auto keys_per_item = [&](int64_t b) { return (L[b] + 1 + seqs[b].nparts - 1) / seqs[b].nparts; };
+  auto keys_per_item = [&](int64_t b) {
+    return (L[b] + 1 - seqs[b].kv_begin + seqs[b].nparts - 1) / seqs[b].nparts;
+  };
   std::stable_sort(order.begin(), order.end(), [&](int64_t a, int64_t b) { return keys_per_item(a) > keys_per_item(b); });
   for (int64_t j = 0; j < B; ++j) first[j + 1] = first[j] + pa::num_items(seqs[order[j]]);
   const int64_t n = first[B];
@@ -627,12 +647,14 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("chunk_attention", &chunk_attention, "fused causal chunk attention (vector kernels)", py::arg("isa"),
         py::arg("q"), py::arg("k_cache"), py::arg("v_cache"), py::arg("page_table"), py::arg("prefix_len"),
         py::arg("scale"), py::arg("out") = py::none(), py::arg("qtile") = 0, py::arg("kv_split") = 0,
-        py::arg("page_size") = 0, py::arg("q_first") = py::none(), py::call_guard<py::gil_scoped_release>());
+        py::arg("page_size") = 0, py::arg("q_first") = py::none(), py::arg("window") = 0,
+        py::call_guard<py::gil_scoped_release>());
   m.def("decode_attention", &decode_attention,
         "one decode step of a layer for all sequences: KV write + attention (vector kernels)", py::arg("isa"),
         py::arg("q"), py::arg("k_new"), py::arg("v_new"), py::arg("k_cache"), py::arg("v_cache"),
         py::arg("page_tables"), py::arg("prefix_lens"), py::arg("scale"), py::arg("out"),
-        py::arg("page_size") = 0, py::arg("q_first") = py::none(), py::arg("shared_head") = -1,
+        py::arg("page_size") = 0, py::arg("q_first") = py::none(), py::arg("window") = 0,
+        py::arg("shared_head") = -1,
         py::arg("shared_parts") = py::none(), py::arg("shared_out") = py::none(),
         py::call_guard<py::gil_scoped_release>());
   m.def("merge_gathered", &merge_gathered, "a shared kv head's parts from every rank, merged into out",

@@ -322,6 +322,7 @@ struct Kernel {
   int M, nblk;
   float c;
   int64_t kend_b[2048 / R + 1];
+  int64_t kstart_b[2048 / R + 1];  // a sliding window's first key of each block's first row
 
   Kernel(const Params& p_, const Scratch& s_, int64_t item) : p(p_), s(s_) {
     const int64_t Hkv = p.num_kv_heads, ps = p.page_size;
@@ -347,9 +348,11 @@ struct Kernel {
     for (int b = 0; b < nblk; ++b) {
       const int last = R * b + R - 1 < M - 1 ? R * b + R - 1 : M - 1;
       kend_b[b] = base_pos + last / G + 1;
+      kstart_b[b] = first_key(p, base_pos + R * b / G);
     }
     kend = kend_b[nblk - 1];
-    kv_lo = part * p.kv_part;  // split KV: this item's keys [kv_lo, kv_hi) only
+    // Split KV: this item's keys [kv_lo, kv_hi) only; else from the tile's window on.
+    kv_lo = p.nparts > 1 ? p.kv_begin + part * p.kv_part : window_group(p.window, base_pos);
     kv_hi = p.nparts > 1 && kv_lo + p.kv_part < kend ? kv_lo + p.kv_part : kend;
   }
 
@@ -521,11 +524,13 @@ struct Kernel {
     }
   }
 
-  // One row of ncol scores: columns > lim masked; softmax'd in place (and as bf16 into prow).
+  // One row of ncol scores: columns < lo (before a window) and > lim masked; softmax'd in
+  // place (and as bf16 into prow).
   // The row's sum stays a vector (s.l[r * W ..]) until the epilogue: no reduction per step.
   // vs (a quantized cache's value scales; null: none): the probabilities P V reads are p x vs,
   // the sum is of p.
-  void softmax_row(float* srow, uint16_t* prow, int ncol, int lim, int r, const float* vs) const {
+  void softmax_row(float* srow, uint16_t* prow, int ncol, int lo, int lim, int r, const float* vs) const {
+    for (int x = 0; x < lo; ++x) srow[x] = kNegInf;
     if (lim < ncol - 1)
       for (int x = lim + 1; x < ncol; ++x) srow[x] = kNegInf;
     vf mx0 = splat(kNegInf), mx1 = mx0;
@@ -669,21 +674,25 @@ struct Kernel {
         for (int i = 4 * kRunLines * b / nblk; i < 4 * kRunLines * (b + 1) / nblk; ++i)
           if (next[i / kRunLines]) __builtin_prefetch(next[i / kRunLines] + 64 * (i % kRunLines), 0, 2);
         const int64_t hi = kend_b[b] < kv_hi ? kend_b[b] : kv_hi;
-        if (hi <= kv0) continue;
+        // The block sees none of the step: all keys after its last row, or before its first
+        // row's window (rows later in a block start their windows later still).
+        if (hi <= kv0 || kstart_b[b] >= (hi < kv0 + NB ? hi : kv0 + NB)) continue;
         const int64_t nb = hi - kv0 < NB ? hi - kv0 : NB;
         const int ncol = (int)((nb + 15) / 16 * 16);
         qk_block(b, kg, ncol / 16);
         for (int i = 0; i < R; ++i) {
           const int r = R * b + i;
           const int rr = r < M ? r : M - 1;  // padding rows behave like the last real row
-          const int64_t lim = base_pos + rr / G - kv0;  // last visible column of this row
+          const int64_t pos = base_pos + rr / G;
+          const int64_t lim = pos - kv0;                // last visible column of this row
+          const int64_t lo = first_key(p, pos) - kv0;  // first visible column (a window)
           float* srow = s.s + i * NB;
           uint16_t* prow = s.p + i * NB;
-          if (lim < 0) {  // the row sees none of this step: zero probabilities
+          if (lim < 0 || lo >= ncol) {  // the row sees none of this step: zero probabilities
             std::memset(srow, 0, ncol * 4);
             std::memset(prow, 0, ncol * 2);
           } else {
-            softmax_row(srow, prow, ncol, (int)(lim < ncol - 1 ? lim : ncol - 1), r,
+            softmax_row(srow, prow, ncol, (int)(lo > 0 ? lo : 0), (int)(lim < ncol - 1 ? lim : ncol - 1), r,
                         p.kv_quant ? s.vs : nullptr);
           }
         }
@@ -732,7 +741,7 @@ struct Kernel {
 // largest (an error of 1 / 65534 of it per weight, where the bf16 kernel rounds p to 8 bits),
 // two keys' codes interleaved per dim, vpmaddwd into int32 (exact), the sums taken into the
 // float32 output once per step. Float32 q keeps the widening path (its tolerance is float32's).
-alignas(64) const int8_t kZeroRow[128 + 4] = {};
+alignas(64) const int8_t kZeroRow[kMaxHeadDim + 4] = {};
 
 #if PF_ATTN_WIDTH == 16
 typedef __m512i ivec;
@@ -813,9 +822,12 @@ struct QuantDecode {
   QuantDecode(const Params& p_, const Scratch& s_, int64_t item) : p(p_), s(s_) {
     part = item_part(p, item);
     g = item_tile_head(p, item) % p.num_kv_heads;  // one q-tile: C = 1
-    kv_lo = part * p.kv_part;
-    const int64_t kend = p.L + 1;
+    // Split parts count from the window's group; the first part starts at the first key seen
+    // (this path masks nothing, so it reads no key before it).
+    const int64_t first = first_key(p, p.L), kend = p.L + 1;
+    kv_lo = p.nparts > 1 ? p.kv_begin + part * p.kv_part : first;
     kv_hi = p.nparts > 1 && kv_lo + p.kv_part < kend ? kv_lo + p.kv_part : kend;
+    if (kv_lo < first) kv_lo = first;
     const float c = p.scale * 1.4426950408889634f;
     for (int r = 0; r < R; ++r) {
       const char* src = static_cast<const char*>(p.q) + (g * R + r) * p.q_sh * (p.q_bf16 ? 2 : 4);
@@ -1234,19 +1246,23 @@ void run_d(const Params& p, int64_t item, const Scratch& s) {
 
 }  // namespace
 
-void run_item(const Params& p, int64_t item, const Scratch& s) {
+// One head dim's kernels: bf16 or float32 values (the bf16 kernel reads bf16 only).
+template <int D>
+void run_dim(const Params& p, int64_t item, const Scratch& s) {
 #if PF_ATTN_BF16DOT
-  if (p.head_dim == 64) run_d<64, true>(p, item, s);
-  else run_d<128, true>(p, item, s);
+  run_d<D, true>(p, item, s);
 #else
-  if (p.head_dim == 64) {
-    if (p.kv_bf16) run_d<64, true>(p, item, s);
-    else run_d<64, false>(p, item, s);
-  } else {
-    if (p.kv_bf16) run_d<128, true>(p, item, s);
-    else run_d<128, false>(p, item, s);
-  }
+  if (p.kv_bf16) run_d<D, true>(p, item, s);
+  else run_d<D, false>(p, item, s);
 #endif
+}
+
+void run_item(const Params& p, int64_t item, const Scratch& s) {
+  switch (p.head_dim) {
+    case 64: return run_dim<64>(p, item, s);
+    case 128: return run_dim<128>(p, item, s);
+    default: return run_dim<256>(p, item, s);  // Gemma 3 (the glue admits 64, 128, 256 only)
+  }
 }
 
 }  // namespace PF_ATTN_NS

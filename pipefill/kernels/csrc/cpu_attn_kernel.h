@@ -46,6 +46,10 @@ struct Params {
   // (unnormalised O, max in the log2 domain, sum), merged by the glue in part order.
   int64_t kv_part, nparts;
   float* partial;
+  // Sliding window (ARCHITECTURE.md, 'Window pages'): the query at position pos sees keys
+  // (pos - window, pos]; 0: the whole prefix. Split parts count from kv_begin (window_group of
+  // the first query), so a long context's parts cover only the keys some query sees.
+  int64_t window, kv_begin;
   float scale;
   bool q_bf16, kv_bf16;  // kv_bf16: the packed values the inner loops read (scratch if quantized)
   int kv_quant;          // 0: packed bf16/float32 cache; 1: int8 rows; 2: fp8_e4m3 rows
@@ -66,6 +70,7 @@ struct Scratch {
   float* vs;    // [kStep] and V row scales, applied to the probabilities
 };
 
+constexpr int kMaxHeadDim = 256;  // head dims 64, 128 and 256
 constexpr int kMaxRows = 8;  // rows per register block (avx512: 8, avx2: 6; decode: 4)
 constexpr int kLanes = 16;   // floats per row of Scratch::l (the widest vector)
 
@@ -74,6 +79,13 @@ inline int64_t rows_pad(int64_t qtile, int64_t group) { return (qtile * group + 
 
 inline int64_t group_of(const Params& p, int64_t g) { return p.q_first ? p.q_first[g + 1] - p.q_first[g] : p.group; }
 inline int64_t first_q_head(const Params& p, int64_t g) { return p.q_first ? p.q_first[g] : g * p.group; }
+
+// The first key the query at position pos sees under a window (0: none).
+inline int64_t first_key(int64_t window, int64_t pos) { return window && pos >= window ? pos - window + 1 : 0; }
+inline int64_t first_key(const Params& p, int64_t pos) { return first_key(p.window, pos); }
+// first_key rounded down to its 32-token group, where the packed loops start: the group lies
+// in the first key's page, which a window table still holds (freed pages are never read).
+inline int64_t window_group(int64_t window, int64_t pos) { return first_key(window, pos) / 32 * 32; }
 
 inline int64_t num_items(const Params& p) { return p.num_kv_heads * ((p.C + p.qtile - 1) / p.qtile) * p.nparts; }
 

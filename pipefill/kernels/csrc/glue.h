@@ -234,7 +234,8 @@ inline const char* dtype_name(torch::ScalarType t) {
 }
 
 // A packed layer cache [num_pages, kv_heads, page_size, head_dim]: bfloat16 (or float32 when
-// `float32_too`), contiguous, whole 32-token groups per page, head_dim 64 or 128.
+// `float32_too`), contiguous, whole 32-token groups per page, head_dim 64, 128 or 256 (the AMX
+// kernel's attention takes 64 and 128 only and says so itself; packing takes any of them).
 inline void check_cache(const torch::Tensor& c, const char* what, bool float32_too) {
   TORCH_CHECK(c.dim() == 4, what, ": expected [num_pages, kv_heads, page_size, head_dim], got ", c.sizes());
   const bool dtype_ok = c.scalar_type() == torch::kBFloat16 || (float32_too && c.scalar_type() == torch::kFloat);
@@ -242,16 +243,18 @@ inline void check_cache(const torch::Tensor& c, const char* what, bool float32_t
               dtype_name(c.scalar_type()));
   TORCH_CHECK(c.is_contiguous(), what, ": must be contiguous");
   TORCH_CHECK(c.size(2) % 32 == 0, what, ": page_size must be a multiple of 32, got ", c.size(2));
-  TORCH_CHECK(c.size(3) == 64 || c.size(3) == 128, what, ": head_dim must be 64 or 128, got ", c.size(3));
+  TORCH_CHECK(c.size(3) == 64 || c.size(3) == 128 || c.size(3) == 256, what, ": head_dim must be 64, 128 or 256, got ",
+              c.size(3));
 }
 
-// A sequence's page table: int32, at least `needed` pages, each in [0, num_pages).
-inline void check_pages(const torch::Tensor& pt, int64_t needed, int64_t num_pages) {
+// A sequence's page table: int32, at least `needed` pages, entries [first, needed) in
+// [0, num_pages) (a sliding window's table holds freed pages before `first`, never read).
+inline void check_pages(const torch::Tensor& pt, int64_t needed, int64_t num_pages, int64_t first = 0) {
   TORCH_CHECK(pt.scalar_type() == torch::kInt32 && pt.dim() == 1 && pt.is_contiguous(),
               "page_table: expected a contiguous 1-D int32 tensor");
   TORCH_CHECK(pt.size(0) >= needed, "page_table: ", pt.size(0), " pages, need ", needed);
   const int32_t* p = pt.data_ptr<int32_t>();
-  for (int64_t i = 0; i < needed; ++i)
+  for (int64_t i = first; i < needed; ++i)
     TORCH_CHECK(p[i] >= 0 && p[i] < num_pages, "page_table[", i, "] = ", p[i], " out of range [0, ", num_pages, ")");
 }
 
@@ -269,7 +272,8 @@ struct KvWrite {
 };
 
 // A write's checks: the caches alike (check_cache), k/v [C, heads, head_dim] in their dtype,
-// start >= 0 and, when C > 0, a page table covering positions [0, start + C).
+// start >= 0 and, when C > 0, a page table covering positions [0, start + C) whose pages from
+// start's on are in range (the ones written).
 inline KvWrite check_kv_write(const torch::Tensor& kc, const torch::Tensor& vc, const torch::Tensor& k,
                               const torch::Tensor& v, const torch::Tensor& pt, int64_t start, bool float32_too) {
   check_cache(kc, "k_cache", float32_too);
@@ -280,7 +284,7 @@ inline KvWrite check_kv_write(const torch::Tensor& kc, const torch::Tensor& vc, 
   check_tokens(v, "v_new", w.heads, w.head_dim, kc.scalar_type());
   TORCH_CHECK(k.size(0) == v.size(0), "k_new and v_new lengths differ");
   TORCH_CHECK(start >= 0, "start must be >= 0");
-  if (w.end > start) check_pages(pt, (w.end + w.page_size - 1) / w.page_size, w.num_pages);
+  if (w.end > start) check_pages(pt, (w.end + w.page_size - 1) / w.page_size, w.num_pages, start / w.page_size);
   return w;
 }
 #endif  // PF_GLUE_TENSORS

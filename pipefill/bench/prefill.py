@@ -34,6 +34,7 @@ from pipefill.bench.memory import (format_report, held_kv_bytes, memory_report,
 from pipefill.bench.roofline import matmul_peak_flops, prefill_flops
 from pipefill.config import (ServerArgs, server_args_from_namespace,
                              server_args_parser_group)
+from pipefill.model.attention import KERNEL_BACKENDS
 
 log = logging.getLogger("pipefill.bench")
 
@@ -63,6 +64,9 @@ def add_parser(sub) -> None:
                    help="also time every configuration with each of these --prefill-gemm "
                         "values (comma-separated: torch, onednn), in turn with it in every "
                         "repetition, named <configuration>-<value>")
+    p.add_argument("--compare-attention-backend", metavar="LIST", default="",
+                   help="likewise for --attention-backend values (comma-separated, e.g. auto "
+                        "beside --attention-backend sdpa)")
     p.add_argument("--compare-weight-dtype", metavar="LIST", default="",
                    help="likewise for --weight-dtype values (comma-separated, e.g. bfloat16,gguf: "
                         "a GGUF file dequantized against its blocks kept quantized)")
@@ -175,6 +179,11 @@ def gemm_variants(configs: list[Config], values: str) -> list[Config]:
     return flag_variants(configs, "prefill_gemm", values, CHOICES)
 
 
+def attention_variants(configs: list[Config], values: str) -> list[Config]:
+    return flag_variants(configs, "attention_backend", values,
+                         ("auto", *KERNEL_BACKENDS, "sdpa"))
+
+
 def weight_variants(configs: list[Config], values: str) -> list[Config]:
     """Every configuration again with each --weight-dtype value of `values` (auto against
     gguf: dequantized weights against GGUF blocks kept quantized)."""
@@ -227,6 +236,7 @@ def run(ns: argparse.Namespace) -> int:
     configs = make_configs(args, pp_sizes, ns.with_auto)
     base = configs
     configs = configs + gemm_variants(base, ns.compare_prefill_gemm) \
+        + attention_variants(base, ns.compare_attention_backend) \
         + weight_variants(base, ns.compare_weight_dtype) \
         + tp_variants(base, ns.compare_tp_size) \
         + transport_variants(base, ns.compare_tp_stage_transport)

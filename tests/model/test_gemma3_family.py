@@ -210,6 +210,32 @@ def test_window_attention_sees_the_last_window_keys(prefix, chunk, window, slots
         torch.testing.assert_close(out[i].double(), weights @ values, atol=1e-5, rtol=1e-5)
 
 
+def test_int8_decode_row_reads_only_its_window_natively():
+    """On the sdpa path a decode row over an int8 cache runs the C++ kernel on its window's
+    rows only (the rows before it hold NaN scales): equal to the torch path, which
+    dequantizes the window."""
+    from pipefill.kernels.kv_quant import store
+    from pipefill.model.attention import SeqMeta, attend_sequence, native_decode_isa
+    isa = native_decode_isa(torch.int8)
+    if isa is None:
+        pytest.skip("the int8 decode kernel does not run here")
+    torch.manual_seed(0)
+    window, prefix, dim = 7, 30, 256
+    k_cache = torch.zeros(64, 1, dim + 4, dtype=torch.int8)
+    v_cache = torch.zeros_like(k_cache)
+    k, v = torch.randn(prefix + 1, 1, dim), torch.randn(prefix + 1, 1, dim)
+    store(k_cache, slice(0, prefix + 1), k)
+    store(v_cache, slice(0, prefix + 1), v)
+    for cache in (k_cache, v_cache):
+        cache[:prefix + 1 - window, :, dim:].view(torch.float32).fill_(float("nan"))
+    q = torch.randn(1, 4, dim)
+    seq = SeqMeta(0, 1, prefix, slice(prefix, prefix + 1), slice(0, prefix + 1),
+                  torch.zeros(1, dtype=torch.int32))
+    args = (q, k[prefix:], v[prefix:], k_cache, v_cache, seq, dim ** -0.5, window)
+    native = attend_sequence(*args, native=isa)
+    torch.testing.assert_close(native, attend_sequence(*args), atol=1e-5, rtol=1e-5)
+
+
 LONG_PAGE, LONG_CHUNK = 4, 16
 LONG = [_rng.randrange(512) for _ in range(20 * TEXT["pattern"]["sliding_window"])]
 

@@ -35,10 +35,18 @@ SHAPES = [
     (517, 3, 3, 2, 128, 32, 40),     # a few rows past many freed pages
     (300, 200, 1, 2, 64, 64, 512),   # window longer than the prefix: the first rows see all
     (1000, 1, 4, 1, 256, 64, 512),   # one token, Gemma 3's shape
-    (3000, 1, 2, 1, 256, 32, 2600),  # one token, split KV over the window's keys only
+    (3000, 1, 2, 1, 256, 32, 2600),  # one token, split KV over the window's keys only (slow)
     (130, 77, 4, 1, 256, 64, 0),     # head dim 256 without a window
 ]
-SHAPE_IDS = ["L{}-C{}-G{}-H{}-D{}-ps{}-w{}".format(*s) for s in SHAPES]
+
+
+def cases(items, name):
+    """pytest params of `items`, named by `name`; those past 2,048 keys are slow."""
+    return [pytest.param(c, id=name.format(*c), marks=[pytest.mark.slow] if c[0] > 2048 else [])
+            for c in items]
+
+
+SHAPE_CASES = cases(SHAPES, "L{}-C{}-G{}-H{}-D{}-ps{}-w{}")
 
 
 def reference(q, k, v, prefix_len, scale, window):
@@ -100,7 +108,7 @@ def dequantized(cache, table, n, ps):
 
 
 @pytest.mark.parametrize("isa,q_dtype,kv_dtype", PACKED)
-@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("shape", SHAPE_CASES)
 def test_window_chunk_over_packed_cache(isa, q_dtype, kv_dtype, shape):
     L, C, G, hkv, D, ps, window = shape
     gen = torch.Generator().manual_seed(L + C + D)
@@ -119,7 +127,7 @@ def test_window_chunk_over_packed_cache(isa, q_dtype, kv_dtype, shape):
 
 @pytest.mark.parametrize("quant", QUANT)
 @pytest.mark.parametrize("isa,q_dtype", QUANTIZED)
-@pytest.mark.parametrize("shape", SHAPES, ids=SHAPE_IDS)
+@pytest.mark.parametrize("shape", SHAPE_CASES)
 def test_window_chunk_over_quantized_cache(isa, q_dtype, quant, shape):
     L, C, G, hkv, D, ps, window = shape
     gen = torch.Generator().manual_seed(L + C + D)
@@ -142,7 +150,7 @@ def test_window_chunk_over_quantized_cache(isa, q_dtype, quant, shape):
 DECODE = [(64, 4, 1, 256, 32, [0, 5, 63, 64, 100, 700]),
           (40, 3, 2, 128, 64, [39, 40, 41, 300]),
           (2600, 2, 1, 256, 64, [3000, 100])]
-DECODE_IDS = ["w{}-G{}-H{}-D{}-ps{}".format(*d[:5]) for d in DECODE]
+DECODE_CASES = cases(DECODE, "w{}-G{}-H{}-D{}-ps{}")
 
 
 def decode_case(window, G, hkv, D, ps, lens, setup, write, dtype, q_dtype, gen):
@@ -192,7 +200,7 @@ def check_decode(isa, q_dtype, case, lens, window, page_size, dequant):
 
 
 @pytest.mark.parametrize("isa,q_dtype,kv_dtype", PACKED)
-@pytest.mark.parametrize("case", DECODE, ids=DECODE_IDS)
+@pytest.mark.parametrize("case", DECODE_CASES)
 def test_window_decode_batch_over_packed_cache(isa, q_dtype, kv_dtype, case):
     window, G, hkv, D, ps, lens = case
     gen = torch.Generator().manual_seed(window + D)
@@ -205,7 +213,7 @@ def test_window_decode_batch_over_packed_cache(isa, q_dtype, kv_dtype, case):
 
 @pytest.mark.parametrize("quant", QUANT)
 @pytest.mark.parametrize("isa,q_dtype", QUANTIZED)
-@pytest.mark.parametrize("case", DECODE, ids=DECODE_IDS)
+@pytest.mark.parametrize("case", DECODE_CASES)
 def test_window_decode_batch_over_quantized_cache(isa, q_dtype, quant, case):
     window, G, hkv, D, ps, lens = case
     gen = torch.Generator().manual_seed(window + D)

@@ -168,3 +168,53 @@ def random_blocks(qtype: int, n: int, k: int, rng: np.random.Generator,
         m = rng.uniform(0.5, 1.5, (n, k // weights, 1)) * std / spread * centre
         blocks[..., 2:4] = m.astype(np.float16).view(np.uint8)
     return blocks.reshape(n, -1)
+
+
+# The 16-row layout of the 32-weight types (the VNNI decode GEMM's, csrc/quant_int8_rows16.h):
+# the same bytes, rows padded with zero rows to a multiple of 16, then per group of 16 rows and
+# per block column b, the group's 16 blocks b field by field, each field cut into units of
+# `unit` bytes and stored unit-major, row-minor. The kernel then loads a field for 16 rows
+# with one instruction: 16 halves d (and m) widen into one float register, and each 64-byte
+# unit register holds dword j of the codes of 16 rows, one row per 32-bit lane.
+ROWS16 = 16
+_ROWS16_FIELDS = {"Q4_0": ((0, 2, 2), (2, 18, 4)),  # (first byte, end, unit bytes)
+                  "Q4_1": ((0, 2, 2), (2, 4, 2), (4, 20, 4)),
+                  "Q5_0": ((0, 2, 2), (2, 6, 4), (6, 22, 4)),
+                  "Q8_0": ((0, 2, 2), (2, 34, 4))}
+
+
+def rows16_supported(qtype: int) -> bool:
+    return type_name(qtype) in _ROWS16_FIELDS
+
+
+def rows16_padded(n: int) -> int:
+    return -(-n // ROWS16) * ROWS16
+
+
+def to_rows16(raw, qtype: int):
+    """uint8 torch [N, row_bytes] (the file's rows) -> uint8 [rows16_padded(N), row_bytes] in
+    the 16-row layout (above)."""
+    import torch  # the rest of this module is numpy only
+    name, _, size = BLOCK_TYPES[qtype]
+    n, nbytes = raw.shape
+    padded = torch.zeros(rows16_padded(n), nbytes, dtype=torch.uint8)
+    padded[:n] = raw
+    b = padded.view(-1, ROWS16, nbytes // size, size)  # group, row, block, byte
+    fields = [b[..., lo:hi].unflatten(-1, ((hi - lo) // unit, unit)).permute(0, 2, 3, 1, 4)
+              .flatten(2) for lo, hi, unit in _ROWS16_FIELDS[name]]  # group, block, bytes
+    return torch.cat(fields, dim=-1).reshape(padded.shape)
+
+
+def from_rows16(packed, qtype: int, n: int):
+    """to_rows16's inverse: the first n rows as the file holds them, uint8 [n, row_bytes]."""
+    import torch
+    name, _, size = BLOCK_TYPES[qtype]
+    rows, nbytes = packed.shape
+    p = packed.view(rows // ROWS16, nbytes // size, ROWS16 * size)
+    out = torch.empty(rows // ROWS16, ROWS16, nbytes // size, size, dtype=torch.uint8)
+    at = 0
+    for lo, hi, unit in _ROWS16_FIELDS[name]:
+        field = p[..., at:at + ROWS16 * (hi - lo)].unflatten(-1, ((hi - lo) // unit, ROWS16, unit))
+        out[..., lo:hi] = field.permute(0, 3, 1, 2, 4).flatten(-2)
+        at += ROWS16 * (hi - lo)
+    return out.reshape(rows, nbytes)[:n]

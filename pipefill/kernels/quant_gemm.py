@@ -64,7 +64,8 @@ import torch.nn.functional as F
 from pipefill.kernels.build import CSRC, GLUE_VECTOR_ISA, IsaExtension, build_isa_extension
 from pipefill.kernels import fp8_blocks
 from pipefill.kernels.decode_gemm import call_operands
-from pipefill.kernels.gguf_blocks import BLOCK_TYPES, row_bytes, supports, type_name
+from pipefill.kernels.gguf_blocks import (BLOCK_TYPES, from_rows16, row_bytes, rows16_supported,
+                                          supports, to_rows16, type_name)
 from pipefill.kernels.prefill_gemm import torch_linear
 
 ISAS = ("avx512", "avx2", "scalar")  # preference order
@@ -88,11 +89,12 @@ _INT8_BASE = {"avx512vnni": "avx512", "avx2": "avx2"}  # the float build each on
 INT8_CPU_FLAGS = {"avx512vnni": ("avx512_vnni", "avx512f", "avx512bw", "avx512vl", "f16c"),
                   "avx2": ("avx2", "fma", "f16c")}
 _INT8_HEADER, _INT8_SIMD = CSRC / "quant_int8_kernel.h", CSRC / "quant_int8_simd.h"
+_ROWS16 = CSRC / "quant_int8_rows16.h"  # the VNNI path's kernel on the 16-row layout
 _SIMD_COMMON = CSRC / "quant_simd_common.h"  # what the vector headers above share
 
 _EXT = IsaExtension("the quantized decode GEMM", functools.partial(
     build_isa_extension, "quant_gemm", "the quantized decode GEMM", ISA_FLAGS,
-    (_HEADER, _SIMD, _FP8_HEADER, _FP8_SIMD, _INT8_HEADER, _INT8_SIMD, _SIMD_COMMON),
+    (_HEADER, _SIMD, _FP8_HEADER, _FP8_SIMD, _INT8_HEADER, _INT8_SIMD, _ROWS16, _SIMD_COMMON),
     (GLUE_VECTOR_ISA, _HEADER, _FP8_HEADER, _INT8_HEADER)),
     _ISA_CODE, "pf_qg_isa_supported")
 
@@ -156,6 +158,12 @@ def choose_int8(disable: tuple[str, ...] = ()) -> tuple[str | None, str]:
     return None, "; ".join(reasons)
 
 
+def rows16_usable(int8: str | None, disable: tuple[str, ...] = ()) -> bool:
+    """Whether the 32-weight types are held in the 16-row layout: on the VNNI integer path,
+    unless `disable` names "int8-rows16" (the row-major kernels, for tests and benchmarks)."""
+    return int8 == "avx512vnni" and "int8-rows16" not in disable
+
+
 def hidden_int8_paths(hidden: str = "") -> tuple[str, ...]:
     """disable entries for the integer paths that need a flag the user hid (--hide-cpu-flags)."""
     flags = {f.strip() for f in hidden.split(",")}
@@ -178,16 +186,28 @@ def quantize_activations(x: torch.Tensor, path: str) -> tuple[torch.Tensor, torc
 @dataclass
 class QuantPart:
     """Rows [offset, offset + rows) of a linear layer's output, as GGUF blocks of one type, or
-    as FP8 codes with their block scales (`scale` set)."""
+    as FP8 codes with their block scales (`scale` set). `rows16`: the blocks are held in the
+    16-row layout (kernels.gguf_blocks.to_rows16: the same bytes, rows padded to a multiple of
+    16) that the VNNI path's 16-row kernel reads; file_rows() gives them back as the file has
+    them."""
     raw: torch.Tensor  # uint8 [rows, row_bytes]; FP8: the codes' bytes [rows, K]
     qtype: int  # GGML type id (kernels.gguf_blocks.BLOCK_TYPES); FP8: FP8_TYPE
     offset: int
     scale: torch.Tensor | None = None  # FP8: float32 [grid rows, ceil(K / 128)]
     scale_row: torch.Tensor | None = None  # FP8: int32 [rows], each row's row of `scale`
+    rows16: int = 0  # the rows held in the 16-row layout (raw has them padded), or 0
 
     @property
     def rows(self) -> int:
-        return self.raw.shape[0]
+        return self.rows16 or self.raw.shape[0]
+
+    def file_rows(self) -> torch.Tensor:
+        """uint8 [rows, row_bytes] in the file's layout (a copy where rows16)."""
+        return from_rows16(self.raw, self.qtype, self.rows16) if self.rows16 else self.raw
+
+    def as_rows16(self) -> QuantPart:
+        return QuantPart(to_rows16(self.raw, self.qtype), self.qtype, self.offset,
+                         rows16=self.rows)
 
     @property
     def type_name(self) -> str:
@@ -234,8 +254,10 @@ class QuantLinear:
                 parts.append(QuantPart(raw.clone() if not raw.is_contiguous() else raw, qtype,
                                        offset))
             offset += raw.shape[0]
-        return cls(parts, in_features, bias, choose_isa(disable)[0], max_rows,
-                   choose_int8(disable)[0])
+        int8 = choose_int8(disable)[0]
+        if rows16_usable(int8, disable):
+            parts = [p.as_rows16() if rows16_supported(p.qtype) else p for p in parts]
+        return cls(parts, in_features, bias, choose_isa(disable)[0], max_rows, int8)
 
     @classmethod
     def from_fp8(cls, matrices: list[tuple[torch.Tensor, torch.Tensor]], in_features: int,
@@ -299,9 +321,9 @@ class QuantLinear:
             if local.numel() != p.rows or local.min() < 0 or local.max() >= p.rows:
                 raise ValueError("take_rows: the order moves rows between parts of different "
                                  "block types")
-            parts.append(QuantPart(p.raw[local].contiguous(), p.qtype, p.offset, p.scale,
-                                   None if p.scale_row is None
-                                   else p.scale_row[local].contiguous()))
+            moved = QuantPart(p.file_rows()[local].contiguous(), p.qtype, p.offset, p.scale,
+                              None if p.scale_row is None else p.scale_row[local].contiguous())
+            parts.append(moved.as_rows16() if p.rows16 else moved)
         return QuantLinear(parts, self.in_features, None, self.isa, self.max_rows, self.int8)
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -339,6 +361,8 @@ class QuantLinear:
                 continue
             gemm, path = ((_EXT.module.pf_qg_int8_gemm, _INT8_CODE[self.int8]) if self.int8
                           else (_EXT.module.pf_qg_gemm, _ISA_CODE[self.isa]))
+            if p.rows16:
+                gemm = _EXT.module.pf_qg_int8_rows16_gemm
             calls.append(functools.partial(
                 gemm, path, x.data_ptr(), _CODE[x.dtype], x.stride(0),
                 p.raw.data_ptr(), p.qtype, p.raw.shape[1], bias,
@@ -370,8 +394,9 @@ class QuantLinear:
                     p.scale_row.data_ptr(), p.scale.shape[1], p.rows, self.in_features,
                     rows.data_ptr(), _CODE[dtype], rows.stride(0))
             else:
-                rc = _EXT.module.pf_qg_dequant(_ISA_CODE[self.isa], p.raw.data_ptr(), p.qtype,
-                                               p.raw.shape[1], p.rows, self.in_features,
+                raw = p.file_rows()
+                rc = _EXT.module.pf_qg_dequant(_ISA_CODE[self.isa], raw.data_ptr(), p.qtype,
+                                               raw.shape[1], p.rows, self.in_features,
                                                rows.data_ptr(), _CODE[dtype], rows.stride(0))
             if rc:
                 raise RuntimeError(f"pipefill dequantize ({self.types}) failed (rc={rc})")
@@ -395,7 +420,7 @@ def _torch_dequantize(p: QuantPart) -> torch.Tensor:
         return fp8_blocks.dequantize(p.raw, p.scale, grid_rows=p.scale_row.long())
     import gguf  # imported here, as model.gguf_file does: only GGUF users pay for it
     return torch.from_numpy(np.ascontiguousarray(
-        gguf.quants.dequantize(p.raw.numpy(), gguf.GGMLQuantizationType(p.qtype)),
+        gguf.quants.dequantize(p.file_rows().numpy(), gguf.GGMLQuantizationType(p.qtype)),
         dtype=np.float32))
 
 

@@ -31,6 +31,7 @@ from pipefill.kernels.gguf_blocks import BLOCK_TYPES, dequantize_reference, rand
 from test_quant_gemm import Q4_0, Q4_1, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0, shapes
 
 TYPES = [Q4_1, Q8_0, Q6_K, Q4_K, Q5_0, Q4_0, Q5_K]  # the default model's first, then Gemma 3's
+ROWS16_TYPES = (Q4_0, Q4_1, Q5_0, Q8_0)  # held in the 16-row layout on the VNNI path
 
 
 def usable(path: str) -> None:
@@ -39,11 +40,15 @@ def usable(path: str) -> None:
         pytest.skip(f"integer path {path} cannot run here: {why}")
 
 
-def linear(path: str, parts, k: int, bias=None) -> qg.QuantLinear:
+def linear(path: str, parts, k: int, bias=None, rows16: bool = True) -> qg.QuantLinear:
+    """The layer on integer path `path`; the 32-weight types in the 16-row layout where the
+    path takes it and `rows16`, else on the row-major kernels."""
     usable(path)
     lin = qg.QuantLinear.from_parts(parts, k, bias, max_rows=64, disable=tuple(
-        f"int8-{p}" for p in qg.INT8_PATHS if p != path))
+        f"int8-{p}" for p in qg.INT8_PATHS if p != path) + (() if rows16 else ("int8-rows16",)))
     assert lin.int8 == path and path in lin.decode_path
+    assert all(bool(p.rows16) == (rows16 and path == "avx512vnni" and p.qtype in ROWS16_TYPES)
+               for p in lin.parts)
     return lin
 
 
@@ -118,7 +123,7 @@ def test_int8_gemm_against_float64(path, qtype):
     for m, k, n in shapes(qtype):  # K not whole groups of 128 for the 32-weight types
         g = np.random.default_rng(7 * m + k + n + qtype)
         parts = [(random_blocks(qtype, n, k, g), qtype)]
-        lin = linear(path, parts, k)
+        lin = linear(path, parts, k, rows16=False)
         x = torch.from_numpy(g.standard_normal((m, k)).astype(np.float32))
         x[:, :32] *= 40  # blocks of very different scales
         check(lin, x, parts, path, k)
@@ -139,10 +144,49 @@ def test_int8_unit_lanes_against_float64(path, qtype):
     for m, k, n in UNIT_LANE_SHAPES:
         g = np.random.default_rng(5 * m + k + n + qtype)
         parts = [(random_blocks(qtype, n, k, g), qtype)]
-        lin = linear(path, parts, k)
+        lin = linear(path, parts, k, rows16=False)
         x = torch.from_numpy(g.standard_normal((m, k)).astype(np.float32))
         x[:, -32:] *= 40  # the last unit (in the last step) of another scale
         check(lin, x, parts, path, k)
+
+
+# (M, K, N) for the 16-row layout: N a multiple of 16 and not (the last group's padding rows,
+# its outputs masked), M around the 8-row tiles, K from one block up to the SmolLM2 MLP's.
+ROWS16_SHAPES = [(1, 576, 576), (1, 32, 17), (2, 1536, 40), (3, 64, 16), (8, 576, 33),
+                 (9, 320, 48), (17, 96, 31), (33, 160, 5)]
+
+
+@pytest.mark.parametrize("qtype", ROWS16_TYPES, ids=lambda t: BLOCK_TYPES[t][0])
+def test_rows16_against_float64(qtype):
+    """The VNNI path's 16-row kernel (csrc/quant_int8_rows16.h) on the 32-weight types: the
+    same bounds as the row-major kernels (each output is one lane's K / 32 float32 terms)."""
+    for m, k, n in ROWS16_SHAPES:
+        g = np.random.default_rng(3 * m + k + n + qtype)
+        parts = [(random_blocks(qtype, n, k, g), qtype)]
+        lin = linear("avx512vnni", parts, k)
+        x = torch.from_numpy(g.standard_normal((m, k)).astype(np.float32))
+        x[:, -32:] *= 40
+        check(lin, x, parts, "avx512vnni", k)
+        check(lin, x.bfloat16(), parts, "avx512vnni", k, out_dtype=torch.bfloat16)
+
+
+def test_rows16_layer_keeps_the_files_weights():
+    """A layer held in the 16-row layout: the same bytes (rows padded to 16), dequantized and
+    reordered (take_rows) as the file's rows, and the same decode as the row-major kernels
+    within the float32 rounding of their sums."""
+    g = np.random.default_rng(5)
+    raw = random_blocks(Q5_0, 37, 96, g)
+    lin = linear("avx512vnni", [(raw, Q5_0)], 96)
+    plain = linear("avx512vnni", [(raw, Q5_0)], 96, rows16=False)
+    assert lin.nbytes == 48 * raw.shape[1] and lin.shape == (37, 96)
+    assert torch.equal(lin.parts[0].file_rows(), torch.from_numpy(raw))
+    assert torch.equal(lin.dequantize(), plain.dequantize())
+    order = torch.randperm(37, generator=torch.Generator().manual_seed(0))
+    moved = lin.take_rows(order)
+    assert moved.parts[0].rows16 == 37
+    assert torch.equal(moved.dequantize(), plain.dequantize()[order])
+    x = torch.from_numpy(g.standard_normal((4, 96)).astype(np.float32))
+    torch.testing.assert_close(moved(x), plain(x)[:, order], rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("path", qg.INT8_PATHS)

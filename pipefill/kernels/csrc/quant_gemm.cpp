@@ -34,12 +34,12 @@ bool shape_ok(int qtype, int64_t row_bytes, int64_t K) {
 // (+ bias float32 [N] or None), where cols(xf, ldxf, yf, ldyf, n0, n1) writes the float32 sums
 // of columns [n0, n1) from float32 x: bf16 x is widened first, bf16 y rounded last (after the
 // bias) by the task that computed the columns, which are split over torch's pool, `grain` at
-// least per task. prep(xf, ldf)
+// least per task, in whole runs of `col_unit` columns (the 16-row layout's groups). prep(xf, ldf)
 // runs once before the columns (the integer path quantizes the activations there).
 template <class Prep, class Cols>
 int float_gemm(const char* what, Addr x_addr, int x_dtype, int64_t ldx, Addr bias_addr, Addr y_addr,
                int y_dtype, int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t grain, const Prep& prep,
-               const Cols& cols) {
+               const Cols& cols, int64_t col_unit = 1) {
   const float* bias = bias_addr.as<const float>();
   return pg::guarded(what, [&] {
     thread_local std::vector<float> xbuf, ybuf;
@@ -63,7 +63,9 @@ int float_gemm(const char* what, Addr x_addr, int x_dtype, int64_t ldx, Addr bia
     prep(xf, ldf);
     // Each task adds the bias to its own columns and rounds them while they are in its cache
     // (M N elements, which would otherwise wait for one thread after the join).
-    at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    const int64_t runs = (N + col_unit - 1) / col_unit;
+    at::parallel_for(0, runs, std::max<int64_t>(1, grain / col_unit), [&](int64_t r0, int64_t r1) {
+      const int64_t n0 = r0 * col_unit, n1 = std::min(N, r1 * col_unit);
       cols(xf, ldf, yf, ldf_y, n0, n1);
       for (int64_t m = 0; m < M; ++m) {
         float* yr = yf + m * ldf_y;
@@ -173,6 +175,39 @@ int pf_qg_int8_gemm(int path, Addr x_addr, int x_dtype, int64_t ldx, Addr w_addr
                     });
 }
 
+// The integer path on the 32-weight types held in the 16-row layout (quant_int8_rows16.h;
+// arguments as pf_qg_int8_gemm's, row_bytes the file's; W padded to whole groups of 16 rows).
+// VNNI only. Returns 0, or -2 (path not usable here), -3 (bad arguments), -1 (exception).
+int pf_qg_int8_rows16_gemm(int path, Addr x_addr, int x_dtype, int64_t ldx, Addr w_addr, int qtype,
+                           int64_t row_bytes, Addr bias_addr, Addr y_addr, int y_dtype, int64_t ldy, int64_t M,
+                           int64_t N, int64_t K) {
+  if (path != kInt8Vnni || !int8_ok(path)) return -2;
+  if (M <= 0 || N <= 0) return 0;
+  if (!shape_ok(qtype, row_bytes, K) || block_weights(qtype) != 32) return -3;
+  const uint8_t* w = w_addr.as<const uint8_t>();
+  const int64_t units = K / kUnit;
+  thread_local pg::ThreadScratch scratch;
+  int8_t* q = nullptr;
+  float* dx = nullptr;
+  uint32_t* extra = nullptr;
+  return float_gemm("pipefill quantized int8 gemm (16 rows)", x_addr, x_dtype, ldx, bias_addr, y_addr, y_dtype,
+                    ldy, M, N, K, std::max<int64_t>(1, 32768 / row_bytes),
+                    [&](const float* xf, int64_t ldf) {
+                      const size_t codes = align64_bytes((size_t)(M * K)), scales = align64_bytes((size_t)(M * units) * 4);
+                      char* base = static_cast<char*>(scratch.get(codes + 2 * scales));
+                      q = reinterpret_cast<int8_t*>(base);
+                      dx = reinterpret_cast<float*>(base + codes);
+                      extra = reinterpret_cast<uint32_t*>(base + codes + scales);
+                      avx512vnni::int8_quantize(xf, ldf, M, K, qtype, q, K, dx, units, nullptr);
+                      avx512vnni::rows16_extra(qtype, q, K, dx, units, M, units, extra);
+                    },
+                    [&](const float*, int64_t, float* yf, int64_t ldf_y, int64_t n0, int64_t n1) {
+                      avx512vnni::rows16_gemm_cols(q, K, dx, extra, units, M, w, qtype, row_bytes, K, yf, ldf_y,
+                                                   n0, n1);
+                    },
+                    16);
+}
+
 // The integer path's quantization of float32 x [M, K] (row stride ldx; K a multiple of 32)
 // into int8 codes q [M, K] and float32 scales dx [M, K / 32] (contiguous), for the tests.
 int pf_qg_int8_quantize(int path, Addr x_addr, int64_t ldx, int64_t M, int64_t K, Addr q_addr, Addr dx_addr) {
@@ -255,6 +290,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pf_qg_dequant", &pf_qg_dequant, py::call_guard<py::gil_scoped_release>());
   m.def("pf_qg_int8_supported", &pf_qg_int8_supported);
   m.def("pf_qg_int8_gemm", &pf_qg_int8_gemm, py::call_guard<py::gil_scoped_release>());
+  m.def("pf_qg_int8_rows16_gemm", &pf_qg_int8_rows16_gemm, py::call_guard<py::gil_scoped_release>());
   m.def("pf_qg_int8_quantize", &pf_qg_int8_quantize, py::call_guard<py::gil_scoped_release>());
   m.def("pf_qg_fp8_isa_supported", &pf_qg_fp8_isa_supported);
   m.def("pf_qg_fp8_gemm", &pf_qg_fp8_gemm, py::call_guard<py::gil_scoped_release>());

@@ -4,6 +4,7 @@
 // < 32 zmm); the unit-lane kernel's half step (8 blocks) on ymm.
 // Entered only after the glue's cpuid/XCR0 check for AVX-512 F/BW/VL and AVX512_VNNI. The
 // kernel: quant_int8_simd.h; the activations' layout: quant_int8_kernel.h.
+#include "quant_int8_rows16.h"
 #include "quant_int8_simd.h"
 
 namespace pipefill_quant {
@@ -103,6 +104,17 @@ struct V512Vnni {
 }  // namespace
 
 PF_QUANT_INT8_COLS(V512Vnni)
+
+void rows16_extra(int qtype, const int8_t* q, int64_t ldq, const float* dx, int64_t ldd, int64_t M, int64_t units,
+                  uint32_t* extra) {
+  fill_rows16_extra(qtype, q, ldq, dx, ldd, M, units, extra);
+}
+
+void rows16_gemm_cols(const int8_t* q, int64_t ldq, const float* dx, const uint32_t* extra, int64_t ldd, int64_t M,
+                      const uint8_t* w, int qtype, int64_t row_bytes, int64_t K, float* y, int64_t ldy, int64_t n0,
+                      int64_t n1) {
+  rows16_cols({q, ldq, dx, extra, ldd}, M, w, qtype, row_bytes, K, y, ldy, n0, n1);
+}
 
 }  // namespace avx512vnni
 }  // namespace pipefill_quant

@@ -170,7 +170,7 @@ def random_blocks(qtype: int, n: int, k: int, rng: np.random.Generator,
     return blocks.reshape(n, -1)
 
 
-# The 16-row layout of the 32-weight types (the VNNI decode GEMM's, csrc/quant_int8_rows16.h):
+# The 16-row layout (the VNNI decode GEMM's, csrc/quant_int8_rows16.h), every type here:
 # the same bytes, rows padded with zero rows to a multiple of 16, then per group of 16 rows and
 # per block column b, the group's 16 blocks b field by field, each field cut into units of
 # `unit` bytes and stored unit-major, row-minor. The kernel then loads a field for 16 rows
@@ -180,7 +180,10 @@ ROWS16 = 16
 _ROWS16_FIELDS = {"Q4_0": ((0, 2, 2), (2, 18, 4)),  # (first byte, end, unit bytes)
                   "Q4_1": ((0, 2, 2), (2, 4, 2), (4, 20, 4)),
                   "Q5_0": ((0, 2, 2), (2, 6, 4), (6, 22, 4)),
-                  "Q8_0": ((0, 2, 2), (2, 34, 4))}
+                  "Q8_0": ((0, 2, 2), (2, 34, 4)),
+                  "Q4_K": ((0, 2, 2), (2, 4, 2), (4, 16, 4), (16, 144, 4)),
+                  "Q5_K": ((0, 2, 2), (2, 4, 2), (4, 16, 4), (16, 48, 4), (48, 176, 4)),
+                  "Q6_K": ((0, 128, 4), (128, 192, 4), (192, 208, 4), (208, 210, 2))}
 
 
 def rows16_supported(qtype: int) -> bool:

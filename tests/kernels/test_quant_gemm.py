@@ -234,18 +234,19 @@ def test_take_rows_moves_whole_block_rows_within_each_part():
 
 def test_rows16_layout_is_a_permutation_of_the_files_bytes():
     """kernels.gguf_blocks.to_rows16: per group of 16 rows and block, each field of the 16
-    rows unit by unit (row 5's d at bytes 10..11 of the group's block, its code dword j in
-    lane 5 of register j); from_rows16 gives the file's rows back, padding dropped."""
+    rows unit by unit (a 32-weight type's row 5 has its d at bytes 10..11 of the group's
+    block, its code dword j in lane 5 of register j); from_rows16 gives the file's rows back,
+    padding dropped, for every type."""
     from pipefill.kernels.gguf_blocks import from_rows16, rows16_supported, to_rows16
     for qtype in TYPES:
-        if not rows16_supported(qtype):
-            continue
-        size = BLOCK_TYPES[qtype][2]
-        raw = torch.from_numpy(random_blocks(qtype, 37, 96, np.random.default_rng(qtype)))
+        assert rows16_supported(qtype)
+        _, weights, size = BLOCK_TYPES[qtype]
+        raw = torch.from_numpy(random_blocks(qtype, 37, 3 * weights, np.random.default_rng(qtype)))
         packed = to_rows16(raw, qtype)
         assert packed.shape == (48, raw.shape[1])
         assert torch.equal(from_rows16(packed, qtype, 37), raw)
-        group1_block2 = packed[16:32].flatten()[2 * 16 * size:3 * 16 * size]
-        assert torch.equal(group1_block2[10:12], raw[21, 2 * size:2 * size + 2])
-        codes = group1_block2[-64:]  # the last code dword of the 16 rows
-        assert torch.equal(codes[20:24], raw[21, 3 * size - 4:3 * size])
+        if weights == 32:
+            group1_block2 = packed[16:32].flatten()[2 * 16 * size:3 * 16 * size]
+            assert torch.equal(group1_block2[10:12], raw[21, 2 * size:2 * size + 2])
+            codes = group1_block2[-64:]  # the last code dword of the 16 rows
+            assert torch.equal(codes[20:24], raw[21, 3 * size - 4:3 * size])

@@ -31,7 +31,7 @@ from pipefill.kernels.gguf_blocks import BLOCK_TYPES, dequantize_reference, rand
 from test_quant_gemm import Q4_0, Q4_1, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0, shapes
 
 TYPES = [Q4_1, Q8_0, Q6_K, Q4_K, Q5_0, Q4_0, Q5_K]  # the default model's first, then Gemma 3's
-ROWS16_TYPES = (Q4_0, Q4_1, Q5_0, Q8_0)  # held in the 16-row layout on the VNNI path
+ROWS16_TYPES = tuple(TYPES)  # held in the 16-row layout on the VNNI path
 
 
 def usable(path: str) -> None:
@@ -154,13 +154,15 @@ def test_int8_unit_lanes_against_float64(path, qtype):
 # its outputs masked), M around the 8-row tiles, K from one block up to the SmolLM2 MLP's.
 ROWS16_SHAPES = [(1, 576, 576), (1, 32, 17), (2, 1536, 40), (3, 64, 16), (8, 576, 33),
                  (9, 320, 48), (17, 96, 31), (33, 160, 5)]
+ROWS16_SHAPES_K = [(1, 768, 64), (1, 256, 17), (2, 1536, 40), (8, 512, 33), (9, 256, 48),
+                   (17, 512, 31), (33, 256, 5)]
 
 
 @pytest.mark.parametrize("qtype", ROWS16_TYPES, ids=lambda t: BLOCK_TYPES[t][0])
 def test_rows16_against_float64(qtype):
-    """The VNNI path's 16-row kernel (csrc/quant_int8_rows16.h) on the 32-weight types: the
-    same bounds as the row-major kernels (each output is one lane's K / 32 float32 terms)."""
-    for m, k, n in ROWS16_SHAPES:
+    """The VNNI path's 16-row kernel (csrc/quant_int8_rows16.h) on every block type: the same
+    bounds as the row-major kernels (each output is one lane's K / 32 float32 terms)."""
+    for m, k, n in ROWS16_SHAPES if BLOCK_TYPES[qtype][1] == 32 else ROWS16_SHAPES_K:
         g = np.random.default_rng(3 * m + k + n + qtype)
         parts = [(random_blocks(qtype, n, k, g), qtype)]
         lin = linear("avx512vnni", parts, k)

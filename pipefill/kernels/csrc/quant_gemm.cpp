@@ -175,17 +175,17 @@ int pf_qg_int8_gemm(int path, Addr x_addr, int x_dtype, int64_t ldx, Addr w_addr
                     });
 }
 
-// The integer path on the 32-weight types held in the 16-row layout (quant_int8_rows16.h;
-// arguments as pf_qg_int8_gemm's, row_bytes the file's; W padded to whole groups of 16 rows).
-// VNNI only. Returns 0, or -2 (path not usable here), -3 (bad arguments), -1 (exception).
+// The integer path on blocks held in the 16-row layout (quant_int8_rows16.h; arguments as
+// pf_qg_int8_gemm's, row_bytes the file's; W padded to whole groups of 16 rows). VNNI only.
+// Returns 0, or -2 (path not usable here), -3 (bad arguments), -1 (exception).
 int pf_qg_int8_rows16_gemm(int path, Addr x_addr, int x_dtype, int64_t ldx, Addr w_addr, int qtype,
                            int64_t row_bytes, Addr bias_addr, Addr y_addr, int y_dtype, int64_t ldy, int64_t M,
                            int64_t N, int64_t K) {
   if (path != kInt8Vnni || !int8_ok(path)) return -2;
   if (M <= 0 || N <= 0) return 0;
-  if (!shape_ok(qtype, row_bytes, K) || block_weights(qtype) != 32) return -3;
+  if (!shape_ok(qtype, row_bytes, K)) return -3;
   const uint8_t* w = w_addr.as<const uint8_t>();
-  const int64_t units = K / kUnit;
+  const int64_t units = K / kUnit, lde = units * rows16_extra_words(qtype);
   thread_local pg::ThreadScratch scratch;
   int8_t* q = nullptr;
   float* dx = nullptr;
@@ -194,16 +194,16 @@ int pf_qg_int8_rows16_gemm(int path, Addr x_addr, int x_dtype, int64_t ldx, Addr
                     ldy, M, N, K, std::max<int64_t>(1, 32768 / row_bytes),
                     [&](const float* xf, int64_t ldf) {
                       const size_t codes = align64_bytes((size_t)(M * K)), scales = align64_bytes((size_t)(M * units) * 4);
-                      char* base = static_cast<char*>(scratch.get(codes + 2 * scales));
+                      char* base = static_cast<char*>(scratch.get(codes + scales + (size_t)(M * lde) * 4));
                       q = reinterpret_cast<int8_t*>(base);
                       dx = reinterpret_cast<float*>(base + codes);
                       extra = reinterpret_cast<uint32_t*>(base + codes + scales);
                       avx512vnni::int8_quantize(xf, ldf, M, K, qtype, q, K, dx, units, nullptr);
-                      avx512vnni::rows16_extra(qtype, q, K, dx, units, M, units, extra);
+                      avx512vnni::rows16_extra(qtype, q, K, dx, units, M, units, extra, lde);
                     },
                     [&](const float*, int64_t, float* yf, int64_t ldf_y, int64_t n0, int64_t n1) {
-                      avx512vnni::rows16_gemm_cols(q, K, dx, extra, units, M, w, qtype, row_bytes, K, yf, ldf_y,
-                                                   n0, n1);
+                      avx512vnni::rows16_gemm_cols(q, K, dx, units, extra, lde, M, w, qtype, row_bytes, K, yf,
+                                                   ldf_y, n0, n1);
                     },
                     16);
 }

@@ -192,16 +192,17 @@ PF_QUANT_INT8(avx2)
 PF_QUANT_INT8(avx512vnni)
 #undef PF_QUANT_INT8
 
-// The VNNI path's 16-row kernel (quant_int8_rows16.h; the 32-weight types held in the 16-row
-// layout): rows16_extra fills extra [M, ldd] from the natural codes q and scales dx of `units`
-// units a row; rows16_gemm_cols writes columns [n0, n1) of y (n0 a multiple of 16, n1 one too
-// or N).
+// The VNNI path's 16-row kernel (quant_int8_rows16.h; the blocks held in the 16-row layout):
+// rows16_extra fills extra [M, lde] (rows16_extra_words(qtype) words a unit) from the natural
+// codes q and scales dx of `units` units a row; rows16_gemm_cols writes columns [n0, n1) of y
+// (n0 a multiple of 16, n1 one too or N).
+inline int rows16_extra_words(int qtype) { return qtype == kQ6_K ? 2 : 1; }
 namespace avx512vnni {
 void rows16_extra(int qtype, const int8_t* q, int64_t ldq, const float* dx, int64_t ldd, int64_t M, int64_t units,
-                  uint32_t* extra);
-void rows16_gemm_cols(const int8_t* q, int64_t ldq, const float* dx, const uint32_t* extra, int64_t ldd, int64_t M,
-                      const uint8_t* w, int qtype, int64_t row_bytes, int64_t K, float* y, int64_t ldy, int64_t n0,
-                      int64_t n1);
+                  uint32_t* extra, int64_t lde);
+void rows16_gemm_cols(const int8_t* q, int64_t ldq, const float* dx, int64_t ldd, const uint32_t* extra,
+                      int64_t lde, int64_t M, const uint8_t* w, int qtype, int64_t row_bytes, int64_t K, float* y,
+                      int64_t ldy, int64_t n0, int64_t n1);
 }  // namespace avx512vnni
 
 }  // namespace pipefill_quant

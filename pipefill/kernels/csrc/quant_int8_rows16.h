@@ -22,7 +22,7 @@
 #include <cstdint>
 #include <cstring>
 
-#include "quant_gemm_kernel.h"
+#include "quant_int8_kernel.h"
 #include "quant_simd_common.h"
 
 namespace pipefill_quant {
@@ -30,17 +30,20 @@ namespace {
 
 constexpr int kRows16 = 16;
 
-// One block column of a group of 16 rows, unpacked: c[j] holds the codes paired with
-// activation dword j (weights 4 j .. 4 j + 3) of every row, as unsigned bytes; dv, mv the rows'
-// d and m.
+// One 32-weight unit (a block of the 32-weight types, a sub-block of the K types) of a group of
+// 16 rows, unpacked: c[j] holds the codes paired with activation dword j (the unit's weights
+// 4 j .. 4 j + 3) of every row, as unsigned bytes; dv the rows' scales of the unit (Q6_K: of
+// its first 16 weights, dv2 of the last 16), mv their offsets (Q4_1's m; the K types' dmin mn,
+// subtracted).
 template <int QT>
-struct Rows16Block {
+struct Rows16Unit {
   __m512i c[8];
-  __m512 dv, mv;
+  __m512 dv, dv2, mv;
 
   static __m512 halves16(const uint8_t* p) {
     return _mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)));
   }
+  static __m512i load(const uint8_t* p) { return _mm512_loadu_si512(p); }
 
   // 0x10 in byte k of lane l where bit first + k of the lane's dword of `bits` is set.
   static __m512i fifth_bits16(__m512i bits, int first) {
@@ -51,27 +54,76 @@ struct Rows16Block {
     return _mm512_maskz_mov_epi8(set, _mm512_set1_epi8(0x10));
   }
 
-  __attribute__((always_inline)) void unpack(const uint8_t* p) {
-    dv = halves16(p);
-    if constexpr (QT == kQ8_0) {
-      for (int j = 0; j < 8; ++j)
-        c[j] = _mm512_xor_si512(_mm512_loadu_si512(p + 32 + 64 * j), _mm512_set1_epi8((char)0x80));
+  // Byte `byte` of every lane of v, shifted right by `shift` and masked: an int32 a lane.
+  static __m512i field(__m512i v, int byte, int shift, int mask) {
+    return _mm512_and_si512(_mm512_srl_epi32(v, _mm_cvtsi32_si128(8 * byte + shift)), _mm512_set1_epi32(mask));
+  }
+
+  // Q4_K/Q5_K: sub-block u's 6-bit scale and min of every row, from the 12 scale bytes (three
+  // registers of dwords), as ggml's get_scale_min_k4.
+  static void k4_scale_min(const uint8_t* p, int u, __m512i& sc, __m512i& mn) {
+    const __m512i q0 = load(p), q1 = load(p + 64), q2 = load(p + 128);
+    if (u < 4) {
+      sc = field(q0, u, 0, 63);
+      mn = field(q1, u, 0, 63);
     } else {
+      sc = _mm512_or_si512(field(q2, u - 4, 0, 15), _mm512_slli_epi32(field(q0, u - 4, 6, 3), 4));
+      mn = _mm512_or_si512(field(q2, u - 4, 4, 15), _mm512_slli_epi32(field(q1, u - 4, 6, 3), 4));
+    }
+  }
+
+  // Unit u of the group's block column at p.
+  __attribute__((always_inline)) void unpack(const uint8_t* p, int u) {
+    const __m512i f = _mm512_set1_epi8(0x0f);
+    if constexpr (QT == kQ8_0) {
+      dv = halves16(p);
+      for (int j = 0; j < 8; ++j) c[j] = _mm512_xor_si512(load(p + 32 + 64 * j), _mm512_set1_epi8((char)0x80));
+    } else if constexpr (Layout<QT>::kWeights == 32) {
       constexpr int kCodes = QT == kQ4_0 ? 32 : QT == kQ4_1 ? 64 : 96;
+      dv = halves16(p);
       if constexpr (QT == kQ4_1) mv = halves16(p + 32);
-      const __m512i f = _mm512_set1_epi8(0x0f);
       for (int j = 0; j < 4; ++j) {
-        const __m512i raw = _mm512_loadu_si512(p + kCodes + 64 * j);
+        const __m512i raw = load(p + kCodes + 64 * j);
         c[j] = _mm512_and_si512(raw, f);
         c[4 + j] = _mm512_and_si512(_mm512_srli_epi16(raw, 4), f);
       }
       if constexpr (QT == kQ5_0) {
-        const __m512i bits = _mm512_loadu_si512(p + 32);
+        const __m512i bits = load(p + 32);
         for (int j = 0; j < 4; ++j) {
           c[j] = _mm512_or_si512(c[j], fifth_bits16(bits, 4 * j));
           c[4 + j] = _mm512_or_si512(c[4 + j], fifth_bits16(bits, 16 + 4 * j));
         }
       }
+    } else if constexpr (QT == kQ4_K || QT == kQ5_K) {
+      // d 0, dmin 32, scales 64 (3 x 64), [Q5_K: fifth-bit planes 256 (8 x 64)], codes: 4
+      // chunks of 8 dwords, unit u the low (u even) or high nibbles of chunk u / 2.
+      constexpr int kCodes = QT == kQ4_K ? 256 : 768;
+      __m512i sc, mn;
+      k4_scale_min(p + 64, u, sc, mn);
+      dv = _mm512_mul_ps(halves16(p), _mm512_cvtepi32_ps(sc));
+      mv = _mm512_mul_ps(halves16(p + 32), _mm512_cvtepi32_ps(mn));
+      const __m128i shift = _mm_cvtsi32_si128(4 * (u & 1));
+      for (int j = 0; j < 8; ++j) {
+        c[j] = _mm512_and_si512(_mm512_srl_epi16(load(p + kCodes + 64 * (8 * (u / 2) + j)), shift), f);
+        if constexpr (QT == kQ5_K) {  // bit u of each byte of the planes: the code's fifth bit
+          const __m512i plane = _mm512_srl_epi16(load(p + 256 + 64 * j), _mm_cvtsi32_si128(u));
+          c[j] = _mm512_or_si512(c[j], _mm512_slli_epi16(_mm512_and_si512(plane, _mm512_set1_epi8(1)), 4));
+        }
+      }
+    } else {  // Q6_K: ql 0 (32 x 64), qh 2048 (16 x 64), scales 3072 (4 x 64), d 3328
+      const int h = u / 4, t = u % 4;
+      const __m128i lshift = _mm_cvtsi32_si128(4 * (t / 2));
+      for (int j = 0; j < 8; ++j) {
+        const __m512i lo = _mm512_and_si512(_mm512_srl_epi16(load(p + 64 * (16 * h + 8 * (t % 2) + j)), lshift), f);
+        __m512i hi = load(p + 2048 + 64 * (8 * h + j));  // bits 2 t, 2 t + 1 of each byte to 4, 5
+        hi = t == 0 ? _mm512_slli_epi16(hi, 4) : t == 1 ? _mm512_slli_epi16(hi, 2) : t == 3 ? _mm512_srli_epi16(hi, 2) : hi;
+        c[j] = _mm512_or_si512(lo, _mm512_and_si512(hi, _mm512_set1_epi8(0x30)));
+      }
+      const __m512 d = halves16(p + 3328);
+      const __m512i sc = load(p + 3072 + 64 * (u / 2));  // scales 2 u, 2 u + 1 at bytes 2 (u % 2) +0, +1
+      const int at = 2 * (u % 2);
+      dv = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(sc, 24 - 8 * at), 24)));
+      dv2 = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_srai_epi32(_mm512_slli_epi32(sc, 16 - 8 * at), 24)));
     }
   }
 };
@@ -81,44 +133,65 @@ struct Rows16Acts {
   const int8_t* q;  // [M, ldq]
   int64_t ldq;
   const float* dx;  // [M, ldd]
-  const uint32_t* extra;  // [M, ldd]
   int64_t ldd;
+  const uint32_t* extra;  // [M, lde]: per unit (Q6_K: per 16 weights)
+  int64_t lde;
 };
 
-// Rows m0 .. m0 + R - 1 of the 16 columns of one group (its blocks at grp) over `units` blocks,
+// The zero point each type's unsigned codes hold in this kernel (Q8_0: its codes + 128), or 0.
+constexpr int rows16_zero(int qtype) {
+  return qtype == kQ4_0 ? 8 : qtype == kQ5_0 ? 16 : qtype == kQ8_0 ? 128 : qtype == kQ6_K ? 32 : 0;
+}
+
+// Rows m0 .. m0 + R - 1 of the 16 columns of one group (its block columns at grp) over K,
 // into y (the group's first column; `valid` of its 16 columns exist).
 template <int QT, int R>
-inline void rows16_tile(const Rows16Acts& a, int64_t m0, const uint8_t* grp, int64_t units, float* y,
-                        int64_t ldy, int valid) {
-  constexpr int64_t kGroupBlock = kRows16 * Layout<QT>::kBytes;
-  constexpr bool kZero = QT != kQ4_1;
+inline void rows16_tile(const Rows16Acts& a, int64_t m0, const uint8_t* grp, int64_t K, float* y, int64_t ldy,
+                        int valid) {
+  using L = Layout<QT>;
+  constexpr int64_t kGroupBlock = kRows16 * L::kBytes;
+  constexpr bool kZero = rows16_zero(QT) != 0, kHalves = QT == kQ6_K;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   const int8_t* q = a.q + m0 * a.ldq;
   const float* dx = a.dx + m0 * a.ldd;
-  const uint32_t* extra = a.extra + m0 * a.ldd;
-  for (int64_t b = 0; b < units; ++b) {
-    _mm_prefetch(reinterpret_cast<const char*>(grp + (b + 4) * kGroupBlock), _MM_HINT_T0);
-    Rows16Block<QT> w;
-    w.unpack(grp + b * kGroupBlock);
-    for (int r = 0; r < R; ++r) {
-      const int8_t* x = q + r * a.ldq + kUnit * b;
-      const uint32_t e = extra[r * a.ldd + b];
-      // Two chains of four dot products (their latency overlaps), the zero point's start in one.
-      __m512i s0 = kZero ? _mm512_set1_epi32((int)e) : _mm512_setzero_si512(), s1 = _mm512_setzero_si512();
-      for (int j = 0; j < 8; j += 2) {
-        int32_t x0, x1;
-        std::memcpy(&x0, x + 4 * j, 4);
-        std::memcpy(&x1, x + 4 * j + 4, 4);
-        s0 = _mm512_dpbusd_epi32(s0, w.c[j], _mm512_set1_epi32(x0));
-        s1 = _mm512_dpbusd_epi32(s1, w.c[j + 1], _mm512_set1_epi32(x1));
-      }
-      const __m512 isum = _mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1));
-      acc[r] = _mm512_fmadd_ps(isum, _mm512_mul_ps(w.dv, _mm512_set1_ps(dx[r * a.ldd + b])), acc[r]);
-      if constexpr (!kZero) {
-        float sl;
-        std::memcpy(&sl, &e, 4);
-        acc[r] = _mm512_fmadd_ps(w.mv, _mm512_set1_ps(sl), acc[r]);
+  const uint32_t* extra = a.extra + m0 * a.lde;
+  for (int64_t b = 0; b < K / L::kWeights; ++b) {
+    const uint8_t* blk = grp + b * kGroupBlock;
+    for (int u = 0; u < L::kUnits; ++u) {
+      const int64_t unit = b * L::kUnits + u;
+      constexpr int kSpan = kGroupBlock / L::kUnits;  // a unit's share of the bytes, 4 units ahead
+      for (int i = 0; i < kSpan; i += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(blk + (u + 4) * kSpan + i), _MM_HINT_T0);
+      Rows16Unit<QT> w;
+      w.unpack(blk, u);
+      for (int r = 0; r < R; ++r) {
+        const int8_t* x = q + r * a.ldq + kUnit * unit;
+        const uint32_t* e = extra + r * a.lde + (kHalves ? 2 * unit : unit);
+        // Two chains of four dot products (weights 0..15, 16..31; their latency overlaps),
+        // each starting from its zero point's term.
+        __m512i s0 = kZero ? _mm512_set1_epi32((int)e[0]) : _mm512_setzero_si512();
+        __m512i s1 = kHalves ? _mm512_set1_epi32((int)e[1]) : _mm512_setzero_si512();
+        for (int j = 0; j < 4; ++j) {
+          int32_t x0, x1;
+          std::memcpy(&x0, x + 4 * j, 4);
+          std::memcpy(&x1, x + 16 + 4 * j, 4);
+          s0 = _mm512_dpbusd_epi32(s0, w.c[j], _mm512_set1_epi32(x0));
+          s1 = _mm512_dpbusd_epi32(s1, w.c[4 + j], _mm512_set1_epi32(x1));
+        }
+        const __m512 dxv = _mm512_set1_ps(dx[r * a.ldd + unit]);
+        if constexpr (kHalves) {
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_mul_ps(w.dv, dxv), acc[r]);
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(w.dv2, dxv), acc[r]);
+        } else {
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_mul_ps(w.dv, dxv), acc[r]);
+        }
+        if constexpr (L::kOffset) {
+          float sl;
+          std::memcpy(&sl, e, 4);
+          acc[r] = QT == kQ4_1 ? _mm512_fmadd_ps(w.mv, _mm512_set1_ps(sl), acc[r])
+                               : _mm512_fnmadd_ps(w.mv, _mm512_set1_ps(sl), acc[r]);
+        }
       }
     }
   }
@@ -127,42 +200,41 @@ inline void rows16_tile(const Rows16Acts& a, int64_t m0, const uint8_t* grp, int
 }
 
 // Columns [n0, n1) (n0 a multiple of 16; n1 one too, or N) of y from the 16-row layout at w
-// (group g at w + g 16 row_bytes): each group's blocks unpacked once per tile of 8 rows.
+// (group g at w + g 16 row_bytes): each group's units unpacked once per tile of 8 rows.
 inline void rows16_cols(const Rows16Acts& a, int64_t M, const uint8_t* w, int qtype, int64_t row_bytes, int64_t K,
                         float* y, int64_t ldy, int64_t n0, int64_t n1) {
   with_type(qtype, [&](auto t) {
     constexpr int QT = decltype(t)::value;
-    if constexpr (Layout<QT>::kWeights == 32) {
-      for (int64_t n = n0; n < n1; n += kRows16) {
-        const uint8_t* grp = w + n * row_bytes;
-        const int valid = n1 - n < kRows16 ? (int)(n1 - n) : kRows16;
-        for (int64_t m0 = 0; m0 < M; m0 += 8)
-          with_rows<8>(M - m0 < 8 ? M - m0 : 8, [&](auto r) {
-            rows16_tile<QT, decltype(r)::value>(a, m0, grp, K / kUnit, y + m0 * ldy + n, ldy, valid);
-          });
-      }
+    for (int64_t n = n0; n < n1; n += kRows16) {
+      const uint8_t* grp = w + n * row_bytes;
+      const int valid = n1 - n < kRows16 ? (int)(n1 - n) : kRows16;
+      for (int64_t m0 = 0; m0 < M; m0 += 8)
+        with_rows<8>(M - m0 < 8 ? M - m0 : 8, [&](auto r) {
+          rows16_tile<QT, decltype(r)::value>(a, m0, grp, K, y + m0 * ldy + n, ldy, valid);
+        });
     }
   });
 }
 
-// extra[M, ldd] (see above) from the natural codes q and scales dx of `units` units a row.
+// extra[M, lde] (see above) from the natural codes q and scales dx of `units` units a row:
+// -zero * sum(q) (int32) where the type has a zero point, else dx * sum(q) (float32 bits).
 inline void fill_rows16_extra(int qtype, const int8_t* q, int64_t ldq, const float* dx, int64_t ldd, int64_t M,
-                         int64_t units, uint32_t* extra) {
-  const int zero = qtype == kQ4_0 ? 8 : qtype == kQ5_0 ? 16 : qtype == kQ8_0 ? 128 : 0;
+                              int64_t units, uint32_t* extra, int64_t lde) {
+  const int zero = rows16_zero(qtype), per = rows16_extra_words(qtype), span = kUnit / per;
   for (int64_t m = 0; m < M; ++m)
-    for (int64_t u = 0; u < units; ++u) {
-      const int8_t* x = q + m * ldq + kUnit * u;
+    for (int64_t i = 0; i < units * per; ++i) {
+      const int8_t* x = q + m * ldq + span * i;
       int32_t sum = 0;
-      for (int k = 0; k < kUnit; ++k) sum += x[k];
+      for (int k = 0; k < span; ++k) sum += x[k];
       uint32_t e;
       if (zero) {
         const int32_t v = -zero * sum;
         std::memcpy(&e, &v, 4);
       } else {
-        const float v = dx[m * ldd + u] * (float)sum;
+        const float v = dx[m * ldd + i] * (float)sum;
         std::memcpy(&e, &v, 4);
       }
-      extra[m * ldd + u] = e;
+      extra[m * lde + i] = e;
     }
 }
 

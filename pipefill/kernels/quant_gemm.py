@@ -35,7 +35,13 @@ dequantization is no longer the work: a block is unpacked once for all rows of a
 row adds two integer dot products per 128 weights, and three float operations per 128 (K types,
 short rows) or per 512 (the 32-weight types on rows of at least 1024 weights on zmm, 512 on
 ymm: their blocks transposed into one lane each, csrc/quant_int8_simd.h, which says why the
-blocking suits the caches). Paths:
+blocking suits the caches). On the VNNI path every type is instead held in a 16-row layout
+written once at load (kernels.gguf_blocks.to_rows16: the same bytes, each field of 16 rows'
+blocks side by side; csrc/quant_int8_rows16.h): one output column per 32-bit lane, the
+activations' natural codes broadcast, so a unit of 32 weights of 16 rows costs a few loads
+and masks plus 8 vpdpbusd and 3-4 float operations per row, about a quarter of the row-major
+kernels' work per byte at M = 1, where the call then streams its bytes at memory speed
+(``disable`` "int8-rows16" keeps the file's row order and the row-major kernels). Paths:
 ``avx512vnni`` (vpdpbusd on zmm, 8 rows a tile) and ``avx2`` (vpmaddubsw + vpmaddwd on ymm, 4
 rows), chosen from cpuid; ``disable`` turns them off by ``int8`` (both), ``int8-<path>``, or
 the float path their build includes (``avx512`` or ``avx2``); --hide-cpu-flags avx512_vnni
@@ -303,7 +309,8 @@ class QuantLinear:
     def decode_path(self) -> str:
         """What decode runs on, for the start-up log."""
         if self.int8:
-            return f"int8 activations x blocks, integer dot products on {self.int8}"
+            layout = ", 16-row layout" if any(p.rows16 for p in self.parts) else ""
+            return f"int8 activations x blocks, integer dot products on {self.int8}{layout}"
         if any(p.scale is not None for p in self.parts):
             return f"FP8 weights widened to float32 on {self.isa}"
         return f"blocks dequantized to float32 on {self.isa}"
@@ -394,10 +401,10 @@ class QuantLinear:
                     p.scale_row.data_ptr(), p.scale.shape[1], p.rows, self.in_features,
                     rows.data_ptr(), _CODE[dtype], rows.stride(0))
             else:
-                raw = p.file_rows()
-                rc = _EXT.module.pf_qg_dequant(_ISA_CODE[self.isa], raw.data_ptr(), p.qtype,
-                                               raw.shape[1], p.rows, self.in_features,
-                                               rows.data_ptr(), _CODE[dtype], rows.stride(0))
+                rc = _EXT.module.pf_qg_dequant(_ISA_CODE[self.isa], p.raw.data_ptr(), p.qtype,
+                                               p.raw.shape[1], p.rows, self.in_features,
+                                               rows.data_ptr(), _CODE[dtype], rows.stride(0),
+                                               bool(p.rows16))
             if rc:
                 raise RuntimeError(f"pipefill dequantize ({self.types}) failed (rc={rc})")
         return w

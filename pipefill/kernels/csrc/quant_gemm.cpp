@@ -100,17 +100,28 @@ int pf_qg_gemm(int isa, Addr x_addr, int x_dtype, int64_t ldx, Addr w_addr, int 
 
 // out[N, K] (row stride ldo, float32 or bf16 rounded to nearest even) = W dequantized by the
 // ISA's code, each weight as dequant_block computes it (the decode paths' float32 values).
+// rows16: W is held in the 16-row layout (quant_int8_kernel.h), each task's rows put back in
+// the file's layout a few at a time first.
 // Returns 0, or -2 (ISA not usable here), -3 (bad arguments), -1 (exception).
 int pf_qg_dequant(int isa, Addr w_addr, int qtype, int64_t row_bytes, int64_t N, int64_t K, Addr out_addr,
-                  int out_dtype, int64_t ldo) {
+                  int out_dtype, int64_t ldo, bool rows16) {
   if (!pg::vector_isa_ok(isa)) return -2;
   if (N <= 0) return 0;
   if (!shape_ok(qtype, row_bytes, K)) return -3;
   const uint8_t* w = w_addr.as<const uint8_t>();
   auto fn = isa == kAvx512 ? avx512::dequant_rows : isa == kAvx2 ? avx2::dequant_rows : scalar::dequant_rows;
+  const size_t out_row = (size_t)ldo * (out_dtype == kBF16 ? 2 : 4);
   return pg::guarded("pipefill dequantize", [&] {
     at::parallel_for(0, N, std::max<int64_t>(1, 65536 / row_bytes), [&](int64_t n0, int64_t n1) {
-      fn(w, qtype, row_bytes, K, n0, n1, out_addr.as<void>(), out_dtype == kBF16, ldo);
+      if (!rows16) return fn(w, qtype, row_bytes, K, n0, n1, out_addr.as<void>(), out_dtype == kBF16, ldo);
+      thread_local pg::ThreadScratch scratch;
+      const int64_t tile = std::max<int64_t>(1, 16384 / row_bytes);  // rows put back at a time (in L1/L2)
+      uint8_t* rows = static_cast<uint8_t*>(scratch.get((size_t)(tile * row_bytes)));
+      for (int64_t a = n0; a < n1; a += tile) {
+        const int64_t b = std::min(n1, a + tile);
+        rows16_to_file_rows(w, qtype, row_bytes, a, b, rows);
+        fn(rows, qtype, row_bytes, K, 0, b - a, out_addr.as<char>() + a * out_row, out_dtype == kBF16, ldo);
+      }
     });
   });
 }

@@ -197,6 +197,54 @@ PF_QUANT_INT8(avx512vnni)
 // codes q and scales dx of `units` units a row; rows16_gemm_cols writes columns [n0, n1) of y
 // (n0 a multiple of 16, n1 one too or N).
 inline int rows16_extra_words(int qtype) { return qtype == kQ6_K ? 2 : 1; }
+
+// The 16-row layout's fields (as kernels/gguf_blocks.py's _ROWS16_FIELDS): per type, (first
+// byte, end, unit bytes) of each field of a block, in the order the layout stores them.
+struct Rows16Field {
+  int lo, hi, unit;
+};
+inline int rows16_fields(int qtype, const Rows16Field*& f) {
+  static const Rows16Field q4_0[] = {{0, 2, 2}, {2, 18, 4}}, q4_1[] = {{0, 2, 2}, {2, 4, 2}, {4, 20, 4}},
+                           q5_0[] = {{0, 2, 2}, {2, 6, 4}, {6, 22, 4}}, q8_0[] = {{0, 2, 2}, {2, 34, 4}},
+                           q4_k[] = {{0, 2, 2}, {2, 4, 2}, {4, 16, 4}, {16, 144, 4}},
+                           q5_k[] = {{0, 2, 2}, {2, 4, 2}, {4, 16, 4}, {16, 48, 4}, {48, 176, 4}},
+                           q6_k[] = {{0, 128, 4}, {128, 192, 4}, {192, 208, 4}, {208, 210, 2}};
+  switch (qtype) {
+    case kQ4_0: return f = q4_0, 2;
+    case kQ4_1: return f = q4_1, 3;
+    case kQ5_0: return f = q5_0, 3;
+    case kQ8_0: return f = q8_0, 2;
+    case kQ4_K: return f = q4_k, 4;
+    case kQ5_K: return f = q5_k, 5;
+    case kQ6_K: return f = q6_k, 4;
+    default: return f = nullptr, 0;
+  }
+}
+
+// Rows [n0, n1) of a matrix held in the 16-row layout at w, back in the file's layout:
+// out[(n - n0) row_bytes ...].
+inline void rows16_to_file_rows(const uint8_t* w, int qtype, int64_t row_bytes, int64_t n0, int64_t n1,
+                                uint8_t* out) {
+  const Rows16Field* f;
+  const int fields = rows16_fields(qtype, f), bb = block_bytes(qtype);
+  const int64_t blocks = row_bytes / bb;
+  for (int64_t n = n0; n < n1; ++n) {
+    const uint8_t* group = w + (n / 16) * 16 * row_bytes;
+    const int r = (int)(n % 16);
+    for (int64_t b = 0; b < blocks; ++b) {
+      const uint8_t* src = group + b * 16 * bb;
+      uint8_t* dst = out + (n - n0) * row_bytes + b * bb;
+      for (int i = 0; i < fields; ++i) {
+        const int lo = f[i].lo, hi = f[i].hi;
+        if (f[i].unit == 4)  // constant sizes: one move each
+          for (int k = lo; k < hi; k += 4) std::memcpy(dst + k, src + (k - lo) * 16 + r * 4, 4);
+        else
+          for (int k = lo; k < hi; k += 2) std::memcpy(dst + k, src + (k - lo) * 16 + r * 2, 2);
+        src += 16 * (hi - lo);
+      }
+    }
+  }
+}
 namespace avx512vnni {
 void rows16_extra(int qtype, const int8_t* q, int64_t ldq, const float* dx, int64_t ldd, int64_t M, int64_t units,
                   uint32_t* extra, int64_t lde);

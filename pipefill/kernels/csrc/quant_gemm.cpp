@@ -196,25 +196,24 @@ int pf_qg_int8_rows16_gemm(int path, Addr x_addr, int x_dtype, int64_t ldx, Addr
   if (M <= 0 || N <= 0) return 0;
   if (!shape_ok(qtype, row_bytes, K)) return -3;
   const uint8_t* w = w_addr.as<const uint8_t>();
-  const int64_t units = K / kUnit, lde = units * rows16_extra_words(qtype);
+  const int64_t units = K / kUnit;
   thread_local pg::ThreadScratch scratch;
   int8_t* q = nullptr;
   float* dx = nullptr;
-  uint32_t* extra = nullptr;
+  uint8_t* rec = nullptr;
   return float_gemm("pipefill quantized int8 gemm (16 rows)", x_addr, x_dtype, ldx, bias_addr, y_addr, y_dtype,
                     ldy, M, N, K, std::max<int64_t>(1, 32768 / row_bytes),
                     [&](const float* xf, int64_t ldf) {
                       const size_t codes = align64_bytes((size_t)(M * K)), scales = align64_bytes((size_t)(M * units) * 4);
-                      char* base = static_cast<char*>(scratch.get(codes + scales + (size_t)(M * lde) * 4));
+                      char* base = static_cast<char*>(scratch.get(codes + scales + (size_t)(M * units) * 48));
                       q = reinterpret_cast<int8_t*>(base);
                       dx = reinterpret_cast<float*>(base + codes);
-                      extra = reinterpret_cast<uint32_t*>(base + codes + scales);
+                      rec = reinterpret_cast<uint8_t*>(base + codes + scales);
                       avx512vnni::int8_quantize(xf, ldf, M, K, qtype, q, K, dx, units, nullptr);
-                      avx512vnni::rows16_extra(qtype, q, K, dx, units, M, units, extra, lde);
+                      avx512vnni::rows16_records(qtype, q, K, dx, units, M, units, rec);
                     },
                     [&](const float*, int64_t, float* yf, int64_t ldf_y, int64_t n0, int64_t n1) {
-                      avx512vnni::rows16_gemm_cols(q, K, dx, units, extra, lde, M, w, qtype, row_bytes, K, yf,
-                                                   ldf_y, n0, n1);
+                      avx512vnni::rows16_gemm_cols(rec, M, w, qtype, row_bytes, K, yf, ldf_y, n0, n1);
                     },
                     16);
 }

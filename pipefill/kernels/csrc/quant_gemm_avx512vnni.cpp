@@ -105,15 +105,14 @@ struct V512Vnni {
 
 PF_QUANT_INT8_COLS(V512Vnni)
 
-void rows16_extra(int qtype, const int8_t* q, int64_t ldq, const float* dx, int64_t ldd, int64_t M, int64_t units,
-                  uint32_t* extra, int64_t lde) {
-  fill_rows16_extra(qtype, q, ldq, dx, ldd, M, units, extra, lde);
+void rows16_records(int qtype, const int8_t* q, int64_t ldq, const float* dx, int64_t ldd, int64_t M, int64_t units,
+                    uint8_t* rec) {
+  fill_rows16_records(qtype, q, ldq, dx, ldd, M, units, rec);
 }
 
-void rows16_gemm_cols(const int8_t* q, int64_t ldq, const float* dx, int64_t ldd, const uint32_t* extra,
-                      int64_t lde, int64_t M, const uint8_t* w, int qtype, int64_t row_bytes, int64_t K, float* y,
-                      int64_t ldy, int64_t n0, int64_t n1) {
-  rows16_cols({q, ldq, dx, ldd, extra, lde}, M, w, qtype, row_bytes, K, y, ldy, n0, n1);
+void rows16_gemm_cols(const uint8_t* rec, int64_t M, const uint8_t* w, int qtype, int64_t row_bytes, int64_t K,
+                      float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  rows16_cols({rec, M}, M, w, qtype, row_bytes, K, y, ldy, n0, n1);
 }
 
 }  // namespace avx512vnni

@@ -12,10 +12,11 @@
 // the end: the 16 lanes are the 16 outputs), and one float scaling for 16 blocks. The row-major
 // kernels (quant_int8_simd.h) spend that much per single block of one row.
 //
-// Activations: the natural int8 codes q [M, kp] and scales dx [M, kp / 32] of int8_quantize,
-// and per row and unit `extra`: -zero * sum(q) (int32; the types with a zero point: Q4_0's 8,
-// Q5_0's 16, Q8_0's 128 once its codes are flipped to unsigned) or dx * sum(q) (float32 bits;
-// Q4_1's offset m).
+// Activations: per unit of 32 and row, a record (Rows16Acts) of the natural int8 codes and
+// scale dx of int8_quantize and `extra`: -zero * sum(q) (int32; the types with a zero point:
+// Q4_0's 8, Q5_0's 16, Q8_0's 128 once its codes are flipped to unsigned, Q6_K's 32, one per
+// 16 weights, its scales' span) or dx * sum(q) (float32; the offsets: Q4_1's m, the K types'
+// mins).
 #pragma once
 #include <immintrin.h>
 
@@ -128,14 +129,14 @@ struct Rows16Unit {
   }
 };
 
-// The call's quantized activations as this kernel reads them (see above).
+// The call's quantized activations as this kernel reads them: one 48-byte record per unit
+// and row, unit-major and row-minor (record (u, m) at rec + (u M + m) 48): the row's 32 natural
+// codes, dx, then `extra` (see above: one word, Q6_K two). A tile finds its rows' records at
+// constant offsets from one pointer (the broadcasts then need no per-row address arithmetic).
+constexpr int kRows16Rec = 48, kRows16Dx = 32, kRows16Extra = 36;
 struct Rows16Acts {
-  const int8_t* q;  // [M, ldq]
-  int64_t ldq;
-  const float* dx;  // [M, ldd]
-  int64_t ldd;
-  const uint32_t* extra;  // [M, lde]: per unit (Q6_K: per 16 weights)
-  int64_t lde;
+  const uint8_t* rec;
+  int64_t M;
 };
 
 // The zero point each type's unsigned codes hold in this kernel (Q8_0: its codes + 128), or 0.
@@ -153,13 +154,11 @@ inline void rows16_tile(const Rows16Acts& a, int64_t m0, const uint8_t* grp, int
   constexpr bool kZero = rows16_zero(QT) != 0, kHalves = QT == kQ6_K;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
-  const int8_t* q = a.q + m0 * a.ldq;
-  const float* dx = a.dx + m0 * a.ldd;
-  const uint32_t* extra = a.extra + m0 * a.lde;
   for (int64_t b = 0; b < K / L::kWeights; ++b) {
     const uint8_t* blk = grp + b * kGroupBlock;
     for (int u = 0; u < L::kUnits; ++u) {
       const int64_t unit = b * L::kUnits + u;
+      const uint8_t* rec = a.rec + (unit * a.M + m0) * kRows16Rec;
       // A tile of 4 rows or more is bound by its dot products, and the bytes 12 units ahead
       // asked for early keep coming (measured: 15-30% faster at M = 8); a tile of fewer rows
       // streams faster on the hardware prefetcher alone (the prefetches measured 15-30% slower
@@ -172,12 +171,15 @@ inline void rows16_tile(const Rows16Acts& a, int64_t m0, const uint8_t* grp, int
       Rows16Unit<QT> w;
       w.unpack(blk, u);
       for (int r = 0; r < R; ++r) {
-        const int8_t* x = q + r * a.ldq + kUnit * unit;
-        const uint32_t* e = extra + r * a.lde + (kHalves ? 2 * unit : unit);
+        const uint8_t* x = rec + r * kRows16Rec;
+        const uint8_t* e = x + kRows16Extra;
         // Two chains of four dot products (weights 0..15, 16..31; their latency overlaps),
         // each starting from its zero point's term.
-        __m512i s0 = kZero ? _mm512_set1_epi32((int)e[0]) : _mm512_setzero_si512();
-        __m512i s1 = kHalves ? _mm512_set1_epi32((int)e[1]) : _mm512_setzero_si512();
+        int32_t e0, e1;
+        std::memcpy(&e0, e, 4);
+        std::memcpy(&e1, e + 4, 4);
+        __m512i s0 = kZero ? _mm512_set1_epi32(e0) : _mm512_setzero_si512();
+        __m512i s1 = kHalves ? _mm512_set1_epi32(e1) : _mm512_setzero_si512();
         for (int j = 0; j < 4; ++j) {
           int32_t x0, x1;
           std::memcpy(&x0, x + 4 * j, 4);
@@ -185,7 +187,9 @@ inline void rows16_tile(const Rows16Acts& a, int64_t m0, const uint8_t* grp, int
           s0 = _mm512_dpbusd_epi32(s0, w.c[j], _mm512_set1_epi32(x0));
           s1 = _mm512_dpbusd_epi32(s1, w.c[4 + j], _mm512_set1_epi32(x1));
         }
-        const __m512 dxv = _mm512_set1_ps(dx[r * a.ldd + unit]);
+        float dx;
+        std::memcpy(&dx, x + kRows16Dx, 4);
+        const __m512 dxv = _mm512_set1_ps(dx);
         if constexpr (kHalves) {
           acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_mul_ps(w.dv, dxv), acc[r]);
           acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(w.dv2, dxv), acc[r]);
@@ -222,25 +226,24 @@ inline void rows16_cols(const Rows16Acts& a, int64_t M, const uint8_t* w, int qt
   });
 }
 
-// extra[M, lde] (see above) from the natural codes q and scales dx of `units` units a row:
-// -zero * sum(q) (int32) where the type has a zero point, else dx * sum(q) (float32 bits).
-inline void fill_rows16_extra(int qtype, const int8_t* q, int64_t ldq, const float* dx, int64_t ldd, int64_t M,
-                              int64_t units, uint32_t* extra, int64_t lde) {
+// The records (Rows16Acts) of M rows of `units` units from the natural codes q and scales dx:
+// extra = -zero * sum(q) (int32) where the type has a zero point, else dx * sum(q) (float32).
+inline void fill_rows16_records(int qtype, const int8_t* q, int64_t ldq, const float* dx, int64_t ldd, int64_t M,
+                                int64_t units, uint8_t* rec) {
   const int zero = rows16_zero(qtype), per = rows16_extra_words(qtype), span = kUnit / per;
-  for (int64_t m = 0; m < M; ++m)
-    for (int64_t i = 0; i < units * per; ++i) {
-      const int8_t* x = q + m * ldq + span * i;
-      int32_t sum = 0;
-      for (int k = 0; k < span; ++k) sum += x[k];
-      uint32_t e;
-      if (zero) {
-        const int32_t v = -zero * sum;
-        std::memcpy(&e, &v, 4);
-      } else {
-        const float v = dx[m * ldd + i] * (float)sum;
-        std::memcpy(&e, &v, 4);
+  for (int64_t u = 0; u < units; ++u)
+    for (int64_t m = 0; m < M; ++m) {
+      uint8_t* out = rec + (u * M + m) * kRows16Rec;
+      const int8_t* x = q + m * ldq + kUnit * u;
+      std::memcpy(out, x, kUnit);
+      std::memcpy(out + kRows16Dx, &dx[m * ldd + u], 4);
+      for (int i = 0; i < per; ++i) {
+        int32_t sum = 0;
+        for (int k = 0; k < span; ++k) sum += x[span * i + k];
+        const int32_t zi = -zero * sum;
+        const float sl = dx[m * ldd + u] * (float)sum;
+        std::memcpy(out + kRows16Extra + 4 * i, zero ? static_cast<const void*>(&zi) : static_cast<const void*>(&sl), 4);
       }
-      extra[m * lde + i] = e;
     }
 }
 

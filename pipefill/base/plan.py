@@ -118,6 +118,9 @@ class CopyKind(enum.Enum):
     LOAD = "load"  # host slot -> pool page, after the frees
     SAVE = "save"  # pool page -> storage (L3) after the forward (write_through)
     SAVE_EVICTED = "save_evicted"  # pool page -> storage before the frees (write_back)
+    # a tree page's window part -> storage before the frees (write_through: the tree takes a
+    # window page after the page itself, when a request lets go of it; 'Window pages')
+    SAVE_WINDOW = "save_window"
     # storage -> pool page, after the frees (a page any stage fails to fetch is reported back
     # and never used)
     FETCH = "fetch"
@@ -130,8 +133,9 @@ class CacheOp:
     page: int
     slot: int  # host slot (STORE, LOAD); -1 for storage copies
     key: str = ""  # storage copies: the page's chained key (hex), without the stage's suffix
-    # Host copies of a model whose window layers keep pages of their own: the window page the
-    # slot's window part comes from (STORE) or goes to (LOAD); -1: the slot holds none.
+    # Copies of a model whose window layers keep pages of their own: the window page the
+    # slot's or stored page's window part comes from (STORE, SAVE_*) or goes to (LOAD, FETCH);
+    # -1: none. SAVE_WINDOW saves only that part (its `page` is the pool page, unread).
     window_page: int = -1
 
 

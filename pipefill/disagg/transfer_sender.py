@@ -185,8 +185,8 @@ class KVSender:
         if mine == theirs:
             return None
         return (f"its layers {theirs} keep window pages, this stage's {mine} (window paging "
-                "must be on or off on both: the same --disaggregation-transfer-backend, "
-                "--tp-size and storage tier)")
+                "must be on or off on both: the same --disaggregation-transfer-backend "
+                "and --tp-size)")
 
     def _serve_refusals(self, conn: ch.Channel, msg) -> None:
         """The prefill HTTP server's connection (rejects.RejectNotifier): RejectRoom messages

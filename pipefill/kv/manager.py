@@ -15,7 +15,7 @@ from pipefill.kv.pool import PagePool
 from pipefill.kv.storage import chain_page_keys
 from pipefill.base.plan import PageOps
 from pipefill.kv.radix import Node, RadixCache
-from pipefill.kv.window import NO_PAGE, WindowPages, covered_pages
+from pipefill.kv.window import NO_PAGE, WindowPages, covered_by, covered_pages, window_before
 
 HOST_WINDOW = 0  # stands for a host copy's window part in a coverage check (any held page)
 
@@ -37,6 +37,9 @@ class StorageFetch:
     node: Node  # deepest memory-tier node the fetched pages extend (locked by the fetch)
     cached: list[int]  # pool pages of the path to `node`
     pages: list[int] = field(default_factory=list)  # pool pages being filled (held by us)
+    # A windowed model's window pages (held by us) filled with the pages' stored window
+    # parts, NO_PAGE where none is fetched; [] without windows.
+    window: list[int] = field(default_factory=list)
     request: object = None  # the scheduler's Request that waits for them
     cancelled: bool = False  # the request was aborted meanwhile
 
@@ -116,7 +119,7 @@ class KVManager:
             cached += loaded
             need -= len(loaded)
         if self.storage is not None and node is not None and not r.storage_tried:
-            fetch = self._fetch_from_storage(tokens, node, cached)
+            fetch = self._fetch_from_storage(tokens, node, cached, m.window)
             if fetch is not None:
                 fetch.request, r.storage_fetch = r, fetch
                 return False  # admitted once every stage has the pages (or said it has not)
@@ -159,18 +162,23 @@ class KVManager:
         fresh = iter(self.window.pool.allocate(sum(held)))
         return [next(fresh) if h else NO_PAGE for h in held]
 
-    def _fetch_from_storage(self, tokens: list[int], locked: Node, cached: list[int]
-                            ) -> StorageFetch | None:
+    def _fetch_from_storage(self, tokens: list[int], locked: Node, cached: list[int],
+                            cached_window: list[int]) -> StorageFetch | None:
         """Starts fetching the pages past the memory tiers that every stage has in storage
-        (verified by stage 0) into new pool pages; None when there are none. The fetch takes
-        over the lock on `locked`."""
+        (verified by stage 0) into new pool pages, and a windowed model's window parts of
+        the window its hit reads (`cached_window`: the window pages of `cached`); None when
+        there are none. The fetch takes over the lock on `locked`."""
         ps, num_cached = self.page_size, len(cached)
         full = len(tokens) // ps
-        if full <= num_cached:
+        if full <= num_cached or not self._storage_extends(tokens, num_cached):
             return None
         keys = chain_page_keys(tokens[num_cached * ps:full * ps], ps,
                                self.cache.last_key(locked))
-        n = self.storage.verified_prefix(keys)
+        deadline = self.storage.deadline()
+        n = self.storage.verified_prefix(keys, deadline)
+        parts: list[bool] = []
+        if self.window is not None and n:
+            n, parts = self._stored_windows(cached_window, keys[:n], deadline)
         if n == 0:
             return None
         if self.pool.num_free < n:
@@ -179,9 +187,44 @@ class KVManager:
             return None  # the lock on this path keeps what would make room
         fetch = StorageFetch(list(tokens[:(num_cached + n) * ps]), locked, list(cached),
                              self.pool.allocate(n))
-        self.storage.fetch(fetch.pages, keys[:n])
+        if parts:  # the fetch's references, as a host load's (_window_for_load)
+            held = iter(self.window.pool.allocate(sum(parts)))
+            fetch.window = [next(held) if p else NO_PAGE for p in parts]
+        self.storage.fetch(fetch.pages, keys[:n], fetch.window)
         self._new_fetches.append(fetch)
         return fetch
+
+    def _storage_extends(self, tokens: list[int], num_cached: int) -> bool:
+        """Whether the memory tiers hold none of `tokens` past the `num_cached` pages a
+        request reuses: a windowed model's match stops where its windows do, and storage
+        fills no window part into pages the tree already holds (they are recomputed)."""
+        if self.window is None:
+            return True
+        m = self.cache.match(tokens)
+        return len(m.pages) + m.num_host_pages == num_cached
+
+    def _stored_windows(self, cached_window: list[int], keys: list[bytes], deadline: float
+                        ) -> tuple[int, list[bool]]:
+        """Of the stored pages `keys` past the cached pages (whose window pages are
+        `cached_window`), how many a windowed model may reuse, and which of them to fetch
+        their window part for: up to the deepest page boundary whose last window is held, in
+        the pool or by every stage's storage, and exactly that window's parts (coverage as
+        the host tier's: kv/window.covered_pages)."""
+        num_cached, known = len(cached_window), {}
+
+        def held(i: int) -> bool:
+            if i < num_cached:
+                return cached_window[i] != NO_PAGE
+            if i not in known:
+                known[i] = self.storage.has_window_part(keys[i - num_cached], deadline)
+            return known[i]
+
+        ps, window = self.page_size, self.window.window
+        n = covered_by(num_cached + len(keys), held, ps, window) - num_cached
+        if n <= 0:
+            return 0, []
+        last = window_before(num_cached + n, ps, window)
+        return n, [i in last for i in range(num_cached, num_cached + n)]
 
     def plan_sent(self, step_id: int) -> None:
         """The fetches started since the previous plan travel with plan `step_id`."""
@@ -204,12 +247,14 @@ class KVManager:
     def _finish_fetch(self, fetch: StorageFetch, bad: set[int]) -> None:
         good = next((i for i, p in enumerate(fetch.pages) if p in bad), len(fetch.pages))
         if good:
-            ps = self.page_size
-            self.cache.insert(fetch.tokens[:(len(fetch.cached) + good) * ps],
-                              fetch.cached + fetch.pages[:good], from_storage=True)
+            tokens = fetch.tokens[:(len(fetch.cached) + good) * self.page_size]
+            self.cache.insert(tokens, fetch.cached + fetch.pages[:good], from_storage=True)
+            if fetch.window:  # the stages own them as the cache's since the fetch
+                self.cache.attach_window(tokens, [NO_PAGE] * len(fetch.cached) +
+                                         fetch.window[:good], from_storage=True)
             self._cached += self.cache.adopted
             self.cache.adopted = []
-            self.counters.hit_tokens_storage += good * ps
+            self.counters.hit_tokens_storage += good * self.page_size
         self._drop_fetch(fetch)
         # The next admission takes what the tree now holds and does not look at storage
         # again: a page that failed now would likely fail again.
@@ -226,6 +271,8 @@ class KVManager:
         """Our references go (the tree keeps what it adopted) and so does the lock. Freed pages
         reach the stages with the next plan, after the one that filled them."""
         self.pool.release(fetch.pages)
+        if fetch.window:
+            self.window.pool.release([p for p in fetch.window if p != NO_PAGE])
         self.cache.unlock(fetch.node)
 
     # ---- growth ------------------------------------------------------------------------------

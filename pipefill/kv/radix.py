@@ -209,13 +209,15 @@ class RadixCache:
     def _no_window(self, num_pages: int) -> list[int] | None:
         return None if self.window_pool is None else [NO_PAGE] * num_pages
 
-    def attach_window(self, tokens: list[int], window: list[int]) -> list[int]:
+    def attach_window(self, tokens: list[int], window: list[int],
+                      from_storage: bool = False) -> list[int]:
         """Along the tree's path of the whole pages of `tokens`, holds window[i] as the window
         page of page i where the tree holds none (a request letting go of its pages: its window
-        layers' K/V of the same tokens). Returns the window pages it took a reference on."""
+        layers' K/V of the same tokens; or window parts fetched from storage, which are not
+        saved again). Returns the window pages it took a reference on."""
         num = min(len(tokens) // self.page_size, len(window))
         keys = self._page_keys(tokens, num)
-        node, at, taken = self.root, 0, []
+        node, at, taken, pages, stored = self.root, 0, [], [], []
         while at < num:
             child = node.children.get(keys[at])
             if child is None or child.pages is None:
@@ -225,10 +227,14 @@ class RadixCache:
                 if child.window[j] == NO_PAGE and window[at + j] != NO_PAGE:
                     child.window[j] = window[at + j]
                     taken.append(window[at + j])
+                    pages.append(child.pages[j])
+                    stored.append(child.keys[j] if child.keys else b"")  # keys: with storage
             if n < child.num_pages:
                 break
             node, at = child, at + n
         self.window_pool.retain(taken)
+        if self.storage is not None and not from_storage:
+            self.storage.on_window(pages, stored, taken)
         return taken
 
     def _adopt(self, pages: list[int], keys, from_storage: bool = False) -> None:

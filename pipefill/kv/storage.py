@@ -104,6 +104,19 @@ def stage_key_suffix(model_fingerprint: str, dtype, page_size: int, layers: rang
     return f"{model_fingerprint}.{name}.p{page_size}.l{layers.start}-{layers.stop}"
 
 
+def stage_part_suffixes(model_fingerprint: str, dtype, page_size: int, layers: range,
+                        num_window_layers: int | None) -> tuple[str, str | None]:
+    """(suffix of a stage's page, suffix of its window part or None). Where the window layers
+    keep pages of their own (num_window_layers not None; ARCHITECTURE.md, 'Window pages'), a
+    stage with some stores a page's global layers ('.g') and its window layers ('.w') under
+    keys of their own, apart from a page of every layer stored by a server without window
+    pages; a stage with none stores its page as any stage does."""
+    base = stage_key_suffix(model_fingerprint, dtype, page_size, layers)
+    if not num_window_layers:
+        return base, None
+    return base + ".g", base + ".w"
+
+
 # ---------------------------------------------------------------------------------------------
 # The store
 
@@ -163,11 +176,12 @@ class PageStore:
             n += m
         return n
 
-    def put(self, key, page: torch.Tensor) -> None:
+    def put(self, key, page: torch.Tensor, key_suffix: str | None = None) -> None:
         """Copy `page` and return; the writer thread stores it. Dropped (counted) when the
-        queue holds more than max_pending_bytes. Never raises."""
+        queue holds more than max_pending_bytes. Never raises. `key_suffix`: stored under
+        another suffix than the store's (a page's window part)."""
         try:
-            full = self.full_key(key)
+            full = self.full_key(key, key_suffix)
             with self._cv:
                 if self._closed or full in self._pending:
                     return

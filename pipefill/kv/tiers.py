@@ -27,7 +27,7 @@ from pipefill.kv.storage_tier import StorageTier, open_stage_storage, page_dims,
 log = logging.getLogger(__name__)
 
 _HOST_KINDS = {CopyKind.STORE, CopyKind.LOAD}
-_STORAGE_KINDS = {CopyKind.SAVE, CopyKind.SAVE_EVICTED, CopyKind.FETCH}
+_STORAGE_KINDS = {CopyKind.SAVE, CopyKind.SAVE_EVICTED, CopyKind.SAVE_WINDOW, CopyKind.FETCH}
 
 
 class StageKV:
@@ -49,12 +49,13 @@ class StageKV:
         """Tier copies, frees, allocations, the ownership check of every sequence (writes by
         the owner only, reads of written pages only), then a wait for the host copies that
         touch the sequences' pages. Copies that read a page this plan may free and hand out
-        again go first (saves of evicted pages, host stores), copies that fill pages it
-        allocates go after the frees (host loads, storage fetches); the host copy thread keeps
-        that order for the data."""
+        again go first (saves of evicted pages and of window parts, host stores), copies that
+        fill pages it allocates go after the frees (host loads, storage fetches); the host copy
+        thread keeps that order for the data."""
         by_kind = self._by_kind(ops)
         if self.storage is not None:
-            self.storage.save(by_kind.get(CopyKind.SAVE_EVICTED, []))
+            self.storage.save(by_kind.get(CopyKind.SAVE_EVICTED, []) +
+                              by_kind.get(CopyKind.SAVE_WINDOW, []))
         if self.host is not None:
             self.host.store(by_kind.get(CopyKind.STORE, []), self.owners, self.window_owners)
         self.owners.free(ops.freed)
@@ -65,7 +66,7 @@ class StageKV:
             self.host.load(by_kind.get(CopyKind.LOAD, []), self.owners, self.window_owners)
         if self.storage is not None:
             self._failed_fetches += self.storage.fetch(by_kind.get(CopyKind.FETCH, []),
-                                                       self.owners)
+                                                       self.owners, self.window_owners)
         self.owners.replay([], seqs, self.cache.page_size)
         if self.window_owners is not None:
             self.window_owners.replay_window(seqs, self.cache.page_size)
@@ -144,15 +145,18 @@ def build_stage_kv(args: ServerArgs, cache, model_file: str, rank: int, layers: 
 
 
 def build_prefix_cache(args: ServerArgs, pool: PagePool, kv: StageKV,
-                       partition: Sequence[range],
-                       window_pool: PagePool | None = None) -> RadixCache | None:
+                       partition: Sequence[range], window_pool: PagePool | None = None,
+                       window_layers: Sequence[int] | None = None) -> RadixCache | None:
     """Stage 0's radix tree over `pool` (and the window layers' `window_pool`, where they keep
-    pages of their own) with the directors of stage 0's tiers (`kv`), or None when the prefix
-    cache is off."""
+    pages of their own: `window_layers` counts them on each stage) with the directors of
+    stage 0's tiers (`kv`), or None when the prefix cache is off."""
     if args.disable_radix_cache:
         return None
     host = HostDirector(kv.host.num_slots) if kv.host is not None else None
-    storage = storage_director(args, kv.storage, partition) if kv.storage is not None else None
+    storage = None
+    if kv.storage is not None:
+        storage = storage_director(args, kv.storage, partition,
+                                   window_layers if window_pool is not None else None)
     return RadixCache(args.page_size, pool, host, storage, window_pool)
 
 

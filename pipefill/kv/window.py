@@ -45,12 +45,21 @@ def window_before(boundary_pages: int, page_size: int, window: int) -> range:
 def covered_pages(window_pages: list[int], page_size: int, window: int) -> int:
     """The most pages n <= len(window_pages) of a cached prefix that a request may reuse: the
     window pages of the last window before page n must all be held."""
-    n = len(window_pages)
+    return covered_by(len(window_pages), lambda i: window_pages[i] != NO_PAGE, page_size,
+                      window)
+
+
+def covered_by(num_pages: int, held, page_size: int, window: int) -> int:
+    """covered_pages over a prefix of num_pages pages whose page i has its window part where
+    held(i) says so; held is asked from the top of each window down, and only up to its first
+    hole (a stored window part costs a read to know)."""
+    n = num_pages
     while n > 0:
-        holes = [i for i in window_before(n, page_size, window) if window_pages[i] == NO_PAGE]
-        if not holes:
+        hole = next((i for i in reversed(window_before(n, page_size, window)) if not held(i)),
+                    None)
+        if hole is None:
             return n
-        n = holes[-1]  # any boundary above a hole still has it in its window
+        n = hole  # any boundary above a hole still has it in its window
     return 0
 
 

@@ -256,7 +256,9 @@ def make_first_stage_loop(args, cfg, executor, channel, pipe, tracer, policy, ro
     # (ARCHITECTURE.md, 'Window pages').
     window = window_pages_for(executor.cache, args.page_size, cfg.sliding_window)
     cache = build_prefix_cache(args, pool, executor.kv, args.layout.ranges,
-                               window.pool if window is not None else None)
+                               window.pool if window is not None else None,
+                               [sum(cfg.window_of(i) is not None for i in r)
+                                for r in args.layout.ranges])
     scheduler = Scheduler(SchedulerConfig(
         page_size=args.page_size, max_prefill_tokens=args.max_prefill_tokens,
         max_running_requests=args.max_running_requests, max_model_len=args.max_model_len,

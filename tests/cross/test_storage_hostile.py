@@ -252,8 +252,8 @@ def damage_after_verification(director, key_index: int, suffix_rank: int, how: s
     copy of page `key_index` is deleted or corrupted on disk, before any stage fetches it."""
     verify = director.verified_prefix
 
-    def verify_then_damage(keys):
-        n = verify(keys)
+    def verify_then_damage(keys, deadline=None):
+        n = verify(keys, deadline)
         if n > key_index:
             store = director.tier.store
             path = store.backend.path(store.full_key(keys[key_index],

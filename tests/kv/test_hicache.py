@@ -245,6 +245,35 @@ def test_file_storage_survives_a_restart_and_bad_files_are_misses(model, tmp_pat
     assert stats["cache_hit_tokens_storage"] < 192
 
 
+@pytest.mark.slow
+def test_gemma_storage_hits_equal_no_cache(tmp_path):
+    """Gemma 3 with 7-token windows through the file storage tier (PP2): the window layers keep
+    pages of their own, a stored page keeps its window part where the tree held one, and a
+    fresh engine's hit from L3 fetches the window its first chunk reads (ARCHITECTURE.md,
+    'Window pages'), so it reads the window keys a cold run computes: the same greedy tokens,
+    token logprobs within 1e-4 of no cache."""
+    from test_gemma3_family import save_gemma
+    path = save_gemma("irregular", tmp_path / "gemma")
+    prompts = workload()[:2]
+
+    def outputs(**kw):
+        with track(Engine(path, dtype="float32", page_size=16, threads_per_stage=1, pp_size=2,
+                          chunked_prefill_size=32, **kw)) as e:
+            return [e.generate([p], max_new_tokens=6, ignore_eos=True, logprobs=True)[0]
+                    for p in prompts], e.stats()
+
+    off, _ = outputs(disable_radix_cache=True)
+    stored = dict(hicache_storage_backend="file", hicache_storage_dir=str(tmp_path / "l3"))
+    outputs(**stored)  # writes every whole page and the window parts its tree holds
+    on, stats = outputs(**stored)  # a fresh engine: hits
+    assert [o.output_ids for o in on] == [o.output_ids for o in off]
+    for a, b in zip(on, off):
+        assert a.token_logprobs == pytest.approx(b.token_logprobs, abs=1e-4)
+    assert [o.metrics["cached_tokens"] for o in on] == [96, 96]
+    assert stats["storage_fetched_window_pages"] > 0  # window parts came back from storage
+    assert 0 < stats["window_pages_peak"] < stats["pages_peak"]
+
+
 def test_write_back_pages_survive_a_clean_stop(model, tmp_path):
     """write_back saves a page only when it leaves the pool, or at a clean stop: a pool large
     enough to evict nothing still leaves every page on disk for the next engine."""

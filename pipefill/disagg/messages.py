@@ -104,6 +104,12 @@ class DecodeHello(_Msg):
     kv_heads: list[list[int]] = []
     num_kv_heads: int = 0  # of the decode's model (0: not said)
     window_layers: list[int] = []  # as RegisterStage's, the decode stage's
+    # mooncake, with window layers: per window layer (rank after rank), the base address of
+    # its registered window K and V, and the window pages behind each ('Window pages');
+    # k_ptrs/v_ptrs then hold the other layers only.
+    window_k_ptrs: list[int] = []
+    window_v_ptrs: list[int] = []
+    window_kv_pages: int = 0
 
 
 class RoomBootstrap(_Msg):

@@ -257,9 +257,6 @@ def make_data_path(backend: str, kv: KVTensors, host: str, staging_bytes: int | 
         from pipefill.disagg.transfer_tcp import TcpDataPath
         return TcpDataPath(kv)
     if backend == "mooncake":
-        if kv.window is not None:
-            raise ValueError("mooncake moves whole pages of every layer: its stages keep the "
-                             "window layers' KV for every token (kv.cache.frees_window_pages)")
         from pipefill.disagg.transfer_mooncake import MooncakeDataPath
         return MooncakeDataPath(kv, host, staging_bytes)
     raise ValueError(f"--disaggregation-transfer-backend {backend!r}: one of {BACKENDS}")

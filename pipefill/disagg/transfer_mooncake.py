@@ -21,6 +21,11 @@ page per layer for K and for V. Two remedies:
   expects the room and freed exactly when the room's pages are (success, or a failure once no
   write into it can still happen: the same drop acknowledgements), so a late write of a dead
   room can never land in another room's region.
+
+Where the window layers keep pages of their own (ARCHITECTURE.md, 'Window pages'), the decode
+registers their tensors too and declares them apart (DecodeHello.window_k_ptrs, ...), the
+staging region holds the other layers only, and the last chunk's window pages (a window or
+two: few) are gathered and written straight into the decode's window pages before its notice.
 """
 from __future__ import annotations
 
@@ -77,13 +82,31 @@ def pair_runs(src: list[int], dst: list[int]) -> list[tuple[int, int, int]]:
 ADDRESS_LIMIT = 1 << 64
 
 
+def decode_rows(hello: m.DecodeHello, window: bool = False) -> list[int]:
+    """The decode stage's layers behind each rank's k_ptrs/v_ptrs, in order (window: behind
+    window_k_ptrs/window_v_ptrs): its window layers' pages are apart from the others'."""
+    window_layers = set(hello.window_layers)
+    return [layer for layer in range(hello.layer_start, hello.layer_end)
+            if (layer in window_layers) == window]
+
+
+def _targets(hello: m.DecodeHello, window: bool) -> tuple[list[int], list[int], dict, int]:
+    """(K pointers, V pointers, each layer's row among them, rows a rank) of the decode's
+    pages (window: of its window pages)."""
+    rows = decode_rows(hello, window)
+    k, v = (hello.window_k_ptrs, hello.window_v_ptrs) if window else (hello.k_ptrs, hello.v_ptrs)
+    return k, v, {layer: i for i, layer in enumerate(rows)}, len(rows)
+
+
 def declared_ranges(hello: m.DecodeHello, rank_bytes: list[int]) -> list[tuple[int, int]]:
     """[start, end) of every buffer the decode declared for one-sided writes: each TP rank's
     K and V of each layer (kv_pages pages each of rank_bytes[rank] bytes; pointers rank after
-    rank) and its staging region."""
-    n = hello.layer_end - hello.layer_start
-    out = [(p, p + hello.kv_pages * rank_bytes[i // n])
-           for ptrs in (hello.k_ptrs, hello.v_ptrs) for i, p in enumerate(ptrs)]
+    rank), of each window layer (window_kv_pages pages each) and its staging region."""
+    out = []
+    for window, pages in ((False, hello.kv_pages), (True, hello.window_kv_pages)):
+        k, v, _, n = _targets(hello, window)
+        out += [(p, p + pages * rank_bytes[i // max(n, 1)])
+                for ptrs in (k, v) for i, p in enumerate(ptrs)]
     if hello.staging_bytes:
         out.append((hello.staging_base, hello.staging_base + hello.staging_bytes))
     return sorted(out)
@@ -95,12 +118,16 @@ def check_hello(hello: m.DecodeHello, rank_bytes: list[int]) -> str | None:
     if not hello.mooncake_session:
         return ("the decode did not publish a Mooncake session (is it running "
                 "--disaggregation-transfer-backend mooncake?)")
-    n = hello.layer_end - hello.layer_start
-    want = n * len(rank_bytes)
-    if n < 1 or len(hello.k_ptrs) != want or len(hello.v_ptrs) != want:
+    n, nw = len(decode_rows(hello)), len(decode_rows(hello, True))
+    want, want_window = n * len(rank_bytes), nw * len(rank_bytes)
+    if n + nw < 1 or len(hello.k_ptrs) != want or len(hello.v_ptrs) != want:
         return (f"the decode declared {len(hello.k_ptrs)} K and {len(hello.v_ptrs)} V buffers "
                 f"for its {n} layers on {len(rank_bytes)} TP ranks")
-    if hello.kv_pages < 1 or hello.staging_bytes < 0:
+    if len(hello.window_k_ptrs) != want_window or len(hello.window_v_ptrs) != want_window:
+        return (f"the decode declared {len(hello.window_k_ptrs)} K and "
+                f"{len(hello.window_v_ptrs)} V window buffers for its {nw} window layers on "
+                f"{len(rank_bytes)} TP ranks")
+    if hello.kv_pages < 1 or hello.staging_bytes < 0 or (nw and hello.window_kv_pages < 1):
         return "the decode declared no KV pages (or a negative staging region)"
     ranges = declared_ranges(hello, rank_bytes)
     if any(start <= 0 or end > ADDRESS_LIMIT for start, end in ranges):
@@ -112,20 +139,29 @@ def check_hello(hello: m.DecodeHello, rank_bytes: list[int]) -> str | None:
 
 def check_bootstrap(hello: m.DecodeHello, msg: m.RoomBootstrap, layers: tuple[int, int],
                     rank_bytes: list[int]) -> str | None:
-    """Why a room's destination cannot be written (a sentence), or None: its pages must be
-    among the decode's declared pages, its staging region inside the declared one, sized for
-    the room's pages of this stage's `layers` (the layers the two stages share) on every
-    decode TP rank."""
+    """Why a room's destination cannot be written (a sentence), or None: its pages (and
+    window pages) must be among the decode's declared ones, its staging region inside the
+    declared one, sized for the room's pages of this stage's `layers` (the layers the two
+    stages share; not the window layers) on every decode TP rank."""
     if msg.dst_pages and max(msg.dst_pages) >= hello.kv_pages:
         return (f"room {msg.room} names page {max(msg.dst_pages)}; the decode declared "
                 f"{hello.kv_pages} pages")
+    if msg.dst_window_pages and max(msg.dst_window_pages) >= hello.window_kv_pages:
+        return (f"room {msg.room} names window page {max(msg.dst_window_pages)}; the decode "
+                f"declared {hello.window_kv_pages} window pages")
     if msg.staging_addr:
-        size = len(msg.dst_pages) * 2 * (layers[1] - layers[0]) * sum(rank_bytes)
+        num_layers = len([i for i in decode_rows(hello) if layers[0] <= i < layers[1]])
+        size = len(msg.dst_pages) * 2 * num_layers * sum(rank_bytes)
         base = hello.staging_base
         if not base <= msg.staging_addr <= msg.staging_addr + size <= base + hello.staging_bytes:
             return (f"room {msg.room}'s staging region ({size} bytes at {msg.staging_addr:#x}) "
                     "is not inside the one the decode declared")
     return None
+
+
+def _layer_ptrs(kv, which: str) -> list[int]:
+    """The base address of K or V of each of kv's layers, rank after rank."""
+    return [getattr(r, which)[i].data_ptr() for r in kv.ranks for i in range(kv.num_layers)]
 
 
 class Bounds:
@@ -200,9 +236,11 @@ class MooncakeDataPath:
         self.kv = kv  # a StageTensors: every TP rank's K and V is registered
         self.engine = _engine(host)
         self.session = f"{host}:{self.engine.get_rpc_port()}"
-        for rank in kv.ranks:
-            for t in (rank.k, rank.v):
-                self._register(t)
+        for part in (kv, kv.window):  # a windowed cache's window layers are written too
+            for rank in part.ranks if part is not None else ():
+                for t in (rank.k, rank.v):
+                    if t.numel():  # a stage without window (or other) layers: none to write
+                        self._register(t)
         if staging_bytes is None:
             kv_bytes = sum(2 * r.k.numel() * r.k.element_size() for r in kv.ranks)
             staging_bytes = int(kv_bytes * STAGING_FRACTION)
@@ -220,14 +258,18 @@ class MooncakeDataPath:
 
     def hello_fields(self) -> dict:
         """Decode side: every buffer a prefill may write, with its size."""
-        kv = self.kv
+        kv, window = self.kv, self.kv.window
         staging = self._staging_buffer()
-        return {"mooncake_session": self.session,
-                "k_ptrs": [r.k[i].data_ptr() for r in kv.ranks for i in range(kv.num_layers)],
-                "v_ptrs": [r.v[i].data_ptr() for r in kv.ranks for i in range(kv.num_layers)],
-                "kv_pages": kv.num_pages,
-                "staging_base": staging.data_ptr() if staging is not None else 0,
-                "staging_bytes": self.staging_bytes if staging is not None else 0}
+        fields = {"mooncake_session": self.session,
+                  "k_ptrs": _layer_ptrs(kv, "k"), "v_ptrs": _layer_ptrs(kv, "v"),
+                  "kv_pages": kv.num_pages,
+                  "staging_base": staging.data_ptr() if staging is not None else 0,
+                  "staging_bytes": self.staging_bytes if staging is not None else 0}
+        if window is not None:
+            fields.update(window_k_ptrs=_layer_ptrs(window, "k"),
+                          window_v_ptrs=_layer_ptrs(window, "v"),
+                          window_kv_pages=window.num_pages)
+        return fields
 
     def payload_bytes(self, num_pages: int, num_layers: int, head_map=None) -> int:
         return 0
@@ -262,7 +304,10 @@ class MooncakeDataPath:
         staging = self._staging_buffer()
         with self._lock:
             for stage, (ls, le) in stages.items():
-                off = self._arena.alloc(len(dst_pages) * 2 * (le - ls) * pb)
+                num_layers = len(self.kv.layers_in(ls, le))  # not the window layers
+                if not num_layers:
+                    continue
+                off = self._arena.alloc(len(dst_pages) * 2 * num_layers * pb)
                 if off is None:  # rare: fall back to direct writes for this stage
                     log.debug("room %d: staging arena full, direct writes", room)
                     continue
@@ -282,8 +327,11 @@ class MooncakeDataPath:
 
     # ---- prefill side
     def send(self, conn: Channel, header: m.KVChunk, src_pages: list[int], dst_pages: list[int],
-             hello: m.DecodeHello, head_map: list[list[int]], staging_addr: int = 0) -> None:
-        """head_map: the decode stage's TP ranks' KV heads; each rank gets exactly its own."""
+             hello: m.DecodeHello, head_map: list[list[int]], staging_addr: int = 0,
+             window_src: list[int] = (), window_dst: list[int] = ()) -> None:
+        """head_map: the decode stage's TP ranks' KV heads; each rank gets exactly its own.
+        window_src, window_dst: the last chunk's window pages here and on the decode (the
+        window layers' part, written before the notice; module doc)."""
         if not hello.mooncake_session:
             raise TransferFailed("the decode did not publish a Mooncake session (is it running "
                                  "--disaggregation-transfer-backend mooncake?)")
@@ -291,39 +339,46 @@ class MooncakeDataPath:
         if staging_addr:
             self._send_staged(header, src_pages, hello, head_map, staging_addr)
         elif None in sources or len(pair_runs(src_pages, dst_pages)) > len(runs(dst_pages)):
-            self._send_gathered(header, src_pages, dst_pages, hello, head_map)
+            self._send_gathered(self.kv, header, src_pages, dst_pages, hello, head_map)
         else:
             self._send_direct(header, src_pages, dst_pages, hello, sources)
+        if window_src:
+            self._send_gathered(self.kv.window, header, list(window_src), list(window_dst),
+                                hello, head_map, window=True)
         conn.send(header)
 
     def _send_direct(self, header, src_pages, dst_pages, hello, sources) -> None:
         """Runs consecutive on both sides, straight from the KV tensors: each decode rank's
         from the prefill rank with exactly its heads (sources)."""
-        pairs, n = pair_runs(src_pages, dst_pages), hello.layer_end - hello.layer_start
+        pairs = pair_runs(src_pages, dst_pages)
+        k_ptrs, v_ptrs, row, n = _targets(hello, False)
         writes, rank_bytes = [], [self.kv.ranks[s].page_bytes for s in sources]
-        for layer in range(header.layer_start, header.layer_end):
-            for which, ptrs in (("k", hello.k_ptrs), ("v", hello.v_ptrs)):
+        for layer in self.kv.layers_in(header.layer_start, header.layer_end):
+            for which, ptrs in (("k", k_ptrs), ("v", v_ptrs)):
                 for r, src in enumerate(sources):
                     rank, pb = self.kv.ranks[src], rank_bytes[r]
                     base = rank.local(getattr(rank, which), layer).data_ptr()
-                    dbase = ptrs[r * n + layer - hello.layer_start]
+                    dbase = ptrs[r * n + row[layer]]
                     writes += [(base + s * pb, dbase + d * pb, count * pb)
                                for s, d, count in pairs]
         self._write(hello, writes, rank_bytes)
 
-    def _send_gathered(self, header, src_pages, dst_pages, hello, head_map) -> None:
-        """Source pages gathered (and cut to each decode rank's heads) layer group by layer
-        group; one write per destination run and rank."""
+    def _send_gathered(self, kv, header, src_pages, dst_pages, hello, head_map,
+                       window: bool = False) -> None:
+        """Source pages of `kv` (this stage's, or its window layers') gathered (and cut to
+        each decode rank's heads) layer group by layer group; one write per destination run
+        and rank, into the decode's pages (window: its window pages)."""
         n, dst_runs = len(src_pages), runs(dst_pages)
-        rank_bytes = self.kv.rank_page_bytes(head_map)
-        nl, per_page = hello.layer_end - hello.layer_start, sum(rank_bytes)
-        for layers, buf in self._gather(header, src_pages, head_map):
+        rank_bytes = kv.rank_page_bytes(head_map)
+        k_ptrs, v_ptrs, row, nl = _targets(hello, window)
+        per_page = sum(rank_bytes)
+        for _, layers, buf in self._gather(kv, header, src_pages, head_map):
             writes, base = [], buf.data_ptr()
             for i, layer in enumerate(layers):
-                for j, ptrs in enumerate((hello.k_ptrs, hello.v_ptrs)):
+                for j, ptrs in enumerate((k_ptrs, v_ptrs)):
                     block = base + (2 * i + j) * n * per_page
                     for r, pb in enumerate(rank_bytes):
-                        dbase = ptrs[r * nl + layer - hello.layer_start]
+                        dbase = ptrs[r * nl + row[layer]]
                         writes += [(block + at * pb, dbase + first * pb, count * pb)
                                    for at, first, count in dst_runs]
                         block += n * pb
@@ -333,34 +388,35 @@ class MooncakeDataPath:
         """The chunk as one block (per layer group) at its offset in the room's region."""
         rank_bytes = self.kv.rank_page_bytes(head_map)
         n, pb = len(src_pages), sum(rank_bytes)
-        at = staging_addr + header.page_offset * 2 * (header.layer_end - header.layer_start) * pb
-        for layers, buf in self._gather(header, src_pages, head_map):
+        num_layers = len(self.kv.layers_in(header.layer_start, header.layer_end))
+        at = staging_addr + header.page_offset * 2 * num_layers * pb
+        for first, layers, buf in self._gather(self.kv, header, src_pages, head_map):
             nbytes = 2 * len(layers) * n * pb
-            block = at + (layers[0] - header.layer_start) * 2 * n * pb
+            block = at + first * 2 * n * pb
             self._write(hello, [(buf.data_ptr() + o, block + o, min(WRITE_PIECE, nbytes - o))
                                 for o in range(0, nbytes, WRITE_PIECE)], rank_bytes)
         self.num_staged_chunks += 1
 
-    def _gather(self, header, src_pages, head_map):
-        """Yields (layers, buffer holding [layer][K, V][decode rank][page] of those
-        layers), each decode rank's pages with its heads."""
-        kv, n = self.kv, len(src_pages)
-        if n == 0:
+    def _gather(self, kv, header, src_pages, head_map):
+        """Yields (index of the group's first layer among kv's layers of the chunk, the
+        group's layers, a buffer holding [layer][K, V][decode rank][page] of them), each
+        decode rank's pages with its heads."""
+        n, chunk_layers = len(src_pages), kv.layers_in(header.layer_start, header.layer_end)
+        if n == 0 or not chunk_layers:
             return
         idx = torch.tensor(src_pages, dtype=torch.long, device=kv.k.device)
         block_bytes = n * sum(kv.rank_page_bytes(head_map))
         layer_bytes = 2 * block_bytes
         per_group = max(1, GATHER_BYTES // layer_bytes)
-        buf = self._gather_buffer(min(per_group, header.layer_end - header.layer_start) *
-                                  layer_bytes)
-        for first in range(header.layer_start, header.layer_end, per_group):
-            layers = list(range(first, min(first + per_group, header.layer_end)))
+        buf = self._gather_buffer(min(per_group, len(chunk_layers)) * layer_bytes)
+        for first in range(0, len(chunk_layers), per_group):
+            layers = chunk_layers[first:first + per_group]
             for i, layer in enumerate(layers):
                 for j, which in enumerate(("k", "v")):
                     at = (2 * i + j) * block_bytes
                     kv.gather(head_map, which, layer, idx, buf[at:at + block_bytes])
             _sync(buf)
-            yield layers, buf
+            yield first, layers, buf
 
     def _gather_buffer(self, nbytes: int) -> torch.Tensor:
         buf = getattr(self._local, "buf", None)
@@ -385,21 +441,22 @@ class MooncakeDataPath:
                                      f"(code {ret})")
 
     # ---- decode side: the notice of a completed write
-    def receive(self, conn: Channel, header: m.KVChunk, dst_pages: list[int]) -> None:
-        """Direct writes are already in place; a staged chunk is scattered into its pages,
-        each TP rank's into its own."""
+    def receive(self, conn: Channel, header: m.KVChunk, dst_pages: list[int],
+                window_dst: list[int] = ()) -> None:
+        """Direct writes (the window pages' among them) are already in place; a staged chunk
+        is scattered into its pages, each TP rank's into its own."""
         with self._lock:
             region = self._regions.get((header.room, header.layer_start))
         if region is None or region[0] != header.nonce or not dst_pages:
             return
         kv, n = self.kv, len(dst_pages)
-        nlayers = header.layer_end - header.layer_start
+        layers = kv.layers_in(header.layer_start, header.layer_end)  # not the window layers
         block_bytes = n * sum(r.page_bytes for r in kv.ranks)
-        start = region[1] + header.page_offset * 2 * nlayers * (block_bytes // n)
-        block = self._staging[start:start + 2 * nlayers * block_bytes]
+        start = region[1] + header.page_offset * 2 * len(layers) * (block_bytes // n)
+        block = self._staging[start:start + 2 * len(layers) * block_bytes]
         idx = torch.tensor(dst_pages, dtype=torch.long, device=kv.k.device)
-        for i in range(nlayers):
+        for i, layer in enumerate(layers):
             for j, which in enumerate(("k", "v")):
                 at = (2 * i + j) * block_bytes
-                kv.scatter(which, header.layer_start + i, idx, block[at:at + block_bytes])
+                kv.scatter(which, layer, idx, block[at:at + block_bytes])
         _sync(block)  # the region may be written again as soon as the room ends

@@ -185,8 +185,7 @@ class KVSender:
         if mine == theirs:
             return None
         return (f"its layers {theirs} keep window pages, this stage's {mine} (window paging "
-                "must be on or off on both: the same --disaggregation-transfer-backend "
-                "and --tp-size)")
+                "must be on or off on both: --tp-size 1 on both, or above 1 on both)")
 
     def _serve_refusals(self, conn: ch.Channel, msg) -> None:
         """The prefill HTTP server's connection (rejects.RejectNotifier): RejectRoom messages
@@ -294,13 +293,12 @@ class KVSender:
         header = m.KVChunk(item.room, dest.nonce, self.rank, item.chunk_id, item.page_offset, n,
                            ls, le, nbytes, item.is_last, wanted)
         dst = dest.dst_pages[item.page_offset:end]
+        extra = {}
         if dest.staging_addr:  # only a one-sided data path's decode hands out staging
-            self.data.send(conn, header, item.src_pages, dst, hello, head_map,
-                           dest.staging_addr)
-        elif wanted:
-            self.data.send(conn, header, item.src_pages, dst, hello, head_map, window_src)
-        else:
-            self.data.send(conn, header, item.src_pages, dst, hello, head_map)
+            extra["staging_addr"] = dest.staging_addr
+        if wanted:  # the window layers' part ('Window pages'), from and to window pages
+            extra.update(window_src=window_src, window_dst=[dest.dst_window[i] for i in wanted])
+        self.data.send(conn, header, item.src_pages, dst, hello, head_map, **extra)
         self.bytes_sent += 2 * (n * num_layers + len(wanted) * num_window) * \
             sum(self.kv.rank_page_bytes(head_map))
         self.pages_sent += n

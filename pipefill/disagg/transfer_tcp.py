@@ -59,9 +59,10 @@ class TcpDataPath:
 
     def send(self, conn: Channel, header: m.KVChunk, src_pages: list[int], dst_pages: list[int],
              hello: m.DecodeHello, head_map: list[list[int]],
-             window_src: list[int] = ()) -> None:
+             window_src: list[int] = (), window_dst: list[int] = ()) -> None:
         """window_src: the window pages of the pages the chunk's window_pages name (the
-        window layers' part of the payload, after the global layers')."""
+        window layers' part of the payload, after the global layers'); window_dst, where the
+        decode puts them, is the decode's to know (it reads the payload itself)."""
         parts = [(self.kv, src_pages)]
         if window_src:
             parts.append((self.kv.window, window_src))

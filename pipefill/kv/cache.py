@@ -103,14 +103,13 @@ def _layer_views(whole, window, windowed: list[bool]) -> tuple[list, list]:
 def frees_window_pages(args, has_windows: bool) -> bool:
     """Whether the stages' window layers keep pages of their own, freed outside the window
     (ARCHITECTURE.md, 'Window pages'): for a model with sliding-window layers (every stage
-    alike, whether or not its own slice has any), unless PD runs with a transfer that moves
-    whole pages of every layer (mooncake, a stage of TP ranks): there every layer keeps every
-    token. The host and storage tiers keep a page's window part with it; PD over tcp sends the
+    alike, whether or not its own slice has any), unless PD runs with stages of TP ranks,
+    whose transfer moves whole pages of every layer: there every layer keeps every token. The
+    host and storage tiers keep a page's window part with it; PD (tcp or mooncake) sends the
     window pages a decode needs."""
     if not has_windows:
         return False
-    return not args.disagg.enabled or (args.disagg.transfer_backend == "tcp"
-                                       and args.tp_size == 1)
+    return not args.disagg.enabled or args.tp_size == 1
 
 
 def stacked_kv_shape(specs) -> tuple[int, int, torch.dtype]:

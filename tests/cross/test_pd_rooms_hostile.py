@@ -311,6 +311,36 @@ def test_mooncake_writes_outside_the_declared_buffers_never_leave():
             check_writes(hello, [PB], [(1, K0, PB), (1, dst, n)])
 
 
+W0 = 0x50000000  # a window layer's K; its V 16 pages above
+
+
+def windowed_hello(**changes) -> m.DecodeHello:
+    """Layers [2, 5), layer 3 a window layer with window pages of its own: 10 of them."""
+    fields = dict(layer_end=5, window_layers=[3], window_k_ptrs=[W0],
+                  window_v_ptrs=[W0 + 16 * PB], window_kv_pages=10)
+    fields.update(changes)
+    return mooncake_hello(**fields)
+
+
+@pytest.mark.parametrize("changes,needle", [
+    ({"window_k_ptrs": []}, "declared 0 K and 1 V window buffers for its 1 window layers"),
+    ({"window_layers": []}, "declared 2 K and 2 V buffers for its 3 layers"),
+    ({"window_v_ptrs": [W0 + 5 * PB]}, "overlapping buffers"),
+    ({"window_kv_pages": 0}, "no KV pages")])
+def test_mooncake_window_buffers_are_declared_apart_and_checked(changes, needle):
+    """A decode whose window layers keep pages of their own declares them apart
+    (ARCHITECTURE.md, 'Window pages'); a room's window pages and every write stay in them."""
+    assert check_hello(windowed_hello(), [PB]) is None
+    why = check_hello(windowed_hello(**changes), [PB])
+    assert why is not None and needle in why
+    msg = m.RoomBootstrap(ROOM, 1, [0, 1], 1, dst_window_pages=[-1, 10])
+    assert "names window page 10; the decode declared 10" in \
+        check_bootstrap(windowed_hello(), msg, (2, 5), [PB])
+    check_writes(windowed_hello(), [PB], [(1, W0 + 9 * PB, PB), (1, W0 + 16 * PB, 10 * PB)])
+    with pytest.raises(TransferFailed, match="outside the buffers"):
+        check_writes(windowed_hello(), [PB], [(1, W0 + 10 * PB, PB)])
+
+
 # ------------------------------------------------------------------ servers and secrets
 
 def test_a_pd_server_without_a_secret_does_not_start():

@@ -18,6 +18,7 @@ from pipefill.kv.window import received_window
 
 from conftest import track, wait_until
 from test_gemma3_family import save_gemma
+from test_disagg_transfer import have_mooncake
 from test_pd_engine import both, pages_free
 
 PAGE, WINDOW = 16, 7  # the "irregular" model's window
@@ -28,19 +29,23 @@ PROMPTS = [[_rng.randrange(512) for _ in range(n)] for n in (90, 45)]  # 3 and 2
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("prefill_pp,decode_pp", [(1, 1), (2, 3)])
-def test_gemma_through_pd_equals_one_engine(tmp_path, prefill_pp, decode_pp):
+@pytest.mark.parametrize("prefill_pp,decode_pp,backend", [
+    (1, 1, "tcp"), (2, 3, "tcp"),
+    pytest.param(2, 3, "mooncake", marks=pytest.mark.skipif(
+        not have_mooncake(), reason="mooncake-transfer-engine-non-cuda is not installed"))])
+def test_gemma_through_pd_equals_one_engine(tmp_path, prefill_pp, decode_pp, backend):
     """(2, 3): the decode's stages take their window layers from prefill stages split
-    elsewhere, a later stage's window pages announced down its pipe."""
+    elsewhere, a later stage's window pages announced down its pipe; over mooncake the
+    prefill writes them into the decode's window pages."""
     model = save_gemma("irregular", tmp_path / "gemma")
     with track(Engine(model, **COMMON)) as plain:
         want = plain.generate(PROMPTS, max_new_tokens=16, ignore_eos=True, logprobs=True)
     secret = write_secret_file(str(tmp_path))
     port = free_port()
+    pd = dict(cluster_secret_file=secret, disaggregation_transfer_backend=backend, **COMMON)
     with track(Engine(model, disaggregation_mode="prefill", disaggregation_bootstrap_port=port,
-                      cluster_secret_file=secret, pp_size=prefill_pp, **COMMON)) as prefill, \
-            track(Engine(model, disaggregation_mode="decode", cluster_secret_file=secret,
-                         pp_size=decode_pp, **COMMON)) as decode:
+                      pp_size=prefill_pp, **pd)) as prefill, \
+            track(Engine(model, disaggregation_mode="decode", pp_size=decode_pp, **pd)) as decode:
         rooms = [PDInfo(301, "127.0.0.1", port), PDInfo(302, "127.0.0.1", port)]
         first, outs, _ = both(
             lambda: prefill.generate(PROMPTS, max_new_tokens=16, ignore_eos=True, pd=rooms,

@@ -1,14 +1,16 @@
 """PD with sliding-window layers that keep pages of their own (ARCHITECTURE.md, 'Window
-pages'): a tcp sender and receiver in this process over WindowedKVCaches move the global
-layers of every page chunk by chunk and the window layers, with the last chunk, of exactly the
-pages the decode's window table names; a decode asking for a window page the prefill freed,
-or a pair whose window layers differ, is refused with a sentence."""
+pages'): a sender and receiver in this process over WindowedKVCaches (tcp, and mooncake where
+its transfer engine is installed: straight into the pages and through the staging region) move
+the global layers of every page chunk by chunk and the window layers, with the last chunk, of
+exactly the pages the decode's window table names; a decode asking for a window page the
+prefill freed, or a pair whose window layers differ, is refused with a sentence."""
 from __future__ import annotations
 
 import pytest
 import torch
 
 from conftest import wait_until
+from test_disagg_transfer import BACKENDS
 from pipefill.disagg import messages as m
 from pipefill.disagg.bootstrap import BootstrapServer, check_window_layers, lookup_prefill, \
     register_stage
@@ -36,14 +38,16 @@ def cache(seed: int | None) -> WindowedKVCache:
 class Pair:
     """A bootstrap service, a prefill stage's sender and a decode stage's receiver."""
 
-    def __init__(self):
+    def __init__(self, backend: str = "tcp"):
         self.src, self.dst = cache(1), cache(None)
         self.released = []
         self.service = BootstrapServer(port=0)
         self.sender = KVSender(StageTensors.of_cache(self.src, 0), 0, timing=FAST,
+                               backend=backend,
                                release=lambda room, pages: self.released.append(room))
         self.receiver = KVReceiver(StageTensors.of_cache(self.dst, 0), timing=FAST,
-                                   release=lambda room, pages: None)
+                                   backend=backend, release=lambda room, pages: None,
+                                   staging_bytes=1 << 20)  # room for a scattered room
         register_stage(self.service.endpoint, self.sender.registration(
             pp_size=1, num_layers=len(WINDOWED), num_kv_heads=HEADS, head_dim=DIM,
             model_fingerprint="tiny"))
@@ -63,15 +67,17 @@ class Pair:
         return self.receiver.wait_room(ROOM, 30)
 
 
-@pytest.fixture
-def pair():
-    p = Pair()
+@pytest.fixture(params=BACKENDS)
+def pair(request):
+    p = Pair(request.param)
     yield p
     p.close()
 
 
-def test_the_window_layers_cross_only_for_the_pages_the_decode_keeps(pair):
-    src, dst = [5, 9, 2, 14, 7, 11], [20, 3, 8, 1, 17, 6]
+@pytest.mark.parametrize("dst", [[20, 3, 8, 1, 17, 6], [10, 11, 12, 13, 14, 15]],
+                         ids=["scattered", "consecutive"])  # mooncake: staged, or written in
+def test_the_window_layers_cross_only_for_the_pages_the_decode_keeps(pair, dst):
+    src = [5, 9, 2, 14, 7, 11]
     src_window = [-1, -1, 4, 12, 0, 19]  # pages 0 and 1 were freed on the prefill
     dst_window = [-1, -1, -1, 10, 2, 21]  # the decode reads pages 3.. (page 2: not asked)
     res = pair.send(src, src_window, dst, dst_window)
@@ -85,7 +91,10 @@ def test_the_window_layers_cross_only_for_the_pages_the_decode_keeps(pair):
             continue
         assert torch.equal(a[[4, 12, 0, 19]][1:], b[[10, 2, 21]])
         assert not b[[p for p in range(PAGES + 1) if p not in (10, 2, 21)]].any()
-    assert (pair.sender.pages_sent, pair.sender.window_pages_sent) == (6, 3)
+    if pair.sender.data.name == "mooncake":  # scattered pages: both chunks went staged
+        assert pair.sender.data.num_staged_chunks == (2 if dst[0] == 20 else 0)
+    # The sender counts a chunk once it is sent, which may be after the decode has it.
+    assert wait_until(lambda: (pair.sender.pages_sent, pair.sender.window_pages_sent) == (6, 3))
     page_bytes = PAGE * HEADS * DIM * 4
     assert pair.sender.bytes_sent == 2 * page_bytes * (6 * 2 + 3 * 3)  # K and V
     assert wait_until(lambda: pair.released == [ROOM])

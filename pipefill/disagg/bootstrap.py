@@ -238,5 +238,5 @@ def check_window_layers(stages, window_layers: list[int]) -> None:
                     "for every token"
             raise ValueError(f"the prefill server's stage {st.rank} keeps the sliding-window "
                              f"layers' KV {say(st.window_layers)}, this decode {say(mine)}: "
-                             "both must agree (window pages are off under --tp-size above "
-                             "1); start both alike")
+                             "both must agree (the same model, and a pipefill that keeps "
+                             "window pages on both); start both alike")

@@ -136,6 +136,13 @@ class KVTensors:
         return self._bytes[key]
 
 
+def _rank_tensors(own: KVTensors, tensors, head_map: list[list[int]]) -> list[KVTensors]:
+    """Each rank's (k, v) with the geometry and layers of `own` (the leader's) and its heads."""
+    return [KVTensors(k, v, own.page_size, own.layer_start, own.num_pages, own.layout,
+                      tuple(heads), own.layers, own.stage_end)
+            for (k, v), heads in zip(tensors, head_map, strict=True)]
+
+
 def _layers_where(windowed, layer_start: int, window: bool) -> tuple[int, ...]:
     return tuple(layer_start + i for i, w in enumerate(windowed) if w == window)
 
@@ -185,11 +192,15 @@ class StageTensors:
     @staticmethod
     def of_ranks(cache, layer_start: int, tensors, head_map: list[list[int]]) -> "StageTensors":
         """A TP stage's: `cache` the leader's own, tensors[r] rank r's (k, v), with the
-        cache's layout and geometry, head_map[r] its heads (heads.tp_head_map)."""
-        own = KVTensors.from_cache(cache, layer_start)
-        return StageTensors([KVTensors(k, v, own.page_size, layer_start, own.num_pages,
-                                       own.layout, tuple(heads))
-                             for (k, v), heads in zip(tensors, head_map, strict=True)])
+        cache's layout and geometry, head_map[r] its heads (heads.tp_head_map); of a
+        WindowedKVCache (k, v, window k, window v), its window layers as `window`."""
+        stage = StageTensors(_rank_tensors(KVTensors.from_cache(cache, layer_start),
+                                           [t[:2] for t in tensors], head_map))
+        window = KVTensors.window_of(cache, layer_start)
+        if window is not None:  # each rank's window pages, with its heads ('Window pages')
+            stage.window = StageTensors(_rank_tensors(window, [t[2:] for t in tensors],
+                                                      head_map))
+        return stage
 
     @staticmethod
     def of(kv) -> "StageTensors":

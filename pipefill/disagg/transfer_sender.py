@@ -185,7 +185,7 @@ class KVSender:
         if mine == theirs:
             return None
         return (f"its layers {theirs} keep window pages, this stage's {mine} (window paging "
-                "must be on or off on both: --tp-size 1 on both, or above 1 on both)")
+                "must be on or off on both: the same model and pipefill on both)")
 
     def _serve_refusals(self, conn: ch.Channel, msg) -> None:
         """The prefill HTTP server's connection (rejects.RejectNotifier): RejectRoom messages

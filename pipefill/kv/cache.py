@@ -58,12 +58,15 @@ class WindowedKVCache(KVCache):
     window pool hands freed ids out again first, so its memory is its peak use."""
 
     def __init__(self, windowed: list[bool], num_pages: int, page_size: int,
-                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, device=None):
+                 num_kv_heads: int, head_dim: int, dtype: torch.dtype, device=None,
+                 empty=torch.empty):
+        """empty: as KVCache's; a TP rank of a PD stage keeps both caches in shared files
+        (K, V, then the window layers' K and V)."""
         num_window = sum(windowed)
         super().__init__(len(windowed) - num_window, num_pages, page_size, num_kv_heads,
-                         head_dim, dtype, device)
+                         head_dim, dtype, device, empty)
         self.window = KVCache(num_window, num_pages + 1, page_size, num_kv_heads, head_dim,
-                              dtype, device)
+                              dtype, device, empty)
         self.windowed = tuple(windowed)
         self._k, self._v = _layer_views(self, self.window, windowed)
 
@@ -102,14 +105,11 @@ def _layer_views(whole, window, windowed: list[bool]) -> tuple[list, list]:
 
 def frees_window_pages(args, has_windows: bool) -> bool:
     """Whether the stages' window layers keep pages of their own, freed outside the window
-    (ARCHITECTURE.md, 'Window pages'): for a model with sliding-window layers (every stage
-    alike, whether or not its own slice has any), unless PD runs with stages of TP ranks,
-    whose transfer moves whole pages of every layer: there every layer keeps every token. The
-    host and storage tiers keep a page's window part with it; PD (tcp or mooncake) sends the
-    window pages a decode needs."""
-    if not has_windows:
-        return False
-    return not args.disagg.enabled or args.tp_size == 1
+    (ARCHITECTURE.md, 'Window pages'): for a model with sliding-window layers, every stage
+    alike, whether or not its own slice has any. The host and storage tiers keep a page's
+    window part with it; PD (tcp or mooncake, any TP sizes) sends the window pages a decode
+    needs."""
+    return has_windows
 
 
 def stacked_kv_shape(specs) -> tuple[int, int, torch.dtype]:

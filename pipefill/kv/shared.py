@@ -66,6 +66,8 @@ class SharedEmpty:
 
 def map_shared(path: str, shape: list[int], dtype: str) -> torch.Tensor:
     """Another process's SharedEmpty tensor, mapped here (writes reach it, and its reach us)."""
+    if math.prod(shape) == 0:  # no bytes, no file (a stage without window layers' window KV)
+        return torch.empty(shape, dtype=getattr(torch, dtype))
     if not os.path.exists(path):
         raise RuntimeError(f"the shared KV file {path} is gone (its TP rank exited?)")
     return torch.from_file(path, shared=True, size=math.prod(shape),

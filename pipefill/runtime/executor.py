@@ -120,20 +120,26 @@ class StageExecutor:
     def own_pages(self, rid: str, pages: list[int], window_pages=()) -> None:
         """Pages a PD decode allocated to a request outside any plan (its KV comes from the
         prefill), on this stage's TP ranks too; window_pages: its window table ('Window
-        pages'; -1: none), which only a stage of one rank has."""
+        pages'; -1: none)."""
+        window = [p for p in window_pages if p != -1]
         if self.tp is not None:
             self.tp.share_owners(("allocate", rid, list(pages)))
+            if window:
+                self.tp.share_owners(("window_allocate", rid, window))
         self.kv.owners.allocate(rid, pages)
         if self.kv.window_owners is not None:
-            self.kv.window_owners.allocate(rid, [p for p in window_pages if p != -1])
+            self.kv.window_owners.allocate(rid, window)
 
     def pages_written(self, pages: list[int], window_pages=()) -> None:
         """Pages a PD transfer filled: readable from now on, on every TP rank."""
+        window = [p for p in window_pages if p != -1]
         if self.tp is not None:
             self.tp.share_owners(("written", list(pages)))
+            if window:
+                self.tp.share_owners(("window_written", window))
         self.kv.owners.mark_written(pages)
         if self.kv.window_owners is not None:
-            self.kv.window_owners.mark_written([p for p in window_pages if p != -1])
+            self.kv.window_owners.mark_written(window)
 
     def close(self) -> None:
         """At stop: the stage's other TP ranks stop too; pending storage writes finish."""

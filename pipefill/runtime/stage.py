@@ -158,10 +158,8 @@ def build_cache(args: ServerArgs, cfg, kv_specs, num_pages: int, packed: bool, d
         if packed:
             return WindowedPackedCache(windowed, num_pages, args.page_size, *shape,
                                        empty=kv_empty)
-        return WindowedKVCache(windowed, num_pages, args.page_size, *shape, device)
-    if cfg.has_windows:
-        log.info("stage %d: the sliding-window layers keep every token's KV (PD with TP "
-                 "ranks moves whole pages of every layer)", rank)
+        return WindowedKVCache(windowed, num_pages, args.page_size, *shape, device,
+                               empty=kv_empty)
     if packed:
         from pipefill.kernels.amx_attention import AmxKVCache
         return AmxKVCache(len(kv_specs), num_pages, args.page_size, *shape, empty=kv_empty)

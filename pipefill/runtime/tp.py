@@ -120,7 +120,7 @@ class TPLink:
 
     def share_owners(self, op: tuple) -> None:
         """A PD decode's page bookkeeping outside the plans: ("allocate", rid, pages) or
-        ("written", pages)."""
+        ("written", pages), and "window_allocate" / "window_written" for window pages."""
         self._send(_OWNERS, PipeMessage(None, control=("owners", *op)), [])
 
     def share_stop(self) -> None:
@@ -174,25 +174,33 @@ class TPLink:
             self.shm.close()
 
 
-def map_stage_kv(link: TPLink, shared, cache) -> list[tuple[torch.Tensor, torch.Tensor]] | None:
+def map_stage_kv(link: TPLink, shared, cache) -> list[tuple[torch.Tensor, ...]] | None:
     """PD under TP (ARCHITECTURE.md, 'KV heads across TP sizes'): every rank's KV files
     (kv/shared.SharedEmpty) reach the leader, which maps its peers' K and V; then every rank
-    removes its files' names. The leader gets [(k, v)] per rank, its own first; a peer None."""
+    removes its files' names. The leader gets (k, v) per rank, its own first, with a windowed
+    cache's window K and V after them ('Window pages'); a peer None."""
     from pipefill.kv.shared import map_shared
     files = link.gather_objects(shared.files)
     try:
         if link.tp_rank != 0:
             return None
-        return [(cache.k, cache.v)] + [tuple(map_shared(*f) for f in rank_files)
-                                       for rank_files in files[1:]]
+        own = (cache.k, cache.v)
+        if getattr(cache, "window", None) is not None:  # SharedEmpty's order: K, V, window's
+            own += (cache.window.k, cache.window.v)
+        return [own] + [tuple(map_shared(*f) for f in rank_files) for rank_files in files[1:]]
     finally:
         link.barrier()  # the leader holds every mapping (or failed): the names may go
         shared.unlink()
 
 
-def apply_owners(owners, op) -> None:
-    """A leader's share_owners on a peer's page owners."""
-    if op[0] == "allocate":
+def apply_owners(kv, op) -> None:
+    """A leader's share_owners on a peer's page owners (kv: its StageKV); a "window_" op on
+    its window pool's ('Window pages')."""
+    kind, window = op[0].removeprefix("window_"), op[0].startswith("window_")
+    owners = kv.window_owners if window else kv.owners
+    if owners is None:
+        raise RuntimeError("the TP leader shared window pages with a peer that keeps none")
+    if kind == "allocate":
         owners.allocate(op[1], op[2])
     else:
         owners.mark_written(op[1])
@@ -215,7 +223,7 @@ def run_tp_peer(executor, link: TPLink, slices=None) -> None:
             executor.kv.without_forward(msg.page_ops)
             continue
         if kind == _OWNERS:
-            apply_owners(executor.kv.owners, msg.control[1:])
+            apply_owners(executor.kv, msg.control[1:])
             continue
         plan = msg.plan
         if plan.step_id < 0 and plan.seqs:  # a scratch prefill on pages lent by stage 0

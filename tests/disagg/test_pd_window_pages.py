@@ -35,17 +35,37 @@ def cache(seed: int | None) -> WindowedKVCache:
     return c
 
 
+def stage_of(full: WindowedKVCache, head_map) -> StageTensors:
+    """`full` as one rank's stage (head_map None), or as TP ranks holding head_map[r] of its
+    heads, each a WindowedKVCache of its own ('KV heads across TP sizes')."""
+    if head_map is None:
+        return StageTensors.of_cache(full, 0)
+    ranks = []
+    for heads in head_map:
+        c = WindowedKVCache(WINDOWED, PAGES, PAGE, len(heads), DIM, torch.float32)
+        for t, f in zip((c.k, c.v, c.window.k, c.window.v),
+                        (full.k, full.v, full.window.k, full.window.v)):
+            t.copy_(f[:, :, heads])
+        ranks.append((c.k, c.v, c.window.k, c.window.v))
+    leader = WindowedKVCache(WINDOWED, 1, PAGE, len(head_map[0]), DIM, torch.float32)
+    leader.k, leader.v, leader.window.k, leader.window.v = ranks[0]
+    leader.num_pages, leader.window.num_pages = PAGES, PAGES + 1
+    return StageTensors.of_ranks(leader, 0, ranks, head_map)
+
+
 class Pair:
     """A bootstrap service, a prefill stage's sender and a decode stage's receiver."""
 
-    def __init__(self, backend: str = "tcp"):
+    def __init__(self, backend: str = "tcp", src_map=None, dst_map=None):
+        """src_map, dst_map: the two stages' TP ranks' KV heads (None: one rank)."""
         self.src, self.dst = cache(1), cache(None)
         self.released = []
         self.service = BootstrapServer(port=0)
-        self.sender = KVSender(StageTensors.of_cache(self.src, 0), 0, timing=FAST,
+        self.sender = KVSender(stage_of(self.src, src_map), 0, timing=FAST,
                                backend=backend,
                                release=lambda room, pages: self.released.append(room))
-        self.receiver = KVReceiver(StageTensors.of_cache(self.dst, 0), timing=FAST,
+        self.dst_ranks = stage_of(self.dst, dst_map)
+        self.receiver = KVReceiver(self.dst_ranks, timing=FAST,
                                    backend=backend, release=lambda room, pages: None,
                                    staging_bytes=1 << 20)  # room for a scattered room
         register_stage(self.service.endpoint, self.sender.registration(
@@ -98,6 +118,31 @@ def test_the_window_layers_cross_only_for_the_pages_the_decode_keeps(pair, dst):
     page_bytes = PAGE * HEADS * DIM * 4
     assert pair.sender.bytes_sent == 2 * page_bytes * (6 * 2 + 3 * 3)  # K and V
     assert wait_until(lambda: pair.released == [ROOM])
+
+
+@pytest.mark.parametrize("backend", BACKENDS)
+@pytest.mark.parametrize("src_map,dst_map", [([[0], [1]], None), (None, [[0], [1]]),
+                                             ([[0], [1]], [[1], [0, 1]])],
+                         ids=["tp2-tp1", "tp1-tp2", "tp2-tp2-replicated"])
+def test_each_decode_rank_gets_its_heads_of_the_window_pages(backend, src_map, dst_map):
+    """TP ranks on either side: the window pages cross as the other pages do, each decode rank
+    with exactly its heads (ARCHITECTURE.md, 'KV heads across TP sizes')."""
+    p = Pair(backend, src_map, dst_map)
+    try:
+        src, dst = [5, 9, 2, 14, 7, 11], [20, 3, 8, 1, 17, 6]
+        res = p.send(src, [-1, -1, 4, 12, 0, 19], dst, [-1, -1, -1, 10, 2, 21])
+        assert res.ok, res
+        for rank, window, heads in zip(p.dst_ranks.ranks, p.dst_ranks.window.ranks,
+                                       dst_map or [[0, 1]]):
+            for kv, full, src_pages, dst_pages in ((rank, p.src.k, src, dst),
+                                                   (window, p.src.window.k, [12, 0, 19],
+                                                    [10, 2, 21])):
+                for row in range(kv.k.shape[0]):
+                    got = kv.k[row].view(-1, PAGE, len(heads), DIM)[dst_pages]
+                    want = full[row].view(-1, PAGE, HEADS, DIM)[src_pages][:, :, heads]
+                    assert torch.equal(got, want)
+    finally:
+        p.close()
 
 
 def test_a_decode_asking_for_a_freed_window_page_is_refused_with_a_sentence(pair):

@@ -23,6 +23,26 @@ def test_a_mapped_cache_shares_every_write_and_outlives_its_names():
     assert k.data_ptr() != cache.k.data_ptr()  # two mappings of one file
 
 
+@pytest.mark.parametrize("windowed", [[True, False, True], [False, False]],
+                         ids=["window-layers", "none-here"])
+def test_a_windowed_cache_keeps_both_pools_in_files(windowed):
+    """A TP rank of a PD stage over a model with window layers ('Window pages'): the window
+    layers' K and V follow the others' in the files, the order the leader maps them in; a
+    stage with no window layers has empty window tensors, mapped without a file."""
+    from pipefill.kv.cache import WindowedKVCache
+    empty = SharedEmpty("windowed")
+    cache = WindowedKVCache(windowed, 4, 16, 1, 8, torch.float32, empty=empty)
+    tensors = [map_shared(*f) for f in empty.files]
+    empty.unlink()
+    mine = [cache.k, cache.v, cache.window.k, cache.window.v]
+    assert [list(t.shape) for t in tensors] == [list(t.shape) for t in mine]
+    if sum(windowed):
+        cache.window.v[1, 70, 0, 3] = 5.0  # the sink page's last row, as any other
+        assert tensors[3][1, 70, 0, 3].item() == 5.0
+    else:
+        assert tensors[2].numel() == 0 == tensors[3].numel()
+
+
 def test_a_pool_larger_than_dev_shm_is_refused_with_a_sentence():
     empty = SharedEmpty("too-big")
     with pytest.raises(ValueError, match="lower --max-total-tokens or give /dev/shm more room"):

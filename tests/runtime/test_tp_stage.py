@@ -223,3 +223,20 @@ def test_decode_key_split_over_a_long_context_matches_tp1(tmp_path):
     want = greedy()
     assert greedy(tp_size=2) == want
     assert greedy(tp_size=2, tp_decode_key_split=False) == want
+
+
+def test_a_peer_replays_its_leaders_window_page_bookkeeping():
+    """A PD decode's window pages, allocated and written outside the plans, reach a TP peer's
+    window page owners as its other pages reach its page owners ('Window pages'); a peer that
+    keeps no window pages refuses them with a sentence. No processes."""
+    from pipefill.kv.cache import KVCache, WindowedKVCache
+    from pipefill.kv.tiers import StageKV
+    from pipefill.runtime.tp import apply_owners
+    kv = StageKV(WindowedKVCache([True, False], 8, PAGE, 1, 8, torch.float32))
+    for op in (("allocate", "r", [1, 2]), ("window_allocate", "r", [5]), ("written", [1, 2]),
+               ("window_written", [5])):
+        apply_owners(kv, op)
+    assert kv.owners.owner == {1: "r", 2: "r"} and kv.owners.written == {1, 2}
+    assert kv.window_owners.owner == {5: "r"} and kv.window_owners.written == {5}
+    with pytest.raises(RuntimeError, match="keeps none"):
+        apply_owners(StageKV(KVCache(2, 8, PAGE, 1, 8, torch.float32)), ("window_written", [5]))

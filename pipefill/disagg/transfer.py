@@ -79,8 +79,9 @@ class KVTensors:
         windowed = getattr(cache, "windowed", None)
         if windowed is None:
             return None
-        w = cache.window
-        return KVTensors(w.k, w.v, w.page_size, layer_start, w.num_pages, "token-major", (),
+        w = cache.window  # packed where the stage's cache is (kv.cache.WindowedPackedCache)
+        layout = "amx-packed" if w.k.dim() == 5 else "token-major"
+        return KVTensors(w.k, w.v, w.page_size, layer_start, w.num_pages, layout, (),
                          _layers_where(windowed, layer_start, True),
                          layer_start + len(windowed))
 

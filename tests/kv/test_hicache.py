@@ -246,19 +246,20 @@ def test_file_storage_survives_a_restart_and_bad_files_are_misses(model, tmp_pat
 
 
 @pytest.mark.slow
-def test_gemma_storage_hits_equal_no_cache(tmp_path):
-    """Gemma 3 with 7-token windows through the file storage tier (PP2): the window layers keep
+@pytest.mark.parametrize("kind,page", [("irregular", 16), ("kernels", 32)])
+def test_gemma_storage_hits_equal_no_cache(tmp_path, kind, page):
+    """Gemma 3 with short windows through the file storage tier (PP2): the window layers keep
     pages of their own, a stored page keeps its window part where the tree held one, and a
     fresh engine's hit from L3 fetches the window its first chunk reads (ARCHITECTURE.md,
     'Window pages'), so it reads the window keys a cold run computes: the same greedy tokens,
-    token logprobs within 1e-4 of no cache."""
+    token logprobs within 1e-4 of no cache. "kernels": packed window pages (a vector kernel)."""
     from test_gemma3_family import save_gemma
-    path = save_gemma("irregular", tmp_path / "gemma")
+    path = save_gemma(kind, tmp_path / "gemma")
     prompts = workload()[:2]
 
     def outputs(**kw):
-        with track(Engine(path, dtype="float32", page_size=16, threads_per_stage=1, pp_size=2,
-                          chunked_prefill_size=32, **kw)) as e:
+        with track(Engine(path, dtype="float32", page_size=page, threads_per_stage=1,
+                          pp_size=2, chunked_prefill_size=32, **kw)) as e:
             return [e.generate([p], max_new_tokens=6, ignore_eos=True, logprobs=True)[0]
                     for p in prompts], e.stats()
 

@@ -24,13 +24,12 @@ from pipefill.base.platform import resolve_dtype, usable_cpu_flags
 from pipefill.chunking.startup import first_chunk_size
 from pipefill.config import Kernels, Layout, ServerArgs
 from pipefill.kernels import decode_gemm
-from pipefill.kernels.quant_gemm import hidden_int8_paths
 from pipefill.kv.cache import frees_window_pages
 from pipefill.model.attention import resolve_kv_dtype
-from pipefill.model.auto_weights import AutoFacts, gather_facts
+from pipefill.model.auto_weights import AutoFacts
 from pipefill.model.config import ModelConfig
 from pipefill.model.families import family_of
-from pipefill.model.loader import keeps_blocks, resolve_weight_dtype, tensor_names
+from pipefill.model.loader import hidden_decode_paths, resolve_weight_dtype, stage_keeps_blocks
 
 
 def proc_status_bytes(pid: int, field: str) -> int:
@@ -102,24 +101,6 @@ def packs_decode_weights(layout: Layout, kernels: Kernels) -> bool:
     return decode_gemm.choose_isa(dtype, weight_dtype, disable)[0] is not None
 
 
-def stage_blocks(args: ServerArgs, source, layers: range, first: bool, last: bool
-                 ) -> tuple[bool, str, AutoFacts | None]:
-    """(keeps, why, facts) of a stage: whether it keeps the file's GGUF blocks or FP8 codes
-    under args.weight_dtype, asked as build_stage asks (auto on a GGUF file: the rule of
-    model/auto_weights.py on the stage's facts), and, for a GGUF file that may keep them, the
-    facts: its matrices' bytes in blocks and dequantized."""
-    disable = decode_gemm.hidden_isas(args.hide_cpu_flags) + hidden_int8_paths(
-        args.hide_cpu_flags)
-    facts = None
-    if source.gguf is not None and args.weight_dtype in ("auto", "gguf"):
-        dtype = resolve_dtype(args.dtype, usable_cpu_flags(args.hide_cpu_flags))
-        facts = gather_facts(source, tensor_names(source.config, layers, first, last),
-                             args.layout.device, args.dtype, dtype, args.tp_size, disable)
-    keeps, why = keeps_blocks(args.weight_dtype, source, args.layout.device, disable,
-                              facts if args.weight_dtype == "auto" else None)
-    return keeps, why, facts
-
-
 def blocks_change(cfg: ModelConfig, facts: AutoFacts, first: bool, last: bool,
                   dtype: torch.dtype) -> int:
     """Bytes a stage that keeps blocks holds more than stage_weight_bytes counts (negative:
@@ -156,7 +137,9 @@ def stage_needs(args: ServerArgs, cfg: ModelConfig, prompt_tokens: int,
                "kv_prompt": prompt_kv_bytes(specs, prompt_tokens, page_size, held),
                "kv_pool": pool_tokens * sum(s.bytes_per_token for s in specs)}
         if source is not None and source.gguf is not None:
-            keeps, row["blocks_why"], facts = stage_blocks(args, source, layers, first, last)
+            keeps, row["blocks_why"], facts = stage_keeps_blocks(
+                kernels.weight_dtype, source, layers, first, last, layout.device, layout.dtype,
+                dtype, layout.tp_size, hidden_decode_paths(kernels.hide_cpu_flags))
             row["blocks"] = keeps
             if keeps:
                 row["weights"] += blocks_change(cfg, facts, first, last, dtype)

@@ -82,20 +82,23 @@ def run(ns: argparse.Namespace) -> int:
 def weight_choices(args, source, names: list[str]) -> list[tuple[str, str | None]]:
     """Each --weight-dtypes value with the earlier value whose weights it resolves to, or None
     where it is the first of its kind: per stage, the blocks kept or the dtype the matrices
-    are dequantized into, as build_stage decides (bench/memory.stage_blocks)."""
+    are dequantized into, as build_stage decides (model/loader.stage_keeps_blocks)."""
     from pipefill.base.platform import dtype_name, resolve_dtype, usable_cpu_flags
-    from pipefill.bench.memory import stage_blocks
     from pipefill.config import resolve
-    from pipefill.model.loader import resolve_weight_dtype
+    from pipefill.model.loader import (hidden_decode_paths, resolve_weight_dtype,
+                                       stage_keeps_blocks)
 
     seen: dict[tuple, str] = {}
     out = []
     for name in [n.strip() for n in names if n.strip()]:
         stages = resolve(args.replace(weight_dtype=name), source.config)
         dtype = resolve_dtype(stages.dtype, usable_cpu_flags(stages.hide_cpu_flags))
+        disable = hidden_decode_paths(stages.hide_cpu_flags)
         kept = tuple(
-            "blocks" if stage_blocks(stages, source, layers, rank == 0,
-                                     rank == len(stages.layout.ranges) - 1)[0]
+            "blocks" if stage_keeps_blocks(name, source, layers, rank == 0,
+                                           rank == len(stages.layout.ranges) - 1,
+                                           stages.device, stages.dtype, dtype, stages.tp_size,
+                                           disable)[0]
             else dtype_name(resolve_weight_dtype(name, dtype))
             for rank, layers in enumerate(stages.layout.ranges))
         out.append((name, seen.get(kept)))

@@ -15,10 +15,11 @@ from safetensors import safe_open
 from tqdm import tqdm
 
 from pipefill.kernels import fp8_blocks
+from pipefill.kernels.decode_gemm import hidden_isas
 from pipefill.kernels.gguf_blocks import supports, type_name
 from pipefill.kernels.prefill_gemm import ROW_GRAIN, OneDnnLinear
-from pipefill.kernels.quant_gemm import QuantLinear, choose_isa
-from pipefill.model.auto_weights import AutoFacts, auto_keeps_gguf
+from pipefill.kernels.quant_gemm import QuantLinear, choose_isa, hidden_int8_paths
+from pipefill.model.auto_weights import AutoFacts, auto_keeps_gguf, gather_facts
 from pipefill.model.config import ModelConfig
 from pipefill.model.families import family_for_gguf, family_for_hf_config, family_of
 from pipefill.model.family import ModelFamily
@@ -314,6 +315,28 @@ def keeps_blocks(name: str, source: WeightSource, device: str = "cpu",
     if device != "cpu":
         raise ValueError(f"--weight-dtype gguf runs on CPU stages only, not --device {device}")
     return True, "requested"
+
+
+def hidden_decode_paths(hide_cpu_flags: str = "") -> tuple[str, ...]:
+    """The decode GEMM paths, dense and quantized (the float builds and the integer paths),
+    that --hide-cpu-flags rules out: the `disable` every stage's weights are chosen with."""
+    return hidden_isas(hide_cpu_flags) + hidden_int8_paths(hide_cpu_flags)
+
+
+def stage_keeps_blocks(name: str, source: WeightSource, layers: range, first: bool,
+                       last: bool, device: str, dtype_flag: str, dtype: torch.dtype,
+                       tp_size: int = 1, disable: tuple[str, ...] = ()
+                       ) -> tuple[bool, str, AutoFacts | None]:
+    """keeps_blocks for one stage -> (keeps, why, facts), asked once for the stage that loads
+    its weights and for the figures that predict them (bench memory, bench nll): on a GGUF
+    file under auto the rule decides on the facts of the stage's own matrices; under auto or
+    gguf the facts (its matrices' bytes in blocks and dequantized) come back, else None."""
+    facts = None
+    if source.gguf is not None and name in ("auto", "gguf"):
+        facts = gather_facts(source, tensor_names(source.config, layers, first, last), device,
+                             dtype_flag, dtype, tp_size, disable)
+    keeps, why = keeps_blocks(name, source, device, disable, facts if name == "auto" else None)
+    return keeps, why, facts
 
 
 def keeps_fp8(name: str, device: str, disable: tuple[str, ...] = ()) -> tuple[bool, str]:

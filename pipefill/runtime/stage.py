@@ -13,12 +13,11 @@ from pipefill.kv.cache import (KVCache, WindowedKVCache, WindowedPackedCache, fr
 from pipefill.kv.tiers import build_stage_kv
 from pipefill.model.attention import (QuantVectorAttention, backend_attention, choose_backend,
                                        resolve_kv_dtype, uses_packed_cache)
-from pipefill.model.auto_weights import gather_facts
 from pipefill.model.layers import FusedOps, elementwise_ops
 from pipefill.model.mla import LatentAttention, choose_latent_attention
-from pipefill.model.loader import (WeightSource, keeps_blocks, load_stage_weights,
+from pipefill.model.loader import (WeightSource, hidden_decode_paths, load_stage_weights,
                                    pack_stage_weights, reorder_prefill_weights,
-                                   resolve_weight_dtype, tensor_names)
+                                   resolve_weight_dtype, stage_keeps_blocks)
 from pipefill.model.stage_model import StageModel
 from pipefill.model.tensor_parallel import (ShardedSource, TPOps, choose_head_split,
                                             resolve_moe_split, straddled_head, tp_shard)
@@ -80,14 +79,10 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
                          f"{num_pages * args.page_size} tokens but only {avail / 2**30:.1f} GiB "
                          "of memory is available; lower --max-total-tokens")
     weight_dtype = resolve_weight_dtype(args.weight_dtype, dtype)
-    from pipefill.kernels.decode_gemm import hidden_isas
-    from pipefill.kernels.quant_gemm import hidden_int8_paths
-    disable = hidden_isas(args.hide_cpu_flags) + hidden_int8_paths(args.hide_cpu_flags)
-    auto = None
-    if args.weight_dtype == "auto" and source.gguf is not None:  # the stage's own matrices
-        auto = gather_facts(source, tensor_names(cfg, info.layers, info.is_first, info.is_last),
-                            device.type, args.dtype, dtype, info.tp_size, disable)
-    blocks, blocks_why = keeps_blocks(args.weight_dtype, source, device.type, disable, auto)
+    disable = hidden_decode_paths(args.hide_cpu_flags)
+    blocks, blocks_why, _ = stage_keeps_blocks(args.weight_dtype, source, info.layers,
+                                               info.is_first, info.is_last, device.type,
+                                               args.dtype, dtype, info.tp_size, disable)
     weights = load_stage_weights(source, info.layers, info.is_first, info.is_last, dtype,
                                  progress_desc=f"stage {info.rank}: loading layers "
                                                f"{info.layers.start}-{info.layers.stop - 1}",

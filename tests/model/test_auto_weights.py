@@ -2,6 +2,7 @@
 the facts read from the default Q4_1 file, and a stage built with auto: blocks kept where the
 quantized decode GEMM has a vector path here, dequantized once --hide-cpu-flags hides them."""
 import dataclasses
+import functools
 import logging
 
 import pytest
@@ -11,7 +12,8 @@ from pipefill.config import ServerArgs, resolve
 from pipefill.kernels import quant_gemm as qg
 from pipefill.kernels.quant_gemm import QuantLinear
 from pipefill.model.auto_weights import AutoFacts, auto_keeps_gguf, gather_facts
-from pipefill.model.loader import WeightSource, resolve_model_path, tensor_names
+from pipefill.model.loader import (WeightSource, hidden_decode_paths, resolve_model_path,
+                                   stage_keeps_blocks, tensor_names)
 from pipefill.runtime.stage import StageInfo, build_stage
 
 BASE = AutoFacts(types=("Q4_1", "Q8_0"), unreadable=(), float_isa="avx512", int8="avx512vnni",
@@ -100,3 +102,24 @@ def test_auto_keeps_blocks_here_and_not_without_a_vector_path(caplog):
     assert not kept_blocks(hidden)
     assert "GGUF weights dequantized at load (--weight-dtype: auto: no vector path" in \
         caplog.text
+
+
+
+def test_one_stage_decision_for_the_stage_and_the_figures():
+    """stage_keeps_blocks, the one question build_stage and the memory figures ask: auto
+    decides on the stage's own facts (with the vector paths hidden: dequantized; at TP 2:
+    dequantized), gguf keeps the blocks and still gives the facts the figures count, a dtype
+    gives none."""
+    source = WeightSource(resolve_model_path(None))
+    ask = functools.partial(stage_keeps_blocks, source=source, layers=range(2), first=True,
+                            last=False, device="cpu", dtype_flag="bfloat16",
+                            dtype=torch.bfloat16)
+    hidden = hidden_decode_paths(NO_VECTOR_PATH)
+    assert {"avx512", "avx2", "int8-avx2"} <= set(hidden)
+    keeps, why, facts = ask("auto", disable=hidden)
+    assert not keeps and "no vector path" in why and facts.types == ("Q4_1",)
+    keeps, why, facts = ask("gguf", disable=hidden)
+    assert (keeps, why) == (True, "requested") and facts.block_bytes < facts.dense_bytes
+    assert ask("bfloat16") == (False, "bfloat16 requested", None)
+    keeps, why, _ = ask("auto", tp_size=2)
+    assert not keeps and "--tp-size 2 does not keep blocks yet" in why

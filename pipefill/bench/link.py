@@ -80,7 +80,7 @@ def check(ns: argparse.Namespace) -> None:
 
 def run(ns: argparse.Namespace) -> int:
     check(ns)
-    with namespaces(NODES.ns):
+    with namespaces(NODES):
         rows = measure_links(ns)
     report(ns, rows)
     return 0

@@ -23,14 +23,17 @@ import contextlib
 import fcntl
 import json
 import os
+import re
 import select
 import shutil
+import signal
 import socket
 import statistics
 import struct
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 
@@ -92,32 +95,96 @@ def forward(fd_a: int, fd_b: int, delay_s: float, rate_bps: float) -> None:
 @dataclass(frozen=True)
 class NodePair:
     """Two network namespaces standing for two nodes, one interface and address each (the
-    bench's TUN devices or veth ends): `pipefill bench link` and `pipefill bench tp-vs-pp`."""
+    bench's TUN devices or veth ends): `pipefill bench link`, `pipefill bench tp-vs-pp` and
+    the multi-node tests. `prefix`: what the names of every run of the same kind start with."""
     ns: tuple[str, str]
     iface: tuple[str, str]
     ip: tuple[str, str]
+    prefix: str = ""
 
     @classmethod
     def of_this_process(cls, prefix: str, kind: str, subnet: str) -> NodePair:
-        """Names that carry this process's id, so two runs at once do not collide (an
-        interface name has at most 15 characters); addresses subnet.1 and subnet.2."""
-        tag = f"{prefix}{os.getpid() % 100000}"
+        """Names that carry this process's whole id, so two runs at once do not collide and a
+        run's leftovers name a process that can be asked whether it still runs (an interface
+        name has at most 15 characters: a prefix of 3 leaves 5 to the pid's at most 7);
+        addresses subnet.1 and subnet.2."""
+        tag = f"{prefix}{os.getpid()}"
         return cls((f"{tag}a", f"{tag}b"), (f"{tag}{kind}a", f"{tag}{kind}b"),
-                   (f"{subnet}.1", f"{subnet}.2"))
+                   (f"{subnet}.1", f"{subnet}.2"), prefix)
 
 
 @contextlib.contextmanager
-def namespaces(names):
-    """The namespaces for the with-block, deleted after it with what was moved into them
-    (veth ends, TUN devices, qdiscs); a ValueError with the reason where they cannot be
-    created."""
-    try:
-        reason = add_namespaces(names)
+def namespaces(pair: NodePair):
+    """The pair's namespaces for the with-block, deleted after it with what was moved into
+    them (veth ends, TUN devices, qdiscs), also when SIGTERM or SIGINT ends the process; those
+    that earlier runs of the same prefix left behind (killed outright) are deleted first. A
+    ValueError with the reason where they cannot be created."""
+    with deleted_on_signals(lambda: delete_namespaces(pair.ns)):
+        remove_stale_namespaces(pair.prefix)
+        reason = add_namespaces(pair.ns)
         if reason is not None:
             raise ValueError(f"cannot create network namespaces: {reason}")
         yield
+
+
+@contextlib.contextmanager
+def deleted_on_signals(cleanup):
+    """Runs `cleanup` after the with-block however it ends: normally, by an exception, by
+    SIGINT (Python's KeyboardInterrupt) or by SIGTERM, which here raises SystemExit(143) where
+    it would end the process without a word. The cleanup itself runs with both signals
+    ignored, so a second one does not cut it short. Signals are the main thread's: elsewhere
+    only the exceptions are covered."""
+    main = threading.current_thread() is threading.main_thread()
+    previous = signal.signal(signal.SIGTERM, _exit_on_signal) if main else None
+    try:
+        yield
     finally:
-        delete_namespaces(names)
+        if main:
+            held = signal.signal(signal.SIGINT, signal.SIG_IGN)
+            signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        try:
+            cleanup()
+        finally:
+            if main:  # None: a handler not set from Python, left as it is
+                for signum, handler in ((signal.SIGINT, held), (signal.SIGTERM, previous)):
+                    if handler is not None:
+                        signal.signal(signum, handler)
+
+
+def _exit_on_signal(signum, frame) -> None:
+    raise SystemExit(128 + signum)
+
+
+def stale_namespaces(listed: list[str], prefix: str, alive) -> list[str]:
+    """The namespaces among `listed` (`ip netns list`'s names) that runs with this prefix
+    left behind: named prefix + pid + a/b (NodePair.of_this_process) after a pid that
+    `alive(pid)` says is gone. An empty prefix matches nothing."""
+    if not prefix:
+        return []
+    name = re.compile(rf"{re.escape(prefix)}([0-9]+)[ab]")
+    return [ns for ns in listed if (m := name.fullmatch(ns)) and not alive(int(m[1]))]
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether a process with this id exists (one of another user counts)."""
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def remove_stale_namespaces(prefix: str) -> list[str]:
+    """Deletes stale_namespaces of this prefix; the names deleted."""
+    if shutil.which("ip") is None:
+        return []
+    out = subprocess.run(["ip", "netns", "list"], capture_output=True, text=True).stdout
+    stale = stale_namespaces([line.split()[0] for line in out.splitlines() if line.strip()],
+                             prefix, pid_alive)
+    delete_namespaces(stale)
+    return stale
 
 
 def add_namespaces(names) -> str | None:
@@ -136,6 +203,21 @@ def add_namespaces(names) -> str | None:
 def delete_namespaces(names) -> None:
     for ns in names:
         subprocess.run(["ip", "netns", "del", ns], capture_output=True)
+
+
+def add_veth(pair: NodePair) -> None:
+    """A veth pair between the pair's namespaces (its interfaces), addresses /24, up."""
+    _ip("link", "add", pair.iface[0], "type", "veth", "peer", "name", pair.iface[1])
+    for ns, iface, ip in zip(pair.ns, pair.iface, pair.ip):
+        _ip("link", "set", iface, "netns", ns)
+        _ip("-n", ns, "addr", "add", f"{ip}/24", "dev", iface)
+        _ip("-n", ns, "link", "set", iface, "up")
+
+
+def _ip(*args: str) -> None:
+    r = subprocess.run(["ip", *args], capture_output=True, text=True)
+    if r.returncode:
+        raise RuntimeError(f"`ip {' '.join(args)}` failed: {r.stderr.strip()}")
 
 
 def in_namespace(ns: str, iface: str, argv: list[str]) -> list[str]:

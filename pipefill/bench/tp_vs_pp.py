@@ -31,7 +31,8 @@ import shutil
 import statistics
 import subprocess
 
-from pipefill.bench.netdelay import NodePair, generate_across, generate_argv, namespaces
+from pipefill.bench.netdelay import (NodePair, add_veth, generate_across, generate_argv,
+                                     namespaces)
 
 NODES = NodePair.of_this_process("ptv", "v", "10.81.0")  # the veth pair's ends
 BASE_PORT = 29700
@@ -105,21 +106,6 @@ def formula_bytes(layout: str, tokens: int, hidden: int, layers: int,
     raise ValueError(f"unknown layout {layout!r}")
 
 
-def _ip(*args: str) -> None:
-    r = subprocess.run(["ip", *args], capture_output=True, text=True)
-    if r.returncode:
-        raise RuntimeError(f"`ip {' '.join(args)}` failed: {r.stderr.strip()}")
-
-
-def make_link() -> None:
-    """The veth pair between the namespaces, addresses up (no rate limit yet)."""
-    _ip("link", "add", NODES.iface[0], "type", "veth", "peer", "name", NODES.iface[1])
-    for ns, iface, ip in zip(NODES.ns, NODES.iface, NODES.ip):
-        _ip("link", "set", iface, "netns", ns)
-        _ip("-n", ns, "addr", "add", f"{ip}/24", "dev", iface)
-        _ip("-n", ns, "link", "set", iface, "up")
-
-
 def set_rate(rate: str) -> None:
     """tbf at `rate` on both ends. The bucket holds 1 ms of the rate (at least 64 KB, more
     than a frame) so the limiter can keep pace at 10 Gbit/s; the queue 50 ms."""
@@ -145,8 +131,10 @@ def wire_bytes() -> int:
 def run(ns: argparse.Namespace) -> int:
     rates = check(ns)
     hidden, layers = model_shape(ns.model_path)
-    with namespaces(NODES.ns):  # the veth pair and its qdiscs go with them
-        make_link()
+    # The veth pair and its qdiscs go with the namespaces, also when the bench is killed
+    # by SIGTERM or SIGINT; a run killed outright leaves them for the next one to delete.
+    with namespaces(NODES):
+        add_veth(NODES)
         rows = measure(ns, rates)
     report(ns, rates, rows, hidden, layers)
     return 0

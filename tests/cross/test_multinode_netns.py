@@ -6,6 +6,7 @@ PP2 across them: the same tokens as PP1, and the TTFT of each printed, over two 
   printed beside the TTFT.
 A node that never joins fails with a sentence within --dist-init-timeout, on either side.
 Skipped where namespaces (or TUN devices, for the delay link) are not permitted."""
+import contextlib
 import json
 import os
 import shutil
@@ -17,47 +18,21 @@ from dataclasses import dataclass
 import pytest
 
 from conftest import save_tiny_model
-from pipefill.bench.netdelay import (DelayLink, add_namespaces, delete_namespaces,
-                                    in_namespace, measure)
+from pipefill.bench.netdelay import (DelayLink, NodePair, add_veth, in_namespace, measure,
+                                     namespaces)
 
 pytestmark = pytest.mark.slow
 
-TAG = f"pf{os.getpid() % 100000}"
-NS = (f"{TAG}a", f"{TAG}b")
-IFACE = (f"{TAG}va", f"{TAG}vb")
-IP = ("10.77.0.1", "10.77.0.2")
-TUN = (f"{TAG}ta", f"{TAG}tb")
-TUN_IP = ("10.78.0.1", "10.78.0.2")
+VETH = NodePair.of_this_process("pf", "v", "10.77.0")  # the veth pair's ends
+TUN = NodePair.of_this_process("pf", "t", "10.78.0")  # the delay link's, in the same namespaces
+NS = VETH.ns
 PORT = 29500 + os.getpid() % 1000
 START_BOUND_S = 240  # start-up of two stage processes on a busy 2-core machine
 
 
-def _ip(*args) -> subprocess.CompletedProcess:
-    return subprocess.run(["ip", *args], capture_output=True, text=True)
-
-
-def _setup() -> str | None:
-    """Builds the two namespaces; returns a reason to skip, or None."""
-    if shutil.which("tc") is None:
-        return "iproute2 (ip, tc) is not installed"
-    reason = add_namespaces(NS)
-    if reason is not None:
-        return reason
-    steps = [("link", "add", IFACE[0], "type", "veth", "peer", "name", IFACE[1])]
-    for ns, iface, ip in zip(NS, IFACE, IP):
-        steps += [("link", "set", iface, "netns", ns),
-                  ("-n", ns, "addr", "add", f"{ip}/24", "dev", iface),
-                  ("-n", ns, "link", "set", iface, "up")]
-    for step in steps:
-        r = _ip(*step)
-        if r.returncode:
-            return f"`ip {' '.join(step)}` failed: {r.stderr.strip()}"
-    return None
-
-
 def _shape_link() -> str:
     """10 Gbit/s each way on the veth pair. Returns what the link got."""
-    for ns, iface in zip(NS, IFACE):
+    for ns, iface in zip(VETH.ns, VETH.iface):
         subprocess.run(["ip", "netns", "exec", ns, "tc", "qdisc", "add", "dev", iface, "root",
                         "tbf", "rate", "10gbit", "burst", "1mb", "latency", "10ms"], check=True)
     return "veth, tbf 10gbit, no added delay"
@@ -65,14 +40,17 @@ def _shape_link() -> str:
 
 @pytest.fixture(scope="module")
 def netns():
-    reason = _setup()
-    if reason is not None:
-        delete_namespaces(NS)
-        pytest.skip(reason)
-    try:
+    """The two namespaces joined by the veth pair (netdelay's helpers, as the benches build
+    them); skipped where they cannot be made."""
+    if shutil.which("tc") is None:
+        pytest.skip("iproute2 (ip, tc) is not installed")
+    with contextlib.ExitStack() as held:
+        try:
+            held.enter_context(namespaces(VETH))
+            add_veth(VETH)
+        except (ValueError, RuntimeError) as e:
+            pytest.skip(str(e))
         yield _shape_link()
-    finally:
-        delete_namespaces(NS)
 
 
 @pytest.fixture(scope="module")
@@ -102,20 +80,20 @@ def delay_link(netns, request):
     """The TUN link between the same namespaces, 10 Gbit/s, 0 ms (the forwarder's own cost,
     the baseline) or 1 ms one-way delay; yields the delay with what the link measured."""
     try:
-        link = DelayLink(NS, TUN, TUN_IP, delay_ms=request.param, rate_gbit=10.0).start()
+        link = DelayLink(NS, TUN.iface, TUN.ip, delay_ms=request.param, rate_gbit=10.0).start()
     except (OSError, RuntimeError) as e:
         pytest.skip(f"no TUN delay link here: {e}")
     try:
-        yield {"delay_ms": request.param, **measure(NS, TUN_IP[1], PORT + 7)}
+        yield {"delay_ms": request.param, **measure(NS, TUN.ip[1], PORT + 7)}
     finally:
         link.stop()
 
 
 def generate(node: int | None, model: str, *extra: str, out: str | None = None,
-             link: tuple[tuple[str, str], tuple[str, str]] = (IFACE, IP)) -> subprocess.Popen:
+             link: NodePair = VETH) -> subprocess.Popen:
     """`pipefill generate` inside namespace `node` (None: PP1 in the first namespace), PP2
-    over `link` (interface names, addresses)."""
-    ifaces, ips = link
+    over `link` (its interfaces and addresses)."""
+    ifaces, ips = link.iface, link.ip
     ns, iface = (NS[0], ifaces[0]) if node is None else (NS[node], ifaces[node])
     argv = [sys.executable, "-m", "pipefill.cli.main", "generate", "--model-path", model,
             "--dtype", "float32", "--input-len", "960", "--max-new-tokens", "16",
@@ -146,7 +124,7 @@ def pp1(netns, workload, tmp_path_factory) -> dict:
     return json.load(open(out))
 
 
-def run_pp2(w: Workload, out: str, link=(IFACE, IP)) -> dict:
+def run_pp2(w: Workload, out: str, link: NodePair = VETH) -> dict:
     node1 = generate(1, w.model, *w.extra, link=link)
     code, log = finish(generate(0, w.model, *w.extra, out=out, link=link), START_BOUND_S)
     assert code == 0, log
@@ -167,7 +145,7 @@ def test_pp2_across_two_namespaces_equals_pp1(netns, workload, pp1, tmp_path):
 
 
 def test_pp2_over_the_delay_link_equals_pp1(delay_link, workload, pp1, tmp_path):
-    pp2 = run_pp2(workload, str(tmp_path / "pp2d.json"), link=(TUN, TUN_IP))
+    pp2 = run_pp2(workload, str(tmp_path / "pp2d.json"), link=TUN)
     assert pp2["prompt_ids"] == pp1["prompt_ids"]
     assert pp2["output_ids"] == pp1["output_ids"]
     # The link really delays: a round trip cannot be shorter than two one-way delays.

@@ -54,6 +54,7 @@ class HostDirector:
     def on_evict(self, node, tree) -> bool:
         """An L1 node leaves the pool: keep it on the host (copying it unless a copy exists)."""
         if node.host is not None:
+            self._store_window_parts(node)
             return True
         n = len(node.pages)
         if len(self._free) < n:
@@ -73,6 +74,24 @@ class HostDirector:
         node.host = slots
         node.host_window = [w != -1 for w in window] if node.window is not None else None
         return True
+
+    def _store_window_parts(self, node) -> None:
+        """A host copy made before the tree held a window page for its page (the node came
+        back from the host without one and a request attached one since) has no window part,
+        and its slot is unmarked (node.host_window), so a match counts it as not covering its
+        window (KVManager._covered): never a wrong hit, only a recompute. The node leaving
+        the pool stores the parts its slots lack now, with the page again (the same tokens'
+        K/V: the same bytes), so a later hit reads them (ARCHITECTURE.md, 'Window pages')."""
+        if node.window is None:
+            return
+        marks = node.host_window or [False] * len(node.host)
+        ops = [CacheOp(CopyKind.STORE, p, s, window_page=w)
+               for p, s, w, held in zip(node.pages, node.host, node.window, marks)
+               if not held and w != NO_PAGE]
+        self.ops += ops
+        self.stored_pages += len(ops)
+        self.stored_window_pages += len(ops)
+        node.host_window = [held or w != NO_PAGE for held, w in zip(marks, node.window)]
 
     def _drop_copies_of_pool_pages(self, num_slots: int, tree) -> None:
         """Frees host copies of nodes that are in the pool anyway (nothing is lost; they are

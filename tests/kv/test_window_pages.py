@@ -281,3 +281,36 @@ def test_a_host_hit_restores_the_window_its_first_chunk_reads():
     assert stage.window_owners.num_used == window.pool.num_used
     pool.check_integrity()
     window.pool.check_integrity()
+
+
+def test_a_host_copy_made_without_a_window_part_gets_it_when_the_page_leaves_again():
+    """A node stored to the host before the tree held window pages for it comes back without
+    them; a request then attaches window pages, and evicting the node again (its host copy
+    kept) stores the window parts the slots lacked and marks them, so the next match covers
+    its window. Before, the slots stayed unmarked: counted as not covering (no wrong hit),
+    the attached window pages lost."""
+    pool, window_pool = PagePool(16), PagePool(16)
+    host = HostDirector(8)
+    tree = RadixCache(PAGE, pool, host=host, window_pool=window_pool)
+    tokens = list(range(2 * PAGE))
+    pages = pool.allocate(2)
+    node = tree.insert(tokens, pages)
+    pool.release(pages)  # the request lets go: the tree's reference is left
+    assert tree.evict(2) == 2
+    assert [op.window_page for op in host.drain_ops()] == [-1, -1]
+    assert tree.match(tokens).host_window == [False, False]
+    back = pool.allocate(2)  # loaded back as KVManager does: pages for the tree, no window
+    host.load(node, back)
+    tree.load(node, back)
+    host.drain_ops()
+    window = window_pool.allocate(2)
+    assert tree.attach_window(tokens, window) == window
+    window_pool.release(window)
+    assert tree.evict(2) == 2
+    ops = host.drain_ops()
+    assert [(op.kind, op.page, op.slot, op.window_page) for op in ops] == \
+        [(CopyKind.STORE, p, s, w) for p, s, w in zip(back, node.host, window)]
+    assert tree.match(tokens).host_window == [True, True]
+    assert window_pool.num_used == 0 and host.stats()["host_stored_window_pages"] == 2
+    pool.check_integrity()
+    window_pool.check_integrity()

@@ -22,10 +22,12 @@ import functools
 
 import torch
 
-from pipefill.kernels.build import CSRC, GLUE_VECTOR_ISA, IsaExtension, build_isa_extension
+from pipefill.kernels.build import (CSRC, GLUE_VECTOR_ISA, VECTOR_ISA_CPU_FLAGS, IsaExtension,
+                                    build_isa_extension)
 from pipefill.kernels.kv_quant import SCALE_BYTES
 
 ISAS = ("avx512", "avx2", "scalar")  # preference order
+ISA_CPU_FLAGS = VECTOR_ISA_CPU_FLAGS  # the CPU flags each build needs
 _ISA_CODE = {"scalar": 0, "avx2": 1, "avx512": 2}
 _BASE = ["-O3", "-std=c++17", "-fPIC", "-fno-exceptions"]
 _ISA_FLAGS = {"scalar": _BASE,

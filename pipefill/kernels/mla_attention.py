@@ -26,7 +26,8 @@ import math
 
 import torch
 
-from pipefill.kernels.build import CSRC, GLUE_VECTOR_ISA, IsaExtension, build_isa_extension
+from pipefill.kernels.build import (CSRC, GLUE_VECTOR_ISA, VECTOR_ISA_CPU_FLAGS, IsaExtension,
+                                    build_isa_extension)
 
 ISAS = ("avx512bf16", "avx512", "avx2", "scalar")  # preference order
 _ISA_CODE = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3}
@@ -40,8 +41,9 @@ _ISA_FLAGS = {"scalar": _BASE + ["-DPF_MLA_WIDTH=4", "-DPF_MLA_ROWS=2"],
               "avx512": _BASE + _AVX512 + ["-DPF_MLA_WIDTH=16", "-DPF_MLA_ROWS=16"],
               "avx512bf16": _BASE + _AVX512 + ["-mavx512bf16", "-DPF_MLA_WIDTH=16",
                                                "-DPF_MLA_ROWS=16"]}
-_CPU_FLAGS = {"avx512bf16": ("avx512f", "avx512bw", "avx512vl", "avx512_bf16"),
-              "avx512": ("avx512f", "avx512bw", "avx512vl"), "avx2": ("avx2", "fma")}
+# The CPU flags (as /proc/cpuinfo names them) each build needs.
+ISA_CPU_FLAGS = {"avx512bf16": VECTOR_ISA_CPU_FLAGS["avx512"] + ("avx512_bf16",),
+                 **VECTOR_ISA_CPU_FLAGS}
 _HEADER = CSRC / "mla_attn_kernel.h"
 _WHAT = "the latent (MLA) decode attention"
 HEAD_TILE = 16  # heads per register tile: the query's heads are padded to a multiple
@@ -62,7 +64,7 @@ def hidden_isas(flags: frozenset[str] | None) -> tuple[str, ...]:
     --hide-cpu-flags leaves them; None: trust the CPU)."""
     if flags is None:
         return ()
-    return tuple(isa for isa, need in _CPU_FLAGS.items() if not set(need) <= flags)
+    return tuple(isa for isa, need in ISA_CPU_FLAGS.items() if not set(need) <= flags)
 
 
 @functools.cache

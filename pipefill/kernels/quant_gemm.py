@@ -67,7 +67,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pipefill.kernels.build import CSRC, GLUE_VECTOR_ISA, IsaExtension, build_isa_extension
+from pipefill.kernels.build import (CSRC, GLUE_VECTOR_ISA, VECTOR_ISA_CPU_FLAGS, IsaExtension,
+                                    build_isa_extension)
 from pipefill.kernels import fp8_blocks
 from pipefill.kernels.decode_gemm import call_operands
 from pipefill.kernels.gguf_blocks import (BLOCK_TYPES, from_rows16, row_bytes, rows16_supported,
@@ -91,7 +92,10 @@ _CODE = {torch.float32: 0, torch.bfloat16: 1}
 INT8_PATHS = ("avx512vnni", "avx2")  # the integer path's builds, preference order
 _INT8_CODE = {"avx2": 0, "avx512vnni": 1}
 _INT8_BASE = {"avx512vnni": "avx512", "avx2": "avx2"}  # the float build each one extends
-# CPU flags (as /proc/cpuinfo names them) an integer path needs beyond its float build's.
+# CPU flags (as /proc/cpuinfo names them) each float build needs (VECTOR_ISA_CPU_FLAGS), with
+# FP8 weights (the AVX2 path widens codes with F16C), and each integer path needs.
+ISA_CPU_FLAGS = VECTOR_ISA_CPU_FLAGS
+FP8_CPU_FLAGS = {**ISA_CPU_FLAGS, "avx2": ISA_CPU_FLAGS["avx2"] + ("f16c",)}
 INT8_CPU_FLAGS = {"avx512vnni": ("avx512_vnni", "avx512f", "avx512bw", "avx512vl", "f16c"),
                   "avx2": ("avx2", "fma", "f16c")}
 _INT8_HEADER, _INT8_SIMD = CSRC / "quant_int8_kernel.h", CSRC / "quant_int8_simd.h"

@@ -14,13 +14,13 @@ from __future__ import annotations
 
 import functools
 
-from pipefill.kernels.build import CSRC, GLUE_VECTOR_ISA, IsaExtension, build_isa_extension
+from pipefill.kernels.build import (CSRC, GLUE_VECTOR_ISA, VECTOR_ISA_CPU_FLAGS, IsaExtension,
+                                    build_isa_extension)
 
 ISAS = ("avx512", "avx2", "scalar")  # preference order
 ISA_CODE = {"scalar": 0, "avx2": 1, "avx512": 2}
 # CPU flags (as /proc/cpuinfo names them) each build needs; --hide-cpu-flags turns builds off.
-ISA_CPU_FLAGS = {"avx512": ("avx512f", "avx512bw", "avx512vl"), "avx2": ("avx2", "fma"),
-                 "scalar": ()}
+ISA_CPU_FLAGS = VECTOR_ISA_CPU_FLAGS
 _BASE = ["-O3", "-std=c++17", "-fPIC", "-ffp-contract=off", "-fno-exceptions"]
 ISA_FLAGS = {"avx512": _BASE + ["-mavx512f", "-mavx512bw", "-mavx512vl",
                                 "-mprefer-vector-width=512"],

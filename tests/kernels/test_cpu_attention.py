@@ -1,7 +1,7 @@
 """The vector attention kernels (avx512bf16, avx512, avx2) against a float64 reference, their
 cache packing, repeatability across thread counts, and the engine end to end (HF parity,
---kv-cache-dtype, forced fallbacks by hiding CPU flags). Kernels this CPU cannot run are
-skipped with the reason."""
+--kv-cache-dtype, forced fallbacks by hiding CPU flags). Kernels needing CPU flags this
+machine lacks are skipped; one whose flags it has must run."""
 import random
 import re
 
@@ -11,12 +11,16 @@ import torch
 from pipefill.kernels import cpu_attention as ca
 from pipefill.kernels.amx_attention import reference_attention
 
+from cpu_paths import should_run, skip_without_flags
+
 _STATUS = {isa: ca.kernel_available(isa) for isa in ca.ISAS}
+# Whether each kernel runs here or ought to (this CPU has its flags: a build that failed then
+# fails the tests that run it, cpu_paths.py).
+_RUNS = {isa: should_run(_STATUS[isa], ca.REQUIRED_CPU_FLAGS[isa]) for isa in ca.ISAS}
 
 
 def needs(isa):
-    ok, why = _STATUS[isa]
-    return pytest.mark.skipif(not ok, reason=f"{isa} kernel cannot run here: {why}")
+    return skip_without_flags(isa, _STATUS[isa], ca.REQUIRED_CPU_FLAGS[isa])
 
 
 # (isa, q dtype, cache dtype): the bf16 kernel takes bf16 only; the float32 kernels take both.
@@ -88,7 +92,7 @@ def test_lazy_rescale_and_small_qtile(isa, q_dtype, kv_dtype):
 
 @pytest.mark.parametrize("kv_dtype", [torch.float32, torch.bfloat16])
 def test_write_read_roundtrip(kv_dtype):
-    if not any(ok for ok, _ in _STATUS.values()):
+    if not any(_RUNS.values()):
         pytest.skip("no vector kernel runs here")
     q, k, v, kc, vc, table = _setup(150, 20, 1, 2, 64, 64, kv_dtype, torch.float32)
     ca.write_kv(kc, vc, k[150:], v[150:], table, 150)
@@ -147,7 +151,7 @@ def test_split_kv_matches_float64_at_any_thread_count(isa, q_dtype, kv_dtype, sh
 
 
 def test_bad_kv_split_is_a_sentence():
-    isa = next((i for i in ca.ISAS if _STATUS[i][0]), None)
+    isa = next((i for i in ca.ISAS if _RUNS[i]), None)
     if isa is None:
         pytest.skip("no vector kernel runs here")
     dt = torch.bfloat16
@@ -158,7 +162,7 @@ def test_bad_kv_split_is_a_sentence():
 
 
 def test_bad_arguments_are_sentences():
-    isa = next((i for i in ("avx512", "avx2") if _STATUS[i][0]), None)
+    isa = next((i for i in ("avx512", "avx2") if _RUNS[i]), None)
     if isa is None:
         pytest.skip("no float32 vector kernel runs here")
     q, k, v, kc, vc, table = _setup(0, 4, 1, 1, 64, 64, torch.float32, torch.float32)
@@ -166,7 +170,7 @@ def test_bad_arguments_are_sentences():
         ca.chunk_attention(isa, q, kc, vc, table[:0], 64, 0.125)
     with pytest.raises(ValueError, match="unknown kernel"):
         ca.chunk_attention("sse2", q, kc, vc, table, 0, 0.125)
-    if _STATUS["avx512bf16"][0]:
+    if _RUNS["avx512bf16"]:
         with pytest.raises(RuntimeError, match="needs bfloat16"):
             ca.chunk_attention("avx512bf16", q, kc, vc, table, 0, 0.125, k_new=k, v_new=v)
 
@@ -224,7 +228,7 @@ def test_float32_kernel_matches_hf(model_g3, reference, isa):
 
 @pytest.fixture(scope="module")
 def bf16_kv_runs(model_g3):
-    if not (_STATUS["avx512"][0] or _STATUS["avx2"][0]):
+    if not (_RUNS["avx512"] or _RUNS["avx2"]):
         pytest.skip("no float32 vector kernel runs here")
     return (_run(model_g3, dtype="float32", kv_cache_dtype="bfloat16"),
             _run(model_g3, dtype="float32", kv_cache_dtype="bfloat16", attention_backend="sdpa"))
@@ -276,7 +280,7 @@ def test_forced_fallbacks_by_hidden_flags():
     for hide, want in expect_bf16:
         flags = usable_cpu_flags(hide)
         got, why = choose("auto", bf, 64, 64, cpu, bf, flags)
-        if want is None or want == "sdpa" or _STATUS.get(want, (True,))[0]:
+        if want is None or want == "sdpa" or _RUNS.get(want, True):
             if want is not None:
                 assert got == want, (hide, got, why)
         assert flags <= all_flags
@@ -318,7 +322,7 @@ def test_each_object_holds_only_its_own_isa():
     from pipefill.kernels.build import build_dir
     if shutil.which("objdump") is None:
         pytest.skip("objdump not installed")
-    if not any(ok for ok, _ in _STATUS.values()) or not fused_ops.fused_available()[0]:
+    if not any(_RUNS.values()) or not fused_ops.fused_available()[0]:
         pytest.skip("kernels not built here")
 
     def asm(pattern):
@@ -428,7 +432,7 @@ def test_consecutive_decode_steps_equal_chunk_writes(isa, q_dtype, kv_dtype):
 
 
 def test_batched_decode_bad_arguments_are_sentences():
-    isa = next((i for i in ("avx512", "avx2") if _STATUS[i][0]), None)
+    isa = next((i for i in ("avx512", "avx2") if _RUNS[i]), None)
     if isa is None:
         pytest.skip("no float32 vector kernel runs here")
     lens = [100, 5]

@@ -4,7 +4,8 @@ widens each step's codes exactly and applies the row scales to the scores and pr
 so it agrees with a float64 attention over the dequantized values (code x scale, unrounded)
 within the q dtype's rounding, like the same kernel over a packed cache does. Prefill chunks over a cached prefix, batched decode of
 sequences of different lengths (split KV past 2048 keys), GQA groups, head dims 64 and 128,
-page sizes 32 and 64. Kernels this CPU cannot run are skipped with the reason."""
+page sizes 32 and 64. Kernels needing CPU flags this machine lacks are skipped;
+one whose flags it has must run."""
 import pytest
 import torch
 
@@ -12,13 +13,17 @@ from pipefill.kernels import cpu_attention as ca
 from pipefill.kernels.amx_attention import reference_attention
 from pipefill.kernels.kv_quant import dequantize, quantize, stored_dim
 
+from cpu_paths import should_run, skip_without_flags
+
 _STATUS = {isa: ca.kernel_available(isa) for isa in ca.ISAS}
 QUANT = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+# Whether each kernel runs here or ought to (this CPU has its flags: a build that failed then
+# fails the tests that run it, cpu_paths.py).
+_RUNS = {isa: should_run(_STATUS[isa], ca.REQUIRED_CPU_FLAGS[isa]) for isa in ca.ISAS}
 
 
 def needs(isa):
-    ok, why = _STATUS[isa]
-    return pytest.mark.skipif(not ok, reason=f"{isa} kernel cannot run here: {why}")
+    return skip_without_flags(isa, _STATUS[isa], ca.REQUIRED_CPU_FLAGS[isa])
 
 
 # (isa, q dtype): the bf16 kernel takes bf16 q only; the float32 kernels take both.
@@ -170,7 +175,7 @@ def test_sharp_decode_over_quantized_cache(isa, q_dtype, quant):
 def test_decode_quantizes_like_torch_on_awkward_rows(quant):
     """Rows of zeros, ties at half a step, values past fp8's range and subnormal codes: the
     kernel's quantization of a decode row is kv_quant.quantize's, byte for byte."""
-    isa = next((i for i in ("avx512", "avx2") if _STATUS[i][0]), None)
+    isa = next((i for i in ("avx512", "avx2") if _RUNS[i]), None)
     if isa is None:
         pytest.skip("no float32 vector kernel runs here")
     dtype, D, ps = QUANT[quant], 64, 32
@@ -194,7 +199,7 @@ def test_decode_quantizes_like_torch_on_awkward_rows(quant):
 
 
 def test_quantized_cache_needs_its_page_size():
-    isa = next((i for i in ca.ISAS if _STATUS[i][0]), None)
+    isa = next((i for i in ca.ISAS if _RUNS[i]), None)
     if isa is None:
         pytest.skip("no vector kernel runs here")
     kq = torch.zeros((128, 1, 68), dtype=torch.int8)

@@ -1,5 +1,6 @@
 """The small-M decode GEMM (pipefill.kernels.decode_gemm) against float64, on every path this
-CPU can execute (the others are skipped with the reason cpuid gives), plus forced fallbacks.
+CPU can execute, plus forced fallbacks. A path needing CPU flags this machine lacks is skipped;
+one whose flags it has must run (a build that failed fails the tests: cpu_paths.py).
 
 Tolerances: the kernels sum in float32 with FMAs, so a dot product of length K is off by at most
 about K * 2^-24 * sum_k |x_k w_k| (the classic recursive-summation bound; we allow 2x), plus
@@ -14,6 +15,8 @@ import torch.nn.functional as F
 
 from pipefill.kernels import decode_gemm as dg
 from pipefill.model.layers import linear
+
+from cpu_paths import need as need_path, should_run
 
 SHAPES = [(1, 576, 960), (1, 33, 37), (2, 64, 16), (3, 17, 31), (5, 1536, 576), (12, 96, 48),
           (13, 100, 100), (25, 7, 200), (32, 576, 130),
@@ -33,9 +36,18 @@ def only(isa: str) -> tuple[str, ...]:
 
 
 def need(isa: str) -> None:
-    ok, why = dg.isa_status()[isa]
-    if not ok:
-        pytest.skip(f"{isa} cannot run here: {why}")
+    need_path(isa, dg.isa_status()[isa], dg.ISA_CPU_FLAGS[isa])
+
+
+def runs(isa: str) -> bool:
+    """Whether the path runs here or ought to (this CPU has its flags)."""
+    return should_run(dg.isa_status()[isa], dg.ISA_CPU_FLAGS[isa])
+
+
+def need_a_path() -> None:
+    """Skips where this CPU has no path's flags (the least path, avx2, needs the fewest)."""
+    if not any(runs(i) for i in dg.ISAS):
+        need("avx2")
 
 
 def data(m, k, n, x_dtype, w_dtype, seed=0):
@@ -106,9 +118,8 @@ def test_avx2_and_avx512_agree_bitwise():
 
 
 def test_forced_fallbacks_pick_the_next_path_then_torch():
-    usable = [i for i in dg.ISAS if dg.isa_status()[i][0]]
-    if not usable:
-        pytest.skip("no decode GEMM path runs here: " + dg.isa_status()["avx2"][1])
+    need_a_path()
+    usable = [i for i in dg.ISAS if runs(i)]
     isa, _ = dg.choose_isa(torch.bfloat16, torch.bfloat16)
     assert isa == usable[0]
     # float32 activations never take the bf16 dot-product path (it would round them).
@@ -126,8 +137,7 @@ def test_forced_fallbacks_pick_the_next_path_then_torch():
 
 def test_float16_is_not_packed_and_bad_shapes_are_refused():
     assert dg.choose_isa(torch.float16, torch.float16)[0] is None
-    if not dg.available():
-        pytest.skip("no decode GEMM path runs here")
+    need_a_path()
     x, w, _ = data(2, 32, 16, torch.float32, torch.float32)
     p = dg.pack(w, None, torch.float32)
     with pytest.raises(ValueError, match=r"expected \[M, 32\]"):
@@ -140,7 +150,7 @@ def test_float16_is_not_packed_and_bad_shapes_are_refused():
 
 
 def _usable_paths():
-    return [(i, a, b) for i, a, b in PATHS if dg.isa_status()[i][0]]
+    return [(i, a, b) for i, a, b in PATHS if runs(i)]
 
 
 def test_bound_call_equals_the_plain_call_bit_for_bit():
@@ -148,8 +158,7 @@ def test_bound_call_equals_the_plain_call_bit_for_bit():
     same bits, on every path here, with and without bias, float32 output from bf16 inputs, rows
     of x further apart than K (a column slice of a wider buffer); a later call reads x's new
     values and writes the same out."""
-    if not _usable_paths():
-        pytest.skip("no decode GEMM path runs here")
+    need_a_path()
     for isa, x_dtype, w_dtype in _usable_paths():
         for m, k, n in ((1, 576, 96), (5, 33, 37), (9, 100, 130)):
             x, w, b = data(m, k, n, x_dtype, w_dtype, seed=3)
@@ -170,8 +179,7 @@ def test_bound_call_equals_the_plain_call_bit_for_bit():
 
 
 def test_bind_refuses_buffers_the_kernel_cannot_take():
-    if not dg.available():
-        pytest.skip("no decode GEMM path runs here")
+    need_a_path()
     x, w, _ = data(3, 32, 16, torch.float32, torch.float32)
     p = dg.pack(w, None, torch.float32)
     out = torch.empty(3, 16)
@@ -195,7 +203,7 @@ def test_bind_refuses_buffers_the_kernel_cannot_take():
     with pytest.raises(ValueError, match="overlaps"):  # out written while x is read
         p.bind(both[:, :32], both[:, 32:])
     for isa in dg.BF16_ONLY:
-        if not dg.isa_status()[isa][0]:
+        if not runs(isa):
             continue
         pb = dg.pack(w, None, torch.bfloat16, torch.bfloat16, disable=only(isa))
         assert pb.isa == isa
@@ -207,8 +215,7 @@ def test_bind_refuses_buffers_the_kernel_cannot_take():
 def test_bound_call_keeps_its_buffers_alive():
     import gc
     import weakref
-    if not dg.available():
-        pytest.skip("no decode GEMM path runs here")
+    need_a_path()
     x, w, b = data(4, 64, 50, torch.float32, torch.float32, seed=4)
     p = dg.pack(w, b, torch.float32)
     want = p(x)
@@ -232,7 +239,7 @@ def test_avx2_row_tiles_give_the_same_bits_for_every_batch_size(w_dtype):
     several), each row equals the row computed alone, and the whole batch equals the AVX-512F
     path (same arithmetic, so the same bits as before the tiles changed)."""
     need("avx2")
-    both = dg.isa_status()["avx512"][0]
+    both = runs("avx512")
     for k, n in ((75, 61), (200, 100), (33, 16), (66, 8)):  # N: 48 + 13, 2 x 48 + 4, 16, 8
         x, w, b = data(17, k, n, torch.float32, w_dtype, seed=3)
         p = dg.pack(w, b, torch.float32, w_dtype, disable=only("avx2"))
@@ -258,7 +265,7 @@ def test_amx_pads_k_to_whole_tiles_and_agrees_with_the_vector_path():
         assert p.packed.shape == (-(-n // dg.BLOCK), -(-k // 32) * 16, dg.BLOCK, 2)
         y = p(x, out=torch.empty(m, n))
         assert_close64(y, x, w, b)
-        if dg.isa_status()["avx512bf16"][0]:
+        if runs("avx512bf16"):
             v = dg.pack(w, b, torch.bfloat16, torch.bfloat16, disable=only("avx512bf16"))
             assert_close64(v(x, out=torch.empty(m, n)), x, w, b)
 
@@ -267,7 +274,8 @@ def test_bench_decode_gemm_times_every_row_count(capsys):
     """`pipefill bench decode-gemm`: one table row per (shape, M), M = 1 the baseline of the
     ratios; the M values are timed in turn (interleaved rounds), each a median of 5."""
     from pipefill.bench import decode_gemm as bench
-    isa = next(i for i in ("avx512bf16", "avx512", "avx2") if dg.isa_status()[i][0])
+    need_a_path()
+    isa = next(i for i in ("avx512bf16", "avx512", "avx2") if runs(i))
     dtype = "bfloat16" if isa == "avx512bf16" else "float32"
     assert bench.main(["--rows", "1,3", "--shapes", "o_proj", "--min-s", "0.02", "--threads",
                        "1", "--isa", isa, "--dtype", dtype]) == 0

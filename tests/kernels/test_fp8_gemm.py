@@ -1,6 +1,6 @@
 """FP8 e4m3 weights with 128 x 128 block scales kept quantized (kernels.fp8_blocks,
 kernels.quant_gemm.QuantLinear.from_fp8): every path this CPU runs (AVX-512, AVX2 + F16C,
-scalar; the others skipped with cpuid's reason) and the torch path, against torch's own
+scalar; those needing flags this CPU lacks skipped, cpu_paths.py) and the torch path, against torch's own
 ``weight.to(float32) * scale``.
 
 Tolerance: every path's weights are torch's float32 values bit for bit (checked below with
@@ -18,6 +18,8 @@ import torch.nn.functional as F
 
 from pipefill.kernels import fp8_blocks
 from pipefill.kernels import quant_gemm as qg
+
+from cpu_paths import need
 
 PATHS = ["avx512", "avx2", "scalar", "torch"]
 # (M, K, N)
@@ -43,9 +45,7 @@ def scales(n: int, k: int, seed: int = 0) -> torch.Tensor:
 
 def linear_on(path: str, parts, k: int, bias=None) -> qg.QuantLinear:
     if path != "torch":
-        ok, why = qg.fp8_isa_status()[path]
-        if not ok:
-            pytest.skip(f"{path} cannot run here: {why}")
+        need(path, qg.fp8_isa_status()[path], qg.FP8_CPU_FLAGS[path])
     lin = qg.QuantLinear.from_fp8(parts, k, bias, max_rows=64,
                                   disable=tuple(i for i in qg.ISAS if i != path))
     assert lin.isa == path and lin.types == "FP8_E4M3"

@@ -11,8 +11,11 @@ import torch.nn.functional as F
 
 from pipefill.kernels import fused_ops as fo
 
+from cpu_paths import skip_without_flags
+
 _OK, _WHY = fo.fused_available()
-pytestmark = pytest.mark.skipif(not _OK, reason=f"fused ops unavailable: {_WHY}")
+# Skipped where this CPU lacks the least build's flags; where it has them the ops must run.
+pytestmark = skip_without_flags("the fused ops", (_OK, _WHY), fo.REQUIRED_CPU_FLAGS)
 
 DTYPES = (torch.bfloat16, torch.float32)
 TS = (0, 1, 7, 2048)

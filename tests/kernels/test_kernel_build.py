@@ -59,3 +59,46 @@ def test_a_lock_file_left_by_a_killed_builder_does_not_hang_the_next_build(tmp_p
     again = build.link_glue("pf_test_glue", glue, [header], [str(obj)], out,
                             is_python_module=False)
     assert again == first and not (folder / "lock").exists()
+
+
+def test_a_path_is_skipped_only_where_the_cpu_lacks_its_flags():
+    """cpu_paths.verdict, what every kernel test asks: a path that runs runs; one needing a
+    flag the CPU lacks is skipped; one whose flags the CPU has and that does not run (a build
+    that failed) fails, the scalar build (no flags) included."""
+    from cpu_paths import verdict
+    avx2 = frozenset({"avx2", "fma"})
+    assert verdict("avx2", (True, "ok"), ("avx2", "fma"), avx2) == ("run", "")
+    kind, why = verdict("avx512", (False, "cpuid: no AVX512F"), ("avx512f",), avx2)
+    assert kind == "skip" and "the CPU lacks avx512f" in why
+    kind, why = verdict("avx2", (False, "g++ exited with 1"), ("avx2", "fma"), avx2)
+    assert kind == "fail" and "g++ exited with 1" in why
+    assert verdict("scalar", (False, "no compiler"), (), frozenset())[0] == "fail"
+
+
+def test_every_path_whose_flags_this_cpu_has_runs():
+    """Each kernel's paths (ARCHITECTURE.md, 'Kernels'): every one whose CPU flags this
+    machine has builds and runs here, so no kernel test is skipped for a failed build."""
+    from pipefill.kernels import (amx_attention, cpu_attention, decode_gemm, fused_ops,
+                                  kv_quant_attention, mla_attention, quant_gemm, shm_comm)
+
+    from cpu_paths import verdict
+    kernels = {
+        "quantized GEMM": (quant_gemm.isa_status(), quant_gemm.ISA_CPU_FLAGS),
+        "FP8 GEMM": (quant_gemm.fp8_isa_status(), quant_gemm.FP8_CPU_FLAGS),
+        "integer quantized GEMM": (quant_gemm.int8_status(), quant_gemm.INT8_CPU_FLAGS),
+        "decode GEMM": (decode_gemm.isa_status(), decode_gemm.ISA_CPU_FLAGS),
+        "attention": ({i: cpu_attention.kernel_available(i) for i in cpu_attention.ISAS},
+                      cpu_attention.REQUIRED_CPU_FLAGS),
+        "AMX attention": ({"amx": amx_attention.amx_available()},
+                          {"amx": amx_attention.REQUIRED_CPU_FLAGS}),
+        "int8 KV decode attention": (kv_quant_attention.isa_status(),
+                                     kv_quant_attention.ISA_CPU_FLAGS),
+        "latent decode attention": (mla_attention.isa_status(), mla_attention.ISA_CPU_FLAGS),
+        "fused ops": ({"least build": fused_ops.fused_available()},
+                      {"least build": fused_ops.REQUIRED_CPU_FLAGS}),
+        "all-reduce": (shm_comm.isa_status(), shm_comm.ISA_CPU_FLAGS),
+    }
+    failed = [f"{kernel}: {why}" for kernel, (status, needs) in kernels.items()
+              for path in status
+              for kind, why in [verdict(path, status[path], needs[path])] if kind == "fail"]
+    assert not failed, "\n".join(failed)

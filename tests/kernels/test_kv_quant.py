@@ -16,6 +16,8 @@ from pipefill.kv.storage_format import check_header, encode_header
 from pipefill.model.attention import (SeqMeta, native_decode_isa, paged_attention,
                                       resolve_kv_dtype)
 
+from cpu_paths import need
+
 QDTYPES = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
 
 
@@ -106,8 +108,9 @@ def _attention_case(kv_dtype, prefix: int, new: int, window=None, native=None):
 def test_sdpa_path_attends_to_the_dequantized_values(name, native, prefix, new, window):
     if native == "best":
         native = native_decode_isa(torch.int8)
-        if native is None:
-            pytest.skip("the int8 decode kernel does not run here")
+        if native is None:  # the scalar path needs no flags: it must run (cpu_paths.py)
+            from pipefill.kernels import kv_quant_attention as qa
+            need("scalar", qa.isa_status()["scalar"], qa.ISA_CPU_FLAGS["scalar"])
     _attention_case(QDTYPES[name], prefix, new, window, native)
 
 
@@ -136,10 +139,9 @@ def test_native_int8_decode_equals_attention_over_the_dequantized_rows(isa, head
     vector width takes its scalar tail), one call for a batch of sequences, against torch's
     attention over each one's dequantized rows, on scattered slots with grouped query heads;
     a slice of consecutive rows reads as their index."""
-    from pipefill.kernels.kv_quant_attention import decode_attention, isa_status, slot_index
-    ok, why = isa_status()[isa]
-    if not ok:
-        pytest.skip(f"{isa}: {why}")
+    from pipefill.kernels.kv_quant_attention import (ISA_CPU_FLAGS, decode_attention,
+                                                     isa_status, slot_index)
+    need(isa, isa_status()[isa], ISA_CPU_FLAGS[isa])
     H, Hq = 2, 6
     g = torch.Generator().manual_seed(sum(lens) + head_dim)
     k_cache = quantize(torch.randn(400, H, head_dim, generator=g) * 3, torch.int8)

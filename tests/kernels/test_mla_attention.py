@@ -12,14 +12,22 @@ from pipefill.model.attention import SeqMeta
 from pipefill.model.mla import (LatentAttention, LatentUp, absorbed, absorbed_decode,
                                 decode_index, latent_attention, read_latent, write_latent)
 
+from cpu_paths import need
+
 SLOTS = 6000
 TABLE = torch.zeros(1, dtype=torch.int32)  # page tables: not read on these paths
 
 
 def _usable(isa: str) -> None:
-    ok, why = mla_attention.isa_status()[isa]
-    if not ok:
-        pytest.skip(f"{isa}: {why}")
+    need(isa, mla_attention.isa_status()[isa], mla_attention.ISA_CPU_FLAGS[isa])
+
+
+def _best() -> str:
+    """The path decode takes here; the scalar one needs no flags, so one must run."""
+    isa = mla_attention.decode_isa()
+    if isa is None:
+        _usable("scalar")
+    return isa
 
 
 def _setup(heads, nope, rope, v, rank, lens, dtype, seed):
@@ -90,9 +98,7 @@ def test_kernel_in_bfloat16_compute(isa):
 def test_raw_kernel_is_softmax_over_the_latents():
     """decode_attention itself: softmax(q . latent * scale) times the latents' first rank
     values, on the best path here."""
-    isa = mla_attention.decode_isa()
-    if isa is None:
-        pytest.skip("the latent decode kernel does not run here")
+    isa = _best()
     gen = torch.Generator().manual_seed(3)
     k_cache, v_cache = torch.randn(100, 1, 9, generator=gen), torch.randn(100, 1, 9, generator=gen)
     read = torch.randperm(100, generator=gen)[:37]
@@ -107,9 +113,7 @@ def test_decode_rows_on_the_kernel_beside_a_prefill_chunk():
     """latent_attention with a kernel path: the step's one-row sequences in one call, a
     prefill chunk's rows in torch, each row where it belongs; the same as torch alone, layer
     after layer of one forward."""
-    isa = mla_attention.decode_isa()
-    if isa is None:
-        pytest.skip("the latent decode kernel does not run here")
+    isa = _best()
     gen = torch.Generator().manual_seed(11)
     up = LatentUp(torch.randn(3 * 24, 22, generator=gen) * 0.3, 3, 10, 14)
     k_cache, v_cache = torch.zeros(400, 1, 14), torch.zeros(400, 1, 14)

@@ -1,8 +1,9 @@
 """GGUF blocks kept quantized (pipefill.kernels.gguf_blocks, kernels.quant_gemm): the float64
 reference dequantization against the gguf package, and the quantized decode GEMM against
-float64 on every path this CPU runs (the others skipped with cpuid's reason), plus the torch
-path that runs where no kernel builds, for every block type the kernels read (the 32-weight
-types and the 256-weight K types; K not a multiple of 256 for the former, M = 1..33).
+float64 on every path this CPU runs (those needing flags it lacks skipped; one whose flags it
+has must run: cpu_paths.py), plus the torch path that runs where no kernel builds, for every
+block type the kernels read (the 32-weight types and the 256-weight K types; K not a multiple
+of 256 for the former, M = 1..33).
 
 Tolerance: the kernels dequantize each weight to float32 with the bits of the gguf package's
 dequantization (checked exactly below), then sum K float32 products in float32 (lanes, then a
@@ -22,6 +23,8 @@ import torch.nn.functional as F
 from pipefill.kernels import quant_gemm as qg
 from pipefill.kernels.gguf_blocks import (BLOCK_TYPES, QUANTIZABLE, dequantize_reference,
                                           quantize_reference, random_blocks)
+
+from cpu_paths import need
 
 Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K = 2, 3, 6, 8, 12, 13, 14
 TYPES = [Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K]
@@ -50,9 +53,7 @@ def shapes(qtype: int) -> list[tuple[int, int, int]]:
 
 def linear_on(path: str, parts, k: int, bias=None) -> qg.QuantLinear:
     if path != "torch":
-        ok, why = qg.isa_status()[path]
-        if not ok:
-            pytest.skip(f"{path} cannot run here: {why}")
+        need(path, qg.isa_status()[path], qg.ISA_CPU_FLAGS[path])
     # "int8": the float path (the integer path has its own tests, test_quant_int8.py).
     lin = qg.QuantLinear.from_parts(parts, k, bias, max_rows=64,
                                     disable=tuple(i for i in qg.ISAS if i != path) + ("int8",))

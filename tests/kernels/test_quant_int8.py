@@ -1,7 +1,8 @@
 """The quantized decode GEMM's integer path (kernels.quant_gemm, csrc/quant_int8_*.h): int8
 activations in blocks of 32 times the GGUF blocks' codes, on every integer path this CPU runs
-(the others skipped with cpuid's reason), for every block type, odd shapes (K not a multiple of
-the 128-weight group for the 32-weight types, M = 1..33 around the 8- and 4-row tiles).
+(those needing flags it lacks skipped, cpu_paths.py), for every block type, odd shapes (K not
+a multiple of the 128-weight group for the 32-weight types, M = 1..33 around the 8- and 4-row
+tiles).
 
 Two references, both float64:
 
@@ -28,6 +29,7 @@ import torch
 from pipefill.kernels import quant_gemm as qg
 from pipefill.kernels.gguf_blocks import BLOCK_TYPES, dequantize_reference, random_blocks
 
+from cpu_paths import need, should_run
 from test_quant_gemm import Q4_0, Q4_1, Q4_K, Q5_0, Q5_K, Q6_K, Q8_0, shapes
 
 TYPES = [Q4_1, Q8_0, Q6_K, Q4_K, Q5_0, Q4_0, Q5_K]  # the default model's first, then Gemma 3's
@@ -35,9 +37,7 @@ ROWS16_TYPES = tuple(TYPES)  # held in the 16-row layout on the VNNI path
 
 
 def usable(path: str) -> None:
-    ok, why = qg.int8_status()[path]
-    if not ok:
-        pytest.skip(f"integer path {path} cannot run here: {why}")
+    need(f"integer path {path}", qg.int8_status()[path], qg.INT8_CPU_FLAGS[path])
 
 
 def linear(path: str, parts, k: int, bias=None, rows16: bool = True) -> qg.QuantLinear:
@@ -241,6 +241,8 @@ def test_paths_are_chosen_and_turned_off():
     the VNNI one."""
     raw = random_blocks(Q4_1, 4, 64, np.random.default_rng(0))
     best = qg.choose_int8()[0]
+    assert best == next((p for p in qg.INT8_PATHS
+                         if should_run(qg.int8_status()[p], qg.INT8_CPU_FLAGS[p])), None)
     assert qg.QuantLinear.from_parts([(raw, Q4_1)], 64).int8 == best
     assert qg.QuantLinear.from_parts([(raw, Q4_1)], 64, disable=("int8",)).int8 is None
     assert qg.choose_int8(("avx512", "avx2"))[0] is None

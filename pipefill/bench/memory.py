@@ -4,7 +4,9 @@
 the compute dtype (norms in float32), the decode GEMM's packed copies when that path runs on
 this CPU — or, where the stage keeps a GGUF file's blocks (--weight-dtype gguf, or auto where
 its rule keeps them: model/auto_weights.py), the matrices as blocks and no packed copies, since
-the quantized linear layers are their own decode copies — and the KV of the prompt's pages at
+the quantized linear layers are their own decode copies; where a stage keeps an FP8
+checkpoint's codes (fp8, or auto), those matrices at a byte a weight plus their block scales,
+without packed copies of them — and the KV of the prompt's pages at
 the KV dtype; "pool" is the same with the whole allocated KV pool instead of the prompt's
 pages (the pool is allocated lazily: pages become resident only when written, so the prompt's
 KV is the bar and the pool is an upper bound).
@@ -29,7 +31,8 @@ from pipefill.model.attention import resolve_kv_dtype
 from pipefill.model.auto_weights import AutoFacts
 from pipefill.model.config import ModelConfig
 from pipefill.model.families import family_of
-from pipefill.model.loader import hidden_decode_paths, resolve_weight_dtype, stage_keeps_blocks
+from pipefill.model.loader import (fp8_kept_matrices, hidden_decode_paths, resolve_weight_dtype,
+                                   stage_keeps_blocks, tensor_names)
 
 
 def proc_status_bytes(pid: int, field: str) -> int:
@@ -115,8 +118,9 @@ def blocks_change(cfg: ModelConfig, facts: AutoFacts, first: bool, last: bool,
 def stage_needs(args: ServerArgs, cfg: ModelConfig, prompt_tokens: int,
                 pool_tokens: int, source=None) -> list[dict]:
     """Per stage of resolved args: weights, packed copies, KV of the prompt and of the
-    allocated pool, bytes. `source`: the model's WeightSource, for a GGUF file's blocks
-    (without it, every matrix counts dequantized)."""
+    allocated pool, bytes. `source`: the model's WeightSource, for a GGUF file's blocks or an
+    FP8 checkpoint's codes where the stage keeps them (without it, every matrix counts
+    dequantized)."""
     layout, kernels, page_size = args.layout, args.kernels, args.cache.page_size
     dtype = resolve_dtype(layout.dtype, usable_cpu_flags(kernels.hide_cpu_flags))
     kv_dtype = resolve_kv_dtype(args.cache.kv_cache_dtype, dtype)
@@ -136,14 +140,18 @@ def stage_needs(args: ServerArgs, cfg: ModelConfig, prompt_tokens: int,
                if packed else 0,
                "kv_prompt": prompt_kv_bytes(specs, prompt_tokens, page_size, held),
                "kv_pool": pool_tokens * sum(s.bytes_per_token for s in specs)}
-        if source is not None and source.gguf is not None:
+        if source is not None and (source.gguf is not None or source.fp8):
             keeps, row["blocks_why"], facts = stage_keeps_blocks(
                 kernels.weight_dtype, source, layers, first, last, layout.device, layout.dtype,
                 dtype, layout.tp_size, hidden_decode_paths(kernels.hide_cpu_flags))
             row["blocks"] = keeps
-            if keeps:
+            if keeps and source.gguf is not None:
                 row["weights"] += blocks_change(cfg, facts, first, last, dtype)
                 row["packed"] = 0
+            elif keeps:  # FP8 codes: their own decode copies too
+                kept, nbytes = fp8_kept_matrices(source, tensor_names(cfg, layers, first, last))
+                row["weights"] += nbytes - kept * dtype.itemsize
+                row["packed"] = max(0, row["packed"] - kept * weight_dtype.itemsize)
         rows.append(row)
     return rows
 

@@ -361,6 +361,28 @@ def keeps_fp8(name: str, device: str, disable: tuple[str, ...] = ()) -> tuple[bo
     return False, f"auto: no vector path of the FP8 decode GEMM here ({why})"
 
 
+# FP8 weights the families read whole (read.mat), dequantized at load: DeepSeek's kv_b_proj
+# (split per head by the latent attention) and the shared experts; every other FP8 weight is
+# read through read.linear and kept as codes (ARCHITECTURE.md, 'FP8 block-quantized
+# checkpoints'). tests/model/test_fp8_checkpoints.py holds the families to this list.
+FP8_READ_WHOLE = ("kv_b_proj.", "shared_expert")
+
+
+def fp8_kept_matrices(source: WeightSource, names: list[str]) -> tuple[int, int]:
+    """(weights, bytes) of the FP8 matrices among a stage's tensor `names` that it holds as
+    codes when it keeps them: a byte a weight, the float32 scale of each 128 x 128 block and
+    an int32 grid row a row (QuantLinear.from_fp8)."""
+    weights = nbytes = 0
+    for name in dict.fromkeys(names):
+        if not source.is_fp8(name) or any(part in name for part in FP8_READ_WHOLE):
+            continue
+        rows, cols = source.shape(name)
+        grid_rows, grid_cols = fp8_blocks.grid_shape(rows, cols)
+        weights += rows * cols
+        nbytes += rows * cols + 4 * grid_rows * grid_cols + 4 * rows
+    return weights, nbytes
+
+
 class _StageReader:
     """The WeightReader a family's load_layer gets: matrices in the stage's dtype (rounded to
     the weight dtype first), vectors as float32, counted on the load's progress bar; with

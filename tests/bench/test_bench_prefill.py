@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from conftest import FAMILIES, save_tiny_model
+from pipefill.bench.make_model import write_fp8_copy
 from pipefill.bench.memory import memory_report, stage_needs, stage_weight_bytes
 from pipefill.config import make_server_args, resolve
 from pipefill.kernels import quant_gemm
@@ -67,6 +68,32 @@ def test_weight_bytes_of_a_gguf_file_count_what_each_stage_keeps():
     hidden = needs(weight_dtype="auto", hide_cpu_flags="avx512f,avx2")
     assert [(n["blocks"], n["weights"]) for n in hidden] == \
         [(False, n["weights"]) for n in plain]
+
+
+def test_weight_bytes_of_fp8_codes_count_what_each_stage_keeps(tmp_path):
+    """A tiny FP8 checkpoint (widths over one 128 block) in stages of 1 and 3 layers: fp8
+    counts the linear layers as the codes, block scales and grid rows a loaded stage holds,
+    with no packed copies of them (only the last stage's head, dequantized, has one where the
+    decode GEMM runs); bfloat16 counts them dequantized."""
+    save_tiny_model("qwen3", tmp_path / "float", hidden_size=144, intermediate_size=200)
+    write_fp8_copy(tmp_path / "float", tmp_path / "fp8")
+    source = WeightSource(str(tmp_path / "fp8"))
+    cfg = source.config
+
+    def needs(**kw):
+        args = resolve(make_server_args(source.path, dtype="bfloat16", pp_size=2,
+                                        pp_layer_partition="1,3", **kw), cfg)
+        return stage_needs(args, cfg, 64, 1024, source=source)
+    fp8, plain = needs(weight_dtype="fp8"), needs(weight_dtype="bfloat16")
+    for need, (layers, first, last) in zip(fp8, ((range(1), True, False),
+                                                 (range(1, 4), False, True))):
+        held = load_stage_weights(source, layers, first, last, torch.bfloat16, blocks=True)
+        codes = sum(q.nbytes for layer in held.layers for q in layer.packed.values())
+        assert need["blocks"] and need["weights"] == weight_nbytes(held) + codes
+    head = cfg.vocab_size * cfg.hidden_size * 2 if plain[1]["packed"] else 0
+    assert [n["packed"] for n in fp8] == [0, head]
+    assert not any(n["blocks"] for n in plain)
+    assert sum(n["weights"] for n in fp8) < sum(n["weights"] for n in plain)
 
 
 def test_kv_bytes_count_whole_pages_of_each_stage_layers(tmp_path):

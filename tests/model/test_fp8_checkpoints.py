@@ -26,7 +26,7 @@ from pipefill import Engine
 from pipefill.bench.make_model import write_fp8_copy
 from pipefill.kernels import fp8_blocks
 from pipefill.kernels.quant_gemm import QuantLinear
-from pipefill.model.loader import WeightSource, keeps_blocks
+from pipefill.model.loader import WeightSource, fp8_kept_matrices, keeps_blocks, tensor_names
 from test_decode import PAGE, _step
 from test_deepseek import PROMPT, save_deepseek
 from test_moe_family import save_moe
@@ -123,6 +123,13 @@ def test_fp8_logits_equal_the_dequantized_checkpoint(kind, checkpoints):
     kept = {k.split(".")[-2] for k in ours.model.w.kept_dequantized}
     assert kept == ({"kv_b_proj", "gate_proj", "up_proj", "down_proj"} if kind == "v3"
                     else set())
+    # What the memory figures count (loader.fp8_kept_matrices, its list of the weights read
+    # whole) is what the stage holds as codes, scales and grid rows.
+    source = WeightSource(fp8)
+    names = tensor_names(source.config, range(source.config.num_layers), True, True)
+    assert fp8_kept_matrices(source, names) == (sum(q.out_features * q.in_features
+                                                    for q in held),
+                                                sum(q.nbytes for q in held))
     ref = single_stage(deq, "float32", page_size=PAGE)
     prompt = PROMPT[:40]
     tokens, logits = logits_on_stage(ours, prompt, 8)

@@ -26,6 +26,7 @@ from pipefill.base.platform import resolve_dtype, usable_cpu_flags
 from pipefill.chunking.startup import first_chunk_size
 from pipefill.config import Kernels, Layout, ServerArgs
 from pipefill.kernels import decode_gemm
+from pipefill.kernels.gguf_blocks import BLOCK_TYPES, row_bytes, supports
 from pipefill.kv.cache import frees_window_pages
 from pipefill.model.attention import resolve_kv_dtype
 from pipefill.model.auto_weights import AutoFacts
@@ -104,14 +105,20 @@ def packs_decode_weights(layout: Layout, kernels: Kernels) -> bool:
     return decode_gemm.choose_isa(dtype, weight_dtype, disable)[0] is not None
 
 
-def blocks_change(cfg: ModelConfig, facts: AutoFacts, first: bool, last: bool,
+def blocks_change(source, facts: AutoFacts, first: bool, last: bool,
                   dtype: torch.dtype) -> int:
     """Bytes a stage that keeps blocks holds more than stage_weight_bytes counts (negative:
-    fewer): its matrices in blocks instead of the compute dtype; where one stage holds the
-    embedding and its tied head, the embedding stays whole beside the head's blocks."""
+    fewer): its matrices in blocks instead of the compute dtype (the facts count a tied head,
+    which is the embedding on a stage that holds both: one copy of the blocks), and the
+    embedding in blocks too where the kernels read its type (loader._embedding)."""
+    cfg = source.config
     change = facts.block_bytes - facts.dense_bytes
-    if first and last and cfg.tie_word_embeddings:
-        change += cfg.vocab_size * cfg.hidden_size * dtype.itemsize
+    if first and not (last and cfg.tie_word_embeddings):
+        gname, _ = source.family.gguf_tensor(source.family.embed_name)
+        qtype = source.gguf.tensor_type(gname)
+        if qtype in BLOCK_TYPES and supports(qtype, cfg.hidden_size):
+            change += cfg.vocab_size * (row_bytes(qtype, cfg.hidden_size)
+                                        - cfg.hidden_size * dtype.itemsize)
     return change
 
 
@@ -146,7 +153,7 @@ def stage_needs(args: ServerArgs, cfg: ModelConfig, prompt_tokens: int,
                 dtype, layout.tp_size, hidden_decode_paths(kernels.hide_cpu_flags))
             row["blocks"] = keeps
             if keeps and source.gguf is not None:
-                row["weights"] += blocks_change(cfg, facts, first, last, dtype)
+                row["weights"] += blocks_change(source, facts, first, last, dtype)
                 row["packed"] = 0
             elif keeps:  # FP8 codes: their own decode copies too
                 kept, nbytes = fp8_kept_matrices(source, tensor_names(cfg, layers, first, last))

@@ -413,6 +413,18 @@ class QuantLinear:
                 raise RuntimeError(f"pipefill dequantize ({self.types}) failed (rc={rc})")
         return w
 
+    def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+        """Rows `ids` of the plain matrix, dequantized as dequantize(dtype) gives them, from
+        their own blocks only: an embedding lookup ([*ids.shape, in_features]). A layer of
+        one part (one matrix of one block type), as an embedding is."""
+        if len(self.parts) != 1:
+            raise ValueError("rows: only a layer of one part (one block type) looks rows up")
+        p, flat = self.parts[0], ids.reshape(-1).long()
+        picked = QuantPart(p.raw.index_select(0, flat), p.qtype, 0, p.scale,
+                           None if p.scale_row is None else p.scale_row.index_select(0, flat))
+        one = QuantLinear([picked], self.in_features, None, self.isa, 0, self.int8)
+        return one.dequantize(dtype).reshape(*ids.shape, self.in_features)
+
     def torch_decode(self, x: torch.Tensor) -> torch.Tensor:
         """The kernels' arithmetic on torch: float32 weights and activations, float32 sums."""
         return F.linear(x.float(), self.dequantize(torch.float32), self.bias)

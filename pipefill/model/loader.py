@@ -431,9 +431,10 @@ def load_stage_weights(source: WeightSource, layers: range, first: bool, last: b
     (so prefill on torch and decode on the packed copy compute with the same weights).
     With `blocks` (keeps_blocks) the family's linear layers (read.linear) and the LM head stay
     GGUF blocks or FP8 codes where the file's types allow (place_quant_linears; decode up to
-    max_rows rows on the quantized GEMM without the `disable`d paths); the embedding is
-    dequantized (a tied LM head shares it on a stage that holds both, and gets a quantized
-    decode copy), and so is every FP8 matrix a family reads with read.mat.
+    max_rows rows on the quantized GEMM without the `disable`d paths); so does a GGUF
+    embedding (rows dequantized as they are looked up; a tied LM head on a stage that holds
+    both is the same blocks); every FP8 matrix a family reads with read.mat, and an FP8
+    checkpoint's embedding, are dequantized.
     Tensor by tensor and block of rows by block: each matrix is allocated once in `dtype` and
     filled, so the stage is never resident in float32 (a 7B model would need 28 GB)."""
     cfg, family = source.config, source.family
@@ -447,15 +448,20 @@ def load_stage_weights(source: WeightSource, layers: range, first: bool, last: b
     round_to = weight_dtype if weight_dtype is not None and weight_dtype != dtype else None
     read = _StageReader(source, dtype, round_to, progress, blocks, disable, max_rows)
     out_layers = [family.load_layer(cfg, i, read) for i in layers]
-    embed = read.mat(family.embed_name) if first else None
+    embed = _embedding(source, read, family.embed_name, disable, max_rows) if first else None
     lm_head = head_quant = None
     if last:
         shares = first and head_name == family.embed_name
-        head_quant = source.quant_linear((head_name,), disable, max_rows) if blocks else None
-        if head_quant is None or shares:
-            lm_head = embed if shares else read.mat(head_name)
+        if shares and isinstance(embed, QuantLinear):  # one copy of the blocks serves both
+            head_quant = embed
+        elif shares:
+            lm_head = embed
         else:
-            progress.update()
+            head_quant = source.quant_linear((head_name,), disable, max_rows) if blocks else None
+            if head_quant is None:
+                lm_head = read.mat(head_name)
+            else:
+                progress.update()
     final_norm = read.vec(family.final_norm_name) if last else None
     if final_norm is not None:
         final_norm += cfg.norm_weight_offset  # Gemma's (1 + w), see ModelConfig
@@ -465,6 +471,19 @@ def load_stage_weights(source: WeightSource, layers: range, first: bool, last: b
         place_quant_linears(weights, family, max_rows)
         weights.kept_dequantized = read.kept
     return weights
+
+
+def _embedding(source: WeightSource, read: _StageReader, name: str, disable: tuple[str, ...],
+               max_rows: int) -> torch.Tensor | QuantLinear:
+    """The embedding: under blocks kept, a GGUF file's as its blocks (StageModel.embed
+    dequantizes the rows it looks up: Gemma 3's 262,144 x 640 is 170 MiB in Q8_0 against
+    320 MiB in bf16), else dequantized."""
+    held = source.quant_linear((name,), disable, max_rows) if read.blocks and source.gguf \
+        is not None else None
+    if held is None:
+        return read.mat(name)
+    read.progress.update()
+    return held
 
 
 def place_quant_linears(weights: StageWeights, family: ModelFamily, max_rows: int) -> None:

@@ -40,12 +40,14 @@ class ForwardMeta:
 @dataclass
 class StageWeights:
     layers: list  # the family's layer weights, one per local layer
-    embed: torch.Tensor | None  # [vocab, hidden], first stage only
+    embed: object | None  # [vocab, hidden], first stage only; a QuantLinear of GGUF blocks
+    # where they are kept (rows dequantized as they are looked up: StageModel.embed)
     final_norm: torch.Tensor | None  # last stage only
     lm_head: torch.Tensor | None  # [vocab, hidden], last stage only (None: lm_head_quant)
     lm_head_packed: object | None = None  # kernels.decode_gemm.PackedLinear or QuantLinear
     # --weight-dtype gguf: the head as GGUF blocks (kernels.quant_gemm.QuantLinear); it is the
-    # only head when lm_head is None (a head that is not this stage's embedding).
+    # only head when lm_head is None (a tied head on a stage that holds the embedding: its
+    # blocks, the same object as embed).
     lm_head_quant: object | None = None
     # --weight-dtype gguf: "name: type" of the linear layers whose types stayed dequantized.
     kept_dequantized: list | None = None
@@ -103,8 +105,12 @@ class StageModel:
         return self.w.lm_head is not None or self.w.lm_head_quant is not None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        x = (F.embedding(input_ids, self.w.embed) if self.tp is None
-             else self.tp.embed(input_ids, self.w.embed))
+        if not isinstance(self.w.embed, torch.Tensor):  # GGUF blocks: the ids' rows only
+            x = self.w.embed.rows(input_ids, self.dtype)
+        elif self.tp is None:
+            x = F.embedding(input_ids, self.w.embed)
+        else:
+            x = self.tp.embed(input_ids, self.w.embed)
         if self.cfg.embed_scale is not None:  # in the embedding's dtype, as HF multiplies
             x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
         return x

@@ -19,13 +19,14 @@ pytestmark = pytest.mark.filterwarnings("ignore::DeprecationWarning")
 
 
 def weight_nbytes(w) -> int:
-    """Bytes of the distinct tensors a stage holds (a tied head counted once)."""
+    """Bytes of the distinct tensors a stage holds (a tied head counted once), an embedding
+    held as GGUF blocks (a QuantLinear) included."""
     seen, total = set(), 0
     tensors = [getattr(layer, f) for layer in w.layers for f in layer.__dataclass_fields__
                if f not in ("packed", "prefill")] + [w.embed, w.final_norm, w.lm_head]
     for t in tensors:
-        if t is not None and t.data_ptr() not in seen:
-            seen.add(t.data_ptr())
+        if t is not None and id(t) not in seen:
+            seen.add(id(t))
             total += t.nbytes
     return total
 

@@ -122,6 +122,22 @@ def real_file_types(path: str) -> set[int]:
     return seen
 
 
+@pytest.mark.parametrize("path", PATHS)
+def test_rows_are_the_dequantized_matrix_rows(path):
+    """QuantLinear.rows, an embedding lookup on blocks: any shape of ids (repeats, the last
+    row) gives the dequantized matrix's rows bit for bit, from those rows' blocks alone; a
+    layer of several parts (stacked matrices of other types) is refused."""
+    for qtype in (Q8_0, Q6_K, Q4_K):
+        k = 256
+        lin = linear_on(path, [(blocks(qtype, 37, k), qtype)], k)
+        ids = torch.tensor([[36, 0, 5], [5, 17, 36]])
+        for dtype in (torch.float32, torch.bfloat16):
+            assert torch.equal(lin.rows(ids, dtype), lin.dequantize(dtype)[ids])
+    two = linear_on(path, [(blocks(Q8_0, 4, 256), Q8_0), (blocks(Q4_K, 4, 256), Q4_K)], 256)
+    with pytest.raises(ValueError, match="one part"):
+        two.rows(torch.tensor([0]), torch.float32)
+
+
 def test_reference_on_the_default_models_blocks():
     """The default model's own Q4_1 and Q8_0 tensors."""
     from pipefill.model.loader import resolve_model_path

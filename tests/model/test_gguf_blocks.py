@@ -88,9 +88,11 @@ def test_gguf_blocks_match_transformers(gguf_path, hf_model, chunk, max_rows, hi
 
 
 def test_gguf_blocks_hold_less_than_bf16(gguf_path):
-    """The stage's weights with blocks kept: the linear layers and the head are the file's
-    bytes (QuantLinear, no dequantized copy beside them) and the whole stage holds less than
-    the bf16 stage's plain matrices alone (which its decode copies would double)."""
+    """The stage's weights with blocks kept: the linear layers and the embedding, which is
+    the tied head, are the file's bytes (QuantLinear, no dequantized copy beside them; the
+    rows an embedding lookup takes are the dequantized embedding's, bit for bit) and the whole
+    stage holds less than the bf16 stage's plain matrices alone (which its decode copies would
+    double)."""
     source = WeightSource(gguf_path)
     layers = range(source.config.num_layers)
     quant = load_stage_weights(source, layers, True, True, torch.bfloat16, blocks=True)
@@ -101,14 +103,19 @@ def test_gguf_blocks_hold_less_than_bf16(gguf_path):
         assert all(isinstance(q, QuantLinear) for q in layer.packed.values())
         assert layer.prefill.keys() == layer.packed.keys() == {"qkv", "o_proj", "gate_up",
                                                                 "down"}
-    assert isinstance(quant.lm_head_packed, QuantLinear) and quant.lm_head is quant.embed
+    assert isinstance(quant.embed, QuantLinear) and quant.embed.types == "Q8_0"
+    assert quant.lm_head is None and quant.lm_head_packed is quant.lm_head_quant is quant.embed
+    ids = torch.tensor([[0, 5, source.config.vocab_size - 1], [7, 5, 1]])
+    assert torch.equal(quant.embed.rows(ids, torch.bfloat16), dense.embed[ids])
     assert quant.kept_dequantized == []
-    # Q4_1 is 20 bytes per 32 weights (0.625 bytes a weight) against bf16's 2; the bf16
-    # embedding (the tied head) is held by both.
+    # Q4_1 is 20 bytes per 32 weights (0.625 bytes a weight) against bf16's 2; the
+    # embedding (the tied head) Q8_0's 34 bytes per 32 against 2 a weight.
     layer_weights = sum(q.nbytes for layer in quant.layers for q in layer.packed.values())
     dense_layers = sum(getattr(layer, f).nbytes for layer in dense.layers
                        for f in ("qkv", "o_proj", "gate_up", "down"))
     assert layer_weights == pytest.approx(dense_layers * 0.625 / 2, rel=1e-6)
+    embed = source.config.vocab_size * source.config.hidden_size
+    assert quant.embed.nbytes == embed * 34 // 32
     assert qbytes < stage_bytes(dense)
 
 

@@ -166,7 +166,9 @@ def stale_namespaces(listed: list[str], prefix: str, alive) -> list[str]:
 
 
 def pid_alive(pid: int) -> bool:
-    """Whether a process with this id exists (one of another user counts)."""
+    """Whether a process with this id exists (one of another user counts). comm/shm.py has
+    the same check; this file imports only the standard library, as it runs alone (the
+    forwarder), so it keeps its own."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:

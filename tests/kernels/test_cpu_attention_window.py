@@ -11,13 +11,17 @@ import torch
 from pipefill.kernels import cpu_attention as ca
 from pipefill.kernels.kv_quant import dequantize, stored_dim
 
+from cpu_paths import should_run, skip_without_flags
+
 _STATUS = {isa: ca.kernel_available(isa) for isa in ca.ISAS}
 QUANT = {"int8": torch.int8, "fp8_e4m3": torch.float8_e4m3fn}
+# Whether each kernel runs here or ought to (this CPU has its flags: a build that failed then
+# fails the tests that run it, cpu_paths.py).
+_RUNS = {isa: should_run(_STATUS[isa], ca.REQUIRED_CPU_FLAGS[isa]) for isa in ca.ISAS}
 
 
 def needs(isa):
-    ok, why = _STATUS[isa]
-    return pytest.mark.skipif(not ok, reason=f"{isa} kernel cannot run here: {why}")
+    return skip_without_flags(isa, _STATUS[isa], ca.REQUIRED_CPU_FLAGS[isa])
 
 
 # (isa, q dtype, cache dtype): the bf16 kernel takes bf16 only; the float32 kernels take both.
@@ -225,7 +229,7 @@ def test_window_decode_batch_over_quantized_cache(isa, q_dtype, quant, case):
 
 
 def test_bad_window_is_a_sentence():
-    isa = next((i for i in ("avx512", "avx2") if _STATUS[i][0]), None)
+    isa = next((i for i in ("avx512", "avx2") if _RUNS[i]), None)
     if isa is None:
         pytest.skip("no float32 vector kernel runs here")
     gen = torch.Generator().manual_seed(0)

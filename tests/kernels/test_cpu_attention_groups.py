@@ -55,7 +55,8 @@ def test_unequal_groups_match_float64(q_per_kv, L, C):
     assert (out.double() - ref).abs().max().item() < 5e-6 * max(1.0, ref.abs().max().item())
 
 
-@pytest.mark.skipif(not ca.kernel_available("avx512bf16")[0], reason="no avx512bf16 kernel here")
+@skip_without_flags("avx512bf16", ca.kernel_available("avx512bf16"),
+                    ca.REQUIRED_CPU_FLAGS["avx512bf16"])
 @pytest.mark.parametrize("q_per_kv", GROUPS)
 def test_bf16_kernel_takes_unequal_groups(q_per_kv):
     L, C = 70, 33

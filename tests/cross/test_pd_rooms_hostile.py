@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import gc
 import os
-import signal
 import stat
 import subprocess
 import sys

@@ -221,3 +221,16 @@ def from_rows16(packed, qtype: int, n: int):
         out[..., lo:hi] = field.permute(0, 3, 1, 2, 4).flatten(-2)
         at += ROWS16 * (hi - lo)
     return out.reshape(rows, nbytes)[:n]
+
+
+def rows16_take(packed, qtype: int, ids):
+    """Rows `ids` (int64 [n]) of a matrix held in the 16-row layout, as the file holds them
+    (uint8 [n, row_bytes]): a row's bytes are spread over its group of 16, so only the groups
+    that hold the ids are put back (an embedding lookup reads a few rows of a large table)."""
+    import torch
+    nbytes = packed.shape[1]
+    groups = torch.unique(ids // ROWS16)  # sorted
+    held = packed.view(-1, ROWS16, nbytes).index_select(0, groups).reshape(-1, nbytes)
+    file_rows = from_rows16(held, qtype, held.shape[0])
+    return file_rows.index_select(0, torch.searchsorted(groups, ids // ROWS16) * ROWS16
+                                  + ids % ROWS16)

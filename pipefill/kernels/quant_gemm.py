@@ -72,7 +72,7 @@ from pipefill.kernels.build import (CSRC, GLUE_VECTOR_ISA, VECTOR_ISA_CPU_FLAGS,
 from pipefill.kernels import fp8_blocks
 from pipefill.kernels.decode_gemm import call_operands
 from pipefill.kernels.gguf_blocks import (BLOCK_TYPES, from_rows16, row_bytes, rows16_supported,
-                                          supports, to_rows16, type_name)
+                                          rows16_take, supports, to_rows16, type_name)
 from pipefill.kernels.prefill_gemm import torch_linear
 
 ISAS = ("avx512", "avx2", "scalar")  # preference order
@@ -420,7 +420,8 @@ class QuantLinear:
         if len(self.parts) != 1:
             raise ValueError("rows: only a layer of one part (one block type) looks rows up")
         p, flat = self.parts[0], ids.reshape(-1).long()
-        picked = QuantPart(p.raw.index_select(0, flat), p.qtype, 0, p.scale,
+        raw = rows16_take(p.raw, p.qtype, flat) if p.rows16 else p.raw.index_select(0, flat)
+        picked = QuantPart(raw, p.qtype, 0, p.scale,
                            None if p.scale_row is None else p.scale_row.index_select(0, flat))
         one = QuantLinear([picked], self.in_features, None, self.isa, 0, self.int8)
         return one.dequantize(dtype).reshape(*ids.shape, self.in_features)

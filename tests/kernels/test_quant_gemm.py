@@ -254,7 +254,8 @@ def test_rows16_layout_is_a_permutation_of_the_files_bytes():
     rows unit by unit (a 32-weight type's row 5 has its d at bytes 10..11 of the group's
     block, its code dword j in lane 5 of register j); from_rows16 gives the file's rows back,
     padding dropped, for every type."""
-    from pipefill.kernels.gguf_blocks import from_rows16, rows16_supported, to_rows16
+    from pipefill.kernels.gguf_blocks import (from_rows16, rows16_supported, rows16_take,
+                                              to_rows16)
     for qtype in TYPES:
         assert rows16_supported(qtype)
         _, weights, size = BLOCK_TYPES[qtype]
@@ -262,6 +263,8 @@ def test_rows16_layout_is_a_permutation_of_the_files_bytes():
         packed = to_rows16(raw, qtype)
         assert packed.shape == (48, raw.shape[1])
         assert torch.equal(from_rows16(packed, qtype, 37), raw)
+        ids = torch.tensor([36, 0, 21, 21, 5, 16])  # a lookup's rows, any order, repeats
+        assert torch.equal(rows16_take(packed, qtype, ids), raw[ids])
         if weights == 32:
             group1_block2 = packed[16:32].flatten()[2 * 16 * size:3 * 16 * size]
             assert torch.equal(group1_block2[10:12], raw[21, 2 * size:2 * size + 2])

@@ -173,8 +173,8 @@ def test_rows16_against_float64(qtype):
 
 
 def test_rows16_layer_keeps_the_files_weights():
-    """A layer held in the 16-row layout: the same bytes (rows padded to 16), dequantized and
-    reordered (take_rows) as the file's rows, and the same decode as the row-major kernels
+    """A layer held in the 16-row layout: the same bytes (rows padded to 16), dequantized,
+    looked up (rows) and reordered (take_rows) as the file's rows, and the same decode as the row-major kernels
     within the float32 rounding of their sums."""
     g = np.random.default_rng(5)
     raw = random_blocks(Q5_0, 37, 96, g)
@@ -187,8 +187,10 @@ def test_rows16_layer_keeps_the_files_weights():
         raw_t = random_blocks(qtype, 37, k, g)
         held = linear("avx512vnni", [(raw_t, qtype)], k)
         row_major = linear("avx512vnni", [(raw_t, qtype)], k, rows16=False)
+        ids = torch.tensor([[36, 0, 21], [21, 5, 16]])  # an embedding lookup on the layout
         for dtype in (torch.float32, torch.bfloat16):
             assert torch.equal(held.dequantize(dtype), row_major.dequantize(dtype)), qtype
+            assert torch.equal(held.rows(ids, dtype), row_major.dequantize(dtype)[ids]), qtype
     order = torch.randperm(37, generator=torch.Generator().manual_seed(0))
     moved = lin.take_rows(order)
     assert moved.parts[0].rows16 == 37

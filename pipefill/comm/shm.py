@@ -19,6 +19,7 @@ which a peer gave up; its next call raises.)
 """
 from __future__ import annotations
 
+import functools
 import os
 import re
 import secrets
@@ -87,6 +88,25 @@ class ShmGroup:
             raise ShmPeerError(f"shared-memory all_reduce on rank {self.rank} of {self.world}: "
                                f"{err}")
         return tensor
+
+    def bind_all_reduce(self, tensor: torch.Tensor):
+        """all_reduce_(tensor) as a call without arguments, its checks done once: for a buffer
+        summed many times a step (the decode step's o_proj and down outputs), where the
+        checks would cost more than the sum. The tensor must stay alive and in place; a call
+        after close() raises ShmPeerError."""
+        self._check(tensor, "bind_all_reduce")
+        if tensor.dtype not in _DTYPE_CODE:
+            raise ValueError(f"bind_all_reduce: float32 or bfloat16 tensors only, got "
+                             f"{tensor.dtype}")
+        reduce = functools.partial(self._open().all_reduce, tensor.data_ptr(), tensor.numel(),
+                                   _DTYPE_CODE[tensor.dtype], self.timeout_s)
+        rank, world = self.rank, self.world
+
+        def all_reduce() -> None:
+            err = reduce()
+            if err:
+                raise ShmPeerError(f"shared-memory all_reduce on rank {rank} of {world}: {err}")
+        return all_reduce
 
     def all_gather(self, tensor: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Every rank's `tensor` (contiguous, on the CPU, any dtype), stacked in rank order into

@@ -50,6 +50,9 @@ class DecodeBuffers:
     rope: tuple  # pf_rope's arguments but cos and sin
     silu: tuple  # pf_silu_mul's arguments
     calls: list | None = None  # LayerCalls per layer, built at first use
+    # Tensor parallelism: the sums of o and down over the ranks, bound once (no checks per
+    # call: 'Tensor parallelism inside a stage'); None on a stage of one rank.
+    tp_sums: tuple = (None, None)
 
 
 @dataclass
@@ -130,6 +133,7 @@ class DecodeRunner:
         if buf is None:
             buf = self.buffers[rows] = _buffers(self.model.cfg, self.model.dtype, self.code,
                                                  rows)
+            buf.tp_sums = (self.model.bind_tp_sum(buf.o), self.model.bind_tp_sum(buf.down))
         layers = self.model.w.layers
         if buf.calls is None or any(c.packed is not w.packed for c, w in zip(buf.calls, layers)):
             buf.calls = self._calls(buf)
@@ -159,7 +163,9 @@ class DecodeRunner:
         self._check(lib.pf_rope(*rope), "rope")  # q and k heads (adjacent columns) in one pass
         self._attend(buf, step, cache)
         calls.o_proj()
-        self.model.tp_sum(buf.o)  # tensor parallelism: the ranks' partial sums
+        o_sum, down_sum = buf.tp_sums  # tensor parallelism: the ranks' partial sums
+        if o_sum is not None:
+            o_sum()
         self._check(lib.pf_add_rms_norm(*res, *calls.post_norm), "add_rms_norm")
         if calls.moe is not None:
             out.copy_(calls.moe(buf.x))
@@ -169,9 +175,11 @@ class DecodeRunner:
         self._check(lib.pf_silu_mul(*buf.silu), "silu_mul")
         if calls.next_norm is None:
             calls.down(buf.act, out=out)
-        else:
-            calls.down()  # into buf.down (= out)
-        self.model.tp_sum(out)
+            self.model.tp_sum(out)
+            return
+        calls.down()  # into buf.down (= out)
+        if down_sum is not None:
+            down_sum()
 
     def _calls(self, buf: DecodeBuffers) -> list[LayerCalls]:
         """Every layer's GEMMs bound to buf and its fused-op arguments (pointers taken once)."""

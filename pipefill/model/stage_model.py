@@ -92,6 +92,13 @@ class StageModel:
             self.tp.sum_(partial)
         return partial
 
+    def bind_tp_sum(self, partial: torch.Tensor):
+        """tp_sum(partial) as a call without arguments, for a buffer summed every layer (the
+        lean decode step's); None on a stage of one rank."""
+        if self.tp is None or not partial.numel():
+            return None
+        return self.tp.bind_sum(partial)
+
     @property
     def num_layers(self) -> int:
         return len(self.w.layers)

@@ -419,6 +419,12 @@ class TPOps:
     def sum_(self, partial: torch.Tensor) -> torch.Tensor:
         return self.comm.all_reduce_(partial)
 
+    def bind_sum(self, partial: torch.Tensor):
+        """sum_(partial) as a call without arguments: the comm's own bound sum where it has
+        one (TPLink.bind_sum: its checks done once), else a plain call."""
+        bind = getattr(self.comm, "bind_sum", None)
+        return bind(partial) if bind is not None else lambda: self.sum_(partial)
+
     def embed(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
         """The embedding of `ids` from every rank's `rows` (this rank's vocabulary share):
         each rank looks up its own ids, zeros for the others, and the ranks sum (exact:

@@ -81,6 +81,14 @@ class TPLink:
         dist.all_reduce(tensor, group=self.group)
         return tensor
 
+    def bind_sum(self, tensor: torch.Tensor):
+        """all_reduce_(tensor) as a call without arguments, checked once (the decode step's
+        buffers: model/decode_step.py)."""
+        assert tensor.is_contiguous(), "a TP sum needs a contiguous tensor"
+        if self.shm is not None and tensor.dtype in (torch.float32, torch.bfloat16):
+            return self.shm.bind_all_reduce(tensor)
+        return lambda: dist.all_reduce(tensor, group=self.group)
+
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's `tensor` (the same shape on each), stacked in rank order."""
         if self.shm is not None:

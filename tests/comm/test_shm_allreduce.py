@@ -1,7 +1,8 @@
 """The shared-memory all-reduce and all-gather (pipefill.comm.shm) between real processes that
 share a gloo group: sums against the rank-order reference (bit for bit) and against gloo, every
 sum build the CPU runs and both piece paths, bfloat16, calls that span several pieces, ranks
-that disagree, a peer that dies mid-call, and /dev/shm left clean.
+that disagree, a peer that dies mid-call, a sum bound once and called many times (and after
+close), and /dev/shm left clean.
 
 Two launches (world 2 and world 3) run every check in their ranks; the tests read the results.
 """
@@ -98,6 +99,34 @@ def check_all_gather(rank: int, world: int) -> None:
         assert torch.equal(out, torch.arange(world).float().view(world, 1, 1).expand(world, 3, 5))
 
 
+def check_bound_sums(rank: int, world: int) -> str:
+    """bind_all_reduce: the same buffer summed again and again with new contents (one decode
+    token's 576 values, and a call of several pieces), bit for bit the rank-order sum; after
+    close() the bound call raises a sentence instead of touching the unmapped segment."""
+    group = shm.ShmGroup(rank, world, "bound", MAX_BYTES, timeout_s=TIMEOUT_S)
+    for dtype in (torch.bfloat16, torch.float32):
+        for n in (576, 5003):
+            buf = torch.empty(n, dtype=dtype)
+            bound = group.bind_all_reduce(buf)
+            for call in range(3):
+                xs = _inputs(n + call, dtype, world)
+                buf.copy_(xs[rank][:n])
+                assert bound() is None
+                ref = _rank_order_sum([x[:n] for x in xs])
+                assert torch.equal(buf.view(torch.int16 if dtype == torch.bfloat16 else
+                                            torch.int32),
+                                   ref.view(torch.int16 if dtype == torch.bfloat16 else
+                                            torch.int32)), (dtype, n, call)
+    with pytest.raises(ValueError, match="float32 or bfloat16"):
+        group.bind_all_reduce(torch.zeros(4, dtype=torch.int32))
+    bound = group.bind_all_reduce(torch.zeros(8))
+    dist.barrier()
+    group.close()
+    with pytest.raises(shm.ShmPeerError, match="closed") as e:
+        bound()
+    return str(e.value)
+
+
 def check_disagreement(rank: int, world: int) -> list[str]:
     """Rank 0 sums 10 elements, the others 12: every rank raises, then the group stays broken."""
     said = []
@@ -160,7 +189,8 @@ def check_no_segment_left(rank: int, world: int, pid0: int) -> list[str]:
             and f"-{pid0}-" in n]
 
 
-CHECKS = {"sums": check_sums, "gloo": check_against_gloo, "gather": check_all_gather,
+CHECKS = {"sums": check_sums, "bound": check_bound_sums, "gloo": check_against_gloo,
+          "gather": check_all_gather,
           "disagree": check_disagreement, "stuck": check_stuck_peer,
           "unjoinable": check_unjoinable_rank}
 
@@ -235,6 +265,11 @@ def _each_rank(ranks, name):
 
 def test_sums_are_the_rank_order_sum_bit_for_bit(ranks):
     list(_each_rank(ranks, "sums"))
+
+
+def test_bound_sums_are_the_rank_order_sum_and_refuse_after_close(ranks):
+    for sentence in _each_rank(ranks, "bound"):
+        assert "this shared-memory group is closed" in sentence
 
 
 def test_float32_sums_match_gloo(ranks):

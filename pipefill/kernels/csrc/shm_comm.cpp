@@ -55,6 +55,8 @@ constexpr int64_t kLineBytes = 256;  // two pairs of cache lines: no false shari
 constexpr int64_t kMaxWorld = 256;
 constexpr int64_t kPartAlign = 64;  // bytes: the parts of a large piece start on their own cache lines
 
+const char* const kClosed = "this shared-memory group is closed";
+
 enum State : int32_t { kAbsent = 0, kJoined = 1, kLeft = 2, kFailed = 3 };
 enum Op : int64_t { kAllReduce = 1, kAllGather = 2 };
 struct Header {
@@ -191,6 +193,7 @@ class Comm {
 
   // Sums `n` elements at `data` (float32 or bfloat16) over the ranks, in place. "" or why not.
   std::string all_reduce(Addr data, int64_t n, int dtype, double timeout_s) {
+    if (left_) return kClosed;  // a call bound before close() (ShmGroup.bind_all_reduce)
     if (!broken_.empty()) return unusable();
     const int64_t es = dtype == ps::kBF16 ? 2 : 4;
     const int64_t piece = slot_bytes_ / es;
@@ -209,6 +212,7 @@ class Comm {
 
   // Copies `bytes` at `src` from every rank into `out` (world x bytes, rank order). "" or why not.
   std::string all_gather(Addr src, Addr out, int64_t bytes, double timeout_s) {
+    if (left_) return kClosed;
     if (!broken_.empty()) return unusable();
     timeout_s_ = timeout_s;
     begin_call(kAllGather, -1, bytes);
@@ -227,8 +231,10 @@ class Comm {
   }
 
   // This rank is done with the group: a peer that still waits for it stops waiting.
+  // The segment is unmapped right after: every later call returns kClosed without touching it.
   void leave() {
-    if (base_) line(rank_).state.store(broken_.empty() ? kLeft : kFailed, std::memory_order_release);
+    if (base_ && !left_) line(rank_).state.store(broken_.empty() ? kLeft : kFailed, std::memory_order_release);
+    left_ = true;
   }
 
   uint64_t seq() const { return seq_; }
@@ -380,6 +386,7 @@ class Comm {
   uint64_t seq_ = 0, pieces_ = 0, calls_ = 0;
   int set_ = 0;
   std::string broken_;
+  bool left_ = false;
 };
 
 }  // namespace

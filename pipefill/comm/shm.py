@@ -3,6 +3,7 @@ that every rank spins on (ARCHITECTURE.md, 'The all-reduce inside a node').
 
     group = ShmGroup(rank, world, "tp", max_bytes)   # every rank of a gloo group, together
     group.all_reduce_(hidden)                        # sum over the ranks, in place
+    summed = group.bind_all_reduce(hidden); summed() # the same, checked once (a hot buffer)
     parts = group.all_gather(shard)                  # [world, *shard.shape]
     group.close()
 

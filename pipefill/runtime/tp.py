@@ -9,9 +9,11 @@ inside the layers the ranks meet twice a layer in `all_reduce_`. A peer never ta
 another stage or to the front end, except to report its own failure and, under the per-rank
 stage transport, to pass its share of the activations' rows to its peer of the next stage.
 
-A broadcast is two gloo broadcasts over the stage's group: a header of four int64 (frame
-bytes, body bytes, rows, kind), then one frame laid out as the pipeline's
-(runtime/p2p.frame_layout: the PipeMessage body in msgpack, then hidden and residual).
+A broadcast is one frame laid out as the pipeline's (runtime/p2p.frame_layout: the
+PipeMessage body in msgpack, then hidden and residual), with four int64 (frame bytes, body
+bytes, rows, kind) in its header bytes, sent as one gloo broadcast of a fixed 16 KiB slot when
+it fits (a decode step's plan does), as the slot with the four numbers and then the frame when
+it does not (`FrameBroadcast`).
 Under the per-rank stage transport a received micro-batch's rows come split over the ranks
 (p2p.row_share: the leader's in its Pipe frame, each peer's from its own SliceLink): the
 leader broadcasts the plan alone and the ranks gather the rows (`gather_rows`).
@@ -38,6 +40,53 @@ log = logging.getLogger(__name__)
 
 _FORWARD, _PAGE_OPS, _STOP, _FORWARD_SHARED, _OWNERS = 0, 1, 2, 3, 4
 SUM_TIMEOUT_S = 3600.0
+INLINE_BYTES = 16384  # a gloo broadcast of 16 KiB costs the CPU what one of 32 bytes does
+
+
+class FrameBroadcast:
+    """A leader's frames to its peers, one gloo broadcast each where the frame fits
+    INLINE_BYTES (a plan, page ops, a stop: a decode step's), two where it does not (a chunk's
+    activations). The broadcast buffer is a fixed slot: its first four int64 (frame bytes, body
+    bytes, rows, kind) sit in the frame's header bytes, which nothing else in TP uses
+    (p2p.frame_layout), and the frame fills the slot's start when it fits; when it does not,
+    the slot carries the four numbers alone and the frame follows in a second broadcast.
+    A peer waits in the slot's broadcast for as long as the leader is idle."""
+
+    def __init__(self, src: int, group, inline_bytes: int = INLINE_BYTES):
+        assert inline_bytes >= HEADER_BYTES
+        self.src, self.group = src, group
+        self._slot = torch.zeros(inline_bytes, dtype=torch.uint8)
+        self._words = self._slot[:32].view(torch.int64).numpy()  # 32 <= HEADER_BYTES
+        self._frame = torch.empty(0, dtype=torch.uint8)
+
+    def fits(self, frame_len: int) -> bool:
+        return frame_len <= self._slot.numel()
+
+    def frame_for(self, frame_len: int) -> torch.Tensor:
+        """The leader's buffer to lay a frame of frame_len bytes in (then send it)."""
+        return self._slot[:frame_len] if self.fits(frame_len) else self._buffer(frame_len)
+
+    def send(self, frame: torch.Tensor, body_len: int, rows: int, kind: int) -> None:
+        """Broadcasts a frame laid out in frame_for's buffer."""
+        self._words[:] = (frame.numel(), body_len, rows, kind)  # the slot's header bytes
+        dist.broadcast(self._slot, src=self.src, group=self.group)
+        if not self.fits(frame.numel()):
+            dist.broadcast(frame, src=self.src, group=self.group)
+
+    def receive(self) -> tuple[torch.Tensor, int, int, int]:
+        """A peer's next frame (valid until the next receive), body bytes, rows, kind."""
+        dist.broadcast(self._slot, src=self.src, group=self.group)
+        frame_len, body_len, rows, kind = self._words.tolist()
+        if self.fits(frame_len):
+            return self._slot[:frame_len], body_len, rows, kind
+        frame = self._buffer(frame_len)
+        dist.broadcast(frame, src=self.src, group=self.group)
+        return frame, body_len, rows, kind
+
+    def _buffer(self, nbytes: int) -> torch.Tensor:
+        if self._frame.numel() < nbytes:
+            self._frame = torch.empty(1 << (nbytes - 1).bit_length(), dtype=torch.uint8)
+        return self._frame[:nbytes]
 
 
 class TPLink:
@@ -55,8 +104,7 @@ class TPLink:
         self.group = groups[stage]
         self.specs = [(hidden_size, dtype), (hidden_size, torch.float32)]
         self.codec = BodyCodec(PipeMessage)
-        self._header = torch.zeros(4, dtype=torch.int64)
-        self._frame = torch.empty(0, dtype=torch.uint8)
+        self.plans = FrameBroadcast(self.leader, self.group)
         self.shm, self.backend = None, "gloo"
         if layout.tp_spans_nodes(stage):  # every rank of the group sees the same layout
             self.backend = "gloo (the stage's TP ranks are on different nodes)"
@@ -138,22 +186,17 @@ class TPLink:
         body = self.codec.encode(msg)
         rows = tensors[0].shape[0] if tensors else -1
         offsets, frame_len = frame_layout(len(body), rows, self.specs)
-        self._header.copy_(torch.tensor([frame_len, len(body), rows, kind]))
-        dist.broadcast(self._header, src=self.leader, group=self.group)
-        frame = self._buffer(frame_len)
+        frame = self.plans.frame_for(frame_len)
         frame[HEADER_BYTES:HEADER_BYTES + len(body)].numpy()[:] = np.frombuffer(body, np.uint8)
         for offset, t, (width, dtype) in zip(offsets, tensors, self.specs):
             tensor_at(frame, offset, rows, width, dtype).copy_(t)
-        dist.broadcast(frame, src=self.leader, group=self.group)
+        self.plans.send(frame, len(body), rows, kind)
 
     # ---- a peer ----------------------------------------------------------------------------
 
     def receive(self) -> tuple[int, PipeMessage, Activations | None]:
         """The leader's next broadcast: (kind, message, activations or None)."""
-        dist.broadcast(self._header, src=self.leader, group=self.group)
-        frame_len, body_len, rows, kind = self._header.tolist()
-        frame = self._buffer(frame_len)
-        dist.broadcast(frame, src=self.leader, group=self.group)
+        frame, body_len, rows, kind = self.plans.receive()
         msg = self.codec.decode(frame[HEADER_BYTES:HEADER_BYTES + body_len].numpy().tobytes())
         if rows < 0:
             return kind, msg, None
@@ -171,11 +214,6 @@ class TPLink:
 
     def barrier(self) -> None:
         dist.barrier(group=self.group)
-
-    def _buffer(self, nbytes: int) -> torch.Tensor:
-        if self._frame.numel() < nbytes:
-            self._frame = torch.empty(1 << (nbytes - 1).bit_length(), dtype=torch.uint8)
-        return self._frame[:nbytes]
 
     def close(self) -> None:
         if self.shm is not None:

@@ -73,8 +73,6 @@ def check_tp_settings(args: ServerArgs, source: WeightSource) -> None:
     if args.layout.tp_size == 1:  # the layout checks the flag itself (at least 1)
         return
     check_tensor_parallel(source.config, source.family, args.tp_size, args.tp_moe_split)
-    if source.fp8:
-        raise ValueError(f"--tp-size {args.tp_size} does not read FP8 checkpoints yet")
     if args.weight_dtype in ("gguf", "fp8"):
         raise ValueError(f"--tp-size {args.tp_size} does not keep --weight-dtype "
                          f"{args.weight_dtype} blocks yet: use --weight-dtype auto")

@@ -27,6 +27,12 @@ def tp_head_map(num_heads: int, num_kv_heads: int, tp_size: int,
     return [list(kv) for _, kv in head_shares(num_heads, num_kv_heads, tp_size, split)]
 
 
+def latent_head_map(tp_size: int) -> list[list[int]]:
+    """A latent layer's map (DeepSeek): the latent is the cache's one KV head, and every rank
+    keeps it whole, so a prefill at any TP sends one copy (its rank 0's) to each decode rank."""
+    return [[0] for _ in range(tp_size)]
+
+
 def whole(num_kv_heads: int) -> list[list[int]]:
     """One rank holding every head (TP 1, and what an empty map in a message means)."""
     return [list(range(num_kv_heads))]

@@ -332,6 +332,9 @@ def stage_keeps_blocks(name: str, source: WeightSource, layers: range, first: bo
     file under auto the rule decides on the facts of the stage's own matrices; under auto or
     gguf the facts (its matrices' bytes in blocks and dequantized) come back, else None."""
     facts = None
+    if tp_size > 1 and name == "auto" and getattr(source, "fp8", False):
+        # A rank's cuts need not fall on the 128 x 128 grid: read dequantized, then cut.
+        return False, f"auto: --tp-size {tp_size} does not keep FP8 codes yet", None
     if source.gguf is not None and name in ("auto", "gguf"):
         facts = gather_facts(source, tensor_names(source.config, layers, first, last), device,
                              dtype_flag, dtype, tp_size, disable)

@@ -26,6 +26,12 @@ a ceil/floor share of every expert's intermediate columns (cut as the dense MLP'
 expert, every rank holding whole experts, a contiguous ceil/floor share of them, and running
 only its experts' rows. Either way a rank's output is a partial sum of the layer's, summed by
 the MLP's all-reduce. A shared expert is always split by width.
+
+Latent layers (DeepSeek, model/mla.py): the query heads are split ceil/floor, and a rank's
+query rows (q_b_proj, or V2's q_proj), kv_b_proj's rows and o_proj's columns are those of its
+heads (LATENT_SPLITS); q_a_proj and kv_a_proj_with_mqa with their norms stay whole, so every
+rank computes the same latent and keeps the whole latent cache (it is one "KV head" shared by
+all query heads).
 """
 from __future__ import annotations
 
@@ -39,11 +45,10 @@ from pipefill.model.config import ModelConfig
 from pipefill.model.family import ModelFamily
 
 # The families that run tensor parallel so far (their layer_forward and decode runner call
-# the stage model's tp_sum; DeepSeek's FFN is cut as theirs, but its latent attention is not
-# split, so the family is refused); their checkpoints' split tensors by Hugging Face name suffix:
+# the stage model's tp_sum); their checkpoints' split tensors by Hugging Face name suffix:
 # (which split, the dimension cut: 0 rows of a column-parallel matrix, 1 columns of a
 # row-parallel one).
-TP_FAMILIES = ("llama", "moe")
+TP_FAMILIES = ("llama", "moe", "deepseek")
 SPLITS = {
     "self_attn.q_proj.weight": ("q", 0), "self_attn.q_proj.bias": ("q", 0),
     "self_attn.k_proj.weight": ("kv", 0), "self_attn.k_proj.bias": ("kv", 0),
@@ -58,6 +63,18 @@ SPLITS = {
     "mlp.shared_experts.gate_proj.weight": ("shared", 0),
     "mlp.shared_experts.up_proj.weight": ("shared", 0),
     "mlp.shared_experts.down_proj.weight": ("shared", 1),
+}
+# A latent layer's tensors cut by query heads, checked before SPLITS (whose q_proj and o_proj
+# assume head_dim rows a head): suffix -> (the dimension cut, a head's rows or columns there
+# from the MLAConfig). GGUF's 3-D kv_b halves (k_b [heads, rank, nope], v_b [heads, v, rank])
+# are cut along their first dimension, one a head.
+LATENT_SPLITS = {
+    "self_attn.q_proj.weight": (0, lambda m: m.qk_head_dim),  # V2: no q LoRA
+    "self_attn.q_b_proj.weight": (0, lambda m: m.qk_head_dim),
+    "self_attn.kv_b_proj.weight": (0, lambda m: m.qk_nope_head_dim + m.v_head_dim),
+    "self_attn.k_b_proj.weight": (0, lambda m: 1),
+    "self_attn.v_b_proj.weight": (0, lambda m: 1),
+    "self_attn.o_proj.weight": (1, lambda m: m.v_head_dim),
 }
 # A routed expert's matrices (Qwen's names, Mixtral's w1/w3/w2) -> the dimension a width
 # split cuts.
@@ -257,7 +274,15 @@ def balanced_counts(units: int, fixed: list[float]) -> list[int]:
 
 
 def attention_columns(cfg: ModelConfig, q_heads: int, kv_heads: int) -> float:
-    """A rank's q/k/v/o weights in MLP columns (each column is gate + up + down: 3 x hidden)."""
+    """A rank's q/k/v/o weights in MLP columns (each column is gate + up + down: 3 x hidden);
+    a latent layer's per-head weights (its q rows, kv_b rows and o columns: the parts every
+    rank holds whole are alike on all)."""
+    if cfg.mla is not None:
+        m = cfg.mla
+        per_head = ((m.q_lora_rank or cfg.hidden_size) * m.qk_head_dim
+                    + m.kv_lora_rank * (m.qk_nope_head_dim + m.v_head_dim)
+                    + m.v_head_dim * cfg.hidden_size)
+        return q_heads * per_head / (3 * cfg.hidden_size)
     return 2 * (q_heads + kv_heads) * cfg.head_dim / 3
 
 
@@ -309,11 +334,11 @@ def check_tensor_parallel(cfg: ModelConfig, family: ModelFamily, tp_size: int,
     """A sentence (ValueError) for a model --tp-size cannot split."""
     if tp_size == 1:
         return
-    if family.name not in TP_FAMILIES or cfg.mla is not None:
+    if family.name not in TP_FAMILIES:
         raise ValueError(f"--tp-size {tp_size}: tensor parallelism runs the Llama, Mistral, "
-                         "Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE and Mixtral families so far, not "
-                         f"{cfg.model_type} (DeepSeek's latent attention is not split; use "
-                         "--pp-size to spread it over processes)")
+                         "Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, Mixtral and DeepSeek-V2/V3 "
+                         f"families so far, not {cfg.model_type} (use --pp-size to spread it "
+                         "over processes)")
     if cfg.moe is not None:
         check_moe_split(cfg, tp_size, moe_split)
     if tp_size > cfg.num_heads:
@@ -344,9 +369,11 @@ class ShardedSource:
     def __init__(self, source, shard: TPShard):
         self.source, self.shard = source, shard
         self.path, self.family, self.gguf = source.path, source.family, source.gguf
-        self.fp8 = source.fp8  # FP8 checkpoints are refused under TP (frontend) for now
+        # FP8 checkpoints read dequantized under TP (loader.stage_keeps_blocks): load_rows
+        # dequantizes whole blocks before the cut, so a cut need not fall on the 128 grid.
+        self.fp8 = source.fp8
         self.config = shard_config(source.config, shard)
-        self.head_dim = source.config.head_dim
+        self.head_dim, self.mla = source.config.head_dim, source.config.mla
 
     def _cut(self, name: str) -> tuple[int, range] | None:
         """(dimension, kept indices) of a split tensor; None for a whole one."""
@@ -356,6 +383,9 @@ class ShardedSource:
         if expert is not None:  # whole experts under the expert split
             return ((EXPERT_DIM[expert.group(1)], self.shard.expert_cols)
                     if self.shard.moe_split == "width" else None)
+        for suffix, (dim, head_rows) in (LATENT_SPLITS.items() if self.mla else ()):
+            if name.endswith(suffix):
+                return dim, self.shard.rows("q", head_rows(self.mla))
         for suffix, (split, dim) in SPLITS.items():
             if name.endswith(suffix):
                 return dim, self.shard.rows(split, self.head_dim)

@@ -58,7 +58,9 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
         source = ShardedSource(source, shard)
         log.info("stage %d TP rank %d/%d: query heads %s, KV heads %s%s, MLP columns %s, "
                  "vocabulary rows %s; heads split by %s (%s)", info.rank, info.tp_rank,
-                 info.tp_size, spans(shard.q_heads), spans(shard.kv_heads),
+                 info.tp_size, spans(shard.q_heads),
+                 "(the latent, whole on every rank)" if model_cfg.mla is not None
+                 else spans(shard.kv_heads),
                  f" (query heads per KV head {list(shard.q_per_kv)})" if shard.q_per_kv else "",
                  spans(shard.mlp), spans(shard.vocab), shard.head_split,
                  choose_head_split(model_cfg, info.tp_size)[1])

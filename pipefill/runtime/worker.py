@@ -229,16 +229,16 @@ def make_pd_role(args: ServerArgs, executor, info, cfg, pipe, rank_kv=None):
     if not args.disagg.enabled:
         return NullRole()
     # Imported here: the transfer plane costs every stage's start-up, and most serve no PD.
-    from pipefill.disagg.heads import tp_head_map
+    from pipefill.disagg.heads import latent_head_map, tp_head_map
     from pipefill.disagg.roles import DecodeStagePD, PrefillStagePD
     from pipefill.disagg.transfer import StageTensors
     to_first = report_to_first(pipe) if info.rank > 0 else None
     stage_kv = None
     if rank_kv is not None:
-        stage_kv = StageTensors.of_ranks(executor.cache, info.layers.start, rank_kv,
-                                         tp_head_map(cfg.num_heads, cfg.num_kv_heads,
-                                                     args.tp_size,
-                                                     choose_head_split(cfg, args.tp_size)[0]))
+        heads = (latent_head_map(args.tp_size) if cfg.mla is not None else
+                 tp_head_map(cfg.num_heads, cfg.num_kv_heads, args.tp_size,
+                             choose_head_split(cfg, args.tp_size)[0]))
+        stage_kv = StageTensors.of_ranks(executor.cache, info.layers.start, rank_kv, heads)
     if args.disagg.mode is DisaggMode.DECODE:
         return DecodeStagePD(args, executor, cfg, info, to_first, stage_kv)
     return PrefillStagePD(args, executor, info.rank, info.layers.start, cfg, to_first,

@@ -106,8 +106,8 @@ def test_lean_decode_path_on_moe_shards_matches_one_rank(lean_qwen3_moe, split):
 @pytest.mark.parametrize("kind", ["v3", "v2"])
 def test_deepseek_moe_slices_sum_to_the_whole_block(tmp_path, kind, split):
     """DeepSeekMoE (V3's sigmoid router with a correction bias and routed scale, V2's two
-    shared experts) cut as the MoE families' are; the family stays refused under TP for its
-    latent attention, which is not split."""
+    shared experts) cut as the MoE families' are (the latent attention's cuts:
+    test_tp_latent_shards.py)."""
     from types import SimpleNamespace
     from test_deepseek import save_deepseek
     from pipefill.model.families.deepseek import DEEPSEEK
@@ -122,5 +122,4 @@ def test_deepseek_moe_slices_sum_to_the_whole_block(tmp_path, kind, split):
     x = torch.randn(19, cfg.hidden_size)
     partials = [block(ShardedSource(source, tp_shard(cfg, r, 2, split)))(x) for r in range(2)]
     torch.testing.assert_close(partials[0] + partials[1], block(source)(x), rtol=0, atol=1e-5)
-    with pytest.raises(ValueError, match="latent attention is not split"):
-        check_tensor_parallel(cfg, DEEPSEEK, 2, split)
+    check_tensor_parallel(cfg, DEEPSEEK, 2, split)

@@ -235,7 +235,7 @@ def test_refusals(tmp_path):
     with pytest.raises(ValueError, match="larger than the model's 4 attention heads"):
         check_tensor_parallel(cfg, LLAMA, 5)
     from pipefill.model.families.gemma3 import GEMMA3
-    with pytest.raises(ValueError, match="Qwen3-MoE and Mixtral families so far, not"):
+    with pytest.raises(ValueError, match="DeepSeek-V2/V3 families so far, not"):
         check_tensor_parallel(cfg, GEMMA3, 2)
     for flags, match in [(dict(tp_size=0), "--tp-size must be at least 1"),
                          (dict(tp_size=2, device="cuda"), "--device cpu only"),

@@ -247,11 +247,13 @@ class DeepSeekFamily(ModelFamily):
         attn = latent_attention(q_nope, q_pe, k_cache, v_cache, seqs, w.up, mla.latent_dim,
                                 mla.softmax_scale, how, meta.derived)
         packed, large = w.packed or {}, w.prefill or {}
-        out = linear(attn.reshape(attn.shape[0], -1), w.o_proj, None, packed.get("o_proj"),
-                     large.get("o_proj"))
+        # Under tensor parallelism o_proj holds this rank's heads' columns and the MLP its
+        # share: both give partial sums (model/tensor_parallel.py).
+        out = model.tp_sum(linear(attn.reshape(attn.shape[0], -1), w.o_proj, None,
+                                  packed.get("o_proj"), large.get("o_proj")))
         x, residual = model.ops.add_rms_norm(residual, out, w.post_norm, cfg.rms_norm_eps,
                                              model.dtype)
-        return LlamaFamily.mlp(model, w, x), residual
+        return model.tp_sum(LlamaFamily.mlp(model, w, x)), residual
 
     @staticmethod
     def _project(model, w: DeepSeekLayerWeights, x, cos, sin):

@@ -81,3 +81,39 @@ def test_ranks_match_one_rank(deepseek_paths, kind, size, backend):
                               max_total_tokens=512, threads_per_stage=1,
                               attention_backend=backend), source.config)
     assert_lean_decode_on_two_ranks(args, source, size=size, lean=False)
+
+
+@pytest.mark.parametrize("qtype,split", [("Q8_0", True), ("F32", False)])
+def test_gguf_ranks_match_one_rank(tmp_path, qtype, split):
+    """A deepseek2 GGUF file at TP 3 (its 3 heads one a rank): kv_b_proj from the converter's
+    3-D halves (attn_k_b, attn_v_b) cut along their heads, or whole (an older file); Q8_0
+    blocks dequantized at load on every rank (TP keeps no blocks)."""
+    from test_deepseek_gguf import MODELS, write_deepseek_gguf
+    hf = save_deepseek("v3", tmp_path / "hf", models=MODELS)
+    path = str(tmp_path / "m.gguf")
+    write_deepseek_gguf(hf, path, qtype, split=split)
+    source = WeightSource(path)
+    assert source.config.mla.kv_b_split == split
+    args = resolve(ServerArgs(model_path=path, dtype="float32", page_size=32,
+                              max_total_tokens=512, threads_per_stage=1), source.config)
+    assert_lean_decode_on_two_ranks(args, source, size=3, lean=False)
+
+
+def test_fp8_checkpoint_ranks_match_one_rank(tmp_path):
+    """An FP8 checkpoint (128 x 128 block scales) at TP 2: each rank reads its slices
+    dequantized (--weight-dtype auto keeps no FP8 codes under TP), against one rank keeping
+    them where the FP8 GEMM runs."""
+    from pipefill.bench.make_model import write_fp8_copy
+    from pipefill.model.loader import stage_keeps_blocks
+    save_deepseek("v3", tmp_path / "float")
+    write_fp8_copy(tmp_path / "float", tmp_path / "fp8")
+    path = str(tmp_path / "fp8")
+    source = WeightSource(path)
+    assert source.fp8
+    sharded = ShardedSource(source, tp_shard(source.config, 0, 2))
+    keeps, why, _ = stage_keeps_blocks("auto", sharded, range(1), True, True, "cpu", "float32",
+                                    torch.float32, tp_size=2)
+    assert not keeps and "--tp-size 2 does not keep FP8 codes" in why
+    args = resolve(ServerArgs(model_path=path, dtype="float32", page_size=32,
+                              max_total_tokens=512, threads_per_stage=1), source.config)
+    assert_lean_decode_on_two_ranks(args, source, size=2, lean=False)

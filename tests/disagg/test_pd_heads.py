@@ -7,8 +7,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pipefill.disagg.heads import (Piece, check_head_map, check_pairing, describe, pieces,
-                                   tp_head_map, whole_source)
+from pipefill.disagg.heads import (Piece, check_head_map, check_pairing, describe,
+                                   latent_head_map, pieces, tp_head_map, whole_source)
 from pipefill.disagg.transfer import KVTensors, StageTensors
 
 
@@ -64,6 +64,16 @@ def test_a_replicated_head_comes_from_its_first_holder():
     # TP 4 over 3 heads into TP 2: rank 1 of the decode takes head 2 from prefill rank 3.
     assert pieces(tp_head_map(6, 3, 4), [2]) == [Piece(3, 0, 0, 1)]
     assert pieces(tp_head_map(6, 3, 4), [0, 1]) == [Piece(0, 0, 0, 1), Piece(2, 0, 1, 1)]
+
+
+def test_a_latent_is_one_head_every_rank_holds_whole():
+    """DeepSeek's latent at TP 3 into TP 1 and TP 2: one copy, rank 0's, to each decode rank,
+    whole pages."""
+    prefill = latent_head_map(3)
+    assert prefill == [[0], [0], [0]]
+    for decode in (latent_head_map(1), latent_head_map(2)):
+        check_pairing(prefill, decode, 1)
+        assert [whole_source(prefill, hs) for hs in decode] == [0] * len(decode)
 
 
 @pytest.mark.parametrize("head_map, needle", [

@@ -26,9 +26,12 @@ and the spread (min-max) over the repetitions, and the ratio is the median of th
 per-repetition ratios.
 
 Bytes per step = weights streamed (packed copies, or the torch matrices; the embedding is a
-gather and is not counted) + the KV cache read (batch x context x bytes per token). The memory
-floor is those bytes over the copy bandwidth measured in this run (`copy_` of a 512 MiB buffer,
-read + write bytes per second). The engine loop around a step (scheduler, pipes) is not timed.
+gather and is not counted, but a head kept as GGUF blocks counts its blocks, the embedding's
+where they are tied) + the KV cache read (batch x context x bytes per token). The memory floor
+is those bytes over the read bandwidth measured in this run on the stage's threads
+(kernels.quant_gemm.read_bandwidth: one pass over 512 MiB, as a decode GEMM at M = 1 streams
+its weights; where that kernel does not build, torch's `copy_` of 512 MiB, read + write bytes
+per second). The engine loop around a step (scheduler, pipes) is not timed.
 A mixture-of-experts model's step reads, besides attention, KV and head, each sparse layer's
 router and shared expert and only the distinct routed experts its rows chose: those are
 counted from the routing each timed step took (the mean over steps), and the row adds the
@@ -51,6 +54,7 @@ import torch
 from pipefill.bench.prefill import add_peer_flags, load_hf_model, parse_ints, start_peer
 from pipefill.config import resolve, server_args_from_namespace, server_args_parser_group
 from pipefill.engine import Engine
+from pipefill.kernels.quant_gemm import read_bandwidth
 from pipefill.model.loader import WeightSource, resolve_model_path
 from pipefill.model.tensor_parallel import resolve_moe_split, tp_shard
 from pipefill.base.platform import cpu_name, dtype_name, resolve_dtype
@@ -90,6 +94,15 @@ def copy_bandwidth(nbytes: int = 512 << 20, reps: int = 5) -> float:
     return 2 * nbytes / best
 
 
+def floor_bandwidth() -> tuple[float, str]:
+    """(bytes per second, what they are) that the memory floor divides by: the read bandwidth
+    of this process's threads, or copy_'s read + write where the read kernel does not build."""
+    try:
+        return read_bandwidth(), "read bandwidth"
+    except RuntimeError:
+        return copy_bandwidth(), "copy bandwidth (read + write)"
+
+
 def _timed(fn) -> float:
     t0 = time.perf_counter()
     fn()
@@ -119,10 +132,10 @@ def run(ns: argparse.Namespace) -> int:
     torch.set_num_threads(args.layout.num_threads)
     executor = _build(args, source)
     dtype = resolve_dtype(args.dtype)
-    bw = copy_bandwidth()
+    bw, bw_what = floor_bandwidth()
     hf = None if ns.no_hf else load_hf_model(source, dtype)
     print(f"{cpu_name()}, {args.layout.num_threads} threads, {dtype_name(dtype)} compute, "
-          f"weights {args.weight_dtype}; copy bandwidth {bw / 1e9:.1f} GB/s (read + write)"
+          f"weights {args.weight_dtype}; {bw_what} {bw / 1e9:.1f} GB/s"
           + (f"; {executor.model.attention.describe()}"
              if hasattr(executor.model.attention, "describe") else ""))
     cases = [(batch, context) for context in contexts for batch in batches]
@@ -155,7 +168,8 @@ def run(ns: argparse.Namespace) -> int:
     if ns.json:
         with open(ns.json, "w") as f:
             json.dump({"cpu": cpu_name(), "threads": args.layout.num_threads,
-                       "args": args.flags(), "copy_bytes_per_s": bw, "rows": rows,
+                       "args": args.flags(), "floor_bytes_per_s": bw,
+                       "floor_bandwidth": bw_what, "rows": rows,
                        "tp_rows": tp_rows}, f, indent=2)
         print(f"wrote {ns.json}")
     return 0
@@ -180,10 +194,18 @@ def weight_bytes(model, packed: bool) -> int:
             total += layer.up.kv_b.nbytes
         if getattr(layer, "moe", None) is not None:
             total += layer.moe.fixed_bytes_read()
-    if model.w.lm_head is not None:
-        head = model.w.lm_head_packed
-        total += head.nbytes if packed and head is not None else model.w.lm_head.nbytes
-    return total
+    return total + head_bytes(model.w, packed)
+
+
+def head_bytes(w, packed: bool) -> int:
+    """Bytes of the LM head a step reads: its decode copy (packed), else the plain matrix; a
+    head held only as GGUF blocks (a tied head on the stage that holds the embedding is the
+    embedding's blocks, lm_head None) reads those blocks either way. 0 off the last stage."""
+    if packed and w.lm_head_packed is not None:
+        return w.lm_head_packed.nbytes
+    if w.lm_head is not None:
+        return w.lm_head.nbytes
+    return w.lm_head_quant.nbytes if w.lm_head_quant is not None else 0
 
 
 def expert_shares(requested: str, cfg, tp_sizes: list[int]) -> dict[int, list[range]]:
@@ -373,7 +395,8 @@ def _row(model, cache, batch: int, context: int, times: dict, bw: float) -> dict
             "torch_ms": statistics.median(times["torch"]),
             "general_ms": statistics.median(times["general"]),
             "tok_per_s_per_request": 1e3 / ms, "tok_per_s": batch * 1e3 / ms,
-            "weight_bytes": wbytes, "routed_expert_bytes": routed, "kv_bytes": kv, "gb_per_s": (wbytes + kv) / ms / 1e6,
+            "weight_bytes": wbytes, "head_bytes": head_bytes(model.w, packed=True),
+            "routed_expert_bytes": routed, "kv_bytes": kv, "gb_per_s": (wbytes + kv) / ms / 1e6,
             "floor_ms": 1e3 * (wbytes + kv) / bw,
             **({"latent_torch_ms": statistics.median(times["latent_torch"])}
                if times["latent_torch"] else {}),
@@ -476,7 +499,8 @@ def print_tp_row(row: dict) -> None:
 def print_row(row: dict) -> None:
     line = (f"batch {row['batch']:>3} context {row['context']:>6}: {row['ms']:7.2f} ms/step "
             f"({row['tok_per_s_per_request']:6.1f} tok/s per request, {row['tok_per_s']:7.1f} "
-            f"total)  {(row['weight_bytes'] + row['kv_bytes']) / 1e6:6.0f} MB/step at "
+            f"total)  {(row['weight_bytes'] + row['kv_bytes']) / 1e6:6.0f} MB/step (head "
+            f"{row['head_bytes'] / 1e6:.0f}) at "
             f"{row['gb_per_s']:5.1f} GB/s = {row['ms'] / row['floor_ms']:4.2f}x the floor "
             f"({row['floor_ms']:.2f} ms){_x_batch_1(row)}  torch linear {row['torch_ms']:7.2f} ms "
             f"({row['torch_ms'] / row['ms']:4.2f}x)  general path {row['general_ms']:7.2f} ms "

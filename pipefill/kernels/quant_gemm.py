@@ -61,6 +61,7 @@ out)`` (checked once, then ``bound()`` is the GEMM calls with prebuilt arguments
 from __future__ import annotations
 
 import functools
+import time
 from dataclasses import dataclass
 
 import numpy as np
@@ -192,6 +193,33 @@ def quantize_activations(x: torch.Tensor, path: str) -> tuple[torch.Tensor, torc
         raise RuntimeError(f"pipefill int8 quantize ({path}) failed (rc={rc})")
     return q, dx
 
+
+def stream_read(buf: torch.Tensor, ahead: int = 0) -> int:
+    """Reads buf (uint8, contiguous, 64-byte aligned, a whole number of 64-byte lines) once on
+    torch's threads, as a decode GEMM at M = 1 streams its weights (csrc/quant_gemm.cpp's
+    pf_qg_stream_read; `ahead` > 0: software prefetch that many lines ahead) -> the xor of
+    its 64-bit words."""
+    if buf.dtype != torch.uint8 or not buf.is_contiguous() or buf.data_ptr() % 64 \
+            or buf.numel() % 64:
+        raise ValueError("stream_read: expected contiguous uint8 bytes, 64-byte aligned, a "
+                         f"multiple of 64 long; got {buf.dtype} of {buf.numel()} at "
+                         f"{buf.data_ptr() % 64} past a 64-byte boundary")
+    if not any(ok for ok, _ in isa_status().values()):
+        raise RuntimeError("stream_read: the quantized GEMM's kernels did not build here")
+    return _EXT.module.pf_qg_stream_read(buf.data_ptr(), buf.numel(), ahead)
+
+
+def read_bandwidth(nbytes: int = 512 << 20, reps: int = 5, ahead: int = 0) -> float:
+    """Bytes per second that torch's threads read from memory: the best of `reps` passes of
+    stream_read over `nbytes`, far more than the caches hold (the most a decode GEMM at M = 1
+    can stream)."""
+    buf = torch.ones(nbytes // 64 * 64, dtype=torch.uint8)
+    best = float("inf")
+    for _ in range(reps + 1):  # the first pass: warm-up
+        t0 = time.perf_counter()
+        stream_read(buf, ahead)
+        best = min(best, time.perf_counter() - t0)
+    return buf.numel() / best
 
 @dataclass
 class QuantPart:
@@ -467,4 +495,5 @@ class BoundQuantLinear:
 
 
 __all__ = ["BLOCK_TYPES", "INT8_PATHS", "QuantLinear", "QuantPart", "choose_int8", "choose_isa",
-           "hidden_int8_paths", "int8_status", "isa_status", "quantize_activations"]
+           "hidden_int8_paths", "int8_status", "isa_status", "quantize_activations",
+           "read_bandwidth", "stream_read"]

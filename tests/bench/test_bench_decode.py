@@ -1,7 +1,7 @@
 """`pipefill bench decode --compare-tp-size`: its refusal, and (slow) a tiny run that times the
 batch-1 step at TP 1 and TP 2 (no timing is checked: only that both ran and were recorded);
 the routed expert bytes a mixture-of-experts step reads, whole and per rank of the expert
-split."""
+split; the weight bytes a step reads with the LM head kept as GGUF blocks, tied or not."""
 from __future__ import annotations
 
 import json
@@ -13,8 +13,9 @@ import pytest
 import torch
 
 from conftest import save_tiny_model, single_stage
-from pipefill.bench.decode import _steps_ms, expert_shares
+from pipefill.bench.decode import _steps_ms, expert_shares, weight_bytes
 from pipefill.cli.main import main
+from test_gguf_blocks import k_quant_gguf
 from test_moe_family import save_moe
 
 
@@ -65,3 +66,19 @@ def test_routed_expert_bytes_count_each_ranks_own_experts(tmp_path):
         own = sum(len(c & set(experts)) for c in chosen)
         assert got[2][rank] == per_expert * own
     assert sum(got[2]) == got["stage"] and max(got[2]) < got["stage"]
+
+
+@pytest.mark.parametrize("tied", [True, False], ids=["tied-to-the-embedding", "own-head"])
+def test_weight_bytes_count_a_head_kept_as_blocks_once(tmp_path, tied):
+    """A step reads every layer's blocks and the head's once: a head tied to the embedding is
+    the embedding's GGUF blocks (lm_head None) and counts as them; an own head counts its
+    blocks (Q6_K here), not the embedding, which a step only gathers from."""
+    ex = single_stage(k_quant_gguf(tmp_path / "k.gguf", tied=tied), "float32",
+                      weight_dtype="gguf")
+    w = ex.model.w
+    assert w.lm_head is None and w.lm_head_packed is w.lm_head_quant
+    assert (w.lm_head_quant is w.embed) == tied
+    layers = sum(q.nbytes for layer in w.layers for q in layer.packed.values())
+    vocab, hidden = ex.model.cfg.vocab_size, ex.model.cfg.hidden_size
+    head = vocab * hidden * (34 / 32 if tied else 210 / 256)  # Q8_0's and Q6_K's bytes a weight
+    assert weight_bytes(ex.model, packed=True) == layers + head

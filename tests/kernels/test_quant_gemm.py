@@ -270,3 +270,27 @@ def test_rows16_layout_is_a_permutation_of_the_files_bytes():
             assert torch.equal(group1_block2[10:12], raw[21, 2 * size:2 * size + 2])
             codes = group1_block2[-64:]  # the last code dword of the 16 rows
             assert torch.equal(codes[20:24], raw[21, 3 * size - 4:3 * size])
+
+
+@pytest.mark.parametrize("threads", [1, 2])
+@pytest.mark.parametrize("ahead", [0, 16])
+def test_stream_read_reads_every_word_once(threads, ahead):
+    """The read-bandwidth kernel (bench decode's floor) returns the xor of every 64-bit word
+    of the buffer: a share of the lines skipped, or read twice, changes it (a lone word set
+    in the last line checks the end of the split, odd line counts its rounding)."""
+    need("scalar", qg.isa_status()["scalar"], qg.ISA_CPU_FLAGS["scalar"])
+    old = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        for lines in (1, 4097, 3 * 4096 + 5):
+            words = np.random.default_rng(lines).integers(0, 2**63, lines * 8, dtype=np.uint64)
+            buf = torch.empty(lines * 64, dtype=torch.uint8)  # 64-byte aligned
+            buf.copy_(torch.from_numpy(words.view(np.uint8)))
+            assert qg.stream_read(buf, ahead) == int(np.bitwise_xor.reduce(words))
+            buf[-8:] = 0
+            words[-1] = 0
+            assert qg.stream_read(buf, ahead) == int(np.bitwise_xor.reduce(words))
+    finally:
+        torch.set_num_threads(old)
+    with pytest.raises(ValueError, match="64"):
+        qg.stream_read(torch.zeros(100, dtype=torch.uint8))

@@ -147,15 +147,18 @@ def test_gguf_needs_a_gguf_file(tmp_path):
     assert keeps_blocks("auto", Folder())[0] is False
 
 
-Q5_0, Q4_K, Q5_K, Q6_K = 6, 12, 13, 14
+Q5_0, Q8_0, Q4_K, Q5_K, Q6_K = 6, 8, 12, 13, 14
 # The tiny file's block type per GGUF matrix name.
 K_FILE_TYPES = {"attn_q": Q4_K, "attn_k": Q5_K, "attn_v": Q6_K, "attn_output": Q5_0,
                 "ffn_gate": Q4_K, "ffn_up": Q6_K, "ffn_down": Q5_K, "output": Q6_K}
 
 
-def k_quant_gguf(path, hidden=256, inter=512, layers=2, vocab=512, heads=4, kv_heads=2) -> str:
+def k_quant_gguf(path, hidden=256, inter=512, layers=2, vocab=512, heads=4, kv_heads=2,
+                 tied: bool = False) -> str:
     """A tiny llama GGUF whose linear layers and head are random blocks of K_FILE_TYPES (every
-    code, scale and bit pattern), norms and embedding float32."""
+    code, scale and bit pattern), norms and embedding float32; `tied`: the embedding Q8_0
+    blocks and no output.weight (the head is the embedding, as in SmolLM2's and Gemma 3's
+    files)."""
     rng = np.random.default_rng(25)
     w = gguf.GGUFWriter(str(path), "llama")
     w.add_block_count(layers)
@@ -180,9 +183,15 @@ def k_quant_gguf(path, hidden=256, inter=512, layers=2, vocab=512, heads=4, kv_h
     def norm(name: str) -> None:
         w.add_tensor(name, (1 + 0.1 * rng.standard_normal(hidden)).astype(np.float32))
 
-    w.add_tensor("token_embd.weight", rng.standard_normal((vocab, hidden)).astype(np.float32))
     norm("output_norm.weight")
-    blocks("output.weight", "output", vocab, hidden, std=0.2)  # logits a few nats apart
+    if tied:
+        raw = random_blocks(Q8_0, vocab, hidden, rng, 0.2)  # logits a few nats apart
+        w.add_tensor("token_embd.weight", raw, raw_shape=raw.shape,
+                     raw_dtype=gguf.GGMLQuantizationType(Q8_0))
+    else:
+        w.add_tensor("token_embd.weight",
+                     rng.standard_normal((vocab, hidden)).astype(np.float32))
+        blocks("output.weight", "output", vocab, hidden, std=0.2)  # logits a few nats apart
     for i in range(layers):
         norm(f"blk.{i}.attn_norm.weight")
         norm(f"blk.{i}.ffn_norm.weight")

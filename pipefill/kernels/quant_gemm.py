@@ -70,7 +70,7 @@ import torch.nn.functional as F
 
 from pipefill.kernels.build import (CSRC, GLUE_VECTOR_ISA, VECTOR_ISA_CPU_FLAGS, IsaExtension,
                                     build_isa_extension)
-from pipefill.kernels import fp8_blocks
+from pipefill.kernels import fp8_blocks, huge_pages
 from pipefill.kernels.decode_gemm import call_operands
 from pipefill.kernels.gguf_blocks import (BLOCK_TYPES, from_rows16, row_bytes, rows16_supported,
                                           rows16_take, supports, to_rows16, type_name)
@@ -194,30 +194,33 @@ def quantize_activations(x: torch.Tensor, path: str) -> tuple[torch.Tensor, torc
     return q, dx
 
 
-def stream_read(buf: torch.Tensor, ahead: int = 0) -> int:
+def stream_read(buf: torch.Tensor, ahead: int = 0, isa: str | None = None) -> int:
     """Reads buf (uint8, contiguous, 64-byte aligned, a whole number of 64-byte lines) once on
-    torch's threads, as a decode GEMM at M = 1 streams its weights (csrc/quant_gemm.cpp's
-    pf_qg_stream_read; `ahead` > 0: software prefetch that many lines ahead) -> the xor of
-    its 64-bit words."""
+    torch's threads, as a decode GEMM at M = 1 streams its weights, on the loads of `isa` (the
+    decode GEMM's, by default: csrc/quant_gemm_kernel.h's xor_lines; `ahead` > 0: software
+    prefetch that many lines ahead) -> the xor of its 64-bit words."""
     if buf.dtype != torch.uint8 or not buf.is_contiguous() or buf.data_ptr() % 64 \
             or buf.numel() % 64:
         raise ValueError("stream_read: expected contiguous uint8 bytes, 64-byte aligned, a "
                          f"multiple of 64 long; got {buf.dtype} of {buf.numel()} at "
                          f"{buf.data_ptr() % 64} past a 64-byte boundary")
-    if not any(ok for ok, _ in isa_status().values()):
-        raise RuntimeError("stream_read: the quantized GEMM's kernels did not build here")
-    return _EXT.module.pf_qg_stream_read(buf.data_ptr(), buf.numel(), ahead)
+    isa = isa or choose_isa()[0]
+    if isa == "torch" or not isa_status()[isa][0]:
+        raise RuntimeError(f"stream_read: the quantized GEMM's {isa} path does not run here")
+    return _EXT.module.pf_qg_stream_read(_ISA_CODE[isa], buf.data_ptr(), buf.numel(), ahead)
 
 
-def read_bandwidth(nbytes: int = 512 << 20, reps: int = 5, ahead: int = 0) -> float:
+def read_bandwidth(nbytes: int = 512 << 20, reps: int = 5, ahead: int = 0,
+                   isa: str | None = None) -> float:
     """Bytes per second that torch's threads read from memory: the best of `reps` passes of
-    stream_read over `nbytes`, far more than the caches hold (the most a decode GEMM at M = 1
-    can stream)."""
-    buf = torch.ones(nbytes // 64 * 64, dtype=torch.uint8)
+    stream_read over `nbytes`, far more than the caches hold, on the pages large weights lie on
+    (kernels.huge_pages): the most a decode GEMM at M = 1 can stream."""
+    buf = huge_pages.empty((nbytes // 64 * 64,))
+    buf.fill_(1)
     best = float("inf")
     for _ in range(reps + 1):  # the first pass: warm-up
         t0 = time.perf_counter()
-        stream_read(buf, ahead)
+        stream_read(buf, ahead, isa)
         best = min(best, time.perf_counter() - t0)
     return buf.numel() / best
 

@@ -272,13 +272,13 @@ def test_rows16_layout_is_a_permutation_of_the_files_bytes():
             assert torch.equal(codes[20:24], raw[21, 3 * size - 4:3 * size])
 
 
-@pytest.mark.parametrize("threads", [1, 2])
-@pytest.mark.parametrize("ahead", [0, 16])
-def test_stream_read_reads_every_word_once(threads, ahead):
+@pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])
+@pytest.mark.parametrize("threads,ahead", [(1, 0), (2, 0), (2, 16)])
+def test_stream_read_reads_every_word_once(isa, threads, ahead):
     """The read-bandwidth kernel (bench decode's floor) returns the xor of every 64-bit word
     of the buffer: a share of the lines skipped, or read twice, changes it (a lone word set
     in the last line checks the end of the split, odd line counts its rounding)."""
-    need("scalar", qg.isa_status()["scalar"], qg.ISA_CPU_FLAGS["scalar"])
+    need(isa, qg.isa_status()[isa], qg.ISA_CPU_FLAGS[isa])
     old = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -286,10 +286,10 @@ def test_stream_read_reads_every_word_once(threads, ahead):
             words = np.random.default_rng(lines).integers(0, 2**63, lines * 8, dtype=np.uint64)
             buf = torch.empty(lines * 64, dtype=torch.uint8)  # 64-byte aligned
             buf.copy_(torch.from_numpy(words.view(np.uint8)))
-            assert qg.stream_read(buf, ahead) == int(np.bitwise_xor.reduce(words))
+            assert qg.stream_read(buf, ahead, isa) == int(np.bitwise_xor.reduce(words))
             buf[-8:] = 0
             words[-1] = 0
-            assert qg.stream_read(buf, ahead) == int(np.bitwise_xor.reduce(words))
+            assert qg.stream_read(buf, ahead, isa) == int(np.bitwise_xor.reduce(words))
     finally:
         torch.set_num_threads(old)
     with pytest.raises(ValueError, match="64"):

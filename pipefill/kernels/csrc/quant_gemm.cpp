@@ -7,8 +7,6 @@
 // addresses and sizes (pipefill/kernels/quant_gemm.py checks them).
 #include "glue.h"
 
-#include <emmintrin.h>
-
 #include <vector>
 
 #include "fp8_gemm_kernel.h"
@@ -295,28 +293,16 @@ int pf_qg_fp8_dequant(int isa, Addr w_addr, Addr scale_addr, Addr scale_row_addr
 
 // ---- The memory read bandwidth a decode GEMM at M = 1 can reach ----
 
-// Reads [addr, addr + nbytes) (64-byte aligned, a multiple of 64 bytes) once, split into equal
-// contiguous shares over torch's pool as the GEMMs split their columns, four 16-byte loads a
-// 64-byte line into four xor chains (baseline SSE2: a core issues loads far faster than memory
-// delivers them, so the time is the memory's). `ahead` > 0 asks for the line that many lines
-// ahead first (software prefetch; 0: the hardware prefetcher alone). Returns the xor of all
-// 16-byte words folded to 64 bits, which keeps the compiler from dropping the reads.
-uint64_t pf_qg_stream_read(Addr addr, int64_t nbytes, int64_t ahead) {
-  const int64_t lines = nbytes / 64;
+// Reads [addr, addr + nbytes) (64-byte aligned, whole 64-byte lines) once on the ISA's widest
+// loads (xor_lines, quant_gemm_kernel.h), split into equal contiguous shares over torch's pool
+// as the GEMMs split their columns. Returns the xor of its 64-bit words, or 0 where the ISA is
+// not usable here (the caller checks first).
+uint64_t pf_qg_stream_read(int isa, Addr addr, int64_t nbytes, int64_t ahead) {
+  if (!pg::vector_isa_ok(isa)) return 0;
+  auto fn = isa == kAvx512 ? avx512::stream_lines : isa == kAvx2 ? avx2::stream_lines : scalar::stream_lines;
   std::atomic<uint64_t> folded{0};
-  at::parallel_for(0, lines, 4096, [&](int64_t l0, int64_t l1) {
-    const char* p = addr.as<const char>();
-    __m128i a = _mm_setzero_si128(), b = a, c = a, d = a;
-    for (int64_t l = l0; l < l1; ++l) {
-      const __m128i* q = reinterpret_cast<const __m128i*>(p + 64 * l);
-      if (ahead > 0) _mm_prefetch(p + 64 * (l + ahead), _MM_HINT_T0);
-      a = _mm_xor_si128(a, _mm_load_si128(q));
-      b = _mm_xor_si128(b, _mm_load_si128(q + 1));
-      c = _mm_xor_si128(c, _mm_load_si128(q + 2));
-      d = _mm_xor_si128(d, _mm_load_si128(q + 3));
-    }
-    const __m128i x = _mm_xor_si128(_mm_xor_si128(a, b), _mm_xor_si128(c, d));
-    folded.fetch_xor((uint64_t)_mm_cvtsi128_si64(x) ^ (uint64_t)_mm_cvtsi128_si64(_mm_unpackhi_epi64(x, x)));
+  at::parallel_for(0, nbytes / 64, 4096, [&](int64_t l0, int64_t l1) {
+    folded.fetch_xor(fn(addr.as<const uint8_t>(), l0, l1, ahead));
   });
   return folded.load();
 }

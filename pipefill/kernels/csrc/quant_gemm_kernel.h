@@ -29,6 +29,8 @@
 // lane sums reduced at the end. The ISAs reduce in different lane orders, so their results
 // differ by float32 rounding only.
 #pragma once
+#include <immintrin.h>
+
 #include <cstdint>
 #include <cstring>
 #include <type_traits>
@@ -210,6 +212,46 @@ inline void dequant_block(const uint8_t* b, float* out) {
   }
 }
 
+// Lines [l0, l1) of 64 bytes at p read once, on loads as wide as the build's GEMMs use (one
+// line a load on AVX-512, two on AVX2, eight words on the scalar build): the read bandwidth a
+// decode GEMM at M = 1 can reach. `ahead` > 0 asks for the line that many lines ahead first.
+// Returns the xor of the lines' 64-bit words, which keeps the reads from being dropped.
+inline uint64_t xor_lines(const uint8_t* p, int64_t l0, int64_t l1, int64_t ahead) {
+#if defined(__AVX512F__)
+  __m512i a = _mm512_setzero_si512(), b = a;
+  int64_t l = l0;
+  for (; l + 1 < l1; l += 2) {
+    if (ahead > 0) _mm_prefetch(reinterpret_cast<const char*>(p + 64 * (l + ahead)), _MM_HINT_T0);
+    a = _mm512_xor_si512(a, _mm512_load_si512(p + 64 * l));
+    b = _mm512_xor_si512(b, _mm512_load_si512(p + 64 * (l + 1)));
+  }
+  if (l < l1) a = _mm512_xor_si512(a, _mm512_load_si512(p + 64 * l));
+  alignas(64) uint64_t w[8];
+  _mm512_store_si512(w, _mm512_xor_si512(a, b));
+#elif defined(__AVX2__)
+  __m256i a = _mm256_setzero_si256(), b = a;
+  for (int64_t l = l0; l < l1; ++l) {
+    if (ahead > 0) _mm_prefetch(reinterpret_cast<const char*>(p + 64 * (l + ahead)), _MM_HINT_T0);
+    a = _mm256_xor_si256(a, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + 64 * l)));
+    b = _mm256_xor_si256(b, _mm256_load_si256(reinterpret_cast<const __m256i*>(p + 64 * l + 32)));
+  }
+  alignas(32) uint64_t w[4];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(w), _mm256_xor_si256(a, b));
+#else
+  uint64_t w[8] = {0, 0, 0, 0, 0, 0, 0, 0};
+  for (int64_t l = l0; l < l1; ++l)
+    for (int j = 0; j < 8; ++j) {
+      uint64_t v;
+      std::memcpy(&v, p + 64 * l + 8 * j, 8);
+      w[j] ^= v;
+    }
+  (void)ahead;
+#endif
+  uint64_t folded = 0;
+  for (uint64_t v : w) folded ^= v;
+  return folded;
+}
+
 }  // namespace
 
 // Each ISA's functions, on W's row n at w + n * row_bytes (K a multiple of the type's
@@ -224,6 +266,7 @@ inline void dequant_block(const uint8_t* b, float* out) {
                  int64_t M, int64_t K, float* y, int64_t ldy, int64_t n0, int64_t n1);          \
   void dequant_rows(const uint8_t* w, int qtype, int64_t row_bytes, int64_t K, int64_t n0,      \
                     int64_t n1, void* out, bool bf16, int64_t ldo);                            \
+  uint64_t stream_lines(const uint8_t* p, int64_t l0, int64_t l1, int64_t ahead);              \
   }
 PF_QUANT_GEMM(scalar)
 PF_QUANT_GEMM(avx2)

@@ -128,5 +128,9 @@ void fp8_dequant_rows(const uint8_t* w, const float* scale, const int32_t* scale
     }
 }
 
+uint64_t stream_lines(const uint8_t* p, int64_t l0, int64_t l1, int64_t ahead) {
+  return xor_lines(p, l0, l1, ahead);
+}
+
 }  // namespace scalar
 }  // namespace pipefill_quant

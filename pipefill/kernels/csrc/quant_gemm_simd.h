@@ -173,4 +173,7 @@ void gemm_cols_simd(const float* x, int64_t ldx, const uint8_t* w, int qtype, in
   void dequant_rows(const uint8_t* w, int qtype, int64_t row_bytes, int64_t K, int64_t n0, int64_t n1,  \
                     void* out, bool bf16, int64_t ldo) {                                                 \
     with_type(qtype, [&](auto t) { dequant<V, decltype(t)::value>(w, row_bytes, K, n0, n1, out, bf16, ldo); }); \
+  }                                                                                                      \
+  uint64_t stream_lines(const uint8_t* p, int64_t l0, int64_t l1, int64_t ahead) {                      \
+    return xor_lines(p, l0, l1, ahead);                                                                  \
   }

@@ -3,7 +3,8 @@
 A decode step at M = 1 streams each weight once, so a large matrix's GEMV runs at the memory's
 read bandwidth, and on 4 KiB pages it also walks a page table entry per 4 KiB: 43,000 for
 Gemma 3's 178 MB LM head each step, and the hardware prefetcher stops at every 4 KiB border.
-On 2 MiB pages that is 85. The kernel gives an anonymous private mapping huge pages where
+On 2 MiB pages that is 85 (one Zen 4 core streamed that head in 5.3 ms against 8.5 ms on
+4 KiB pages, 34 against 21 GB/s, the same kernel). The kernel gives an anonymous private mapping huge pages where
 /sys/kernel/mm/transparent_hugepage/enabled is `always`, or `madvise` and the mapping asked
 (MADV_HUGEPAGE); torch's allocator does not ask, so a buffer here is its own mapping, 2 MiB
 aligned, asked once. The bytes are the same: only where they lie changes (ARCHITECTURE.md,

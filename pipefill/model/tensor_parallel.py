@@ -45,10 +45,11 @@ from pipefill.model.config import ModelConfig
 from pipefill.model.family import ModelFamily
 
 # The families that run tensor parallel so far (their layer_forward and decode runner call
-# the stage model's tp_sum); their checkpoints' split tensors by Hugging Face name suffix:
-# (which split, the dimension cut: 0 rows of a column-parallel matrix, 1 columns of a
-# row-parallel one).
-TP_FAMILIES = ("llama", "moe", "deepseek")
+# the stage model's tp_sum; Gemma 3's q/k norms, shared by every head, and its four norms a
+# layer stay whole on every rank); their checkpoints' split tensors by Hugging Face name
+# suffix: (which split, the dimension cut: 0 rows of a column-parallel matrix, 1 columns of
+# a row-parallel one).
+TP_FAMILIES = ("llama", "moe", "deepseek", "gemma3")
 SPLITS = {
     "self_attn.q_proj.weight": ("q", 0), "self_attn.q_proj.bias": ("q", 0),
     "self_attn.k_proj.weight": ("kv", 0), "self_attn.k_proj.bias": ("kv", 0),
@@ -336,8 +337,8 @@ def check_tensor_parallel(cfg: ModelConfig, family: ModelFamily, tp_size: int,
         return
     if family.name not in TP_FAMILIES:
         raise ValueError(f"--tp-size {tp_size}: tensor parallelism runs the Llama, Mistral, "
-                         "Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, Mixtral and DeepSeek-V2/V3 "
-                         f"families so far, not {cfg.model_type} (use --pp-size to spread it "
+                         "Qwen2, Qwen3, Qwen2-MoE, Qwen3-MoE, Mixtral, DeepSeek-V2/V3 and Gemma "
+                         f"3 families so far, not {cfg.model_type} (use --pp-size to spread it "
                          "over processes)")
     if cfg.moe is not None:
         check_moe_split(cfg, tp_size, moe_split)

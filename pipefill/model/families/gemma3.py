@@ -211,14 +211,16 @@ class Gemma3Family(ModelFamily):
         else:
             windowed = {} if window is None else {"window": window}
             attn = model.attention(q, k, v, k_cache, v_cache, seqs, model.scale, **windowed)
-        out = linear(attn.reshape(attn.shape[0], cfg.q_size), w.o_proj, None,
-                     packed.get("o_proj"), large.get("o_proj"))
+        # Under tensor parallelism o_proj and down give partial sums, summed before the
+        # post-norms (ARCHITECTURE.md, 'Tensor parallelism inside a stage').
+        out = model.tp_sum(linear(attn.reshape(attn.shape[0], cfg.q_size), w.o_proj, None,
+                                  packed.get("o_proj"), large.get("o_proj")))
         out = rms_norm(out, w.post_attn_norm, eps, dtype)
         x, residual = ops.add_rms_norm(residual, out, w.pre_mlp_norm, eps, dtype)
         gate_up = linear(x, w.gate_up, None, packed.get("gate_up"), large.get("gate_up"))
         inter = gate_up.shape[-1] // 2
         act = F.gelu(gate_up[:, :inter], approximate="tanh").mul_(gate_up[:, inter:])
-        out = linear(act, w.down, None, packed.get("down"), large.get("down"))
+        out = model.tp_sum(linear(act, w.down, None, packed.get("down"), large.get("down")))
         return rms_norm(out, w.post_mlp_norm, eps, dtype), residual
 
 

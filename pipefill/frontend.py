@@ -73,9 +73,9 @@ def check_tp_settings(args: ServerArgs, source: WeightSource) -> None:
     if args.layout.tp_size == 1:  # the layout checks the flag itself (at least 1)
         return
     check_tensor_parallel(source.config, source.family, args.tp_size, args.tp_moe_split)
-    if args.weight_dtype in ("gguf", "fp8"):
-        raise ValueError(f"--tp-size {args.tp_size} does not keep --weight-dtype "
-                         f"{args.weight_dtype} blocks yet: use --weight-dtype auto")
+    if args.weight_dtype == "fp8":
+        raise ValueError(f"--tp-size {args.tp_size} does not keep --weight-dtype fp8 blocks "
+                         "yet: use --weight-dtype auto")
     if args.hicache_storage_backend:
         raise ValueError(f"--tp-size {args.tp_size} does not run with a storage tier "
                          "(--hicache-storage-backend) yet")

@@ -68,8 +68,9 @@ def refusal(f: AutoFacts) -> str | None:
     """Why auto dequantizes whatever the kernels could do, or None (they decide)."""
     if f.device != "cpu":
         return f"the quantized kernels run on CPU stages, not --device {f.device}"
-    if f.tp_size > 1:
-        return f"--tp-size {f.tp_size} does not keep blocks yet"
+    if f.tp_size > 1:  # not measured against the dequantized shards yet
+        return (f"--tp-size {f.tp_size} dequantizes under auto (--weight-dtype gguf keeps "
+                "each rank's blocks)")
     if not f.types:
         return "the file's matrices are plain floats, no blocks to keep"
     if f.unreadable:

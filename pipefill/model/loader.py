@@ -190,17 +190,21 @@ class WeightSource:
             return QuantLinear.from_fp8([self.fp8_weight(n) for n in names],
                                         self.shape(names[0])[1], max_rows=max_rows,
                                         disable=disable)
-        parts = []
-        for name in names:
-            shape, (gname, index) = self.shape(name), self.family.gguf_tensor(name)
-            qtype = self.gguf.tensor_type(gname)
-            if index is not None or len(shape) != 2 or not supports(qtype, shape[1]):
-                return None
-            raw, heads = self.gguf.blocks(gname), self._rotary_heads(name)
-            parts.append((raw if heads is None
-                          else unpermute_rotary(torch.from_numpy(raw), heads), qtype))
+        parts = [self.gguf_blocks(name) for name in names]
+        if None in parts:
+            return None
         return QuantLinear.from_parts(parts, self.shape(names[0])[1], max_rows=max_rows,
                                       disable=disable)
+
+    def gguf_blocks(self, name: str) -> tuple[object, int] | None:
+        """A GGUF matrix as its blocks (uint8 [rows, row bytes], ggml type), llama q/k rows
+        reordered as load() does; None where the kernels do not read its type."""
+        shape, (gname, index) = self.shape(name), self.family.gguf_tensor(name)
+        qtype = self.gguf.tensor_type(gname)
+        if index is not None or len(shape) != 2 or not supports(qtype, shape[1]):
+            return None
+        raw, heads = self.gguf.blocks(gname), self._rotary_heads(name)
+        return (raw if heads is None else unpermute_rotary(torch.from_numpy(raw), heads)), qtype
 
     def tensor_type(self, name: str) -> str:
         """The GGUF type or the stored dtype of a tensor, by name (for log lines)."""

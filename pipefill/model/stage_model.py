@@ -112,12 +112,12 @@ class StageModel:
         return self.w.lm_head is not None or self.w.lm_head_quant is not None
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        if not isinstance(self.w.embed, torch.Tensor):  # GGUF blocks: the ids' rows only
+        if self.tp is not None:  # this rank's vocabulary rows, summed over the ranks
+            x = self.tp.embed(input_ids, self.w.embed, self.dtype)
+        elif not isinstance(self.w.embed, torch.Tensor):  # GGUF blocks: the ids' rows only
             x = self.w.embed.rows(input_ids, self.dtype)
-        elif self.tp is None:
-            x = F.embedding(input_ids, self.w.embed)
         else:
-            x = self.tp.embed(input_ids, self.w.embed)
+            x = F.embedding(input_ids, self.w.embed)
         if self.cfg.embed_scale is not None:  # in the embedding's dtype, as HF multiplies
             x = x * torch.tensor(self.cfg.embed_scale, dtype=x.dtype)
         return x

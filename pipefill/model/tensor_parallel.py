@@ -41,6 +41,8 @@ from dataclasses import dataclass
 
 import torch
 
+from pipefill.kernels.gguf_blocks import block_weights, row_bytes, supports
+from pipefill.kernels.quant_gemm import QuantLinear
 from pipefill.model.config import ModelConfig
 from pipefill.model.family import ModelFamily
 
@@ -364,8 +366,8 @@ def check_moe_split(cfg: ModelConfig, tp_size: int, moe_split: str) -> None:
 
 class ShardedSource:
     """A WeightSource as one TP rank sees it: the split tensors cut to the rank's rows or
-    columns (shape, load, load_rows), the rest whole, and the rank's config. GGUF blocks are
-    never kept (a row-parallel cut would split them): the loader dequantizes."""
+    columns (shape, load, load_rows), the rest whole, and the rank's config; GGUF blocks kept
+    are cut likewise (quant_linear)."""
 
     def __init__(self, source, shard: TPShard):
         self.source, self.shard = source, shard
@@ -428,11 +430,41 @@ class ShardedSource:
         dim, kept = cut
         return tensor.narrow(dim, kept.start, len(kept)).contiguous()
 
-    def quant_linear(self, names, disable=()):
-        return None
+    def quant_linear(self, names, disable=(), max_rows: int = 32):
+        """The rank's slices of the named GGUF matrices kept as blocks (QuantLinear, laid out
+        for the decode kernel per shard: the 16-row layout pads the rank's own rows), or None
+        (loaded dequantized) where a type is not kept or a row-parallel cut falls inside a
+        block. A column-parallel cut takes whole rows of blocks; a row-parallel one whole
+        blocks of every row (o_proj by heads, down by MLP columns)."""
+        if self.gguf is None:
+            return None  # FP8 checkpoints load dequantized under TP (stage_keeps_blocks)
+        parts, width = [], None
+        for name in names:
+            held = self.source.gguf_blocks(name)
+            if held is None:
+                return None
+            raw, qtype = held
+            cut = self._cut(name)
+            if cut is None:
+                parts.append((raw, qtype))
+                continue
+            dim, kept = cut
+            if dim == 0:
+                parts.append((raw[kept.start:kept.stop], qtype))
+                continue
+            if kept.start % block_weights(qtype) or not supports(qtype, len(kept)):
+                return None
+            start = row_bytes(qtype, kept.start)
+            parts.append((raw[:, start:start + row_bytes(qtype, len(kept))], qtype))
+            width = len(kept)
+        in_features = width or self.source.shape(names[0])[1]
+        return QuantLinear.from_parts(parts, in_features, max_rows=max_rows, disable=disable)
 
     def tensor_type(self, name: str) -> str:
         return self.source.tensor_type(name)
+
+    def is_fp8(self, name: str) -> bool:
+        return self.source.is_fp8(name)
 
 
 class TPOps:
@@ -456,13 +488,15 @@ class TPOps:
         bind = getattr(self.comm, "bind_sum", None)
         return bind(partial) if bind is not None else lambda: self.sum_(partial)
 
-    def embed(self, ids: torch.Tensor, rows: torch.Tensor) -> torch.Tensor:
-        """The embedding of `ids` from every rank's `rows` (this rank's vocabulary share):
-        each rank looks up its own ids, zeros for the others, and the ranks sum (exact:
-        every value is one rank's plus zeros)."""
+    def embed(self, ids: torch.Tensor, rows, dtype: torch.dtype | None = None) -> torch.Tensor:
+        """The embedding of `ids` from every rank's `rows` (this rank's vocabulary share, a
+        tensor or GGUF blocks whose looked-up rows are dequantized into `dtype`): each rank
+        looks up its own ids, zeros for the others, and the ranks sum (exact: every value is
+        one rank's plus zeros)."""
         mine = (ids >= self.vocab.start) & (ids < self.vocab.stop)
         local = torch.where(mine, ids - self.vocab.start, 0)
-        x = torch.nn.functional.embedding(local, rows)
+        x = (torch.nn.functional.embedding(local, rows) if isinstance(rows, torch.Tensor)
+             else rows.rows(local, dtype))
         x[~mine] = 0
         return self.sum_(x)
 

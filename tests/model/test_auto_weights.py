@@ -122,4 +122,4 @@ def test_one_stage_decision_for_the_stage_and_the_figures():
     assert (keeps, why) == (True, "requested") and facts.block_bytes < facts.dense_bytes
     assert ask("bfloat16") == (False, "bfloat16 requested", None)
     keeps, why, _ = ask("auto", tp_size=2)
-    assert not keeps and "--tp-size 2 does not keep blocks yet" in why
+    assert not keeps and "--tp-size 2 dequantizes under auto" in why

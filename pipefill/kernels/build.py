@@ -94,15 +94,18 @@ def _drop_stale(out_dir: Path, stem: str, keep: Path) -> None:
             pass
 
 
-def glue_dir(out_dir: Path, sources: list[Path], objects: list[str]) -> Path:
+def glue_dir(out_dir: Path, sources: list[Path], objects: list[str],
+             defines: tuple[str, ...] = ()) -> Path:
     """The folder where cpp_extension builds a glue library: one per version of its sources,
-    headers and the objects it links, so that checkouts at other versions never relink (or
-    load half-written) one another's library."""
+    headers, defines and the objects it links, so that checkouts at other versions never
+    relink (or load half-written) one another's library."""
     h = hashlib.sha256()
     for src in sources:
         h.update(src.read_bytes())
     for obj in objects:
         h.update(Path(obj).name.encode())
+    for define in defines:
+        h.update(define.encode())
     path = out_dir / f"glue-{h.hexdigest()[:12]}"
     path.mkdir(exist_ok=True)
     os.utime(path)
@@ -122,22 +125,23 @@ GLUE_FLAGS = ["-O3", "-std=c++17", "-fopenmp"]
 
 
 def link_glue(name: str, glue_src: Path, hashed: list[Path], objects: list[str], out_dir: Path,
-              **load_kwargs):
-    """cpp_extension.load of one glue source (compiled with GLUE_FLAGS, csrc/ on its include
-    path) linked with `objects`, in its glue_dir; `hashed`: the headers it includes (GLUE_HEADER
-    and its kernels' interface). Returns the imported module (is_python_module=False: the
-    library's path).
+              defines: tuple[str, ...] = (), **load_kwargs):
+    """cpp_extension.load of one glue source (compiled with GLUE_FLAGS and `defines`, csrc/ on
+    its include path) linked with `objects`, in its glue_dir; `hashed`: the headers it includes
+    (GLUE_HEADER and its kernels' interface). Returns the imported module
+    (is_python_module=False: the library's path). `defines` ("-DNAME=value"): constants whose
+    one copy is in Python, so a build with other values gets a folder of its own.
 
     cpp_extension serialises builders with a `lock` file it creates and deletes itself, so a
     builder killed mid-build (Ctrl-C, a test's timeout) leaves it behind and every later build
     waits on it forever. Builders of this folder hold an flock first, which the kernel drops
     when its holder dies: whoever holds it knows that any `lock` file left there is stale."""
-    folder = glue_dir(out_dir, [glue_src, *hashed], objects)
+    folder = glue_dir(out_dir, [glue_src, *hashed], objects, defines)
     fd = os.open(folder / "build.flock", os.O_CREAT | os.O_RDWR, 0o600)
     try:
         fcntl.flock(fd, fcntl.LOCK_EX)
         (folder / "lock").unlink(missing_ok=True)
-        return cpp_ext.load(name=name, sources=[str(glue_src)], extra_cflags=GLUE_FLAGS,
+        return cpp_ext.load(name=name, sources=[str(glue_src)], extra_cflags=[*GLUE_FLAGS, *defines],
                             extra_include_paths=[str(CSRC)],
                             extra_ldflags=[*objects, "-fopenmp"], build_directory=str(folder),
                             verbose=False, **load_kwargs)

@@ -63,6 +63,11 @@ ISA_FLAGS = {
     "avx2": _BASE + ["-mavx2", "-mfma", "-mf16c", "-DPF_ATTN_ROWS=6", "-DPF_ATTN_WIDTH=8"],
 }
 ISAS = tuple(ISA_FLAGS)
+# Decode over a long context: the keys are split into parts of this many (flash-decoding) once
+# a step sees more than two parts, fixed so that no bit depends on the thread count. The one
+# copy: the glue is compiled with it (PF_ATTN_KV_PART, its kAutoKvPart), and model/shared_head
+# and the planner read it here without building anything.
+DECODE_KV_PART = 1024
 ISA_ID = {name: i for i, name in enumerate(ISAS)}  # must match kKernels in cpu_attn_ext.cpp
 REQUIRED_CPU_FLAGS = {
     "avx512bf16": ("avx512f", "avx512bw", "avx512vl", "avx512dq", "avx512_bf16", "fma"),
@@ -79,7 +84,7 @@ def _build():
                                f"cpu_attn_{isa}"))
             for isa, flags in ISA_FLAGS.items()]
     mod = link_glue("pipefill_cpu_attention", _GLUE_SRC, [GLUE_HEADER, _HEADER], objs,
-                    build_dir)
+                    build_dir, defines=(f"-DPF_ATTN_KV_PART={DECODE_KV_PART}",))
     if time.perf_counter() - t0 > 2:
         log.info("pipefill CPU attention kernels ready after %.0f s", time.perf_counter() - t0)
     return mod
@@ -152,7 +157,8 @@ def chunk_attention(isa: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
     ARCHITECTURE.md, 'Window pages'); 0: the whole prefix.
 
     kv_split (split KV, for decode and small chunks that fit one q-tile): 0 = auto (parts of
-    1024 keys once the context exceeds 2048, so every thread works on one sequence), < 0 = never,
+    DECODE_KV_PART keys once the context exceeds two parts, so every thread works on one
+    sequence), < 0 = never,
     > 0 = keys per part (a multiple of 64). The parts are fixed by the lengths, never by the
     thread count, and merged in order: results are bit-identical at any thread count."""
     if isa not in ISA_ID:
@@ -220,6 +226,11 @@ def decode_parts(lens: torch.Tensor) -> torch.Tensor:
     """The split-KV parts of each sequence's decode step (int64 [B], 1 = not split) for prefix
     lengths `lens` (int64 [B]), as decode_attention cuts them."""
     return _load().decode_parts(lens)
+
+
+def built_kv_part() -> int:
+    """The keys per split part the built glue uses (DECODE_KV_PART, as compiled in)."""
+    return _load().auto_kv_part()
 
 
 def merge_gathered(gathered: torch.Tensor, counts: torch.Tensor, out: torch.Tensor,

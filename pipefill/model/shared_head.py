@@ -15,10 +15,10 @@ split-KV parts, and merge the two halves:
 3. the ranks gather those partials and merge them in part order (merge_gathered), the same
    arithmetic one rank computing every part does: the step's bits do not change.
 
-The kernel splits a step into parts of 1,024 keys only past 2 x 1,024 keys, and over a few
-parts half a head saves about what the extra calls cost: so a step takes this path only when
-every sequence's keys are split into at least MIN_PARTS parts, and both ranks decide alike from
-the plan's prefix lengths.
+The kernel splits a step into parts of DECODE_KV_PART (1,024) keys only past two parts, and
+over a few parts half a head saves about what the extra calls cost: so a step takes this path
+only when every sequence's keys are split into at least MIN_PARTS parts, and both ranks decide
+alike from the plan's prefix lengths.
 """
 from __future__ import annotations
 
@@ -26,17 +26,18 @@ from dataclasses import dataclass
 
 import torch
 
+from pipefill.kernels.cpu_attention import DECODE_KV_PART
+
 # The fewest split parts per sequence for the split. Half the straddled head saves 30 layers x
 # keys / 2 x 256 bytes (K and V of 64 bf16 dims) a step, about 0.3 us a key at one core's
 # ~13 GB/s (0.9 ms at 3,073 keys, 2.4 ms at 8,192), against two gathers of ~2 us (`bench
 # allreduce`) and about a dozen small torch calls a layer, ~0.5 ms a step: from 4 parts
 # (more than 3,072 keys) it pays.
 MIN_PARTS = 4
-# The kernel's split-KV part (kAutoKvPart, kernels/csrc/cpu_attn_ext.cpp): a step over more than
-# two of them is cut into parts of this many keys. MIN_KEYS: the fewest keys (prefix + 1) a
-# sequence needs for MIN_PARTS parts, for the planner, which runs no kernel.
-KV_PART = 1024
-MIN_KEYS = max(2, MIN_PARTS - 1) * KV_PART + 1
+# The fewest keys (prefix + 1) a sequence needs for MIN_PARTS of the kernel's split parts (a
+# step over more than two parts of DECODE_KV_PART keys is cut into them), for the planner, which
+# runs no kernel.
+MIN_KEYS = max(2, MIN_PARTS - 1) * DECODE_KV_PART + 1
 
 
 @dataclass

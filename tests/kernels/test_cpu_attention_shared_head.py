@@ -80,6 +80,15 @@ def test_shared_head_split_by_keys_equals_one_call(dtype):
             assert torch.equal(got.view(bits), want[:, KV[r]].contiguous().view(bits))
 
 
+def test_split_parts_follow_the_one_part_size():
+    """The glue is built with cpu_attention.DECODE_KV_PART (what the planner and the shared
+    head's rule read without a build): more than two parts' keys are split, into parts of it."""
+    part = ca.DECODE_KV_PART
+    assert ca.built_kv_part() == part
+    keys = torch.tensor([1, 2 * part, 2 * part + 1, 3 * part, 3 * part + 1, 7 * part])
+    assert ca.decode_parts(keys - 1).tolist() == [1, 1, 3, 3, 4, 7]
+
+
 def test_bad_shared_arguments_are_sentences():
     lens = [100]
     q, k, v, kc, vc, tables = _cache(lens, torch.float32)

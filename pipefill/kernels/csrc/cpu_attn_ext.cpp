@@ -87,8 +87,13 @@ void write_kv(torch::Tensor kc, torch::Tensor vc, torch::Tensor k, torch::Tensor
 }
 
 // Split KV for one q-tile over a long context (decode): parts of this many keys, fixed so that the
-// split (and so every bit of the result) does not depend on the thread count.
-constexpr int64_t kAutoKvPart = 1024;
+// split (and so every bit of the result) does not depend on the thread count. Its one copy is
+// cpu_attention.py's DECODE_KV_PART, which the build passes in.
+#ifndef PF_ATTN_KV_PART
+#error "PF_ATTN_KV_PART (cpu_attention.DECODE_KV_PART) must be defined"
+#endif
+constexpr int64_t kAutoKvPart = PF_ATTN_KV_PART;
+static_assert(kAutoKvPart > 0 && kAutoKvPart % pa::kStep == 0, "the split part: whole kernel steps");
 
 // kv_split: 0 auto (parts of kAutoKvPart keys when one q-tile sees more than two parts), < 0 never,
 // > 0 keys per part (a multiple of the kernel step). -> keys per part, 0 for no split.
@@ -670,4 +675,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     }
     return out;
   }, "the split-KV parts of each sequence's decode step (its prefix length + 1 keys)", py::arg("prefix_lens"));
+  m.def("auto_kv_part", [] { return kAutoKvPart; }, "the keys of a decode step's split part");
 }

@@ -42,6 +42,24 @@ def cpu_vendor() -> str:
     return _cpuinfo_field("vendor_id") or ""
 
 
+# The CPU flags (as /proc/cpuinfo names them) each build of the kernels' scalar / AVX2 /
+# AVX-512 sets needs, as their glue's cpuid check (kernels/csrc/glue_vector_isa.h) asks (an
+# AVX-512 CPU has AVX2 and FMA; Linux lists a flag only where the OS enables its register
+# state). --hide-cpu-flags turns a build off by these. Here, below the kernels, so that a room
+# that chooses a path without building a kernel reads the same table.
+VECTOR_ISA_CPU_FLAGS = {"avx512": ("avx512f", "avx512bw", "avx512vl"), "avx2": ("avx2", "fma"),
+                        "scalar": ()}
+
+
+def isas_lacking_flags(table: dict[str, tuple[str, ...]],
+                       flags: frozenset[str] | None) -> tuple[str, ...]:
+    """The paths of `table` ({path: the CPU flags it needs}) that need a flag missing from
+    `flags` (the trusted flags, as --hide-cpu-flags leaves them; None: trust the CPU, none)."""
+    if flags is None:
+        return ()
+    return tuple(isa for isa, need in table.items() if not set(need) <= flags)
+
+
 def usable_cpu_flags(hide: str | Iterable[str] = "") -> frozenset[str]:
     """The CPU's flags less the hidden ones (--hide-cpu-flags: "avx512f,avx512_bf16" or a
     collection), so kernel selection can be run as on a smaller CPU."""

@@ -115,11 +115,7 @@ def glue_dir(out_dir: Path, sources: list[Path], objects: list[str],
 CSRC = Path(__file__).resolve().parent / "csrc"
 GLUE_HEADER = CSRC / "glue.h"  # included by every glue file
 GLUE_VECTOR_ISA = CSRC / "glue_vector_isa.h"  # glue of scalar / AVX2 / AVX-512 builds
-# The CPU flags (as /proc/cpuinfo names them) each of those builds needs, as
-# glue_vector_isa.h's cpuid check asks (an AVX-512 CPU has AVX2 and FMA; Linux lists a flag only
-# where the OS enables its register state). --hide-cpu-flags turns a build off by these.
-VECTOR_ISA_CPU_FLAGS = {"avx512": ("avx512f", "avx512bw", "avx512vl"), "avx2": ("avx2", "fma"),
-                        "scalar": ()}
+# The CPU flags each of those builds needs: base.platform.VECTOR_ISA_CPU_FLAGS.
 # -fopenmp: at::parallel_for then runs on torch's own OpenMP pool (same libgomp, by soname).
 GLUE_FLAGS = ["-O3", "-std=c++17", "-fopenmp"]
 

@@ -22,8 +22,8 @@ import functools
 
 import torch
 
-from pipefill.kernels.build import (CSRC, GLUE_VECTOR_ISA, VECTOR_ISA_CPU_FLAGS, IsaExtension,
-                                    build_isa_extension)
+from pipefill.base.platform import VECTOR_ISA_CPU_FLAGS
+from pipefill.kernels.build import CSRC, GLUE_VECTOR_ISA, IsaExtension, build_isa_extension
 from pipefill.kernels.kv_quant import SCALE_BYTES
 
 ISAS = ("avx512", "avx2", "scalar")  # preference order

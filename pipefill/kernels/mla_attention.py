@@ -26,8 +26,8 @@ import math
 
 import torch
 
-from pipefill.kernels.build import (CSRC, GLUE_VECTOR_ISA, VECTOR_ISA_CPU_FLAGS, IsaExtension,
-                                    build_isa_extension)
+from pipefill.base.platform import VECTOR_ISA_CPU_FLAGS, isas_lacking_flags
+from pipefill.kernels.build import CSRC, GLUE_VECTOR_ISA, IsaExtension, build_isa_extension
 
 ISAS = ("avx512bf16", "avx512", "avx2", "scalar")  # preference order
 _ISA_CODE = {"scalar": 0, "avx2": 1, "avx512": 2, "avx512bf16": 3}
@@ -62,9 +62,7 @@ def isa_status() -> dict[str, tuple[bool, str]]:
 def hidden_isas(flags: frozenset[str] | None) -> tuple[str, ...]:
     """The vector paths that need a CPU flag missing from `flags` (the trusted flags, as
     --hide-cpu-flags leaves them; None: trust the CPU)."""
-    if flags is None:
-        return ()
-    return tuple(isa for isa, need in ISA_CPU_FLAGS.items() if not set(need) <= flags)
+    return isas_lacking_flags(ISA_CPU_FLAGS, flags)
 
 
 @functools.cache

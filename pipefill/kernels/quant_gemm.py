@@ -68,8 +68,8 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from pipefill.kernels.build import (CSRC, GLUE_VECTOR_ISA, VECTOR_ISA_CPU_FLAGS, IsaExtension,
-                                    build_isa_extension)
+from pipefill.base.platform import VECTOR_ISA_CPU_FLAGS
+from pipefill.kernels.build import CSRC, GLUE_VECTOR_ISA, IsaExtension, build_isa_extension
 from pipefill.kernels import fp8_blocks, huge_pages
 from pipefill.kernels.decode_gemm import call_operands
 from pipefill.kernels.gguf_blocks import (BLOCK_TYPES, from_rows16, row_bytes, rows16_supported,

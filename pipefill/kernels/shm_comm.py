@@ -14,8 +14,8 @@ from __future__ import annotations
 
 import functools
 
-from pipefill.kernels.build import (CSRC, GLUE_VECTOR_ISA, VECTOR_ISA_CPU_FLAGS, IsaExtension,
-                                    build_isa_extension)
+from pipefill.base.platform import VECTOR_ISA_CPU_FLAGS
+from pipefill.kernels.build import CSRC, GLUE_VECTOR_ISA, IsaExtension, build_isa_extension
 
 ISAS = ("avx512", "avx2", "scalar")  # preference order
 ISA_CODE = {"scalar": 0, "avx2": 1, "avx512": 2}

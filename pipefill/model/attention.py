@@ -13,7 +13,7 @@ from functools import partial
 
 import torch
 
-from pipefill.base.platform import dtype_name
+from pipefill.base.platform import VECTOR_ISA_CPU_FLAGS, dtype_name, isas_lacking_flags
 from pipefill.kernels.kv_quant import QUANT_KV_DTYPES, as_stored, is_quantized, load, store
 
 _flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu
@@ -100,9 +100,7 @@ def native_decode_isa(kv_dtype: torch.dtype,
         return None
     # Imported on use: the module brings the kernel build (torch.utils.cpp_extension).
     from pipefill.kernels.kv_quant_attention import decode_isa
-    hidden = () if flags is None else tuple(
-        isa for isa, need in (("avx512", "avx512f"), ("avx2", "avx2")) if need not in flags)
-    return decode_isa(hidden)
+    return decode_isa(isas_lacking_flags(VECTOR_ISA_CPU_FLAGS, flags))
 
 
 def _attend_window(q, k, v, k_cache, v_cache, seq: SeqMeta, window: int,

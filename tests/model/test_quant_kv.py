@@ -16,6 +16,7 @@ import torch
 from conftest import (FAMILIES, assert_greedy_agrees, assert_pages_free, hf_reference,
                       save_tiny_model, track)
 from pipefill import Engine
+from pipefill.base.platform import cpu_flags
 from pipefill.model.attention import (QuantSdpaAttention, QuantVectorAttention,
                                       backend_attention, choose_backend, native_decode_isa,
                                       paged_attention, uses_packed_cache)
@@ -95,6 +96,11 @@ def test_quantized_kv_goes_to_the_vector_kernels_and_never_as_a_latent():
     hidden_avx512 = backend_attention("sdpa", frozenset({"avx2", "fma"}), torch.int8)
     assert isinstance(hidden_avx512, QuantSdpaAttention) and hidden_avx512.isa == "avx2"
     assert backend_attention("sdpa", frozenset(), torch.int8).isa == "scalar"
+    # The kernel's own table of flags (base.platform.VECTOR_ISA_CPU_FLAGS): every flag a build
+    # needs counts, not only its leading one.
+    if native_decode_isa(torch.int8) == "avx512":
+        assert native_decode_isa(torch.int8, cpu_flags() - {"avx512bw"}) == "avx2"
+    assert native_decode_isa(torch.int8, cpu_flags() - {"avx512f", "fma"}) == "scalar"
 
 
 def _vector_kernels():

@@ -294,3 +294,30 @@ def test_stream_read_reads_every_word_once(isa, threads, ahead):
         torch.set_num_threads(old)
     with pytest.raises(ValueError, match="64"):
         qg.stream_read(torch.zeros(100, dtype=torch.uint8))
+
+
+# (N, K) for prefill's copy from the 16-row layout: rows not whole groups of 16, block columns
+# not whole runs of the copy's 512 weights; the last on two threads (groups split over tasks).
+ROWS16_COPY = {32: [(1, 32), (17, 544), (16, 96), (37, 1056)],
+               256: [(1, 256), (17, 768), (16, 512), (37, 1280)]}
+
+
+@pytest.mark.parametrize("path", ["avx512", "avx2", "scalar"])
+def test_dequantize_from_the_16_row_layout_is_the_files(path):
+    """Prefill's copy of a matrix held in the 16-row layout (QuantPart.rows16, as the VNNI
+    path holds it; the C++ puts rows back a group at a time) is, bit for bit, the copy from
+    the file's rows, on every path, for every type, float32 and bf16."""
+    threads = torch.get_num_threads()
+    for qtype in TYPES:
+        for i, (n, k) in enumerate(ROWS16_COPY[BLOCK_TYPES[qtype][1]]):
+            plain = linear_on(path, [(random_blocks(qtype, n, k, np.random.default_rng(n + k)),
+                                      qtype)], k)
+            held = qg.QuantLinear([p.as_rows16() for p in plain.parts], k, None, path, 64)
+            assert held.parts[0].rows16 == n and held.parts[0].raw.shape[0] % 16 == 0
+            torch.set_num_threads(2 if i == 3 else 1)
+            try:
+                for dtype in (torch.float32, torch.bfloat16):
+                    assert torch.equal(held.dequantize(dtype), plain.dequantize(dtype)), \
+                        (BLOCK_TYPES[qtype][0], n, k, dtype)
+            finally:
+                torch.set_num_threads(threads)

@@ -7,6 +7,7 @@
 // addresses and sizes (pipefill/kernels/quant_gemm.py checks them).
 #include "glue.h"
 
+#include <algorithm>
 #include <vector>
 
 #include "fp8_gemm_kernel.h"
@@ -80,6 +81,32 @@ int float_gemm(const char* what, Addr x_addr, int x_dtype, int64_t ldx, Addr bia
   });
 }
 
+// pf_qg_dequant of W held in the 16-row layout: a group of 16 rows at a time, put back in the
+// file's layout in a small scratch (one read of the layout, transposed in registers) and
+// dequantized from there by the same code as the file's rows, so every output bit is the same.
+template <class Dequant>
+void dequant_rows16(const Dequant& fn, const uint8_t* w, int qtype, int64_t row_bytes, int64_t N, int64_t K,
+                    char* out, bool bf16, int64_t ldo) {
+  const int bb = block_bytes(qtype), bw = block_weights(qtype);
+  // Block columns a copy: whole rows up to 4 KB (16 of them, 64 KB, stay in L1/L2 between the
+  // copy and its dequantization; rows written to the end in one go as from the file's layout).
+  const int64_t blocks = K / bw, step = std::clamp<int64_t>(4096 / bb, 1, blocks);
+  const size_t elem = bf16 ? 2 : 4;
+  const int64_t groups = (N + 15) / 16;
+  at::parallel_for(0, groups, std::max<int64_t>(1, 65536 / (16 * row_bytes)), [&](int64_t g0, int64_t g1) {
+    thread_local pg::ThreadScratch scratch;
+    uint8_t* rows = static_cast<uint8_t*>(scratch.get((size_t)(16 * step * bb)));
+    for (int64_t g = g0; g < g1; ++g) {
+      const int64_t valid = std::min<int64_t>(16, N - 16 * g);
+      for (int64_t b0 = 0; b0 < blocks; b0 += step) {
+        const int64_t b1 = std::min(blocks, b0 + step);
+        rows16_group_to_file(w + 16 * g * row_bytes, qtype, b0, b1, rows);
+        fn(rows, qtype, (b1 - b0) * bb, (b1 - b0) * bw, 0, valid, out + (16 * g * ldo + b0 * bw) * elem, bf16, ldo);
+      }
+    }
+  });
+}
+
 // The GEMM on GGUF blocks: W of `qtype`, row n at w + n * row_bytes.
 // Returns 0, or -2 (ISA not usable here), -3 (bad arguments), -1 (exception).
 int pf_qg_gemm(int isa, Addr x_addr, int x_dtype, int64_t ldx, Addr w_addr, int qtype,
@@ -100,8 +127,7 @@ int pf_qg_gemm(int isa, Addr x_addr, int x_dtype, int64_t ldx, Addr w_addr, int 
 
 // out[N, K] (row stride ldo, float32 or bf16 rounded to nearest even) = W dequantized by the
 // ISA's code, each weight as dequant_block computes it (the decode paths' float32 values).
-// rows16: W is held in the 16-row layout (quant_int8_kernel.h), each task's rows put back in
-// the file's layout a few at a time first.
+// rows16: W is held in the 16-row layout (quant_int8_kernel.h), padded to whole groups.
 // Returns 0, or -2 (ISA not usable here), -3 (bad arguments), -1 (exception).
 int pf_qg_dequant(int isa, Addr w_addr, int qtype, int64_t row_bytes, int64_t N, int64_t K, Addr out_addr,
                   int out_dtype, int64_t ldo, bool rows16) {
@@ -110,18 +136,10 @@ int pf_qg_dequant(int isa, Addr w_addr, int qtype, int64_t row_bytes, int64_t N,
   if (!shape_ok(qtype, row_bytes, K)) return -3;
   const uint8_t* w = w_addr.as<const uint8_t>();
   auto fn = isa == kAvx512 ? avx512::dequant_rows : isa == kAvx2 ? avx2::dequant_rows : scalar::dequant_rows;
-  const size_t out_row = (size_t)ldo * (out_dtype == kBF16 ? 2 : 4);
   return pg::guarded("pipefill dequantize", [&] {
+    if (rows16) return dequant_rows16(fn, w, qtype, row_bytes, N, K, out_addr.as<char>(), out_dtype == kBF16, ldo);
     at::parallel_for(0, N, std::max<int64_t>(1, 65536 / row_bytes), [&](int64_t n0, int64_t n1) {
-      if (!rows16) return fn(w, qtype, row_bytes, K, n0, n1, out_addr.as<void>(), out_dtype == kBF16, ldo);
-      thread_local pg::ThreadScratch scratch;
-      const int64_t tile = std::max<int64_t>(1, 16384 / row_bytes);  // rows put back at a time (in L1/L2)
-      uint8_t* rows = static_cast<uint8_t*>(scratch.get((size_t)(tile * row_bytes)));
-      for (int64_t a = n0; a < n1; a += tile) {
-        const int64_t b = std::min(n1, a + tile);
-        rows16_to_file_rows(w, qtype, row_bytes, a, b, rows);
-        fn(rows, qtype, row_bytes, K, 0, b - a, out_addr.as<char>() + a * out_row, out_dtype == kBF16, ldo);
-      }
+      fn(w, qtype, row_bytes, K, n0, n1, out_addr.as<void>(), out_dtype == kBF16, ldo);
     });
   });
 }

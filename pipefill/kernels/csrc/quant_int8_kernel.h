@@ -1,5 +1,6 @@
 // Interface of the quantized decode GEMM's integer path (glue: quant_gemm.cpp; kernels:
-// quant_int8_simd.h inside quant_gemm_avx2.cpp and quant_gemm_avx512vnni.cpp). Plain C++ only.
+// quant_int8_simd.h inside quant_gemm_avx2.cpp and quant_gemm_avx512vnni.cpp). Plain C++ (and
+// SSE2, every x86-64's) only: the glue includes it.
 //
 // y[M, N] = x[M, K] @ W[N, K]^T with W as GGUF blocks (quant_gemm_kernel.h) and x quantized once
 // per call: each row's natural blocks of 32 become int8 codes q = round(x / dx), dx = amax / 127
@@ -28,6 +29,8 @@
 // pointer, no per-row address arithmetic), in consecutive lines; all M rows' records (2 bytes a
 // weight a row: 24 KB for 8 rows of K = 1536) stay in L1/L2 while a task's columns stream by.
 #pragma once
+#include <emmintrin.h>
+
 #include <cstdint>
 #include <cstring>
 
@@ -227,36 +230,47 @@ inline int rows16_fields(int qtype, const Rows16Field*& f) {
   }
 }
 
-// Rows [n0, n1) of a matrix held in the 16-row layout at w, back in the file's layout:
-// out[(n - n0) row_bytes ...].
-inline void rows16_to_file_rows(const uint8_t* w, int qtype, int64_t row_bytes, int64_t n0, int64_t n1,
-                                uint8_t* out) {
+// Block columns [b0, b1) of one group of 16 rows held in the 16-row layout (the group's first
+// byte at grp), back in the file's layout: row r's blocks b0 .. b1 - 1 at out + r (b1 - b0)
+// block_bytes. Fields of 4-byte units go 4 units of 4 rows at a time, a 4 x 4 transpose of
+// dwords in SSE2 registers (the glue's baseline); the 2-byte fields (d, m) and a field's last
+// 1-3 units one move each.
+inline void rows16_group_to_file(const uint8_t* grp, int qtype, int64_t b0, int64_t b1, uint8_t* out) {
   const Rows16Field* f;
   const int fields = rows16_fields(qtype, f), bb = block_bytes(qtype);
-  const int64_t blocks = row_bytes / bb;
-  for (int64_t n = n0; n < n1; ++n) {
-    const uint8_t* group = w + (n / 16) * 16 * row_bytes;
-    const int r = (int)(n % 16);
-    for (int64_t b = 0; b < blocks; ++b) {
-      const uint8_t* src = group + b * 16 * bb;
-      uint8_t* dst = out + (n - n0) * row_bytes + b * bb;
-      for (int i = 0; i < fields; ++i) {
-        const int lo = f[i].lo, hi = f[i].hi;
-        if (f[i].unit == 4)  // constant sizes: one move each
-          for (int k = lo; k < hi; k += 4) std::memcpy(dst + k, src + (k - lo) * 16 + r * 4, 4);
-        else
-          for (int k = lo; k < hi; k += 2) std::memcpy(dst + k, src + (k - lo) * 16 + r * 2, 2);
-        src += 16 * (hi - lo);
-      }
+  const int64_t ldo = (b1 - b0) * bb;
+  for (int64_t b = b0; b < b1; ++b) {
+    const uint8_t* src = grp + b * 16 * bb;
+    uint8_t* dst = out + (b - b0) * bb;
+    for (int i = 0; i < fields; ++i) {
+      const int lo = f[i].lo, hi = f[i].hi;
+      int k = lo;
+      if (f[i].unit == 4)
+        for (; k + 16 <= hi; k += 16) {  // units (k - lo) / 4 .. + 3: 64 bytes (16 rows) each
+          const uint8_t* u = src + (k - lo) * 16;
+          for (int q = 0; q < 4; ++q) {  // rows 4 q .. 4 q + 3
+            const __m128i a0 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u + 16 * q));
+            const __m128i a1 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u + 64 + 16 * q));
+            const __m128i a2 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u + 128 + 16 * q));
+            const __m128i a3 = _mm_loadu_si128(reinterpret_cast<const __m128i*>(u + 192 + 16 * q));
+            const __m128i t0 = _mm_unpacklo_epi32(a0, a1), t1 = _mm_unpacklo_epi32(a2, a3);
+            const __m128i t2 = _mm_unpackhi_epi32(a0, a1), t3 = _mm_unpackhi_epi32(a2, a3);
+            uint8_t* row = dst + 4 * q * ldo + k;
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(row), _mm_unpacklo_epi64(t0, t1));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(row + ldo), _mm_unpackhi_epi64(t0, t1));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(row + 2 * ldo), _mm_unpacklo_epi64(t2, t3));
+            _mm_storeu_si128(reinterpret_cast<__m128i*>(row + 3 * ldo), _mm_unpackhi_epi64(t2, t3));
+          }
+        }
+      if (f[i].unit == 4)  // constant sizes: one move each (a size known only at run time is a call)
+        for (; k < hi; k += 4)
+          for (int r = 0; r < 16; ++r) std::memcpy(dst + r * ldo + k, src + (k - lo) * 16 + r * 4, 4);
+      else
+        for (; k < hi; k += 2)
+          for (int r = 0; r < 16; ++r) std::memcpy(dst + r * ldo + k, src + (k - lo) * 16 + r * 2, 2);
+      src += 16 * (hi - lo);
     }
   }
 }
-namespace avx512vnni {
-void rows16_extra(int qtype, const int8_t* q, int64_t ldq, const float* dx, int64_t ldd, int64_t M, int64_t units,
-                  uint32_t* extra, int64_t lde);
-void rows16_gemm_cols(const int8_t* q, int64_t ldq, const float* dx, int64_t ldd, const uint32_t* extra,
-                      int64_t lde, int64_t M, const uint8_t* w, int qtype, int64_t row_bytes, int64_t K, float* y,
-                      int64_t ldy, int64_t n0, int64_t n1);
-}  // namespace avx512vnni
 
 }  // namespace pipefill_quant

@@ -170,7 +170,7 @@ def random_blocks(qtype: int, n: int, k: int, rng: np.random.Generator,
     return blocks.reshape(n, -1)
 
 
-# The 16-row layout (the VNNI decode GEMM's, csrc/quant_int8_rows16.h), every type here:
+# The 16-row layout (the integer decode GEMM's, csrc/quant_int8_rows16*.h), every type here:
 # the same bytes, rows padded with zero rows to a multiple of 16, then per group of 16 rows and
 # per block column b, the group's 16 blocks b field by field, each field cut into units of
 # `unit` bytes and stored unit-major, row-minor. The kernel then loads a field for 16 rows

@@ -35,13 +35,14 @@ dequantization is no longer the work: a block is unpacked once for all rows of a
 row adds two integer dot products per 128 weights, and three float operations per 128 (K types,
 short rows) or per 512 (the 32-weight types on rows of at least 1024 weights on zmm, 512 on
 ymm: their blocks transposed into one lane each, csrc/quant_int8_simd.h, which says why the
-blocking suits the caches). On the VNNI path every type is instead held in a 16-row layout
-written once at load (kernels.gguf_blocks.to_rows16: the same bytes, each field of 16 rows'
-blocks side by side; csrc/quant_int8_rows16.h): one output column per 32-bit lane, the
-activations' natural codes broadcast, so a unit of 32 weights of 16 rows costs a few loads
-and masks plus 8 vpdpbusd and 3-4 float operations per row, about a quarter of the row-major
-kernels' work per byte at M = 1, where the call then streams its bytes at memory speed
-(``disable`` "int8-rows16" keeps the file's row order and the row-major kernels). Paths:
+blocking suits the caches). On both integer paths every type is instead held in a 16-row
+layout written once at load (kernels.gguf_blocks.to_rows16: the same bytes, each field of 16
+rows' blocks side by side; csrc/quant_int8_rows16.h on VNNI, quant_int8_rows16_avx2.h): one
+output column per 32-bit lane, the activations' natural codes broadcast, so a unit of 32
+weights of 16 rows costs a few loads and masks plus 8 vpdpbusd (AVX2: two halves of 8 rows,
+8 vpmaddubsw and 1-8 vpmaddwd each) and 3-4 float operations per row, about a quarter of the
+row-major kernels' work per byte at M = 1, where the call then streams its bytes at memory
+speed (``disable`` "int8-rows16" keeps the file's row order and the row-major kernels). Paths:
 ``avx512vnni`` (vpdpbusd on zmm, 8 rows a tile) and ``avx2`` (vpmaddubsw + vpmaddwd on ymm, 4
 rows), chosen from cpuid; ``disable`` turns them off by ``int8`` (both), ``int8-<path>``, or
 the float path their build includes (``avx512`` or ``avx2``); --hide-cpu-flags avx512_vnni
@@ -100,12 +101,14 @@ FP8_CPU_FLAGS = {**ISA_CPU_FLAGS, "avx2": ISA_CPU_FLAGS["avx2"] + ("f16c",)}
 INT8_CPU_FLAGS = {"avx512vnni": ("avx512_vnni", "avx512f", "avx512bw", "avx512vl", "f16c"),
                   "avx2": ("avx2", "fma", "f16c")}
 _INT8_HEADER, _INT8_SIMD = CSRC / "quant_int8_kernel.h", CSRC / "quant_int8_simd.h"
-_ROWS16 = CSRC / "quant_int8_rows16.h"  # the VNNI path's kernel on the 16-row layout
+# The integer paths' kernels on the 16-row layout (VNNI, AVX2) and the records they share.
+_ROWS16 = (CSRC / "quant_int8_rows16.h", CSRC / "quant_int8_rows16_avx2.h",
+           CSRC / "quant_int8_rows16_records.h")
 _SIMD_COMMON = CSRC / "quant_simd_common.h"  # what the vector headers above share
 
 _EXT = IsaExtension("the quantized decode GEMM", functools.partial(
     build_isa_extension, "quant_gemm", "the quantized decode GEMM", ISA_FLAGS,
-    (_HEADER, _SIMD, _FP8_HEADER, _FP8_SIMD, _INT8_HEADER, _INT8_SIMD, _ROWS16, _SIMD_COMMON),
+    (_HEADER, _SIMD, _FP8_HEADER, _FP8_SIMD, _INT8_HEADER, _INT8_SIMD, *_ROWS16, _SIMD_COMMON),
     (GLUE_VECTOR_ISA, _HEADER, _FP8_HEADER, _INT8_HEADER)),
     _ISA_CODE, "pf_qg_isa_supported")
 
@@ -170,9 +173,10 @@ def choose_int8(disable: tuple[str, ...] = ()) -> tuple[str | None, str]:
 
 
 def rows16_usable(int8: str | None, disable: tuple[str, ...] = ()) -> bool:
-    """Whether the 32-weight types are held in the 16-row layout: on the VNNI integer path,
-    unless `disable` names "int8-rows16" (the row-major kernels, for tests and benchmarks)."""
-    return int8 == "avx512vnni" and "int8-rows16" not in disable
+    """Whether the blocks are held in the 16-row layout: on either integer path (VNNI and
+    AVX2 each have a kernel for it), unless `disable` names "int8-rows16" (the row-major
+    kernels, for tests and benchmarks)."""
+    return int8 in INT8_PATHS and "int8-rows16" not in disable
 
 
 def hidden_int8_paths(hidden: str = "") -> tuple[str, ...]:
@@ -229,8 +233,8 @@ class QuantPart:
     """Rows [offset, offset + rows) of a linear layer's output, as GGUF blocks of one type, or
     as FP8 codes with their block scales (`scale` set). `rows16`: the blocks are held in the
     16-row layout (kernels.gguf_blocks.to_rows16: the same bytes, rows padded to a multiple of
-    16) that the VNNI path's 16-row kernel reads; file_rows() gives them back as the file has
-    them."""
+    16) that the integer paths' 16-row kernels read; file_rows() gives them back as the file
+    has them."""
     raw: torch.Tensor  # uint8 [rows, row_bytes]; FP8: the codes' bytes [rows, K]
     qtype: int  # GGML type id (kernels.gguf_blocks.BLOCK_TYPES); FP8: FP8_TYPE
     offset: int

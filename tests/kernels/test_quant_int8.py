@@ -47,8 +47,7 @@ def linear(path: str, parts, k: int, bias=None, rows16: bool = True) -> qg.Quant
     lin = qg.QuantLinear.from_parts(parts, k, bias, max_rows=64, disable=tuple(
         f"int8-{p}" for p in qg.INT8_PATHS if p != path) + (() if rows16 else ("int8-rows16",)))
     assert lin.int8 == path and path in lin.decode_path
-    assert all(bool(p.rows16) == (rows16 and path == "avx512vnni" and p.qtype in ROWS16_TYPES)
-               for p in lin.parts)
+    assert all(bool(p.rows16) == (rows16 and p.qtype in ROWS16_TYPES) for p in lin.parts)
     return lin
 
 
@@ -158,18 +157,26 @@ ROWS16_SHAPES_K = [(1, 768, 64), (1, 256, 17), (2, 1536, 40), (8, 512, 33), (9, 
                    (17, 512, 31), (33, 256, 5)]
 
 
+@pytest.mark.parametrize("path", qg.INT8_PATHS)
 @pytest.mark.parametrize("qtype", ROWS16_TYPES, ids=lambda t: BLOCK_TYPES[t][0])
-def test_rows16_against_float64(qtype):
-    """The VNNI path's 16-row kernel (csrc/quant_int8_rows16.h) on every block type: the same
-    bounds as the row-major kernels (each output is one lane's K / 32 float32 terms)."""
+def test_rows16_against_float64(path, qtype):
+    """Each integer path's 16-row kernel (csrc/quant_int8_rows16.h on VNNI,
+    quant_int8_rows16_avx2.h) on every block type: the same bounds as the row-major kernels
+    (each output is one lane's K / 32 float32 terms). Q8_0's codes at -128 and 127 and the
+    activations' at +-127 (the AVX2 kernel's int16 pairs at their largest)."""
     for m, k, n in ROWS16_SHAPES if BLOCK_TYPES[qtype][1] == 32 else ROWS16_SHAPES_K:
         g = np.random.default_rng(3 * m + k + n + qtype)
-        parts = [(random_blocks(qtype, n, k, g), qtype)]
-        lin = linear("avx512vnni", parts, k)
+        raw = random_blocks(qtype, n, k, g)
+        if qtype == Q8_0:  # whole blocks of the extreme codes
+            raw.reshape(n, -1, 34)[:, ::3, 2:] = np.uint8(0x80)
+            raw.reshape(n, -1, 34)[:, 1::3, 2:] = np.uint8(0x7f)
+        parts = [(raw, qtype)]
+        lin = linear(path, parts, k)
         x = torch.from_numpy(g.standard_normal((m, k)).astype(np.float32))
         x[:, -32:] *= 40
-        check(lin, x, parts, "avx512vnni", k)
-        check(lin, x.bfloat16(), parts, "avx512vnni", k, out_dtype=torch.bfloat16)
+        x[:, :32] = torch.where(x[:, :32] < 0, -1.0, 1.0)  # codes +-127
+        check(lin, x, parts, path, k)
+        check(lin, x.bfloat16(), parts, path, k, out_dtype=torch.bfloat16)
 
 
 def test_rows16_layer_keeps_the_files_weights():

@@ -204,13 +204,14 @@ int pf_qg_int8_gemm(int path, Addr x_addr, int x_dtype, int64_t ldx, Addr w_addr
                     });
 }
 
-// The integer path on blocks held in the 16-row layout (quant_int8_rows16.h; arguments as
-// pf_qg_int8_gemm's, row_bytes the file's; W padded to whole groups of 16 rows). VNNI only.
+// The integer path on blocks held in the 16-row layout (quant_int8_rows16.h,
+// quant_int8_rows16_avx2.h; arguments as pf_qg_int8_gemm's, row_bytes the file's; W padded to
+// whole groups of 16 rows).
 // Returns 0, or -2 (path not usable here), -3 (bad arguments), -1 (exception).
 int pf_qg_int8_rows16_gemm(int path, Addr x_addr, int x_dtype, int64_t ldx, Addr w_addr, int qtype,
                            int64_t row_bytes, Addr bias_addr, Addr y_addr, int y_dtype, int64_t ldy, int64_t M,
                            int64_t N, int64_t K) {
-  if (path != kInt8Vnni || !int8_ok(path)) return -2;
+  if (!int8_ok(path)) return -2;
   if (M <= 0 || N <= 0) return 0;
   if (!shape_ok(qtype, row_bytes, K)) return -3;
   const uint8_t* w = w_addr.as<const uint8_t>();
@@ -219,6 +220,10 @@ int pf_qg_int8_rows16_gemm(int path, Addr x_addr, int x_dtype, int64_t ldx, Addr
   int8_t* q = nullptr;
   float* dx = nullptr;
   uint8_t* rec = nullptr;
+  const bool vnni = path == kInt8Vnni;
+  auto quantize = vnni ? avx512vnni::int8_quantize : avx2::int8_quantize;
+  auto records = vnni ? avx512vnni::rows16_records : avx2::rows16_records;
+  auto cols = vnni ? avx512vnni::rows16_gemm_cols : avx2::rows16_gemm_cols;
   return float_gemm("pipefill quantized int8 gemm (16 rows)", x_addr, x_dtype, ldx, bias_addr, y_addr, y_dtype,
                     ldy, M, N, K, std::max<int64_t>(1, 32768 / row_bytes),
                     [&](const float* xf, int64_t ldf) {
@@ -227,11 +232,11 @@ int pf_qg_int8_rows16_gemm(int path, Addr x_addr, int x_dtype, int64_t ldx, Addr
                       q = reinterpret_cast<int8_t*>(base);
                       dx = reinterpret_cast<float*>(base + codes);
                       rec = reinterpret_cast<uint8_t*>(base + codes + scales);
-                      avx512vnni::int8_quantize(xf, ldf, M, K, qtype, q, K, dx, units, nullptr);
-                      avx512vnni::rows16_records(qtype, q, K, dx, units, M, units, rec);
+                      quantize(xf, ldf, M, K, qtype, q, K, dx, units, nullptr);
+                      records(qtype, q, K, dx, units, M, units, rec);
                     },
                     [&](const float*, int64_t, float* yf, int64_t ldf_y, int64_t n0, int64_t n1) {
-                      avx512vnni::rows16_gemm_cols(rec, M, w, qtype, row_bytes, K, yf, ldf_y, n0, n1);
+                      cols(rec, M, w, qtype, row_bytes, K, yf, ldf_y, n0, n1);
                     },
                     16);
 }

@@ -7,6 +7,7 @@
 // fp8_gemm_kernel.h.
 #include "quant_gemm_simd.h"
 #include "fp8_gemm_simd.h"
+#include "quant_int8_rows16_avx2.h"
 #include "quant_int8_simd.h"
 
 namespace pipefill_quant {
@@ -61,6 +62,16 @@ struct I256 : I256Ops {
 PF_QUANT_GEMM_COLS(V256)
 PF_QUANT_INT8_COLS(I256)
 PF_FP8_GEMM_COLS(V256)
+
+void rows16_records(int qtype, const int8_t* q, int64_t ldq, const float* dx, int64_t ldd, int64_t M, int64_t units,
+                    uint8_t* rec) {
+  fill_rows16_records(qtype, true, q, ldq, dx, ldd, M, units, rec);
+}
+
+void rows16_gemm_cols(const uint8_t* rec, int64_t M, const uint8_t* w, int qtype, int64_t row_bytes, int64_t K,
+                      float* y, int64_t ldy, int64_t n0, int64_t n1) {
+  rows16_cols_avx2({rec, M}, M, w, qtype, row_bytes, K, y, ldy, n0, n1);
+}
 
 }  // namespace avx2
 }  // namespace pipefill_quant

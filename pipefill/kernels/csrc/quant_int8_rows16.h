@@ -1,8 +1,9 @@
-// The 16-row kernel of the integer path (AVX-512 VNNI, included by quant_gemm_avx512vnni.cpp):
-// the 32-weight types (Q4_0, Q4_1, Q5_0, Q8_0) held in the 16-row layout that
-// pipefill/kernels/gguf_blocks.py (to_rows16) writes once at load: per group of 16 weight rows
-// and per block column, the 16 rows' half scales d (then Q4_1's m, Q5_0's fifth bits) and their
-// codes, dword j of each row in 32-bit lane `row` of a 64-byte register.
+// The 16-row kernel of the integer path on AVX-512 VNNI (included by
+// quant_gemm_avx512vnni.cpp; its AVX2 port: quant_int8_rows16_avx2.h): every block type held in
+// the 16-row layout that pipefill/kernels/gguf_blocks.py (to_rows16) writes once at load: per
+// group of 16 weight rows and per block column, each field of the 16 rows side by side (the
+// half scales d, then Q4_1's m, Q5_0's fifth bits, ...), dword j of each row's codes in 32-bit
+// lane `row` of a 64-byte register.
 //
 // Why this layout: a decode call reads each weight once, so at M = 1 its time is the bytes of
 // the weights as long as the unpacking keeps up. With one output column per 32-bit lane, a
@@ -12,11 +13,8 @@
 // the end: the 16 lanes are the 16 outputs), and one float scaling for 16 blocks. The row-major
 // kernels (quant_int8_simd.h) spend that much per single block of one row.
 //
-// Activations: per unit of 32 and row, a record (Rows16Acts) of the natural int8 codes and
-// scale dx of int8_quantize and `extra`: -zero * sum(q) (int32; the types with a zero point:
-// Q4_0's 8, Q5_0's 16, Q8_0's 128 once its codes are flipped to unsigned, Q6_K's 32, one per
-// 16 weights, its scales' span) or dx * sum(q) (float32; the offsets: Q4_1's m, the K types'
-// mins).
+// Activations: the records of quant_int8_rows16_records.h (Q8_0's codes flipped to unsigned
+// here, their zero point 128).
 #pragma once
 #include <immintrin.h>
 
@@ -24,12 +22,11 @@
 #include <cstring>
 
 #include "quant_int8_kernel.h"
+#include "quant_int8_rows16_records.h"
 #include "quant_simd_common.h"
 
 namespace pipefill_quant {
 namespace {
-
-constexpr int kRows16 = 16;
 
 // One 32-weight unit (a block of the 32-weight types, a sub-block of the K types) of a group of
 // 16 rows, unpacked: c[j] holds the codes paired with activation dword j (the unit's weights
@@ -129,21 +126,6 @@ struct Rows16Unit {
   }
 };
 
-// The call's quantized activations as this kernel reads them: one 48-byte record per unit
-// and row, unit-major and row-minor (record (u, m) at rec + (u M + m) 48): the row's 32 natural
-// codes, dx, then `extra` (see above: one word, Q6_K two). A tile finds its rows' records at
-// constant offsets from one pointer (the broadcasts then need no per-row address arithmetic).
-constexpr int kRows16Rec = 48, kRows16Dx = 32, kRows16Extra = 36;
-struct Rows16Acts {
-  const uint8_t* rec;
-  int64_t M;
-};
-
-// The zero point each type's unsigned codes hold in this kernel (Q8_0: its codes + 128), or 0.
-constexpr int rows16_zero(int qtype) {
-  return qtype == kQ4_0 ? 8 : qtype == kQ5_0 ? 16 : qtype == kQ8_0 ? 128 : qtype == kQ6_K ? 32 : 0;
-}
-
 // Rows m0 .. m0 + R - 1 of the 16 columns of one group (its block columns at grp) over K,
 // into y (the group's first column; `valid` of its 16 columns exist).
 template <int QT, int R>
@@ -151,7 +133,7 @@ inline void rows16_tile(const Rows16Acts& a, int64_t m0, const uint8_t* grp, int
                         int valid) {
   using L = Layout<QT>;
   constexpr int64_t kGroupBlock = kRows16 * L::kBytes;
-  constexpr bool kZero = rows16_zero(QT) != 0, kHalves = QT == kQ6_K;
+  constexpr bool kZero = rows16_zero(QT, false) != 0, kHalves = QT == kQ6_K;
   __m512 acc[R];
   for (int r = 0; r < R; ++r) acc[r] = _mm512_setzero_ps();
   for (int64_t b = 0; b < K / L::kWeights; ++b) {
@@ -225,27 +207,6 @@ inline void rows16_cols(const Rows16Acts& a, int64_t M, const uint8_t* w, int qt
         });
     }
   });
-}
-
-// The records (Rows16Acts) of M rows of `units` units from the natural codes q and scales dx:
-// extra = -zero * sum(q) (int32) where the type has a zero point, else dx * sum(q) (float32).
-inline void fill_rows16_records(int qtype, const int8_t* q, int64_t ldq, const float* dx, int64_t ldd, int64_t M,
-                                int64_t units, uint8_t* rec) {
-  const int zero = rows16_zero(qtype), per = rows16_extra_words(qtype), span = kUnit / per;
-  for (int64_t u = 0; u < units; ++u)
-    for (int64_t m = 0; m < M; ++m) {
-      uint8_t* out = rec + (u * M + m) * kRows16Rec;
-      const int8_t* x = q + m * ldq + kUnit * u;
-      std::memcpy(out, x, kUnit);
-      std::memcpy(out + kRows16Dx, &dx[m * ldd + u], 4);
-      for (int i = 0; i < per; ++i) {
-        int32_t sum = 0;
-        for (int k = 0; k < span; ++k) sum += x[span * i + k];
-        const int32_t zi = -zero * sum;
-        const float sl = dx[m * ldd + u] * (float)sum;
-        std::memcpy(out + kRows16Extra + 4 * i, zero ? static_cast<const void*>(&zi) : static_cast<const void*>(&sl), 4);
-      }
-    }
 }
 
 }  // namespace

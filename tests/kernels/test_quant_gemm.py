@@ -304,20 +304,25 @@ ROWS16_COPY = {32: [(1, 32), (17, 544), (16, 96), (37, 1056)],
 
 @pytest.mark.parametrize("path", ["avx512", "avx2", "scalar"])
 def test_dequantize_from_the_16_row_layout_is_the_files(path):
-    """Prefill's copy of a matrix held in the 16-row layout (QuantPart.rows16, as the VNNI
-    path holds it; the C++ puts rows back a group at a time) is, bit for bit, the copy from
-    the file's rows, on every path, for every type, float32 and bf16."""
+    """Prefill's copy of a matrix held in the 16-row layout (QuantPart.rows16, as the integer
+    paths hold it; the C++ reads a group at a time) is, bit for bit, the copy from
+    the file's rows, on every path, for every type, float32 and bf16, scales subnormal,
+    infinite and NaN included."""
     threads = torch.get_num_threads()
     for qtype in TYPES:
+        name, _, size = BLOCK_TYPES[qtype]
         for i, (n, k) in enumerate(ROWS16_COPY[BLOCK_TYPES[qtype][1]]):
-            plain = linear_on(path, [(random_blocks(qtype, n, k, np.random.default_rng(n + k)),
-                                      qtype)], k)
+            raw = random_blocks(qtype, n, k, np.random.default_rng(n + k))
+            d_at = 208 if name == "Q6_K" else 0  # a few scales subnormal, infinite and NaN
+            scales = raw.reshape(n, -1, size)[:, :, d_at:d_at + 2].view(np.uint16)
+            scales[::5, 0], scales[1::7, -1], scales[2::9, 0] = 0x0001, 0x7c00, 0x7e01
+            plain = linear_on(path, [(raw, qtype)], k)
             held = qg.QuantLinear([p.as_rows16() for p in plain.parts], k, None, path, 64)
             assert held.parts[0].rows16 == n and held.parts[0].raw.shape[0] % 16 == 0
             torch.set_num_threads(2 if i == 3 else 1)
             try:
-                for dtype in (torch.float32, torch.bfloat16):
-                    assert torch.equal(held.dequantize(dtype), plain.dequantize(dtype)), \
-                        (BLOCK_TYPES[qtype][0], n, k, dtype)
+                for dtype, bits in ((torch.float32, torch.int32), (torch.bfloat16, torch.int16)):
+                    assert torch.equal(held.dequantize(dtype).view(bits),
+                                       plain.dequantize(dtype).view(bits)), (name, n, k, dtype)
             finally:
                 torch.set_num_threads(threads)

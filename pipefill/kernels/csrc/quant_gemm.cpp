@@ -81,11 +81,13 @@ int float_gemm(const char* what, Addr x_addr, int x_dtype, int64_t ldx, Addr bia
   });
 }
 
-// pf_qg_dequant of W held in the 16-row layout: a group of 16 rows at a time, put back in the
-// file's layout in a small scratch (one read of the layout, transposed in registers) and
-// dequantized from there by the same code as the file's rows, so every output bit is the same.
-template <class Dequant>
-void dequant_rows16(const Dequant& fn, const uint8_t* w, int qtype, int64_t row_bytes, int64_t N, int64_t K,
+// pf_qg_dequant of W held in the 16-row layout: a group of 16 rows at a time, dequantized from
+// the layout where the ISA has the code for the type (dequant_group16: the vector paths, the
+// 32-weight types), else put back in the file's layout in a small scratch (one read of the
+// layout, transposed in registers) and dequantized from there by the file's rows' code: every
+// output bit is the file's rows'.
+template <class Dequant, class Group>
+void dequant_rows16(const Dequant& fn, const Group& group16, const uint8_t* w, int qtype, int64_t row_bytes, int64_t N, int64_t K,
                     char* out, bool bf16, int64_t ldo) {
   const int bb = block_bytes(qtype), bw = block_weights(qtype);
   // Block columns a copy: whole rows up to 4 KB (16 of them, 64 KB, stay in L1/L2 between the
@@ -98,6 +100,7 @@ void dequant_rows16(const Dequant& fn, const uint8_t* w, int qtype, int64_t row_
     uint8_t* rows = static_cast<uint8_t*>(scratch.get((size_t)(16 * step * bb)));
     for (int64_t g = g0; g < g1; ++g) {
       const int64_t valid = std::min<int64_t>(16, N - 16 * g);
+      if (group16(w + 16 * g * row_bytes, qtype, K, (int)valid, out + 16 * g * ldo * elem, bf16, ldo)) continue;
       for (int64_t b0 = 0; b0 < blocks; b0 += step) {
         const int64_t b1 = std::min(blocks, b0 + step);
         rows16_group_to_file(w + 16 * g * row_bytes, qtype, b0, b1, rows);
@@ -137,7 +140,9 @@ int pf_qg_dequant(int isa, Addr w_addr, int qtype, int64_t row_bytes, int64_t N,
   const uint8_t* w = w_addr.as<const uint8_t>();
   auto fn = isa == kAvx512 ? avx512::dequant_rows : isa == kAvx2 ? avx2::dequant_rows : scalar::dequant_rows;
   return pg::guarded("pipefill dequantize", [&] {
-    if (rows16) return dequant_rows16(fn, w, qtype, row_bytes, N, K, out_addr.as<char>(), out_dtype == kBF16, ldo);
+    auto group16 = isa == kAvx512 ? avx512::dequant_group16 : isa == kAvx2 ? avx2::dequant_group16
+                                                                          : scalar::dequant_group16;
+    if (rows16) return dequant_rows16(fn, group16, w, qtype, row_bytes, N, K, out_addr.as<char>(), out_dtype == kBF16, ldo);
     at::parallel_for(0, N, std::max<int64_t>(1, 65536 / row_bytes), [&](int64_t n0, int64_t n1) {
       fn(w, qtype, row_bytes, K, n0, n1, out_addr.as<void>(), out_dtype == kBF16, ldo);
     });

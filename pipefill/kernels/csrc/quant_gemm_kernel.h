@@ -259,7 +259,10 @@ inline uint64_t xor_lines(const uint8_t* p, int64_t l0, int64_t l1, int64_t ahea
 // float32 sum (no bias: the glue adds it), x float32 [M, ldx].
 // dequant_rows writes rows [n0, n1) of W dequantized (each weight's float32 value as
 // dequant_block computes it) to out (row stride ldo): float32, or bf16 rounded to nearest even
-// where `bf16` (prefill's per-call copy).
+// where `bf16` (prefill's per-call copy). dequant_group16 does that for the first `valid` rows
+// of one group of 16 held in the 16-row layout (grp: its first byte; out: its first row), the
+// same bits, straight from the layout; false where the ISA or the type has no such code (the
+// glue then copies the rows back first).
 #define PF_QUANT_GEMM(ns)                                                                        \
   namespace ns {                                                                                 \
   void gemm_cols(const float* x, int64_t ldx, const uint8_t* w, int qtype, int64_t row_bytes,  \
@@ -267,6 +270,8 @@ inline uint64_t xor_lines(const uint8_t* p, int64_t l0, int64_t l1, int64_t ahea
   void dequant_rows(const uint8_t* w, int qtype, int64_t row_bytes, int64_t K, int64_t n0,      \
                     int64_t n1, void* out, bool bf16, int64_t ldo);                            \
   uint64_t stream_lines(const uint8_t* p, int64_t l0, int64_t l1, int64_t ahead);              \
+  bool dequant_group16(const uint8_t* grp, int qtype, int64_t K, int valid, void* out,         \
+                       bool bf16, int64_t ldo);                                                \
   }
 PF_QUANT_GEMM(scalar)
 PF_QUANT_GEMM(avx2)

@@ -154,6 +154,99 @@ void dequant(const uint8_t* w, int64_t row_bytes, int64_t K, int64_t n0, int64_t
     }
 }
 
+// The 16 IEEE halves at p -> float32, each the bits f16_to_f32 gives (integer code: NaN payloads
+// kept, no FPU mode involved), 8 at a time in AVX2 integer lanes; a subnormal half (a rare
+// scale) by f16_to_f32 itself.
+inline void halves16(const uint8_t* p, float* out) {
+  for (int i = 0; i < 2; ++i) {
+    const __m256i h = _mm256_cvtepu16_epi32(load16(p + 16 * i));
+    const __m256i sign = _mm256_slli_epi32(_mm256_and_si256(h, _mm256_set1_epi32(0x8000)), 16);
+    const __m256i exp = _mm256_and_si256(_mm256_srli_epi32(h, 10), _mm256_set1_epi32(0x1f));
+    const __m256i mant = _mm256_slli_epi32(_mm256_and_si256(h, _mm256_set1_epi32(0x3ff)), 13);
+    const __m256i top = _mm256_cmpeq_epi32(exp, _mm256_set1_epi32(0x1f)), low = _mm256_cmpeq_epi32(exp, _mm256_setzero_si256());
+    __m256i e = _mm256_slli_epi32(_mm256_add_epi32(exp, _mm256_set1_epi32(112)), 23);
+    e = _mm256_andnot_si256(low, _mm256_blendv_epi8(e, _mm256_set1_epi32(0x7f800000), top));
+    _mm256_storeu_si256(reinterpret_cast<__m256i*>(out + 8 * i), _mm256_or_si256(sign, _mm256_or_si256(e, mant)));
+    const __m256i sub = _mm256_andnot_si256(_mm256_cmpeq_epi32(mant, _mm256_setzero_si256()), low);
+    if (!_mm256_testz_si256(sub, sub))
+      for (int l = 0; l < 8; ++l) out[8 * i + l] = half_at(p + 16 * i + 2 * l);
+  }
+}
+
+// dequant_group16 (quant_gemm_kernel.h) of a 32-weight type: each block column's 16 rows come
+// out of the 16-row layout 4 at a time, their code units turned back into rows by 4 x 4 dword
+// transposes in 128-bit registers, and go straight into dequant's widening and stores: the
+// same bits as dequant from the file's rows, without a copy of the rows in between.
+template <class V, int QT>
+void dequant16(const uint8_t* grp, int64_t K, int valid, void* out, bool bf16, int64_t ldo) {
+  using L = Layout<QT>;
+  constexpr int kCodes = QT == kQ4_1 ? 64 : QT == kQ5_0 ? 96 : 32;  // after d (and m, the fifth bits)
+  const auto rows4 = [](const uint8_t* p, __m128i* r) {  // r[i]: row i's 16 bytes of 4 units at p
+    const __m128i a0 = load16(p), a1 = load16(p + 64), a2 = load16(p + 128), a3 = load16(p + 192);
+    const __m128i t0 = _mm_unpacklo_epi32(a0, a1), t1 = _mm_unpacklo_epi32(a2, a3);
+    const __m128i t2 = _mm_unpackhi_epi32(a0, a1), t3 = _mm_unpackhi_epi32(a2, a3);
+    r[0] = _mm_unpacklo_epi64(t0, t1);
+    r[1] = _mm_unpackhi_epi64(t0, t1);
+    r[2] = _mm_unpacklo_epi64(t2, t3);
+    r[3] = _mm_unpackhi_epi64(t2, t3);
+  };
+  for (int64_t b = 0; b < K / kUnit; ++b) {
+    const uint8_t* blk = grp + b * 16 * L::kBytes;
+    float d[16], m[16];
+    halves16(blk, d);
+    if constexpr (QT == kQ4_1) halves16(blk + 32, m);
+    for (int q = 0; 4 * q < valid; ++q) {
+      __m128i raw[4], raw2[4];
+      rows4(blk + kCodes + 16 * q, raw);
+      if constexpr (QT == kQ8_0) rows4(blk + kCodes + 256 + 16 * q, raw2);
+      for (int r = 0; r < 4 && 4 * q + r < valid; ++r) {
+        const int row = 4 * q + r;
+        __m128i lo, hi;
+        if constexpr (QT == kQ8_0) {
+          lo = raw[r];
+          hi = raw2[r];
+        } else {
+          lo = low_nibbles(raw[r]);
+          hi = high_nibbles(raw[r]);
+          if constexpr (QT == kQ5_0) {
+            uint32_t fifth;
+            std::memcpy(&fifth, blk + 32 + 4 * row, 4);
+            lo = _mm_or_si128(lo, fifth_bits(fifth & 0xffff));
+            hi = _mm_or_si128(hi, fifth_bits(fifth >> 16));
+          }
+          if constexpr (QT != kQ4_1) {
+            const __m128i zero = _mm_set1_epi8(QT == kQ4_0 ? 8 : 16);
+            lo = _mm_sub_epi8(lo, zero);
+            hi = _mm_sub_epi8(hi, zero);
+          }
+        }
+        const float mr = QT == kQ4_1 ? m[row] : 0.0f;
+        typename V::reg w[32 / V::kLanes];
+        V::template widen<L::kOffset>(lo, d[row], mr, w);
+        V::template widen<L::kOffset>(hi, d[row], mr, w + 16 / V::kLanes);
+        const int64_t at = row * ldo + b * kUnit;
+        for (int v = 0; v < 32 / V::kLanes; ++v) {
+          if (bf16)
+            V::store_bf16(static_cast<uint16_t*>(out) + at + v * V::kLanes, w[v]);
+          else
+            V::store(static_cast<float*>(out) + at + v * V::kLanes, w[v]);
+        }
+      }
+    }
+  }
+}
+
+template <class V>
+bool dequant_group16_simd(const uint8_t* grp, int qtype, int64_t K, int valid, void* out, bool bf16, int64_t ldo) {
+  switch (qtype) {
+    case kQ4_0: return dequant16<V, kQ4_0>(grp, K, valid, out, bf16, ldo), true;
+    case kQ4_1: return dequant16<V, kQ4_1>(grp, K, valid, out, bf16, ldo), true;
+    case kQ5_0: return dequant16<V, kQ5_0>(grp, K, valid, out, bf16, ldo), true;
+    case kQ8_0: return dequant16<V, kQ8_0>(grp, K, valid, out, bf16, ldo), true;
+    default: return false;  // the K types: the glue's copy of the rows
+  }
+}
+
 template <class V>
 void gemm_cols_simd(const float* x, int64_t ldx, const uint8_t* w, int qtype, int64_t row_bytes, int64_t M,
                     int64_t K, float* y, int64_t ldy, int64_t n0, int64_t n1) {
@@ -176,4 +269,8 @@ void gemm_cols_simd(const float* x, int64_t ldx, const uint8_t* w, int qtype, in
   }                                                                                                      \
   uint64_t stream_lines(const uint8_t* p, int64_t l0, int64_t l1, int64_t ahead) {                      \
     return xor_lines(p, l0, l1, ahead);                                                                  \
+  }                                                                                                      \
+  bool dequant_group16(const uint8_t* grp, int qtype, int64_t K, int valid, void* out, bool bf16,       \
+                       int64_t ldo) {                                                                    \
+    return dequant_group16_simd<V>(grp, qtype, K, valid, out, bf16, ldo);                               \
   }

@@ -1,4 +1,5 @@
-"""Fused elementwise CPU ops for prefill (AVX-512, or AVX2 + FMA): add+RMSNorm, RoPE, SiLU*mul.
+"""Fused elementwise CPU ops (AVX-512, or AVX2 + FMA): add+RMSNorm, RoPE, SiLU*mul, and Gemma's
+RMSNorm, post-norm + add + RMSNorm, per-head q/k norm + RoPE and GeGLU.
 
 API (what the engine calls; all tensors on CPU, T = rows = tokens, any T >= 0):
 
@@ -12,6 +13,11 @@ API (what the engine calls; all tensors on CPU, T = rows = tokens, any T >= 0):
 * ``add_rms_norm(residual, hidden, weight, eps, *, dtype=None, out=None) -> normed``
 * ``rope_(x, cos, sin) -> x`` (in place)
 * ``silu_mul(gate_up, out=None) -> out``
+* ``gelu_tanh_mul(gate_up, out=None) -> out`` (Gemma's GeGLU)
+* ``rms_norm(x, weight, eps, *, out=None) -> out`` (x in any of the two dtypes; out may be x)
+* ``norm_add_rms_norm(residual, hidden, hidden_weight, weight, eps, *, out=None) -> normed``
+  (Gemma's sandwich: hidden post-normed in place, added to the residual, normed again)
+* ``qk_norm_rope_(x, num_q_heads, q_weight, k_weight, eps, cos, sin) -> x`` (in place)
 
 All arithmetic is fp32, each result is rounded once to the output dtype (bf16: round to nearest
 even, like ``.to(torch.bfloat16)``). Widths (H, D, I) must be multiples of 16. No autograd.
@@ -190,7 +196,8 @@ def _require():
 # ----------------------------------------------------------------------------- ops
 
 def unchecked_lib():
-    """The C entry points (pf_add_rms_norm, pf_rope, pf_silu_mul) for callers that own their
+    """The C entry points (pf_add_rms_norm, pf_rope, pf_silu_mul, and Gemma's pf_rms_norm,
+    pf_norm_add_rms_norm, pf_qk_norm_rope, pf_gelu_tanh_mul) for callers that own their
     buffers and call them per decode layer: the wrappers below re-check shapes, dtypes and
     strides on every call, which costs more than the kernel at one row. Raises RuntimeError
     when the ops are unavailable."""
@@ -299,12 +306,7 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     _check_width(D, "head_dim D")
     if x.stride(2) != 1:
         raise ValueError(f"x: last dim must be contiguous (strides {x.stride()})")
-    half = D // 2
-    for name, t in (("cos", cos), ("sin", sin)):
-        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
-            raise TypeError(f"{name}: expected a contiguous float32 CPU tensor, got {t.dtype}")
-        if t.numel() != T * half or (t.dim() > 0 and t.shape[0] != T) or t.shape[-1] != half:
-            raise ValueError(f"{name}: expected [{T}, {half}], got {list(t.shape)}")
+    _check_cos_sin(cos, sin, T, D // 2)
     if T == 0 or N == 0:
         return x
     rc = lib.pf_rope(x.data_ptr(), code, x.stride(0), x.stride(1), T, N, D, cos.data_ptr(),
@@ -314,6 +316,14 @@ def rope_(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor
     return x
 
 
+def _check_cos_sin(cos: torch.Tensor, sin: torch.Tensor, T: int, half: int) -> None:
+    for name, t in (("cos", cos), ("sin", sin)):
+        if t.dtype != torch.float32 or not t.is_contiguous() or t.device.type != "cpu":
+            raise TypeError(f"{name}: expected a contiguous float32 CPU tensor, got {t.dtype}")
+        if t.numel() != T * half or (t.dim() > 0 and t.shape[0] != T) or t.shape[-1] != half:
+            raise ValueError(f"{name}: expected [{T}, {half}], got {list(t.shape)}")
+
+
 def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
     """SwiGLU activation: ``out[T, I] = silu(gate_up[:, :I]) * gate_up[:, I:]``.
 
@@ -321,6 +331,17 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
     once to gate_up's dtype; written to a new tensor or to ``out`` ([T, I], same dtype, last
     dim contiguous). I must be a multiple of 16.
     """
+    return _act_mul(gate_up, out, "silu_mul")
+
+
+def gelu_tanh_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """GeGLU (Gemma): ``gelu(gate_up[:, :I], approximate="tanh") * gate_up[:, I:]``, as
+    silu_mul. Computed as g / (1 + exp(-z)) * u with z = 2 sqrt(2/pi) (g + 0.044715 g^3), equal
+    to torch's 0.5 g (1 + tanh(z / 2)) but without its cancellation for negative g."""
+    return _act_mul(gate_up, out, "gelu_tanh_mul")
+
+
+def _act_mul(gate_up: torch.Tensor, out: torch.Tensor | None, op: str) -> torch.Tensor:
     lib = _require()
     code = _code(gate_up, "gate_up")
     if gate_up.dim() != 2:
@@ -330,20 +351,111 @@ def silu_mul(gate_up: torch.Tensor, out: torch.Tensor | None = None) -> torch.Te
         raise ValueError(f"gate_up: width 2I must be a multiple of 32, got {I2}")
     _check_rows(gate_up, "gate_up", (T, I2))
     I = I2 // 2  # noqa: E741
-    if out is None:
-        out = torch.empty((T, I), dtype=gate_up.dtype)
-    else:
-        if out.dtype != gate_up.dtype:
-            raise TypeError(f"out: expected {gate_up.dtype}, got {out.dtype}")
-        _code(out, "out")
-        _check_rows(out, "out", (T, I))
+    out = _out_rows(out, gate_up.dtype, (T, I))
     if T == 0:
         return out
-    rc = lib.pf_silu_mul(gate_up.data_ptr(), code, gate_up.stride(0), out.data_ptr(),
-                         out.stride(0), T, I)
+    rc = getattr(lib, "pf_" + op)(gate_up.data_ptr(), code, gate_up.stride(0), out.data_ptr(),
+                                  out.stride(0), T, I)
     if rc:
-        _fail(rc, "silu_mul")
+        _fail(rc, op)
     return out
 
 
-# ----------------------------------------------------------------------------- benchmark
+def _out_rows(out: torch.Tensor | None, dtype: torch.dtype, shape: tuple[int, int]):
+    if out is None:
+        return torch.empty(shape, dtype=dtype)
+    if out.dtype != dtype:
+        raise TypeError(f"out: expected {dtype}, got {out.dtype}")
+    _code(out, "out")
+    _check_rows(out, "out", shape)
+    return out
+
+
+def _norm_weight(weight: torch.Tensor, width: int, what: str) -> None:
+    if (weight.dtype != torch.float32 or tuple(weight.shape) != (width,)
+            or not weight.is_contiguous() or weight.device.type != "cpu"):
+        raise TypeError(f"{what}: expected contiguous float32 [{width}], got {weight.dtype} "
+                        f"{list(weight.shape)}")
+
+
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, *,
+             out: torch.Tensor | None = None) -> torch.Tensor:
+    """``x / sqrt(mean(x^2, -1) + eps) * weight`` of x [T, H] (bf16 or float32, last dim
+    contiguous) in fp32, rounded once to x's dtype, into a new tensor or ``out`` (x itself
+    normalises in place). The same arithmetic as add_rms_norm's norm. H: a multiple of 16."""
+    lib = _require()
+    code = _code(x, "x")
+    if x.dim() != 2:
+        raise ValueError(f"x: expected [T, H], got {list(x.shape)}")
+    T, H = x.shape
+    _check_width(H, "hidden size H")
+    _check_rows(x, "x", (T, H))
+    _norm_weight(weight, H, "weight")
+    out = _out_rows(out, x.dtype, (T, H))
+    if T == 0:
+        return out
+    rc = lib.pf_rms_norm(x.data_ptr(), code, x.stride(0), weight.data_ptr(), out.data_ptr(),
+                         code, out.stride(0), T, H, float(eps))
+    if rc:
+        _fail(rc, "rms_norm")
+    return out
+
+
+def norm_add_rms_norm(residual: torch.Tensor, hidden: torch.Tensor, hidden_weight: torch.Tensor,
+                      weight: torch.Tensor, eps: float, *,
+                      out: torch.Tensor | None = None) -> torch.Tensor:
+    """Gemma's norms around a residual add, one pass over the rows: ``hidden`` [T, H] is
+    RMS-normed by ``hidden_weight`` IN PLACE (rounded to its dtype), then as add_rms_norm:
+    ``residual += hidden``, returns the residual normed by ``weight`` in hidden's dtype. The
+    bits of ``rms_norm(hidden, hidden_weight, out=hidden)`` then ``add_rms_norm``."""
+    lib = _require()
+    if residual.dtype != torch.float32 or residual.dim() != 2:
+        raise TypeError(f"residual: expected float32 [T, H], got {residual.dtype} "
+                        f"{list(residual.shape)}")
+    T, H = residual.shape
+    _check_width(H, "hidden size H")
+    _check_rows(residual, "residual", (T, H))
+    hcode = _code(hidden, "hidden")
+    _check_rows(hidden, "hidden", (T, H))
+    _norm_weight(hidden_weight, H, "hidden_weight")
+    _norm_weight(weight, H, "weight")
+    out = _out_rows(out, hidden.dtype, (T, H))
+    if T == 0:
+        return out
+    rc = lib.pf_norm_add_rms_norm(residual.data_ptr(), residual.stride(0), hidden.data_ptr(),
+                                  hcode, hidden.stride(0), hidden_weight.data_ptr(),
+                                  weight.data_ptr(), out.data_ptr(), hcode, out.stride(0), T, H,
+                                  float(eps))
+    if rc:
+        _fail(rc, "norm_add_rms_norm")
+    return out
+
+
+def qk_norm_rope_(x: torch.Tensor, num_q_heads: int, q_weight: torch.Tensor,
+                  k_weight: torch.Tensor, eps: float, cos: torch.Tensor,
+                  sin: torch.Tensor) -> torch.Tensor:
+    """Per-head RMSNorm then rotate-half RoPE, IN PLACE, of x [T, N, D] (q's heads then k's,
+    as rope_ takes them): heads [0, num_q_heads) normed by q_weight, the rest by k_weight
+    (float32 [D]), each rounded to x's dtype, then rotated as rope_ does. The bits of rms_norm
+    per head followed by rope_; returns x."""
+    lib = _require()
+    code = _code(x, "x")
+    if x.dim() != 3:
+        raise ValueError(f"x: expected [T, N, D], got {list(x.shape)}")
+    T, N, D = x.shape
+    if not 0 <= num_q_heads <= N:
+        raise ValueError(f"num_q_heads {num_q_heads} outside [0, {N}]")
+    _check_width(D, "head_dim D")
+    if x.stride(2) != 1:
+        raise ValueError(f"x: last dim must be contiguous (strides {x.stride()})")
+    _norm_weight(q_weight, D, "q_weight")
+    _norm_weight(k_weight, D, "k_weight")
+    _check_cos_sin(cos, sin, T, D // 2)
+    if T == 0 or N == 0:
+        return x
+    rc = lib.pf_qk_norm_rope(x.data_ptr(), code, x.stride(0), x.stride(1), T, num_q_heads,
+                             N - num_q_heads, D, q_weight.data_ptr(), k_weight.data_ptr(),
+                             float(eps), cos.data_ptr(), sin.data_ptr())
+    if rc:
+        _fail(rc, "qk_norm_rope_")
+    return x

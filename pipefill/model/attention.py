@@ -233,13 +233,14 @@ class VectorAttention:
         from pipefill.kernels.cpu_attention import decode_tables
         return decode_tables([s.page_table for s in seqs], [s.prefix_len for s in seqs])
 
-    def decode_batch(self, q, k, v, k_cache, v_cache, tables, scale: float, out) -> None:
+    def decode_batch(self, q, k, v, k_cache, v_cache, tables, scale: float, out,
+                     window: int | None = None) -> None:
         """One decode step of a layer, every sequence (one new token each, rows in seqs order)
-        in one call: its K/V into the cache, its attention into out. Same bits as decode_one
-        per sequence."""
+        in one call: its K/V into the cache, its attention into out (under a sliding window:
+        over the window's pages only). Same bits as decode_one per sequence."""
         from pipefill.kernels.cpu_attention import decode_attention
         decode_attention(self.isa, q, k, v, k_cache, v_cache, *tables, scale, out,
-                         q_first=self.q_first)
+                         q_first=self.q_first, window=window or 0)
 
     @staticmethod
     def profiled():
@@ -260,10 +261,11 @@ class QuantVectorAttention(VectorAttention):
                         k_new=k, v_new=v, out=out, page_size=self.page_size,
                         q_first=self.q_first, window=window or 0)
 
-    def decode_batch(self, q, k, v, k_cache, v_cache, tables, scale: float, out) -> None:
+    def decode_batch(self, q, k, v, k_cache, v_cache, tables, scale: float, out,
+                     window: int | None = None) -> None:
         from pipefill.kernels.cpu_attention import decode_attention
         decode_attention(self.isa, q, k, v, k_cache, v_cache, *tables, scale, out,
-                         page_size=self.page_size, q_first=self.q_first)
+                         page_size=self.page_size, q_first=self.q_first, window=window or 0)
 
 
 @dataclass

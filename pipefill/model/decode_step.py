@@ -127,8 +127,9 @@ class DecodeRunner:
             self._layer_caches = (k_cache, v_cache, views)
         return views
 
-    def forward(self, hidden, residual, meta, cos, sin, k_cache, v_cache):
-        rows = hidden.shape[0]
+    def _step_buffers(self, rows: int) -> DecodeBuffers:
+        """The buffers of a step with `rows` sequences, their layer calls bound (again where
+        the layers' packed copies changed)."""
         buf = self.buffers.get(rows)
         if buf is None:
             buf = self.buffers[rows] = _buffers(self.model.cfg, self.model.dtype, self.code,
@@ -137,6 +138,11 @@ class DecodeRunner:
         layers = self.model.w.layers
         if buf.calls is None or any(c.packed is not w.packed for c, w in zip(buf.calls, layers)):
             buf.calls = self._calls(buf)
+        return buf
+
+    def forward(self, hidden, residual, meta, cos, sin, k_cache, v_cache):
+        buf = self._step_buffers(hidden.shape[0])
+        layers = self.model.w.layers
         if residual is None:  # layer 0 of the model: the residual stream starts as the input
             residual = hidden.float()
             self._norm(residual, None, layers[0].input_norm, buf.x)

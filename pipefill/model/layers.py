@@ -50,6 +50,25 @@ class TorchOps:
         inter = gate_up.shape[-1] // 2
         return F.silu(gate_up[:, :inter]).mul_(gate_up[:, inter:])
 
+    # Gemma's steps (families/gemma3.py).
+    @staticmethod
+    def rms_norm(x, weight, eps, dtype):
+        return rms_norm(x, weight, eps, dtype)
+
+    @staticmethod
+    def qk_norm_rope_(qk, num_q_heads, q_weight, k_weight, eps, cos, sin):
+        """Per-head RMSNorm of q's heads (the first num_q_heads of qk [T, N, D]) and k's, in
+        place, then rope over both."""
+        q, k = qk[:, :num_q_heads], qk[:, num_q_heads:]
+        q.copy_(rms_norm(q, q_weight, eps, qk.dtype))
+        k.copy_(rms_norm(k, k_weight, eps, qk.dtype))
+        TorchOps.rope_(qk, cos, sin)
+
+    @staticmethod
+    def gelu_mul(gate_up):
+        inter = gate_up.shape[-1] // 2
+        return F.gelu(gate_up[:, :inter], approximate="tanh").mul_(gate_up[:, inter:])
+
 
 class FusedOps:
     """The same steps as one pass each (pipefill.kernels.fused_ops, AVX-512)."""
@@ -70,6 +89,16 @@ class FusedOps:
 
     def silu_mul(self, gate_up):
         return self.k.silu_mul(gate_up)
+
+    def rms_norm(self, x, weight, eps, dtype):
+        assert x.dtype == dtype, (x.dtype, dtype)
+        return self.k.rms_norm(x, weight, eps)
+
+    def qk_norm_rope_(self, qk, num_q_heads, q_weight, k_weight, eps, cos, sin):
+        self.k.qk_norm_rope_(qk, num_q_heads, q_weight, k_weight, eps, cos, sin)
+
+    def gelu_mul(self, gate_up):
+        return self.k.gelu_tanh_mul(gate_up)
 
 
 def elementwise_ops(cfg: ModelConfig, device: torch.device,

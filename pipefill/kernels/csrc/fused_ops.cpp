@@ -1,4 +1,5 @@
-// Glue of pipefill's fused elementwise CPU ops (add+RMSNorm, RoPE, SiLU*mul): the choice of
+// Glue of pipefill's fused elementwise CPU ops (add+RMSNorm, RoPE, SiLU*mul, and Gemma's
+// RMSNorm sandwich, per-head q/k norm + RoPE and GeGLU): the choice of
 // kernel build (avx512bf16, avx512 or avx2) from cpuid and the split of rows over torch's thread
 // pool. The entry points take addresses and sizes (argument validation lives in
 // pipefill/kernels/fused_ops.py; the decode path calls them directly with addresses it took
@@ -19,15 +20,22 @@ struct Kernels {
   decltype(&pipefill_fused::avx512::add_rms_norm_rows) add_rms_norm_rows;
   decltype(&pipefill_fused::avx512::rope_rows) rope_rows;
   decltype(&pipefill_fused::avx512::silu_mul_rows) silu_mul_rows;
+  decltype(&pipefill_fused::avx512::gelu_tanh_mul_rows) gelu_tanh_mul_rows;
+  decltype(&pipefill_fused::avx512::rms_norm_rows) rms_norm_rows;
+  decltype(&pipefill_fused::avx512::norm_add_rms_norm_rows) norm_add_rms_norm_rows;
+  decltype(&pipefill_fused::avx512::qk_norm_rope_rows) qk_norm_rope_rows;
   const char* name;
 };
 
-constexpr Kernels kAvx512{pipefill_fused::avx512::add_rms_norm_rows, pipefill_fused::avx512::rope_rows,
-                          pipefill_fused::avx512::silu_mul_rows, "avx512"};
-constexpr Kernels kAvx512Bf16{pipefill_fused::avx512bf16::add_rms_norm_rows, pipefill_fused::avx512bf16::rope_rows,
-                              pipefill_fused::avx512bf16::silu_mul_rows, "avx512bf16"};
-constexpr Kernels kAvx2{pipefill_fused::avx2::add_rms_norm_rows, pipefill_fused::avx2::rope_rows,
-                        pipefill_fused::avx2::silu_mul_rows, "avx2"};
+#define PF_KERNELS(NS)                                                                                   \
+  Kernels {                                                                                              \
+    pipefill_fused::NS::add_rms_norm_rows, pipefill_fused::NS::rope_rows, pipefill_fused::NS::silu_mul_rows, \
+        pipefill_fused::NS::gelu_tanh_mul_rows, pipefill_fused::NS::rms_norm_rows,                       \
+        pipefill_fused::NS::norm_add_rms_norm_rows, pipefill_fused::NS::qk_norm_rope_rows, #NS           \
+  }
+constexpr Kernels kAvx512 = PF_KERNELS(avx512);
+constexpr Kernels kAvx512Bf16 = PF_KERNELS(avx512bf16);
+constexpr Kernels kAvx2 = PF_KERNELS(avx2);
 
 // Set by pf_fused_cpu_supported() once the CPU check passed.
 std::atomic<const Kernels*> g_k{nullptr};
@@ -101,6 +109,43 @@ int pf_silu_mul(Addr gu, int dtype, int64_t gu_st, Addr out, int64_t out_st, int
   });
 }
 
+int pf_gelu_tanh_mul(Addr gu, int dtype, int64_t gu_st, Addr out, int64_t out_st, int64_t T, int64_t I) {
+  const Kernels* k = g_k.load(std::memory_order_acquire);
+  return run_rows(k, T, 4 * I, [&](int64_t r0, int64_t r1) {
+    k->gelu_tanh_mul_rows(gu.as<const void>(), dtype, gu_st, out.as<void>(), out_st, I, r0, r1);
+  });
+}
+
+// x rows of x_dtype normed into out rows of out_dtype (out may be x).
+int pf_rms_norm(Addr x, int x_dtype, int64_t x_st, Addr w, Addr out, int out_dtype, int64_t out_st, int64_t T,
+                int64_t H, double eps) {
+  const Kernels* k = g_k.load(std::memory_order_acquire);
+  return run_rows(k, T, 2 * H, [&](int64_t r0, int64_t r1) {
+    k->rms_norm_rows(x.as<const void>(), x_dtype, x_st, w.as<const float>(), out.as<void>(), out_dtype, out_st, H,
+                     (float)eps, r0, r1);
+  });
+}
+
+// pf_add_rms_norm with hid normed in place by hid_w first (Gemma's post-norm before the add).
+int pf_norm_add_rms_norm(Addr res, int64_t res_st, Addr hid, int hid_dtype, int64_t hid_st, Addr hid_w, Addr w,
+                         Addr out, int out_dtype, int64_t out_st, int64_t T, int64_t H, double eps) {
+  const Kernels* k = g_k.load(std::memory_order_acquire);
+  return run_rows(k, T, 3 * H, [&](int64_t r0, int64_t r1) {
+    k->norm_add_rms_norm_rows(res.as<float>(), res_st, hid.as<void>(), hid_dtype, hid_st, hid_w.as<const float>(),
+                              w.as<const float>(), out.as<void>(), out_dtype, out_st, H, (float)eps, r0, r1);
+  });
+}
+
+// Per-head RMSNorm of nq heads by wq and nk heads by wk, then RoPE, in place.
+int pf_qk_norm_rope(Addr x, int dtype, int64_t st, int64_t sh, int64_t T, int64_t nq, int64_t nk, int64_t D, Addr wq,
+                    Addr wk, double eps, Addr cos, Addr sin) {
+  const Kernels* k = g_k.load(std::memory_order_acquire);
+  return run_rows(k, T, 2 * (nq + nk) * D, [&](int64_t r0, int64_t r1) {
+    k->qk_norm_rope_rows(x.as<void>(), dtype, st, sh, nq, nk, D, wq.as<const float>(), wk.as<const float>(),
+                         (float)eps, cos.as<const float>(), sin.as<const float>(), r0, r1);
+  });
+}
+
 }  // namespace
 
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
@@ -112,4 +157,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("pf_add_rms_norm", &pf_add_rms_norm, nogil);
   m.def("pf_rope", &pf_rope, nogil);
   m.def("pf_silu_mul", &pf_silu_mul, nogil);
+  m.def("pf_gelu_tanh_mul", &pf_gelu_tanh_mul, nogil);
+  m.def("pf_rms_norm", &pf_rms_norm, nogil);
+  m.def("pf_norm_add_rms_norm", &pf_norm_add_rms_norm, nogil);
+  m.def("pf_qk_norm_rope", &pf_qk_norm_rope, nogil);
 }

@@ -80,30 +80,65 @@ inline __m256 silu_mul(__m256 g, __m256 u) {
   return _mm256_mul_ps(_mm256_div_ps(g, d), u);
 }
 
+// gelu_tanh(g) * u as g / (1 + exp(-z)) * u, z = 2 sqrt(2/pi) (g + 0.044715 g^3): the AVX-512
+// build's formula.
+inline __m256 gelu_tanh_mul(__m256 g, __m256 u) {
+  const __m256 inner = _mm256_add_ps(_mm256_set1_ps(1.5957691216057308f),
+                                     _mm256_mul_ps(_mm256_set1_ps(0.0713548162726009f), _mm256_mul_ps(g, g)));
+  const __m256 d = _mm256_add_ps(_mm256_set1_ps(1.0f), exp_neg_ps(_mm256_mul_ps(g, inner)));
+  return _mm256_mul_ps(_mm256_div_ps(g, d), u);
+}
+
+struct Silu {
+  static inline __m256 apply(__m256 g, __m256 u) { return silu_mul(g, u); }
+};
+struct GeluTanh {
+  static inline __m256 apply(__m256 g, __m256 u) { return gelu_tanh_mul(g, u); }
+};
+
+// The sum of squares of x + h (h may be null; then rr is x + h, stored back), then
+// oo = (x + h) / sqrt(mean + eps) * w. TX: the row read (float32 residual or any dtype).
+template <typename TX, typename TH, typename TO>
+inline void norm_row(const TX* x, const TH* hh, float* rr, const float* w, TO* oo, int64_t H, float eps) {
+  __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
+  for (int64_t j = 0; j < H; j += 16) {
+    __m256 x0 = Io<TX>::load(x + j), x1 = Io<TX>::load(x + j + 8);
+    if (hh) {
+      x0 = _mm256_add_ps(x0, Io<TH>::load(hh + j));
+      x1 = _mm256_add_ps(x1, Io<TH>::load(hh + j + 8));
+      _mm256_storeu_ps(rr + j, x0);
+      _mm256_storeu_ps(rr + j + 8, x1);
+    }
+    a0 = _mm256_add_ps(a0, _mm256_mul_ps(x0, x0));
+    a1 = _mm256_add_ps(a1, _mm256_mul_ps(x1, x1));
+  }
+  const float ss = hsum(_mm256_add_ps(a0, a1));
+  const __m256 vinv = _mm256_set1_ps(1.0f / std::sqrt(ss / (float)H + eps));
+  for (int64_t j = 0; j < H; j += 8)
+    Io<TO>::store(oo + j, _mm256_mul_ps(_mm256_mul_ps(Io<TX>::load(x + j), vinv), _mm256_loadu_ps(w + j)));
+}
+
+template <typename TX, typename TO>
+inline void rms_norm_row(const TX* x, const float* w, TO* out, int64_t H, float eps) {
+  norm_row<TX, float, TO>(x, nullptr, nullptr, w, out, H, eps);
+}
+
+// hid_w: Gemma's post-norm, applied to the row of hid in place before the add (nullptr: none).
 template <typename TH, typename TO>
-void add_rms_norm_impl(float* res, int64_t res_st, const TH* hid, int64_t hid_st, const float* w, TO* out,
-                       int64_t out_st, int64_t H, float eps, int64_t r0, int64_t r1) {
+void add_rms_norm_impl(float* res, int64_t res_st, TH* hid, int64_t hid_st, const float* hid_w, const float* w,
+                       TO* out, int64_t out_st, int64_t H, float eps, int64_t r0, int64_t r1) {
   for (int64_t t = r0; t < r1; ++t) {
     float* rr = res + t * res_st;
-    TO* oo = out + t * out_st;
-    __m256 a0 = _mm256_setzero_ps(), a1 = _mm256_setzero_ps();
-    const TH* hh = hid ? hid + t * hid_st : nullptr;
-    for (int64_t j = 0; j < H; j += 16) {
-      __m256 x0 = _mm256_loadu_ps(rr + j), x1 = _mm256_loadu_ps(rr + j + 8);
-      if (hh) {
-        x0 = _mm256_add_ps(x0, Io<TH>::load(hh + j));
-        x1 = _mm256_add_ps(x1, Io<TH>::load(hh + j + 8));
-        _mm256_storeu_ps(rr + j, x0);
-        _mm256_storeu_ps(rr + j + 8, x1);
-      }
-      a0 = _mm256_add_ps(a0, _mm256_mul_ps(x0, x0));
-      a1 = _mm256_add_ps(a1, _mm256_mul_ps(x1, x1));
-    }
-    const float ss = hsum(_mm256_add_ps(a0, a1));
-    const __m256 vinv = _mm256_set1_ps(1.0f / std::sqrt(ss / (float)H + eps));
-    for (int64_t j = 0; j < H; j += 8)
-      Io<TO>::store(oo + j, _mm256_mul_ps(_mm256_mul_ps(_mm256_loadu_ps(rr + j), vinv), _mm256_loadu_ps(w + j)));
+    TH* hh = hid ? hid + t * hid_st : nullptr;
+    if (hid_w && hh) rms_norm_row(static_cast<const TH*>(hh), hid_w, hh, H, eps);
+    norm_row(static_cast<const float*>(rr), static_cast<const TH*>(hh), rr, w, out + t * out_st, H, eps);
   }
+}
+
+template <typename TX, typename TO>
+void rms_norm_impl(const TX* x, int64_t x_st, const float* w, TO* out, int64_t out_st, int64_t H, float eps,
+                   int64_t r0, int64_t r1) {
+  for (int64_t t = r0; t < r1; ++t) rms_norm_row(x + t * x_st, w, out + t * out_st, H, eps);
 }
 
 template <typename T>
@@ -127,50 +162,83 @@ void rope_impl(T* x, int64_t st, int64_t sh, int64_t N, int64_t D, const float* 
   }
 }
 
+// Per-head RMSNorm in place (heads [0, Nq) by wq, then Nk by wk), rounded to T, then rope over
+// the row's heads, while the row is in L1.
 template <typename T>
-void silu_mul_impl(const T* gu, int64_t gu_st, T* out, int64_t out_st, int64_t I, int64_t r0, int64_t r1) {
+void qk_norm_rope_impl(T* x, int64_t st, int64_t sh, int64_t Nq, int64_t Nk, int64_t D, const float* wq,
+                       const float* wk, float eps, const float* cos, const float* sin, int64_t r0, int64_t r1) {
+  for (int64_t t = r0; t < r1; ++t) {
+    T* row = x + t * st;
+    for (int64_t n = 0; n < Nq + Nk; ++n) {
+      T* head = row + n * sh;
+      rms_norm_row(static_cast<const T*>(head), n < Nq ? wq : wk, head, D, eps);
+    }
+    rope_impl(x, st, sh, Nq + Nk, D, cos, sin, t, t + 1);
+  }
+}
+
+template <typename Act, typename T>
+void act_mul_impl(const T* gu, int64_t gu_st, T* out, int64_t out_st, int64_t I, int64_t r0, int64_t r1) {
   for (int64_t t = r0; t < r1; ++t) {
     const T* g = gu + t * gu_st;
     const T* u = g + I;
     T* o = out + t * out_st;
-    for (int64_t j = 0; j < I; j += 8) Io<T>::store(o + j, silu_mul(Io<T>::load(g + j), Io<T>::load(u + j)));
+    for (int64_t j = 0; j < I; j += 8) Io<T>::store(o + j, Act::apply(Io<T>::load(g + j), Io<T>::load(u + j)));
   }
 }
 
 }  // namespace
 
+#define PF_BY_DTYPE(code, T, ...) \
+  if ((code) == kBF16) {          \
+    using T = uint16_t;           \
+    __VA_ARGS__;                  \
+  } else {                        \
+    using T = float;              \
+    __VA_ARGS__;                  \
+  }
+
 void add_rms_norm_rows(float* res, int64_t res_st, const void* hid, int hid_dtype, int64_t hid_st,
                        const float* w, void* out, int out_dtype, int64_t out_st, int64_t H, float eps,
                        int64_t r0, int64_t r1) {
-  const bool hb = hid_dtype == kBF16, ob = out_dtype == kBF16;
-  if (hb && ob)
-    add_rms_norm_impl(res, res_st, static_cast<const uint16_t*>(hid), hid_st, w, static_cast<uint16_t*>(out),
-                      out_st, H, eps, r0, r1);
-  else if (hb)
-    add_rms_norm_impl(res, res_st, static_cast<const uint16_t*>(hid), hid_st, w, static_cast<float*>(out),
-                      out_st, H, eps, r0, r1);
-  else if (ob)
-    add_rms_norm_impl(res, res_st, static_cast<const float*>(hid), hid_st, w, static_cast<uint16_t*>(out),
-                      out_st, H, eps, r0, r1);
-  else
-    add_rms_norm_impl(res, res_st, static_cast<const float*>(hid), hid_st, w, static_cast<float*>(out),
-                      out_st, H, eps, r0, r1);
+  norm_add_rms_norm_rows(res, res_st, const_cast<void*>(hid), hid_dtype, hid_st, nullptr, w, out, out_dtype,
+                         out_st, H, eps, r0, r1);
+}
+
+void norm_add_rms_norm_rows(float* res, int64_t res_st, void* hid, int hid_dtype, int64_t hid_st,
+                            const float* hid_w, const float* w, void* out, int out_dtype, int64_t out_st,
+                            int64_t H, float eps, int64_t r0, int64_t r1) {
+  PF_BY_DTYPE(hid_dtype, TH, PF_BY_DTYPE(out_dtype, TO,
+      add_rms_norm_impl(res, res_st, static_cast<TH*>(hid), hid_st, hid_w, w, static_cast<TO*>(out), out_st,
+                        H, eps, r0, r1)))
+}
+
+void rms_norm_rows(const void* x, int x_dtype, int64_t x_st, const float* w, void* out, int out_dtype,
+                   int64_t out_st, int64_t H, float eps, int64_t r0, int64_t r1) {
+  PF_BY_DTYPE(x_dtype, TX, PF_BY_DTYPE(out_dtype, TO,
+      rms_norm_impl(static_cast<const TX*>(x), x_st, w, static_cast<TO*>(out), out_st, H, eps, r0, r1)))
 }
 
 void rope_rows(void* x, int dtype, int64_t st, int64_t sh, int64_t N, int64_t D, const float* cos,
                const float* sin, int64_t r0, int64_t r1) {
-  if (dtype == kBF16)
-    rope_impl(static_cast<uint16_t*>(x), st, sh, N, D, cos, sin, r0, r1);
-  else
-    rope_impl(static_cast<float*>(x), st, sh, N, D, cos, sin, r0, r1);
+  PF_BY_DTYPE(dtype, T, rope_impl(static_cast<T*>(x), st, sh, N, D, cos, sin, r0, r1))
+}
+
+void qk_norm_rope_rows(void* x, int dtype, int64_t st, int64_t sh, int64_t Nq, int64_t Nk, int64_t D,
+                       const float* wq, const float* wk, float eps, const float* cos, const float* sin,
+                       int64_t r0, int64_t r1) {
+  PF_BY_DTYPE(dtype, T, qk_norm_rope_impl(static_cast<T*>(x), st, sh, Nq, Nk, D, wq, wk, eps, cos, sin, r0, r1))
 }
 
 void silu_mul_rows(const void* gu, int dtype, int64_t gu_st, void* out, int64_t out_st, int64_t I,
                    int64_t r0, int64_t r1) {
-  if (dtype == kBF16)
-    silu_mul_impl(static_cast<const uint16_t*>(gu), gu_st, static_cast<uint16_t*>(out), out_st, I, r0, r1);
-  else
-    silu_mul_impl(static_cast<const float*>(gu), gu_st, static_cast<float*>(out), out_st, I, r0, r1);
+  PF_BY_DTYPE(dtype, T, act_mul_impl<Silu>(static_cast<const T*>(gu), gu_st, static_cast<T*>(out), out_st, I, r0, r1))
+}
+
+void gelu_tanh_mul_rows(const void* gu, int dtype, int64_t gu_st, void* out, int64_t out_st, int64_t I,
+                        int64_t r0, int64_t r1) {
+  PF_BY_DTYPE(dtype, T,
+              act_mul_impl<GeluTanh>(static_cast<const T*>(gu), gu_st, static_cast<T*>(out), out_st, I, r0, r1))
 }
 
 }  // namespace avx2

@@ -90,50 +90,85 @@ inline __m512 silu_mul(__m512 g, __m512 u) {
   return _mm512_mul_ps(_mm512_div_ps(g, d), u);
 }
 
+// gelu_tanh(g) * u. tanh's GELU is g * (1 + tanh(y)) / 2 with y = sqrt(2/pi) (g + 0.044715 g^3),
+// and (1 + tanh(y)) / 2 = 1 / (1 + exp(-2y)): so g / (1 + exp(-z)) * u with z = 2y, the SiLU
+// form (no cancellation in 1 + tanh(y) for negative g, where torch's formula loses bits).
+inline __m512 gelu_tanh_mul(__m512 g, __m512 u) {
+  const __m512 inner = _mm512_add_ps(_mm512_set1_ps(1.5957691216057308f),
+                                     _mm512_mul_ps(_mm512_set1_ps(0.0713548162726009f), _mm512_mul_ps(g, g)));
+  const __m512 d = _mm512_add_ps(_mm512_set1_ps(1.0f), exp_neg_ps(_mm512_mul_ps(g, inner)));
+  return _mm512_mul_ps(_mm512_div_ps(g, d), u);
+}
+
+struct Silu {
+  static inline __m512 apply(__m512 g, __m512 u) { return silu_mul(g, u); }
+};
+struct GeluTanh {
+  static inline __m512 apply(__m512 g, __m512 u) { return gelu_tanh_mul(g, u); }
+};
+
 // ---- add + RMSNorm ---------------------------------------------------------------------------
 
-template <typename TH, typename TO>
-void add_rms_norm_impl(float* res, int64_t res_st, const TH* hid, int64_t hid_st, const float* w, TO* out,
-                       int64_t out_st, int64_t H, float eps, int64_t r0, int64_t r1) {
-  for (int64_t t = r0; t < r1; ++t) {
-    float* rr = res + t * res_st;
-    TO* oo = out + t * out_st;
-    __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
-    int64_t j = 0;
-    if (hid) {
-      const TH* hh = hid + t * hid_st;
-      for (; j + 32 <= H; j += 32) {
-        const __m512 x0 = _mm512_add_ps(_mm512_loadu_ps(rr + j), Io<TH>::load(hh + j));
-        const __m512 x1 = _mm512_add_ps(_mm512_loadu_ps(rr + j + 16), Io<TH>::load(hh + j + 16));
-        _mm512_storeu_ps(rr + j, x0);
-        _mm512_storeu_ps(rr + j + 16, x1);
-        a0 = _mm512_add_ps(a0, _mm512_mul_ps(x0, x0));
-        a1 = _mm512_add_ps(a1, _mm512_mul_ps(x1, x1));
-      }
-      for (; j < H; j += 16) {
-        const __m512 x0 = _mm512_add_ps(_mm512_loadu_ps(rr + j), Io<TH>::load(hh + j));
-        _mm512_storeu_ps(rr + j, x0);
-        a0 = _mm512_add_ps(a0, _mm512_mul_ps(x0, x0));
-      }
-    } else {
-      for (; j + 32 <= H; j += 32) {
-        const __m512 x0 = _mm512_loadu_ps(rr + j), x1 = _mm512_loadu_ps(rr + j + 16);
-        a0 = _mm512_add_ps(a0, _mm512_mul_ps(x0, x0));
-        a1 = _mm512_add_ps(a1, _mm512_mul_ps(x1, x1));
-      }
-      for (; j < H; j += 16) {
-        const __m512 x0 = _mm512_loadu_ps(rr + j);
-        a0 = _mm512_add_ps(a0, _mm512_mul_ps(x0, x0));
-      }
-    }
-    const float ss = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
-    const float inv = 1.0f / std::sqrt(ss / (float)H + eps);
-    const __m512 vinv = _mm512_set1_ps(inv);
-    for (j = 0; j < H; j += 16) {
-      const __m512 y = _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(rr + j), vinv), _mm512_loadu_ps(w + j));
-      Io<TO>::store(oo + j, y);
-    }
+// out = x / sqrt(mean(x^2) + eps) * w for one row of x (any dtype; out may be x itself).
+template <typename TX, typename TO>
+inline void rms_norm_row(const TX* x, const float* w, TO* out, int64_t H, float eps) {
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 32 <= H; j += 32) {
+    const __m512 x0 = Io<TX>::load(x + j), x1 = Io<TX>::load(x + j + 16);
+    a0 = _mm512_add_ps(a0, _mm512_mul_ps(x0, x0));
+    a1 = _mm512_add_ps(a1, _mm512_mul_ps(x1, x1));
   }
+  for (; j < H; j += 16) {
+    const __m512 x0 = Io<TX>::load(x + j);
+    a0 = _mm512_add_ps(a0, _mm512_mul_ps(x0, x0));
+  }
+  const float ss = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+  const __m512 vinv = _mm512_set1_ps(1.0f / std::sqrt(ss / (float)H + eps));
+  for (j = 0; j < H; j += 16)
+    Io<TO>::store(out + j, _mm512_mul_ps(_mm512_mul_ps(Io<TX>::load(x + j), vinv), _mm512_loadu_ps(w + j)));
+}
+
+// rr += hh (if hh), then oo = rms_norm(rr) * w: one row.
+template <typename TH, typename TO>
+inline void add_rms_norm_row(float* rr, const TH* hh, const float* w, TO* oo, int64_t H, float eps) {
+  if (!hh) return rms_norm_row(static_cast<const float*>(rr), w, oo, H, eps);
+  __m512 a0 = _mm512_setzero_ps(), a1 = _mm512_setzero_ps();
+  int64_t j = 0;
+  for (; j + 32 <= H; j += 32) {
+    const __m512 x0 = _mm512_add_ps(_mm512_loadu_ps(rr + j), Io<TH>::load(hh + j));
+    const __m512 x1 = _mm512_add_ps(_mm512_loadu_ps(rr + j + 16), Io<TH>::load(hh + j + 16));
+    _mm512_storeu_ps(rr + j, x0);
+    _mm512_storeu_ps(rr + j + 16, x1);
+    a0 = _mm512_add_ps(a0, _mm512_mul_ps(x0, x0));
+    a1 = _mm512_add_ps(a1, _mm512_mul_ps(x1, x1));
+  }
+  for (; j < H; j += 16) {
+    const __m512 x0 = _mm512_add_ps(_mm512_loadu_ps(rr + j), Io<TH>::load(hh + j));
+    _mm512_storeu_ps(rr + j, x0);
+    a0 = _mm512_add_ps(a0, _mm512_mul_ps(x0, x0));
+  }
+  const float ss = _mm512_reduce_add_ps(_mm512_add_ps(a0, a1));
+  const __m512 vinv = _mm512_set1_ps(1.0f / std::sqrt(ss / (float)H + eps));
+  for (j = 0; j < H; j += 16)
+    Io<TO>::store(oo + j, _mm512_mul_ps(_mm512_mul_ps(_mm512_loadu_ps(rr + j), vinv), _mm512_loadu_ps(w + j)));
+}
+
+// hid_w: Gemma's post-norm, applied to the row of hid in place before the add (nullptr: none).
+template <typename TH, typename TO>
+void add_rms_norm_impl(float* res, int64_t res_st, TH* hid, int64_t hid_st, const float* hid_w, const float* w,
+                       TO* out, int64_t out_st, int64_t H, float eps, int64_t r0, int64_t r1) {
+  for (int64_t t = r0; t < r1; ++t) {
+    TH* hh = hid ? hid + t * hid_st : nullptr;
+    if (hid_w && hh) rms_norm_row(static_cast<const TH*>(hh), hid_w, hh, H, eps);
+    add_rms_norm_row(res + t * res_st, static_cast<const TH*>(hh), w, out + t * out_st, H, eps);
+  }
+}
+
+template <typename TX, typename TO>
+void rms_norm_impl(const TX* x, int64_t x_st, const float* w, TO* out, int64_t out_st, int64_t H, float eps,
+                   int64_t r0, int64_t r1) {
+  for (int64_t t = r0; t < r1; ++t) rms_norm_row(x + t * x_st, w, out + t * out_st, H, eps);
 }
 
 // ---- RoPE ------------------------------------------------------------------------------------
@@ -189,28 +224,43 @@ void rope_dispatch(T* x, int64_t st, int64_t sh, int64_t N, int64_t D, const flo
   }
 }
 
+// Per-head RMSNorm (heads [0, Nq) by wq, [Nq, Nq + Nk) by wk) in place, rounded to T, then
+// rope over the row's heads: the two kernels' results, while the row is in L1.
 template <typename T>
-void silu_mul_impl(const T* gu, int64_t gu_st, T* out, int64_t out_st, int64_t I, int64_t r0, int64_t r1) {
+void qk_norm_rope_impl(T* x, int64_t st, int64_t sh, int64_t Nq, int64_t Nk, int64_t D, const float* wq,
+                       const float* wk, float eps, const float* cos, const float* sin, int64_t r0, int64_t r1) {
+  for (int64_t t = r0; t < r1; ++t) {
+    T* row = x + t * st;
+    for (int64_t n = 0; n < Nq + Nk; ++n) {
+      T* head = row + n * sh;
+      rms_norm_row(static_cast<const T*>(head), n < Nq ? wq : wk, head, D, eps);
+    }
+    rope_dispatch(x, st, sh, Nq + Nk, D, cos, sin, t, t + 1);
+  }
+}
+
+template <typename Act, typename T>
+void act_mul_impl(const T* gu, int64_t gu_st, T* out, int64_t out_st, int64_t I, int64_t r0, int64_t r1) {
   for (int64_t t = r0; t < r1; ++t) {
     const T* g = gu + t * gu_st;
     const T* u = g + I;
     T* o = out + t * out_st;
     int64_t j = 0;
     for (; j + 32 <= I; j += 32) {
-      const __m512 y0 = silu_mul(Io<T>::load(g + j), Io<T>::load(u + j));
-      const __m512 y1 = silu_mul(Io<T>::load(g + j + 16), Io<T>::load(u + j + 16));
+      const __m512 y0 = Act::apply(Io<T>::load(g + j), Io<T>::load(u + j));
+      const __m512 y1 = Act::apply(Io<T>::load(g + j + 16), Io<T>::load(u + j + 16));
       Io<T>::store(o + j, y0);
       Io<T>::store(o + j + 16, y1);
     }
-    for (; j < I; j += 16) Io<T>::store(o + j, silu_mul(Io<T>::load(g + j), Io<T>::load(u + j)));
+    for (; j < I; j += 16) Io<T>::store(o + j, Act::apply(Io<T>::load(g + j), Io<T>::load(u + j)));
   }
 }
 
 // bf16: 32 values per step, split into even/odd lanes (one shift / one and per 32 loaded
 // values instead of a widening move and a shift per 16), recombined before the store.
-template <>
-void silu_mul_impl<uint16_t>(const uint16_t* gu, int64_t gu_st, uint16_t* out, int64_t out_st, int64_t I,
-                             int64_t r0, int64_t r1) {
+template <typename Act>
+void act_mul_impl(const uint16_t* gu, int64_t gu_st, uint16_t* out, int64_t out_st, int64_t I, int64_t r0,
+                  int64_t r1) {
   const __m512i hi_mask = _mm512_set1_epi32((int)0xffff0000u);
 #if PF_HW_BF16
   // cvtne2ps_pbh(odd, even) holds even results in words 0..15 and odd ones in 16..31.
@@ -225,10 +275,10 @@ void silu_mul_impl<uint16_t>(const uint16_t* gu, int64_t gu_st, uint16_t* out, i
     int64_t j = 0;
     for (; j + 32 <= I; j += 32) {
       const __m512i G = _mm512_loadu_si512(g + j), U = _mm512_loadu_si512(u + j);
-      const __m512 ye = silu_mul(_mm512_castsi512_ps(_mm512_slli_epi32(G, 16)),
-                                 _mm512_castsi512_ps(_mm512_slli_epi32(U, 16)));
-      const __m512 yo = silu_mul(_mm512_castsi512_ps(_mm512_and_si512(G, hi_mask)),
-                                 _mm512_castsi512_ps(_mm512_and_si512(U, hi_mask)));
+      const __m512 ye = Act::apply(_mm512_castsi512_ps(_mm512_slli_epi32(G, 16)),
+                                   _mm512_castsi512_ps(_mm512_slli_epi32(U, 16)));
+      const __m512 yo = Act::apply(_mm512_castsi512_ps(_mm512_and_si512(G, hi_mask)),
+                                   _mm512_castsi512_ps(_mm512_and_si512(U, hi_mask)));
 #if PF_HW_BF16
       const __m512i packed = reinterpret_cast<__m512i>(_mm512_cvtne2ps_pbh(yo, ye));
       _mm512_storeu_si512(o + j, _mm512_permutexvar_epi16(idx, packed));
@@ -245,44 +295,62 @@ void silu_mul_impl<uint16_t>(const uint16_t* gu, int64_t gu_st, uint16_t* out, i
       _mm512_storeu_si512(o + j, _mm512_ternarylogic_epi32(hi_mask, ro, _mm512_srli_epi32(re, 16), 0xEA));
 #endif
     }
-    for (; j < I; j += 16) Io<uint16_t>::store(o + j, silu_mul(Io<uint16_t>::load(g + j), Io<uint16_t>::load(u + j)));
+    for (; j < I; j += 16) Io<uint16_t>::store(o + j, Act::apply(Io<uint16_t>::load(g + j), Io<uint16_t>::load(u + j)));
   }
 }
 
 }  // namespace
 
+#define PF_BY_DTYPE(code, T, ...) \
+  if ((code) == kBF16) {          \
+    using T = uint16_t;           \
+    __VA_ARGS__;                  \
+  } else {                        \
+    using T = float;              \
+    __VA_ARGS__;                  \
+  }
+
 void add_rms_norm_rows(float* res, int64_t res_st, const void* hid, int hid_dtype, int64_t hid_st,
                        const float* w, void* out, int out_dtype, int64_t out_st, int64_t H, float eps,
                        int64_t r0, int64_t r1) {
-  const bool hb = hid_dtype == kBF16, ob = out_dtype == kBF16;
-  if (hb && ob)
-    add_rms_norm_impl(res, res_st, static_cast<const uint16_t*>(hid), hid_st, w, static_cast<uint16_t*>(out),
-                      out_st, H, eps, r0, r1);
-  else if (hb)
-    add_rms_norm_impl(res, res_st, static_cast<const uint16_t*>(hid), hid_st, w, static_cast<float*>(out),
-                      out_st, H, eps, r0, r1);
-  else if (ob)
-    add_rms_norm_impl(res, res_st, static_cast<const float*>(hid), hid_st, w, static_cast<uint16_t*>(out),
-                      out_st, H, eps, r0, r1);
-  else
-    add_rms_norm_impl(res, res_st, static_cast<const float*>(hid), hid_st, w, static_cast<float*>(out),
-                      out_st, H, eps, r0, r1);
+  norm_add_rms_norm_rows(res, res_st, const_cast<void*>(hid), hid_dtype, hid_st, nullptr, w, out, out_dtype,
+                         out_st, H, eps, r0, r1);
+}
+
+void norm_add_rms_norm_rows(float* res, int64_t res_st, void* hid, int hid_dtype, int64_t hid_st,
+                            const float* hid_w, const float* w, void* out, int out_dtype, int64_t out_st,
+                            int64_t H, float eps, int64_t r0, int64_t r1) {
+  PF_BY_DTYPE(hid_dtype, TH, PF_BY_DTYPE(out_dtype, TO,
+      add_rms_norm_impl(res, res_st, static_cast<TH*>(hid), hid_st, hid_w, w, static_cast<TO*>(out), out_st,
+                        H, eps, r0, r1)))
+}
+
+void rms_norm_rows(const void* x, int x_dtype, int64_t x_st, const float* w, void* out, int out_dtype,
+                   int64_t out_st, int64_t H, float eps, int64_t r0, int64_t r1) {
+  PF_BY_DTYPE(x_dtype, TX, PF_BY_DTYPE(out_dtype, TO,
+      rms_norm_impl(static_cast<const TX*>(x), x_st, w, static_cast<TO*>(out), out_st, H, eps, r0, r1)))
 }
 
 void rope_rows(void* x, int dtype, int64_t st, int64_t sh, int64_t N, int64_t D, const float* cos,
                const float* sin, int64_t r0, int64_t r1) {
-  if (dtype == kBF16)
-    rope_dispatch(static_cast<uint16_t*>(x), st, sh, N, D, cos, sin, r0, r1);
-  else
-    rope_dispatch(static_cast<float*>(x), st, sh, N, D, cos, sin, r0, r1);
+  PF_BY_DTYPE(dtype, T, rope_dispatch(static_cast<T*>(x), st, sh, N, D, cos, sin, r0, r1))
+}
+
+void qk_norm_rope_rows(void* x, int dtype, int64_t st, int64_t sh, int64_t Nq, int64_t Nk, int64_t D,
+                       const float* wq, const float* wk, float eps, const float* cos, const float* sin,
+                       int64_t r0, int64_t r1) {
+  PF_BY_DTYPE(dtype, T, qk_norm_rope_impl(static_cast<T*>(x), st, sh, Nq, Nk, D, wq, wk, eps, cos, sin, r0, r1))
 }
 
 void silu_mul_rows(const void* gu, int dtype, int64_t gu_st, void* out, int64_t out_st, int64_t I,
                    int64_t r0, int64_t r1) {
-  if (dtype == kBF16)
-    silu_mul_impl(static_cast<const uint16_t*>(gu), gu_st, static_cast<uint16_t*>(out), out_st, I, r0, r1);
-  else
-    silu_mul_impl(static_cast<const float*>(gu), gu_st, static_cast<float*>(out), out_st, I, r0, r1);
+  PF_BY_DTYPE(dtype, T, act_mul_impl<Silu>(static_cast<const T*>(gu), gu_st, static_cast<T*>(out), out_st, I, r0, r1))
+}
+
+void gelu_tanh_mul_rows(const void* gu, int dtype, int64_t gu_st, void* out, int64_t out_st, int64_t I,
+                        int64_t r0, int64_t r1) {
+  PF_BY_DTYPE(dtype, T,
+              act_mul_impl<GeluTanh>(static_cast<const T*>(gu), gu_st, static_cast<T*>(out), out_st, I, r0, r1))
 }
 
 }  // namespace PF_FUSED_NS

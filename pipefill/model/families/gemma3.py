@@ -14,13 +14,13 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 import torch
-import torch.nn.functional as F
 
 from pipefill.model.attention import last_rows_attention
 from pipefill.model.config import ModelConfig, hf_eos_token_ids, hf_rope
 from pipefill.model.family import KVSpec, ModelFamily, WeightReader
 from pipefill.model.gguf_file import gguf_layer_name
-from pipefill.model.layers import linear, rms_norm
+from pipefill.model.families.gemma3_decode import GemmaDecodeRunner
+from pipefill.model.layers import linear
 
 
 @dataclass
@@ -215,27 +215,28 @@ class Gemma3Family(ModelFamily):
         # post-norms (ARCHITECTURE.md, 'Tensor parallelism inside a stage').
         out = model.tp_sum(linear(attn.reshape(attn.shape[0], cfg.q_size), w.o_proj, None,
                                   packed.get("o_proj"), large.get("o_proj")))
-        out = rms_norm(out, w.post_attn_norm, eps, dtype)
+        out = ops.rms_norm(out, w.post_attn_norm, eps, dtype)
         x, residual = ops.add_rms_norm(residual, out, w.pre_mlp_norm, eps, dtype)
         gate_up = linear(x, w.gate_up, None, packed.get("gate_up"), large.get("gate_up"))
-        inter = gate_up.shape[-1] // 2
-        act = F.gelu(gate_up[:, :inter], approximate="tanh").mul_(gate_up[:, inter:])
-        out = model.tp_sum(linear(act, w.down, None, packed.get("down"), large.get("down")))
-        return rms_norm(out, w.post_mlp_norm, eps, dtype), residual
+        out = model.tp_sum(linear(ops.gelu_mul(gate_up), w.down, None, packed.get("down"),
+                                  large.get("down")))
+        return ops.rms_norm(out, w.post_mlp_norm, eps, dtype), residual
+
+    def decode_runner(self, model):
+        """Decode steps on the lean path with Gemma's norms, GeGLU, local ropes and windows
+        (families/gemma3_decode.py): the same kernels in the same order as layer_forward."""
+        return GemmaDecodeRunner(model) if GemmaDecodeRunner.supports(model) else None
 
 
 def _rotated_heads(model, w: GemmaLayerWeights, qkv, cos, sin):
-    """q [T, Hq, D], k and v [T, Hkv, D], q and k RMS-normed per head and rotated."""
-    cfg, ops = model.cfg, model.ops
+    """q [T, Hq, D], k and v [T, Hkv, D] as views of qkv, q and k RMS-normed per head and
+    rotated in place (adjacent columns: one pass over both)."""
+    cfg = model.cfg
     num_tokens = qkv.shape[0]
-    q = qkv[:, :cfg.q_size].view(num_tokens, cfg.num_heads, cfg.head_dim)
-    k = qkv[:, cfg.q_size:cfg.q_size + cfg.kv_size].view(num_tokens, cfg.num_kv_heads, -1)
+    qk = qkv[:, :cfg.q_size + cfg.kv_size].view(num_tokens, -1, cfg.head_dim)
+    model.ops.qk_norm_rope_(qk, cfg.num_heads, w.q_norm, w.k_norm, cfg.rms_norm_eps, cos, sin)
     v = qkv[:, cfg.q_size + cfg.kv_size:].view(num_tokens, cfg.num_kv_heads, cfg.head_dim)
-    q = rms_norm(q, w.q_norm, cfg.rms_norm_eps, model.dtype)
-    k = rms_norm(k, w.k_norm, cfg.rms_norm_eps, model.dtype)
-    ops.rope_(q, cos, sin)
-    ops.rope_(k, cos, sin)
-    return q, k, v
+    return qk[:, :cfg.num_heads], qk[:, cfg.num_heads:], v
 
 
 def _kind(layer: int, pattern: int | None) -> str:

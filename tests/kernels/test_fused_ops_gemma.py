@@ -20,9 +20,21 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import test_fused_ops as base
 from pipefill.kernels import fused_ops as fo
-from test_fused_ops import (DTYPES, EPS, assert_matches, norm_case, pytestmark,  # noqa: F401
-                            rope_case, rope_reference, ulp_distance, variant)
+from test_fused_ops import (DTYPES, EPS, assert_matches, norm_case, rope_case, rope_reference,
+                            ulp_distance)
+
+pytestmark = base.pytestmark
+
+
+@pytest.fixture(params=base._variants())
+def variant(request):
+    """Runs the test once per kernel build this CPU supports (avx512, avx512bf16, avx2)."""
+    default = fo.kernel_variant()
+    assert fo._select_variant(request.param)
+    yield request.param
+    fo._select_variant(default)
 
 
 def norm_reference(x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:

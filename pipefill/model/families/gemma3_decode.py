@@ -57,7 +57,7 @@ class GemmaDecodeRunner(DecodeRunner):
         self.shared = None
 
     @staticmethod
-    def supports(model, qk_norm: bool = True) -> bool:
+    def supports(model) -> bool:
         """Fused ops and a vector attention kernel (which bounds windows)."""
         return isinstance(model.ops, FusedOps) and isinstance(model.attention, VectorAttention)
 
@@ -70,11 +70,12 @@ class GemmaDecodeRunner(DecodeRunner):
         else:
             self._norm(residual, hidden, layers[0].input_norm, buf.x)
         res = (residual.data_ptr(), residual.stride(0))
-        steps, keep = self._steps(buf, meta, cos, sin)
+        # `local` holds the local rope tables whose addresses `steps` passes: alive to the end.
+        steps, local = self._steps(buf, meta, cos, sin)
         for calls, cache in zip(buf.calls, self._caches(k_cache, v_cache)):
             out = buf.down if calls.next_norm is not None else torch.empty_like(buf.down)
             self._gemma_layer(calls, buf, res, steps[calls.window > 0], cache, out)
-        del keep
+        del local
         return out, residual
 
     def _steps(self, buf: DecodeBuffers, meta, cos, sin):
@@ -88,8 +89,9 @@ class GemmaDecodeRunner(DecodeRunner):
         local = (cos, sin) if model.local_inv_freq is None else cos_sin(meta.positions,
                                                                          model.local_inv_freq)
         # The window layers' own pages where the stage keeps them apart ('Window pages').
-        seqs = meta.seqs if meta.window_seqs is None else meta.window_seqs
-        windowed = ((local[0].data_ptr(), local[1].data_ptr()), attend.decode_tables(seqs))
+        tables = (whole[1] if meta.window_seqs is None
+                  else attend.decode_tables(meta.window_seqs))
+        windowed = ((local[0].data_ptr(), local[1].data_ptr()), tables)
         return (whole, windowed), local
 
     def _gemma_layer(self, calls: GemmaLayerCalls, buf: DecodeBuffers, res, step, cache,

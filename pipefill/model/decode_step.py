@@ -21,6 +21,9 @@ MLP: its experts' GEMMs are the packed decode copies too, each chosen expert rea
 rows of the step. Per-head q/k norms (Qwen3-MoE) are applied in place in the qkv buffer before
 the rotation, for the families that ask for them (`supports(model, qk_norm=True)`).
 
+Gemma 3's runner (families/gemma3_decode.py) is this one with Gemma's layer: sandwich norms,
+per-head q/k norms with rope in one call, GeGLU, local rope tables and per-layer windows.
+
 Tensors that leave the stage (the residual stream, the last layer's output) are fresh each step:
 a pipeline send of step s may still read them while step s + 1 runs.
 """

@@ -106,13 +106,16 @@ class GemmaDecodeRunner(DecodeRunner):
             model.attention.decode_batch(*buf.qkv_heads, *cache, tables, model.scale, buf.attn,
                                          window=calls.window)
         calls.o_proj()
-        model.tp_sum(buf.o)  # tensor parallelism: the ranks' partial sums, before the norm
+        o_sum, down_sum = buf.tp_sums  # tensor parallelism: the ranks' sums, before the norms
+        if o_sum is not None:
+            o_sum()
         self._check(lib.pf_norm_add_rms_norm(*res, *calls.post_attn), "norm_add_rms_norm")
         calls.gate_up()
         self._check(lib.pf_gelu_tanh_mul(*buf.silu), "gelu_tanh_mul")
         if calls.next_norm is not None:
             calls.down()  # into buf.down (= out)
-            model.tp_sum(out)
+            if down_sum is not None:
+                down_sum()
             self._check(lib.pf_norm_add_rms_norm(*res, *calls.next_norm), "norm_add_rms_norm")
             return
         calls.down(buf.act, out=out)

@@ -32,8 +32,9 @@ log = logging.getLogger(__name__)
 
 CUDA_NEVER_RUN = ("--device cuda: one stage on one GPU has run once (an H200: float32 results "
                   "within 3e-6 of HF transformers), but NCCL between stages (one GPU per stage) "
-                  "has never run on a GPU; expect failures there, and use --device cpu for a "
-                  "tested server")
+                  "and between the TP ranks of a stage (--tp-size, one GPU per rank) has never "
+                  "run on a GPU; expect failures there, and use --device cpu for a tested "
+                  "server")
 PROMPT_LOGPROBS_UNDER_PD = ("prompt logprobs (echo with logprobs, return_prompt_logprobs) are "
                             "not served by a PD pair: the decode server never sees the prompt's "
                             "logits")
@@ -49,6 +50,7 @@ def prepare(args: ServerArgs) -> tuple[ServerArgs, WeightSource]:
     source = WeightSource(resolve_model_path(args.model_path))
     keeps_blocks(args.weight_dtype, source, args.device)  # gguf needs a GGUF file, fp8 an FP8 one
     check_tp_settings(args, source)
+    args.layout.check_gpus(torch.cuda.device_count())  # this node's; each node checks its own
     if args.chat_template is not None:  # an unreadable file is refused before stages start
         read_chat_template(args.chat_template)
     # Also checks the layer partition against the model, balanced by the layers' costs.
@@ -79,6 +81,22 @@ def check_tp_settings(args: ServerArgs, source: WeightSource) -> None:
     if args.hicache_storage_backend:
         raise ValueError(f"--tp-size {args.tp_size} does not run with a storage tier "
                          "(--hicache-storage-backend) yet")
+    if args.device == "cuda":
+        check_cuda_tp(args)
+
+
+def check_cuda_tp(args: ServerArgs) -> None:
+    """What the CUDA path of --tp-size (NCCL between a stage's ranks) does not do, refused with
+    a sentence; the rest of check_tp_settings holds on CUDA too (GGUF blocks stay on CPU
+    stages: loader.keeps_blocks)."""
+    if args.pp_size > 1 and args.tp_stage_transport == "per_rank":
+        raise ValueError(f"--tp-stage-transport per_rank runs on --device cpu only: on CUDA "
+                         f"the TP peers' own links between stages are not written; use "
+                         f"--tp-stage-transport leader with --tp-size {args.tp_size}")
+    if args.disagg.enabled:
+        raise ValueError(f"--disaggregation-mode {args.disagg.mode.value} with --tp-size "
+                         f"{args.tp_size} runs on --device cpu only: the leader maps its "
+                         "peers' KV pools from files in host memory")
 
 
 def start_bootstrap(host: str, disagg: Disaggregation) -> BootstrapServer:

@@ -204,9 +204,11 @@ class ServerArgs:
         "do not divide; KV heads fewer than ranks are replicated) and MLP width, and its own "
         "KV heads' cache; the ranks of a stage sum their partial outputs twice a layer "
         "(shared-memory all-reduce; gloo where it is unavailable or the ranks are on different "
-        "nodes). CPU only, "
-        "Llama/Mistral/Qwen2/Qwen3 and the Qwen2-MoE/Qwen3-MoE/Mixtral models (not "
-        "DeepSeek's latent attention); NCCL/CUDA is not done.", default=1)
+        "nodes). Llama/Mistral/Qwen2/Qwen3, the Qwen2-MoE/Qwen3-MoE/Mixtral models, "
+        "DeepSeek-V2/V3 and Gemma 3. With --device cuda each rank takes its own GPU (its "
+        "index among the node's processes) and the ranks sum over NCCL: written but UNTESTED, "
+        "it has never run on a GPU (not with --tp-stage-transport per_rank or a PD role).",
+        default=1)
     tp_moe_split: str = _flag(
         "How --tp-size splits a mixture-of-experts layer's routed experts (the router is on "
         "every rank): width (every rank a share of every expert's intermediate columns) or "
@@ -254,9 +256,10 @@ class ServerArgs:
         "keeps the secret out of the process list. Alternative to --cluster-secret.",
         default=None)
     device: str = _flag(
-        "cpu, or cuda (NCCL between stages; one GPU per stage). One stage on one GPU has run "
-        "once (an H200); NCCL between stages has never run on a GPU: expect it to fail, and "
-        "a warning says so at start.",
+        "cpu, or cuda (NCCL between stages and between a stage's TP ranks; one GPU per "
+        "process, as many visible on each node as it runs processes). One stage on one GPU "
+        "has run once (an H200); NCCL has never run on a GPU: expect it to fail, and a "
+        "warning says so at start.",
         default="cpu", choices=["cpu", "cuda"])
     trace_dir: str | None = _flag(
         "Write a Chrome-trace/Perfetto JSON and a PNG timeline of the stages here.",

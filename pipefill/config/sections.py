@@ -83,9 +83,6 @@ class Layout:
     def __post_init__(self) -> None:
         _at_least(self.pp_size, 1, "--pp-size")
         _at_least(self.tp_size, 1, "--tp-size")
-        if self.tp_size > 1 and self.device != "cpu":
-            raise ValueError(f"--tp-size > 1 runs on --device cpu only for now (NCCL between "
-                             f"the ranks of a stage is not written), not --device {self.device}")
         if self.threads_per_stage is not None:
             _at_least(self.threads_per_stage, 1, "--threads-per-stage")
         _at_least(self.dist_init_timeout, 1, "--dist-init-timeout", " second")
@@ -131,6 +128,21 @@ class Layout:
     def local_process(self, stage: int, tp_rank: int) -> int:
         """A process's index among this node's processes: the core set it is pinned to."""
         return stage * self.tp_size + tp_rank - self.node_rank * self.processes_per_node
+
+    def gpu_index(self, stage: int, tp_rank: int) -> int:
+        """The CUDA device a stage process uses (--device cuda): its index among this node's
+        processes (local_process), one GPU each, so a stage's TP ranks take consecutive GPUs
+        and stage s of one rank takes GPU s - (the node's first stage)."""
+        return self.local_process(stage, tp_rank)
+
+    def check_gpus(self, visible: int) -> None:
+        """Refuses a --device cuda layout that needs more GPUs on this node than `visible`
+        (torch.cuda.device_count(), which CUDA_VISIBLE_DEVICES narrows)."""
+        if self.device == "cuda" and visible < self.processes_per_node:
+            raise ValueError(
+                f"--device cuda runs {self.processes_per_node} process(es) on this node "
+                f"(--pp-size {self.pp_size} x --tp-size {self.tp_size} over --nnodes "
+                f"{self.nnodes}), one GPU each, but {visible} GPU(s) are visible here")
 
     def node_of(self, stage: int, tp_rank: int) -> int:
         """The node that runs a process. The processes, stage by stage and TP rank by TP rank,

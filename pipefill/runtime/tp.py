@@ -19,7 +19,10 @@ Under the per-rank stage transport a received micro-batch's rows come split over
 leader broadcasts the plan alone and the ranks gather the rows (`gather_rows`).
 The sums go through the shared-memory group of the stage's ranks (comm/shm.py), or through
 gloo where that cannot be set up (a sentence in the log says why) or where the stage's ranks
-run on different nodes (Layout.node_of).
+run on different nodes (Layout.node_of). On CUDA (each rank on its own GPU,
+Layout.gpu_index) the sums, the gathers and a forward's activations go over an NCCL group of
+the stage's ranks, the plans and objects over the gloo one (`sum_path`, `OverNccl`; written,
+never run on a GPU).
 """
 from __future__ import annotations
 
@@ -89,24 +92,86 @@ class FrameBroadcast:
         return self._frame[:nbytes]
 
 
+class InFrame:
+    """A forward's activations on CPU: inside the leader's frame, after the plan (one
+    FrameBroadcast over gloo)."""
+
+    def __init__(self, specs):
+        self.frame_specs = specs  # the frame lays out one tensor per spec
+
+    def send(self, tensors: list[torch.Tensor]) -> None:
+        pass  # already in the frame
+
+    def receive(self, frame: torch.Tensor, body_len: int, rows: int) -> Activations:
+        offsets = frame_layout(body_len, rows, self.frame_specs)[0]
+        # Copies: the frame buffer is reused by the next broadcast, the forward keeps these.
+        return Activations(*(tensor_at(frame, offset, rows, width, dtype).clone()
+                             for offset, (width, dtype) in zip(offsets, self.frame_specs)))
+
+
+class OverNccl:
+    """A forward's activations on CUDA: the leader's frame carries the plan and the row count
+    over gloo, and the tensors follow GPU to GPU, one NCCL broadcast each, in the same order
+    on every rank (as p2p's channels between stages do). Written, never run on a GPU."""
+    frame_specs = ()
+
+    def __init__(self, specs, src: int, group, device: torch.device):
+        self.specs, self.src, self.group, self.device = specs, src, group, device
+
+    def send(self, tensors: list[torch.Tensor]) -> None:
+        for t, (_, dtype) in zip(tensors, self.specs):
+            dist.broadcast(t.to(self.device, dtype).contiguous(), src=self.src,
+                           group=self.group)
+
+    def receive(self, frame: torch.Tensor, body_len: int, rows: int) -> Activations:
+        tensors = [torch.empty(rows, width, dtype=dtype, device=self.device)
+                   for width, dtype in self.specs]
+        for t in tensors:
+            dist.broadcast(t, src=self.src, group=self.group)
+        return Activations(*tensors)
+
+
+def sum_path(layout, stage: int, device: torch.device) -> str:
+    """How stage `stage`'s TP ranks sum and gather their tensors: "nccl" on CUDA (each rank's
+    GPU), "gloo" where the ranks run on different nodes, else "shared memory" (gloo where it
+    cannot be set up). Every rank of the stage sees the same layout and device type, so all
+    take the same path."""
+    if device.type == "cuda":
+        return "nccl"
+    return "gloo" if layout.tp_spans_nodes(stage) else "shared memory"
+
+
+def stage_groups(layout, backend: str) -> list:
+    """Every stage's TP group on `backend`. Every process of the world creates every stage's
+    group, in the same order. Peers wait in a broadcast for as long as the server is idle: no
+    timeout to speak of."""
+    return [dist.new_group(layout.tp_group_ranks(s), backend=backend,
+                           timeout=datetime.timedelta(days=30))
+            for s in range(layout.pp_size)]
+
+
 class TPLink:
-    """One rank's end of its stage's TP group: the sums, and the leader's broadcasts."""
+    """One rank's end of its stage's TP group: the sums, and the leader's broadcasts. `group`
+    (gloo) carries the plans and objects; `tensors`, the sums, the gathers and a forward's
+    activations: the same gloo group on CPU, the stage's NCCL group on CUDA."""
 
     def __init__(self, layout, stage: int, tp_rank: int, hidden_size: int,
-                 dtype: torch.dtype, hide_cpu_flags: str = ""):
+                 dtype: torch.dtype, hide_cpu_flags: str = "",
+                 device: torch.device = torch.device("cpu")):
         self.stage, self.tp_rank, self.size = stage, tp_rank, layout.tp_size
         self.leader = layout.global_rank(stage, 0)
-        # Every process of the world creates every stage's group, in the same order. Peers
-        # wait in a broadcast for as long as the server is idle: no timeout to speak of.
-        groups = [dist.new_group(layout.tp_group_ranks(s), backend="gloo",
-                                 timeout=datetime.timedelta(days=30))
-                  for s in range(layout.pp_size)]
-        self.group = groups[stage]
+        self.group = self.tensors = stage_groups(layout, "gloo")[stage]
         self.specs = [(hidden_size, dtype), (hidden_size, torch.float32)]
         self.codec = BodyCodec(PipeMessage)
         self.plans = FrameBroadcast(self.leader, self.group)
+        self.acts = InFrame(self.specs)
         self.shm, self.backend = None, "gloo"
-        if layout.tp_spans_nodes(stage):  # every rank of the group sees the same layout
+        path = sum_path(layout, stage, device)
+        if path == "nccl":
+            self.tensors = stage_groups(layout, "nccl")[stage]
+            self.acts = OverNccl(self.specs, self.leader, self.tensors, device)
+            self.backend = f"NCCL on {device} (untested on a GPU)"
+        elif path == "gloo":
             self.backend = "gloo (the stage's TP ranks are on different nodes)"
         else:
             self._try_shared_memory(hide_cpu_flags)
@@ -126,7 +191,7 @@ class TPLink:
         assert tensor.is_contiguous(), "a TP sum needs a contiguous tensor"
         if self.shm is not None and tensor.dtype in (torch.float32, torch.bfloat16):
             return self.shm.all_reduce_(tensor)
-        dist.all_reduce(tensor, group=self.group)
+        dist.all_reduce(tensor, group=self.tensors)
         return tensor
 
     def bind_sum(self, tensor: torch.Tensor):
@@ -135,14 +200,14 @@ class TPLink:
         assert tensor.is_contiguous(), "a TP sum needs a contiguous tensor"
         if self.shm is not None and tensor.dtype in (torch.float32, torch.bfloat16):
             return self.shm.bind_all_reduce(tensor)
-        return lambda: dist.all_reduce(tensor, group=self.group)
+        return lambda: dist.all_reduce(tensor, group=self.tensors)
 
     def all_gather(self, tensor: torch.Tensor) -> torch.Tensor:
         """Every rank's `tensor` (the same shape on each), stacked in rank order."""
         if self.shm is not None:
             return self.shm.all_gather(tensor)
         parts = [torch.empty_like(tensor) for _ in range(self.size)]
-        dist.all_gather(parts, tensor, group=self.group)
+        dist.all_gather(parts, tensor, group=self.tensors)
         return torch.stack(parts)
 
     # ---- the leader ------------------------------------------------------------------------
@@ -185,12 +250,13 @@ class TPLink:
     def _send(self, kind: int, msg: PipeMessage, tensors: list[torch.Tensor]) -> None:
         body = self.codec.encode(msg)
         rows = tensors[0].shape[0] if tensors else -1
-        offsets, frame_len = frame_layout(len(body), rows, self.specs)
+        offsets, frame_len = frame_layout(len(body), rows, self.acts.frame_specs)
         frame = self.plans.frame_for(frame_len)
         frame[HEADER_BYTES:HEADER_BYTES + len(body)].numpy()[:] = np.frombuffer(body, np.uint8)
-        for offset, t, (width, dtype) in zip(offsets, tensors, self.specs):
+        for offset, t, (width, dtype) in zip(offsets, tensors, self.acts.frame_specs):
             tensor_at(frame, offset, rows, width, dtype).copy_(t)
         self.plans.send(frame, len(body), rows, kind)
+        self.acts.send(tensors)
 
     # ---- a peer ----------------------------------------------------------------------------
 
@@ -200,11 +266,7 @@ class TPLink:
         msg = self.codec.decode(frame[HEADER_BYTES:HEADER_BYTES + body_len].numpy().tobytes())
         if rows < 0:
             return kind, msg, None
-        offsets = frame_layout(body_len, rows, self.specs)[0]
-        # Copies: the frame buffer is reused by the next broadcast, the forward keeps these.
-        hidden, residual = (tensor_at(frame, offset, rows, width, dtype).clone()
-                            for offset, (width, dtype) in zip(offsets, self.specs))
-        return kind, msg, Activations(hidden, residual)
+        return kind, msg, self.acts.receive(frame, body_len, rows)
 
     def gather_objects(self, obj) -> list:
         """Every rank's `obj` (small, picklable), in rank order, on every rank."""

@@ -128,8 +128,9 @@ def _run_stage(args: ServerArgs, model_file: str, rank: int, channel: StageChann
         source = WeightSource(model_file)
         info = layout.stage(rank, tp_rank)
         device = torch.device("cpu")
-        if args.device == "cuda":
-            device = torch.device("cuda", rank - layout.local_ranks.start)
+        if args.device == "cuda":  # one GPU a process, a stage's TP ranks side by side
+            layout.check_gpus(torch.cuda.device_count())
+            device = torch.device("cuda", layout.gpu_index(rank, tp_rank))
             torch.cuda.set_device(device)
         groups = (init_distributed(args, layout.global_rank(rank, tp_rank))
                   if layout.world_size > 1 else (None, None))
@@ -137,7 +138,7 @@ def _run_stage(args: ServerArgs, model_file: str, rank: int, channel: StageChann
         if layout.tp_size > 1:
             from pipefill.runtime.tp import TPLink
             tp = TPLink(layout, rank, tp_rank, source.config.hidden_size,
-                        resolve_dtype(args.dtype), args.hide_cpu_flags)
+                        resolve_dtype(args.dtype), args.hide_cpu_flags, device)
             log.info("%s: TP all-reduce over %s", name, tp.backend)
         if args.disagg.enabled and layout.tp_size > 1:  # the leader moves every rank's KV
             from pipefill.kv.shared import SharedEmpty

@@ -2,10 +2,12 @@
 was misdescribed, and the start-up warning of the never-run CUDA path."""
 from __future__ import annotations
 
+import contextlib
 import logging
 import re
 
 import pytest
+import torch
 from conftest import save_tiny_model
 
 from pipefill.cli.main import main
@@ -27,6 +29,12 @@ def test_device_help_says_cuda_never_ran(capsys):
     assert "never run on a GPU" in flag_help(capsys, "--device")
 
 
+def test_tp_size_help_says_its_nccl_path_is_untested(capsys):
+    text = flag_help(capsys, "--tp-size")
+    assert "over NCCL: written but UNTESTED, it has never run on a GPU" in text
+    assert "NCCL/CUDA is not done" not in text
+
+
 def test_disaggregation_mode_help_allows_decode_pipelines(capsys):
     text = flag_help(capsys, "--disaggregation-mode")
     assert "--pp-size 1" not in text and "Either role may run a pipeline" in text
@@ -45,10 +53,13 @@ def test_storage_cap_flag_is_documented(capsys):
 
 def test_cuda_start_warns_that_it_never_ran(tmp_path, caplog):
     model = save_tiny_model("llama", tmp_path)
-    with caplog.at_level(logging.WARNING, logger="pipefill.frontend"):
+    # Without a GPU the start is refused after the warning (Layout.check_gpus).
+    no_gpu = (pytest.raises(ValueError, match=r"but 0 GPU\(s\) are visible")
+              if torch.cuda.device_count() == 0 else contextlib.nullcontext())
+    with caplog.at_level(logging.WARNING, logger="pipefill.frontend"), no_gpu:
         prepare(ServerArgs(model_path=model, device="cuda"))
-    assert any("has never run on a GPU" in r.getMessage() and r.levelno == logging.WARNING
-               for r in caplog.records)
+    assert any("has never run on a GPU" in r.getMessage() and "TP ranks" in r.getMessage()
+               and r.levelno == logging.WARNING for r in caplog.records)
     caplog.clear()
     with caplog.at_level(logging.WARNING, logger="pipefill.frontend"):
         prepare(ServerArgs(model_path=model))

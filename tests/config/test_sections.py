@@ -100,3 +100,31 @@ def test_processes_are_dealt_to_nodes_in_blocks(pp, tp, nnodes, expected):
 def test_tp_across_nodes_needs_as_many_processes_on_each():
     with pytest.raises(ValueError, match="3 processes must be a multiple of --nnodes 2"):
         ServerArgs(tp_size=3, nnodes=2, dist_init_addr="h:1")
+
+
+@pytest.mark.parametrize("pp, tp, nnodes, node, expected", [
+    # {(stage, TP rank): GPU} of one node's processes under --device cuda
+    (2, 1, 1, 0, {(0, 0): 0, (1, 0): 1}),
+    (4, 1, 2, 1, {(2, 0): 0, (3, 0): 1}),
+    (2, 2, 1, 0, {(0, 0): 0, (0, 1): 1, (1, 0): 2, (1, 1): 3}),
+    (2, 2, 2, 1, {(1, 0): 0, (1, 1): 1}),
+    (1, 4, 2, 1, {(0, 2): 0, (0, 3): 1}),
+])
+def test_each_cuda_process_takes_its_own_gpu(pp, tp, nnodes, node, expected):
+    layout = ServerArgs(pp_size=pp, tp_size=tp, nnodes=nnodes, node_rank=node,
+                        dist_init_addr="h:1", device="cuda").layout
+    assert {p: layout.gpu_index(*p) for p in layout.local_processes} == expected
+    if tp == 1:  # a pipeline's stages keep the GPUs they had before TP ran on CUDA
+        assert all(gpu == s - layout.local_ranks.start for (s, _), gpu in expected.items())
+
+
+def test_cuda_needs_a_visible_gpu_per_process_on_the_node():
+    layout = ServerArgs(pp_size=2, tp_size=2, device="cuda").layout  # no longer refused
+    layout.check_gpus(4)
+    with pytest.raises(ValueError, match=r"--device cuda runs 4 process\(es\) on this node "
+                       r"\(--pp-size 2 x --tp-size 2 over --nnodes 1\), one GPU each, but 3 "
+                       r"GPU\(s\) are visible here"):
+        layout.check_gpus(3)
+    ServerArgs(pp_size=1, tp_size=4, nnodes=2, dist_init_addr="h:1",
+               device="cuda").layout.check_gpus(2)  # two processes a node
+    ServerArgs(tp_size=2).layout.check_gpus(0)  # CPU stages need none

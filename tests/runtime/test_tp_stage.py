@@ -3,7 +3,8 @@ the shared-memory all-reduce): float32 against one rank (prompt logprobs within 
 greedy tokens identical) through chunked prefill and batched decode, on a model with 6 query
 and 3 KV heads: TP 2 (split by query heads, 3 and 3, KV head 1 on both ranks: unequal groups on
 the sdpa path), TP 4 (uneven query shares, a KV head replicated),
-PP 2 x TP 2; the Qwen families' bias and q/k norms at TP 2; the CLI's refusals; a killed
+PP 2 x TP 2; the Qwen families' bias and q/k norms at TP 2; the CLI's refusals (those of the
+CUDA path among them); a killed
 rank failing its stage's requests fast."""
 import json
 import os
@@ -17,6 +18,7 @@ import torch
 from conftest import (assert_matches_hf, assert_pages_free, hf_reference,
                       kill_during_a_long_request, save_tiny_model, track)
 from pipefill import Engine
+from pipefill.config import ServerArgs
 from pipefill.model.loader import WeightSource
 from pipefill.model.tensor_parallel import choose_head_split, tp_shard
 
@@ -119,13 +121,27 @@ def run_cli(*argv):
 @pytest.mark.parametrize("flags, sentence", [
     (["--tp-size", "0"], "--tp-size must be at least 1"),
     (["--tp-size", "7"], "larger than the model's 6 attention heads"),
-], ids=["zero", "more-ranks-than-heads"])
+    (["--device", "cuda", "--tp-size", "2", "--pp-size", "2", "--tp-stage-transport",
+      "per_rank"], "--tp-stage-transport per_rank runs on --device cpu only"),
+    pytest.param(["--device", "cuda", "--tp-size", "2"],
+                 "--device cuda runs 2 process(es) on this node", marks=pytest.mark.skipif(
+                     torch.cuda.device_count() >= 2, reason="two GPUs: it would run")),
+], ids=["zero", "more-ranks-than-heads", "cuda-per-rank", "cuda-without-gpus"])
 def test_cli_refuses(odd_llama, flags, sentence):
     out = run_cli("generate", "--model-path", odd_llama, "--input-len", "8",
                   "--max-new-tokens", "1", *flags)
     assert out.returncode == 2, out.stderr
     assert sentence in out.stderr
     assert "Traceback" not in out.stderr
+
+
+def test_a_pd_role_under_tp_on_cuda_is_refused():
+    from pipefill.frontend import check_cuda_tp
+    args = dict(device="cuda", tp_size=2, disaggregation_insecure=True)
+    check_cuda_tp(ServerArgs(**args))
+    with pytest.raises(ValueError, match="--disaggregation-mode prefill with --tp-size 2 runs "
+                       "on --device cpu only"):
+        check_cuda_tp(ServerArgs(disaggregation_mode="prefill", **args))
 
 
 @pytest.mark.slow

@@ -37,26 +37,35 @@ inline __m128i plane(__m128i v, int shift) {
 }
 
 // Codes of weights 0..15 (lo) and 16..31 (hi) of unit u, as int8 (the bits of unit_codes).
+// The 32 signed codes of a Q4_0/Q4_1/Q5_0 block from its 16 nibble bytes `raw` (and Q5_0's
+// fifth bits, one per weight; ignored otherwise): weights 0-15 in lo, 16-31 in hi, less the
+// type's zero point (Q4_1 has none: its offset m is added in floats).
+template <int QT>
+inline void nibble_codes32(__m128i raw, uint32_t fifth, __m128i& lo, __m128i& hi) {
+  lo = low_nibbles(raw);
+  hi = high_nibbles(raw);
+  if constexpr (QT == kQ5_0) {
+    lo = _mm_or_si128(lo, fifth_bits(fifth & 0xffff));
+    hi = _mm_or_si128(hi, fifth_bits(fifth >> 16));
+  } else {
+    (void)fifth;
+  }
+  if constexpr (QT != kQ4_1) {
+    const __m128i zero = _mm_set1_epi8(QT == kQ4_0 ? 8 : 16);
+    lo = _mm_sub_epi8(lo, zero);
+    hi = _mm_sub_epi8(hi, zero);
+  }
+}
+
 template <int QT>
 inline void unit_codes16(const uint8_t* b, int u, __m128i& lo, __m128i& hi) {
   if constexpr (QT == kQ8_0) {
     lo = load16(b + 2);
     hi = load16(b + 18);
   } else if constexpr (QT == kQ4_0 || QT == kQ4_1 || QT == kQ5_0) {
-    const __m128i raw = load16(b + (QT == kQ4_0 ? 2 : QT == kQ4_1 ? 4 : 6));
-    lo = low_nibbles(raw);
-    hi = high_nibbles(raw);
-    if constexpr (QT == kQ5_0) {
-      uint32_t fifth;
-      std::memcpy(&fifth, b + 2, 4);
-      lo = _mm_or_si128(lo, fifth_bits(fifth & 0xffff));
-      hi = _mm_or_si128(hi, fifth_bits(fifth >> 16));
-    }
-    if constexpr (QT != kQ4_1) {
-      const __m128i zero = _mm_set1_epi8(QT == kQ4_0 ? 8 : 16);
-      lo = _mm_sub_epi8(lo, zero);
-      hi = _mm_sub_epi8(hi, zero);
-    }
+    uint32_t fifth = 0;
+    if constexpr (QT == kQ5_0) std::memcpy(&fifth, b + 2, 4);
+    nibble_codes32<QT>(load16(b + (QT == kQ4_0 ? 2 : QT == kQ4_1 ? 4 : 6)), fifth, lo, hi);
   } else if constexpr (QT == kQ4_K || QT == kQ5_K) {
     const uint8_t* nib = b + (QT == kQ4_K ? 16 : 48) + 32 * (u / 2);
     const __m128i r0 = load16(nib), r1 = load16(nib + 16);
@@ -206,19 +215,9 @@ void dequant16(const uint8_t* grp, int64_t K, int valid, void* out, bool bf16, i
           lo = raw[r];
           hi = raw2[r];
         } else {
-          lo = low_nibbles(raw[r]);
-          hi = high_nibbles(raw[r]);
-          if constexpr (QT == kQ5_0) {
-            uint32_t fifth;
-            std::memcpy(&fifth, blk + 32 + 4 * row, 4);
-            lo = _mm_or_si128(lo, fifth_bits(fifth & 0xffff));
-            hi = _mm_or_si128(hi, fifth_bits(fifth >> 16));
-          }
-          if constexpr (QT != kQ4_1) {
-            const __m128i zero = _mm_set1_epi8(QT == kQ4_0 ? 8 : 16);
-            lo = _mm_sub_epi8(lo, zero);
-            hi = _mm_sub_epi8(hi, zero);
-          }
+          uint32_t fifth = 0;
+          if constexpr (QT == kQ5_0) std::memcpy(&fifth, blk + 32 + 4 * row, 4);
+          nibble_codes32<QT>(raw[r], fifth, lo, hi);
         }
         const float mr = QT == kQ4_1 ? m[row] : 0.0f;
         typename V::reg w[32 / V::kLanes];

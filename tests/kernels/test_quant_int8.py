@@ -151,10 +151,13 @@ def test_int8_unit_lanes_against_float64(path, qtype):
 
 # (M, K, N) for the 16-row layout: N a multiple of 16 and not (the last group's padding rows,
 # its outputs masked), M around the 8-row tiles, K from one block up to the SmolLM2 MLP's.
-ROWS16_SHAPES = [(1, 576, 576), (1, 32, 17), (2, 1536, 40), (3, 64, 16), (8, 576, 33),
-                 (9, 320, 48), (17, 96, 31), (33, 160, 5)]
-ROWS16_SHAPES_K = [(1, 768, 64), (1, 256, 17), (2, 1536, 40), (8, 512, 33), (9, 256, 48),
-                   (17, 512, 31), (33, 256, 5)]
+# Every tile height of the VNNI kernel (1-3: two dot-product chains a row; 4-8: one) alone and
+# after whole tiles of 8 (12: 8 + 4).
+ROWS16_SHAPES = [(1, 576, 576), (1, 32, 17), (2, 1536, 40), (3, 64, 16), (4, 96, 20),
+                 (5, 64, 16), (6, 128, 33), (7, 32, 17), (8, 576, 33), (9, 320, 48),
+                 (12, 96, 40), (17, 96, 31), (33, 160, 5)]
+ROWS16_SHAPES_K = [(1, 768, 64), (1, 256, 17), (2, 1536, 40), (4, 256, 20), (7, 512, 17),
+                   (8, 512, 33), (9, 256, 48), (12, 256, 33), (17, 512, 31), (33, 256, 5)]
 
 
 @pytest.mark.parametrize("path", qg.INT8_PATHS)

@@ -1234,13 +1234,16 @@ void run_r(const Params& p, int64_t item, const Scratch& s) {
   k.epilogue();
 }
 
-// Decode (a q-tile of at most 4 rows, e.g. one token of a group of 3) takes blocks of 4 rows:
-// blocks of 8 would compute 5 padding rows of 8. Rows are computed alike in either block size.
+// Decode (a q-tile of at most 4 rows, e.g. one token of a group of 3) takes blocks of 4 rows,
+// and exactly 3 rows (SmolLM2's 9 query heads over 3 KV heads) a block of 3: a padding row
+// would cost a quarter of the QK^T, softmax and PV work. Rows are computed alike in any block
+// size (each row's sums in the same order), so the bits do not change.
 template <int D, bool KVB>
 void run_d(const Params& p, int64_t item, const Scratch& s) {
   if (quant_decode(p)) return run_quant_decode_k<D>(p, item, s);
   const int64_t rows = (p.C < p.qtile ? p.C : p.qtile) * p.group;
-  if (kRows > 4 && rows <= 4) run_r<D, KVB, 4>(p, item, s);
+  if (kRows > 4 && rows == 3) run_r<D, KVB, 3>(p, item, s);
+  else if (kRows > 4 && rows <= 4) run_r<D, KVB, 4>(p, item, s);
   else run_r<D, KVB, kRows>(p, item, s);
 }
 

@@ -156,40 +156,26 @@ inline void rows16_tile(const Rows16Acts& a, int64_t m0, const uint8_t* grp, int
       for (int r = 0; r < R; ++r) {
         const uint8_t* x = rec + r * kRows16Rec;
         const uint8_t* e = x + kRows16Extra;
-        // Each chain starts from its zero point's term. Q6_K's halves (weights 0..15, 16..31)
-        // have scales of their own: two chains. Else one chain where a tile has 4 rows or more
-        // (the rows' chains overlap their latency; the integer sum is the same, one add less a
-        // row and unit), two of four for smaller tiles.
+        // Two chains of four dot products (weights 0..15, 16..31; their latency overlaps),
+        // each starting from its zero point's term.
         int32_t e0, e1;
         std::memcpy(&e0, e, 4);
         std::memcpy(&e1, e + 4, 4);
-        constexpr bool kOneChain = !kHalves && R >= 4;
         __m512i s0 = kZero ? _mm512_set1_epi32(e0) : _mm512_setzero_si512();
         __m512i s1 = kHalves ? _mm512_set1_epi32(e1) : _mm512_setzero_si512();
         for (int j = 0; j < 4; ++j) {
-          int32_t x0;
+          int32_t x0, x1;
           std::memcpy(&x0, x + 4 * j, 4);
+          std::memcpy(&x1, x + 16 + 4 * j, 4);
           s0 = _mm512_dpbusd_epi32(s0, w.c[j], _mm512_set1_epi32(x0));
-          if constexpr (!kOneChain) {
-            int32_t x1;
-            std::memcpy(&x1, x + 16 + 4 * j, 4);
-            s1 = _mm512_dpbusd_epi32(s1, w.c[4 + j], _mm512_set1_epi32(x1));
-          }
+          s1 = _mm512_dpbusd_epi32(s1, w.c[4 + j], _mm512_set1_epi32(x1));
         }
-        if constexpr (kOneChain)
-          for (int j = 0; j < 4; ++j) {
-            int32_t x1;
-            std::memcpy(&x1, x + 16 + 4 * j, 4);
-            s0 = _mm512_dpbusd_epi32(s0, w.c[4 + j], _mm512_set1_epi32(x1));
-          }
         float dx;
         std::memcpy(&dx, x + kRows16Dx, 4);
         const __m512 dxv = _mm512_set1_ps(dx);
         if constexpr (kHalves) {
           acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_mul_ps(w.dv, dxv), acc[r]);
           acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s1), _mm512_mul_ps(w.dv2, dxv), acc[r]);
-        } else if constexpr (kOneChain) {
-          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(s0), _mm512_mul_ps(w.dv, dxv), acc[r]);
         } else {
           acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(_mm512_add_epi32(s0, s1)), _mm512_mul_ps(w.dv, dxv), acc[r]);
         }

@@ -196,8 +196,8 @@ def rows16_padded(n: int) -> int:
 
 def to_rows16(raw, qtype: int):
     """uint8 torch [N, row_bytes] (the file's rows) -> uint8 [rows16_padded(N), row_bytes] in
-    the 16-row layout (above), a large matrix on 2 MiB pages (kernels.huge_pages: the decode
-    GEMM streams it every step)."""
+    the 16-row layout (above), on 2 MiB pages (kernels.huge_pages: the decode GEMM streams it
+    every step; a small matrix shares its mapping with the model's other small ones)."""
     import torch  # the rest of this module is numpy only
     from pipefill.kernels import huge_pages
     name, _, size = BLOCK_TYPES[qtype]
@@ -207,7 +207,7 @@ def to_rows16(raw, qtype: int):
     b = padded.view(-1, ROWS16, nbytes // size, size)  # group, row, block, byte
     fields = [b[..., lo:hi].unflatten(-1, ((hi - lo) // unit, unit)).permute(0, 2, 3, 1, 4)
               .flatten(2) for lo, hi, unit in _ROWS16_FIELDS[name]]  # group, block, bytes
-    out = huge_pages.empty(tuple(padded.shape))
+    out = huge_pages.empty(tuple(padded.shape), shared=True)
     torch.cat(fields, dim=-1, out=out.view(b.shape[0], b.shape[2], ROWS16 * size))
     return out
 

@@ -145,12 +145,7 @@ class DecodeRunner:
 
     def forward(self, hidden, residual, meta, cos, sin, k_cache, v_cache):
         buf = self._step_buffers(hidden.shape[0])
-        layers = self.model.w.layers
-        if residual is None:  # layer 0 of the model: the residual stream starts as the input
-            residual = hidden.float()
-            self._norm(residual, None, layers[0].input_norm, buf.x)
-        else:
-            self._norm(residual, hidden, layers[0].input_norm, buf.x)
+        residual = self._first_norm(hidden, residual, buf)
         res = (residual.data_ptr(), residual.stride(0))
         rope = buf.rope + (cos.data_ptr(), sin.data_ptr())
         caches = self._caches(k_cache, v_cache)
@@ -234,6 +229,17 @@ class DecodeRunner:
                 self.shared.attend(*buf.qkv_heads, *cache, tables, split, buf.attn)
             else:
                 attend.decode_batch(*buf.qkv_heads, *cache, tables, self.model.scale, buf.attn)
+
+    def _first_norm(self, hidden, residual, buf: DecodeBuffers) -> torch.Tensor:
+        """The stage's first layer's normed input into buf.x, the residual stream added up;
+        returns the residual stream (float32, fresh on the model's first stage)."""
+        weight = self.model.w.layers[0].input_norm
+        if residual is None:  # layer 0 of the model: the residual stream starts as the input
+            residual = hidden.float()
+            self._norm(residual, None, weight, buf.x)
+        else:
+            self._norm(residual, hidden, weight, buf.x)
+        return residual
 
     def _norm(self, residual, hidden, weight, out) -> None:
         rows, width = residual.shape

@@ -63,12 +63,7 @@ class GemmaDecodeRunner(DecodeRunner):
 
     def forward(self, hidden, residual, meta, cos, sin, k_cache, v_cache):
         buf = self._step_buffers(hidden.shape[0])
-        layers = self.model.w.layers
-        if residual is None:  # layer 0 of the model: the residual stream starts as the input
-            residual = hidden.float()
-            self._norm(residual, None, layers[0].input_norm, buf.x)
-        else:
-            self._norm(residual, hidden, layers[0].input_norm, buf.x)
+        residual = self._first_norm(hidden, residual, buf)
         res = (residual.data_ptr(), residual.stride(0))
         # `local` holds the local rope tables whose addresses `steps` passes: alive to the end.
         steps, local = self._steps(buf, meta, cos, sin)

@@ -28,6 +28,13 @@ routed expert's).
         --shape-set gemma3-270m
     python -m pipefill.bench.decode_gemm --rows 1,8 --gguf-type FP8_E4M3 \
         --shape-set deepseek-v2-lite
+
+``--prefill-vs-int8 [GGUF]`` measures prefill instead (pipefill.bench.gguf_prefill): a GGUF
+file's layers as the engine holds them, dequantize + GEMM against the integer path, with
+their errors against float64 (what QuantLinear.int8_prefills' default rests on):
+
+    python -m pipefill.bench.decode_gemm --prefill-vs-int8 --dtype bfloat16
+    python -m pipefill.bench.decode_gemm --prefill-vs-int8 model.gguf --prefill-threads 1
 """
 from __future__ import annotations
 
@@ -37,6 +44,7 @@ import time
 import numpy as np
 import torch
 
+from pipefill.bench import gguf_prefill
 from pipefill.kernels import decode_gemm as dg
 from pipefill.kernels import fp8_blocks
 from pipefill.kernels import quant_gemm as qg
@@ -59,6 +67,7 @@ SHAPE_SETS = {"smollm2": SHAPES, "gemma3-270m": GEMMA3_SHAPES,
 GGUF_TYPES = {name: qtype for qtype, (name, _, _) in BLOCK_TYPES.items()}
 FP8 = fp8_blocks.NAME  # --gguf-type's FP8 choice: not a GGUF type, the same kernel
 STREAM_BYTES = 256 << 20  # copies of a matrix rotate through at least this many bytes
+PREFILL_ROWS = "16,32,64,128,512,2048"  # --prefill-vs-int8's default M
 CLOCK = time.perf_counter  # --cpu-clock: time.thread_time (one thread; a shared CPU)
 
 
@@ -152,7 +161,9 @@ def in_cache_gflops(isa, x_dtype, w_dtype, m: int, min_s: float,
 
 
 def add_arguments(ap: argparse.ArgumentParser) -> None:
-    ap.add_argument("--rows", default="1,2,4,8,16", help="comma-separated M")
+    ap.add_argument("--rows", default=None,
+                    help="comma-separated M (default 1,2,4,8,16; --prefill-vs-int8: "
+                         f"{PREFILL_ROWS})")
     ap.add_argument("--threads", type=int, default=torch.get_num_threads())
     ap.add_argument("--isa", default=None, help="one of " + ", ".join(dg.ISAS) +
                     " (default: the best usable for the dtypes)")
@@ -175,6 +186,16 @@ def add_arguments(ap: argparse.ArgumentParser) -> None:
                     help="copies of each matrix rotate through at least this many MiB (more "
                          "than the last-level cache, so that no call finds its weights cached)")
     ap.add_argument("--min-s", type=float, default=0.5, help="seconds timed per (shape, M)")
+    ap.add_argument("--prefill-vs-int8", nargs="?", const="", default=None, metavar="GGUF",
+                    help="instead: prefill on GGUF blocks two ways, a .gguf file's layers as "
+                         "the engine holds them (default: the default model's): dequantize + "
+                         "torch's GEMM against the integer path's 16-row kernel, interleaved, "
+                         "at --rows (here 16,32,64,128,512,2048 unless given) in --dtype, with "
+                         "each one's error against float64 (bench/gguf_prefill.py)")
+    ap.add_argument("--prefill-threads", default="2,1",
+                    help="--prefill-vs-int8: comma-separated thread counts (1: CPU time)")
+    ap.add_argument("--pairs", type=int, default=9,
+                    help="--prefill-vs-int8: interleaved pairs timed per (layer, M, threads)")
     ap.add_argument("--cpu-clock", action="store_true",
                     help="time with this thread's CPU time instead of the wall clock (needs "
                     "--threads 1): on a CPU shared with other jobs, time spent descheduled is "
@@ -201,11 +222,18 @@ def run(ns: argparse.Namespace) -> int:
         if ns.threads != 1:
             raise ValueError("--cpu-clock needs --threads 1 (other threads' time is not seen)")
         CLOCK = time.thread_time
-    rows = [int(r) for r in ns.rows.split(",")]
+    rows = [int(r) for r in (ns.rows or (PREFILL_ROWS if ns.prefill_vs_int8 is not None
+                                         else "1,2,4,8,16")).split(",")]
     if not rows or min(rows) < 1:
         raise ValueError("--rows: positive integers, comma-separated")
-    torch.set_num_threads(ns.threads)
     x_dtype = getattr(torch, ns.dtype)
+    if ns.prefill_vs_int8 is not None:
+        threads = [int(t) for t in ns.prefill_threads.split(",")]
+        if not threads or min(threads) < 1 or ns.pairs < 1:
+            raise ValueError("--prefill-threads: positive integers; --pairs: at least 1")
+        gguf_prefill.run_compare(ns.prefill_vs_int8 or None, rows, threads, x_dtype, ns.pairs)
+        return 0
+    torch.set_num_threads(ns.threads)
     w_dtype = getattr(torch, ns.weight_dtype or ns.dtype)
     kernel = qg if ns.gguf_type else dg
     fp8 = ns.gguf_type == FP8

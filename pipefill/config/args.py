@@ -74,6 +74,13 @@ class ServerArgs:
         "Linear layers with at most this many rows (decode steps) run the packed small-M "
         "GEMM (an extra packed copy of the weights); more rows run torch. 0 = torch always.",
         default=32)
+    gguf_int8_prefill_max_rows: int = _flag(
+        "GGUF blocks kept (--weight-dtype gguf): linear layers with more rows than "
+        "--decode-gemm-max-rows (prefill chunks) and at most this many run the integer decode "
+        "path (activations rounded to int8 per block of 32, integer dot products), more rows "
+        "dequantize the matrix per call and run --prefill-gemm's GEMM. -1 = the measured "
+        "default (kernels.quant_gemm.INT8_PREFILL_MAX_ROWS), 0 = prefill always dequantizes. "
+        "The rule is logged at start.", default=-1)
     prefill_gemm: str = _flag(
         "Linear layers with more rows than --decode-gemm-max-rows (prefill chunks): auto "
         "(oneDNN for float32 matrices on AMD CPUs, where MKL's sgemm behind torch's float32 "

@@ -202,15 +202,19 @@ class Kernels:
     weight_dtype: str
     hide_cpu_flags: str
     mla_prefill_attention: str = "auto"
+    gguf_int8_prefill_max_rows: int = -1
 
     @staticmethod
     def of(args) -> "Kernels":
         return Kernels(args.attention_backend, args.prefill_gemm, args.decode_gemm_max_rows,
-                       args.weight_dtype, args.hide_cpu_flags, args.mla_prefill_attention)
+                       args.weight_dtype, args.hide_cpu_flags, args.mla_prefill_attention,
+                       args.gguf_int8_prefill_max_rows)
 
     def __post_init__(self) -> None:
         if self.decode_gemm_max_rows < 0:
             raise ValueError("--decode-gemm-max-rows must be >= 0")
+        if self.gguf_int8_prefill_max_rows < -1:
+            raise ValueError("--gguf-int8-prefill-max-rows must be >= 0, or -1 (the default)")
 
 
 @dataclass(frozen=True)

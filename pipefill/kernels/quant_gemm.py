@@ -19,11 +19,14 @@ cpuid (``disable=`` forces paths off for tests, as --hide-cpu-flags does): ``avx
 ``avx2`` (AVX2 + FMA) and ``scalar`` (any x86-64); where the extension cannot build, ``torch``
 dequantizes with the gguf package and multiplies with F.linear.
 
-Prefill (more rows than ``max_rows``) dequantizes the whole matrix into the compute dtype for
-each call (on the same path, vectorised like the decode GEMM; bf16 rounded to nearest even in
-registers), then F.linear: about N·K element operations against the GEMM's 2·M·N·K, under 1% of
-a chunk of 256 rows, and one matrix's dequantized copy alive at a time (freed after the call),
-so the stage never holds a dequantized copy of its weights.
+Prefill (more rows than ``max_rows``) runs the integer path below on all its rows up to
+INT8_PREFILL_MAX_ROWS rows of the compute dtype (bf16 1,024, float32 any: measured faster by
+``bench decode-gemm --prefill-vs-int8``, ARCHITECTURE.md 'GGUF blocks kept quantized'), or
+where it does not, dequantizes the whole matrix into the compute dtype for each call (on the
+same path, vectorised like the decode GEMM; bf16 rounded to nearest even in registers), then
+F.linear: about N·K element operations against the GEMM's 2·M·N·K, under 1% of a chunk of 256
+rows, and one matrix's dequantized copy alive at a time (freed after the call), so the stage
+never holds a dequantized copy of its weights.
 
 The integer path (GGUF blocks; csrc/quant_int8_kernel.h, quant_int8_simd.h) replaces that
 float arithmetic in decode where the CPU has it: each call quantizes every activation row once
@@ -54,7 +57,8 @@ API: ``QuantLinear.from_parts([(raw uint8 [n, row_bytes], ggml type), ...], in_f
 bias, max_rows, disable)``, ``QuantLinear.from_fp8([(weight float8_e4m3fn [n, K], scales
 [ceil(n / 128), ceil(K / 128)]), ...], ...)``; ``lin(x, out=None)`` (decode), ``lin.bind(x,
 out)`` (checked once, then ``bound()`` is the GEMM calls with prebuilt arguments),
-``lin.prefill(x)``, ``lin.dequantize(dtype)``, ``lin.nbytes``, ``lin.shape``,
+``lin.prefill(x)`` (``prefill_int8``, ``prefill_dequantized``: each way alone;
+``int8_prefills(rows, dtype)``, ``prefill_rule(dtype)``), ``lin.dequantize(dtype)``, ``lin.nbytes``, ``lin.shape``,
 ``lin.take_rows(order)``, ``lin.int8`` (the integer path or None), ``lin.decode_path``;
 ``isa_status()``, ``choose_isa(disable, fp8=False)``, ``choose_int8(disable)``,
 ``int8_status()``, ``quantize_activations(x, path)``.
@@ -105,6 +109,17 @@ _INT8_HEADER, _INT8_SIMD = CSRC / "quant_int8_kernel.h", CSRC / "quant_int8_simd
 _ROWS16 = (CSRC / "quant_int8_rows16.h", CSRC / "quant_int8_rows16_avx2.h",
            CSRC / "quant_int8_rows16_records.h")
 _SIMD_COMMON = CSRC / "quant_simd_common.h"  # what the vector headers above share
+# Prefill (more rows than max_rows) runs the integer path up to this many rows, by the compute
+# dtype, the dequantized copy and torch's GEMM above (QuantLinear.int8_prefills), with the
+# reason the start-up log gives. Measured by `bench decode-gemm --prefill-vs-int8` on both GGUF
+# files' layers (Zen 4, 1 thread's CPU time; ARCHITECTURE.md, 'GGUF blocks kept'): against
+# bf16 (oneDNN) 1.2-5x faster at 16-512 rows, 0.90-1.18x at 2,048; against float32 (MKL's
+# sgemm) 2.7-26x at every count up to 2,048.
+INT8_PREFILL_MAX_ROWS = {torch.bfloat16: 1024, torch.float32: 1 << 62}
+INT8_PREFILL_WHY = {
+    torch.bfloat16: "measured 1.2-5x faster than bf16 dequantize + GEMM up to 512 rows, a wash "
+                    "at 2,048, where the dequantized copy keeps bf16's smaller error",
+    torch.float32: "measured 2.7-26x faster than float32 dequantize + GEMM up to 2,048 rows"}
 
 _EXT = IsaExtension("the quantized decode GEMM", functools.partial(
     build_isa_extension, "quant_gemm", "the quantized decode GEMM", ISA_FLAGS,
@@ -277,6 +292,9 @@ class QuantLinear:
         self.max_rows = max_rows
         # The integer path decode takes (GGUF blocks only), or None: the float path.
         self.int8 = None if isa == "torch" or any(p.scale is not None for p in parts) else int8
+        # Prefill runs the integer path up to this many rows (int8_prefills); None: the
+        # compute dtype's INT8_PREFILL_MAX_ROWS.
+        self.int8_prefill_max_rows: int | None = None
 
     @classmethod
     def from_parts(cls, blocks: list[tuple[np.ndarray | torch.Tensor, int]], in_features: int,
@@ -370,7 +388,9 @@ class QuantLinear:
             moved = QuantPart(p.file_rows()[local].contiguous(), p.qtype, p.offset, p.scale,
                               None if p.scale_row is None else p.scale_row[local].contiguous())
             parts.append(moved.as_rows16() if p.rows16 else moved)
-        return QuantLinear(parts, self.in_features, None, self.isa, self.max_rows, self.int8)
+        out = QuantLinear(parts, self.in_features, None, self.isa, self.max_rows, self.int8)
+        out.int8_prefill_max_rows = self.int8_prefill_max_rows
+        return out
 
     def __call__(self, x: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
         """Decode: x [M, K] float32 or bf16 -> out [M, N] (x's dtype unless out is given)."""
@@ -466,6 +486,42 @@ class QuantLinear:
         return F.linear(x.float(), self.dequantize(torch.float32), self.bias)
 
     def prefill(self, x: torch.Tensor) -> torch.Tensor:
+        """Any number of rows, on the path int8_prefills picks for its row count."""
+        if self.int8_prefills(x.shape[0], x.dtype):
+            return self.prefill_int8(x)
+        return self.prefill_dequantized(x)
+
+    def int8_prefill_rows(self, dtype: torch.dtype) -> int:
+        """The most rows prefill in `dtype` runs on the integer path (0: none)."""
+        if self.int8 is None:
+            return 0
+        if self.int8_prefill_max_rows is not None:
+            return self.int8_prefill_max_rows
+        return INT8_PREFILL_MAX_ROWS.get(dtype, 0)
+
+    def int8_prefills(self, rows: int, dtype: torch.dtype) -> bool:
+        """Whether prefill of `rows` rows in `dtype` runs the integer path: where it is the
+        decode path and rows <= int8_prefill_rows(dtype) (INT8_PREFILL_MAX_ROWS by default)."""
+        return rows <= self.int8_prefill_rows(dtype)
+
+    def prefill_rule(self, dtype: torch.dtype) -> str:
+        """What prefill in `dtype` runs on and why, for the start-up log."""
+        limit = self.int8_prefill_rows(dtype)
+        if self.int8 is None:
+            return "dequantizes each matrix per call (no integer path)"
+        if limit <= self.max_rows:
+            return "dequantizes each matrix per call (the integer prefill is turned off)"
+        why = (INT8_PREFILL_WHY.get(dtype, "") if self.int8_prefill_max_rows is None
+               else "--gguf-int8-prefill-max-rows")
+        rows = "any number of rows" if limit >= 1 << 62 else f"up to {limit} rows"
+        return (f"runs the integer path on {rows} ({why})"
+                + ("" if limit >= 1 << 62 else ", dequantizes each matrix per call above"))
+
+    def prefill_int8(self, x: torch.Tensor) -> torch.Tensor:
+        """Any number of rows on the decode GEMM's integer path (x's rows quantized to int8)."""
+        return self(x)
+
+    def prefill_dequantized(self, x: torch.Tensor) -> torch.Tensor:
         """Any number of rows: F.linear on this call's dequantized copy (freed on return)."""
         return torch_linear(x, self.dequantize(x.dtype), self.bias.to(x.dtype)
                             if self.bias is not None else None)

@@ -433,12 +433,14 @@ class _StageReader:
 def load_stage_weights(source: WeightSource, layers: range, first: bool, last: bool,
                        dtype: torch.dtype, progress_desc: str | None = None,
                        weight_dtype: torch.dtype | None = None, blocks: bool = False,
-                       max_rows: int = 32, disable: tuple[str, ...] = ()) -> StageWeights:
+                       max_rows: int = 32, disable: tuple[str, ...] = (),
+                       int8_prefill_max_rows: int = -1) -> StageWeights:
     """Matrices in `dtype`; with a narrower weight_dtype their values are first rounded to it
     (so prefill on torch and decode on the packed copy compute with the same weights).
     With `blocks` (keeps_blocks) the family's linear layers (read.linear) and the LM head stay
     GGUF blocks or FP8 codes where the file's types allow (place_quant_linears; decode up to
-    max_rows rows on the quantized GEMM without the `disable`d paths); so does a GGUF
+    max_rows rows on the quantized GEMM without the `disable`d paths, prefill up to
+    int8_prefill_max_rows on its integer path: QuantLinear.int8_prefills); so does a GGUF
     embedding (rows dequantized as they are looked up; a tied LM head on a stage that holds
     both is the same blocks); every FP8 matrix a family reads with read.mat, and an FP8
     checkpoint's embedding, are dequantized.
@@ -475,7 +477,7 @@ def load_stage_weights(source: WeightSource, layers: range, first: bool, last: b
     progress.close()
     weights = StageWeights(out_layers, embed, final_norm, lm_head, lm_head_quant=head_quant)
     if blocks:
-        place_quant_linears(weights, family, max_rows)
+        place_quant_linears(weights, family, max_rows, int8_prefill_max_rows)
         weights.kept_dequantized = read.kept
     return weights
 
@@ -493,10 +495,12 @@ def _embedding(source: WeightSource, read: _StageReader, name: str, disable: tup
     return held
 
 
-def place_quant_linears(weights: StageWeights, family: ModelFamily, max_rows: int) -> None:
+def place_quant_linears(weights: StageWeights, family: ModelFamily, max_rows: int,
+                        int8_prefill_max_rows: int = -1) -> None:
     """Moves the QuantLinears a family's load_layer read (read.linear) to where the layer's
     forward looks for linear layers: its decode copies (`packed`, with their bias) and its
-    prefill copies (`prefill`: dequantized per call); the plain field becomes None, so no
+    prefill copies (`prefill`: the integer path up to int8_prefill_max_rows rows, -1: the
+    kernel's default, else dequantized per call); the plain field becomes None, so no
     dequantized copy stays. The LM head's serves decode-sized logits."""
     for layer in weights.layers:
         for name, bias in family.matrices.items():
@@ -511,6 +515,19 @@ def place_quant_linears(weights: StageWeights, family: ModelFamily, max_rows: in
     if weights.lm_head_quant is not None:
         weights.lm_head_quant.max_rows = max_rows
         weights.lm_head_packed = weights.lm_head_quant if max_rows > 0 else None
+    for q in quant_linears(weights):  # -1: the compute dtype's INT8_PREFILL_MAX_ROWS
+        q.int8_prefill_max_rows = None if int8_prefill_max_rows < 0 else int8_prefill_max_rows
+
+
+def quant_linears(weights: StageWeights) -> list[QuantLinear]:
+    """Every QuantLinear a stage holds once placed (place_quant_linears): its layers', its
+    experts' and the LM head's."""
+    quant = [q for layer in weights.layers for q in (layer.packed or {}).values()
+             if isinstance(q, QuantLinear)]
+    quant += [q for layer in weights.layers if getattr(layer, "moe", None) is not None
+              for m in layer.moe.experts.linears if m.plain is None for q in m.packed or ()
+              if isinstance(q, QuantLinear)]
+    return quant + ([weights.lm_head_quant] if weights.lm_head_quant is not None else [])
 
 
 def stacked_rows(source: WeightSource, parts: tuple[str, ...], dtype: torch.dtype,

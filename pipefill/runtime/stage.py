@@ -16,7 +16,7 @@ from pipefill.model.attention import (QuantVectorAttention, backend_attention, c
 from pipefill.model.layers import FusedOps, elementwise_ops
 from pipefill.model.mla import LatentAttention, choose_latent_attention
 from pipefill.model.loader import (WeightSource, hidden_decode_paths, load_stage_weights,
-                                   pack_stage_weights, reorder_prefill_weights,
+                                   pack_stage_weights, quant_linears, reorder_prefill_weights,
                                    resolve_weight_dtype, stage_keeps_blocks)
 from pipefill.model.stage_model import StageModel
 from pipefill.model.tensor_parallel import (ShardedSource, TPOps, choose_head_split,
@@ -89,10 +89,11 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
                                  progress_desc=f"stage {info.rank}: loading layers "
                                                f"{info.layers.start}-{info.layers.stop - 1}",
                                  weight_dtype=weight_dtype, blocks=blocks,
-                                 max_rows=args.decode_gemm_max_rows, disable=disable)
+                                 max_rows=args.decode_gemm_max_rows, disable=disable,
+                                 int8_prefill_max_rows=args.gguf_int8_prefill_max_rows)
     if source.gguf is not None or source.fp8:
         log_quantized_weights(info.rank, weights, args.weight_dtype, blocks, blocks_why,
-                              "GGUF" if source.gguf is not None else "FP8")
+                              "GGUF" if source.gguf is not None else "FP8", dtype)
     if device.type != "cpu":
         weights = weights_to(weights, device)
     backend, why = choose_backend(args.attention_backend, dtype, cfg.head_dim, args.page_size,
@@ -177,26 +178,24 @@ def _decode_note(backend: str, attention) -> str:
 
 
 def log_quantized_weights(rank: int, weights, name: str, blocks: bool, why: str,
-                          kind: str) -> None:
+                          kind: str, dtype: torch.dtype) -> None:
     """What a GGUF file's or an FP8 checkpoint's weights became: kept quantized (their types,
-    bytes, the decode path and what stayed dequantized) or dequantized, with the reason."""
+    bytes, the decode and prefill paths (in the compute dtype) and what stayed dequantized) or
+    dequantized, with the reason."""
     if not blocks:
         log.info("stage %d: %s weights dequantized at load (--weight-dtype: %s)", rank, kind,
                  why)
         return
-    quant = [q for layer in weights.layers for q in (layer.packed or {}).values()
-             if hasattr(q, "parts")] + ([weights.lm_head_quant] if weights.lm_head_quant else [])
-    quant += [q for layer in weights.layers if getattr(layer, "moe", None) is not None
-              for m in layer.moe.experts.linears if m.plain is None for q in m.packed or ()
-              if hasattr(q, "parts")]
+    quant = quant_linears(weights)
     types = sorted({q.types for q in quant})
     isa = quant[0].decode_path if quant else "none"
     kept = weights.kept_dequantized or []
     log.info("stage %d: %s kept quantized (--weight-dtype %s, %s): %d linear layers (%s), "
-             "%.0f MiB, decode on %s; prefill dequantizes each matrix per call; left "
+             "%.0f MiB, decode on %s; prefill %s; left "
              "dequantized: %s", rank, "GGUF blocks" if kind == "GGUF" else "FP8 weights", name,
              why, len(quant), ", ".join(types),
              sum(q.nbytes for q in quant) / 2**20, isa,
+             quant[0].prefill_rule(dtype) if quant else "dequantizes each matrix per call",
              (", ".join(kept[:8]) + (f" and {len(kept) - 8} more" if len(kept) > 8 else ""))
              or "none")
 

@@ -73,6 +73,7 @@ def test_secrets_stay_out_of_the_sections_repr():
     ({"hicache_storage_backend": "file"}, "needs --hicache-storage-dir"),
     ({"max_connections": 0}, "--max-connections must be at least 1"),
     ({"decode_gemm_max_rows": -1}, "--decode-gemm-max-rows must be >= 0"),
+    ({"gguf_int8_prefill_max_rows": -2}, "--gguf-int8-prefill-max-rows must be >= 0"),
 ])
 def test_sections_check_their_flags_when_the_args_are_made(kwargs, match):
     with pytest.raises(ValueError, match=match):

@@ -182,6 +182,57 @@ def test_rows16_against_float64(path, qtype):
         check(lin, x.bfloat16(), parts, path, k, out_dtype=torch.bfloat16)
 
 
+# Prefill-sized M, odd: more rows than one task quantizes (262,144 / K), so on two threads the
+# activations' rows are quantized and laid out by several tasks at once.
+PREFILL_SHAPES = [(777, 352, 21), (1001, 608, 35)]
+PREFILL_SHAPES_K = [(600, 768, 21), (1003, 512, 17)]
+
+
+@pytest.mark.parametrize("path", qg.INT8_PATHS)
+@pytest.mark.parametrize("qtype", ROWS16_TYPES, ids=lambda t: BLOCK_TYPES[t][0])
+def test_rows16_prefill_rows_against_float64(path, qtype):
+    """Prefill (more rows than max_rows) on the integer path, as QuantLinear.prefill takes it
+    by default: the bounds of test_rows16_against_float64 at prefill row counts, float32 and
+    bf16 x, the rows split over two threads."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(2)
+    try:
+        for m, k, n in PREFILL_SHAPES if BLOCK_TYPES[qtype][1] == 32 else PREFILL_SHAPES_K:
+            g = np.random.default_rng(m + k + n + qtype)
+            parts = [(random_blocks(qtype, n, k, g), qtype)]
+            lin = linear(path, parts, k)
+            assert m > lin.max_rows and lin.int8_prefills(m, torch.float32)
+            x = torch.from_numpy(g.standard_normal((m, k)).astype(np.float32))
+            x[::7, -32:] *= 40  # rows of very different scales next to each other
+            assert torch.equal(lin.prefill(x), lin(x))
+            check(lin, x, parts, path, k)
+            check(lin, x.bfloat16(), parts, path, k, out_dtype=torch.bfloat16)
+    finally:
+        torch.set_num_threads(threads)
+
+
+def test_prefill_rows_past_the_integer_limit_are_dequantized():
+    """Above int8_prefill_max_rows prefill dequantizes the matrix into x's dtype and runs
+    torch's GEMM (the file's weights, float32 sums: float32 rounding only), and says so."""
+    usable("avx512vnni")
+    g = np.random.default_rng(8)
+    parts = [(random_blocks(Q4_1, 40, 128, g), Q4_1)]
+    lin = linear("avx512vnni", parts, 128)
+    x = torch.from_numpy(g.standard_normal((100, 128)).astype(np.float32))
+    assert "any number of rows (measured" in lin.prefill_rule(torch.float32)
+    assert not lin.int8_prefills(1025, torch.bfloat16) and lin.int8_prefills(1024, torch.bfloat16)
+    assert "up to 1024 rows (measured" in lin.prefill_rule(torch.bfloat16)
+    lin.int8_prefill_max_rows = 99  # --gguf-int8-prefill-max-rows
+    assert not lin.int8_prefills(100, torch.float32) and lin.int8_prefills(99, torch.float32)
+    assert "up to 99 rows (--gguf" in lin.prefill_rule(torch.float32)
+    w = torch.from_numpy(dequantize_reference(*parts[0]))
+    y = lin.prefill(x)
+    assert torch.equal(y, lin.prefill_dequantized(x))
+    torch.testing.assert_close(y.double(), x.double() @ w.T, rtol=1e-5, atol=1e-5)
+    lin.int8_prefill_max_rows = 0
+    assert "turned off" in lin.prefill_rule(torch.float32)
+
+
 def test_rows16_layer_keeps_the_files_weights():
     """A layer held in the 16-row layout: the same bytes (rows padded to 16), dequantized,
     looked up (rows) and reordered (take_rows) as the file's rows, and the same decode as the row-major kernels

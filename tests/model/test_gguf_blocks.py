@@ -61,17 +61,20 @@ INT8_MAX_DLP, INT8_MEAN_DLP = 0.6, 0.05
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("chunk,max_rows,hide", [(64, 64, FLOAT_PATH), (64, 64, ""),
-                                                 (128, 32, "")],
-                         ids=["prompt-on-the-float-decode-kernel",
-                              "prompt-on-the-int8-decode-kernel", "prompt-dequantized-per-call"])
-def test_gguf_blocks_match_transformers(gguf_path, hf_model, chunk, max_rows, hide):
+@pytest.mark.parametrize("chunk,max_rows,hide,int8_prefill", [
+    (64, 64, FLOAT_PATH, -1), (64, 64, "", -1), (128, 32, "", 0), (128, 32, "", -1)],
+    ids=["prompt-on-the-float-decode-kernel", "prompt-on-the-int8-decode-kernel",
+         "prompt-dequantized-per-call", "prompt-on-the-int8-prefill-rule"])
+def test_gguf_blocks_match_transformers(gguf_path, hf_model, chunk, max_rows, hide,
+                                        int8_prefill):
     """Greedy tokens over 64 steps identical (the decode kernel, M = 1) and prompt logprobs
     close: with 64-row chunks and --decode-gemm-max-rows 64 every prompt row runs the
     quantized kernel too (LM head included), on the float or the integer path; with 128-row
-    chunks prefill dequantizes."""
+    chunks prefill dequantizes (--gguf-int8-prefill-max-rows 0) or takes the default rule
+    (float32: the integer path, QuantLinear.int8_prefills)."""
     with track(Engine(None, dtype="float32", weight_dtype="gguf", chunked_prefill_size=chunk,
-                      decode_gemm_max_rows=max_rows, hide_cpu_flags=hide)) as engine:
+                      decode_gemm_max_rows=max_rows, hide_cpu_flags=hide,
+                      gguf_int8_prefill_max_rows=int8_prefill)) as engine:
         prompt = engine.tokenizer.encode(long_text())[:400]
         out = engine.generate([prompt], max_new_tokens=64, return_prompt_logprobs=True,
                               ignore_eos=True)[0]
@@ -108,6 +111,13 @@ def test_gguf_blocks_hold_less_than_bf16(gguf_path):
     ids = torch.tensor([[0, 5, source.config.vocab_size - 1], [7, 5, 1]])
     assert torch.equal(quant.embed.rows(ids, torch.bfloat16), dense.embed[ids])
     assert quant.kept_dequantized == []
+    held = [q for layer in quant.layers for q in layer.packed.values()] + [quant.lm_head_quant]
+    assert all(q.int8_prefill_max_rows is None for q in held)  # the dtype's measured default
+    capped = load_stage_weights(source, range(1), True, True, torch.bfloat16, blocks=True,
+                                int8_prefill_max_rows=100)  # --gguf-int8-prefill-max-rows
+    held = list(capped.layers[0].packed.values()) + [capped.lm_head_quant]
+    assert all(q.int8_prefill_max_rows == 100 and q.int8_prefills(100, torch.bfloat16)
+               and not q.int8_prefills(101, torch.bfloat16) for q in held)
     # Q4_1 is 20 bytes per 32 weights (0.625 bytes a weight) against bf16's 2; the
     # embedding (the tied head) Q8_0's 34 bytes per 32 against 2 a weight.
     layer_weights = sum(q.nbytes for layer in quant.layers for q in layer.packed.values())

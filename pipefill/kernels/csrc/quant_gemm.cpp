@@ -25,10 +25,6 @@ using pg::kAvx512;
 
 constexpr int kBF16 = 1;  // dtype codes: 0 float32, 1 bfloat16
 
-// Rows of activations a task widens or quantizes at least: a prefill chunk's thousands of rows
-// are split over torch's pool, a decode step's (at most 64) stay on the calling thread.
-inline int64_t row_grain(int64_t K) { return std::max<int64_t>(64, 262144 / std::max<int64_t>(1, K)); }
-
 // The arguments every entry point shares are sane: a known type, whole blocks, the row size.
 bool shape_ok(int qtype, int64_t row_bytes, int64_t K) {
   const int bb = block_bytes(qtype), bw = block_weights(qtype);
@@ -53,11 +49,8 @@ int float_gemm(const char* what, Addr x_addr, int x_dtype, int64_t ldx, Addr bia
     if (x_dtype == kBF16) {
       xbuf.resize((size_t)(M * K));
       const uint16_t* xb = x_addr.as<const uint16_t>();
-      float* xw = xbuf.data();  // the calling thread's buffer, filled by the pool's tasks
-      at::parallel_for(0, M, row_grain(K), [&](int64_t m0, int64_t m1) {
-        for (int64_t m = m0; m < m1; ++m)
-          for (int64_t k = 0; k < K; ++k) xw[m * K + k] = pg::bf16_to_f32(xb[m * ldx + k]);
-      });
+      for (int64_t m = 0; m < M; ++m)
+        for (int64_t k = 0; k < K; ++k) xbuf[m * K + k] = pg::bf16_to_f32(xb[m * ldx + k]);
       xf = xbuf.data();
       ldf = K;
     }
@@ -244,12 +237,8 @@ int pf_qg_int8_rows16_gemm(int path, Addr x_addr, int x_dtype, int64_t ldx, Addr
                       q = reinterpret_cast<int8_t*>(base);
                       dx = reinterpret_cast<float*>(base + codes);
                       rec = reinterpret_cast<uint8_t*>(base + codes + scales);
-                      // Rows split over torch's pool (row_grain).
-                      at::parallel_for(0, M, row_grain(K), [&](int64_t m0, int64_t m1) {
-                        quantize(xf + m0 * ldf, ldf, m1 - m0, K, qtype, q + m0 * K, K, dx + m0 * units, units,
-                                 nullptr);
-                        records(qtype, q, K, dx, units, M, m0, m1, units, rec);
-                      });
+                      quantize(xf, ldf, M, K, qtype, q, K, dx, units, nullptr);
+                      records(qtype, q, K, dx, units, M, units, rec);
                     },
                     [&](const float*, int64_t, float* yf, int64_t ldf_y, int64_t n0, int64_t n1) {
                       cols(rec, M, w, qtype, row_bytes, K, yf, ldf_y, n0, n1);

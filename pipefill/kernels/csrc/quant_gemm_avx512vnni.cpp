@@ -105,9 +105,9 @@ struct V512Vnni {
 
 PF_QUANT_INT8_COLS(V512Vnni)
 
-void rows16_records(int qtype, const int8_t* q, int64_t ldq, const float* dx, int64_t ldd, int64_t M, int64_t m0,
-                    int64_t m1, int64_t units, uint8_t* rec) {
-  fill_rows16_records(qtype, false, q, ldq, dx, ldd, M, m0, m1, units, rec);
+void rows16_records(int qtype, const int8_t* q, int64_t ldq, const float* dx, int64_t ldd, int64_t M, int64_t units,
+                    uint8_t* rec) {
+  fill_rows16_records(qtype, false, q, ldq, dx, ldd, M, units, rec);
 }
 
 void rows16_gemm_cols(const uint8_t* rec, int64_t M, const uint8_t* w, int qtype, int64_t row_bytes, int64_t K,

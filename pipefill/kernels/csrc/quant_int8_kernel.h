@@ -197,14 +197,13 @@ PF_QUANT_INT8(avx512vnni)
 
 // Each integer path's 16-row kernel (quant_int8_rows16.h on VNNI, quant_int8_rows16_avx2.h;
 // the blocks held in the 16-row layout): rows16_records lays out the records it reads (48 bytes
-// a unit and row) of rows [m0, m1) of M from the natural codes q and scales dx of `units` units
-// a row (q, dx: row 0's; the rows' records apart, so tasks may fill row ranges at once);
+// a unit and row) from the natural codes q and scales dx of `units` units a row;
 // rows16_gemm_cols writes columns [n0, n1) of y (n0 a multiple of 16, n1 one too or N).
 inline int rows16_extra_words(int qtype) { return qtype == kQ6_K ? 2 : 1; }
 #define PF_QUANT_ROWS16(ns)                                                                            \
   namespace ns {                                                                                       \
   void rows16_records(int qtype, const int8_t* q, int64_t ldq, const float* dx, int64_t ldd, int64_t M, \
-                      int64_t m0, int64_t m1, int64_t units, uint8_t* rec);                             \
+                      int64_t units, uint8_t* rec);                                                     \
   void rows16_gemm_cols(const uint8_t* rec, int64_t M, const uint8_t* w, int qtype, int64_t row_bytes,  \
                         int64_t K, float* y, int64_t ldy, int64_t n0, int64_t n1);                     \
   }

@@ -38,15 +38,14 @@ constexpr int rows16_zero(int qtype, bool signed_q8) {
 // Whether a type's `extra` is the zero point's int32 term (else the offsets' float32 one).
 constexpr bool rows16_int_extra(int qtype) { return qtype == kQ4_0 || qtype == kQ5_0 || qtype == kQ8_0 || qtype == kQ6_K; }
 
-// The records (Rows16Acts) of rows [m0, m1) of M rows of `units` units from the natural codes q
-// and scales dx (row 0's): extra = -zero * sum(q) (int32) where the type has a zero point, else
-// dx * sum(q) (float32).
+// The records (Rows16Acts) of M rows of `units` units from the natural codes q and scales dx:
+// extra = -zero * sum(q) (int32) where the type has a zero point, else dx * sum(q) (float32).
 inline void fill_rows16_records(int qtype, bool signed_q8, const int8_t* q, int64_t ldq, const float* dx, int64_t ldd,
-                                int64_t M, int64_t m0, int64_t m1, int64_t units, uint8_t* rec) {
+                                int64_t M, int64_t units, uint8_t* rec) {
   const int zero = rows16_zero(qtype, signed_q8), per = rows16_extra_words(qtype), span = kUnit / per;
   const bool int_extra = rows16_int_extra(qtype);
   for (int64_t u = 0; u < units; ++u)
-    for (int64_t m = m0; m < m1; ++m) {
+    for (int64_t m = 0; m < M; ++m) {
       uint8_t* out = rec + (u * M + m) * kRows16Rec;
       const int8_t* x = q + m * ldq + kUnit * u;
       std::memcpy(out, x, kUnit);

@@ -20,7 +20,7 @@ cpuid (``disable=`` forces paths off for tests, as --hide-cpu-flags does): ``avx
 dequantizes with the gguf package and multiplies with F.linear.
 
 Prefill (more rows than ``max_rows``) runs the integer path below on all its rows up to
-INT8_PREFILL_MAX_ROWS rows of the compute dtype (bf16 1,024, float32 any: measured faster by
+INT8_PREFILL_MAX_ROWS rows of the compute dtype (bf16 512, float32 any: measured faster by
 ``bench decode-gemm --prefill-vs-int8``, ARCHITECTURE.md 'GGUF blocks kept quantized'), or
 where it does not, dequantizes the whole matrix into the compute dtype for each call (on the
 same path, vectorised like the decode GEMM; bf16 rounded to nearest even in registers), then
@@ -112,13 +112,14 @@ _SIMD_COMMON = CSRC / "quant_simd_common.h"  # what the vector headers above sha
 # Prefill (more rows than max_rows) runs the integer path up to this many rows, by the compute
 # dtype, the dequantized copy and torch's GEMM above (QuantLinear.int8_prefills), with the
 # reason the start-up log gives. Measured by `bench decode-gemm --prefill-vs-int8` on both GGUF
-# files' layers (Zen 4, 1 thread's CPU time; ARCHITECTURE.md, 'GGUF blocks kept'): against
-# bf16 (oneDNN) 1.2-5x faster at 16-512 rows, 0.90-1.18x at 2,048; against float32 (MKL's
-# sgemm) 2.7-26x at every count up to 2,048.
-INT8_PREFILL_MAX_ROWS = {torch.bfloat16: 1024, torch.float32: 1 << 62}
+# files' layers (Zen 4, 1 thread's CPU time; ARCHITECTURE.md, 'GGUF blocks kept quantized'):
+# against bf16 (oneDNN) 1.05-5x faster at 16-512 rows, 0.99-1.27x at 1,024, 0.81-1.30x at
+# 2,048; against float32 (MKL's sgemm) 2.7-26x at every count up to 2,048.
+INT8_PREFILL_MAX_ROWS = {torch.bfloat16: 512, torch.float32: 1 << 62}
 INT8_PREFILL_WHY = {
-    torch.bfloat16: "measured 1.2-5x faster than bf16 dequantize + GEMM up to 512 rows, a wash "
-                    "at 2,048, where the dequantized copy keeps bf16's smaller error",
+    torch.bfloat16: "measured 1.05-5x faster than bf16 dequantize + GEMM up to 512 rows, "
+                    "0.81-1.30x at 1,024-2,048, where the dequantized copy keeps bf16's smaller "
+                    "error",
     torch.float32: "measured 2.7-26x faster than float32 dequantize + GEMM up to 2,048 rows"}
 
 _EXT = IsaExtension("the quantized decode GEMM", functools.partial(

@@ -182,8 +182,7 @@ def test_rows16_against_float64(path, qtype):
         check(lin, x.bfloat16(), parts, path, k, out_dtype=torch.bfloat16)
 
 
-# Prefill-sized M, odd: more rows than one task quantizes (262,144 / K), so on two threads the
-# activations' rows are quantized and laid out by several tasks at once.
+# Prefill-sized M, odd (tiles of 8 rows and a partial one, 16-column groups and a partial one).
 PREFILL_SHAPES = [(777, 352, 21), (1001, 608, 35)]
 PREFILL_SHAPES_K = [(600, 768, 21), (1003, 512, 17)]
 
@@ -193,7 +192,7 @@ PREFILL_SHAPES_K = [(600, 768, 21), (1003, 512, 17)]
 def test_rows16_prefill_rows_against_float64(path, qtype):
     """Prefill (more rows than max_rows) on the integer path, as QuantLinear.prefill takes it
     by default: the bounds of test_rows16_against_float64 at prefill row counts, float32 and
-    bf16 x, the rows split over two threads."""
+    bf16 x, the columns split over two threads."""
     threads = torch.get_num_threads()
     torch.set_num_threads(2)
     try:
@@ -220,8 +219,8 @@ def test_prefill_rows_past_the_integer_limit_are_dequantized():
     lin = linear("avx512vnni", parts, 128)
     x = torch.from_numpy(g.standard_normal((100, 128)).astype(np.float32))
     assert "any number of rows (measured" in lin.prefill_rule(torch.float32)
-    assert not lin.int8_prefills(1025, torch.bfloat16) and lin.int8_prefills(1024, torch.bfloat16)
-    assert "up to 1024 rows (measured" in lin.prefill_rule(torch.bfloat16)
+    assert not lin.int8_prefills(513, torch.bfloat16) and lin.int8_prefills(512, torch.bfloat16)
+    assert "up to 512 rows (measured" in lin.prefill_rule(torch.bfloat16)
     lin.int8_prefill_max_rows = 99  # --gguf-int8-prefill-max-rows
     assert not lin.int8_prefills(100, torch.float32) and lin.int8_prefills(99, torch.float32)
     assert "up to 99 rows (--gguf" in lin.prefill_rule(torch.float32)

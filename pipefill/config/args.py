@@ -78,9 +78,10 @@ class ServerArgs:
         "GGUF blocks kept (--weight-dtype gguf): linear layers with more rows than "
         "--decode-gemm-max-rows (prefill chunks) and at most this many run the integer decode "
         "path (activations rounded to int8 per block of 32, integer dot products), more rows "
-        "dequantize the matrix per call and run --prefill-gemm's GEMM. -1 = the measured "
-        "default (kernels.quant_gemm.INT8_PREFILL_MAX_ROWS), 0 = prefill always dequantizes. "
-        "The rule is logged at start.", default=-1)
+        "dequantize the matrix per call and run torch's GEMM. -1 = the default measured per "
+        "compute dtype (kernels.quant_gemm.INT8_PREFILL_MAX_ROWS: 512 rows in bfloat16, any "
+        "count in float32; `bench decode-gemm --prefill-vs-int8` measures it), 0 = prefill "
+        "always dequantizes. The rule is logged at start.", default=-1)
     prefill_gemm: str = _flag(
         "Linear layers with more rows than --decode-gemm-max-rows (prefill chunks): auto "
         "(oneDNN for float32 matrices on AMD CPUs, where MKL's sgemm behind torch's float32 "

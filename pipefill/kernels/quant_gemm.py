@@ -114,13 +114,13 @@ _SIMD_COMMON = CSRC / "quant_simd_common.h"  # what the vector headers above sha
 # reason the start-up log gives. Measured by `bench decode-gemm --prefill-vs-int8` on both GGUF
 # files' layers (Zen 4, 1 thread's CPU time; ARCHITECTURE.md, 'GGUF blocks kept quantized'):
 # against bf16 (oneDNN) 1.05-5x faster at 16-512 rows, 0.99-1.27x at 1,024, 0.81-1.30x at
-# 2,048; against float32 (MKL's sgemm) 2.7-26x at every count up to 2,048.
+# 2,048; against float32 (MKL's sgemm) 2.1-27x at every count up to 2,048.
 INT8_PREFILL_MAX_ROWS = {torch.bfloat16: 512, torch.float32: 1 << 62}
 INT8_PREFILL_WHY = {
     torch.bfloat16: "measured 1.05-5x faster than bf16 dequantize + GEMM up to 512 rows, "
                     "0.81-1.30x at 1,024-2,048, where the dequantized copy keeps bf16's smaller "
                     "error",
-    torch.float32: "measured 2.7-26x faster than float32 dequantize + GEMM up to 2,048 rows"}
+    torch.float32: "measured 2.1-27x faster than float32 dequantize + GEMM up to 2,048 rows"}
 
 _EXT = IsaExtension("the quantized decode GEMM", functools.partial(
     build_isa_extension, "quant_gemm", "the quantized decode GEMM", ISA_FLAGS,

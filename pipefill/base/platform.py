@@ -111,12 +111,46 @@ def keep_freed_memory_for_reuse() -> bool:
     activations are such blocks (2,048 rows of MoE expert slots are 67 MB in bf16), and fresh
     pages fault on first touch: a gather into a new 67 MB tensor took 30 ms, into a reused one
     4 ms. The heap then stays at the high-water mark of a step, which the next step reuses;
-    release_freed_memory (runtime/worker.py) still hands back what loading freed. False where
-    the C library is not glibc."""
+    release_freed_memory still hands back what loading freed. False where the C library is not
+    glibc."""
     mallopt = getattr(ctypes.CDLL(None), "mallopt", None)
     if mallopt is None:
         return False
     return bool(mallopt(_M_MMAP_MAX, 0)) and bool(mallopt(_M_TRIM_THRESHOLD, 2**31 - 1))
+
+
+def release_freed_memory() -> None:
+    """Hands the heap memory freed so far (loading's temporaries: the file's metadata, copies
+    of blocks before their 16-row layout, float32 tensors of a dequantized file) back to the
+    OS: glibc keeps freed heap for reuse. Called before the KV pool is allocated too: the pool
+    is resident only where written, but a pool laid over freed, already-touched heap is
+    resident from the start (ARCHITECTURE.md, 'What a stage's memory is made of')."""
+    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc only
+    if trim is not None:
+        trim(0)
+
+
+def resident_memory(pid: int | str = "self") -> dict[str, int]:
+    """A process's memory in bytes: "rss" and its peak "hwm" (/proc/<pid>/status VmRSS,
+    VmHWM), and the resident "anon" (heap, tensors) and "file" (mapped files: shared
+    libraries) parts of rss (/proc/<pid>/smaps_rollup); {} where /proc lacks them."""
+    out = {}
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            for line in f:
+                if line.startswith(("VmRSS:", "VmHWM:")):
+                    out["rss" if line.startswith("VmRSS") else "hwm"] = int(line.split()[1]) * 1024
+        with open(f"/proc/{pid}/smaps_rollup") as f:
+            for line in f:
+                if line.startswith(("Rss:", "Anonymous:")):
+                    out[line.split(":")[0]] = int(line.split()[1]) * 1024
+    except OSError:
+        return {}
+    if "Rss" in out and "Anonymous" in out:
+        out["anon"], out["file"] = out["Anonymous"], out["Rss"] - out["Anonymous"]
+    out.pop("Rss", None)
+    out.pop("Anonymous", None)
+    return out
 
 
 def free_port() -> int:

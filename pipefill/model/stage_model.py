@@ -52,6 +52,48 @@ class StageWeights:
     # --weight-dtype gguf: "name: type" of the linear layers whose types stayed dequantized.
     kept_dequantized: list | None = None
 
+    def tensor_bytes(self) -> dict[str, int]:
+        """Bytes of the tensors the stage holds as weights, by part: "layers" (matrices, their
+        decode and prefill copies, norms), "embed", "head" (an LM head that is not the
+        embedding's own tensors), "final_norm"; each storage counted once, so a tied head, a
+        view or a copy shared between the decode and prefill paths is not counted twice."""
+        seen: set[int] = set()
+        parts = {"layers": self.layers, "embed": self.embed,
+                 "head": (self.lm_head, self.lm_head_packed, self.lm_head_quant),
+                 "final_norm": self.final_norm}
+        return {name: _storage_bytes(held, seen) for name, held in parts.items()}
+
+
+def _storage_bytes(obj, seen: set[int], depth: int = 0) -> int:
+    """Bytes of the distinct tensor storages reachable from obj through containers,
+    dataclasses and pipefill objects (the kernels' weight holders), adding each to `seen`."""
+    if isinstance(obj, torch.Tensor):
+        if obj.layout != torch.strided:  # an opaque (oneDNN) tensor: no storage to share
+            return obj.numel() * obj.element_size()
+        storage = obj.untyped_storage()
+        if storage.data_ptr() in seen:
+            return 0
+        seen.add(storage.data_ptr())
+        return storage.nbytes()
+    if depth > 6 or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
+        return 0
+    if isinstance(obj, dict):
+        children = obj.values()
+    elif isinstance(obj, (list, tuple)):
+        children = obj
+    elif type(obj).__module__.startswith("pipefill."):
+        children = (getattr(obj, name) for name in _field_names(obj))
+    else:
+        return 0  # bound methods (a layer's prefill entries) and foreign objects
+    return sum(_storage_bytes(child, seen, depth + 1) for child in children)
+
+
+def _field_names(obj) -> list[str]:
+    names = list(getattr(obj, "__dict__", ()))
+    for cls in type(obj).__mro__:
+        names += [n for n in getattr(cls, "__slots__", ()) if hasattr(obj, n)]
+    return names
+
 
 def _nothing() -> None:
     pass

@@ -110,6 +110,7 @@ class StageExecutor:
         # A TP leader's link to its stage's other ranks (runtime/tp.py): everything this
         # executor does to its layers and pages, it first tells them, so they do the same.
         self.tp = None
+        self.memory: dict = {}  # runtime/worker.stage_memory_marks, once the stage is loaded
 
     def apply_page_ops(self, ops) -> None:
         """Page ops that travel without a forward (control messages, the stop)."""

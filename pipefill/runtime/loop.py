@@ -174,7 +174,8 @@ class FirstStageLoop:
                 "inflight_micro_batches": len(self.inflight),
                 "page_size": self.scheduler.cfg.page_size, **self.scheduler.kv.stats(),
                 **window_owner_stats(self.executor), **self.role.stats(),
-                "chunking": info, "prefill": [p.as_list() for p in prefill]}
+                "chunking": info, "prefill": [p.as_list() for p in prefill],
+                "memory": self.executor.memory}
 
     # ---- schedule / run / update -------------------------------------------------------------
 
@@ -263,7 +264,8 @@ def later_stage_stats(rank: int, executor) -> dict:
     stats = {"rank": rank, "pages_total": executor.cache.num_pages,
              "pages_used": executor.kv.owners.num_used,
              "owned_pages": executor.kv.owners.num_used,
-             "micro_batches": executor.num_forwards, "integrity": "ok"}
+             "micro_batches": executor.num_forwards, "integrity": "ok",
+             "memory": executor.memory}
     stats.update(executor.kv.stats())
     stats.update(window_owner_stats(executor))
     return stats

@@ -22,7 +22,8 @@ from pipefill.model.stage_model import StageModel
 from pipefill.model.tensor_parallel import (ShardedSource, TPOps, choose_head_split,
                                             resolve_moe_split, straddled_head, tp_shard)
 from pipefill.runtime.executor import StageExecutor
-from pipefill.base.platform import cpu_vendor, dtype_name, resolve_dtype, usable_cpu_flags
+from pipefill.base.platform import (cpu_vendor, dtype_name, release_freed_memory, resolve_dtype,
+                                    usable_cpu_flags)
 
 log = logging.getLogger(__name__)
 
@@ -100,6 +101,7 @@ def build_stage(args: ServerArgs, source: WeightSource, info: StageInfo,
                                   device, kv_dtype, flags, cfg.has_windows,
                                   latent=cfg.mla is not None,
                                   unequal_groups=bool(cfg.q_per_kv))
+    release_freed_memory()  # loading's freed heap: else the pool lies over touched pages
     cache = build_cache(args, cfg, kv_specs, num_pages, uses_packed_cache(backend, kv_dtype),
                         device, kv_empty, info.rank)
     attention = backend_attention(backend, flags, kv_dtype, args.page_size, cfg.q_per_kv)

@@ -115,8 +115,10 @@ def _run_stage(args: ServerArgs, model_file: str, rank: int, channel: StageChann
 
     from pipefill.model.loader import WeightSource
     from pipefill.base.platform import (keep_freed_memory_for_reuse, place_stage,
-                                        resolve_dtype)
+                                        release_freed_memory, resident_memory, resolve_dtype)
     from pipefill.runtime.trace import StageTracer
+
+    baseline = resident_memory()  # the interpreter, torch, pipefill: before any weight
 
     name = process_name(rank, tp_rank)
     shared_kv = None  # a TP rank of a PD stage: its KV files (kv/shared.py)
@@ -160,6 +162,7 @@ def _run_stage(args: ServerArgs, model_file: str, rank: int, channel: StageChann
                 else None)
         del source  # the file reader (GGUF metadata: ~220 MB RSS for the default model)
         release_freed_memory()
+        executor.memory = stage_memory_marks(baseline, executor)
     except Exception as e:  # noqa: BLE001 - start-up errors become one sentence
         log.debug("start-up failed", exc_info=True)
         if shared_kv is not None:
@@ -214,13 +217,13 @@ def build_with_shared_kv(args: ServerArgs, source, info, device, tp, shared_kv):
     return executor, map_stage_kv(tp, shared_kv, executor.cache)
 
 
-def release_freed_memory() -> None:
-    """Hands the heap memory that loading freed (float32 tensors of the dequantized file,
-    their bf16 casts) back to the OS: glibc keeps freed heap for reuse, and ~60 MB of it would
-    otherwise count as this stage's RSS for its whole life."""
-    trim = getattr(ctypes.CDLL(None), "malloc_trim", None)  # glibc only
-    if trim is not None:
-        trim(0)
+def stage_memory_marks(baseline: dict, executor) -> dict:
+    """The stage's memory before any weight and once loaded (bytes; base.platform's
+    resident_memory), and the bytes of its weight tensors (ARCHITECTURE.md, 'What a stage's
+    memory is made of'): reported in its stats, read by the memory benchmarks."""
+    from pipefill.base.platform import resident_memory
+    return {"baseline": baseline, "loaded": resident_memory(),
+            "weights": executor.model.w.tensor_bytes()}
 
 
 def make_pd_role(args: ServerArgs, executor, info, cfg, pipe, rank_kv=None):

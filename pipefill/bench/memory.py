@@ -208,6 +208,29 @@ def memory_report(needs: list[dict], stage_peaks: list[int], engine_peak: int) -
             "ratio_pool": total["peak_rss"] / (weights + total["kv_pool"])}
 
 
+def add_baselines(report: dict, marks: list[dict]) -> None:
+    """Adds each stage's baseline (its RSS before any weight: the interpreter, torch,
+    pipefill), its RSS once loaded and its weight tensors' bytes (the stage's own
+    stats["memory"], runtime/worker.stage_memory_marks) to a memory_report, with the peak above
+    the baseline and its ratio to weights + prompt KV: what the model costs beside what it
+    needs, without the process's fixed part. Stages that gave no marks leave the report as it
+    is (all or none: a sum over some stages would mislead)."""
+    if not marks or not all(m.get("baseline", {}).get("rss") for m in marks):
+        return
+    for stage, m in zip(report["stages"], marks):
+        stage["baseline_rss"] = m["baseline"]["rss"]
+        stage["loaded_rss"] = m["loaded"]["rss"]
+        stage["weight_tensors"] = sum(m["weights"].values())
+        stage["above_baseline"] = stage["peak_rss"] - stage["baseline_rss"]
+        stage["ratio_above_baseline"] = stage["above_baseline"] / (
+            stage["weights"] + stage["packed"] + stage["kv_prompt"])
+    stages = report["stages"][:len(marks)]
+    for key in ("baseline_rss", "loaded_rss", "weight_tensors", "above_baseline"):
+        report[f"total_{key}"] = sum(s[key] for s in stages)
+    need = sum(s["weights"] + s["packed"] + s["kv_prompt"] for s in stages)
+    report["ratio_above_baseline"] = report["total_above_baseline"] / need
+
+
 def format_report(mem: dict) -> str:
     mib = lambda b: b / 2**20  # noqa: E731
     w = mem["total_weights"] + mem["total_packed"]
@@ -224,6 +247,11 @@ def format_report(mem: dict) -> str:
             + (f"stages' RSS before {mib(mem['total_rss_before']):.0f} MiB, peak while "
                f"loading {mib(mem['total_load_peak_rss']):.0f} MiB; "
                if "total_load_peak_rss" in mem else "")
+            + (f"stages' baseline (before any weight) {mib(mem['total_baseline_rss']):.0f} MiB, "
+               f"loaded {mib(mem['total_loaded_rss']):.0f} MiB (weight tensors "
+               f"{mib(mem['total_weight_tensors']):.0f} MiB); peak above the baseline "
+               f"{mib(mem['total_above_baseline']):.0f} MiB -> x{mem['ratio_above_baseline']:.2f} "
+               "of weights + prompt KV; " if "total_baseline_rss" in mem else "")
             + f"bench process peak {mib(mem['engine_peak_rss']):.0f} MiB"
             + (f"; most pages in use: {p['pages_peak']} of the global layers, "
                f"{p['window_pages_peak']} of the window layers: KV held at most "

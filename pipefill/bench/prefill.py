@@ -29,8 +29,9 @@ from dataclasses import dataclass
 
 import torch
 
-from pipefill.bench.memory import (format_report, held_kv_bytes, memory_report,
-                                   proc_status_bytes, reset_peak_rss, stage_needs)
+from pipefill.bench.memory import (add_baselines, format_report, held_kv_bytes,
+                                   memory_report, proc_status_bytes, reset_peak_rss,
+                                   stage_needs)
 from pipefill.bench.roofline import matmul_peak_flops, prefill_flops
 from pipefill.config import (ServerArgs, server_args_from_namespace,
                              server_args_parser_group)
@@ -382,6 +383,7 @@ def stage_memory(engine, args: ServerArgs, source, n: int, engine_peak: int,
     report["total_load_peak_rss"] = sum(load_peaks)
     report["total_rss_before"] = sum(rss_before)
     stats = engine.stats()
+    add_baselines(report, [stage.get("memory", {}) for stage in stats["stages"]])
     if "window_pages_peak" in stats:  # window layers with pages of their own
         # The pools' peaks since the stages started: the longest prompt's, run alone.
         pages, window = stats["pages_peak"], stats["window_pages_peak"]

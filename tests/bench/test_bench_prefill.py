@@ -152,6 +152,7 @@ def test_bench_prefill_reports_peak_rss_and_scaling(tmp_path):
          "--json", str(out)], capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert "peak RSS of the stages" in proc.stdout
+    assert "peak above the baseline" in proc.stdout
     rows = json.loads(out.read_text())["rows"]
     assert {(r["len"], r["pp_size"]) for r in rows} == {(300, 1), (300, 2)}
     for r in rows:
@@ -164,7 +165,14 @@ def test_bench_prefill_reports_peak_rss_and_scaling(tmp_path):
             assert s["ratio_prompt"] > 1 and s["ratio_pool"] > 0
             assert s["load_peak_rss"] > s["weights"]
             assert s["weights"] < s["rss_before"] <= s["peak_rss"]
+            # The stage's own marks: its RSS before any weight below its peak, and its weight
+            # tensors the bytes the report counts (the decode GEMM's copies padded to whole
+            # column tiles: a few KiB of this tiny model).
+            assert 0 < s["baseline_rss"] < s["loaded_rss"] and s["baseline_rss"] < s["peak_rss"]
+            assert s["above_baseline"] == s["peak_rss"] - s["baseline_rss"]
+            assert abs(s["weight_tensors"] - (s["weights"] + s["packed"])) < 0.1 * s["weights"]
         assert mem["total_peak_rss"] == sum(s["peak_rss"] for s in mem["stages"])
+        assert mem["ratio_above_baseline"] < mem["ratio_prompt"]
         assert mem["engine_peak_rss"] > 0
         # Cold prefills: no repetition reuses an earlier one's pages (every chunk computed).
         assert sum(r["chunk_sizes"]) == r["len"]

@@ -166,11 +166,13 @@ def test_bench_prefill_reports_peak_rss_and_scaling(tmp_path):
             assert s["load_peak_rss"] > s["weights"]
             assert s["weights"] < s["rss_before"] <= s["peak_rss"]
             # The stage's own marks: its RSS before any weight below its peak, and its weight
-            # tensors the bytes the report counts (the decode GEMM's copies padded to whole
-            # column tiles: a few KiB of this tiny model).
+            # tensors the bytes the report counts within 15% (the decode GEMM's copies carry
+            # padding and scales the count leaves out: 10% of this tiny model's bytes); a
+            # second copy of any matrix would break it.
             assert 0 < s["baseline_rss"] < s["loaded_rss"] and s["baseline_rss"] < s["peak_rss"]
             assert s["above_baseline"] == s["peak_rss"] - s["baseline_rss"]
-            assert abs(s["weight_tensors"] - (s["weights"] + s["packed"])) < 0.1 * s["weights"]
+            need = s["weights"] + s["packed"]
+            assert abs(s["weight_tensors"] - need) < 0.15 * need
         assert mem["total_peak_rss"] == sum(s["peak_rss"] for s in mem["stages"])
         assert mem["ratio_above_baseline"] < mem["ratio_prompt"]
         assert mem["engine_peak_rss"] > 0

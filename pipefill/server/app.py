@@ -35,6 +35,9 @@ log = logging.getLogger("pipefill.server")
 # through the thread; even at 1,000; a 0.9 MB prompt takes 0.7 s, which would stop every
 # other request and /health for as long).
 INLINE_TOKENIZE_CHARS = 1000
+# How long a server stopped during loading waits for the start-up thread to stop the stages
+# (it polls every 0.1 s, then gives them 1 s to exit) before closing them itself.
+STOP_LOADING_S = 10.0
 
 
 @dataclass
@@ -89,6 +92,10 @@ def build_app(served: Served, on_startup_failure=None, shutting_down=None) -> Fa
         yield
         watcher.cancel()
         progress.cancel()
+        # Stopped while the stages load: start() stops them and returns (ARCHITECTURE.md,
+        # 'A request's path'); closing them from here would pull the sockets from under it.
+        served.engine.stop_loading()
+        await asyncio.wait([starting], timeout=STOP_LOADING_S)
         served.engine.shutdown()
         served.tokenizer_thread.shutdown(wait=False, cancel_futures=True)
 

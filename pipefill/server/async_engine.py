@@ -68,11 +68,16 @@ class AsyncEngine:
     # ---- lifecycle (start() runs in a thread: loading takes a while) ---------------------------
 
     def start(self, loop: asyncio.AbstractEventLoop) -> None:
+        """Starts the stages and waits until they serve. After stop_loading() (the server
+        stops while they load) it stops them and returns without a failure."""
         self._loop = loop
         try:
             self.core.launch()
-            self.core.wait_ready()
+            self.core.wait_ready(cancelled=self._stopping.is_set)
         except StageFailure as e:
+            if self._stopping.is_set():
+                log.info("stopped while the stages were loading")
+                return
             self.failure = str(e)
             raise
         self._reader = threading.Thread(target=self._supervise, name="pipefill-reader",
@@ -81,6 +86,11 @@ class AsyncEngine:
         self.ready = True
         log.info("stages ready: %d stage(s), KV cache of %d tokens", self.args.pp_size,
                  self.kv_capacity_tokens)
+
+    def stop_loading(self) -> None:
+        """The server is stopping: a start() still waiting for the stages stops them itself
+        within wait_ready's poll, rather than have shutdown() close them under it."""
+        self._stopping.set()
 
     def shutdown(self) -> None:
         self._stopping.set()

@@ -28,15 +28,20 @@ def chat_model(tmp_path_factory):
     return path
 
 
-def start_server(model, port, *extra, startup_s: float = 120):
+def spawn_serve(*args, port: int | None = None):
+    """`pipefill serve ARGS --port PORT` (a free port unless given) in a subprocess, as a user
+    types it; (the process, its URL) at once, while it starts."""
     from pipefill.base.platform import free_port
     port = port or free_port()
     proc = subprocess.Popen(
-        [sys.executable, "-m", "pipefill.cli.main", "serve", "--model-path", model,
-         "--port", str(port), "--pp-size", "2", "--dtype", "float32", "--page-size", "16",
-         "--chunked-prefill-size", "64", "--threads-per-stage", "1", *extra],
+        [sys.executable, "-m", "pipefill.cli.main", "serve", *args, "--port", str(port)],
         stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
+    return proc, f"http://127.0.0.1:{port}"
+
+
+def launch_serve(*args, port: int | None = None, startup_s: float = 120):
+    """spawn_serve, then (the process, its URL) once /health answers 200."""
+    proc, url = spawn_serve(*args, port=port)
     deadline = time.monotonic() + startup_s
     while time.monotonic() < deadline:
         assert proc.poll() is None, proc.stdout.read()
@@ -47,7 +52,17 @@ def start_server(model, port, *extra, startup_s: float = 120):
             pass
         time.sleep(0.3)
     proc.kill()
-    raise AssertionError("server did not become healthy")
+    raise AssertionError(f"server did not become healthy in {startup_s:.0f} s")
+
+
+TINY_FLAGS = ("--pp-size", "2", "--dtype", "float32", "--page-size", "16",
+              "--chunked-prefill-size", "64", "--threads-per-stage", "1")
+
+
+def start_server(model, port, *extra, startup_s: float = 120):
+    """The tiny model's server: two float32 stages, small pages and chunks, one thread each."""
+    return launch_serve("--model-path", model, *TINY_FLAGS, *extra, port=port,
+                        startup_s=startup_s)
 
 
 def stop_server(proc):
@@ -238,6 +253,32 @@ def test_sigterm_with_a_request_in_flight(chat_model):
     events = [json.loads(x[6:]) for x in rest if x.startswith("data: {")]
     assert rest[-1] == "data: [DONE]"
     assert "error" in events[-1] or events[-1]["choices"][0]["finish_reason"]
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
+
+
+def test_sigterm_while_the_stages_load(chat_model):
+    """Stopped before it is ready: the stages stopped, exit 0, no error printed."""
+    proc, url = spawn_serve("--model-path", chat_model, *TINY_FLAGS)
+    deadline = time.monotonic() + 120
+    while True:  # the HTTP side answers while the two stages still load
+        assert proc.poll() is None and time.monotonic() < deadline
+        try:
+            health = httpx.get(url + "/health", timeout=1)
+        except httpx.HTTPError:
+            time.sleep(0.05)
+            continue
+        pids = stage_pids(proc.pid)
+        if len(pids) == 2:
+            break
+    assert health.json()["status"] == "loading"
+    proc.send_signal(signal.SIGTERM)
+    try:
+        out = proc.communicate(timeout=60)[0]
+    finally:
+        proc.kill()
+    assert proc.returncode == 0 and "error" not in out.lower(), out
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)

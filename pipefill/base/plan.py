@@ -94,8 +94,7 @@ class SeqWork:
     room: int | None = None
     kv_send_from: int = 0
     # A model whose sliding-window layers keep pages of their own (ARCHITECTURE.md, 'Window
-    # pages'): those layers' page of each page of page_table, -1 where it was freed and the
-    # sink (the pool's size as an id) where this chunk writes what nothing reads, and the
+    # pages'): those layers' page of each page of page_table, -1 where it was freed, and the
     # window pages allocated to rid in this step.
     window_table: list[int] | None = None
     new_window_pages: list[int] = field(default_factory=list)

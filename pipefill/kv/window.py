@@ -7,10 +7,12 @@ is older than the window any later query of its sequence can see. The global lay
 the whole history in the ordinary pool, so a sequence's KV grows with its global layers only.
 
 A request's window table is aligned with its page table (`r.window_pages[i]` holds the window
-layers' K/V of the tokens of `r.pages[i]`), with NO_PAGE where the window part was freed. A
-chunk longer than the window writes its early pages, which no later query reads (each of its
-own queries reads the chunk's new keys as computed), to the sink: one page past the pool's,
-which every stage's window cache has and the pool never hands out.
+layers' K/V of the tokens of `r.pages[i]`), with NO_PAGE where the window part was freed. Every
+page of a chunk gets a window page of its own, even a chunk longer than the window: the
+vector kernels write a chunk's K/V into its pages and its queries read them back from there,
+so two of its pages sharing one (as they did on the sink) gave its early queries each
+other's keys. The sink (one page past the pool's, in every stage's window cache, never
+handed out) now only stands in a table for freed entries, which nothing reads.
 
 The prefix cache: a tree page holds a window page too where the last request through it left
 one, and a cached prefix is reused only up to the deepest page boundary whose last window
@@ -109,9 +111,9 @@ class WindowPages:
     def slide(self, r, start: int, end: int, prompt_tokens: int) -> list[int]:
         """Before r computes tokens [start, end): its window pages that no query from `start`
         on reads go back, except the window before its prompt's last cacheable boundary (kept
-        for the tree); then its new pages get window pages where a query after this chunk, or
-        its last row (which may read the chunk's keys from the cache), reads them or the
-        prompt's window lies, and the sink elsewhere. Returns the window pages allocated
+        for the tree); then every new page gets a window page (the chunk's queries read its
+        keys back from them: module doc), the early ones of a chunk longer than the window
+        going back before the next chunk or decode step. Returns the window pages allocated
         (after the frees: the pool hands freed ones out again first)."""
         ps, window = self.page_size, self.window
         prompt_window = window_before((prompt_tokens - 1) // ps, ps, window)
@@ -122,12 +124,8 @@ class WindowPages:
             if p != self.sink:
                 self.pool.release([p])
             r.window_pages[i] = NO_PAGE
-        first_read = keep_from(end - 1, ps, window) // ps
-        fresh = range(len(r.window_pages), len(r.pages))
-        kept = [i >= first_read or i in prompt_window for i in fresh]
-        new = self.pool.allocate(sum(kept))
-        held = iter(new)
-        r.window_pages += [next(held) if keep else self.sink for keep in kept]
+        new = self.pool.allocate(len(r.pages) - len(r.window_pages))
+        r.window_pages += new
         return new
 
     def release(self, r, tree, tokens_upto) -> None:

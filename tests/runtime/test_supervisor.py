@@ -223,3 +223,25 @@ def test_restart_budget_counts_restarts_within_the_window():
     assert budget.take(10.5)  # the restart at 0 s has left the window
     assert not budget.take(10.6)
     assert not RestartBudget(max_restarts=0, window_s=10.0).take(0.0)
+
+
+def test_killed_tp_rank_fails_its_client_then_the_group_comes_back(chat_model):
+    """One stage of two TP ranks: kill the peer rank mid-stream; that client gets an error at
+    once, the supervisor restarts the stage's whole group and the answers are the same."""
+    proc, url = start_server(chat_model, None, "--pp-size", "1", "--tp-size", "2")
+    try:
+        before = generate(url).json()["choices"][0]["text"]
+        first = children(proc.pid)
+        assert len(first) == 2
+        t0 = time.monotonic()
+        lines = stream_until_killed(url, first[1])
+        assert time.monotonic() - t0 < 30  # the client heard about it, no hang
+        assert lines[-1] == "data: [DONE]" and '"error"' in lines[-2], lines[-2:]
+        wait_health(url, 200, 90)
+        assert generate(url).json()["choices"][0]["text"] == before
+        assert metric(url, "pipefill_stage_restarts_total") == 1
+        wait_gone(first)
+        second = children(proc.pid)
+        assert len(second) == 2 and not set(second) & set(first)
+    finally:
+        assert stop_server(proc) == 0

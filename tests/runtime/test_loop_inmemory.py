@@ -73,6 +73,7 @@ class FakeExecutor:
         self.rank = rank
         self.steps = []
         self.num_forwards = 0
+        self.memory = {}  # the stage's memory marks (runtime/worker.stage_memory_marks): none here
         # The real page-ops replay, over no tensors and no tiers.
         self.kv = StageKV(SimpleNamespace(num_pages=num_pages, page_size=page_size))
         self.cache = self.kv.cache

@@ -65,16 +65,18 @@ class StageWeights:
 
 
 def _storage_bytes(obj, seen: set[int], depth: int = 0) -> int:
-    """Bytes of the distinct tensor storages reachable from obj through containers,
+    """Bytes of the distinct tensors reachable from obj through containers,
     dataclasses and pipefill objects (the kernels' weight holders), adding each to `seen`."""
     if isinstance(obj, torch.Tensor):
         if obj.layout != torch.strided:  # an opaque (oneDNN) tensor: no storage to share
             return obj.numel() * obj.element_size()
-        storage = obj.untyped_storage()
-        if storage.data_ptr() in seen:
+        # A tensor's own bytes, once per address: a tied head or a view at the same address
+        # is not counted twice, and a piece of a shared 2 MiB-page mapping
+        # (kernels/huge_pages.py) counts its piece, not the whole mapping.
+        if obj.data_ptr() in seen:
             return 0
-        seen.add(storage.data_ptr())
-        return storage.nbytes()
+        seen.add(obj.data_ptr())
+        return obj.numel() * obj.element_size()
     if depth > 6 or obj is None or isinstance(obj, (str, bytes, int, float, bool)):
         return 0
     if isinstance(obj, dict):

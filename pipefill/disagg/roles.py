@@ -96,7 +96,6 @@ class PrefillStagePD(PrefillRole):
         secret = disagg.secret()
         host = node_host(args.host)
         kv = stage_kv or StageTensors.of_cache(executor.cache, layer_start)
-        self.sink = executor.cache.num_pages  # a window table's sink entry (kv/window.py)
         self.sender = KVSender(kv, rank, release=self._released,
                                backend=disagg.transfer_backend, host=host,
                                timing=Timing.of(disagg), secret=secret)
@@ -119,9 +118,8 @@ class PrefillStagePD(PrefillRole):
             is_last = w.sample is not None
             if is_last:
                 log.debug(TIMELINE, w.room, f"stage{self.rank}-last-forward-end", time.time())
-            window = None
-            if is_last and self.sender.kv.window is not None:  # 'Window pages'
-                window = [p if 0 <= p < self.sink else -1 for p in w.window_table]
+            window = (w.window_table if is_last and self.sender.kv.window is not None
+                      else None)  # 'Window pages'
             if p1 > p0 or is_last:
                 self.sender.send_pages(w.room, p0, w.page_table[p0:p1], is_last, window)
 

@@ -74,8 +74,8 @@ class KVTensors:
 
     @staticmethod
     def window_of(cache, layer_start: int) -> "KVTensors | None":
-        """A WindowedKVCache's window layers, addressed by the window pool's ids (sink
-        included); None for any other cache."""
+        """A WindowedKVCache's window layers, addressed by the window pool's ids; None for
+        any other cache."""
         windowed = getattr(cache, "windowed", None)
         if windowed is None:
             return None

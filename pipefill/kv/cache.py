@@ -53,9 +53,9 @@ class KVCache:
 class WindowedKVCache(KVCache):
     """The global layers of a stage in this KVCache (k, v, pages: what the page pool's ids
     address), its sliding-window layers in `window`, a KVCache addressed by the window pool's
-    ids, with one page more: the sink (id num_pages), which takes writes nothing reads
-    (kv/window.py). Pages of the window tensor become resident only when written, and the
-    window pool hands freed ids out again first, so its memory is its peak use."""
+    ids (kv/window.py), as many as the other pool's. Pages of the window tensor become
+    resident only when written, and the window pool hands freed ids out again first, so its
+    memory is its peak use."""
 
     def __init__(self, windowed: list[bool], num_pages: int, page_size: int,
                  num_kv_heads: int, head_dim: int, dtype: torch.dtype, device=None,
@@ -65,7 +65,7 @@ class WindowedKVCache(KVCache):
         num_window = sum(windowed)
         super().__init__(len(windowed) - num_window, num_pages, page_size, num_kv_heads,
                          head_dim, dtype, device, empty)
-        self.window = KVCache(num_window, num_pages + 1, page_size, num_kv_heads, head_dim,
+        self.window = KVCache(num_window, num_pages, page_size, num_kv_heads, head_dim,
                               dtype, device, empty)
         self.windowed = tuple(windowed)
         self._k, self._v = _layer_views(self, self.window, windowed)
@@ -76,15 +76,15 @@ class WindowedKVCache(KVCache):
 
 class WindowedPackedCache(AmxKVCache):
     """WindowedKVCache's split for the vector kernels' packed layout: the global layers in
-    this AmxKVCache, the window layers in `window`, an AmxKVCache with the sink page past the
-    pool's; the kernels read a window layer's table only from its window's first page on."""
+    this AmxKVCache, the window layers in `window`, an AmxKVCache of the window pool's pages;
+    the kernels read a window layer's table only from its window's first page on."""
 
     def __init__(self, windowed: list[bool], num_pages: int, page_size: int,
                  num_kv_heads: int, head_dim: int, dtype: torch.dtype, empty=torch.empty):
         num_window = sum(windowed)
         super().__init__(len(windowed) - num_window, num_pages, page_size, num_kv_heads,
                          head_dim, dtype, empty)
-        self.window = AmxKVCache(num_window, num_pages + 1, page_size, num_kv_heads, head_dim,
+        self.window = AmxKVCache(num_window, num_pages, page_size, num_kv_heads, head_dim,
                                  dtype, empty)
         self.windowed = tuple(windowed)
         self._k, self._v = _layer_views(self, self.window, windowed)

@@ -151,10 +151,9 @@ class PageOwners:
     def replay_window(self, seqs, page_size: int) -> None:
         """The window pool's replay (ARCHITECTURE.md, 'Window pages'): each sequence's new
         window pages, its writes by their owner, and reads of written pages only, over the
-        window table's pages (a freed entry is -1, the sink, id num_pages, takes writes that
-        nothing reads: neither is checked)."""
+        window table's pages (a freed entry, -1, is nobody's and not checked)."""
         def pages(entries):
-            return [p for p in entries if 0 <= p < self.num_pages]
+            return [p for p in entries if p != -1]
         for w in seqs:
             if w.window_table is None:
                 raise PageIntegrityError(f"{w.rid}: a plan without window pages for a model "

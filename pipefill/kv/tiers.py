@@ -40,7 +40,7 @@ class StageKV:
         # Every stage replays stage 0's page decisions and checks each micro-batch against them.
         self.owners = PageOwners(cache.num_pages)
         # The window layers' own pool, where they keep pages of their own (kv/window.py).
-        # Its ids are the other pool's; the sink past them is nobody's (kv/window.py).
+        # Its ids are the other pool's (kv/window.py).
         window = getattr(cache, "window", None)
         self.window_owners = PageOwners(cache.num_pages) if window is not None else None
         self._failed_fetches: list[int] = []  # since the last take_failed_fetches()

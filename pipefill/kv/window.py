@@ -10,9 +10,7 @@ A request's window table is aligned with its page table (`r.window_pages[i]` hol
 layers' K/V of the tokens of `r.pages[i]`), with NO_PAGE where the window part was freed. Every
 page of a chunk gets a window page of its own, even a chunk longer than the window: the
 vector kernels write a chunk's K/V into its pages and its queries read them back from there,
-so two of its pages sharing one (as they did on the sink) gave its early queries each
-other's keys. The sink (one page past the pool's, in every stage's window cache, never
-handed out) now only stands in a table for freed entries, which nothing reads.
+so no two of its pages may share one.
 
 The prefix cache: a tree page holds a window page too where the last request through it left
 one, and a cached prefix is reused only up to the deepest page boundary whose last window
@@ -91,7 +89,6 @@ class WindowPages:
         self.pool = pool
         self.page_size = page_size
         self.window = window
-        self.sink = pool.num_pages  # the page that takes writes nothing reads (module doc)
         self._cached: list[int] = []  # window pages the tree took since the last plan
 
     def admit(self, r, tree_window: list[int]) -> None:
@@ -121,8 +118,7 @@ class WindowPages:
             p = r.window_pages[i]
             if i in prompt_window or p == NO_PAGE:
                 continue
-            if p != self.sink:
-                self.pool.release([p])
+            self.pool.release([p])
             r.window_pages[i] = NO_PAGE
         new = self.pool.allocate(len(r.pages) - len(r.window_pages))
         r.window_pages += new
@@ -131,11 +127,11 @@ class WindowPages:
     def release(self, r, tree, tokens_upto) -> None:
         """r lets go of its pages: the tree takes the window pages of r's whole pages that it
         lacks (same tokens, same K/V, whoever computed them), then r's references go."""
-        held = [NO_PAGE if p == self.sink else p for p in r.window_pages]
         full = r.num_inserted
         if tree is not None and full:
-            self._cached += tree.attach_window(tokens_upto(full * self.page_size), held[:full])
-        self.pool.release([p for p in held if p != NO_PAGE])
+            self._cached += tree.attach_window(tokens_upto(full * self.page_size),
+                                               r.window_pages[:full])
+        self.pool.release([p for p in r.window_pages if p != NO_PAGE])
         r.window_pages = []
 
     def drain(self) -> tuple[list[int], list[int]]:

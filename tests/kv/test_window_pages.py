@@ -107,8 +107,8 @@ def test_a_prompt_twenty_windows_long_holds_a_window_and_a_chunk_of_window_pages
 
 def test_a_chunk_longer_than_the_window_holds_a_window_page_for_each_of_its_pages():
     """The vector kernels write a chunk's K/V into its window pages and read them back, so no
-    two pages of a chunk may share one (the sink did: a 1,000-token chunk of Gemma 3 270M
-    read other tokens' keys); the early ones go back before the next chunk."""
+    two pages of a chunk may share one (a shared page gave a 1,000-token chunk of Gemma 3 270M
+    other tokens' keys); the early ones go back before the next chunk."""
     chunk = 6 * WINDOW
     s, stage, inflight = make(chunk=chunk)
     prompt = list(range(20 * WINDOW))
@@ -117,11 +117,10 @@ def test_a_chunk_longer_than_the_window_holds_a_window_page_for_each_of_its_page
     held_before = []
     run(s, stage, inflight, lambda plan: (plans.append(plan),
                                           held_before.append(s.kv.window.pool.num_used)))
-    sink = s.kv.window.sink
     for plan in plans:
         w = plan.seqs[0]
         table = w.window_table[w.start // PAGE:-(-w.end // PAGE)]
-        assert sink not in table and NO_PAGE not in table
+        assert NO_PAGE not in table
         assert len(set(table)) == len(table)  # a page of its own for each of the chunk's pages
         first = max(0, w.start // PAGE * PAGE - WINDOW + 1) // PAGE  # the chunk's first window
         before = set(w.window_table[:first]) - {NO_PAGE}
@@ -130,7 +129,7 @@ def test_a_chunk_longer_than_the_window_holds_a_window_page_for_each_of_its_page
         assert before <= kept  # the rest went back
     assert max(held_before) > chunk // PAGE  # a whole chunk held at once
     assert s.kv.window.pool.peak_used <= live_bound(len(prompt), chunk)
-    assert s.kv.window.pool.num_used == s.kv.cache.num_window_pages  # no sink held
+    assert s.kv.window.pool.num_used == s.kv.cache.num_window_pages  # the rest went back
 
 
 def test_decode_frees_window_pages_too():
@@ -218,10 +217,9 @@ def test_a_prefill_ends_holding_every_window_page_a_pd_decode_asks_for(prompt_le
         s.add(NewRequest(rid, prompt, SamplingParams(max_new_tokens=1)))
         run(s, stage, inflight, on_plan)
     wanted = received_window(-(-prompt_len // PAGE), prompt_len, PAGE, WINDOW)
-    sink = s.kv.window.sink
     for table in tables:
         assert len(table) == len(wanted)
-        assert all(table[i] not in (NO_PAGE, sink) for i, w in enumerate(wanted) if w)
+        assert all(table[i] != NO_PAGE for i, w in enumerate(wanted) if w)
     assert sum(wanted) < len(wanted) or prompt_len <= WINDOW + PAGE  # some pages stay home
 
 

@@ -297,7 +297,7 @@ def test_window_pages_with_an_int8_cache(gemma_models, long_reference):
 def test_one_chunk_many_windows_long_on_a_vector_kernel_matches_hf(isa, gemma_models):
     """One chunk of 200 tokens over windows of 20 on pages of 32: the kernel writes the
     chunk's K/V into its window pages and reads them back, so each page keeps a window page of
-    its own (kv/window.py; on a shared sink page the early queries read other tokens' keys:
+    its own (kv/window.py; on a page shared by several the early queries read other tokens' keys:
     Gemma 3 270M's logprobs were off by up to 0.9 nats on 1,000-token chunks)."""
     path, _ = gemma_models["kernels"]
     prompt = LONG[:200]

@@ -134,8 +134,8 @@ def stage_needs(args: ServerArgs, cfg: ModelConfig, prompt_tokens: int,
     weight_dtype = resolve_weight_dtype(kernels.weight_dtype, dtype)
     packed = packs_decode_weights(layout, kernels)
     # Window layers that free their pages hold the window before the chunk being computed
-    # and the chunk's last window (all of a chunk shorter than the window).
-    held = (cfg.sliding_window + min(first_chunk_size(args), cfg.sliding_window)
+    # and the chunk (every page of a chunk has a window page of its own: kv/window.py).
+    held = (cfg.sliding_window + first_chunk_size(args)
             if frees_window_pages(args, cfg.has_windows) else None)
     rows = []
     for rank, layers in enumerate(layout.ranges):
@@ -167,7 +167,7 @@ def prompt_kv_bytes(specs, prompt_tokens: int, page_size: int,
                     window_held: int | None = None) -> int:
     """KV bytes of a prompt's pages over layers of these specs: every token's in a global
     layer; in a sliding-window layer whose pages are freed outside the window, the pages of at
-    most `window_held` tokens (the window before a chunk and the chunk's last window) and
+    most `window_held` tokens (the window before a chunk and the chunk) and
     three more (ARCHITECTURE.md, 'Window pages')."""
     pages = -(-prompt_tokens // page_size)
     total = 0

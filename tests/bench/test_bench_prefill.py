@@ -114,7 +114,7 @@ def test_kv_bytes_count_whole_pages_of_each_stage_layers(tmp_path):
 def test_kv_bytes_of_window_layers_count_what_they_hold(tmp_path):
     """Gemma 3's local layers free their pages outside the window (ARCHITECTURE.md, 'Window
     pages'): a prompt's KV is its global layer's pages and, per local layer, the window
-    before a chunk and the chunk's last window (three pages more), under PD (tcp, mooncake,
+    before a chunk and the chunk (three pages more), under PD (tcp, mooncake,
     TP ranks) and the storage tier too."""
     from pipefill.model.families.gemma3 import GEMMA3
     cfg = GEMMA3.config_from_hf(dict(
@@ -125,7 +125,7 @@ def test_kv_bytes_of_window_layers_count_what_they_hold(tmp_path):
     kw = dict(dtype="float32", page_size=4, chunked_prefill_size=64)
     args = resolve(make_server_args(str(tmp_path), **kw), cfg)
     needs = stage_needs(args, cfg, prompt_tokens=400, pool_tokens=1024)
-    window_pages = -(-(20 + 20) // 4) + 3
+    window_pages = -(-(20 + 64) // 4) + 3  # the window, a chunk of 64
     assert needs[0]["kv_prompt"] == (100 + 3 * window_pages) * per_layer_page
     pd = resolve(make_server_args(str(tmp_path), disaggregation_mode="prefill",
                                   disaggregation_insecure=True, **kw), cfg)

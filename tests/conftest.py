@@ -113,6 +113,15 @@ def single_stage(path: str, dtype: str, page_size: int = 16, source=None, **kw):
     return build_stage(args, source, StageInfo(0, 1, range(source.config.num_layers)))
 
 
+def shared_layout_bytes(linears) -> int:
+    """What the QuantLinears' 16-row layouts take of the shared 2 MiB-page mappings
+    (kernels/huge_pages.py, each piece to its alignment): against huge_pages.shared_bytes()
+    around a load, whether anything laid out there was dropped (its bytes stay resident)."""
+    from pipefill.kernels import huge_pages
+    return sum(huge_pages.shared_piece_bytes(p.raw) for lin in linears for p in lin.parts
+               if p.rows16 and p.raw.nbytes < huge_pages.MIN_BYTES)
+
+
 def assert_greedy_agrees(ours: list[int], ref: list[int], ref_margins: list[float],
                          min_margin: float = 0.1) -> None:
     """bf16 greedy decoding must follow the float32 reference until the reference itself is

@@ -66,6 +66,7 @@ class _SharedChunks:
     def __init__(self):
         self.rest = torch.empty(0, dtype=torch.uint8)
         self.lock = threading.Lock()  # weights may be loaded on several threads
+        self.handed_out = 0  # bytes, each piece to its alignment
 
     def take(self, nbytes: int) -> torch.Tensor:
         size = -(-nbytes // SHARED_ALIGN) * SHARED_ALIGN
@@ -73,10 +74,23 @@ class _SharedChunks:
             if self.rest.numel() < size:
                 self.rest = _mapped(SHARED_CHUNK)
             piece, self.rest = self.rest[:nbytes], self.rest[size:]
+            self.handed_out += size
         return piece
 
 
 _SHARED = _SharedChunks()
+
+
+def shared_bytes() -> int:
+    """Bytes handed out in shared mappings so far, each piece to SHARED_ALIGN: what their
+    buffers make resident once written, alive or not, since a dropped piece's pages go only
+    with its whole mapping (so a buffer meant to be dropped does not belong there)."""
+    return _SHARED.handed_out
+
+
+def shared_piece_bytes(t: torch.Tensor) -> int:
+    """What a buffer of t's size takes of a shared mapping (shared_bytes' unit)."""
+    return -(-t.nbytes // SHARED_ALIGN) * SHARED_ALIGN
 
 
 def huge_page_bytes(t: torch.Tensor) -> int:

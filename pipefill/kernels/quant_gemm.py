@@ -54,8 +54,9 @@ result: each x is off by at most half its block's dx, as in llama.cpp's Q8_0/Q8_
 products (tests/kernels/test_quant_int8.py bounds both errors).
 
 API: ``QuantLinear.from_parts([(raw uint8 [n, row_bytes], ggml type), ...], in_features,
-bias, max_rows, disable)``, ``QuantLinear.from_fp8([(weight float8_e4m3fn [n, K], scales
-[ceil(n / 128), ceil(K / 128)]), ...], ...)``; ``lin(x, out=None)`` (decode), ``lin.bind(x,
+bias, max_rows, disable, order)``, ``QuantLinear.from_fp8([(weight float8_e4m3fn [n, K],
+scales [ceil(n / 128), ceil(K / 128)]), ...], ..., order)`` (order: the rows moved as
+plain_matrix[order] before any layout is written); ``lin(x, out=None)`` (decode), ``lin.bind(x,
 out)`` (checked once, then ``bound()`` is the GEMM calls with prebuilt arguments),
 ``lin.prefill(x)`` (``prefill_int8``, ``prefill_dequantized``: each way alone;
 ``int8_prefills(rows, dtype)``, ``prefill_rule(dtype)``), ``lin.dequantize(dtype)``, ``lin.nbytes``, ``lin.shape``,
@@ -278,6 +279,20 @@ class QuantPart:
 FP8_TYPE = -1  # QuantPart.qtype of FP8 parts (not a GGML type id)
 
 
+def _rows_in_order(parts: list[QuantPart], order: torch.Tensor) -> list[QuantPart]:
+    """The parts' rows in `order`, as plain_matrix[order], in the file's row layout: whole
+    rows move (a GGUF row's blocks, an FP8 row with its own scales), each within its part (an
+    order that moves a row into a part of another block type is refused)."""
+    moved = []
+    for p in parts:
+        local = order[p.offset:p.offset + p.rows] - p.offset
+        if local.numel() != p.rows or local.min() < 0 or local.max() >= p.rows:
+            raise ValueError("a row order moves rows between parts of different block types")
+        moved.append(QuantPart(p.file_rows()[local].contiguous(), p.qtype, p.offset, p.scale,
+                               None if p.scale_row is None else p.scale_row[local].contiguous()))
+    return moved
+
+
 class QuantLinear:
     """F.linear(x, W, bias) with W held as GGUF blocks: decode (at most max_rows rows) on the
     quantized GEMM, prefill on a per-call dequantized copy (see the module's docstring). A
@@ -300,9 +315,12 @@ class QuantLinear:
     @classmethod
     def from_parts(cls, blocks: list[tuple[np.ndarray | torch.Tensor, int]], in_features: int,
                    bias: torch.Tensor | None = None, max_rows: int = 32,
-                   disable: tuple[str, ...] = ()) -> QuantLinear:
+                   disable: tuple[str, ...] = (), order: torch.Tensor | None = None
+                   ) -> QuantLinear:
         """blocks: (uint8 [rows, row_bytes], ggml type) per stacked matrix, in output order;
-        neighbours of one type are joined into one part (one kernel call)."""
+        neighbours of one type are joined into one part (one kernel call). order: the
+        stacked rows in this order (as take_rows), moved before the 16-row layout is
+        written, so no layout of the old order is ever made."""
         parts, offset = [], 0
         for raw, qtype in blocks:
             if not supports(qtype, in_features):
@@ -318,6 +336,8 @@ class QuantLinear:
                 parts.append(QuantPart(raw.clone() if not raw.is_contiguous() else raw, qtype,
                                        offset))
             offset += raw.shape[0]
+        if order is not None:
+            parts = _rows_in_order(parts, order)
         int8 = choose_int8(disable)[0]
         if rows16_usable(int8, disable):
             parts = [p.as_rows16() if rows16_supported(p.qtype) else p for p in parts]
@@ -326,10 +346,12 @@ class QuantLinear:
     @classmethod
     def from_fp8(cls, matrices: list[tuple[torch.Tensor, torch.Tensor]], in_features: int,
                  bias: torch.Tensor | None = None, max_rows: int = 32,
-                 disable: tuple[str, ...] = ()) -> QuantLinear:
+                 disable: tuple[str, ...] = (), order: torch.Tensor | None = None
+                 ) -> QuantLinear:
         """matrices: (float8_e4m3fn or uint8 codes [n, K], float32 scales [ceil(n / 128),
         ceil(K / 128)]) per stacked matrix, in output order (kernels.fp8_blocks): one part,
-        the grids stacked and every row pointed at its own grid's row."""
+        the grids stacked and every row pointed at its own grid's row; order: as
+        from_parts'."""
         codes, grids, rows_of, grid_rows = [], [], [], 0
         for w, scale in matrices:
             if w.dim() != 2 or w.shape[1] != in_features \
@@ -345,9 +367,11 @@ class QuantLinear:
             rows_of.append(torch.arange(w.shape[0], dtype=torch.int32) // fp8_blocks.BLOCK
                            + grid_rows)
             grid_rows += grid[0]
-        part = QuantPart(torch.cat(codes), FP8_TYPE, 0, torch.cat(grids).contiguous(),
-                         torch.cat(rows_of))
-        return cls([part], in_features, bias, choose_isa(disable, fp8=True)[0], max_rows)
+        parts = [QuantPart(torch.cat(codes), FP8_TYPE, 0, torch.cat(grids).contiguous(),
+                           torch.cat(rows_of))]
+        if order is not None:
+            parts = _rows_in_order(parts, order)
+        return cls(parts, in_features, bias, choose_isa(disable, fp8=True)[0], max_rows)
 
     @property
     def nbytes(self) -> int:
@@ -374,21 +398,14 @@ class QuantLinear:
         return f"blocks dequantized to float32 on {self.isa}"
 
     def take_rows(self, order: torch.Tensor) -> QuantLinear:
-        """The layer with its output rows in `order`, as plain_matrix[order]: whole rows move
-        (a GGUF row's blocks, an FP8 row with its own scales), each within its part (an order
-        that moves a row into a part of another block type is refused); the bias must not be
-        set yet."""
+        """The layer with its output rows in `order`, as plain_matrix[order] (_rows_in_order);
+        the bias must not be set yet. A part in the 16-row layout is laid out anew, and the
+        old layout's bytes stay resident while anything else lives in its shared mapping
+        (kernels/huge_pages.py): at load, reorder through from_parts' `order` instead."""
         if self.bias is not None:
             raise ValueError("take_rows: only a layer without a bias can reorder its rows")
-        parts = []
-        for p in self.parts:
-            local = order[p.offset:p.offset + p.rows] - p.offset
-            if local.numel() != p.rows or local.min() < 0 or local.max() >= p.rows:
-                raise ValueError("take_rows: the order moves rows between parts of different "
-                                 "block types")
-            moved = QuantPart(p.file_rows()[local].contiguous(), p.qtype, p.offset, p.scale,
-                              None if p.scale_row is None else p.scale_row[local].contiguous())
-            parts.append(moved.as_rows16() if p.rows16 else moved)
+        parts = [moved.as_rows16() if p.rows16 else moved
+                 for p, moved in zip(self.parts, _rows_in_order(self.parts, order))]
         out = QuantLinear(parts, self.in_features, None, self.isa, self.max_rows, self.int8)
         out.int8_prefill_max_rows = self.int8_prefill_max_rows
         return out

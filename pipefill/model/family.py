@@ -54,11 +54,13 @@ class WeightReader(Protocol):
     def mat(self, *names: str) -> torch.Tensor:
         """The rows of the named matrices stacked into one, in the stage's compute dtype."""
 
-    def linear(self, *names: str):
+    def linear(self, *names: str, order=None):
         """A linear layer's matrix, as mat, or under --weight-dtype gguf its GGUF blocks (under
         fp8, or auto, an FP8 checkpoint's codes and scales) kept quantized
         (kernels.quant_gemm.QuantLinear) where the file's types allow; the loader moves those
-        to the layer's decode and prefill copies (loader.place_quant_linears)."""
+        to the layer's decode and prefill copies (loader.place_quant_linears). order: a
+        function of the stacked rows' count that gives their order (matrix[order(rows)]),
+        applied before a quantized layer's decode layout is written."""
 
     def vec(self, name: str) -> torch.Tensor:
         """A vector (a norm's weight) as float32."""

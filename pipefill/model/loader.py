@@ -179,22 +179,23 @@ class WeightSource:
         return codes
 
     def quant_linear(self, names: tuple[str, ...], disable: tuple[str, ...] = (),
-                     max_rows: int = 32) -> QuantLinear | None:
+                     max_rows: int = 32, order: torch.Tensor | None = None
+                     ) -> QuantLinear | None:
         """The named matrices' rows stacked as GGUF blocks or FP8 codes kept quantized
         (kernels.quant_gemm), or None where one is not a block type the kernels read (it is
         then loaded dequantized). GGUF llama q/k rows are reordered as load() does (whole
-        rows of blocks move)."""
+        rows of blocks move); order: the stacked rows then in this order."""
         if self.gguf is None:
             if not self.fp8 or not all(self.is_fp8(n) for n in names):
                 return None
             return QuantLinear.from_fp8([self.fp8_weight(n) for n in names],
                                         self.shape(names[0])[1], max_rows=max_rows,
-                                        disable=disable)
+                                        disable=disable, order=order)
         parts = [self.gguf_blocks(name) for name in names]
         if None in parts:
             return None
         return QuantLinear.from_parts(parts, self.shape(names[0])[1], max_rows=max_rows,
-                                      disable=disable)
+                                      disable=disable, order=order)
 
     def gguf_blocks(self, name: str) -> tuple[object, int] | None:
         """A GGUF matrix as its blocks (uint8 [rows, row bytes], ggml type), llama q/k rows
@@ -404,13 +405,15 @@ class _StageReader:
         self.blocks, self.disable, self.max_rows = blocks, disable, max_rows
         self.kept: list[str] = []  # "name: type" of the matrices left dequantized under blocks
 
-    def linear(self, *names: str) -> torch.Tensor | QuantLinear:
-        q = (self.source.quant_linear(names, self.disable, self.max_rows) if self.blocks
+    def linear(self, *names: str, order=None) -> torch.Tensor | QuantLinear:
+        rows = None if order is None else order(sum(self.source.shape(n)[0] for n in names))
+        q = (self.source.quant_linear(names, self.disable, self.max_rows, rows) if self.blocks
              else None)
         if q is None:
             if self.blocks:
                 self.kept += [f"{n}: {self.source.tensor_type(n)}" for n in names]
-            return self._matrix(names)
+            m = self._matrix(names)
+            return m if rows is None else m[rows]
         self.progress.update(len(names))
         return q
 

@@ -430,12 +430,13 @@ class ShardedSource:
         dim, kept = cut
         return tensor.narrow(dim, kept.start, len(kept)).contiguous()
 
-    def quant_linear(self, names, disable=(), max_rows: int = 32):
+    def quant_linear(self, names, disable=(), max_rows: int = 32, order=None):
         """The rank's slices of the named GGUF matrices kept as blocks (QuantLinear, laid out
         for the decode kernel per shard: the 16-row layout pads the rank's own rows), or None
         (loaded dequantized) where a type is not kept or a row-parallel cut falls inside a
         block. A column-parallel cut takes whole rows of blocks; a row-parallel one whole
-        blocks of every row (o_proj by heads, down by MLP columns)."""
+        blocks of every row (o_proj by heads, down by MLP columns). order: the rank's
+        stacked rows then in this order (WeightSource.quant_linear's)."""
         if self.gguf is None:
             return None  # FP8 checkpoints load dequantized under TP (stage_keeps_blocks)
         parts, width = [], None
@@ -458,7 +459,8 @@ class ShardedSource:
             parts.append((raw[:, start:start + row_bytes(qtype, len(kept))], qtype))
             width = len(kept)
         in_features = width or self.source.shape(names[0])[1]
-        return QuantLinear.from_parts(parts, in_features, max_rows=max_rows, disable=disable)
+        return QuantLinear.from_parts(parts, in_features, max_rows=max_rows, disable=disable,
+                                      order=order)
 
     def tensor_type(self, name: str) -> str:
         return self.source.tensor_type(name)

@@ -23,8 +23,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from conftest import assert_matches_hf, hf_reference, single_stage, track
+from conftest import assert_matches_hf, hf_reference, shared_layout_bytes, single_stage, track
 from pipefill import Engine
+from pipefill.kernels import huge_pages
+from pipefill.kernels.quant_gemm import QuantLinear
 from pipefill.model.config import hf_rope
 from pipefill.model.loader import WeightSource
 from test_deepseek import PROMPT, save_deepseek
@@ -244,13 +246,35 @@ def test_multi_token_prediction_layers_are_skipped_with_one_log_line(hf_models, 
     assert (ours - prompt_logits(hf_models["v3"], PROMPT[:40])).abs().max().item() < 1e-5
 
 
+def quant_linears(obj, found: dict | None = None, depth: int = 0) -> list:
+    """The distinct QuantLinears reachable from a stage's weights."""
+    found = {} if found is None else found
+    if isinstance(obj, QuantLinear):
+        found[id(obj)] = obj
+    elif isinstance(obj, dict) and depth < 6:
+        for child in obj.values():
+            quant_linears(child, found, depth + 1)
+    elif isinstance(obj, (list, tuple)) and depth < 6:
+        for child in obj:
+            quant_linears(child, found, depth + 1)
+    elif type(obj).__module__.startswith("pipefill.") and depth < 6:
+        for child in vars(obj).values():
+            quant_linears(child, found, depth + 1)
+    return list(found.values())
+
+
 def test_weight_dtype_gguf_keeps_the_blocks(hf_models, tmp_path):
     """--weight-dtype gguf: the Q8_0 linear layers stay in their blocks, the rope rows
-    reordered whole (q_proj and kv_a_proj_with_mqa in one layer), and give the logits of the
-    dequantized file (prefill dequantizes per call: --gguf-int8-prefill-max-rows 0, as the
-    integer path's rounding of the activations is bounded in test_gguf_blocks.py)."""
+    reordered whole (q_proj and kv_a_proj_with_mqa in one layer) before their decode layout
+    is written (a layout of the file's order, dropped, kept its bytes in a shared mapping),
+    and give the logits of the dequantized file (prefill dequantizes per call:
+    --gguf-int8-prefill-max-rows 0, as the integer path's rounding of the activations is
+    bounded in test_gguf_blocks.py)."""
     path, reference = gguf_and_reference(write_deepseek_gguf, hf_models["v2"], tmp_path, "Q8_0")
-    layer = single_stage(path, "float32", weight_dtype="gguf").model.w.layers[1]
+    before = huge_pages.shared_bytes()
+    weights = single_stage(path, "float32", weight_dtype="gguf").model.w
+    assert huge_pages.shared_bytes() - before == shared_layout_bytes(quant_linears(weights)) > 0
+    layer = weights.layers[1]
     assert layer.qkv_a is None and layer.packed["qkv_a"].types == "Q8_0"
     ours = prompt_logits(path, PROMPT[:40], weight_dtype="gguf", gguf_int8_prefill_max_rows=0)
     assert (ours - prompt_logits(reference, PROMPT[:40])).abs().max().item() < 1e-4

@@ -8,9 +8,11 @@ with the same blocks: logits within the int8 activations' summation order."""
 import pytest
 import torch
 
+from conftest import shared_layout_bytes
 from test_gguf_blocks import k_quant_gguf
 from test_tp_shards import ALONE, assert_lean_decode_on_two_ranks
 from pipefill.config import ServerArgs, StageInfo, resolve
+from pipefill.kernels import huge_pages
 from pipefill.kernels.quant_gemm import QuantLinear
 from pipefill.model.loader import WeightSource
 from pipefill.model.tensor_parallel import ShardedSource, tp_shard
@@ -31,16 +33,20 @@ def k_file(tmp_path_factory):
 @pytest.mark.parametrize("size", [2, 3])
 def test_rank_blocks_are_its_slice_of_the_matrix(k_file, size):
     """At TP 3 the MLP columns are 176, 176 and 160: down's Q5_K cut falls inside a block,
-    so down loads dequantized; everything else stays in blocks on every rank."""
+    so down loads dequantized; everything else stays in blocks on every rank. The file's
+    blocks are cut before the decode layout is written: a rank's shared 2 MiB-page mappings
+    hold its own rows' layout and nothing else (kernels/huge_pages.py)."""
     source = WeightSource(k_file)
     for rank in range(size):
         sharded = ShardedSource(source, tp_shard(source.config, rank, size))
         for kind, parts in LINEARS.items():
             names = tuple(f"model.layers.1.{p}.weight" for p in parts)
+            before = huge_pages.shared_bytes()
             held = sharded.quant_linear(names)
             if kind == "down" and size == 3:
                 assert held is None
                 continue
+            assert huge_pages.shared_bytes() - before == shared_layout_bytes([held])
             want = torch.cat([sharded.load(n) for n in names])
             assert held.shape == tuple(want.shape)
             assert torch.equal(held.dequantize(), want), (rank, kind)

@@ -18,13 +18,13 @@ softmax, greedy or group-limited) and ungated shared experts. Multi-token-predic
 
 From an FP8 checkpoint (V3's release) the linear layers read through read.linear (q_a/q_proj
 with kv_a_proj_with_mqa, q_b_proj, o_proj, a dense layer's MLP, the routed experts) stay FP8
-where --weight-dtype keeps them (the rows reordered above keep their own scales:
-take_rows); kv_b_proj (split per head by model/mla.py) and the shared experts are dequantized
+where --weight-dtype keeps them (the rows reordered above keep their own scales: read.linear's
+order); kv_b_proj (split per head by model/mla.py) and the shared experts are dequantized
 at load (ARCHITECTURE.md, 'FP8 block-quantized checkpoints').
 
 GGUF files (llama.cpp's "deepseek2", V2 and V3 alike) hold the same weights under their own
 names, read as families/deepseek_gguf.py says; under --weight-dtype gguf the same linear layers
-stay in their blocks (take_rows moves whole rows of blocks).
+stay in their blocks (the reorder moves whole rows of blocks, before their decode layout).
 """
 from __future__ import annotations
 
@@ -184,15 +184,15 @@ class DeepSeekFamily(ModelFamily):
         p, mla = f"model.layers.{layer}.", cfg.mla
         a = p + "self_attn."
         q_first = a + ("q_a_proj.weight" if mla.q_lora_rank else "q_proj.weight")
-        qkv_a = read.linear(q_first, a + "kv_a_proj_with_mqa.weight")
-        q_b = read.linear(a + "q_b_proj.weight") if mla.q_lora_rank else None
-        if mla.rope_interleaved:  # rotary pairs into halves (the rotate-half layout)
-            q_rows = q_b.shape[0] if q_b is not None else cfg.num_heads * mla.qk_head_dim
-            if q_b is not None:
-                q_b = take_rows(q_b, rope_halves_order(q_rows, mla.qk_head_dim,
-                                                       mla.qk_nope_head_dim))
-            qkv_a = take_rows(qkv_a, qkv_a_order(qkv_a.shape[0], mla,
-                                                 q_rows if q_b is None else None))
+        # Rotary pairs into halves (the rotate-half layout), as the rows are read: blocks kept
+        # quantized move before their decode layout is written (kernels.quant_gemm).
+        q_proj_rows = None if mla.q_lora_rank else cfg.num_heads * mla.qk_head_dim
+        qkv_a = read.linear(q_first, a + "kv_a_proj_with_mqa.weight", order=(
+            (lambda rows: qkv_a_order(rows, mla, q_proj_rows)) if mla.rope_interleaved
+            else None))
+        q_b = read.linear(a + "q_b_proj.weight", order=(
+            (lambda rows: rope_halves_order(rows, mla.qk_head_dim, mla.qk_nope_head_dim))
+            if mla.rope_interleaved else None)) if mla.q_lora_rank else None
         mlp = (self.load_sparse_mlp(cfg, layer, read) if cfg.is_sparse(layer) else
                dict(gate_up=read.linear(p + "mlp.gate_proj.weight", p + "mlp.up_proj.weight"),
                     down=read.linear(p + "mlp.down_proj.weight")))
@@ -299,11 +299,6 @@ def last_rows_only(meta):
                                 seq.read_slots, seq.page_table))
             rows.append(seq.row_start + seq.num_new - 1)
     return torch.tensor(rows, dtype=torch.long), seqs
-
-
-def take_rows(matrix, order: torch.Tensor):
-    """matrix[order]: a plain matrix's rows, or a quantized one's (each row with its scales)."""
-    return matrix[order] if isinstance(matrix, torch.Tensor) else matrix.take_rows(order)
 
 
 def rope_halves_order(num_rows: int, head_dim: int, nope_dim: int) -> torch.Tensor:

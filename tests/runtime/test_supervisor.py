@@ -91,6 +91,32 @@ def wait_gone(pids, within_s: float = 15) -> None:
         time.sleep(0.1)
 
 
+def kill_mid_stream_and_come_back(proc, url: str, health_within_s: float,
+                                  ask_while_restarting: bool = False) -> list[int]:
+    """SIGKILLs the second of the server's two stage processes mid-stream: that client gets
+    an error at once, the supervisor restarts the stages (one restart, fresh processes, the
+    old ones gone) and the answers are the same as before. ask_while_restarting: a request
+    sent meanwhile waits for the new stages and is answered. Returns the new processes."""
+    before = generate(url).json()["choices"][0]["text"]
+    first = children(proc.pid)
+    assert len(first) == 2
+    t0 = time.monotonic()
+    lines = stream_until_killed(url, first[1])
+    assert time.monotonic() - t0 < 30  # the client heard about it, no hang
+    assert lines[-1] == "data: [DONE]" and '"error"' in lines[-2], lines[-2:]
+    if ask_while_restarting:
+        waiting = generate(url)
+        assert waiting.status_code == 200, waiting.text
+        assert waiting.json()["choices"][0]["text"] == before
+    wait_health(url, 200, health_within_s)
+    assert generate(url).json()["choices"][0]["text"] == before
+    assert metric(url, "pipefill_stage_restarts_total") == 1
+    wait_gone(first)
+    second = children(proc.pid)
+    assert len(second) == 2 and not set(second) & set(first)
+    return second
+
+
 def assert_stays_down(url: str) -> None:
     health = wait_health(url, 503, 30)
     assert "--max-stage-restarts 1" in health["error"] and "not restarting" in health["error"]
@@ -105,23 +131,7 @@ def test_killed_stage_fails_its_client_then_the_pipeline_comes_back(chat_model):
     the same; kill again (--max-stage-restarts 1): a crash loop, the server stays down."""
     proc, url = start_server(chat_model, None, "--max-stage-restarts", "1")
     try:
-        before = generate(url).json()["choices"][0]["text"]
-        first = children(proc.pid)
-        assert len(first) == 2
-        t0 = time.monotonic()
-        lines = stream_until_killed(url, first[1])
-        assert time.monotonic() - t0 < 30  # the client heard about it, no hang
-        assert lines[-1] == "data: [DONE]" and '"error"' in lines[-2], lines[-2:]
-        # A request sent while the stages restart waits for them and is answered.
-        waiting = generate(url)
-        assert waiting.status_code == 200, waiting.text
-        assert waiting.json()["choices"][0]["text"] == before
-        wait_health(url, 200, 60)
-        assert generate(url).json()["choices"][0]["text"] == before
-        assert metric(url, "pipefill_stage_restarts_total") == 1
-        wait_gone(first)
-        second = children(proc.pid)
-        assert len(second) == 2 and not set(second) & set(first)
+        second = kill_mid_stream_and_come_back(proc, url, 60, ask_while_restarting=True)
         os.kill(second[0], signal.SIGKILL)
         assert_stays_down(url)
         assert metric(url, "pipefill_stage_restarts_total") == 1
@@ -230,18 +240,6 @@ def test_killed_tp_rank_fails_its_client_then_the_group_comes_back(chat_model):
     once, the supervisor restarts the stage's whole group and the answers are the same."""
     proc, url = start_server(chat_model, None, "--pp-size", "1", "--tp-size", "2")
     try:
-        before = generate(url).json()["choices"][0]["text"]
-        first = children(proc.pid)
-        assert len(first) == 2
-        t0 = time.monotonic()
-        lines = stream_until_killed(url, first[1])
-        assert time.monotonic() - t0 < 30  # the client heard about it, no hang
-        assert lines[-1] == "data: [DONE]" and '"error"' in lines[-2], lines[-2:]
-        wait_health(url, 200, 90)
-        assert generate(url).json()["choices"][0]["text"] == before
-        assert metric(url, "pipefill_stage_restarts_total") == 1
-        wait_gone(first)
-        second = children(proc.pid)
-        assert len(second) == 2 and not set(second) & set(first)
+        kill_mid_stream_and_come_back(proc, url, 90)
     finally:
         assert stop_server(proc) == 0

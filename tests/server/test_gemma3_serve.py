@@ -45,8 +45,8 @@ def template(tmp_path_factory) -> str:
 def reference(model_file, template) -> dict:
     """What pipefill's Engine gives on the file with the server's flags (the default ones,
     whose greedy tokens test_gemma3_gguf checks against HF transformers in float32): the
-    prompts' ids, the short prompt's greedy continuation and per-token strings, the chat
-    answer. The engine is closed before any server starts, so the two never share the cores."""
+    prompts' ids, the short and the long prompt's greedy continuations and per-token
+    strings, the chat answer. The engine is closed before any server starts, so the two never share the cores."""
     from pipefill import Engine
     with track(Engine(model_file, max_model_len=MAX_MODEL_LEN,
                       chat_template=template)) as engine:
@@ -58,9 +58,10 @@ def reference(model_file, template) -> dict:
         short = tok.encode(PROMPT)
         long = tok.encode(COUNTING)
         chat = tok.encode_chat(CHAT)
-        out = greedy(short, 16)
+        out, long_out = greedy(short, 16), greedy(long, 8)
         return {"short": short, "out": out, "pieces": [tok.decode([t]) for t in out],
-                "text": tok.decode(out), "long": long, "chat": chat,
+                "text": tok.decode(out), "long": long,
+                "long_pieces": [tok.decode([t]) for t in long_out], "chat": chat,
                 "chat_out": tok.decode(greedy(chat, 12, ignore_eos=False))}
 
 
@@ -123,13 +124,19 @@ def test_streamed_completion_is_the_whole_one(server, reference):
     assert events[-1]["usage"]["completion_tokens"] == 16
 
 
-def test_a_prompt_past_the_sliding_window_completes(server, reference):
+def test_a_prompt_past_the_sliding_window_is_the_engines(server, reference):
+    """Two chunks of 2,048 and 1,344 tokens, each longer than the window: the server's
+    greedy tokens are the Engine's, and they count on."""
     r = post(server, "/v1/completions", {"prompt": COUNTING, "max_tokens": 8,
-                                         "temperature": 0, "ignore_eos": True})
+                                         "temperature": 0, "ignore_eos": True,
+                                         "logprobs": 0})
     assert r.status_code == 200, r.text
     out = r.json()
     assert out["usage"]["prompt_tokens"] == len(reference["long"]) > 6 * 512
-    text = out["choices"][0]["text"]
+    choice = out["choices"][0]
+    assert choice["logprobs"]["tokens"] == reference["long_pieces"]
+    text = choice["text"]
+    assert text == "".join(reference["long_pieces"])
     assert len(text) >= 6 and COUNTED_ON.startswith(text), text
 
 

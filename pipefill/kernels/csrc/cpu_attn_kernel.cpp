@@ -48,6 +48,30 @@ constexpr int kRows = PF_ATTN_ROWS;  // rows per register block; decode (<= 4 ro
 constexpr int NB = kStep;
 constexpr float kNegInf = -__builtin_inff();
 constexpr float kLazy = 8.0f;
+#if PF_ATTN_BF16DOT
+constexpr bool kBf16Dot = true;
+#else
+constexpr bool kBf16Dot = false;
+#endif
+
+// The next step's K and V lines, prefetched a few at a time while a decode step computes
+// (ARCHITECTURE.md, 'GGUF blocks kept quantized', the decode step's attention): issued all at
+// once before the step, they filled the miss buffers and stalled the step's own loads behind
+// them. tick() is called once per inner iteration of QK^T and PV.
+struct SpreadPrefetch {
+  const char* run[4] = {nullptr, nullptr, nullptr, nullptr};  // K run 0, 1; V run 0, 1
+  int lines_per_run = 0, next = 0, per_tick = 0;
+  inline void tick() {
+    const int end = next + per_tick < 4 * lines_per_run ? next + per_tick : 4 * lines_per_run;
+    for (; next < end; ++next)
+      if (run[next / lines_per_run]) __builtin_prefetch(run[next / lines_per_run] + 64 * (next % lines_per_run), 0, 2);
+  }
+  inline void finish() {  // what the ticks left, then idle until the next step's start
+    per_tick = 4 * lines_per_run;
+    tick();
+    per_tick = 0;
+  }
+};
 
 inline vf loadf(const void* p) { vf v; std::memcpy(&v, p, sizeof(vf)); return v; }
 inline void storef(void* p, vf v) { std::memcpy(p, &v, sizeof(vf)); }
@@ -323,6 +347,7 @@ struct Kernel {
   float c;
   int64_t kend_b[2048 / R + 1];
   int64_t kstart_b[2048 / R + 1];  // a sliding window's first key of each block's first row
+  mutable SpreadPrefetch spf;      // a decode step's prefetches of the next step (run())
 
   Kernel(const Params& p_, const Scratch& s_, int64_t item) : p(p_), s(s_) {
     const int64_t Hkv = p.num_kv_heads, ps = p.page_size;
@@ -461,6 +486,7 @@ struct Kernel {
     const uint32_t* q = static_cast<const uint32_t*>(s.q) + (int64_t)R * b * (D / 2);
     for (int j = 0; j < D / 2; ++j) {
       const int64_t off = ((j / 16) * 512 + (j % 16) * 32) * kEsz;
+      spf.tick();
       __m512bh kr[N];
       for (int n = 0; n < N; ++n) kr[n] = (__m512bh)_mm512_loadu_si512(kg[n] + off);
       for (int r = 0; r < R; ++r) {
@@ -602,6 +628,7 @@ struct Kernel {
       for (int r = 0; r < R; ++r) acc[n][r] = loadf(O + r * D + n * 16);
     for (int tp = 0; tp < npairs; ++tp) {
       const char* row = vg[tp / 16] + ((int64_t)dc0 * 512 + (tp % 16) * 32) * kEsz;
+      spf.tick();
       __m512bh vr[N];
       for (int n = 0; n < N; ++n) vr[n] = (__m512bh)_mm512_loadu_si512(row + n * 512 * kEsz);
       for (int r = 0; r < R; ++r) {
@@ -670,8 +697,17 @@ struct Kernel {
         next[2 + j] = tok_ptr(p.v, kv0 + NB + 32 * j);
       }
       constexpr int kRunLines = 32 * D * kEsz / 64;
+      // A decode step (one block, bf16 dot products) spreads them over its QK^T and PV
+      // iterations (D / 2 each, a pass); else a share before each block.
+      const bool spread = kBf16Dot && nblk == 1 && !p.kv_quant;
+      if (spread) {
+        for (int j = 0; j < 4; ++j) spf.run[j] = next[j];
+        spf.lines_per_run = kRunLines;
+        spf.next = 0;
+        spf.per_tick = (4 * kRunLines + D - 1) / D;
+      }
       for (int b = 0; b < nblk; ++b) {
-        for (int i = 4 * kRunLines * b / nblk; i < 4 * kRunLines * (b + 1) / nblk; ++i)
+        for (int i = 4 * kRunLines * b / nblk; !spread && i < 4 * kRunLines * (b + 1) / nblk; ++i)
           if (next[i / kRunLines]) __builtin_prefetch(next[i / kRunLines] + 64 * (i % kRunLines), 0, 2);
         const int64_t hi = kend_b[b] < kv_hi ? kend_b[b] : kv_hi;
         // The block sees none of the step: all keys after its last row, or before its first
@@ -698,6 +734,7 @@ struct Kernel {
         }
         pv_block(b, s.s, s.p, vg, ncol / 2);
       }
+      if (spread) spf.finish();
     }
   }
 

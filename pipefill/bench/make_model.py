@@ -25,6 +25,7 @@ from pathlib import Path
 
 import torch
 
+from pipefill.bench import random_gguf
 from pipefill.kernels import fp8_blocks
 
 INIT_STD = 0.02
@@ -78,6 +79,10 @@ LIKE = {
         qk_rope_head_dim=64, v_head_dim=128, vocab_size=129280, norm_topk_prob=True,
         rope_parameters=_deepseek_yarn(mscale=1.0),
         max_position_embeddings=163840, tie_word_embeddings=False, num_hidden_layers=61)),
+    "smollm2-1.7b": ("LlamaConfig", dict(
+        hidden_size=2048, intermediate_size=8192, num_attention_heads=32,
+        num_key_value_heads=32, vocab_size=49152, rope_theta=130000.0, rms_norm_eps=1e-5,
+        max_position_embeddings=8192, tie_word_embeddings=True, num_hidden_layers=24)),
     "llama-3.1-8b": ("LlamaConfig", dict(
         hidden_size=4096, intermediate_size=14336, num_attention_heads=32,
         num_key_value_heads=8, vocab_size=128256, rope_theta=500000.0,
@@ -380,6 +385,11 @@ def add_parser(sub) -> None:
                         "weight_scale_inv per 128x128 block and config.json's "
                         "quantization_config (other tensors in --dtype); pipefill keeps them "
                         "FP8 under --weight-dtype fp8 or auto")
+    p.add_argument("--gguf", choices=random_gguf.SCHEMES, default=None,
+                   help="write one .gguf file (--out names it) instead of a folder: a llama "
+                        "model's matrices as random blocks of this llama.cpp scheme (Q4_1 as "
+                        "SmolLM2-135M's file, Q4_K_M's Q4_K/Q6_K mix), the tokenizer copied "
+                        "from the default model's file; all layers unless --layers")
     p.set_defaults(run=run)
 
 
@@ -392,6 +402,8 @@ def run(a: argparse.Namespace) -> int:
     if not 0 < a.memory_fraction <= 1:
         print("make-model: --memory-fraction must be in (0, 1]", file=sys.stderr)
         return 2
+    if a.gguf:
+        return run_gguf(a, a.layers or full)
     layers = a.layers or min(full, layers_that_fit(a.like, dtype,
                                                    int(available_bytes() * a.memory_fraction),
                                                    a.fp8))
@@ -407,4 +419,31 @@ def run(a: argparse.Namespace) -> int:
     write_checkpoint(config, Path(a.out), dtype, a.seed, progress, a.fp8)
     print(f"wrote {a.out} ({os.path.getsize(Path(a.out) / 'config.json')} byte config, "
           f"{size / 2**30:.2f} GiB of weights)")
+    return 0
+
+
+def run_gguf(a: argparse.Namespace, layers: int) -> int:
+    from pipefill.model.loader import resolve_model_path
+    if not a.out.endswith(".gguf") or a.fp8:
+        print("make-model: --gguf writes one file: --out must end in .gguf (and no --fp8)",
+              file=sys.stderr)
+        return 2
+    config = make_config(a.like, layers)
+    try:
+        size = random_gguf.file_nbytes(config, a.gguf)
+        print(f"{a.like}: {layers} layers, {size / 2**30:.2f} GiB of {a.gguf} tensors -> {a.out}",
+              flush=True)
+        printed = [0]
+
+        def progress(done, total):  # a line a GiB, and the last
+            if done >> 30 > printed[0] or done == total:
+                printed[0] = done >> 30
+                print(f"  {done / 2**30:6.2f} / {total / 2**30:.2f} GiB written", flush=True)
+
+        random_gguf.write_gguf(config, Path(a.out), a.gguf, resolve_model_path(None), a.seed,
+                               progress)
+    except ValueError as e:
+        print(f"make-model: {e}", file=sys.stderr)
+        return 2
+    print(f"wrote {a.out} ({os.path.getsize(a.out) / 2**30:.2f} GiB)")
     return 0

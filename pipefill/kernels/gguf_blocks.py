@@ -194,21 +194,33 @@ def rows16_padded(n: int) -> int:
     return -(-n // ROWS16) * ROWS16
 
 
+# Input bytes laid out at a time by to_rows16: its temporaries (a padded copy, the fields'
+# permuted copies) are this size, not the matrix's (a 102 MiB embedding took 3x its size).
+ROWS16_SLICE_BYTES = 4 << 20
+
+
 def to_rows16(raw, qtype: int):
     """uint8 torch [N, row_bytes] (the file's rows) -> uint8 [rows16_padded(N), row_bytes] in
     the 16-row layout (above), on 2 MiB pages (kernels.huge_pages: the decode GEMM streams it
-    every step; a small matrix shares its mapping with the model's other small ones)."""
+    every step; a small matrix shares its mapping with the model's other small ones). Written
+    ROWS16_SLICE_BYTES of groups at a time."""
     import torch  # the rest of this module is numpy only
     from pipefill.kernels import huge_pages
     name, _, size = BLOCK_TYPES[qtype]
     n, nbytes = raw.shape
-    padded = torch.zeros(rows16_padded(n), nbytes, dtype=torch.uint8)
-    padded[:n] = raw
-    b = padded.view(-1, ROWS16, nbytes // size, size)  # group, row, block, byte
-    fields = [b[..., lo:hi].unflatten(-1, ((hi - lo) // unit, unit)).permute(0, 2, 3, 1, 4)
-              .flatten(2) for lo, hi, unit in _ROWS16_FIELDS[name]]  # group, block, bytes
-    out = huge_pages.empty(tuple(padded.shape), shared=True)
-    torch.cat(fields, dim=-1, out=out.view(b.shape[0], b.shape[2], ROWS16 * size))
+    out = huge_pages.empty((rows16_padded(n), nbytes), shared=True)
+    groups = out.shape[0] // ROWS16
+    dst = out.view(groups, nbytes // size, ROWS16 * size)
+    step = max(1, ROWS16_SLICE_BYTES // (ROWS16 * nbytes))
+    for g0 in range(0, groups, step):
+        g1 = min(groups, g0 + step)
+        rows = raw[g0 * ROWS16:g1 * ROWS16]
+        if rows.shape[0] < (g1 - g0) * ROWS16:  # the last group: zero rows pad it
+            rows = torch.cat([rows, rows.new_zeros((g1 - g0) * ROWS16 - rows.shape[0], nbytes)])
+        b = rows.reshape(g1 - g0, ROWS16, nbytes // size, size)  # group, row, block, byte
+        fields = [b[..., lo:hi].unflatten(-1, ((hi - lo) // unit, unit)).permute(0, 2, 3, 1, 4)
+                  .flatten(2) for lo, hi, unit in _ROWS16_FIELDS[name]]  # group, block, bytes
+        torch.cat(fields, dim=-1, out=dst[g0:g1])
     return out
 
 

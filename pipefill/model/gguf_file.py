@@ -81,7 +81,28 @@ class GGUFFile:
     def blocks(self, name: str) -> np.ndarray:
         """A block-quantized matrix as in the file: uint8 [rows, bytes per row], an owned copy
         (the stage keeps it after the file is closed)."""
-        return np.array(self.tensors[name].data, dtype=np.uint8).reshape(self.shape(name)[0], -1)
+        data = self.tensors[name].data
+        out = np.array(data, dtype=np.uint8).reshape(self.shape(name)[0], -1)
+        self.drop_mapped_pages(data)
+        return out
+
+    def drop_mapped_pages(self, view: np.ndarray) -> None:
+        """Unmaps the file's pages under `view` (a piece of the reader's memory map) from this
+        process once they are copied: each page read stays resident in the mapping, so a
+        stage's load held the whole file on top of the copies (ARCHITECTURE.md 'What a
+        stage's memory is made of'). The page cache keeps them; a later read faults them in
+        again. A no-op where the map or madvise is missing."""
+        mapping = getattr(self.reader.data, "_mmap", None)
+        if mapping is None or not hasattr(mapping, "madvise") or view.size == 0:
+            return
+        import mmap
+        start = view.ctypes.data - self.reader.data.ctypes.data
+        end = start + view.nbytes
+        if not 0 <= start < end <= len(mapping):
+            return
+        first = start - start % mmap.PAGESIZE
+        last = min(-(-end // mmap.PAGESIZE) * mmap.PAGESIZE, len(mapping))
+        mapping.madvise(mmap.MADV_DONTNEED, first, last - first)
 
     def load(self, name: str, start: int = 0, end: int | None = None,
              index: int | None = None) -> torch.Tensor:
@@ -94,10 +115,13 @@ class GGUFFile:
         end = shape[0] if end is None else end
         data = t.data if index is None else t.data[index]
         data = data if (start, end) == (0, shape[0]) else data[start:end]
+        view = data
         data = gguf.quants.dequantize(data, t.tensor_type)
         data = np.ascontiguousarray(data, dtype=np.float32).reshape(end - start, *shape[1:])
         # F32 tensors come back as read-only views of the memory-mapped file.
-        return torch.from_numpy(data if data.flags.writeable else data.copy())
+        out = torch.from_numpy(data if data.flags.writeable else data.copy())
+        self.drop_mapped_pages(view)
+        return out
 
 
 def unpermute_rotary(w: torch.Tensor, num_heads: int) -> torch.Tensor:

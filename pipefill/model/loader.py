@@ -14,6 +14,7 @@ import torch
 from safetensors import safe_open
 from tqdm import tqdm
 
+from pipefill.base.platform import release_freed_memory
 from pipefill.kernels import fp8_blocks
 from pipefill.kernels.decode_gemm import hidden_isas
 from pipefill.kernels.gguf_blocks import supports, type_name
@@ -459,7 +460,7 @@ def load_stage_weights(source: WeightSource, layers: range, first: bool, last: b
                     unit="tensor", leave=False, disable=None if progress_desc else True)
     round_to = weight_dtype if weight_dtype is not None and weight_dtype != dtype else None
     read = _StageReader(source, dtype, round_to, progress, blocks, disable, max_rows)
-    out_layers = [family.load_layer(cfg, i, read) for i in layers]
+    out_layers = [_load_layer(family, cfg, i, read) for i in layers]
     embed = _embedding(source, read, family.embed_name, disable, max_rows) if first else None
     lm_head = head_quant = None
     if last:
@@ -483,6 +484,16 @@ def load_stage_weights(source: WeightSource, layers: range, first: bool, last: b
         place_quant_linears(weights, family, max_rows, int8_prefill_max_rows)
         weights.kept_dequantized = read.kept
     return weights
+
+
+def _load_layer(family: ModelFamily, cfg: ModelConfig, i: int, read: _StageReader):
+    """One layer, then loading's freed temporaries handed back: under the stage's
+    keep_freed_memory_for_reuse the heap keeps them, and a file's layers grew it by ~45% of
+    their bytes before the end of the load (ARCHITECTURE.md 'What a stage's memory is made
+    of')."""
+    layer = family.load_layer(cfg, i, read)
+    release_freed_memory()
+    return layer
 
 
 def _embedding(source: WeightSource, read: _StageReader, name: str, disable: tuple[str, ...],

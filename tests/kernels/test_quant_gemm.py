@@ -272,6 +272,25 @@ def test_rows16_layout_is_a_permutation_of_the_files_bytes():
             assert torch.equal(codes[20:24], raw[21, 3 * size - 4:3 * size])
 
 
+def test_rows16_layout_in_slices_is_the_whole_matrix_layout(monkeypatch):
+    """to_rows16 lays out ROWS16_SLICE_BYTES of groups at a time (its temporaries that size):
+    slices of 1, 2 and 3 groups, none dividing the 7 groups of 101 rows, give the bytes of one
+    slice over the whole matrix, the last group's padding rows zero."""
+    from pipefill.kernels import gguf_blocks
+    for qtype in TYPES:
+        _, weights, size = BLOCK_TYPES[qtype]
+        raw = torch.from_numpy(random_blocks(qtype, 101, 2 * weights, np.random.default_rng(7)))
+        group_bytes = 16 * raw.shape[1]
+        monkeypatch.setattr(gguf_blocks, "ROWS16_SLICE_BYTES", 1 << 40)
+        whole = gguf_blocks.to_rows16(raw, qtype)
+        for groups in (1, 2, 3):
+            monkeypatch.setattr(gguf_blocks, "ROWS16_SLICE_BYTES", groups * group_bytes + 5)
+            assert torch.equal(gguf_blocks.to_rows16(raw, qtype), whole)
+        assert torch.equal(gguf_blocks.from_rows16(whole, qtype, 112)[101:],
+                           torch.zeros(11, raw.shape[1], dtype=torch.uint8))
+        assert torch.equal(gguf_blocks.from_rows16(whole, qtype, 101), raw)
+
+
 @pytest.mark.parametrize("isa", ["avx512", "avx2", "scalar"])
 @pytest.mark.parametrize("threads,ahead", [(1, 0), (2, 0), (2, 16)])
 def test_stream_read_reads_every_word_once(isa, threads, ahead):

@@ -104,7 +104,7 @@ def read_model(path: str) -> tuple[ModelConfig, bool]:
         raise ValueError(f"--model-config {path}: no such file or folder")
     resolved = resolve_model_path(path)
     if resolved.endswith(".gguf"):
-        return WeightSource(resolved).config, False
+        return WeightSource(resolved, vocabulary=False).config, False
     return config_from_json(os.path.join(resolved, "config.json"))
 
 

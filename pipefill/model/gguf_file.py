@@ -35,17 +35,71 @@ def gguf_expert_tensor(hf_name: str, expert_names: dict[str, str]) -> tuple[str,
     return None
 
 
+# Arrays at least this long are what `vocabulary=False` skips: a tokenizer's tokens, merges,
+# scores and token types (Gemma 3's 262,144 tokens), not a file's short lists.
+LONG_ARRAY = 1024
+
+
+def _reader(path: str, vocabulary: bool):
+    """gguf.GGUFReader of the file; without `vocabulary`, one that steps over long arrays of
+    strings or numbers instead of making a numpy view of each item (two a string: Gemma 3's
+    tokenizer fields were ~700 MiB of a stage's RSS and ~10 s, and a stage never reads them):
+    such a field keeps its type and length (GGUFFile.array_length) and no items."""
+    import struct
+    import sys
+
+    import gguf
+    if vocabulary:
+        return gguf.GGUFReader(path)
+    array, string = gguf.GGUFValueType.ARRAY, gguf.GGUFValueType.STRING
+
+    class VocabularyFreeReader(gguf.GGUFReader):
+        def _get_field_parts(self, orig_offs, raw_type):
+            if raw_type != array or self.byte_order != "I" or sys.byteorder != "little":
+                return super()._get_field_parts(orig_offs, raw_type)
+            item, count = self._get(orig_offs, np.uint32), self._get(orig_offs + 4, np.uint64)
+            kind, n = gguf.GGUFValueType(int(item[0])), int(count[0])
+            scalar = self.gguf_scalar_to_np.get(kind)
+            if n < LONG_ARRAY or (kind != string and scalar is None):
+                return super()._get_field_parts(orig_offs, raw_type)
+            offs = orig_offs + 12
+            if scalar is not None:  # scores, token types: fixed-size items
+                offs += n * np.dtype(scalar).itemsize
+            else:
+                data = memoryview(self.data)
+                for _ in range(n):  # each string: its uint64 length, then its bytes
+                    offs += 8 + struct.unpack_from("<Q", data, offs)[0]
+            return offs - orig_offs, [item, count], [], [array, kind]
+
+    return VocabularyFreeReader(path)
+
+
 class GGUFFile:
-    def __init__(self, path: str):
-        import gguf  # imported here: only GGUF users pay for it
+    """vocabulary=False: the long arrays (a tokenizer's tokens, merges, scores) are skipped
+    (_reader); reading one is an error, its length is still known."""
+
+    def __init__(self, path: str, vocabulary: bool = True):
         self.path = path
-        self.reader = gguf.GGUFReader(path)
+        self.reader = _reader(path, vocabulary)
         self.tensors = {t.name: t for t in self.reader.tensors}
         self.arch = self.field("general.architecture")
 
+    def _skipped(self, f) -> bool:
+        return len(f.types) == 2 and not f.data and int(f.parts[-1][0]) > 0
+
     def field(self, key: str, default=None):
         f = self.reader.fields.get(key)
+        if f is not None and self._skipped(f):
+            raise ValueError(f"GGUF field {key} was not read (the file was opened without "
+                             "its vocabulary)")
         return default if f is None else f.contents()
+
+    def array_length(self, key: str) -> int | None:
+        """The number of items of an array field, also one skipped; None where it is absent."""
+        f = self.reader.fields.get(key)
+        if f is None:
+            return None
+        return int(f.parts[-1][0]) if self._skipped(f) else len(f.data)
 
     def arch_field(self, key: str, default=None):
         """A field under the architecture's prefix ({arch}.{key})."""

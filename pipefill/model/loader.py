@@ -65,11 +65,13 @@ class WeightSource:
     the model's family and config. An FP8 checkpoint's weights (`fp8`: float8 e4m3 with a
     weight_scale_inv per 128 x 128 block) read dequantized, or as they are (fp8_weight)."""
 
-    def __init__(self, path: str):
+    def __init__(self, path: str, vocabulary: bool = True):
+        """vocabulary=False: a GGUF file's tokenizer arrays are not read (GGUFFile), for the
+        processes that load weights or read the config and never tokenize."""
         self.path = path
         self.fp8 = False
         if path.endswith(".gguf"):
-            self.gguf = GGUFFile(path)
+            self.gguf = GGUFFile(path, vocabulary)
             self.family: ModelFamily = family_for_gguf(
                 self.gguf.arch, path, experts=bool(self.gguf.arch_field("expert_count")))
             self.config = self.family.config_from_gguf(self.gguf)

@@ -223,7 +223,7 @@ def run_other_node(args: ServerArgs) -> int:
     """--node-rank > 0 (`pipefill generate|serve`): host this node's stages; node 0 runs the
     front end."""
     model_file = resolve_model_path(args.model_path)
-    args = resolve(args, WeightSource(model_file).config)
+    args = resolve(args, WeightSource(model_file, vocabulary=False).config)
     return run_node_stages(args, model_file)
 
 

@@ -127,7 +127,7 @@ def _run_stage(args: ServerArgs, model_file: str, rank: int, channel: StageChann
         place_stage(layout.local_process(rank, tp_rank), layout.processes_per_node,
                     layout.num_threads)
         keep_freed_memory_for_reuse()
-        source = WeightSource(model_file)
+        source = WeightSource(model_file, vocabulary=False)  # a stage never tokenizes
         info = layout.stage(rank, tp_rank)
         device = torch.device("cpu")
         if args.device == "cuda":  # one GPU a process, a stage's TP ranks side by side

@@ -128,7 +128,7 @@ class Gemma3Family(ModelFamily):
         scalar = hidden / num_heads if num_layers == 62 else head_dim
         return ModelConfig(
             model_type="gemma3_text",
-            vocab_size=field("vocab_size") or len(gguf.field("tokenizer.ggml.tokens")),
+            vocab_size=field("vocab_size") or gguf.array_length("tokenizer.ggml.tokens"),
             hidden_size=hidden,
             intermediate_size=field("feed_forward_length"),
             num_layers=num_layers,

@@ -23,6 +23,37 @@ def linear(x: torch.Tensor, weight: torch.Tensor | None, bias=None, packed=None,
     return torch_linear(x, weight, bias)
 
 
+# A long chunk's MLP runs this many rows at a time (about: row_tiles evens the tiles), so its
+# gate/up projection and their product are live for one tile only (ARCHITECTURE.md 'What a
+# stage's memory is made of'). Tiles of at least half this stay above the integer prefill's
+# rows, on the path the whole chunk would take.
+MLP_TILE_ROWS = 2048
+
+
+def row_tiles(rows: int, tile: int) -> list[tuple[int, int]]:
+    """[start, end) ranges covering `rows` in ceil(rows / tile) tiles of even size (sizes
+    differ by at most 1; each at least tile / 2 rows where rows > tile)."""
+    count = max(1, -(-rows // tile))
+    return [(i * rows // count, (i + 1) * rows // count) for i in range(count)]
+
+
+def by_row_tiles(fn, x: torch.Tensor, tile: int | None = None) -> torch.Tensor:
+    """fn(x) for a row-wise fn, computed over row tiles of x (row_tiles; tile: MLP_TILE_ROWS
+    by default) into one output, so fn's intermediates are live for a tile at a time; fn(x)
+    itself where x fits one tile."""
+    tile = MLP_TILE_ROWS if tile is None else tile
+    if x.shape[0] <= tile:
+        return fn(x)
+    out = None
+    for start, end in row_tiles(x.shape[0], tile):
+        y = fn(x[start:end])
+        if out is None:
+            out = y.new_empty((x.shape[0], *y.shape[1:]))
+        out[start:end] = y
+        del y
+    return out
+
+
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, dtype: torch.dtype):
     """Normalises in float32 (as HF does) and returns the compute dtype. The same operations
     as F.rms_norm, bit for bit, in fewer passes: torch 2.13's CPU rms_norm took 67 ms for a

@@ -15,7 +15,7 @@ from pipefill.model.config import ModelConfig, hf_common, hf_head_dim, hf_rope
 from pipefill.model.decode_step import DecodeRunner
 from pipefill.model.family import KVSpec, ModelFamily, WeightReader
 from pipefill.model.gguf_file import gguf_layer_name
-from pipefill.model.layers import linear, rms_norm
+from pipefill.model.layers import by_row_tiles, linear, rms_norm
 
 
 @dataclass
@@ -97,7 +97,7 @@ class LlamaFamily(ModelFamily):
         scaling = gguf.rope_scaling()
         return ModelConfig(
             model_type=self.gguf_architectures[gguf.arch],
-            vocab_size=field("vocab_size") or len(gguf.field("tokenizer.ggml.tokens")),
+            vocab_size=field("vocab_size") or gguf.array_length("tokenizer.ggml.tokens"),
             hidden_size=hidden,
             intermediate_size=field("feed_forward_length"),
             num_layers=field("block_count"),
@@ -196,9 +196,12 @@ class LlamaFamily(ModelFamily):
         if w.moe is not None:
             return w.moe(x)
         packed, large = w.packed or {}, w.prefill or {}
-        gate_up = linear(x, w.gate_up, None, packed.get("gate_up"), large.get("gate_up"))
-        return linear(model.ops.silu_mul(gate_up), w.down, None, packed.get("down"),
-                      large.get("down"))
+
+        def swiglu(rows: torch.Tensor) -> torch.Tensor:
+            gate_up = linear(rows, w.gate_up, None, packed.get("gate_up"), large.get("gate_up"))
+            return linear(model.ops.silu_mul(gate_up), w.down, None, packed.get("down"),
+                          large.get("down"))
+        return by_row_tiles(swiglu, x)
 
     @staticmethod
     def _rotated_heads(model, w: LayerWeights, qkv, cos, sin):

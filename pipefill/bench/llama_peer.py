@@ -51,12 +51,11 @@ class LlamaPeer:
     """One llama.cpp process holding the GGUF file, answering prefill, decode and nll
     requests (llama_worker.py)."""
 
-    def __init__(self, gguf_path: str, threads: int, n_ctx: int, python: str,
-                 logits_all: bool = False):
+    def __init__(self, gguf_path: str, threads: int, n_ctx: int, python: str):
         if not str(gguf_path).endswith(".gguf"):
             raise PeerError(f"--peer llama.cpp runs GGUF files; {gguf_path} is not one")
         cmd = [python, str(WORKER), str(gguf_path), "--threads", str(threads),
-               "--n-ctx", str(n_ctx)] + (["--logits-all"] if logits_all else [])
+               "--n-ctx", str(n_ctx)]
         self.proc = subprocess.Popen(cmd, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                                      stderr=subprocess.DEVNULL, text=True)
         hello = self._read()

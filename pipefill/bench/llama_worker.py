@@ -23,12 +23,11 @@ def main() -> int:
     ap.add_argument("model")
     ap.add_argument("--threads", type=int, required=True)
     ap.add_argument("--n-ctx", type=int, required=True)
-    ap.add_argument("--logits-all", action="store_true", help="keep every row's logits (nll)")
     a = ap.parse_args()
     try:
         from llama_cpp import Llama
         llm = Llama(a.model, n_ctx=a.n_ctx, n_threads=a.threads, n_threads_batch=a.threads,
-                    n_batch=2048, n_ubatch=512, logits_all=a.logits_all, verbose=False)
+                    n_batch=2048, n_ubatch=512, verbose=False)
     except Exception as e:  # the client turns this into its own sentence
         reply({"error": f"llama.cpp could not load {a.model}: {e}"})
         return 1
@@ -56,14 +55,36 @@ def answer(llm, req: dict) -> dict:
         llm.eval(ids)
         return {"seconds": time.perf_counter() - t}
     if req["op"] == "nll":
-        import numpy as np  # a dependency of llama-cpp-python
-        llm.eval(ids)
-        rows = np.asarray(llm.scores[:len(ids) - 1], dtype=np.float64)
-        top = rows.max(axis=1, keepdims=True)
-        log_z = top[:, 0] + np.log(np.exp(rows - top).sum(axis=1))
-        picked = rows[np.arange(len(ids) - 1), ids[1:]]
-        return {"nll": float((log_z - picked).mean()), "tokens": len(ids) - 1}
+        return {"nll": mean_nll(llm, ids), "tokens": len(ids) - 1}
     return {"error": f"unknown op {req['op']!r}"}
+
+
+NLL_PIECE = 512  # tokens a decode call scores: their float32 logits, 512 MiB at 262K words
+
+
+def mean_nll(llm, ids: list) -> float:
+    """Mean -log p(ids[t] | ids[:t]) over t >= 1, from every row's logits, a piece of the
+    prompt at a time. Llama.eval under logits_all would copy every row's logits into a table
+    of n_ctx rows (4 GiB for 4K tokens of a 262K-word vocabulary) beside llama.cpp's own
+    buffer of n_batch rows (2 GiB); decoding pieces of NLL_PIECE tokens (llama.cpp's
+    n_ubatch, so it computes what one eval would) and reducing each piece's rows at once
+    holds one piece's."""
+    import numpy as np  # a dependency of llama-cpp-python
+
+    llm._ctx.kv_cache_clear()  # reset() keeps llama.cpp's cache; decode below does not clear it
+    total, n_vocab = 0.0, llm.n_vocab()
+    for start in range(0, len(ids) - 1, NLL_PIECE):
+        piece = ids[start:start + NLL_PIECE]
+        llm._batch.set_batch(batch=piece, n_past=start, logits_all=True)
+        llm._ctx.decode(llm._batch)
+        logits = np.ctypeslib.as_array(llm._ctx.get_logits(), shape=(len(piece), n_vocab))
+        targets = ids[start + 1:start + 1 + len(piece)]  # the piece's last row may have none
+        rows = logits[:len(targets)].astype(np.float64)
+        top = rows.max(axis=1)
+        log_z = top + np.log(np.exp(rows - top[:, None]).sum(axis=1))
+        total += float((log_z - rows[np.arange(len(targets)), targets]).sum())
+    llm.n_tokens = 0  # nothing this request computed is kept for the next one
+    return total / (len(ids) - 1)
 
 
 def decode(llm, ids: list, steps: int) -> dict:

@@ -64,7 +64,7 @@ def run(ns: argparse.Namespace) -> int:
     if ns.peer is not None:
         from pipefill.bench.llama_peer import LlamaPeer, peer_python
         peer = LlamaPeer(path, args.layout.num_threads, len(ids) + 16,
-                         peer_python(ns.peer_python), logits_all=True)
+                         peer_python(ns.peer_python))
         try:
             rows.append((f"llama.cpp (llama-cpp-python {peer.version})", peer.mean_nll(ids)))
         finally:

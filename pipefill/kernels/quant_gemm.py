@@ -505,9 +505,17 @@ class QuantLinear:
 
     def prefill(self, x: torch.Tensor) -> torch.Tensor:
         """Any number of rows, on the path int8_prefills picks for its row count."""
-        if self.int8_prefills(x.shape[0], x.dtype):
-            return self.prefill_int8(x)
-        return self.prefill_dequantized(x)
+        return self.prefill_for(x.shape[0], x.dtype)(x)
+
+    def prefill_for(self, rows: int, dtype: torch.dtype):
+        """What prefill runs on `rows` rows of `dtype`, as a function that a caller cutting
+        those rows into pieces calls on each: the integer path, or F.linear on one
+        dequantized copy that the function holds (dequantized once for all the pieces)."""
+        if self.int8_prefills(rows, dtype):
+            return self.prefill_int8
+        w = self.dequantize(dtype)
+        bias = self.bias.to(dtype) if self.bias is not None else None
+        return lambda x: torch_linear(x, w, bias)
 
     def int8_prefill_rows(self, dtype: torch.dtype) -> int:
         """The most rows prefill in `dtype` runs on the integer path (0: none)."""

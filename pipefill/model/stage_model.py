@@ -20,6 +20,10 @@ from pipefill.model.layers import TorchOps, rms_norm
 from pipefill.model.rope import cos_sin, inverse_frequencies, rope_attention_factor
 
 
+# The float32 logits a block of prompt-logprob rows holds at once (StageModel.logit_blocks).
+LOGIT_BLOCK_BYTES = 256 << 20
+
+
 @dataclass
 class ForwardMeta:
     """Per-forward metadata, built per stage from the micro-batch's plan."""
@@ -200,20 +204,38 @@ class StageModel:
         """Final norm + lm_head on the selected rows only -> float32 [len(rows), vocab].
         Under tensor parallelism every rank of the stage calls this together: each computes
         its vocabulary share, and all get the whole."""
+        blocks = list(self.logit_blocks(hidden, residual, rows, max(1, len(rows))))
+        return torch.cat(blocks) if blocks else torch.empty(0, self.cfg.vocab_size)
+
+    @torch.inference_mode()
+    def logit_blocks(self, hidden, residual, rows: torch.Tensor, block_rows: int | None = None):
+        """logits() of the selected rows, `block_rows` rows at a time (by default as many as
+        LOGIT_BLOCK_BYTES of float32 logits hold), so that prompt logprobs of a long chunk
+        never hold its whole [rows, vocab] (2 GiB for 2,048 rows of a 262K-word vocabulary,
+        and log_softmax as much again). The head runs on the path one call on all the rows
+        takes (GGUF blocks dequantized once for every block where that call dequantizes),
+        so each row's logits are logits()'s. Under tensor parallelism every rank iterates
+        through the same blocks together."""
         final = residual[rows].add_(hidden[rows])
         x = rms_norm(final, self.w.final_norm, self.cfg.rms_norm_eps, self.dtype)
-        logits = self._head(x)
-        if self.tp is not None:
-            logits = self.tp.gather_logits(logits)
-        return self._softcap(logits)
+        head = self._head_for(x.shape[0])
+        step = block_rows or max(1, LOGIT_BLOCK_BYTES // (4 * self.cfg.vocab_size))
+        for at in range(0, x.shape[0], step):
+            logits = head(x[at:at + step])
+            if self.tp is not None:
+                logits = self.tp.gather_logits(logits)
+            yield self._softcap(logits)
 
-    def _head(self, x: torch.Tensor) -> torch.Tensor:
+    def _head_for(self, rows: int):
+        """The head as a function of a piece of `rows` rows -> float32 logits, on the path
+        a call on all of them takes."""
         head = self.w.lm_head_packed
-        if head is not None and x.shape[0] <= head.max_rows:  # float32 logits straight away
-            return head(x, out=torch.empty(x.shape[0], head.out_features))
-        if self.w.lm_head is None:  # GGUF blocks only: dequantized for this call
-            return self.w.lm_head_quant.prefill(x).float()
-        return torch_linear(x, self.w.lm_head).float()
+        if head is not None and rows <= head.max_rows:  # float32 logits straight away
+            return lambda x: head(x, out=torch.empty(x.shape[0], head.out_features))
+        if self.w.lm_head is None:  # GGUF blocks only: the integer path, or dequantized once
+            quant = self.w.lm_head_quant.prefill_for(rows, self.dtype)
+            return lambda x: quant(x).float()
+        return lambda x: torch_linear(x, self.w.lm_head).float()
 
     def _softcap(self, logits: torch.Tensor) -> torch.Tensor:
         cap = self.cfg.final_logit_softcapping

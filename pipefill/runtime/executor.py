@@ -200,53 +200,87 @@ class StageExecutor:
         return ProfileBench(self.scratch_prefill, self.cache.page_size,
                             type(self.cache).__name__ + tp, self.model.cfg.hidden_size)
 
-    def logits(self, plan: StepPlan, acts: Activations | None
-               ) -> tuple[list[list[int]], torch.Tensor | None]:
-        """Last stage: each sequence's logit rows, and the logits of them all (None: no row
-        needs any). Every TP rank of the last stage calls this for every plan: the ranks
-        gather their vocabulary shares of the logits together."""
-        per_seq, row = [], 0
-        for work in plan.seqs:
-            per_seq.append(logit_rows(work, row))
-            row += work.num_tokens
-        rows = [r for seq_rows in per_seq for r in seq_rows]
+    def logit_blocks(self, plan: StepPlan, acts: Activations | None):
+        """Last stage: the logits of the rows needed_rows(plan) lists, in that order, as
+        float32 blocks of rows (StageModel.logit_blocks); none where no row needs any. Every
+        TP rank of the last stage runs through them for every plan: the ranks gather their
+        vocabulary shares of each block together."""
+        rows = [r for seq_rows in needed_rows(plan) for r in seq_rows]
         if not rows:
-            return per_seq, None
+            return iter(())
         held = range(len(rows)) if acts.logit_rows_only else rows
-        return per_seq, self.model.logits(acts.hidden, acts.residual,
-                                          torch.tensor(held, device=acts.hidden.device)).cpu()
+        return self.model.logit_blocks(acts.hidden, acts.residual,
+                                       torch.tensor(held, device=acts.hidden.device))
 
     def results(self, plan: StepPlan, acts: Activations) -> StepResult:
-        """Last stage: logits on the needed rows, then sampling and logprobs."""
-        per_seq, logits = self.logits(plan, acts)
+        """Last stage: logits on the needed rows, then sampling and logprobs, a block of
+        rows at a time (each sequence takes the rows of each block that are its own)."""
+        per_seq = needed_rows(plan)
+        scores = [_SeqScores(work, len(rows)) for work, rows in zip(plan.seqs, per_seq)]
+        seq, row = 0, 0  # the sequence whose rows come next, and its next row
+        for block in self.logit_blocks(plan, acts):
+            block, at = block.cpu(), 0
+            while at < len(block):
+                while scores[seq].rows == row:
+                    seq, row = seq + 1, 0
+                take = min(len(block) - at, scores[seq].rows - row)
+                scores[seq].add(row, block[at:at + take])
+                at, row = at + take, row + take
         result = StepResult(plan.step_id)
-        if logits is None:
-            result.seqs = [SeqResult(w.rid) for w in plan.seqs]
-            return result
-        at = 0
-        for work, seq_rows in zip(plan.seqs, per_seq):
-            result.seqs.append(_seq_result(work, logits[at:at + len(seq_rows)]))
-            at += len(seq_rows)
+        result.seqs = [s.result() for s in scores]
         return result
 
 
-def _seq_result(work, logits: torch.Tensor) -> SeqResult:
-    """One sequence's token and logprobs. A failure here (a sampling parameter that slipped
-    past validation, a torch error) fails this request only: the stage keeps serving."""
-    try:
-        return _score(work, logits)
-    except Exception as e:  # noqa: BLE001 - becomes this request's error, reported to the user
-        log.warning("sampling failed for %s: %s: %s", work.rid, type(e).__name__, e)
-        return SeqResult(work.rid, error=f"sampling failed: {type(e).__name__}: {e}")
+def needed_rows(plan: StepPlan) -> list[list[int]]:
+    """Per sequence of the plan, the rows of the micro-batch whose logits it needs."""
+    per_seq, row = [], 0
+    for work in plan.seqs:
+        per_seq.append(logit_rows(work, row))
+        row += work.num_tokens
+    return per_seq
 
 
-def _score(work, logits: torch.Tensor) -> SeqResult:
-    res = SeqResult(work.rid)
-    if work.logprob_targets:
-        k = len(work.logprob_targets)
-        logprobs = torch.log_softmax(logits[:k], -1)
-        targets = torch.tensor(work.logprob_targets, dtype=torch.long)
-        res.prompt_logprobs = logprobs.gather(1, targets[:, None])[:, 0].tolist()
-    if work.sample is not None:
-        res.token, res.token_logprob, res.top_logprobs = sample(logits[-1], work.sample)
-    return res
+class _SeqScores:
+    """One sequence's prompt logprobs and sampled token, from the blocks of logits its rows
+    fall in. A failure (a sampling parameter that slipped past validation, a torch error)
+    fails this request only: the stage keeps serving."""
+
+    def __init__(self, work: SeqWork, rows: int):
+        self.work, self.rows = work, rows
+        self.prompt_logprobs: list[float] = []
+        self.last: torch.Tensor | None = None  # its last row's logits, which sampling reads
+        self.error: str | None = None
+
+    def add(self, first: int, logits: torch.Tensor) -> None:
+        """The logits of its rows first .. first + len(logits) - 1."""
+        if self.error is not None:
+            return
+        try:
+            targets = self.work.logprob_targets or []
+            k = min(len(targets) - first, len(logits))
+            if k > 0:
+                picked = torch.tensor(targets[first:first + k], dtype=torch.long)
+                logprobs = torch.log_softmax(logits[:k], -1)
+                self.prompt_logprobs += logprobs.gather(1, picked[:, None])[:, 0].tolist()
+            if first + len(logits) == self.rows:
+                self.last = logits[-1].clone()  # its block is freed before sampling
+        except Exception as e:  # noqa: BLE001 - becomes this request's error
+            self._failed(e)
+
+    def result(self) -> SeqResult:
+        res = SeqResult(self.work.rid)
+        try:
+            if self.error is None and self.work.sample is not None and self.last is not None:
+                res.token, res.token_logprob, res.top_logprobs = sample(self.last,
+                                                                        self.work.sample)
+        except Exception as e:  # noqa: BLE001 - becomes this request's error
+            self._failed(e)
+        if self.error is not None:
+            return SeqResult(self.work.rid, error=self.error)
+        if self.work.logprob_targets:
+            res.prompt_logprobs = self.prompt_logprobs
+        return res
+
+    def _failed(self, e: Exception) -> None:
+        log.warning("sampling failed for %s: %s: %s", self.work.rid, type(e).__name__, e)
+        self.error = f"sampling failed: {type(e).__name__}: {e}"

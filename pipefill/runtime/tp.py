@@ -338,7 +338,8 @@ def run_tp_peer(executor, link: TPLink, slices=None) -> None:
             executor.kv.wait_for(plan.seqs[0].page_table, plan.seqs[0].page_table)
         acts = executor.forward(plan, acts)[0]
         if executor.model.is_last and plan.step_id >= 0:  # the leader's results() gathers
-            executor.logits(plan, acts)
+            for _ in executor.logit_blocks(plan, acts):
+                pass
         elif slices is not None and slices.to_next is not None and plan.step_id >= 0 \
                 and acts is not None:  # what the leader's loop sends on, in the same order
             slices.send(plan.step_id, acts)

@@ -10,9 +10,11 @@ runs, bench/llama_worker.py).
   request at the same context rewinds instead of prefilling again), a mean negative
   log-likelihood a real model gives a real sentence, and the bench line with its ratio.
 """
+import json
 import math
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -75,6 +77,46 @@ def test_the_real_llama_cpp_prefills_decodes_and_scores():
         assert 0 < nll < math.log(peer.n_vocab)  # a real model beats a uniform guess
     finally:
         peer.close()
+
+
+CHECK_PIECES = """
+import json, sys
+import numpy as np
+sys.path.insert(0, sys.argv[1])
+import llama_worker
+from llama_cpp import Llama
+ids = json.loads(sys.argv[3])
+every = Llama(sys.argv[2], n_ctx=len(ids) + 8, n_threads=2, n_batch=2048, n_ubatch=512,
+              logits_all=True, verbose=False)
+every.eval(ids)
+rows = np.asarray(every.scores[:len(ids) - 1], dtype=np.float64)
+top = rows.max(axis=1)
+log_z = top + np.log(np.exp(rows - top[:, None]).sum(axis=1))
+whole = float((log_z - rows[np.arange(len(ids) - 1), ids[1:]]).mean())
+llm = Llama(sys.argv[2], n_ctx=len(ids) + 8, n_threads=2, n_batch=2048, n_ubatch=512,
+            verbose=False)
+llm.eval(ids[:100])  # a cache that holds something already
+print(json.dumps([whole, llama_worker.mean_nll(llm, ids), llama_worker.mean_nll(llm, ids)]))
+"""
+
+
+@needs_llama
+@pytest.mark.slow
+def test_the_nll_in_pieces_is_every_rows_logits_at_once():
+    """The worker scores a prompt NLL_PIECE tokens at a time (a 262K-word vocabulary's
+    logits of every row do not fit): the same mean as llama.cpp's logits of every row in
+    one eval, over a prompt of three pieces (the last one partial), twice in a row."""
+    from pipefill.bench import llama_worker
+    ids = peer_tokens_of_a_sentence() * 60
+    assert 2 * llama_worker.NLL_PIECE < len(ids) < 3 * llama_worker.NLL_PIECE
+    out = subprocess.run([llama_python(), "-c", CHECK_PIECES, str(Path(llama_worker.__file__)
+                                                                   .parent),
+                          resolve_model_path(None), json.dumps(ids)],
+                         capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-2000:]
+    whole, pieces, again = json.loads(out.stdout.strip().splitlines()[-1])
+    assert 0 < whole < math.log(49152)
+    assert abs(pieces - whole) < 1e-4 * whole and pieces == again
 
 
 def peer_tokens_of_a_sentence() -> list[int]:

@@ -232,6 +232,25 @@ def test_prefill_rows_past_the_integer_limit_are_dequantized():
     assert "turned off" in lin.prefill_rule(torch.float32)
 
 
+def test_prefill_for_pieces_takes_the_path_of_all_the_rows():
+    """prefill_for(rows) called on pieces of those rows (the LM head's blocks of prompt
+    logprob rows) gives what prefill gives them all at once: the integer path where all
+    the rows take it, though a piece alone would too, else the dequantized copy, made once."""
+    usable("avx512vnni")
+    g = np.random.default_rng(9)
+    parts = [(random_blocks(Q8_0, 48, 128, g), Q8_0)]
+    lin = linear("avx512vnni", parts, 128)
+    x = torch.from_numpy(g.standard_normal((100, 128)).astype(np.float32))
+    for limit in (99, 100):  # 100 rows dequantize, then run the integer path
+        lin.int8_prefill_max_rows = limit
+        run = lin.prefill_for(100, torch.float32)
+        pieces = torch.cat([run(x[at:at + 30]) for at in range(0, 100, 30)])
+        whole = lin.prefill(x)
+        torch.testing.assert_close(pieces, whole, rtol=1e-6, atol=1e-6)
+        other = lin.prefill_dequantized(x) if limit == 100 else lin.prefill_int8(x)
+        assert (pieces - other).abs().max() > 1e-4  # the two paths differ: the right one ran
+
+
 def test_rows16_layer_keeps_the_files_weights():
     """A layer held in the 16-row layout: the same bytes (rows padded to 16), dequantized,
     looked up (rows) and reordered (take_rows) as the file's rows, and the same decode as the row-major kernels

@@ -344,7 +344,7 @@ def assert_lean_decode_on_two_ranks(args, source, size: int = 2, lean: bool = Tr
 
     def logits(ex, ids, start):
         plan = StepPlan(-1, [SeqWork("s", start, start + len(ids), ids, [0, 1], spec)])
-        return ex.logits(plan, ex.forward(plan, None)[0])[1]
+        return torch.cat(list(ex.logit_blocks(plan, ex.forward(plan, None)[0])))
 
     ids, start = [(7 * i) % 500 for i in range(40)], 0
     for _ in range(4):
@@ -387,7 +387,7 @@ def test_straddled_head_is_split_by_keys_over_a_long_context(tmp_path):
 
     def logits(ex, ids, start):
         plan = StepPlan(-1, [SeqWork("s", start, start + len(ids), ids, table, spec)])
-        return ex.logits(plan, ex.forward(plan, None)[0])[1]
+        return torch.cat(list(ex.logit_blocks(plan, ex.forward(plan, None)[0])))
 
     ids, start = [(7 * i) % 500 for i in range(prompt - 3)], 0
     for _ in range(4):  # the prefill, then three decode steps over 4 split parts

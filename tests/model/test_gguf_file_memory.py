@@ -83,7 +83,8 @@ def _read_every_tensor_and_check():
         else:
             first[name] = f.load(name).numpy()
     grown = _resident_bytes_of(f.reader.data) - before
-    assert grown < 8 << 20, f"{grown} bytes of the file stay mapped"
+    # 1.7 MB here, 12.4 MB in a fresh clone's install (not traced); 96.5 MB without the unmapping.
+    assert grown < 32 << 20, f"{grown} bytes of the file stay mapped"
     again = f.blocks("token_embd.weight")
     assert np.array_equal(again, first["token_embd.weight"])
     assert np.array_equal(f.load("output_norm.weight").numpy(), first["output_norm.weight"])

@@ -83,8 +83,9 @@ def _read_every_tensor_and_check():
         else:
             first[name] = f.load(name).numpy()
     grown = _resident_bytes_of(f.reader.data) - before
-    # 1.7 MB here, 12.4 MB in a fresh clone's install (not traced); 96.5 MB without the unmapping.
-    assert grown < 32 << 20, f"{grown} bytes of the file stay mapped"
+    # Unmapping page-exact ranges left what faults mapped around them: 12.7 MB after a cold
+    # read (34 MB in one CI), 96.5 MB without any unmapping; whole 2 MiB pieces leave none.
+    assert grown < 4 << 20, f"{grown} bytes of the file stay mapped"
     again = f.blocks("token_embd.weight")
     assert np.array_equal(again, first["token_embd.weight"])
     assert np.array_equal(f.load("output_norm.weight").numpy(), first["output_norm.weight"])

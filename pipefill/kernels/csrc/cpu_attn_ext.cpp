@@ -12,6 +12,7 @@
 #include <limits>
 #include <string>
 #include <tuple>
+#include <utility>
 #include <vector>
 
 #include "cpu_attn_kernel.h"
@@ -212,7 +213,7 @@ struct ScratchLayout {
   }
 };
 
-using RunItem = void (*)(const pa::Params&, int64_t, const pa::Scratch&);
+using RunItem = void (*)(const pa::Params&, int64_t, const pa::Scratch&, const char* const*);
 constexpr RunItem kKernels[3] = {pa::avx512bf16::run_item, pa::avx512::run_item, pa::avx2::run_item};
 constexpr const char* kNames[3] = {"avx512bf16", "avx512", "avx2"};
 
@@ -327,7 +328,7 @@ torch::Tensor chunk_attention(int64_t isa, torch::Tensor q, torch::Tensor kc, to
   const int64_t n = pa::num_items(p);
   const ScratchLayout layout(qtile, G, D, kv_quant != pa::kPacked);
   const RunItem run = kKernels[isa];
-  pg::pull_items(n, [&] { return layout.thread_scratch(); }, [&](int64_t i, const pa::Scratch& s) { run(p, i, s); });
+  pg::pull_items(n, [&] { return layout.thread_scratch(); }, [&](int64_t i, const pa::Scratch& s) { run(p, i, s, nullptr); });
   if (p.nparts > 1) merge_parts(p);
   return out;
 }
@@ -617,10 +618,22 @@ void decode_attention(int64_t isa, torch::Tensor q, torch::Tensor k, torch::Tens
   const int64_t n = first[B];
   const ScratchLayout layout(1, G, D, kv_quant != pa::kPacked);
   const RunItem run = kKernels[isa];
-  pg::pull_items(n, [&] { return layout.thread_scratch(); }, [&](int64_t i, const pa::Scratch& s) {
+  // Pool index i -> (sequence, its item).
+  auto locate = [&](int64_t i) {
     const int64_t j = std::upper_bound(first.begin(), first.end(), i) - first.begin() - 1;
-    const int64_t b = order[j], item = i - first[j];
+    return std::pair<int64_t, int64_t>(order[j], i - first[j]);
+  };
+  pg::pull_items_ahead(n, [&] { return layout.thread_scratch(); }, [&](int64_t i, int64_t i_next,
+                                                                      const pa::Scratch& s) {
+    const auto [b, item] = locate(i);
     const pa::Params& p = seqs[b];
+    // The first step of this thread's next item is prefetched during this item's last step
+    // (each item's first step missed all caches: nothing knew which thread would take it).
+    const char* after[4];
+    if (i_next >= 0) {
+      const auto [nb, nitem] = locate(i_next);
+      pa::first_step_runs(seqs[nb], nitem, after);
+    }
     // The item of the part holding the new token (the last) writes its head's K/V first:
     // no other item reads that page, and the writer is the reader (the lines stay in this
     // core's cache instead of crossing from the thread that used to write every token).
@@ -628,7 +641,7 @@ void decode_attention(int64_t isa, torch::Tensor q, torch::Tensor k, torch::Tens
     // keeps its own copy of that head.
     const int64_t part = pa::item_part(p, item), head = pa::item_tile_head(p, item) % Hkv;
     if (part == p.nparts - 1) tokens.put(b, head, p.page_table, L[b]);
-    if (!shared.skips(b, head, part)) run(p, item, s);
+    if (!shared.skips(b, head, part)) run(p, item, s, i_next >= 0 ? after : nullptr);
   });
   // Merge the split sequences' parts: Hkv * G rows each, one pool for all of them.
   std::vector<int64_t> split;

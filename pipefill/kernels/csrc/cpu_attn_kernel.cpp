@@ -54,7 +54,8 @@ constexpr bool kBf16Dot = true;
 constexpr bool kBf16Dot = false;
 #endif
 
-// The next step's K and V lines, prefetched a few at a time while a decode step computes
+// The next step's K and V lines (in an item's last step: the first step of the thread's next
+// item, `after`), prefetched a few at a time while a decode step computes
 // (ARCHITECTURE.md, 'GGUF blocks kept quantized', the decode step's attention): issued all at
 // once before the step, they filled the miss buffers and stalled the step's own loads behind
 // them. tick() is called once per inner iteration of QK^T and PV.
@@ -348,18 +349,17 @@ struct Kernel {
   int64_t kend_b[2048 / R + 1];
   int64_t kstart_b[2048 / R + 1];  // a sliding window's first key of each block's first row
   mutable SpreadPrefetch spf;      // a decode step's prefetches of the next step (run())
+  const char* const* after;        // the next item's first step (first_step_runs), or null
 
-  Kernel(const Params& p_, const Scratch& s_, int64_t item) : p(p_), s(s_) {
+  Kernel(const Params& p_, const Scratch& s_, int64_t item, const char* const* after_)
+      : p(p_), s(s_), after(after_) {
     const int64_t Hkv = p.num_kv_heads, ps = p.page_size;
-    const int64_t ntiles = (p.C + p.qtile - 1) / p.qtile;
     part = item_part(p, item);
-    const int64_t rest = item_tile_head(p, item);
-    const int64_t ti = ntiles - 1 - rest / Hkv;  // longest (last) q-tiles first
-    g = rest % Hkv;
+    g = item_tile_head(p, item) % Hkv;
     G = group_of(p, g);
     q0 = first_q_head(p, g);
-    t0 = ti * p.qtile;
-    const int64_t nt = p.C - t0 < p.qtile ? p.C - t0 : p.qtile;
+    int64_t nt;
+    item_tile(p, item, t0, nt);
     M = (int)(nt * G);
     nblk = (M + R - 1) / R;
     base_pos = p.L + t0;
@@ -376,9 +376,7 @@ struct Kernel {
       kstart_b[b] = first_key(p, base_pos + R * b / G);
     }
     kend = kend_b[nblk - 1];
-    // Split KV: this item's keys [kv_lo, kv_hi) only; else from the tile's window on.
-    kv_lo = p.nparts > 1 ? p.kv_begin + part * p.kv_part : window_group(p.window, base_pos);
-    kv_hi = p.nparts > 1 && kv_lo + p.kv_part < kend ? kv_lo + p.kv_part : kend;
+    item_keys(p, item, kv_lo, kv_hi);  // split KV: this part's keys; else from the window on
   }
 
   const char* q_row_src(int r, int64_t g) const {
@@ -691,11 +689,14 @@ struct Kernel {
         for (int j = 0; j < (nstep + 31) / 32; ++j) vg[j] = tok_ptr(p.v, kv0 + 32 * j);
       }
       // The next step's K and V (32-token runs on other pages, where the hardware prefetchers
-      // stop) are prefetched to L2, a share per block, while this step computes.
+      // stop) are prefetched to L2, a share per block, while this step computes; during the
+      // last step, the first step of the item this thread runs next (`after`).
       for (int j = 0; !p.kv_quant && kv0 + NB + 32 * j < kv_hi && j < 2; ++j) {
         next[j] = tok_ptr(p.k, kv0 + NB + 32 * j);
         next[2 + j] = tok_ptr(p.v, kv0 + NB + 32 * j);
       }
+      if (after && kv0 + NB >= kv_hi)
+        for (int j = 0; j < 4; ++j) next[j] = after[j];
       constexpr int kRunLines = 32 * D * kEsz / 64;
       // A decode step (one block, bf16 dot products) spreads them over its QK^T and PV
       // iterations (D / 2 each, a pass); else a share before each block.
@@ -1265,8 +1266,8 @@ void run_quant_decode_k(const Params& p, int64_t item, const Scratch& s) {
 
 
 template <int D, bool KVB, int RB>
-void run_r(const Params& p, int64_t item, const Scratch& s) {
-  Kernel<D, KVB, RB> k(p, s, item);
+void run_r(const Params& p, int64_t item, const Scratch& s, const char* const* after) {
+  Kernel<D, KVB, RB> k(p, s, item, after);
   k.run();
   k.epilogue();
 }
@@ -1276,32 +1277,32 @@ void run_r(const Params& p, int64_t item, const Scratch& s) {
 // would cost a quarter of the QK^T, softmax and PV work. Rows are computed alike in any block
 // size (each row's sums in the same order), so the bits do not change.
 template <int D, bool KVB>
-void run_d(const Params& p, int64_t item, const Scratch& s) {
+void run_d(const Params& p, int64_t item, const Scratch& s, const char* const* after) {
   if (quant_decode(p)) return run_quant_decode_k<D>(p, item, s);
   const int64_t rows = (p.C < p.qtile ? p.C : p.qtile) * p.group;
-  if (kRows > 4 && rows == 3) run_r<D, KVB, 3>(p, item, s);
-  else if (kRows > 4 && rows <= 4) run_r<D, KVB, 4>(p, item, s);
-  else run_r<D, KVB, kRows>(p, item, s);
+  if (kRows > 4 && rows == 3) run_r<D, KVB, 3>(p, item, s, after);
+  else if (kRows > 4 && rows <= 4) run_r<D, KVB, 4>(p, item, s, after);
+  else run_r<D, KVB, kRows>(p, item, s, after);
 }
 
 }  // namespace
 
 // One head dim's kernels: bf16 or float32 values (the bf16 kernel reads bf16 only).
 template <int D>
-void run_dim(const Params& p, int64_t item, const Scratch& s) {
+void run_dim(const Params& p, int64_t item, const Scratch& s, const char* const* after) {
 #if PF_ATTN_BF16DOT
-  run_d<D, true>(p, item, s);
+  run_d<D, true>(p, item, s, after);
 #else
-  if (p.kv_bf16) run_d<D, true>(p, item, s);
-  else run_d<D, false>(p, item, s);
+  if (p.kv_bf16) run_d<D, true>(p, item, s, after);
+  else run_d<D, false>(p, item, s, after);
 #endif
 }
 
-void run_item(const Params& p, int64_t item, const Scratch& s) {
+void run_item(const Params& p, int64_t item, const Scratch& s, const char* const* after) {
   switch (p.head_dim) {
-    case 64: return run_dim<64>(p, item, s);
-    case 128: return run_dim<128>(p, item, s);
-    default: return run_dim<256>(p, item, s);  // Gemma 3 (the glue admits 64, 128, 256 only)
+    case 64: return run_dim<64>(p, item, s, after);
+    case 128: return run_dim<128>(p, item, s, after);
+    default: return run_dim<256>(p, item, s, after);  // Gemma 3 (the glue admits 64, 128, 256 only)
   }
 }
 

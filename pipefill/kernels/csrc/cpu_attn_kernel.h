@@ -95,9 +95,45 @@ inline int64_t num_items(const Params& p) { return p.num_kv_heads * ((p.C + p.qt
 inline int64_t item_part(const Params& p, int64_t item) { return p.nparts > 1 ? item / p.num_kv_heads : 0; }
 inline int64_t item_tile_head(const Params& p, int64_t item) { return p.nparts > 1 ? item % p.num_kv_heads : item; }
 
+// An item's q-tile: its first token t0 and token count nt (the longest, last, q-tiles first).
+inline void item_tile(const Params& p, int64_t item, int64_t& t0, int64_t& nt) {
+  const int64_t ntiles = (p.C + p.qtile - 1) / p.qtile;
+  t0 = (ntiles - 1 - item_tile_head(p, item) / p.num_kv_heads) * p.qtile;
+  nt = p.C - t0 < p.qtile ? p.C - t0 : p.qtile;
+}
+
+// The keys [lo, hi) an item reads: its split part, else from its tile's window on.
+inline void item_keys(const Params& p, int64_t item, int64_t& lo, int64_t& hi) {
+  int64_t t0, nt;
+  item_tile(p, item, t0, nt);
+  const int64_t kend = p.L + t0 + nt;  // one past the tile's last query position
+  lo = p.nparts > 1 ? p.kv_begin + item_part(p, item) * p.kv_part : window_group(p.window, p.L + t0);
+  hi = p.nparts > 1 && lo + p.kv_part < kend ? lo + p.kv_part : kend;
+}
+
+// The K and V runs of 32 tokens of an item's first step in a packed cache (K run 0, 1; V run 0,
+// 1; null past the item's keys, all null for a quantized cache), which a decode thread
+// prefetches during the item before it (ARCHITECTURE.md, the decode step's attention).
+inline void first_step_runs(const Params& p, int64_t item, const char* run[4]) {
+  for (int j = 0; j < 4; ++j) run[j] = nullptr;
+  if (p.kv_quant != kPacked) return;
+  int64_t lo, hi;
+  item_keys(p, item, lo, hi);
+  const int64_t ps = p.page_size, D = p.head_dim, esz = p.kv_bf16 ? 2 : 4;
+  const int64_t g = item_tile_head(p, item) % p.num_kv_heads;
+  for (int j = 0; j < 2 && lo + 32 * j < hi; ++j) {
+    const int64_t tok = lo + 32 * j;
+    const int64_t off = (((int64_t)p.page_table[tok / ps] * p.num_kv_heads + g) * ps + tok % ps) * D * esz;
+    run[j] = static_cast<const char*>(p.k) + off;
+    run[2 + j] = static_cast<const char*>(p.v) + off;
+  }
+}
+
+// run_item(p, item, s, after): after (null: none) is first_step_runs of the item this thread
+// runs next, prefetched to L2 during this item's last step.
 #define PF_ATTN_DECLARE(NS) \
   namespace NS {            \
-  void run_item(const Params& p, int64_t item, const Scratch& s); \
+  void run_item(const Params& p, int64_t item, const Scratch& s, const char* const* after); \
   }
 
 PF_ATTN_DECLARE(avx512bf16)

@@ -182,6 +182,23 @@ void pull_items(int64_t n, const Setup& setup, const Run& run) {
   });
 }
 
+// pull_items with a one-item lookahead: a task claims its next item before running the current
+// one, and run(item, next, state) gets it (-1: none left), so that the kernel can prefetch the
+// next item's first data while it computes. The counter still hands items out in order; a task
+// holds at most one claimed item more than pull_items would.
+template <typename Setup, typename Run>
+void pull_items_ahead(int64_t n, const Setup& setup, const Run& run) {
+  std::atomic<int64_t> next{0};
+  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
+    const auto state = setup();
+    for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n;) {
+      const int64_t j = next.fetch_add(1, std::memory_order_relaxed);
+      run(i, j < n ? j : -1, state);
+      i = j;
+    }
+  });
+}
+
 // The slots a K/V write fills in a packed paged cache: tokens at positions [start, end) and
 // zeros for the rest of the last one's 32-token group (same page), so that zero probabilities
 // never meet uninitialised (NaN) values. slot(pos, h, off, base, real) for every such position

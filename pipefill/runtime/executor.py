@@ -248,7 +248,9 @@ class _SeqScores:
     def __init__(self, work: SeqWork, rows: int):
         self.work, self.rows = work, rows
         self.prompt_logprobs: list[float] = []
-        self.last: torch.Tensor | None = None  # its last row's logits, which sampling reads
+        # sample()'s (token, logprob, top) from its last row, drawn when that row's block
+        # arrives: no copy of the row outlives the block (ARCHITECTURE.md, 'A chunk's path').
+        self.sampled: tuple | None = None
         self.error: str | None = None
 
     def add(self, first: int, logits: torch.Tensor) -> None:
@@ -262,19 +264,15 @@ class _SeqScores:
                 picked = torch.tensor(targets[first:first + k], dtype=torch.long)
                 logprobs = torch.log_softmax(logits[:k], -1)
                 self.prompt_logprobs += logprobs.gather(1, picked[:, None])[:, 0].tolist()
-            if first + len(logits) == self.rows:
-                self.last = logits[-1].clone()  # its block is freed before sampling
+            if first + len(logits) == self.rows and self.work.sample is not None:
+                self.sampled = sample(logits[-1], self.work.sample)
         except Exception as e:  # noqa: BLE001 - becomes this request's error
             self._failed(e)
 
     def result(self) -> SeqResult:
         res = SeqResult(self.work.rid)
-        try:
-            if self.error is None and self.work.sample is not None and self.last is not None:
-                res.token, res.token_logprob, res.top_logprobs = sample(self.last,
-                                                                        self.work.sample)
-        except Exception as e:  # noqa: BLE001 - becomes this request's error
-            self._failed(e)
+        if self.error is None and self.sampled is not None:
+            res.token, res.token_logprob, res.top_logprobs = self.sampled
         if self.error is not None:
             return SeqResult(self.work.rid, error=self.error)
         if self.work.logprob_targets:

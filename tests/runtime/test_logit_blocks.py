@@ -78,3 +78,32 @@ def test_blocks_that_cut_through_sequences_score_each_its_own_rows(stage, monkey
             assert res.token is None
         at += len(needed_rows(plan)[plan.seqs.index(work)])
 
+
+
+def test_each_sequence_samples_its_own_last_row_as_its_block_arrives(stage, monkeypatch):
+    """Decode rows sampled with logprobs, blocks of 3 rows: every sequence's token, its
+    logprob and top-3 are its own last row's under the float64 log-softmax (sampled from the
+    block itself, no copy of the row kept); a sequence whose sampling fails (top-k logprobs
+    past the vocabulary) fails alone."""
+    vocab = stage.model.cfg.vocab_size
+    asks = SampleSpec(0.0, 1.0, -1, 0, 0, 3)
+    gen = torch.Generator().manual_seed(2)
+    seqs = [SeqWork(f"s{i}", 0, 1, [int(torch.randint(0, 200, (1,), generator=gen))], [i],
+                    SampleSpec(0.0, 1.0, -1, 0, 0, vocab + 1) if i == 4 else asks)
+            for i in range(8)]
+    plan = StepPlan(-1, seqs)
+    acts = stage.forward(plan, None)[0]
+    monkeypatch.setattr(stage_model, "LOGIT_BLOCK_BYTES", 3 * 4 * vocab)
+    assert [len(b) for b in stage.logit_blocks(plan, acts)] == [3, 3, 2]
+    out = stage.results(plan, acts)
+    ref = torch.log_softmax(stage.model.logits(acts.hidden, acts.residual,
+                                               torch.arange(8)).double(), -1)
+    for i, res in enumerate(out.seqs):
+        if i == 4:
+            assert res.token is None and res.error.startswith("sampling failed")
+            continue
+        assert res.error is None and res.token == int(ref[i].argmax())
+        assert res.token_logprob == pytest.approx(float(ref[i, res.token]), abs=1e-5)
+        top = torch.topk(ref[i], 3)
+        assert [t for t, _ in res.top_logprobs] == top.indices.tolist()
+        assert [v for _, v in res.top_logprobs] == pytest.approx(top.values.tolist(), abs=1e-5)

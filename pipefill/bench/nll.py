@@ -11,10 +11,15 @@ weights themselves is in every row alike, since every engine reads the same file
 A --weight-dtypes value that gives the stages the same weights as an earlier one (auto keeps
 the blocks where gguf would, or dequantizes into what bfloat16 would: model/auto_weights.py)
 is not run again; the output says which it equals.
+
+The default text changes with the repository, so the output names the token ids it scored by
+a fingerprint: figures from runs apart (another checkout, another tool such as transformers
+on the same ids) compare only where the fingerprints are equal.
 """
 from __future__ import annotations
 
 import argparse
+import hashlib
 import statistics
 from pathlib import Path
 
@@ -70,7 +75,8 @@ def run(ns: argparse.Namespace) -> int:
         finally:
             peer.close()
     base = rows[-1][1]
-    print(f"{len(ids) - 1} tokens of {ns.text} scored ({args.dtype} compute)")
+    print(f"{len(ids) - 1} tokens of {ns.text} scored ({args.dtype} compute; token ids "
+          f"{ids_fingerprint(ids)})")
     for name, nll in rows:
         print(f"{name:>42}: mean NLL {nll:.4f} nats/token ({100 * (nll / base - 1):+.2f}% "
               f"against {rows[-1][0]})")
@@ -106,6 +112,12 @@ def weight_choices(args, source, names: list[str]) -> list[tuple[str, str | None
     if not out:
         raise ValueError("--weight-dtypes needs at least one value, such as bfloat16,gguf")
     return out
+
+
+def ids_fingerprint(ids: list[int]) -> str:
+    """A short hash of the token ids, to tell whether two runs scored the same tokens."""
+    data = b"".join(i.to_bytes(4, "little") for i in ids)
+    return "sha256:" + hashlib.sha256(data).hexdigest()[:12]
 
 
 def text_ids(path: str, tokenizer, tokens: int) -> list[int]:

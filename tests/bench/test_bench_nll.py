@@ -8,7 +8,7 @@ import re
 
 import pytest
 
-from pipefill.bench.nll import weight_choices
+from pipefill.bench.nll import ids_fingerprint, weight_choices
 from pipefill.cli.main import main
 from pipefill.config import make_server_args
 from pipefill.kernels import quant_gemm
@@ -20,10 +20,22 @@ def test_nll_per_weight_dtype(capsys):
     assert main(["bench", "nll", "--tokens", "256", "--weight-dtypes", "auto,gguf",
                  "--dtype", "float32", "--threads-per-stage", "1"]) == 0
     out = capsys.readouterr().out
+    assert re.search(r"255 tokens of .* token ids sha256:[0-9a-f]{12}\)", out), out
     nll = {w: float(v) for w, v in re.findall(r"--weight-dtype (\w+): mean NLL ([\d.]+)", out)}
     assert set(nll) == {"auto", "gguf"}, out
     assert 0.5 < nll["auto"] < math.log(49152)  # a real model on real text beats a uniform guess
     assert abs(nll["gguf"] / nll["auto"] - 1) < 0.01, nll
+
+
+def test_the_fingerprint_tells_token_ids_apart():
+    """Two texts alike for thousands of tokens and apart at one (as the default text is between
+    checkouts) get fingerprints apart; the same ids the same one."""
+    ids = list(range(4096))
+    moved = ids[:1580] + [7] + ids[1581:]
+    assert ids_fingerprint(ids) == ids_fingerprint(list(ids))
+    assert ids_fingerprint(ids) != ids_fingerprint(moved)
+    assert ids_fingerprint(ids) != ids_fingerprint(ids[:-1])
+    assert ids_fingerprint([1, 256]) != ids_fingerprint([256, 1])
 
 
 def test_weight_dtypes_that_resolve_alike_are_named_once():

@@ -124,6 +124,22 @@ def test_multimodal_checkpoint_runs_its_language_model(tmp_path):
         check(engine, ref, 32)
 
 
+def test_the_hf_comparison_sees_the_window_edge(gemma_models, tmp_path):
+    """A query at position p sees keys (p - window, p] in a local layer, in pipefill and in
+    transformers' sliding mask (kv > q - window): `window` keys, itself included. The same
+    random weights with the edge one key nearer or farther give prompt logprobs far outside
+    the 1e-4 that test_one_stage_matches_hf allows, so that test pins the semantics."""
+    ref = gemma_models["irregular"][1][0]
+    for window in (6, 8):
+        kind = f"window{window}"
+        TEXT[kind] = {**TEXT["irregular"], "sliding_window": window}
+        try:
+            shifted = hf_reference(save_gemma(kind, tmp_path / kind), PROMPT, 1)[0]
+        finally:
+            del TEXT[kind]
+        assert (shifted - ref).abs().max().item() > 1e-2, window
+
+
 def test_config_reads_the_layer_kinds_and_ropes(gemma_models):
     cfg = WeightSource(gemma_models["irregular"][0]).config
     assert cfg.sliding_layers == (False, True, True, False, True)

@@ -8,6 +8,7 @@
 #include "glue.h"
 
 #include <algorithm>
+#include <cstdint>
 #include <vector>
 
 #include "fp8_gemm_kernel.h"
@@ -31,22 +32,35 @@ bool shape_ok(int qtype, int64_t row_bytes, int64_t K) {
   return bb > 0 && K > 0 && K % bw == 0 && row_bytes == K / bw * bb;
 }
 
+// Bytes of float32 sums a task holds at a time for bf16 output (below): a few hundred KB, in
+// cache, instead of a float32 copy of the whole y (32 MiB for a 512-row chunk of an 8,192 x 2
+// wide gate/up projection, kept by the thread as its high-water mark: ARCHITECTURE.md, 'What a
+// stage's memory is made of').
+constexpr int64_t kSumsBytes = 256 << 10;
+
+// Rows of bf16 x widened to float32 at a time where only prep reads x (widened_rows).
+constexpr int64_t kWidenRows = 16;
+
 // y[M, N] (row stride ldy, float32 or bf16) = x[M, K] (row stride ldx, float32 or bf16) @ W^T
 // (+ bias float32 [N] or None), where cols(xf, ldxf, yf, ldyf, n0, n1) writes the float32 sums
-// of columns [n0, n1) from float32 x: bf16 x is widened first, bf16 y rounded last (after the
-// bias) by the task that computed the columns, which are split over torch's pool, `grain` at
-// least per task, in whole runs of `col_unit` columns (the 16-row layout's groups). prep(xf, ldf)
-// runs once before the columns (the integer path quantizes the activations there).
+// of columns [n0, n1) (at yf + m * ldyf + n) from float32 x: bf16 x is widened first, bf16 y
+// rounded last (after the bias) by the task that computed the columns, which are split over
+// torch's pool, `grain` at least per task, in whole runs of `col_unit` columns (the 16-row
+// layout's groups); a task with bf16 y computes its columns a piece of kSumsBytes of sums at a
+// time in its own scratch. prep(xf, ldf) runs once before the columns (the integer path
+// quantizes the activations there); with prep_reads_x, prep alone reads x and gets x's own
+// address and dtype instead (xf = x_addr, ldf = ldx), so a bf16 x is never widened whole
+// (widened_rows), and cols gets no x.
 template <class Prep, class Cols>
 int float_gemm(const char* what, Addr x_addr, int x_dtype, int64_t ldx, Addr bias_addr, Addr y_addr,
                int y_dtype, int64_t ldy, int64_t M, int64_t N, int64_t K, int64_t grain, const Prep& prep,
-               const Cols& cols, int64_t col_unit = 1) {
+               const Cols& cols, int64_t col_unit = 1, bool prep_reads_x = false) {
   const float* bias = bias_addr.as<const float>();
   return pg::guarded(what, [&] {
-    thread_local std::vector<float> xbuf, ybuf;
+    thread_local std::vector<float> xbuf;
     const float* xf = x_addr.as<const float>();
     int64_t ldf = ldx;
-    if (x_dtype == kBF16) {
+    if (x_dtype == kBF16 && !prep_reads_x) {
       xbuf.resize((size_t)(M * K));
       const uint16_t* xb = x_addr.as<const uint16_t>();
       for (int64_t m = 0; m < M; ++m)
@@ -54,31 +68,58 @@ int float_gemm(const char* what, Addr x_addr, int x_dtype, int64_t ldx, Addr bia
       xf = xbuf.data();
       ldf = K;
     }
-    float* yf = y_addr.as<float>();
-    int64_t ldf_y = ldy;
-    if (y_dtype == kBF16) {
-      ybuf.resize((size_t)(M * N));
-      yf = ybuf.data();
-      ldf_y = N;
-    }
     prep(xf, ldf);
-    // Each task adds the bias to its own columns and rounds them while they are in its cache
-    // (M N elements, which would otherwise wait for one thread after the join).
+    // Columns a piece of sums holds: whole runs, as many as kSumsBytes holds (all of a task's
+    // for the few rows of a decode step), so each column is computed as one call computes it.
+    const int64_t piece = std::max<int64_t>(1, kSumsBytes / (4 * std::max<int64_t>(M, 1)) / col_unit) * col_unit;
     const int64_t runs = (N + col_unit - 1) / col_unit;
     at::parallel_for(0, runs, std::max<int64_t>(1, grain / col_unit), [&](int64_t r0, int64_t r1) {
       const int64_t n0 = r0 * col_unit, n1 = std::min(N, r1 * col_unit);
-      cols(xf, ldf, yf, ldf_y, n0, n1);
-      for (int64_t m = 0; m < M; ++m) {
-        float* yr = yf + m * ldf_y;
+      if (y_dtype != kBF16) {
+        float* yf = y_addr.as<float>();
+        cols(xf, ldf, yf, ldy, n0, n1);
         if (bias)
-          for (int64_t n = n0; n < n1; ++n) yr[n] += bias[n];
-        if (y_dtype == kBF16) {
-          uint16_t* out = y_addr.as<uint16_t>() + m * ldy;
-          for (int64_t n = n0; n < n1; ++n) out[n] = yr[n] != yr[n] ? 0x7fc0 : pg::bf16_rne(yr[n]);
+          for (int64_t m = 0; m < M; ++m)
+            for (int64_t n = n0; n < n1; ++n) yf[m * ldy + n] += bias[n];
+        return;
+      }
+      thread_local pg::ThreadScratch sums;
+      for (int64_t c0 = n0; c0 < n1; c0 += piece) {
+        const int64_t c1 = std::min(n1, c0 + piece), width = c1 - c0;
+        float* s = static_cast<float*>(sums.get((size_t)(M * width) * 4));
+        // cols addresses column n of row m at yf + m * ldyf + n: this piece's column c0 is s's.
+        float* yf = reinterpret_cast<float*>(reinterpret_cast<uintptr_t>(s) - (uintptr_t)(c0 * 4));
+        cols(xf, ldf, yf, width, c0, c1);
+        for (int64_t m = 0; m < M; ++m) {
+          const float* sr = s + m * width;
+          uint16_t* out = y_addr.as<uint16_t>() + m * ldy + c0;
+          for (int64_t j = 0; j < width; ++j) {
+            const float v = bias ? sr[j] + bias[c0 + j] : sr[j];
+            out[j] = v != v ? 0x7fc0 : pg::bf16_rne(v);
+          }
         }
       }
     });
   });
+}
+
+// fn(xf, ldf, m0, m1) on rows [m0, m1) of x (row stride ldx, float32 or bf16) as float32 (xf:
+// row m0, row stride ldf): float32 x as it is, bf16 x widened kWidenRows rows at a time.
+template <class Fn>
+void widened_rows(Addr x_addr, int x_dtype, int64_t ldx, int64_t M, int64_t K, const Fn& fn) {
+  if (x_dtype != kBF16) {
+    fn(x_addr.as<const float>(), ldx, 0, M);
+    return;
+  }
+  thread_local std::vector<float> rows;
+  rows.resize((size_t)(kWidenRows * K));
+  const uint16_t* xb = x_addr.as<const uint16_t>();
+  for (int64_t m0 = 0; m0 < M; m0 += kWidenRows) {
+    const int64_t m1 = std::min(M, m0 + kWidenRows);
+    for (int64_t m = m0; m < m1; ++m)
+      for (int64_t k = 0; k < K; ++k) rows[(m - m0) * K + k] = pg::bf16_to_f32(xb[m * ldx + k]);
+    fn(rows.data(), K, m0, m1);
+  }
 }
 
 // pf_qg_dequant of W held in the 16-row layout: a group of 16 rows at a time, dequantized from
@@ -231,19 +272,22 @@ int pf_qg_int8_rows16_gemm(int path, Addr x_addr, int x_dtype, int64_t ldx, Addr
   auto cols = vnni ? avx512vnni::rows16_gemm_cols : avx2::rows16_gemm_cols;
   return float_gemm("pipefill quantized int8 gemm (16 rows)", x_addr, x_dtype, ldx, bias_addr, y_addr, y_dtype,
                     ldy, M, N, K, std::max<int64_t>(1, 32768 / row_bytes),
-                    [&](const float* xf, int64_t ldf) {
+                    [&](const float*, int64_t) {
                       const size_t codes = align64_bytes((size_t)(M * K)), scales = align64_bytes((size_t)(M * units) * 4);
                       char* base = static_cast<char*>(scratch.get(codes + scales + (size_t)(M * units) * 48));
                       q = reinterpret_cast<int8_t*>(base);
                       dx = reinterpret_cast<float*>(base + codes);
                       rec = reinterpret_cast<uint8_t*>(base + codes + scales);
-                      quantize(xf, ldf, M, K, qtype, q, K, dx, units, nullptr);
+                      // Each row's codes and scales are its own: quantized a few rows at a time.
+                      widened_rows(x_addr, x_dtype, ldx, M, K, [&](const float* xf, int64_t ldf, int64_t m0, int64_t m1) {
+                        quantize(xf, ldf, m1 - m0, K, qtype, q + m0 * K, K, dx + m0 * units, units, nullptr);
+                      });
                       records(qtype, q, K, dx, units, M, units, rec);
                     },
                     [&](const float*, int64_t, float* yf, int64_t ldf_y, int64_t n0, int64_t n1) {
                       cols(rec, M, w, qtype, row_bytes, K, yf, ldf_y, n0, n1);
                     },
-                    16);
+                    16, true);
 }
 
 // The integer path's quantization of float32 x [M, K] (row stride ldx; K a multiple of 32)

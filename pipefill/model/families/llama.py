@@ -198,9 +198,11 @@ class LlamaFamily(ModelFamily):
         packed, large = w.packed or {}, w.prefill or {}
 
         def swiglu(rows: torch.Tensor) -> torch.Tensor:
-            gate_up = linear(rows, w.gate_up, None, packed.get("gate_up"), large.get("gate_up"))
-            return linear(model.ops.silu_mul(gate_up), w.down, None, packed.get("down"),
-                          large.get("down"))
+            # gate/up is freed before the down projection runs, which reuses its memory
+            # (ARCHITECTURE.md, 'What a stage's memory is made of').
+            act = model.ops.silu_mul(linear(rows, w.gate_up, None, packed.get("gate_up"),
+                                            large.get("gate_up")))
+            return linear(act, w.down, None, packed.get("down"), large.get("down"))
         return by_row_tiles(swiglu, x)
 
     @staticmethod

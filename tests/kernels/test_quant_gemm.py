@@ -345,3 +345,47 @@ def test_dequantize_from_the_16_row_layout_is_the_files(path):
                                        plain.dequantize(dtype).view(bits)), (name, n, k, dtype)
             finally:
                 torch.set_num_threads(threads)
+
+
+GEMM_PEAK_CHILD = r"""
+import json, sys, numpy as np, torch
+from pipefill.kernels import quant_gemm as qg
+from pipefill.kernels.gguf_blocks import random_blocks
+from pipefill.base.platform import keep_freed_memory_for_reuse
+keep_freed_memory_for_reuse()  # as a stage: a freed buffer's pages stay resident, so count
+M, K, N, Q4_1 = 512, 2048, 16384, 3
+lin = qg.QuantLinear.from_parts([(random_blocks(Q4_1, N, K, np.random.default_rng(0)), Q4_1)],
+                                K, max_rows=M)
+x, out = torch.randn(M, K).bfloat16(), torch.empty(M, N, dtype=torch.bfloat16)
+lin(x[:1], out=out[:1])  # the kernels built and loaded; one row's buffers
+def field(name):
+    with open("/proc/self/status") as f:
+        return next(int(l.split()[1]) * 1024 for l in f if l.startswith(name + ":"))
+try:
+    with open("/proc/self/clear_refs", "w") as f:
+        f.write("5")
+except OSError:
+    print(json.dumps(None)); sys.exit()
+before = field("VmRSS")
+lin(x, out=out)
+print(json.dumps({"growth": field("VmHWM") - before, "int8": lin.int8,
+                  "rows16": bool(lin.parts[0].rows16)}))
+"""
+
+
+def test_bf16_gemm_holds_no_float32_copy_of_the_output():
+    """A bf16 call's sums go through a small scratch per task (ARCHITECTURE.md, 'What a
+    stage's memory is made of'): a 512 x 16,384 bf16 output (16 MiB, allocated by the
+    caller) grows the peak by 7 MiB (the quantized activations' 2.6 MiB among it), where
+    float32 copies of the output (32 MiB) and the input (4 MiB) grew it by 26 MiB. Its own
+    process: buffers kept by earlier calls would hide the growth."""
+    import json
+    import subprocess
+    import sys
+    proc = subprocess.run([sys.executable, "-c", GEMM_PEAK_CHILD], capture_output=True,
+                          text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    m = json.loads(proc.stdout.strip().splitlines()[-1])
+    if m is None:
+        pytest.skip("this kernel refuses to reset the peak RSS (/proc/self/clear_refs)")
+    assert m["growth"] < 16 * 2**20, m

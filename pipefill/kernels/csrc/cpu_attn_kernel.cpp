@@ -343,7 +343,7 @@ struct Kernel {
   static constexpr int64_t kEsz = KVB ? 2 : 4;
   const Params& p;
   const Scratch& s;
-  int64_t G, g, q0, part, t0, base_pos, kend, kv_lo, kv_hi, head_off, page_stride;
+  int64_t G, g, q0, part, t0, base_pos, kend, kv_lo, kv_hi;
   int M, nblk;
   float c;
   int64_t kend_b[2048 / R + 1];
@@ -353,7 +353,7 @@ struct Kernel {
 
   Kernel(const Params& p_, const Scratch& s_, int64_t item, const char* const* after_)
       : p(p_), s(s_), after(after_) {
-    const int64_t Hkv = p.num_kv_heads, ps = p.page_size;
+    const int64_t Hkv = p.num_kv_heads;
     part = item_part(p, item);
     g = item_tile_head(p, item) % Hkv;
     G = group_of(p, g);
@@ -363,8 +363,6 @@ struct Kernel {
     M = (int)(nt * G);
     nblk = (M + R - 1) / R;
     base_pos = p.L + t0;
-    head_off = g * ps * D;
-    page_stride = Hkv * ps * D;
     c = p.scale * 1.4426950408889634f;
     stage_q(g);
     std::memset(s.o, 0, sizeof(float) * (size_t)nblk * R * D);
@@ -414,9 +412,7 @@ struct Kernel {
   }
 
   const char* tok_ptr(const void* base, int64_t tok) const {
-    const int64_t ps = p.page_size;
-    const int64_t off = (int64_t)p.page_table[tok / ps] * page_stride + head_off + (tok % ps) * D;
-    return static_cast<const char*>(base) + off * kEsz;
+    return static_cast<const char*>(base) + packed_token_offset(p, g, tok) * kEsz;
   }
 
   // Quantized cache: the row of (token, this item's kv head) in the token-major layer.

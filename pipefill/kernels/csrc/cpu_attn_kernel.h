@@ -111,6 +111,12 @@ inline void item_keys(const Params& p, int64_t item, int64_t& lo, int64_t& hi) {
   hi = p.nparts > 1 && lo + p.kv_part < kend ? lo + p.kv_part : kend;
 }
 
+// Element offset of token `tok`'s row of kv head g in a packed paged cache (the layout above).
+inline int64_t packed_token_offset(const Params& p, int64_t g, int64_t tok) {
+  const int64_t ps = p.page_size;
+  return (((int64_t)p.page_table[tok / ps] * p.num_kv_heads + g) * ps + tok % ps) * p.head_dim;
+}
+
 // The K and V runs of 32 tokens of an item's first step in a packed cache (K run 0, 1; V run 0,
 // 1; null past the item's keys, all null for a quantized cache), which a decode thread
 // prefetches during the item before it (ARCHITECTURE.md, the decode step's attention).
@@ -119,11 +125,9 @@ inline void first_step_runs(const Params& p, int64_t item, const char* run[4]) {
   if (p.kv_quant != kPacked) return;
   int64_t lo, hi;
   item_keys(p, item, lo, hi);
-  const int64_t ps = p.page_size, D = p.head_dim, esz = p.kv_bf16 ? 2 : 4;
-  const int64_t g = item_tile_head(p, item) % p.num_kv_heads;
+  const int64_t esz = p.kv_bf16 ? 2 : 4, g = item_tile_head(p, item) % p.num_kv_heads;
   for (int j = 0; j < 2 && lo + 32 * j < hi; ++j) {
-    const int64_t tok = lo + 32 * j;
-    const int64_t off = (((int64_t)p.page_table[tok / ps] * p.num_kv_heads + g) * ps + tok % ps) * D * esz;
+    const int64_t off = packed_token_offset(p, g, lo + 32 * j) * esz;
     run[j] = static_cast<const char*>(p.k) + off;
     run[2 + j] = static_cast<const char*>(p.v) + off;
   }

@@ -256,5 +256,6 @@ def format_report(mem: dict) -> str:
             + (f"; most pages in use: {p['pages_peak']} of the global layers, "
                f"{p['window_pages_peak']} of the window layers: KV held at most "
                f"{mib(p['kv_held']):.1f} MiB (global layers + one window per local layer "
-               f"{mib(p['kv_one_window']):.1f} MiB, every layer every token "
+               f"{mib(p['kv_one_window']):.1f} MiB, + a window and a piece (the ring) "
+               f"{mib(p['kv_ring']):.1f} MiB, every layer every token "
                f"{mib(p['kv_every_token']):.1f} MiB)" if (p := mem.get("pages")) else ""))

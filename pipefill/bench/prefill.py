@@ -33,9 +33,9 @@ from pipefill.bench.memory import (add_baselines, format_report, held_kv_bytes,
                                    memory_report, proc_status_bytes, reset_peak_rss,
                                    stage_needs)
 from pipefill.bench.roofline import matmul_peak_flops, prefill_flops
-from pipefill.chunking.startup import first_chunk_size
 from pipefill.config import (ServerArgs, server_args_from_namespace,
                              server_args_parser_group)
+from pipefill.kv.window import ring_pages
 from pipefill.model.attention import KERNEL_BACKENDS
 
 log = logging.getLogger("pipefill.bench")
@@ -389,14 +389,13 @@ def stage_memory(engine, args: ServerArgs, source, n: int, engine_peak: int,
         # The pools' peaks since the stages started: the longest prompt's, run alone.
         pages, window = stats["pages_peak"], stats["window_pages_peak"]
         one_window = -(-cfg.sliding_window // args.page_size)
-        # A prefill's window layers hold the window before its chunk and every page of the
-        # chunk (ARCHITECTURE.md, 'Window pages').
-        chunk = -(-first_chunk_size(args) // args.page_size)
+        # A request's window layers cycle through a ring of a window and a piece, whatever
+        # its chunks (ARCHITECTURE.md, 'Window pages').
+        ring = ring_pages(args.page_size, cfg.sliding_window)
         report["pages"] = {"pages_peak": pages, "window_pages_peak": window,
                            "kv_held": held_kv_bytes(args, cfg, pages, window),
                            "kv_one_window": held_kv_bytes(args, cfg, pages, one_window),
-                           "kv_window_and_chunk": held_kv_bytes(args, cfg, pages,
-                                                                one_window + chunk),
+                           "kv_ring": held_kv_bytes(args, cfg, pages, ring),
                            "kv_every_token": held_kv_bytes(args, cfg, pages, pages)}
     return report
 

@@ -15,7 +15,8 @@ from pipefill.kv.pool import PagePool
 from pipefill.kv.storage import chain_page_keys
 from pipefill.base.plan import PageOps
 from pipefill.kv.radix import Node, RadixCache
-from pipefill.kv.window import NO_PAGE, WindowPages, covered_by, covered_pages, window_before
+from pipefill.kv.window import NO_PAGE, Slide, WindowPages, covered_by, covered_pages, \
+    window_before
 
 HOST_WINDOW = 0  # stands for a host copy's window part in a coverage check (any held page)
 
@@ -298,12 +299,11 @@ class KVManager:
         r.pages += new
         return new
 
-    def slide(self, r, start: int, end: int) -> list[int]:
+    def slide(self, r, start: int, end: int) -> Slide | None:
         """A windowed model's window pages for r's tokens [start, end), and its window pages
-        no query from `start` on reads freed (kv/window.py); the new ones ([] without
-        windows)."""
+        no query from `start` on reads freed (kv/window.py); None without windows."""
         if self.window is None:
-            return []
+            return None
         return self.window.slide(r, start, end, len(r.prompt_ids))
 
     def admit_received(self, r) -> None:

@@ -7,10 +7,13 @@ is older than the window any later query of its sequence can see. The global lay
 the whole history in the ordinary pool, so a sequence's KV grows with its global layers only.
 
 A request's window table is aligned with its page table (`r.window_pages[i]` holds the window
-layers' K/V of the tokens of `r.pages[i]`), with NO_PAGE where the window part was freed. Every
-page of a chunk gets a window page of its own, even a chunk longer than the window: the
-vector kernels write a chunk's K/V into its pages and its queries read them back from there,
-so no two of its pages may share one.
+layers' K/V of the tokens of `r.pages[i]`), with NO_PAGE where the window part was freed. A
+request's window pages form a ring of `ring_pages` pages, a chunk of any length included: a
+new page i takes over the window page of page i - ring when the request alone holds it, and
+the window layers compute a chunk a piece of PIECE_PAGES pages at a time, in order, so no
+piece reads a page that a later page of its chunk has taken over. The chunk's plan carries
+the table as its pieces see it (`Slide.table`: page i - ring still names the page until page
+i's piece writes it); the request's own table has NO_PAGE there.
 
 The prefix cache: a tree page holds a window page too where the last request through it left
 one, and a cached prefix is reused only up to the deepest page boundary whose last window
@@ -22,9 +25,33 @@ Pure Python: the scheduler's bookkeeping, no tensors.
 """
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 from pipefill.kv.pool import PagePool
 
 NO_PAGE = -1  # a window table's entry whose window part was freed (or never held)
+
+# The window layers compute a chunk in pieces of this many pages (aligned to multiples of it),
+# one after another (model/attention.window_pieces): the ring a request's window pages form
+# need only hold one piece beyond a window. One page: 64-token pieces at the default page size.
+PIECE_PAGES = 1
+
+
+def ring_pages(page_size: int, window: int) -> int:
+    """How many window pages a request cycles through: a piece starting in page P reads keys
+    from its first query's window on, page P - ceil((window - 1) / page_size) at the earliest,
+    and writes up to page P + PIECE_PAGES - 1, so a ring one page longer than that span never
+    hands a page a piece reads to a page it writes."""
+    return PIECE_PAGES + -(-(window - 1) // page_size)
+
+
+@dataclass
+class Slide:
+    """What WindowPages.slide decided for a chunk: the window pages allocated (`new`) and the
+    window table as the chunk's pieces read it (`table`: an entry that a later page of the
+    chunk took over still names its page, NO_PAGE in the request's own table)."""
+    new: list[int]
+    table: list[int]
 
 
 def keep_from(start: int, page_size: int, window: int) -> int:
@@ -105,13 +132,12 @@ class WindowPages:
         held = iter(self.pool.allocate(sum(keep)))
         r.window_pages = [next(held) if k else NO_PAGE for k in keep]
 
-    def slide(self, r, start: int, end: int, prompt_tokens: int) -> list[int]:
+    def slide(self, r, start: int, end: int, prompt_tokens: int) -> Slide:
         """Before r computes tokens [start, end): its window pages that no query from `start`
         on reads go back, except the window before its prompt's last cacheable boundary (kept
-        for the tree); then every new page gets a window page (the chunk's queries read its
-        keys back from them: module doc), the early ones of a chunk longer than the window
-        going back before the next chunk or decode step. Returns the window pages allocated
-        (after the frees: the pool hands freed ones out again first)."""
+        for the tree); then every new page i gets a window page: the one of page i - ring
+        where r alone holds it and it is not kept for the tree (module doc), else a fresh one
+        (the pool hands freed ones out again first)."""
         ps, window = self.page_size, self.window
         prompt_window = window_before((prompt_tokens - 1) // ps, ps, window)
         for i in range(min(keep_from(start, ps, window) // ps, len(r.window_pages))):
@@ -120,9 +146,21 @@ class WindowPages:
                 continue
             self.pool.release([p])
             r.window_pages[i] = NO_PAGE
-        new = self.pool.allocate(len(r.pages) - len(r.window_pages))
-        r.window_pages += new
-        return new
+        ring = ring_pages(ps, window)
+        table = list(r.window_pages)
+        first_new = len(r.window_pages)
+        new = []
+        for i in range(first_new, len(r.pages)):
+            old = i - ring
+            p = r.window_pages[old] if old >= 0 else NO_PAGE
+            if p != NO_PAGE and old not in prompt_window and self.pool.refcount(p) == 1:
+                r.window_pages[old] = NO_PAGE  # page i's now; the chunk's table keeps it
+            else:
+                p = self.pool.allocate(1)[0]
+                new.append(p)
+            r.window_pages.append(p)
+            table.append(p)
+        return Slide(new, table)
 
     def release(self, r, tree, tokens_upto) -> None:
         """r lets go of its pages: the tree takes the window pages of r's whole pages that it

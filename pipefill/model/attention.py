@@ -363,19 +363,51 @@ def kv_writer(attention):
     return None
 
 
+def window_pieces(seq: SeqMeta, piece: int) -> list[SeqMeta]:
+    """seq's new tokens cut at the multiples of `piece` tokens (ForwardMeta.window_piece; 0:
+    not cut), each piece a sequence of its own over the same table, in order. A window
+    layer's pages form a ring in which a later page of a long chunk takes over a page an
+    earlier piece reads (ARCHITECTURE.md, 'Window pages'): computed piece after piece, every
+    piece reads its keys before they are overwritten."""
+    start, end = seq.prefix_len, seq.prefix_len + seq.num_new
+    if piece <= 0 or seq.num_new == 0 or start // piece == (end - 1) // piece:
+        return [seq]
+    cuts = [start, *range((start // piece + 1) * piece, end, piece), end]
+    return [SeqMeta(seq.row_start + a - start, b - a, a, _span(seq.read_slots, a, b),
+                    _first(seq.read_slots, b), seq.page_table) for a, b in zip(cuts, cuts[1:])]
+
+
+def attention_in_pieces(attention, q, k, v, k_cache, v_cache, seqs: list[SeqMeta],
+                        scale: float, window: int, piece: int) -> torch.Tensor:
+    """A window layer's attention (`attention`'s, with its window) over window_pieces: one
+    call for the whole batch where no sequence is cut, else one call per piece."""
+    pieces = [window_pieces(seq, piece) for seq in seqs]
+    if all(len(p) == 1 for p in pieces):
+        return attention(q, k, v, k_cache, v_cache, seqs, scale, window=window)
+    out = torch.empty_like(q)
+    for p in (p for seq_pieces in pieces for p in seq_pieces):
+        rows = slice(p.row_start, p.row_start + p.num_new)
+        alone = SeqMeta(0, p.num_new, p.prefix_len, p.write_slots, p.read_slots, p.page_table)
+        out[rows] = attention(q[rows], k[rows], v[rows], k_cache, v_cache, [alone], scale,
+                              window=window)
+    return out
+
+
 def last_rows_attention(attention, writer, q, k, v, k_cache, v_cache, seqs: list[SeqMeta],
-                        keep: list[bool], scale: float,
-                        window: int | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+                        keep: list[bool], scale: float, window: int | None = None,
+                        piece: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
     """Every sequence's new K/V into the cache, and attention for the last query row of the
     sequences with keep[i] only -> ([sum(keep), Hq, D], those rows' indices in q). That row is
     the last new token at position L + C - 1 over keys [0, L + C): the same attention as in
-    the whole chunk's call."""
+    the whole chunk's call. piece: a window layer's (window_pieces), whose K/V go into the
+    cache piece after piece, so a page of the ring holds its latest page's keys."""
     heads, lasts = [], []
     for seq, wanted in zip(seqs, keep):
         n = seq.num_new - 1 if wanted else seq.num_new
         if n > 0:
-            heads.append(SeqMeta(seq.row_start, n, seq.prefix_len, _first(seq.write_slots, n),
-                                 seq.read_slots, seq.page_table))
+            heads += window_pieces(SeqMeta(seq.row_start, n, seq.prefix_len,
+                                           _first(seq.write_slots, n), seq.read_slots,
+                                           seq.page_table), piece)
         if wanted:
             lasts.append(SeqMeta(seq.row_start + n, 1, seq.prefix_len + n,
                                  _last(seq.write_slots), seq.read_slots, seq.page_table))
@@ -394,6 +426,11 @@ def last_rows_attention(attention, writer, q, k, v, k_cache, v_cache, seqs: list
 
 def _first(slots, n: int):
     return slice(slots.start, slots.start + n) if isinstance(slots, slice) else slots[:n]
+
+
+def _span(slots, start: int, end: int):
+    return slice(slots.start + start, slots.start + end) if isinstance(slots, slice) \
+        else slots[start:end]
 
 
 def _last(slots):

@@ -36,6 +36,11 @@ class ForwardMeta:
     # Where the window layers keep pages of their own (kv.cache.WindowedKVCache): the same
     # sequences over their window pages, which those layers read and write instead of `seqs`.
     window_seqs: list[SeqMeta] | None = None
+    # With window_seqs: the window layers compute a chunk in pieces cut at multiples of this
+    # many tokens, in order (attention.window_pieces), because a request's window pages form a
+    # ring that a later page of a long chunk wraps onto (ARCHITECTURE.md, 'Window pages');
+    # 0: whole chunks.
+    window_piece: int = 0
     # What a family derives from the plan once for all the forward's layers (the latent
     # decode kernel's slot index: model/mla.py), filled on first use.
     derived: dict = field(default_factory=dict)

@@ -9,6 +9,7 @@ import torch
 
 from pipefill.chunking.profile import ProfileBench
 from pipefill.kv.tiers import StageKV
+from pipefill.kv.window import PIECE_PAGES
 from pipefill.model.attention import SeqMeta
 from pipefill.model.stage_model import ForwardMeta, StageModel
 from pipefill.runtime.sampler import sample
@@ -43,7 +44,8 @@ def build_meta(plan: StepPlan, page_size: int, device: torch.device,
             window_seqs.append(_seq_meta(work, table, row, page_size, device))
         row += work.num_tokens
     return ForwardMeta(_positions(plan.seqs).to(device), seqs,
-                       window_seqs=window_seqs if windowed else None)
+                       window_seqs=window_seqs if windowed else None,
+                       window_piece=PIECE_PAGES * page_size if windowed else 0)
 
 
 def _seq_meta(work: SeqWork, pages: list[int], row: int, page_size: int, device) -> SeqMeta:

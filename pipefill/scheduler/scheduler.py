@@ -272,7 +272,7 @@ class Scheduler:
     def _work(self, r: Request, end: int) -> SeqWork:
         start = r.num_scheduled
         new_pages = self.kv.grow(r, end)
-        new_window_pages = self.kv.slide(r, start, end)
+        slide = self.kv.slide(r, start, end)
         self.kv.insert(r, r.tokens_upto, end)
         sample = None
         if end == r.num_tokens and r.params.max_new_tokens > 0:
@@ -289,8 +289,8 @@ class Scheduler:
         r.num_inflight += 1
         work = SeqWork(r.rid, start, end, [r.token_at(i) for i in range(start, end)],
                        list(r.pages), sample, targets, new_pages)
-        if self.kv.window is not None:
-            work.window_table, work.new_window_pages = list(r.window_pages), new_window_pages
+        if slide is not None:  # the window table as the chunk's pieces read it
+            work.window_table, work.new_window_pages = slide.table, slide.new
         self.role.on_chunk(r, work, self.cfg.page_size)
         return work
 

@@ -13,8 +13,8 @@ from pipefill.kv.host import HostDirector, HostTier
 from pipefill.kv.pool import CACHE_OWNER, PageOwners, PagePool
 from pipefill.kv.radix import RadixCache
 from pipefill.kv.tiers import StageKV
-from pipefill.kv.window import (NO_PAGE, WindowPages, covered_pages, keep_from,
-                                 received_window, window_before)
+from pipefill.kv.window import (NO_PAGE, PIECE_PAGES, WindowPages, covered_pages, keep_from,
+                                 received_window, ring_pages, window_before)
 from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig
 
 PAGE, WINDOW, CHUNK = 4, 10, 8
@@ -56,11 +56,20 @@ def run(s, stage, inflight: int, on_plan=None, limit: int = 10_000):
     raise AssertionError("did not finish")
 
 
-def live_bound(prompt_len: int, chunk: int = CHUNK) -> int:
-    """Window pages a sequence may hold: the window before its chunk and the chunk (with a
-    page more at each end), and the window before its prompt's last cacheable boundary."""
+RING = ring_pages(PAGE, WINDOW)
+
+
+def live_bound(prompt_len: int) -> int:
+    """Window pages a sequence may hold, whatever its chunks: its ring (a window and a piece)
+    and the window before its prompt's last cacheable boundary."""
     prompt_window = window_before((prompt_len - 1) // PAGE, PAGE, WINDOW)
-    return -(-(WINDOW + chunk) // PAGE) + 3 + len(prompt_window)
+    return RING + len(prompt_window)
+
+
+def test_the_ring_is_a_window_and_a_piece():
+    assert RING == PIECE_PAGES + 3  # a query's window of 10 keys spans at most 4 pages of 4
+    assert ring_pages(64, 512) == PIECE_PAGES + 8  # Gemma 3: one window is 9 pages of 64
+    assert ring_pages(16, 3) == PIECE_PAGES + 1
 
 
 def test_keep_from_and_the_window_before_a_boundary():
@@ -105,30 +114,36 @@ def test_a_prompt_twenty_windows_long_holds_a_window_and_a_chunk_of_window_pages
     s.kv.window.pool.check_integrity()
 
 
-def test_a_chunk_longer_than_the_window_holds_a_window_page_for_each_of_its_pages():
-    """The vector kernels write a chunk's K/V into its window pages and read them back, so no
-    two pages of a chunk may share one (a shared page gave a 1,000-token chunk of Gemma 3 270M
-    other tokens' keys); the early ones go back before the next chunk."""
+def test_a_chunk_longer_than_the_window_cycles_through_a_ring_of_window_pages():
+    """A chunk six windows long holds a window and a piece of window pages, not the chunk: its
+    page i takes over page i - RING's window page, and its plan's table names that page at both
+    entries (the window layers compute the chunk piece after piece: a piece reads page i - RING
+    before the piece of page i overwrites it); the request's own table has let go of the older
+    entry, so the prefix cache and PD never see it."""
     chunk = 6 * WINDOW
     s, stage, inflight = make(chunk=chunk)
     prompt = list(range(20 * WINDOW))
     s.add(NewRequest("a", prompt, SamplingParams(max_new_tokens=1)))
-    plans = []
-    held_before = []
+    plans, held, own = [], [], []
     run(s, stage, inflight, lambda plan: (plans.append(plan),
-                                          held_before.append(s.kv.window.pool.num_used)))
-    for plan in plans:
+                                          held.append(s.kv.window.pool.num_used),
+                                          own.append(list(s.running["a"].window_pages))))
+    prompt_window = window_before((len(prompt) - 1) // PAGE, PAGE, WINDOW)
+    for plan, table in zip(plans, own):
         w = plan.seqs[0]
-        table = w.window_table[w.start // PAGE:-(-w.end // PAGE)]
-        assert NO_PAGE not in table
-        assert len(set(table)) == len(table)  # a page of its own for each of the chunk's pages
-        first = max(0, w.start // PAGE * PAGE - WINDOW + 1) // PAGE  # the chunk's first window
-        before = set(w.window_table[:first]) - {NO_PAGE}
-        prompt_window = window_before((len(prompt) - 1) // PAGE, PAGE, WINDOW)
-        kept = {w.window_table[i] for i in prompt_window if i < len(w.window_table)}
-        assert before <= kept  # the rest went back
-    assert max(held_before) > chunk // PAGE  # a whole chunk held at once
-    assert s.kv.window.pool.peak_used <= live_bound(len(prompt), chunk)
+        first_read = max(0, w.start - WINDOW + 1) // PAGE
+        last = (w.end - 1) // PAGE
+        assert NO_PAGE not in w.window_table[first_read:last + 1]
+        for i in range(first_read, last + 1):
+            ring = w.window_table[max(first_read, i - RING + 1):i + 1]
+            assert len(set(ring)) == len(ring)  # RING pages in a row: each its own page
+            if i - RING >= first_read and i - RING not in prompt_window:
+                assert w.window_table[i - RING] == w.window_table[i]  # taken over
+        live = [i for i, p in enumerate(table) if p != NO_PAGE]
+        assert len(live) <= live_bound(len(prompt))
+        assert set(live) - set(prompt_window) <= set(range(last + 1 - RING, last + 1))
+    assert max(held) <= live_bound(len(prompt)) < chunk // PAGE
+    assert s.kv.window.pool.peak_used <= live_bound(len(prompt))
     assert s.kv.window.pool.num_used == s.kv.cache.num_window_pages  # the rest went back
 
 

@@ -19,7 +19,7 @@ from conftest import (assert_matches_hf, assert_pages_free, assert_prefix_hit_ma
                       hf_reference, track)
 from pipefill import Engine
 from pipefill.kernels.cpu_attention import kernel_available
-from pipefill.kv.window import window_before
+from pipefill.kv.window import ring_pages, window_before
 from pipefill.model.attention import choose_backend
 from pipefill.model.loader import LANGUAGE_MODEL_PREFIXES, WeightSource, tensor_names
 
@@ -257,12 +257,11 @@ LONG = [_rng.randrange(512) for _ in range(20 * TEXT["pattern"]["sliding_window"
 
 
 def window_bound(prompt_len: int) -> int:
-    """Window pages one sequence may hold: the window before its chunk and the chunk, a page
-    more at each end, and the window before its prompt's last cacheable page boundary
-    (kv/window.py)."""
+    """Window pages one sequence may hold, whatever its chunks: its ring (a window and a piece)
+    and the window before its prompt's last cacheable page boundary (kv/window.py)."""
     window = TEXT["pattern"]["sliding_window"]
     prompt_window = window_before((prompt_len - 1) // LONG_PAGE, LONG_PAGE, window)
-    return -(-(window + LONG_CHUNK) // LONG_PAGE) + 3 + len(prompt_window)
+    return ring_pages(LONG_PAGE, window) + len(prompt_window)
 
 
 @pytest.fixture(scope="module")
@@ -280,7 +279,7 @@ def test_window_pages_stay_within_a_window_over_a_long_prompt(gemma_models, long
         assert_matches_hf(engine, LONG, long_reference, LONG_CHUNK)
         stats = engine.stats()
         # The pools' own counters: the global layers keep every token, the window layers a
-        # window and a chunk.
+        # window and a piece.
         assert stats["pages_peak"] == -(-(len(LONG) + 15) // LONG_PAGE)
         assert stats["window_pages_peak"] <= window_bound(len(LONG)) < len(LONG) // LONG_PAGE / 4
         # The same prompt again reads the window the tree kept before its last boundary.
@@ -311,10 +310,11 @@ def test_window_pages_with_an_int8_cache(gemma_models, long_reference):
 
 @pytest.mark.parametrize("isa", _VECTOR)
 def test_one_chunk_many_windows_long_on_a_vector_kernel_matches_hf(isa, gemma_models):
-    """One chunk of 200 tokens over windows of 20 on pages of 32: the kernel writes the
-    chunk's K/V into its window pages and reads them back, so each page keeps a window page of
-    its own (kv/window.py; on a page shared by several the early queries read other tokens' keys:
-    Gemma 3 270M's logprobs were off by up to 0.9 nats on 1,000-token chunks)."""
+    """One chunk of 200 tokens over windows of 20 on pages of 32: the kernel writes a piece's
+    K/V into the ring of window pages and reads them back, piece after piece, so a page that a
+    later page takes over is read before it is overwritten (kv/window.py; a whole chunk at once
+    would read other tokens' keys: Gemma 3 270M's logprobs were off by up to 0.9 nats on
+    1,000-token chunks when pages were shared)."""
     path, _ = gemma_models["kernels"]
     prompt = LONG[:200]
     ref = hf_reference(path, prompt, 16)

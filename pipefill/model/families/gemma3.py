@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pipefill.model.attention import last_rows_attention
+from pipefill.model.attention import attention_in_pieces, last_rows_attention
 from pipefill.model.config import ModelConfig, hf_eos_token_ids, hf_rope
 from pipefill.model.family import KVSpec, ModelFamily, WeightReader
 from pipefill.model.gguf_file import gguf_layer_name
@@ -201,16 +201,20 @@ class Gemma3Family(ModelFamily):
         # 'Window pages').
         seqs = meta.window_seqs if window is not None and meta.window_seqs is not None \
             else meta.seqs
+        # Their pages form a ring that a long chunk wraps onto: computed piece by piece.
+        piece = meta.window_piece if seqs is meta.window_seqs else 0
         if trim:
             attn, rows = last_rows_attention(model.attention, model.kv_writer, q, k, v, k_cache,
                                              v_cache, seqs, meta.last_rows, model.scale,
-                                             window)
+                                             window, piece)
             residual = residual[rows]
             if residual.shape[0] == 0:  # no logits this step (a chunk before a prompt's last)
                 return attn.new_empty((0, cfg.hidden_size)), residual
+        elif window is None:
+            attn = model.attention(q, k, v, k_cache, v_cache, seqs, model.scale)
         else:
-            windowed = {} if window is None else {"window": window}
-            attn = model.attention(q, k, v, k_cache, v_cache, seqs, model.scale, **windowed)
+            attn = attention_in_pieces(model.attention, q, k, v, k_cache, v_cache, seqs,
+                                       model.scale, window, piece)
         # Under tensor parallelism o_proj and down give partial sums, summed before the
         # post-norms (ARCHITECTURE.md, 'Tensor parallelism inside a stage').
         out = model.tp_sum(linear(attn.reshape(attn.shape[0], cfg.q_size), w.o_proj, None,

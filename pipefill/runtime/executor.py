@@ -9,7 +9,7 @@ import torch
 
 from pipefill.chunking.profile import ProfileBench
 from pipefill.kv.tiers import StageKV
-from pipefill.kv.window import PIECE_PAGES
+from pipefill.kv.window import piece_pages
 from pipefill.model.attention import SeqMeta
 from pipefill.model.stage_model import ForwardMeta, StageModel
 from pipefill.runtime.sampler import sample
@@ -32,10 +32,12 @@ class Activations:
 
 
 def build_meta(plan: StepPlan, page_size: int, device: torch.device,
-               windowed: bool = False) -> ForwardMeta:
-    """windowed: the window layers keep pages of their own (kv.cache.WindowedKVCache), which
-    each sequence's window_table addresses (its page_table in a scratch plan, which owns the
-    same ids in both pools)."""
+               window: int | None = None) -> ForwardMeta:
+    """window: the sliding window of layers that keep pages of their own
+    (kv.cache.WindowedKVCache), which each sequence's window_table addresses (its page_table
+    in a scratch plan, which owns the same ids in both pools) and which compute a chunk in
+    pieces (kv.window.piece_pages); None: no such layers."""
+    windowed = window is not None
     seqs, window_seqs, row = [], [], 0
     for work in plan.seqs:
         seqs.append(_seq_meta(work, work.page_table, row, page_size, device))
@@ -45,7 +47,8 @@ def build_meta(plan: StepPlan, page_size: int, device: torch.device,
         row += work.num_tokens
     return ForwardMeta(_positions(plan.seqs).to(device), seqs,
                        window_seqs=window_seqs if windowed else None,
-                       window_piece=PIECE_PAGES * page_size if windowed else 0)
+                       window_piece=piece_pages(page_size, window) * page_size if windowed
+                       else 0)
 
 
 def _seq_meta(work: SeqWork, pages: list[int], row: int, page_size: int, device) -> SeqMeta:
@@ -164,7 +167,8 @@ class StageExecutor:
             self.kv.before_forward(plan.page_ops, plan.seqs)
         self.num_forwards += 1
         device = self.cache.k.device
-        meta = build_meta(plan, self.cache.page_size, device, self.cache.window is not None)
+        meta = build_meta(plan, self.cache.page_size, device,
+                          self.model.cfg.sliding_window if self.cache.window is not None else None)
         if self.model.is_last:
             meta.last_rows = last_rows(plan)
         if acts is None:

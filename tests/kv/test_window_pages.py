@@ -13,7 +13,7 @@ from pipefill.kv.host import HostDirector, HostTier
 from pipefill.kv.pool import CACHE_OWNER, PageOwners, PagePool
 from pipefill.kv.radix import RadixCache
 from pipefill.kv.tiers import StageKV
-from pipefill.kv.window import (NO_PAGE, PIECE_PAGES, WindowPages, covered_pages, keep_from,
+from pipefill.kv.window import (NO_PAGE, WindowPages, covered_pages, keep_from, piece_pages,
                                  received_window, ring_pages, window_before)
 from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig
 
@@ -67,9 +67,11 @@ def live_bound(prompt_len: int) -> int:
 
 
 def test_the_ring_is_a_window_and_a_piece():
-    assert RING == PIECE_PAGES + 3  # a query's window of 10 keys spans at most 4 pages of 4
-    assert ring_pages(64, 512) == PIECE_PAGES + 8  # Gemma 3: one window is 9 pages of 64
-    assert ring_pages(16, 3) == PIECE_PAGES + 1
+    assert piece_pages(PAGE, WINDOW) == 1  # a page at least
+    assert RING == 1 + 3  # a query's window of 10 keys spans at most 4 pages of 4
+    # Gemma 3: one window spans 9 pages of 64, and a piece is a quarter window (2 pages).
+    assert (piece_pages(64, 512), ring_pages(64, 512)) == (2, 10)
+    assert (piece_pages(16, 3), ring_pages(16, 3)) == (1, 2)
 
 
 def test_keep_from_and_the_window_before_a_boundary():

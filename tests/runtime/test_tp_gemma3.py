@@ -17,7 +17,7 @@ from conftest import assert_matches_hf, assert_pages_free, assert_prefix_hit_mat
     hf_reference, track
 from test_gemma3_family import TEXT, save_gemma
 from pipefill import Engine
-from pipefill.kv.window import window_before
+from pipefill.kv.window import ring_pages, window_before
 from pipefill.model.loader import WeightSource
 from pipefill.model.tensor_parallel import tp_shard
 
@@ -81,20 +81,19 @@ LONG = [_rng.randrange(512) for _ in range(40 * WINDOW)]
 
 
 def window_bound(prompt_len: int) -> int:
-    """Window pages one sequence may hold (as test_gemma3_family's): the window before its
-    chunk and the chunk, a page more at each end, and the window before its prompt's last
-    cacheable page boundary."""
+    """Window pages one sequence may hold (as test_gemma3_family's): its ring (a window and a
+    piece) and the window before its prompt's last cacheable page boundary."""
     kept = window_before((prompt_len - 1) // LONG_PAGE, LONG_PAGE, WINDOW)
-    return -(-(WINDOW + min(LONG_CHUNK, WINDOW)) // LONG_PAGE) + 3 + len(kept)
+    return ring_pages(LONG_PAGE, WINDOW) + len(kept)
 
 
 @pytest.mark.slow
 def test_window_pages_are_freed_on_every_rank(gemma):
     """A prompt 40 windows long at TP 2: HF parity, and the window pool (every rank replays
-    the same page ops over its own heads' window pages) holds a window and a chunk, not the
-    prompt, in prefill and through a long decode. HF's greedy tokens by full forwards: its
-    cached generate parts from its own full forward at token 14 (a 0.04-nat margin), where
-    one rank agrees with the full forward as TP 2 does."""
+    the same page ops over its own heads' window pages) holds its ring, not the prompt, in
+    prefill and through a long decode. HF's greedy tokens by full forwards: its cached
+    generate parts from its own full forward at token 14 (a 0.04-nat margin), where one rank
+    agrees with the full forward as TP 2 does."""
     path = gemma["irregular"][0]
     ref = hf_reference(path, LONG, 16, full_forwards=True)
     with engine(path, LONG_PAGE, chunked_prefill_size=LONG_CHUNK, tp_size=2) as e:

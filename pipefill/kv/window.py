@@ -31,6 +31,7 @@ from pipefill.kv.pool import PagePool
 
 NO_PAGE = -1  # a window table's entry whose window part was freed (or never held)
 
+
 def piece_pages(page_size: int, window: int) -> int:
     """The pages of a piece: the window layers compute a chunk in pieces cut at the multiples
     of this many pages, one after another (model/attention.window_pieces), so the ring a

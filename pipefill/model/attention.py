@@ -157,13 +157,16 @@ def write_kv(k_cache, v_cache, k, v, seqs: list[SeqMeta]) -> None:
 def paged_attention(q, k, v, k_cache, v_cache, seqs: list[SeqMeta], scale: float,
                     window: int | None = None, native: str | None = None):
     """q [T, Hq, D], k/v [T, Hkv, D] packed over sequences -> [T, Hq, D]. window, native: as
-    attend_sequence's."""
-    write_kv(k_cache, v_cache, k, v, seqs)
+    attend_sequence's. Sequences in order, each written then attended, as every attention
+    callable here computes them: the pieces of a window layer's chunk (window_pieces) are
+    sequences over one ring of pages, where a later piece overwrites what an earlier reads."""
     if len(seqs) == 1:
+        write_kv(k_cache, v_cache, k, v, seqs)
         return attend_sequence(q, k, v, k_cache, v_cache, seqs[0], scale, window, native)
     out = torch.empty_like(q)
     for seq in seqs:
         rows = slice(seq.row_start, seq.row_start + seq.num_new)
+        write_kv(k_cache, v_cache, k, v, [seq])
         out[rows] = attend_sequence(q[rows], k[rows], v[rows], k_cache, v_cache, seq, scale,
                                     window, native)
     return out
@@ -379,27 +382,11 @@ def window_pieces(seq: SeqMeta, piece: int) -> list[SeqMeta]:
 
 def attention_in_pieces(attention, q, k, v, k_cache, v_cache, seqs: list[SeqMeta],
                         scale: float, window: int, piece: int) -> torch.Tensor:
-    """A window layer's attention (`attention`'s, with its window) over window_pieces: one
-    call for the whole batch where no sequence is cut, else one call per piece."""
-    pieces = [window_pieces(seq, piece) for seq in seqs]
-    if all(len(p) == 1 for p in pieces):
-        return attention(q, k, v, k_cache, v_cache, seqs, scale, window=window)
-    out = torch.empty_like(q)
-    # A vector kernel writes each piece's rows in place (a piece costs ~0.1 ms beside the
-    # kernel's work; a copy and an allocation more would add a third).
-    into = getattr(attention, "decode_one", None)
-    with attention.profiled() if into is not None else nullcontext():
-        for p in (p for seq_pieces in pieces for p in seq_pieces):
-            rows = slice(p.row_start, p.row_start + p.num_new)
-            alone = SeqMeta(0, p.num_new, p.prefix_len, p.write_slots, p.read_slots,
-                            p.page_table)
-            if into is not None:
-                into(q[rows], k[rows], v[rows], k_cache, v_cache, alone, scale, out[rows],
-                     window)
-            else:
-                out[rows] = attention(q[rows], k[rows], v[rows], k_cache, v_cache, [alone],
-                                      scale, window=window)
-    return out
+    """A window layer's attention (`attention`'s, with its window) over window_pieces, in one
+    call: every attention callable computes its sequences in order, each written then
+    attended (a vector kernel writes each piece's rows of the output in place)."""
+    pieces = [p for seq in seqs for p in window_pieces(seq, piece)]
+    return attention(q, k, v, k_cache, v_cache, pieces, scale, window=window)
 
 
 def last_rows_attention(attention, writer, q, k, v, k_cache, v_cache, seqs: list[SeqMeta],
@@ -433,13 +420,14 @@ def last_rows_attention(attention, writer, q, k, v, k_cache, v_cache, seqs: list
                      **windowed), rows
 
 
-def _first(slots, n: int):
-    return slice(slots.start, slots.start + n) if isinstance(slots, slice) else slots[:n]
-
-
 def _span(slots, start: int, end: int):
+    """Entries [start, end) of a slot slice or index."""
     return slice(slots.start + start, slots.start + end) if isinstance(slots, slice) \
         else slots[start:end]
+
+
+def _first(slots, n: int):
+    return _span(slots, 0, n)
 
 
 def _last(slots):

@@ -78,8 +78,9 @@ from pipefill.base.platform import VECTOR_ISA_CPU_FLAGS
 from pipefill.kernels.build import CSRC, GLUE_VECTOR_ISA, IsaExtension, build_isa_extension
 from pipefill.kernels import fp8_blocks, huge_pages
 from pipefill.kernels.decode_gemm import call_operands
-from pipefill.kernels.gguf_blocks import (BLOCK_TYPES, from_rows16, row_bytes, rows16_supported,
-                                          rows16_take, supports, to_rows16, type_name)
+from pipefill.kernels.gguf_blocks import (BLOCK_TYPES, ROWS16, from_rows16, row_bytes,
+                                          rows16_supported, rows16_take, supports, to_rows16,
+                                          type_name)
 from pipefill.kernels.prefill_gemm import torch_linear
 
 ISAS = ("avx512", "avx2", "scalar")  # preference order
@@ -96,6 +97,9 @@ _HEADER = CSRC / "quant_gemm_kernel.h"
 _SIMD = CSRC / "quant_gemm_simd.h"  # the AVX2 and AVX-512 paths' kernel
 _FP8_HEADER, _FP8_SIMD = CSRC / "fp8_gemm_kernel.h", CSRC / "fp8_gemm_simd.h"
 _CODE = {torch.float32: 0, torch.bfloat16: 1}
+# rows() dequantizes each id's 16-row group up to this many ids (a decode step's lookups);
+# past it, gathering the ids' own bytes reads 16x less than the groups.
+GROUP_LOOKUP_ROWS = 16
 INT8_PATHS = ("avx512vnni", "avx2")  # the integer path's builds, preference order
 _INT8_CODE = {"avx2": 0, "avx512vnni": 1}
 _INT8_BASE = {"avx512vnni": "avx512", "avx2": "avx2"}  # the float build each one extends
@@ -493,11 +497,34 @@ class QuantLinear:
         if len(self.parts) != 1:
             raise ValueError("rows: only a layer of one part (one block type) looks rows up")
         p, flat = self.parts[0], ids.reshape(-1).long()
+        if p.rows16 and len(flat) <= GROUP_LOOKUP_ROWS and self.isa != "torch" \
+                and dtype in _CODE:
+            return self._rows_by_group(p, flat, dtype).reshape(*ids.shape, self.in_features)
         raw = rows16_take(p.raw, p.qtype, flat) if p.rows16 else p.raw.index_select(0, flat)
         picked = QuantPart(raw, p.qtype, 0, p.scale,
                            None if p.scale_row is None else p.scale_row.index_select(0, flat))
         one = QuantLinear([picked], self.in_features, None, self.isa, 0, self.int8)
         return one.dequantize(dtype).reshape(*ids.shape, self.in_features)
+
+    def _rows_by_group(self, p: QuantPart, flat: torch.Tensor, dtype: torch.dtype
+                       ) -> torch.Tensor:
+        """rows() of a few ids in the 16-row layout: each id's group of 16 rows dequantized
+        by the kernel (the same values dequantize gives its row), one C call an id, where
+        gathering the fields took a dozen torch calls a step (a decode step looks up one)."""
+        out = torch.empty(len(flat), self.in_features, dtype=dtype)
+        group = torch.empty(ROWS16, self.in_features, dtype=dtype)
+        row_bytes = p.raw.shape[1]
+        for i, row in enumerate(flat.tolist()):
+            if not 0 <= row < p.rows16:
+                raise IndexError(f"rows: id {row} is out of range for {p.rows16} rows")
+            rc = _EXT.module.pf_qg_dequant(
+                _ISA_CODE[self.isa], p.raw.data_ptr() + row // ROWS16 * ROWS16 * row_bytes,
+                p.qtype, row_bytes, ROWS16, self.in_features, group.data_ptr(), _CODE[dtype],
+                group.stride(0), True)
+            if rc:
+                raise RuntimeError(f"pipefill dequantize ({self.types}) failed (rc={rc})")
+            out[i] = group[row % ROWS16]
+        return out
 
     def torch_decode(self, x: torch.Tensor) -> torch.Tensor:
         """The kernels' arithmetic on torch: float32 weights and activations, float32 sums."""

@@ -267,9 +267,14 @@ def test_rows16_layer_keeps_the_files_weights():
         held = linear("avx512vnni", [(raw_t, qtype)], k)
         row_major = linear("avx512vnni", [(raw_t, qtype)], k, rows16=False)
         ids = torch.tensor([[36, 0, 21], [21, 5, 16]])  # an embedding lookup on the layout
+        many = torch.arange(37).flip(0).repeat(2)  # past GROUP_LOOKUP_ROWS: the ids' own bytes
+        assert len(ids.view(-1)) <= qg.GROUP_LOOKUP_ROWS < len(many)
         for dtype in (torch.float32, torch.bfloat16):
             assert torch.equal(held.dequantize(dtype), row_major.dequantize(dtype)), qtype
             assert torch.equal(held.rows(ids, dtype), row_major.dequantize(dtype)[ids]), qtype
+            assert torch.equal(held.rows(many, dtype), row_major.dequantize(dtype)[many])
+        with pytest.raises(IndexError, match="out of range"):
+            held.rows(torch.tensor([37]), torch.float32)
     order = torch.randperm(37, generator=torch.Generator().manual_seed(0))
     moved = lin.take_rows(order)
     assert moved.parts[0].rows16 == 37

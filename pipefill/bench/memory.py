@@ -23,11 +23,11 @@ from __future__ import annotations
 import torch
 
 from pipefill.base.platform import resolve_dtype, usable_cpu_flags
-from pipefill.chunking.startup import first_chunk_size
 from pipefill.config import Kernels, Layout, ServerArgs
 from pipefill.kernels import decode_gemm
 from pipefill.kernels.gguf_blocks import BLOCK_TYPES, row_bytes, supports
 from pipefill.kv.cache import frees_window_pages
+from pipefill.kv.window import held_window_pages
 from pipefill.model.attention import resolve_kv_dtype
 from pipefill.model.auto_weights import AutoFacts
 from pipefill.model.config import ModelConfig
@@ -133,10 +133,7 @@ def stage_needs(args: ServerArgs, cfg: ModelConfig, prompt_tokens: int,
     kv_dtype = resolve_kv_dtype(args.cache.kv_cache_dtype, dtype)
     weight_dtype = resolve_weight_dtype(kernels.weight_dtype, dtype)
     packed = packs_decode_weights(layout, kernels)
-    # Window layers that free their pages hold the window before the chunk being computed
-    # and the chunk (every page of a chunk has a window page of its own: kv/window.py).
-    held = (cfg.sliding_window + first_chunk_size(args)
-            if frees_window_pages(args, cfg.has_windows) else None)
+    frees = frees_window_pages(args, cfg.has_windows)
     rows = []
     for rank, layers in enumerate(layout.ranges):
         first, last = rank == 0, rank == layout.pp_size - 1
@@ -145,7 +142,7 @@ def stage_needs(args: ServerArgs, cfg: ModelConfig, prompt_tokens: int,
                "weights": stage_weight_bytes(cfg, len(layers), first, last, dtype),
                "packed": stage_packed_bytes(cfg, len(layers), last, weight_dtype)
                if packed else 0,
-               "kv_prompt": prompt_kv_bytes(specs, prompt_tokens, page_size, held),
+               "kv_prompt": prompt_kv_bytes(specs, prompt_tokens, page_size, frees),
                "kv_pool": pool_tokens * sum(s.bytes_per_token for s in specs)}
         if source is not None and (source.gguf is not None or source.fp8):
             keeps, row["blocks_why"], facts = stage_keeps_blocks(
@@ -164,17 +161,16 @@ def stage_needs(args: ServerArgs, cfg: ModelConfig, prompt_tokens: int,
 
 
 def prompt_kv_bytes(specs, prompt_tokens: int, page_size: int,
-                    window_held: int | None = None) -> int:
+                    frees_windows: bool = False) -> int:
     """KV bytes of a prompt's pages over layers of these specs: every token's in a global
-    layer; in a sliding-window layer whose pages are freed outside the window, the pages of at
-    most `window_held` tokens (the window before a chunk and the chunk) and
-    three more (ARCHITECTURE.md, 'Window pages')."""
+    layer; in a sliding-window layer whose pages are freed outside the window (frees_windows),
+    the most its ring and the prompt's last window hold (ARCHITECTURE.md, 'Window pages')."""
     pages = -(-prompt_tokens // page_size)
     total = 0
     for spec in specs:
         held = pages
-        if spec.window is not None and window_held is not None:
-            held = min(pages, -(-window_held // page_size) + 3)
+        if spec.window is not None and frees_windows:
+            held = held_window_pages(prompt_tokens, page_size, spec.window)
         total += held * page_size * spec.bytes_per_token
     return total
 

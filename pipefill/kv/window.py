@@ -50,6 +50,14 @@ def ring_pages(page_size: int, window: int) -> int:
     return piece_pages(page_size, window) + -(-(window - 1) // page_size)
 
 
+def held_window_pages(prompt_len: int, page_size: int, window: int) -> int:
+    """The most window pages a request of `prompt_len` tokens holds, whatever its chunks: its
+    ring, and the window before its prompt's last cacheable page boundary, which stays for the
+    prefix cache (a ring never takes those pages over); never more than its pages."""
+    kept = window_before((prompt_len - 1) // page_size, page_size, window)
+    return min(-(-prompt_len // page_size), ring_pages(page_size, window) + len(kept))
+
+
 @dataclass
 class Slide:
     """What WindowPages.slide decided for a chunk: the window pages allocated (`new`) and the

@@ -113,9 +113,9 @@ def test_kv_bytes_count_whole_pages_of_each_stage_layers(tmp_path):
 
 def test_kv_bytes_of_window_layers_count_what_they_hold(tmp_path):
     """Gemma 3's local layers free their pages outside the window (ARCHITECTURE.md, 'Window
-    pages'): a prompt's KV is its global layer's pages and, per local layer, the window
-    before a chunk and the chunk (three pages more), under PD (tcp, mooncake,
-    TP ranks) and the storage tier too."""
+    pages'): a prompt's KV is its global layer's pages and, per local layer, its ring (a
+    window and a piece) and the window the prefix cache keeps, whatever the chunk size, under
+    PD (tcp, mooncake, TP ranks) and the storage tier too."""
     from pipefill.model.families.gemma3 import GEMMA3
     cfg = GEMMA3.config_from_hf(dict(
         vocab_size=512, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
@@ -125,8 +125,13 @@ def test_kv_bytes_of_window_layers_count_what_they_hold(tmp_path):
     kw = dict(dtype="float32", page_size=4, chunked_prefill_size=64)
     args = resolve(make_server_args(str(tmp_path), **kw), cfg)
     needs = stage_needs(args, cfg, prompt_tokens=400, pool_tokens=1024)
-    window_pages = -(-(20 + 64) // 4) + 3  # the window, a chunk of 64
+    # The ring: a piece (a quarter window, a page at least: 1) and ceil(19 / 4) = 5 pages; the
+    # window before page boundary 99 (token 396): tokens 377-395, pages 94-98.
+    window_pages = (1 + 5) + 5
     assert needs[0]["kv_prompt"] == (100 + 3 * window_pages) * per_layer_page
+    assert needs == stage_needs(args.replace(chunked_prefill_size=16), cfg, 400, 1024)
+    short = stage_needs(args, cfg, prompt_tokens=12, pool_tokens=1024)  # 3 pages, all held
+    assert short[0]["kv_prompt"] == 4 * 3 * per_layer_page
     pd = resolve(make_server_args(str(tmp_path), disaggregation_mode="prefill",
                                   disaggregation_insecure=True, **kw), cfg)
     assert stage_needs(pd, cfg, 400, 1024)[0]["kv_prompt"] == needs[0]["kv_prompt"]

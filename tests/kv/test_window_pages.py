@@ -13,8 +13,9 @@ from pipefill.kv.host import HostDirector, HostTier
 from pipefill.kv.pool import CACHE_OWNER, PageOwners, PagePool
 from pipefill.kv.radix import RadixCache
 from pipefill.kv.tiers import StageKV
-from pipefill.kv.window import (NO_PAGE, WindowPages, covered_pages, keep_from, piece_pages,
-                                 received_window, ring_pages, window_before)
+from pipefill.kv.window import (NO_PAGE, WindowPages, covered_pages, held_window_pages,
+                                 keep_from, piece_pages, received_window, ring_pages,
+                                 window_before)
 from pipefill.scheduler.scheduler import Scheduler, SchedulerConfig
 
 PAGE, WINDOW, CHUNK = 4, 10, 8
@@ -64,6 +65,15 @@ def live_bound(prompt_len: int) -> int:
     and the window before its prompt's last cacheable boundary."""
     prompt_window = window_before((prompt_len - 1) // PAGE, PAGE, WINDOW)
     return RING + len(prompt_window)
+
+
+def test_held_window_pages_is_the_live_bound_or_the_prompt():
+    """What the memory estimate counts (bench/memory.py): the bound these tests hold the pool
+    to, or the prompt's own pages where it has fewer."""
+    for prompt_len in (1, PAGE, PAGE + 1, WINDOW, 3 * WINDOW + 1, 6 * WINDOW, 200):
+        pages = -(-prompt_len // PAGE)
+        assert held_window_pages(prompt_len, PAGE, WINDOW) == min(pages, live_bound(prompt_len))
+    assert held_window_pages(6 * WINDOW, PAGE, WINDOW) < 6 * WINDOW // PAGE
 
 
 def test_the_ring_is_a_window_and_a_piece():

@@ -158,7 +158,8 @@ def chunk_attention(isa: str, q: torch.Tensor, k_cache: torch.Tensor, v_cache: t
 
     kv_split (split KV, for decode and small chunks that fit one q-tile): 0 = auto (parts of
     DECODE_KV_PART keys once the context exceeds two parts, so every thread works on one
-    sequence), < 0 = never,
+    sequence; a cache of one KV head, a single work item unsplit, in two halves from 257 keys
+    on, up to parts of DECODE_KV_PART), < 0 = never,
     > 0 = keys per part (a multiple of 64). The parts are fixed by the lengths, never by the
     thread count, and merged in order: results are bit-identical at any thread count."""
     if isa not in ISA_ID:
@@ -222,10 +223,11 @@ def decode_attention(isa: str, q: torch.Tensor, k_new: torch.Tensor, v_new: torc
     return out
 
 
-def decode_parts(lens: torch.Tensor) -> torch.Tensor:
+def decode_parts(lens: torch.Tensor, kv_heads: int) -> torch.Tensor:
     """The split-KV parts of each sequence's decode step (int64 [B], 1 = not split) for prefix
-    lengths `lens` (int64 [B]), as decode_attention cuts them."""
-    return _load().decode_parts(lens)
+    lengths `lens` (int64 [B]) over a layer (cache) of `kv_heads` KV heads, as
+    decode_attention cuts them (one KV head is halved early: chunk_attention's kv_split)."""
+    return _load().decode_parts(lens, int(kv_heads))
 
 
 def built_kv_part() -> int:

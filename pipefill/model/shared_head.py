@@ -35,8 +35,9 @@ from pipefill.kernels.cpu_attention import DECODE_KV_PART
 # (more than 3,072 keys) it pays.
 MIN_PARTS = 4
 # The fewest keys (prefix + 1) a sequence needs for MIN_PARTS of the kernel's split parts (a
-# step over more than two parts of DECODE_KV_PART keys is cut into them), for the planner, which
-# runs no kernel.
+# step over more than two parts of DECODE_KV_PART keys is cut into them; a rank of one KV head,
+# whose halves stop at two such parts, gets the same count), for the planner, which runs no
+# kernel.
 MIN_KEYS = max(2, MIN_PARTS - 1) * DECODE_KV_PART + 1
 
 
@@ -82,7 +83,7 @@ class SharedHeadDecode:
     def plan(self, lens: torch.Tensor) -> StepSplit | None:
         """This step's split from its prefix lengths (int64 [B]); None: the plain path."""
         from pipefill.kernels.cpu_attention import decode_parts
-        parts = decode_parts(lens)
+        parts = decode_parts(lens, self.model.cfg.num_kv_heads)
         if int(parts.min()) < MIN_PARTS:
             return None
         first = parts // 2  # rank 0 the earlier half, rank 1 the later one and the new token

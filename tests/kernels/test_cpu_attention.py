@@ -384,9 +384,11 @@ def _per_sequence(isa, q, k, v, kc, vc, tables, lens, scale):
 
 
 @pytest.mark.parametrize("isa,q_dtype,kv_dtype", COMBOS)
-@pytest.mark.parametrize("G,hkv,D", [(3, 2, 64), (1, 2, 128)])
+@pytest.mark.parametrize("G,hkv,D", [(3, 2, 64), (1, 2, 128), (4, 1, 256)])
 def test_batched_decode_equals_per_sequence_bit_for_bit(isa, q_dtype, kv_dtype, G, hkv, D):
-    lens = DECODE_LENS if D == 64 else DECODE_LENS[:4]
+    """Also Gemma 3 270M's shape: one KV head, whose steps are halved from 257 keys on (two
+    items: each thread takes one)."""
+    lens = DECODE_LENS if D == 64 else DECODE_LENS[:4] if hkv > 1 else [100, 0, 300, 517, 2100]
     q, k, v, kc, vc, tables = _decode_setup(lens, G, hkv, D, 64, kv_dtype, q_dtype)
     scale = D ** -0.5
     kc_ref, vc_ref = kc.clone(), vc.clone()
@@ -404,7 +406,8 @@ def test_batched_decode_equals_per_sequence_bit_for_bit(isa, q_dtype, kv_dtype, 
     finally:
         torch.set_num_threads(saved)
     # the long sequences did take the split path: unsplit attention differs in the last bits
-    splits = [b for b, L in enumerate(lens) if L + 1 > 2048]
+    splits = [b for b, L in enumerate(lens) if L + 1 > (256 if hkv == 1 else 2048)]
+    assert splits
     whole = [ca.chunk_attention(isa, q[b:b + 1], kc_ref, vc_ref, tables[b], lens[b], scale,
                                 kv_split=-1) for b in splits]
     assert q_dtype == torch.bfloat16 or any(

@@ -46,7 +46,7 @@ def _cache(lens, dtype, seed=0):
 def _split_decode(q, k, v, kc, vc, tables, lens):
     """The two ranks' decode steps, their partials gathered (stacked here) and merged."""
     step = ca.decode_tables(tables, lens)
-    parts = ca.decode_parts(step[1])
+    parts = ca.decode_parts(step[1], 2)  # each rank's cache holds 2 KV heads
     first = parts // 2  # rank 0 takes parts [0, first), rank 1 the rest
     counts = torch.stack([first, parts - first])
     slots = int(counts.max())
@@ -86,7 +86,11 @@ def test_split_parts_follow_the_one_part_size():
     part = ca.DECODE_KV_PART
     assert ca.built_kv_part() == part
     keys = torch.tensor([1, 2 * part, 2 * part + 1, 3 * part, 3 * part + 1, 7 * part])
-    assert ca.decode_parts(keys - 1).tolist() == [1, 1, 3, 3, 4, 7]
+    assert ca.decode_parts(keys - 1, 2).tolist() == [1, 1, 3, 3, 4, 7]
+    # One KV head (one work item unsplit): halves of whole 64-key steps from 257 keys on, up
+    # to the same parts past 2 * part keys.
+    keys = torch.tensor([256, 257, 512, 2 * part, 2 * part + 1, 3 * part + 1])
+    assert ca.decode_parts(keys - 1, 1).tolist() == [1, 2, 2, 2, 3, 4]
 
 
 def test_bad_shared_arguments_are_sentences():

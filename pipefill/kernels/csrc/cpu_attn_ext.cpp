@@ -96,13 +96,25 @@ void write_kv(torch::Tensor kc, torch::Tensor vc, torch::Tensor k, torch::Tensor
 constexpr int64_t kAutoKvPart = PF_ATTN_KV_PART;
 static_assert(kAutoKvPart > 0 && kAutoKvPart % pa::kStep == 0, "the split part: whole kernel steps");
 
-// kv_split: 0 auto (parts of kAutoKvPart keys when one q-tile sees more than two parts), < 0 never,
-// > 0 keys per part (a multiple of the kernel step). -> keys per part, 0 for no split.
-int64_t choose_kv_part(int64_t kv_split, int64_t C, int64_t qtile, int64_t keys) {
+// A decode step over a layer of one KV head is a single work item per sequence: unsplit, one
+// thread reads all its keys while the others wait (Gemma 3 270M at batch 1). Such a step is cut
+// in two halves of whole kernel steps once it sees more than this many keys, up to parts of
+// kAutoKvPart. The rule reads the lengths and the layer's shape only, never the batch or the
+// thread count, so a sequence's bits stay its own.
+constexpr int64_t kOneHeadHalvesFrom = 4 * pa::kStep;
+
+// kv_split: 0 auto (parts of kAutoKvPart keys when one q-tile sees more than two parts; halves
+// first for one KV head, above), < 0 never, > 0 keys per part (a multiple of the kernel step).
+// -> keys per part, 0 for no split.
+int64_t choose_kv_part(int64_t kv_split, int64_t C, int64_t qtile, int64_t keys, int64_t kv_heads) {
   if (kv_split < 0 || C > qtile) return 0;
   if (kv_split > 0) {
     TORCH_CHECK(kv_split % pa::kStep == 0, "kv_split must be a multiple of ", pa::kStep, ", got ", kv_split);
     return kv_split < keys ? kv_split : 0;
+  }
+  if (kv_heads == 1 && keys > kOneHeadHalvesFrom) {
+    const int64_t half = ((keys + 1) / 2 + pa::kStep - 1) / pa::kStep * pa::kStep;
+    return half < kAutoKvPart ? half : kAutoKvPart;
   }
   return keys > 2 * kAutoKvPart ? kAutoKvPart : 0;
 }
@@ -112,7 +124,7 @@ int64_t choose_kv_part(int64_t kv_split, int64_t C, int64_t qtile, int64_t keys)
 void split_kv(pa::Params& p, int64_t kv_split) {
   p.kv_begin = pa::window_group(p.window, p.L);
   const int64_t keys = p.L + p.C - p.kv_begin;
-  p.kv_part = choose_kv_part(kv_split, p.C, p.qtile, keys);
+  p.kv_part = choose_kv_part(kv_split, p.C, p.qtile, keys, p.num_kv_heads);
   p.nparts = p.kv_part ? (keys + p.kv_part - 1) / p.kv_part : 1;
 }
 
@@ -678,15 +690,17 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("merge_gathered", &merge_gathered, "a shared kv head's parts from every rank, merged into out",
         py::arg("gathered"), py::arg("counts"), py::arg("out"), py::arg("first"),
         py::call_guard<py::gil_scoped_release>());
-  m.def("decode_parts", [](torch::Tensor lens) {
+  m.def("decode_parts", [](torch::Tensor lens, int64_t kv_heads) {
     TORCH_CHECK(lens.scalar_type() == torch::kLong && lens.dim() == 1 && lens.is_contiguous(),
                 "prefix_lens: expected a contiguous int64 [B]");
+    TORCH_CHECK(kv_heads > 0, "kv_heads must be positive, got ", kv_heads);
     torch::Tensor out = torch::empty_like(lens);
     for (int64_t b = 0; b < lens.size(0); ++b) {
-      const int64_t keys = lens.data_ptr<int64_t>()[b] + 1, part = choose_kv_part(0, 1, 1, keys);
+      const int64_t keys = lens.data_ptr<int64_t>()[b] + 1, part = choose_kv_part(0, 1, 1, keys, kv_heads);
       out.data_ptr<int64_t>()[b] = part ? (keys + part - 1) / part : 1;
     }
     return out;
-  }, "the split-KV parts of each sequence's decode step (its prefix length + 1 keys)", py::arg("prefix_lens"));
+  }, "the split-KV parts of each sequence's decode step (its prefix length + 1 keys) over a layer of kv_heads KV heads",
+        py::arg("prefix_lens"), py::arg("kv_heads"));
   m.def("auto_kv_part", [] { return kAutoKvPart; }, "the keys of a decode step's split part");
 }

@@ -185,11 +185,19 @@ void pull_items(int64_t n, const Setup& setup, const Run& run) {
 // pull_items with a one-item lookahead: a task claims its next item before running the current
 // one, and run(item, next, state) gets it (-1: none left), so that the kernel can prefetch the
 // next item's first data while it computes. The counter still hands items out in order; a task
-// holds at most one claimed item more than pull_items would.
+// holds at most one claimed item more than pull_items would. With no more items than tasks
+// there is nothing to look ahead to, and a claim ahead would be harmful: the first task to
+// start would take two items before the others woke (one KV head's two halves on two threads
+// ran on one).
 template <typename Setup, typename Run>
 void pull_items_ahead(int64_t n, const Setup& setup, const Run& run) {
+  const int64_t tasks = std::min<int64_t>(at::get_num_threads(), n);
+  if (n <= tasks) {
+    pull_items(n, setup, [&](int64_t i, const auto& state) { run(i, -1, state); });
+    return;
+  }
   std::atomic<int64_t> next{0};
-  at::parallel_for(0, std::min<int64_t>(at::get_num_threads(), n), 1, [&](int64_t, int64_t) {
+  at::parallel_for(0, tasks, 1, [&](int64_t, int64_t) {
     const auto state = setup();
     for (int64_t i = next.fetch_add(1, std::memory_order_relaxed); i < n;) {
       const int64_t j = next.fetch_add(1, std::memory_order_relaxed);

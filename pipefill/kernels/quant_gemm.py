@@ -475,20 +475,26 @@ class QuantLinear:
             rows = w[p.offset:p.offset + p.rows]
             if self.isa == "torch" or dtype not in _CODE:
                 rows.copy_(_torch_dequantize(p))
-                continue
-            if p.scale is not None:
-                rc = _EXT.module.pf_qg_fp8_dequant(
-                    _ISA_CODE[self.isa], p.raw.data_ptr(), p.scale.data_ptr(),
-                    p.scale_row.data_ptr(), p.scale.shape[1], p.rows, self.in_features,
-                    rows.data_ptr(), _CODE[dtype], rows.stride(0))
             else:
-                rc = _EXT.module.pf_qg_dequant(_ISA_CODE[self.isa], p.raw.data_ptr(), p.qtype,
-                                               p.raw.shape[1], p.rows, self.in_features,
-                                               rows.data_ptr(), _CODE[dtype], rows.stride(0),
-                                               bool(p.rows16))
-            if rc:
-                raise RuntimeError(f"pipefill dequantize ({self.types}) failed (rc={rc})")
+                self._dequantize_into(p, rows)
         return w
+
+    def _dequantize_into(self, p: QuantPart, out: torch.Tensor, first: int = 0) -> None:
+        """Rows [first, first + len(out)) of part p dequantized by the kernel into out
+        (float32 or bf16 rows); in the 16-row layout `first` starts a group."""
+        n, code, row_bytes = out.shape[0], _CODE[out.dtype], p.raw.shape[1]
+        raw = p.raw.data_ptr() + first * row_bytes
+        if p.scale is not None:
+            rc = _EXT.module.pf_qg_fp8_dequant(
+                _ISA_CODE[self.isa], raw, p.scale.data_ptr(),
+                p.scale_row.data_ptr() + first * p.scale_row.element_size(), p.scale.shape[1],
+                n, self.in_features, out.data_ptr(), code, out.stride(0))
+        else:
+            rc = _EXT.module.pf_qg_dequant(_ISA_CODE[self.isa], raw, p.qtype, row_bytes, n,
+                                           self.in_features, out.data_ptr(), code,
+                                           out.stride(0), bool(p.rows16))
+        if rc:
+            raise RuntimeError(f"pipefill dequantize ({self.types}) failed (rc={rc})")
 
     def rows(self, ids: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
         """Rows `ids` of the plain matrix, dequantized as dequantize(dtype) gives them, from
@@ -513,16 +519,10 @@ class QuantLinear:
         gathering the fields took a dozen torch calls a step (a decode step looks up one)."""
         out = torch.empty(len(flat), self.in_features, dtype=dtype)
         group = torch.empty(ROWS16, self.in_features, dtype=dtype)
-        row_bytes = p.raw.shape[1]
         for i, row in enumerate(flat.tolist()):
             if not 0 <= row < p.rows16:
                 raise IndexError(f"rows: id {row} is out of range for {p.rows16} rows")
-            rc = _EXT.module.pf_qg_dequant(
-                _ISA_CODE[self.isa], p.raw.data_ptr() + row // ROWS16 * ROWS16 * row_bytes,
-                p.qtype, row_bytes, ROWS16, self.in_features, group.data_ptr(), _CODE[dtype],
-                group.stride(0), True)
-            if rc:
-                raise RuntimeError(f"pipefill dequantize ({self.types}) failed (rc={rc})")
+            self._dequantize_into(p, group, first=row // ROWS16 * ROWS16)
             out[i] = group[row % ROWS16]
         return out
 

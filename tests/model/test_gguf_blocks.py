@@ -214,31 +214,22 @@ def k_quant_gguf(path, hidden=256, inter=512, layers=2, vocab=512, heads=4, kv_h
     return str(path)
 
 
-def greedy_on_stage(ex, prompt: list[int], n: int) -> tuple[list[int], torch.Tensor]:
+def greedy_on_stage(ex, prompt: list[int], n: int, margins: list | None = None
+                    ) -> tuple[list[int], torch.Tensor]:
     """The prompt (one chunk: more rows than --decode-gemm-max-rows, prefill's path), then n
-    decode steps of one row -> (tokens, the last step's logits)."""
+    decode steps of one row -> (tokens, the last step's logits); each step's margin (its top
+    two log-probabilities apart) appended to `margins` where given."""
     table = [list(range(-(-(len(prompt) + n) // PAGE)))]
     with torch.inference_mode():
         logits = _step(ex, {0: prompt}, table, [0])[0]
         tokens = []
         for s in range(n):
             tokens.append(int(logits.argmax()))
+            if margins is not None:
+                top = torch.log_softmax(logits.float().view(-1), -1).topk(2).values
+                margins.append(float(top[0] - top[1]))
             logits = _step(ex, {0: tokens[-1:]}, table, [len(prompt) + s])[0]
     return tokens, logits
-
-
-def greedy_margins_on_stage(ex, prompt: list[int], n: int) -> tuple[list[int], list[float]]:
-    """greedy_on_stage's tokens with each step's margin (top two log-probabilities apart)."""
-    table = [list(range(-(-(len(prompt) + n) // PAGE)))]
-    with torch.inference_mode():
-        logits = _step(ex, {0: prompt}, table, [0])[0]
-        tokens, margins = [], []
-        for s in range(n):
-            top = torch.log_softmax(logits.float().view(-1), -1).topk(2).values
-            tokens.append(int(logits.argmax()))
-            margins.append(float(top[0] - top[1]))
-            logits = _step(ex, {0: tokens[-1:]}, table, [len(prompt) + s])[0]
-    return tokens, margins
 
 
 # The tiny K-type model's last logits, integer path against dequantized: 0.17 measured.
@@ -295,6 +286,7 @@ def test_gemma3_q4_k_m_blocks_give_the_dequantized_tokens():
         "Q5_0", "Q4_K", "Q6_K", "Q5_0+Q8_0"}
     del quant
     dense = single_stage(path, "float32", page_size=PAGE, source=source)
-    ref, margins = greedy_margins_on_stage(dense, ids, 32)
+    margins = []
+    ref = greedy_on_stage(dense, ids, 32, margins)[0]
     assert_greedy_agrees(ours, ref, margins)
     assert ours[:11] == ref[:11]  # the first near tie (above) is the 12th token
